@@ -1,0 +1,93 @@
+"""Orbax checkpoints of the train state: periodic, asynchronous, keep-last-N, atomic.
+
+Each checkpoint is ``<out>/checkpoints/<step>/`` with two items: ``state`` (the sharded train
+state) and ``meta`` (JSON: the resolved config and the data position). Orbax writes a step into
+a temporary directory and renames it only once every file is on disk, so a crash mid-save
+leaves at most an unfinished temporary directory, which is ignored and cleaned up on the next
+start; ``latest_step`` only ever names finished checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from moe_train.config import Config, ConfigError, to_dict
+
+# Config fields that change the shapes or meaning of the saved state.
+STRUCTURAL = {
+    "model": None,  # every model field
+    "moe": ("num_experts", "expert_ffn", "num_shared_experts", "shared_ffn"),
+}
+
+
+def structure(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for section, keys in STRUCTURAL.items():
+        values = cfg_dict.get(section, {})
+        for key in keys or values:
+            out[f"{section}.{key}"] = values.get(key)
+    return out
+
+
+def check_compatible(saved_cfg: dict[str, Any], cfg: Config, directory: Path) -> None:
+    """Raise ConfigError when a checkpoint's structure differs from this run's config."""
+    saved, now = structure(saved_cfg), structure(to_dict(cfg))
+    diffs = [f"{k}={saved[k]!r} (checkpoint) vs {now[k]!r} (this run)"
+             for k in now if saved.get(k) != now[k]]
+    if diffs:
+        raise ConfigError(f"checkpoint in {directory} is incompatible with this config: "
+                          f"{'; '.join(diffs)}; use another --out or the checkpoint's config")
+
+
+class Checkpointer:
+    """Thin wrapper over ``ocp.CheckpointManager`` with the kit's layout and policy."""
+
+    def __init__(self, out_dir: Path, keep: int, use_async: bool):
+        self.directory = Path(out_dir).absolute() / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=use_async, create=True,
+            cleanup_tmp_directories=True)
+        self._mngr = ocp.CheckpointManager(self.directory, options=options,
+                                           item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self._mngr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._mngr.all_steps())
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        restored = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return restored["meta"]
+
+    def restore(self, step: int, template: Any) -> Any:
+        """Restore the state at ``step`` with the shapes, dtypes and shardings of ``template``."""
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
+        restored = self._mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract)))
+        return restored["state"]
+
+    def restore_saved(self, step: int) -> Any:
+        """Restore the state at ``step`` as saved (host arrays), for inspection."""
+        restored = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        return restored["state"]
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        """Start saving; with async checkpointing the files are written in the background.
+
+        Device buffers are copied before this returns, so the caller may donate ``state``.
+        """
+        self._mngr.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+
+    def wait(self) -> None:
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()

@@ -1,0 +1,97 @@
+"""Per-step metrics: the JSONL record, the progress line and the end-of-run summary.
+
+``<out>/metrics.jsonl`` gets one JSON object per step. Throughput uses
+``moe_train.flops.train_flops_per_token`` (active experts only); MFU divides by the device's
+dense peak from ``topology.peaks`` and is null where that peak is unknown (CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def load_stats(tokens_per_expert_LE: np.ndarray) -> dict[str, Any]:
+    """Per-layer loads and the worst max/mean load ratio over MoE layers."""
+    loads = np.asarray(tokens_per_expert_LE)
+    if loads.size == 0:
+        return {"tokens_per_expert": [], "max_over_mean_load": None}
+    ratio = loads.max(axis=1) / np.maximum(loads.mean(axis=1), 1e-9)
+    return {"tokens_per_expert": loads.astype(int).tolist(),
+            "max_over_mean_load": float(ratio.max())}
+
+
+def step_record(step: int, raw: dict[str, Any], *, step_time_s: float, tokens: int,
+                flops_per_token: float, devices: int, peak_flops: float | None,
+                compilations: int) -> dict[str, Any]:
+    """The JSON-ready metrics of one step from the step's device outputs (already on host)."""
+    tokens_per_s = tokens / step_time_s if step_time_s > 0 else float("nan")
+    tflops = flops_per_token * tokens_per_s / devices / 1e12
+    rec = {"step": step}
+    for key in ("loss", "total_loss", "aux_loss", "seq_aux_loss", "z_loss", "grad_norm", "lr"):
+        rec[key] = float(raw[key])
+    rec.update(step_time_s=step_time_s, tokens_per_s=tokens_per_s, tflops_per_device=tflops,
+               mfu=(tflops * 1e12 / peak_flops) if peak_flops else None)
+    rec.update(load_stats(raw["tokens_per_expert"]))
+    rec.update(dropped_tokens=int(raw["dropped_tokens"]), compilations=compilations)
+    return rec
+
+
+def progress_line(rec: dict[str, Any], total_steps: int) -> str:
+    load = rec["max_over_mean_load"]
+    width = len(str(total_steps))
+    return (f"step {rec['step']:>{width}}/{total_steps} | loss {rec['loss']:.4f} "
+            f"| aux {rec['aux_loss']:.3f} | {rec['tokens_per_s']:>9,.0f} tok/s "
+            f"| load max/mean {load if load is None else f'{load:.2f}'} "
+            f"| {rec['step_time_s'] * 1e3:7.1f} ms")
+
+
+class MetricsWriter:
+    """Appends one JSON line per step; a resumed run appends to the same file."""
+
+    def __init__(self, path: Path, start_step: int):
+        self.path = path
+        self._drop_after(start_step)
+        self._f = path.open("a")
+
+    def _drop_after(self, start_step: int) -> None:
+        """Forget records of steps a crashed run did past its last checkpoint."""
+        if not self.path.exists():
+            return
+        keep = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= start_step]
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self._f.write(json.dumps(rec, allow_nan=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def summary(records: list[dict[str, Any]], *, first_step: int, description: str,
+            out_dir: Path, status: str) -> str:
+    """One paragraph on the run: loss change, throughput after compilation, balance."""
+    if not records:
+        return f"No steps ran ({status}). Run directory: {out_dir}."
+    first, last = records[0], records[-1]
+    steady = records[1:] or records
+    tok_s = float(np.median([r["tokens_per_s"] for r in steady]))
+    loads = [r["max_over_mean_load"] for r in steady if r["max_over_mean_load"] is not None]
+    fall = 100.0 * (first["loss"] - last["loss"]) / first["loss"] if first["loss"] else math.nan
+    mfu = last["mfu"]
+    return (f"Trained steps {first_step + 1}-{last['step']} of {description} ({status}). "
+            f"Loss went from {first['loss']:.4f} to {last['loss']:.4f} ({fall:.1f}% {'lower' if fall >= 0 else 'HIGHER'}); "
+            f"median throughput after the first step {tok_s:,.0f} tokens/s "
+            f"({last['tflops_per_device']:.3g} TFLOP/s per device"
+            f"{'' if mfu is None else f', MFU {100 * mfu:.1f}%'}); "
+            f"expert load max/mean {np.mean(loads) if loads else float('nan'):.2f} on average, "
+            f"{sum(r['dropped_tokens'] for r in records)} tokens dropped; "
+            f"the step compiled {last['compilations']} time(s). "
+            f"Metrics: {out_dir / 'metrics.jsonl'}; config: {out_dir / 'config.json'}; "
+            f"checkpoints: {out_dir / 'checkpoints'}.")

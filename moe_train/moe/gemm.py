@@ -1,0 +1,214 @@
+"""Grouped GEMM backends for the SwiGLU experts, and backend selection.
+
+Shape key: R dispatched rows, N = T*K assignments (rows sorted by expert), H hidden,
+F expert ffn, E experts, B tiles, m tile rows (R = B*m in the tiled layout).
+
+Every backend computes, for each row r owned by expert e,
+    y[r] = (silu(x[r] @ wi_0[e]) * (x[r] @ wi_1[e])) @ wo[e]
+with operands in x's dtype, fp32 accumulation and the SwiGLU product in fp32.
+
+- tiled: portable; rows in a tile-padded layout, one expert per tile, batched matmuls
+  with per-tile weights (gathered, so autodiff yields per-expert weight-grad segment sums).
+  It materialises B*H*F weights per matmul: meant for CPU and small models.
+- ragged_dot: jax.lax.ragged_dot on sorted rows (XLA; may run densely on some platforms).
+- mgpu: JAX's Pallas Mosaic-GPU Hopper kernels with a custom VJP (bf16/fp16, sm_90).
+  blackwell_ragged_dot_mgpu is not used: it needs the row count to be a multiple of its
+  tile and has no weight-gradient kernel (the Hopper transposed kernel uses wgmma).
+- te: Transformer Engine's grouped_dense (custom VJP inside TE).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+BACKENDS = ("auto", "tiled", "ragged_dot", "mgpu", "te")
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MGPU_ALIGN = 64  # H and F must be multiples of this (block_k and block_n of the kernels)
+_TE_HINT = ("install Transformer Engine for JAX on a CUDA machine: "
+            "pip install --no-build-isolation 'transformer_engine[jax]'")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested grouped-GEMM backend cannot run on this machine or for these inputs."""
+
+
+# ----------------------------------------------------------------------------- selection
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+@functools.cache
+def _te_import_error() -> str | None:
+    try:
+        import transformer_engine.jax  # noqa: F401
+        from transformer_engine.jax.dense import grouped_dense  # noqa: F401
+    except Exception as err:  # ImportError, or OSError from missing CUDA libraries
+        return f"cannot import transformer_engine.jax ({type(err).__name__}: {err}); {_TE_HINT}"
+    return None
+
+
+@functools.cache
+def _mgpu_import_error() -> str | None:
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: F401
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: F401
+    except Exception as err:
+        return f"cannot import the Pallas Mosaic-GPU kernels ({type(err).__name__}: {err})"
+    return None
+
+
+def _unavailable_reason(name: str, dtype=None, hidden=None, ffn=None) -> str | None:
+    """Why backend `name` cannot run here (None when it can)."""
+    if name in ("tiled", "ragged_dot"):
+        return None
+    if not _on_gpu():
+        return f"needs an NVIDIA GPU, but jax.default_backend() is {jax.default_backend()!r}"
+    if name == "te":
+        return _te_import_error()
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if cc is not None and not str(cc).startswith("9."):
+        return f"the Mosaic-GPU ragged_dot kernels need Hopper (sm_90), found sm_{cc}"
+    if dtype is not None and jnp.dtype(dtype) not in _HALF:
+        return f"needs bfloat16 or float16 activations, got {jnp.dtype(dtype)}"
+    bad = [d for d in (hidden, ffn) if d is not None and d % _MGPU_ALIGN]
+    if bad:
+        return f"hidden and expert ffn must be multiples of {_MGPU_ALIGN}, got {bad}"
+    return _mgpu_import_error()
+
+
+def available_backends(dtype=None, hidden=None, ffn=None) -> tuple[str, ...]:
+    """Concrete backends that can run here for these inputs."""
+    return tuple(b for b in BACKENDS[1:] if _unavailable_reason(b, dtype, hidden, ffn) is None)
+
+
+def resolve_backend(name: str, dtype=None, *, hidden: int | None = None,
+                    ffn: int | None = None) -> str:
+    """Map a backend name to a concrete backend that can run here.
+
+    "auto": CPU (or any non-GPU) -> tiled; GPU with bf16/fp16 -> te if Transformer Engine
+    imports, else mgpu when it fits (Hopper, H and F multiples of 64), else ragged_dot;
+    GPU with fp32 -> ragged_dot.
+    Unknown names raise ValueError; a named backend that cannot run raises
+    BackendUnavailable naming the ones that can.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {name!r}; choose one of {BACKENDS}")
+    if name == "auto":
+        if not _on_gpu():
+            return "tiled"
+        if dtype is not None and jnp.dtype(dtype) not in _HALF:
+            return "ragged_dot"
+        for candidate in ("te", "mgpu"):
+            if _unavailable_reason(candidate, dtype, hidden, ffn) is None:
+                return candidate
+        return "ragged_dot"
+    reason = _unavailable_reason(name, dtype, hidden, ffn)
+    if reason is not None:
+        raise BackendUnavailable(
+            f"MoE backend {name!r} is unavailable: {reason}. "
+            f"Available here: {available_backends(dtype, hidden, ffn)}")
+    return name
+
+
+# ----------------------------------------------------------------------------- tiled
+
+def tiled_swiglu(x_RH: jax.Array, tile_expert_B: jax.Array, wi_0_EHF: jax.Array,
+                 wi_1_EHF: jax.Array, wo_EFH: jax.Array) -> jax.Array:
+    """SwiGLU experts on the tile-padded layout [B*m, H] -> [B*m, H].
+
+    All three matmuls run in tile space; padding rows are zero in and zero out.
+    """
+    R, H = x_RH.shape
+    B = tile_expert_B.shape[0]
+    dtype = x_RH.dtype
+    x_BMH = x_RH.reshape(B, R // B, H)
+    wi_0_BHF = wi_0_EHF.astype(dtype)[tile_expert_B]
+    wi_1_BHF = wi_1_EHF.astype(dtype)[tile_expert_B]
+    wo_BFH = wo_EFH.astype(dtype)[tile_expert_B]
+    a0_BMF = jnp.einsum("bmh,bhf->bmf", x_BMH, wi_0_BHF, preferred_element_type=jnp.float32)
+    a1_BMF = jnp.einsum("bmh,bhf->bmf", x_BMH, wi_1_BHF, preferred_element_type=jnp.float32)
+    h_BMF = (jax.nn.silu(a0_BMF) * a1_BMF).astype(dtype)
+    y_BMH = jnp.einsum("bmf,bfh->bmh", h_BMF, wo_BFH, preferred_element_type=jnp.float32)
+    return y_BMH.astype(dtype).reshape(R, H)
+
+
+# ----------------------------------------------------------------------------- sorted rows
+
+def _ragged_dot(lhs_NK, rhs_EKF, group_sizes_E):
+    return jax.lax.ragged_dot(lhs_NK, rhs_EKF, group_sizes_E,
+                              preferred_element_type=jnp.float32)
+
+
+def _te_gmm(lhs_NK, rhs_EKF, group_sizes_E):
+    from transformer_engine.jax.dense import grouped_dense
+    return grouped_dense(lhs_NK, rhs_EKF, group_sizes_E, contracting_dims=((1,), (1,)))
+
+
+def _mgpu_blocks(n: int) -> int:
+    return 128 if n % 128 == 0 else 64
+
+
+def _mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E, transpose_rhs=False):
+    """Hopper ragged_dot: out[N, F] (or [N, K'] with rhs [E, K', K] when transposed)."""
+    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+    n_out = rhs_EKF.shape[1] if transpose_rhs else rhs_EKF.shape[2]
+    return ragged_dot(lhs_NK, rhs_EKF, group_sizes=group_sizes_E, block_m=128,
+                      block_n=_mgpu_blocks(n_out), block_k=_MGPU_ALIGN,
+                      max_concurrent_steps=4, grid_block_n=1, transpose_rhs=transpose_rhs)
+
+
+@jax.custom_vjp
+def _mgpu_gmm(lhs_NK, rhs_EKF, group_sizes_E):
+    return _mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E)
+
+
+def _mgpu_gmm_fwd(lhs_NK, rhs_EKF, group_sizes_E):
+    return _mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E), (lhs_NK, rhs_EKF, group_sizes_E)
+
+
+def _mgpu_gmm_bwd(res, dy_NF):
+    """dX = dY @ W[e]^T (ragged_dot, transpose_rhs); dW[e] = X_e^T @ dY_e (transposed)."""
+    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import (
+        transposed_ragged_dot)
+    lhs_NK, rhs_EKF, group_sizes_E = res
+    dy_NF = dy_NF.astype(lhs_NK.dtype)
+    dx_NK = _mgpu_forward(dy_NF, rhs_EKF, group_sizes_E, transpose_rhs=True)
+    K, F = rhs_EKF.shape[1:]
+    dw_EKF = transposed_ragged_dot(lhs_NK, dy_NF, group_sizes=group_sizes_E,
+                                   block_m=_mgpu_blocks(K), block_n=_mgpu_blocks(F),
+                                   block_k=_MGPU_ALIGN, max_concurrent_steps=4,
+                                   grid_block_n=1)
+    return dx_NK, dw_EKF.astype(rhs_EKF.dtype), None
+
+
+_mgpu_gmm.defvjp(_mgpu_gmm_fwd, _mgpu_gmm_bwd)
+
+_GMM = {"ragged_dot": _ragged_dot, "mgpu": _mgpu_gmm, "te": _te_gmm}
+
+
+def sorted_swiglu(x_NH: jax.Array, group_sizes_E: jax.Array, wi_0_EHF: jax.Array,
+                  wi_1_EHF: jax.Array, wo_EFH: jax.Array, backend: str) -> jax.Array:
+    """SwiGLU experts on rows sorted by expert with `group_sizes_E` rows each -> [N, H]."""
+    gmm = _GMM[backend]
+    dtype = x_NH.dtype
+    group_sizes_E = group_sizes_E.astype(jnp.int32)
+    a0_NF = gmm(x_NH, wi_0_EHF.astype(dtype), group_sizes_E).astype(jnp.float32)
+    a1_NF = gmm(x_NH, wi_1_EHF.astype(dtype), group_sizes_E).astype(jnp.float32)
+    h_NF = (jax.nn.silu(a0_NF) * a1_NF).astype(dtype)
+    return gmm(h_NF, wo_EFH.astype(dtype), group_sizes_E).astype(dtype)
+
+
+def grouped_swiglu(x_RH: jax.Array, plan, wi_0_EHF: jax.Array, wi_1_EHF: jax.Array,
+                   wo_EFH: jax.Array, backend: str) -> jax.Array:
+    """Dispatch to a concrete backend; `plan` is the permute.Dispatch for x_RH's layout."""
+    if backend == "tiled":
+        if plan.tile_expert_B is None:
+            raise ValueError("the tiled backend needs a plan built with tile_rows")
+        return tiled_swiglu(x_RH, plan.tile_expert_B, wi_0_EHF, wi_1_EHF, wo_EFH)
+    if backend not in _GMM:
+        raise ValueError(f"not a concrete backend: {backend!r}; resolve it first")
+    return sorted_swiglu(x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, backend)

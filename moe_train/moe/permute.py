@@ -1,0 +1,120 @@
+"""Token dispatch (permute) and combine (unpermute) with static shapes.
+
+Shape key: T tokens, H hidden, E experts, K top-k, N = T*K assignments (flat index
+n = t*K + k), m tile rows, B tiles, R dispatched rows (N unpadded, B*m for the tiled layout).
+
+A `Dispatch` plan maps every dispatched row to its source token and every assignment to
+its dispatched row. Rows are sorted by expert (stable, so token order within an expert);
+in the tiled layout each expert's rows start on a tile boundary and the gaps are zero rows.
+Everything is computed on device: no host sync, and no recompilation when routing changes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Dispatch(NamedTuple):
+    """Static-shape routing plan (all int32 except `valid_R`)."""
+
+    token_R: jax.Array  # source token of each dispatched row (0 for padding rows)
+    valid_R: jax.Array  # bool, False for padding rows
+    row_N: jax.Array  # dispatched row of assignment n = t*K + k
+    group_sizes_E: jax.Array  # assignments per expert, sums to N
+    tile_expert_B: jax.Array | None  # expert of each tile (tiled layout only)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def cdiv_array(a: jax.Array, b: int) -> jax.Array:
+    return (a + (b - 1)) // b
+
+
+def tiled_padding(num_assignments: int, num_experts: int, tile_rows: int) -> tuple[int, int]:
+    """(tiles B, padded rows B*m) that the tiled layout executes for N assignments.
+
+    Worst case over all routings. Write g_e = q_e*m + r_e (0 <= r_e < m) and let j be the
+    number of experts with r_e > 0. Expert e uses cdiv(g_e, m) = q_e + [r_e > 0] tiles, so
+    all experts use sum(q_e) + j tiles. If j = 0 that is N/m. If j >= 1 then sum(r_e) >= 1,
+    so cdiv(N, m) = sum(q_e) + cdiv(sum(r_e), m) >= sum(q_e) + 1 and the total is at most
+    cdiv(N, m) - 1 + j <= cdiv(N, m) + E - 1. The bound is reached whenever every expert
+    has a remainder and sum(r_e) <= m, e.g. loads [17, 1, 1, 1] with m = 8 use 3+1+1+1 = 6
+    = cdiv(20, 8) + 4 - 1 tiles. Hence B = cdiv(N, m) + E - 1.
+    """
+    if tile_rows < 1:
+        raise ValueError(f"tile_rows={tile_rows} must be >= 1")
+    tiles = cdiv(num_assignments, tile_rows) + num_experts - 1
+    return tiles, tiles * tile_rows
+
+
+def _exclusive_cumsum(v_E: jax.Array) -> jax.Array:
+    return jnp.cumsum(v_E) - v_E
+
+
+def sort_assignments(experts_TK: jax.Array, num_experts: int):
+    """Stable sort of the flat expert ids.
+
+    Returns (order_N: sorted position -> assignment n, sorted_experts_N, group_sizes_E).
+    """
+    experts_N = experts_TK.reshape(-1).astype(jnp.int32)
+    order_N = jnp.argsort(experts_N, stable=True).astype(jnp.int32)
+    group_sizes_E = jnp.bincount(experts_N, length=num_experts).astype(jnp.int32)
+    return order_N, experts_N[order_N], group_sizes_E
+
+
+def make_dispatch(experts_TK: jax.Array, num_experts: int,
+                  tile_rows: int | None = None) -> Dispatch:
+    """Plan for sorted rows (tile_rows=None, R = N) or the tiled layout (R = B*m)."""
+    T, K = experts_TK.shape
+    N = T * K
+    order_N, sorted_experts_N, group_sizes_E = sort_assignments(experts_TK, num_experts)
+    if tile_rows is None:
+        R, tile_expert_B = N, None
+        dest_N = jnp.arange(N, dtype=jnp.int32)  # sorted position is the row
+    else:
+        B, R = tiled_padding(N, num_experts, tile_rows)
+        group_start_E = _exclusive_cumsum(group_sizes_E)
+        padded_E = cdiv_array(group_sizes_E, tile_rows) * tile_rows
+        padded_start_E = _exclusive_cumsum(padded_E)
+        rank_N = jnp.arange(N, dtype=jnp.int32) - group_start_E[sorted_experts_N]
+        dest_N = padded_start_E[sorted_experts_N] + rank_N
+        tile_expert_B = tile_experts(padded_start_E, B, tile_rows)
+    token_R = jnp.zeros((R,), jnp.int32).at[dest_N].set(
+        order_N // K, unique_indices=True, indices_are_sorted=True)
+    valid_R = jnp.zeros((R,), bool).at[dest_N].set(
+        True, unique_indices=True, indices_are_sorted=True)
+    row_N = jnp.zeros((N,), jnp.int32).at[order_N].set(dest_N, unique_indices=True)
+    return Dispatch(token_R, valid_R, row_N, group_sizes_E, tile_expert_B)
+
+
+def tile_experts(padded_start_E: jax.Array, num_tiles: int, tile_rows: int) -> jax.Array:
+    """Expert owning each tile [B] int32.
+
+    Tile b starts at row b*m; its owner is the last expert whose padded start is <= b*m
+    (empty experts share their start with the next one and so never win). Trailing unused
+    tiles, which hold only zero rows, get E-1.
+    """
+    E = padded_start_E.shape[0]
+    tile_start_B = jnp.arange(num_tiles, dtype=jnp.int32) * tile_rows
+    owner_B = jnp.searchsorted(padded_start_E, tile_start_B, side="right") - 1
+    return jnp.clip(owner_B, 0, E - 1).astype(jnp.int32)
+
+
+def permute(x_TH: jax.Array, plan: Dispatch) -> jax.Array:
+    """Gather token rows into dispatch order [R, H]; padding rows are zero."""
+    x_RH = x_TH[plan.token_R]
+    return jnp.where(plan.valid_R[:, None], x_RH, jnp.zeros((), x_TH.dtype))
+
+
+def unpermute(y_RH: jax.Array, plan: Dispatch, weights_TK: jax.Array,
+              out_dtype=None) -> jax.Array:
+    """Combine: y[t] = sum_k weights[t, k] * y_R[row of (t, k)], summed in fp32."""
+    T, K = weights_TK.shape
+    y_TKH = y_RH[plan.row_N].reshape(T, K, -1)
+    y_TH = jnp.einsum("tkh,tk->th", y_TKH.astype(jnp.float32), weights_TK.astype(jnp.float32))
+    return y_TH.astype(out_dtype or y_RH.dtype)

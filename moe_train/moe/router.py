@@ -1,0 +1,161 @@
+"""Top-k router: expert choice, combine weights and load-balancing statistics.
+
+Shape key: T tokens, H hidden, E experts, K top-k, G expert groups, S tokens per sequence,
+Q sequences (T = Q*S).
+
+All router math runs in fp32 whatever the activation dtype, so bf16 and fp32 activations
+that are equal after rounding route identically.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def router_logits(x_TH: jax.Array, gate_kernel_HE: jax.Array) -> jax.Array:
+    """fp32 logits [T, E] = x @ gate, both operands cast to fp32."""
+    return jnp.dot(x_TH.astype(jnp.float32), gate_kernel_HE.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+
+
+def router_scores(logits_TE: jax.Array, score_function: str) -> jax.Array:
+    """Per-expert scores: softmax probabilities or DeepSeek-V3 sigmoid affinities."""
+    if score_function == "softmax":
+        return jax.nn.softmax(logits_TE, axis=-1)
+    if score_function == "sigmoid":
+        return jax.nn.sigmoid(logits_TE)
+    raise ValueError(f"unknown score_function {score_function!r}; choose one of {SCORE_FUNCTIONS}")
+
+
+def _limit_groups(choice_TE: jax.Array, num_groups: int, group_top_k: int) -> jax.Array:
+    """Mask (to -inf) every expert outside each token's best `group_top_k` groups.
+
+    A group's score is the sum of the two largest choice values among its E/G consecutive
+    experts (the single largest when a group holds one expert).
+    """
+    T, E = choice_TE.shape
+    if E % num_groups:
+        raise ValueError(f"num_groups={num_groups} does not divide num_experts={E}")
+    if not 1 <= group_top_k <= num_groups:
+        raise ValueError(f"group_top_k={group_top_k} must be in 1..{num_groups}")
+    per_group = E // num_groups
+    choice_TGX = choice_TE.reshape(T, num_groups, per_group)
+    group_score_TG = jax.lax.top_k(choice_TGX, min(2, per_group))[0].sum(axis=-1)
+    _, best_groups_TJ = jax.lax.top_k(group_score_TG, group_top_k)
+    keep_TG = jnp.zeros((T, num_groups), bool).at[
+        jnp.arange(T)[:, None], best_groups_TJ].set(True)
+    keep_TE = jnp.repeat(keep_TG, per_group, axis=1)
+    return jnp.where(keep_TE, choice_TE, -jnp.inf)
+
+
+def route(logits_TE: jax.Array, top_k: int, *, score_function: str = "softmax",
+          normalize_top_k: bool = True, num_groups: int | None = None,
+          group_top_k: int | None = None, routed_scaling: float = 1.0,
+          expert_bias: jax.Array | None = None):
+    """Choose `top_k` experts per token.
+
+    Args:
+      logits_TE: router logits (cast to fp32).
+      top_k: experts per token.
+      score_function: "softmax" or "sigmoid".
+      normalize_top_k: renormalise the chosen weights to sum to 1 per token.
+      num_groups, group_top_k: group-limited routing (None or 0 disables).
+      routed_scaling: factor applied to the final weights.
+      expert_bias: [E] added to the scores for choosing only; receives no gradient.
+
+    Returns:
+      (weights_TK fp32, experts_TK int32, scores_TE fp32). Experts are ordered by decreasing
+      choice value; ties go to the lowest index (jax.lax.top_k).
+    """
+    logits_TE = logits_TE.astype(jnp.float32)
+    T, E = logits_TE.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} must be in 1..{E}")
+    scores_TE = router_scores(logits_TE, score_function)
+    choice_TE = jax.lax.stop_gradient(scores_TE)
+    if expert_bias is not None:
+        choice_TE = choice_TE + jax.lax.stop_gradient(expert_bias.astype(jnp.float32))
+    if num_groups:
+        if not group_top_k:
+            raise ValueError("num_groups is set but group_top_k is not")
+        if top_k > group_top_k * (E // num_groups):
+            raise ValueError(f"top_k={top_k} exceeds the experts in {group_top_k} groups")
+        choice_TE = _limit_groups(choice_TE, num_groups, group_top_k)
+    _, experts_TK = jax.lax.top_k(choice_TE, top_k)
+    experts_TK = experts_TK.astype(jnp.int32)
+    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
+    if normalize_top_k:
+        weights_TK = weights_TK / (weights_TK.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights_TK * routed_scaling, experts_TK, scores_TE
+
+
+def expert_counts(experts_TK: jax.Array, num_experts: int) -> jax.Array:
+    """Assignments per expert [E] int32 (sums to T*K)."""
+    return jnp.bincount(experts_TK.reshape(-1), length=num_experts).astype(jnp.int32)
+
+
+def _token_distribution(scores_TE: jax.Array, score_function: str) -> jax.Array:
+    """Scores normalised to sum to 1 per token (softmax probabilities are already)."""
+    if score_function == "softmax":
+        return scores_TE
+    return scores_TE / (scores_TE.sum(axis=-1, keepdims=True) + 1e-20)
+
+
+def _seq_aux_loss(p_TE: jax.Array, experts_TK: jax.Array, seq_len: int | None) -> jax.Array:
+    """DeepSeek-V3 sequence-wise balance loss, averaged over sequences."""
+    T, E = p_TE.shape
+    K = experts_TK.shape[-1]
+    S = T if seq_len is None else int(seq_len)
+    if S <= 0 or T % S:
+        raise ValueError(f"seq_len={seq_len} must divide the number of tokens {T}")
+    Q = T // S
+    one_hot_QSE = jax.nn.one_hot(experts_TK, E, dtype=jnp.float32).sum(axis=1).reshape(Q, S, E)
+    f_QE = one_hot_QSE.sum(axis=1) * (E / (K * S))
+    P_QE = p_TE.reshape(Q, S, E).mean(axis=1)
+    return jnp.mean(jnp.sum(f_QE * P_QE, axis=-1))
+
+
+def router_stats(logits_TE: jax.Array, scores_TE: jax.Array, experts_TK: jax.Array, *,
+                 score_function: str = "softmax", seq_len: int | None = None) -> dict:
+    """Load statistics and unscaled router losses (all fp32 scalars except the counts).
+
+    Keys: tokens_per_expert [E] int32, dropped_tokens int32 (0; callers that drop overwrite
+    it), aux_loss (E * sum_e f_e P_e over all tokens), seq_aux_loss (per sequence of
+    `seq_len` rows, then averaged), z_loss (mean logsumexp(logits)^2), router_entropy (mean
+    entropy of the per-token distribution). P uses scores normalised to sum 1 per token.
+    """
+    T, E = logits_TE.shape
+    K = experts_TK.shape[-1]
+    counts_E = expert_counts(experts_TK, E)
+    p_TE = _token_distribution(scores_TE.astype(jnp.float32), score_function)
+    f_E = counts_E.astype(jnp.float32) / (T * K)
+    aux_loss = E * jnp.sum(f_E * p_TE.mean(axis=0))
+    lse_T = jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)
+    entropy_T = -jnp.sum(p_TE * jnp.log(jnp.maximum(p_TE, 1e-30)), axis=-1)
+    return {
+        "tokens_per_expert": counts_E,
+        "dropped_tokens": jnp.zeros((), jnp.int32),
+        "aux_loss": aux_loss,
+        "seq_aux_loss": _seq_aux_loss(p_TE, experts_TK, seq_len),
+        "z_loss": jnp.mean(jnp.square(lse_T)),
+        "router_entropy": jnp.mean(entropy_T),
+    }
+
+
+def route_tokens(x_TH: jax.Array, gate_kernel_HE: jax.Array, *, top_k: int,
+                 score_function: str = "softmax", normalize_top_k: bool = True,
+                 num_groups: int | None = None, group_top_k: int | None = None,
+                 routed_scaling: float = 1.0, expert_bias: jax.Array | None = None,
+                 seq_len: int | None = None):
+    """logits -> route -> stats in one call: returns (weights_TK, experts_TK, stats)."""
+    logits_TE = router_logits(x_TH, gate_kernel_HE)
+    weights_TK, experts_TK, scores_TE = route(
+        logits_TE, top_k, score_function=score_function, normalize_top_k=normalize_top_k,
+        num_groups=num_groups, group_top_k=group_top_k, routed_scaling=routed_scaling,
+        expert_bias=expert_bias)
+    stats = router_stats(logits_TE, scores_TE, experts_TK, score_function=score_function,
+                         seq_len=seq_len)
+    return weights_TK, experts_TK, stats

@@ -1,0 +1,140 @@
+"""The training loop: resume, step, log, checkpoint, stop cleanly on SIGTERM/SIGUSR2.
+
+Exit codes: 0 finished or stopped by a signal after saving (rerun the same command to go on),
+2 bad configuration or input (nothing in the run directory is changed), 3 the loss became
+NaN/inf (the last good checkpoint is kept; nothing is saved past it).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+from moe_train import checkpoint, flops, metrics, sharding
+from moe_train.config import Config, ConfigError, save_json, to_dict
+from moe_train.data import make_source
+from moe_train.train import StepCounter, init_state, make_train_step
+from topology.peaks import peak_flops
+
+EXIT_OK, EXIT_CONFIG, EXIT_DIVERGED = 0, 2, 3
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGUSR2; the loop finishes the current step, saves and exits 0."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def select_devices(cfg: Config) -> list[jax.Device]:
+    available = jax.devices()
+    n = cfg.parallel.devices or len(available)
+    if n > len(available):
+        raise ConfigError(f"parallel.devices={n} but only {len(available)} "
+                          f"{available[0].platform} device(s) are visible; choose 1..{len(available)}")
+    if cfg.train.batch_size % n:
+        sizes = [d for d in range(1, n + 1) if cfg.train.batch_size % d == 0]
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by {n} devices; "
+                          f"use a multiple of {n} or parallel.devices in {sizes}")
+    return available[:n]
+
+
+def _prepare_out(cfg: Config, out_dir: Path, ckpt: checkpoint.Checkpointer) -> int | None:
+    """Check a previous run in ``out_dir`` is compatible, then write config.json."""
+    latest = ckpt.latest_step()
+    if latest is not None:
+        checkpoint.check_compatible(ckpt.read_meta(latest)["config"], cfg, ckpt.directory)
+    save_json(cfg, out_dir / "config.json")
+    return latest
+
+
+def run(cfg: Config, out_dir: Path, log: Callable[[str], None] = print) -> int:
+    """Train ``cfg`` into ``out_dir``; returns the process exit code."""
+    out_dir = Path(out_dir)
+    devices = select_devices(cfg)
+    t = cfg.train
+    source = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
+                         batch_size=t.batch_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = checkpoint.Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
+    try:
+        latest = _prepare_out(cfg, out_dir, ckpt)
+        mesh = sharding.make_mesh(devices)
+        state = init_state(cfg, mesh)
+        if latest is not None:
+            state = ckpt.restore(latest, state)
+            log(f"resumed from {ckpt.directory / str(latest)} (step {latest})")
+        return _loop(cfg, out_dir, mesh, state, source, ckpt, log)
+    finally:
+        ckpt.close()
+
+
+def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
+    t, devices = cfg.train, mesh.devices.size
+    start = int(state.step)
+    if start >= t.steps:
+        log(f"nothing to do: {out_dir} is already at step {start} of {t.steps}")
+        return EXIT_OK
+    counter = StepCounter()
+    step_fn = make_train_step(cfg, mesh, counter)
+    meta = {"config": to_dict(cfg)}
+    fpt = flops.train_flops_per_token(cfg)
+    peak = peak_flops(mesh.devices.flat[0].device_kind, cfg.model.dtype)
+    log(f"training {source.description} on {devices} {mesh.devices.flat[0].platform} device(s), "
+        f"steps {start + 1}-{t.steps}, batch {t.batch_size}x{t.seq_len}")
+    writer, stop, records = metrics.MetricsWriter(out_dir / "metrics.jsonl", start), StopFlag(), []
+    stop.install()
+    status = "finished"
+    try:
+        for step in range(start, t.steps):
+            batch = jax.device_put(source.batch(step), sharding.batch_sharding(mesh))
+            traces, t0 = counter.traces, time.perf_counter()
+            with sharding.activate(mesh):
+                state, raw = step_fn(state, batch)
+            raw = jax.device_get(raw)
+            rec = metrics.step_record(step + 1, raw, step_time_s=time.perf_counter() - t0,
+                                      tokens=t.batch_size * t.seq_len, flops_per_token=fpt,
+                                      devices=devices, peak_flops=peak, compilations=counter.traces)
+            rec["compiled"] = counter.traces > traces
+            if not math.isfinite(rec["total_loss"]):
+                log(f"error: loss became {rec['total_loss']} at step {step + 1}; stopping without "
+                    f"saving; the last good checkpoint ({ckpt.latest_step()}) is kept")
+                return EXIT_DIVERGED
+            writer.write(rec)
+            records.append(rec)
+            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+                log(metrics.progress_line(rec, t.steps))
+            done = step + 1 == t.steps
+            if done or stop.signum is not None or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0):
+                ckpt.save(step + 1, state, meta)
+            if stop.signum is not None and not done:
+                ckpt.wait()
+                status = (f"stopped by signal {signal.Signals(stop.signum).name} after step {step + 1}; "
+                          f"checkpoint saved, rerun the same command to continue")
+                break
+        ckpt.wait()
+    finally:
+        stop.restore()
+        writer.close()
+    log(metrics.summary(records, first_step=start, description=source.description,
+                        out_dir=out_dir, status=status))
+    return EXIT_OK
+

@@ -1,0 +1,73 @@
+"""The command line: bad input exits 2 with one clear line and damages nothing."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["--set", "train.seq_len=16", "--set", "train.batch_size=2", "--set", "train.log_every=100"]
+
+
+def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_unknown_preset(tmp_path):
+    assert_clean_error(cli("--preset", "nope", "--out", str(tmp_path / "r")), "valid presets", "tiny")
+
+
+def test_unknown_key(tmp_path):
+    assert_clean_error(cli("--out", str(tmp_path / "r"), "--set", "moe.experts=4"),
+                       "moe.experts", "num_experts")
+
+
+def test_top_k_above_experts(tmp_path):
+    assert_clean_error(cli("--out", str(tmp_path / "r"), "--set", "moe.top_k=12"), "top_k=12")
+
+
+def test_heads_not_dividing_hidden(tmp_path):
+    assert_clean_error(cli("--out", str(tmp_path / "r"), "--set", "model.num_heads=3",
+                           "--set", "model.num_kv_heads=1"), "num_heads=3", "valid num_heads")
+
+
+def test_missing_data_file(tmp_path):
+    out = tmp_path / "r"
+    assert_clean_error(cli("--out", str(out), "--set", "data.path=no/such/file.txt"), "no/such/file.txt")
+    assert not out.exists()
+
+
+def test_too_many_devices(tmp_path):
+    assert_clean_error(cli("--out", str(tmp_path / "r"), "--devices", "3", *FAST), "batch_size=2")
+
+
+@pytest.mark.slow
+def test_incompatible_checkpoint_is_refused_and_kept(tmp_path):
+    out = tmp_path / "r"
+    first = cli("--out", str(out), "--steps", "1", *FAST)
+    assert first.returncode == 0, first.stderr
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = cli("--out", str(out), "--steps", "2", *FAST, "--set", "model.hidden=32")
+    assert_clean_error(proc, "incompatible", "model.hidden=64 (checkpoint) vs 32 (this run)")
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert json.loads((out / "config.json").read_text())["model"]["hidden"] == 64
+
+
+def test_help_lists_presets():
+    proc = cli("--help")
+    assert proc.returncode == 0 and "mixtral-8x7b" in proc.stdout

@@ -1,0 +1,80 @@
+"""Config: presets, dotted overrides, validation messages."""
+
+import dataclasses
+
+import pytest
+
+from moe_train import config
+from moe_train.config import ConfigError
+
+
+def test_unknown_preset_lists_valid_presets():
+    with pytest.raises(ConfigError, match="valid presets: .*tiny"):
+        config.build("tinyy")
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError, match=r"unknown key moe\.topk; valid keys in \[moe\]: .*top_k"):
+        config.build("tiny", ["moe.topk=2"])
+
+
+def test_unknown_section_lists_sections():
+    with pytest.raises(ConfigError, match="valid sections: model, moe, data"):
+        config.build("tiny", ["mo.top_k=2"])
+
+
+def test_override_without_dot_is_rejected():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        config.build("tiny", ["top_k=2"])
+
+
+def test_override_parses_by_field_type():
+    cfg = config.build("tiny", ["moe.top_k=3", "optim.lr=1e-4", "model.qk_norm=true",
+                                "data.source=synthetic"])
+    assert (cfg.moe.top_k, cfg.optim.lr, cfg.model.qk_norm, cfg.data.source) == (3, 1e-4, True, "synthetic")
+
+
+def test_bad_value_type_names_the_key():
+    with pytest.raises(ConfigError, match="moe.top_k: expected int"):
+        config.build("tiny", ["moe.top_k=two"])
+
+
+def test_top_k_larger_than_experts():
+    with pytest.raises(ConfigError, match="top_k=9 is larger than moe.num_experts=8"):
+        config.build("tiny", ["moe.top_k=9"])
+
+
+def test_heads_not_dividing_hidden_lists_valid_heads():
+    with pytest.raises(ConfigError, match=r"num_heads=5 does not divide model.hidden=64; valid num_heads: 1, 2, 4"):
+        config.build("tiny", ["model.num_heads=5", "model.num_kv_heads=1"])
+
+
+def test_explicit_head_dim_allows_any_heads():
+    cfg = config.build("tiny", ["model.num_heads=6", "model.num_kv_heads=2", "model.head_dim=16"])
+    assert config.head_dim(cfg.model) == 16
+
+
+def test_bad_choice_lists_choices():
+    with pytest.raises(ConfigError, match="choose one of: auto, tiled, ragged_dot, mgpu, te"):
+        config.build("tiny", ["moe.backend=cuda"])
+
+
+def test_group_routing_checks_divisibility():
+    with pytest.raises(ConfigError, match="num_groups=3 does not divide"):
+        config.build("tiny", ["moe.num_groups=3", "moe.group_top_k=1"])
+
+
+def test_round_trip_through_dict():
+    cfg = config.build("tiny", ["moe.top_k=1"])
+    assert config.from_dict(config.to_dict(cfg)) == cfg
+
+
+def test_every_field_has_a_comment():
+    import inspect
+
+    for section in (config.ModelConfig, config.MoEConfig, config.DataConfig, config.OptimConfig,
+                    config.TrainConfig, config.ParallelConfig, config.Config):
+        source = inspect.getsource(section)
+        for field in dataclasses.fields(section):
+            line = next(l for l in source.splitlines() if l.strip().startswith(f"{field.name}:"))
+            assert "#" in line, f"{section.__name__}.{field.name} has no comment"

@@ -1,0 +1,96 @@
+"""Every shipped preset loads, validates, documents itself, and the published ones match."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from moe_train import config
+
+PRESETS = config.list_presets()
+BIG = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3-moe")
+
+
+def test_expected_presets_exist():
+    for name in ("tiny", "small", *BIG):
+        assert name in PRESETS
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_builds_and_validates(name):
+    cfg = config.build(name)
+    config.validate(cfg)
+    # every key in the file is a real config key with the file's value
+    with (config.PRESET_DIR / f"{name}.toml").open("rb") as f:
+        tables = tomllib.load(f)
+    for section, values in tables.items():
+        for key, value in values.items():
+            assert getattr(getattr(cfg, section), key) == value, f"{section}.{key}"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_has_header_comment(name):
+    lines = (config.PRESET_DIR / f"{name}.toml").read_text().splitlines()
+    header = []
+    for line in lines:
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    assert len(header) >= 2, f"{name}.toml needs a comment header saying what the model is"
+    assert header[0].startswith(f"# {name}:")
+
+
+# Published shapes (model papers and released Hugging Face configs).
+PUBLISHED = {
+    "mixtral-8x7b": {
+        "model.vocab_size": 32000, "model.hidden": 4096, "model.num_layers": 32,
+        "model.num_heads": 32, "model.num_kv_heads": 8, "model.rope_theta": 1e6,
+        "model.norm_eps": 1e-5, "model.tie_embeddings": False, "model.qk_norm": False,
+        "model.first_dense_layers": 0,
+        "moe.num_experts": 8, "moe.top_k": 2, "moe.expert_ffn": 14336,
+        "moe.num_shared_experts": 0, "moe.score_function": "softmax",
+        "moe.normalize_top_k": True, "moe.num_groups": 0, "moe.routed_scaling": 1.0,
+        "moe.bias_update_rate": 0.0,
+    },
+    "qwen3-30b-a3b": {
+        "model.vocab_size": 151936, "model.hidden": 2048, "model.num_layers": 48,
+        "model.num_heads": 32, "model.num_kv_heads": 4, "model.head_dim": 128,
+        "model.qk_norm": True, "model.rope_theta": 1e6, "model.norm_eps": 1e-6,
+        "model.tie_embeddings": False, "model.first_dense_layers": 0,
+        "moe.num_experts": 128, "moe.top_k": 8, "moe.expert_ffn": 768,
+        "moe.num_shared_experts": 0, "moe.score_function": "softmax",
+        "moe.normalize_top_k": True, "moe.num_groups": 0, "moe.routed_scaling": 1.0,
+        "moe.bias_update_rate": 0.0,
+    },
+    "deepseek-v3-moe": {
+        "model.vocab_size": 129280, "model.hidden": 7168, "model.num_layers": 61,
+        "model.num_heads": 128, "model.head_dim": 128, "model.first_dense_layers": 3,
+        "model.dense_ffn": 18432, "model.tie_embeddings": False, "model.norm_eps": 1e-6,
+        "moe.num_experts": 256, "moe.top_k": 8, "moe.expert_ffn": 2048,
+        "moe.num_shared_experts": 1, "moe.shared_ffn": 2048, "moe.score_function": "sigmoid",
+        "moe.normalize_top_k": True, "moe.num_groups": 8, "moe.group_top_k": 4,
+        "moe.routed_scaling": 2.5, "moe.bias_update_rate": 0.001,
+        "moe.seq_aux_loss_coef": 0.0001, "moe.aux_loss_coef": 0.0,
+    },
+}
+
+
+@pytest.mark.parametrize("name", BIG)
+def test_big_presets_match_published(name):
+    cfg = config.build(name)
+    for dotted, expected in PUBLISHED[name].items():
+        section, key = dotted.split(".")
+        assert getattr(getattr(cfg, section), key) == expected, f"{name}: {dotted}"
+
+
+@pytest.mark.parametrize("name", BIG)
+def test_big_presets_are_bfloat16_and_synthetic_by_default(name):
+    cfg = config.build(name)
+    assert cfg.model.dtype == "bfloat16"
+    assert cfg.data.source == "synthetic"
+
+
+def test_deepseek_preset_says_mla_is_replaced():
+    text = (config.PRESET_DIR / "deepseek-v3-moe.toml").read_text()
+    assert "MLA" in text and "GQA" in text

@@ -1,0 +1,154 @@
+"""The trainer: metrics, single compilation, learning, preemption and resume, divergence."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_train import config, train
+from moe_train.moe import dropless_moe
+from moe_train.run import EXIT_DIVERGED, EXIT_OK, run
+
+ROOT = Path(__file__).resolve().parent.parent
+METRIC_KEYS = {"step", "loss", "aux_loss", "z_loss", "grad_norm", "lr", "step_time_s",
+               "tokens_per_s", "tflops_per_device", "mfu", "tokens_per_expert",
+               "max_over_mean_load", "dropped_tokens", "compilations"}
+
+
+def tiny(*overrides: str, steps: int = 2) -> config.Config:
+    return config.build("tiny", [f"train.steps={steps}", "parallel.devices=1", "train.log_every=100",
+                                 *overrides])
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_pulse_two_steps_writes_metrics_and_config(tmp_path):
+    assert run(tiny(), tmp_path, log=lambda s: None) == EXIT_OK
+    recs = records(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert METRIC_KEYS <= recs[-1].keys()
+    assert np.isfinite([r["loss"] for r in recs]).all()
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 2
+
+
+def test_metrics_report_loads_per_moe_layer(tmp_path):
+    run(tiny("model.num_layers=3", "model.first_dense_layers=1"), tmp_path, log=lambda s: None)
+    rec = records(tmp_path)[-1]
+    assert np.asarray(rec["tokens_per_expert"]).shape == (2, 8)
+    assert all(sum(layer) == 8 * 64 * 2 for layer in rec["tokens_per_expert"])
+    assert rec["dropped_tokens"] == 0 and rec["mfu"] is None
+
+
+def test_step_compiles_once_while_routing_changes(tmp_path):
+    run(tiny(steps=6), tmp_path, log=lambda s: None)
+    recs = records(tmp_path)
+    loads = [tuple(map(tuple, r["tokens_per_expert"])) for r in recs]
+    assert len(set(loads)) > 1, "routing never changed; the test would prove nothing"
+    assert [r["compilations"] for r in recs] == [1] * 6
+
+
+def test_data_parallel_matches_single_device(tmp_path):
+    run(tiny(steps=3), tmp_path / "one", log=lambda s: None)
+    run(tiny("parallel.devices=2", steps=3), tmp_path / "two", log=lambda s: None)
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_loss_falls_on_smoke_task(tmp_path):
+    run(tiny(steps=30), tmp_path, log=lambda s: None)
+    losses = [r["loss"] for r in records(tmp_path)]
+    assert np.mean(losses[-3:]) < 0.9 * losses[0], losses
+
+
+def test_bias_update_rule_moves_load_toward_balance():
+    key_x, key_g = jax.random.split(jax.random.key(0))
+    x_TH = jax.random.normal(key_x, (512, 16)) + 2.0  # a shared offset: most tokens agree
+    gate_HE = jax.random.normal(key_g, (16, 8)) * 0.5
+    w = jnp.zeros((8, 16, 4)), jnp.zeros((8, 16, 4)), jnp.zeros((8, 4, 16))
+    state = {"layer_0": {"moe": {"expert_bias": jnp.zeros(8)}}}
+
+    def imbalance(bias):
+        _, stats = dropless_moe(x_TH, gate_HE, *w, top_k=2, score_function="sigmoid", expert_bias=bias)
+        load = stats["tokens_per_expert"]
+        return float(load.max() / load.mean()), load
+
+    start, _ = imbalance(state["layer_0"]["moe"]["expert_bias"])
+    for _ in range(200):
+        _, load = imbalance(state["layer_0"]["moe"]["expert_bias"])
+        state = train.update_bias(state, load[None], rate=0.01)
+    end, _ = imbalance(state["layer_0"]["moe"]["expert_bias"])
+    assert start > 2.0 and end < 0.6 * start, (start, end)
+
+
+def test_bias_lives_in_state_and_is_checkpointed(tmp_path):
+    cfg = tiny("moe.score_function=sigmoid", "moe.bias_update_rate=0.01", steps=3)
+    run(cfg, tmp_path, log=lambda s: None)
+    from moe_train.checkpoint import Checkpointer
+
+    ck = Checkpointer(tmp_path, keep=3, use_async=False)
+    restored = ck.restore_saved(3)
+    ck.close()
+    bias = np.asarray(restored["moe_state"]["layer_0"]["moe"]["expert_bias"])
+    assert np.abs(bias).sum() > 0
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    lines = []
+    cfg = tiny("optim.lr=1e30", "optim.warmup_steps=0", "optim.grad_clip=0",
+               "train.checkpoint_every=1", "train.async_checkpoint=false", steps=6)
+    assert run(cfg, tmp_path, log=lines.append) == EXIT_DIVERGED
+    bad = [r for r in lines if r.startswith("error: loss became")]
+    assert bad and "at step" in bad[0]
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and all(r["step"] <= max(steps) for r in records(tmp_path))
+
+
+def test_unfinished_checkpoint_is_ignored_on_resume(tmp_path):
+    run(tiny(steps=2), tmp_path, log=lambda s: None)
+    (tmp_path / "checkpoints" / "5.orbax-checkpoint-tmp-123").mkdir()
+    lines = []
+    assert run(tiny(steps=3), tmp_path, log=lines.append) == EXIT_OK
+    assert any("resumed from" in l and "(step 2)" in l for l in lines)
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+
+
+def _train_cli(out: Path, steps: int) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "moe_train", "--preset", "tiny", "--out", str(out),
+           "--steps", str(steps), "--devices", "1", "--set", "train.checkpoint_every=3"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_resume_after_sigusr2_matches_uninterrupted_run(tmp_path):
+    steps = 14
+    full = _train_cli(tmp_path / "full", steps)
+    assert full.wait(timeout=300) == 0, full.stdout.read()
+    proc = _train_cli(tmp_path / "cut", steps)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 4):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR2)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output
+    assert "stopped by signal SIGUSR2" in output
+    stopped_at = len(records(tmp_path / "cut"))
+    assert stopped_at < steps
+    again = _train_cli(tmp_path / "cut", steps)
+    assert again.wait(timeout=300) == 0, again.stdout.read()
+    cut, ref = records(tmp_path / "cut"), records(tmp_path / "full")
+    assert [r["step"] for r in cut] == list(range(1, steps + 1))
+    assert [r["loss"] for r in cut] == [r["loss"] for r in ref]  # bitwise on CPU in fp32
