@@ -11,19 +11,22 @@ STEPS ?=
 OUT ?= runs/smoke
 SET ?=
 PYTEST_ARGS ?=
+# pip extras: a machine with an NVIDIA driver also gets JAX's CUDA build
+EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,gpu || echo test,cluster)
 
-STAMP := $(VENV)/.installed
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: help venv smoke train test test-fast clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
-	@echo "variables: PRESET=$(PRESET) OUT=$(OUT) STEPS=<n> SET='k=v ...' PYTHON=$(PYTHON)"
+	@echo "variables: PRESET=$(PRESET) OUT=$(OUT) STEPS=<n> SET='k=v ...' EXTRAS=$(EXTRAS) PYTHON=$(PYTHON)"
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c requirements.lock -e '.[test,cluster]'
+	$(PY) -m pip install -q -c requirements.lock -e '.[$(EXTRAS)]'
 	@touch $@
 
 venv: $(STAMP) ## create .venv (re-created only when dependency files change)

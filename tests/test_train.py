@@ -103,6 +103,17 @@ def test_bias_lives_in_state_and_is_checkpointed(tmp_path):
     assert np.abs(bias).sum() > 0
 
 
+def test_bf16_compute_with_fp32_master_weights(tmp_path):
+    assert run(tiny("model.dtype=bfloat16"), tmp_path, log=lambda s: None) == EXIT_OK
+    from moe_train.checkpoint import Checkpointer
+
+    ck = Checkpointer(tmp_path, keep=3, use_async=False)
+    params = ck.restore_saved(2)["params"]
+    ck.close()
+    assert {np.asarray(p).dtype for p in jax.tree.leaves(params)} == {np.dtype("float32")}
+    assert np.isfinite([r["loss"] for r in records(tmp_path)]).all()
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     lines = []
     cfg = tiny("optim.lr=1e30", "optim.warmup_steps=0", "optim.grad_clip=0",
@@ -112,6 +123,13 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert bad and "at step" in bad[0]
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and all(r["step"] <= max(steps) for r in records(tmp_path))
+
+
+def test_periodic_checkpoints_keep_the_last_n(tmp_path):
+    run(tiny("train.checkpoint_every=1", "train.keep_checkpoints=2", steps=5), tmp_path,
+        log=lambda s: None)
+    kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [4, 5]
 
 
 def test_unfinished_checkpoint_is_ignored_on_resume(tmp_path):
@@ -126,29 +144,53 @@ def test_unfinished_checkpoint_is_ignored_on_resume(tmp_path):
 def _train_cli(out: Path, steps: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "moe_train", "--preset", "tiny", "--out", str(out),
-           "--steps", str(steps), "--devices", "1", "--set", "train.checkpoint_every=3"]
+           "--steps", str(steps), "--devices", "1", "--set", "train.checkpoint_every=2"]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
+RESUME_STEPS = 14
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("full")
+    proc = _train_cli(out, RESUME_STEPS)
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    return records(out)
+
+
+def _wait_for_steps(out: Path, n: int) -> None:
+    metrics, deadline = out / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < n):
+        time.sleep(0.02)
+
+
+def _finish_and_compare(out: Path, reference: list[dict]) -> None:
+    again = _train_cli(out, RESUME_STEPS)
+    assert again.wait(timeout=300) == 0, again.stdout.read()
+    cut = records(out)
+    assert [r["step"] for r in cut] == list(range(1, RESUME_STEPS + 1))
+    assert [r["loss"] for r in cut] == [r["loss"] for r in reference]  # bitwise on CPU in fp32
+
+
 @pytest.mark.slow
-def test_resume_after_sigusr2_matches_uninterrupted_run(tmp_path):
-    steps = 14
-    full = _train_cli(tmp_path / "full", steps)
-    assert full.wait(timeout=300) == 0, full.stdout.read()
-    proc = _train_cli(tmp_path / "cut", steps)
-    metrics = tmp_path / "cut" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 4):
-        time.sleep(0.05)
+def test_resume_after_sigusr2_matches_uninterrupted_run(tmp_path, uninterrupted):
+    proc = _train_cli(tmp_path, RESUME_STEPS)
+    _wait_for_steps(tmp_path, 5)
     proc.send_signal(signal.SIGUSR2)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output
     assert "stopped by signal SIGUSR2" in output
-    stopped_at = len(records(tmp_path / "cut"))
-    assert stopped_at < steps
-    again = _train_cli(tmp_path / "cut", steps)
-    assert again.wait(timeout=300) == 0, again.stdout.read()
-    cut, ref = records(tmp_path / "cut"), records(tmp_path / "full")
-    assert [r["step"] for r in cut] == list(range(1, steps + 1))
-    assert [r["loss"] for r in cut] == [r["loss"] for r in ref]  # bitwise on CPU in fp32
+    assert len(records(tmp_path)) < RESUME_STEPS
+    _finish_and_compare(tmp_path, uninterrupted)
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_mid_run_matches_uninterrupted_run(tmp_path, uninterrupted):
+    """A hard crash (possibly during an async save) leaves only loadable checkpoints."""
+    proc = _train_cli(tmp_path, RESUME_STEPS)
+    _wait_for_steps(tmp_path, 7)
+    proc.kill()
+    proc.wait(timeout=60)
+    _finish_and_compare(tmp_path, uninterrupted)
