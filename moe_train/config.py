@@ -19,6 +19,7 @@ PRESET_DIR = Path(__file__).parent / "presets"
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BACKENDS = ("auto", "tiled", "ragged_dot", "mgpu", "te")
+DISPATCHERS = ("auto", "allgather", "a2a", "hierarchical")
 DATA_SOURCES = ("synthetic", "tokens", "bytes")
 TOKEN_DTYPES = ("uint16", "uint32")
 DTYPES = ("float32", "bfloat16")
@@ -68,6 +69,10 @@ class MoEConfig:
     seq_aux_loss_coef: float = 0.0  # per-sequence load-balance loss (DeepSeek-V3); 0 disables
     z_loss_coef: float = 0.001  # router z-loss (mean squared logsumexp of logits); 0 disables
     bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate*sign(mean-load); 0 off
+    dispatcher: str = "auto"  # expert-parallel token exchange: auto | allgather | a2a | hierarchical
+    chunks: int = 1  # split each rank's tokens into N chunks to overlap dispatch with GEMMs
+    capacity_buckets: str = "1.0,1.25,1.5,2.0"  # a2a receive buffers, x balanced load; then worst case
+    bucket_step_down_after: int = 20  # steps of lower load before using the next smaller bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +116,17 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Devices the run uses."""
+    """Devices, processes and how the mesh splits them."""
 
     devices: int = 0  # devices in the mesh; 0 means all; on CPU, that many fake host devices
+    ep: int = 1  # expert-parallel size: experts are split over groups of this many devices
+    dp: int = 0  # data-parallel (FSDP) size; 0 means devices // ep
+    domain_size: int = 0  # devices per fast-link (NVLink) domain; 0: one domain per host
+    coordinator: str = ""  # host:port of process 0; empty: from Slurm, else single-process
+    num_processes: int = 0  # processes in the job; 0: from Slurm or the coordinator setup
+    process_id: int = -1  # this process's rank; -1: from Slurm
+    init_timeout_s: int = 300  # give up connecting to the coordinator after this many seconds
+    heartbeat_timeout_s: int = 100  # a peer silent this long fails the job (every process exits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +248,7 @@ def validate(cfg: Config) -> None:
                     "train.keep_checkpoints", "train.log_every", "optim.lr"])
     _choice(e.score_function, SCORE_FUNCTIONS, "moe.score_function")
     _choice(e.backend, BACKENDS, "moe.backend")
+    _choice(e.dispatcher, DISPATCHERS, "moe.dispatcher")
     _choice(cfg.data.source, DATA_SOURCES, "data.source")
     _choice(cfg.data.token_dtype, TOKEN_DTYPES, "data.token_dtype")
     _choice(m.dtype, DTYPES, "model.dtype")

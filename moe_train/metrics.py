@@ -37,7 +37,9 @@ def step_record(step: int, raw: dict[str, Any], *, step_time_s: float, tokens: i
     rec.update(step_time_s=step_time_s, tokens_per_s=tokens_per_s, tflops_per_device=tflops,
                mfu=(tflops * 1e12 / peak_flops) if peak_flops else None)
     rec.update(load_stats(raw["tokens_per_expert"]))
-    rec.update(dropped_tokens=int(raw["dropped_tokens"]), compilations=compilations)
+    rec.update(dropped_tokens=int(raw["dropped_tokens"]), compilations=compilations,
+               ep_bucket=raw.get("ep_bucket"), ep_overflow_reruns=int(raw.get("ep_overflow_reruns", 0)),
+               recv_buffer_fill=float(raw["recv_rows"] / raw["recv_slots"]) if raw["recv_slots"] else None)
     return rec
 
 
@@ -51,12 +53,17 @@ def progress_line(rec: dict[str, Any], total_steps: int) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON line per step; a resumed run appends to the same file."""
+    """Appends one JSON line per step; a resumed run appends to the same file.
 
-    def __init__(self, path: Path, start_step: int):
+    Only one process of a multi-process job writes (``enabled``); the others keep nothing.
+    """
+
+    def __init__(self, path: Path, start_step: int, enabled: bool = True):
         self.path = path
-        self._drop_after(start_step)
-        self._f = path.open("a")
+        self._f = None
+        if enabled:
+            self._drop_after(start_step)
+            self._f = path.open("a")
 
     def _drop_after(self, start_step: int) -> None:
         """Forget records of steps a crashed run did past its last checkpoint."""
@@ -67,11 +74,13 @@ class MetricsWriter:
         self.path.write_text("".join(line + "\n" for line in keep))
 
     def write(self, rec: dict[str, Any]) -> None:
-        self._f.write(json.dumps(rec, allow_nan=True) + "\n")
-        self._f.flush()
+        if self._f:
+            self._f.write(json.dumps(rec, allow_nan=True) + "\n")
+            self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f:
+            self._f.close()
 
 
 def summary(records: list[dict[str, Any]], *, first_step: int, description: str,

@@ -18,8 +18,11 @@ import jax.numpy as jnp
 
 from moe_train.config import Config, head_dim
 from moe_train.moe import dropless_moe
+from moe_train.moe.ep import EPPlan, ep_moe
 
-STAT_KEYS = ("tokens_per_expert", "aux_loss", "seq_aux_loss", "z_loss", "dropped_tokens")
+ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
+STAT_KEYS = ("tokens_per_expert", "aux_loss", "seq_aux_loss", "z_loss", "dropped_tokens",
+             "overflow", "recv_rows", "recv_slots", "max_pair_rows")
 
 
 def _init(fan_in_axes: tuple[int, ...] = (-2,), out_axes: tuple[int, ...] = (-1,),
@@ -33,7 +36,7 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32, returned in the input dtype."""
 
     eps: float
-    axis_name: str = "embed"
+    axis_name: str = "norm"
 
     @nn.compact
     def __call__(self, x):
@@ -105,9 +108,14 @@ class SwiGLU(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Routed experts (dropless) plus optional shared experts."""
+    """Routed experts (dropless) plus optional shared experts.
+
+    With an ``ep_plan`` the experts run expert-parallel on the context mesh (``ep_moe``);
+    without one, on this device (``dropless_moe``).
+    """
 
     cfg: Config
+    ep_plan: EPPlan | None = None
 
     @nn.compact
     def __call__(self, x_BSH):
@@ -123,12 +131,20 @@ class MoEBlock(nn.Module):
         bias_E = self.variable("moe_state", "expert_bias", jnp.zeros, (E,), jnp.float32).value
         B, S, _ = x_BSH.shape
         dt = jnp.dtype(m.dtype)
-        y_TH, stats = dropless_moe(
-            x_BSH.reshape(B * S, H), gate_HE, wi_0_EHF.astype(dt), wi_1_EHF.astype(dt),
-            wo_EFH.astype(dt), top_k=e.top_k, score_function=e.score_function,
-            normalize_top_k=e.normalize_top_k, num_groups=e.num_groups or None,
-            group_top_k=e.group_top_k or None, routed_scaling=e.routed_scaling,
-            expert_bias=bias_E, backend=e.backend, tile_rows=e.tile_rows or None, seq_len=S)
+        kwargs = dict(top_k=e.top_k, score_function=e.score_function,
+                      normalize_top_k=e.normalize_top_k, num_groups=e.num_groups or None,
+                      group_top_k=e.group_top_k or None, routed_scaling=e.routed_scaling,
+                      expert_bias=bias_E, backend=e.backend, tile_rows=e.tile_rows or None,
+                      seq_len=S)
+        operands = (x_BSH.reshape(B * S, H), gate_HE, wi_0_EHF.astype(dt), wi_1_EHF.astype(dt),
+                   wo_EFH.astype(dt))
+        if self.ep_plan is None:
+            y_TH, stats = dropless_moe(*operands, **kwargs)
+            n = jnp.float32(B * S * e.top_k)
+            stats.update(overflow=jnp.zeros((), bool), recv_rows=n, recv_slots=n,
+                         max_pair_rows=jnp.int32(0))
+        else:
+            y_TH, stats = ep_moe(*operands, plan=self.ep_plan, **kwargs)
         y_BSH = y_TH.reshape(B, S, H)
         if e.num_shared_experts:
             width = e.num_shared_experts * (e.shared_ffn or F)
@@ -141,6 +157,7 @@ class Block(nn.Module):
 
     cfg: Config
     dense: bool
+    ep_plan: EPPlan | None = None
 
     @nn.compact
     def __call__(self, x_BSH):
@@ -149,7 +166,7 @@ class Block(nn.Module):
         h_BSH = RMSNorm(m.norm_eps, name="mlp_norm")(x_BSH)
         if self.dense:
             return x_BSH + SwiGLU(m.dense_ffn, self.cfg, name="mlp")(h_BSH), None
-        y_BSH, stats = MoEBlock(self.cfg, name="moe")(h_BSH)
+        y_BSH, stats = MoEBlock(self.cfg, self.ep_plan, name="moe")(h_BSH)
         return x_BSH + y_BSH, stats
 
 
@@ -157,6 +174,7 @@ class Transformer(nn.Module):
     """Token ids [B,S] -> (fp32 logits [B,S,V], per-MoE-layer stats stacked on axis 0)."""
 
     cfg: Config
+    ep_plan: EPPlan | None = None  # expert-parallel MoE layers on the context mesh
 
     @nn.compact
     def __call__(self, tokens_BS):
@@ -166,11 +184,12 @@ class Transformer(nn.Module):
             nn.initializers.normal(1.0), ("vocab", "embed")), (m.vocab_size, m.hidden),
             jnp.dtype(m.param_dtype))
         x_BSH = embed_VH.astype(dt)[tokens_BS]
-        x_BSH = nn.with_logical_constraint(x_BSH, ("batch", "seq", "embed"))
+        x_BSH = nn.with_logical_constraint(x_BSH, ACTIVATION_AXES)
         layer_stats = []
         for i in range(m.num_layers):
-            x_BSH, stats = Block(self.cfg, dense=i < m.first_dense_layers, name=f"layer_{i}")(x_BSH)
-            x_BSH = nn.with_logical_constraint(x_BSH, ("batch", "seq", "embed"))
+            x_BSH, stats = Block(self.cfg, dense=i < m.first_dense_layers,
+                                  ep_plan=self.ep_plan, name=f"layer_{i}")(x_BSH)
+            x_BSH = nn.with_logical_constraint(x_BSH, ACTIVATION_AXES)
             if stats is not None:
                 layer_stats.append(stats)
         x_BSH = RMSNorm(m.norm_eps, name="final_norm")(x_BSH)

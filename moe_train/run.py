@@ -18,7 +18,8 @@ import jax
 from moe_train import checkpoint, flops, metrics, sharding
 from moe_train.config import Config, ConfigError, save_json, to_dict
 from moe_train.data import make_source
-from moe_train.train import StepCounter, init_state, make_train_step
+from moe_train.stepper import BucketedStep
+from moe_train.train import StepCounter, init_state
 from topology.peaks import peak_flops
 
 EXIT_OK, EXIT_CONFIG, EXIT_DIVERGED = 0, 2, 3
@@ -45,6 +46,7 @@ class StopFlag:
 
 
 def select_devices(cfg: Config) -> list[jax.Device]:
+    """The first ``parallel.devices`` devices of the job (all processes), in JAX's order."""
     available = jax.devices()
     n = cfg.parallel.devices or len(available)
     if n > len(available):
@@ -62,14 +64,28 @@ def _prepare_out(cfg: Config, out_dir: Path, ckpt: checkpoint.Checkpointer) -> i
     latest = ckpt.latest_step()
     if latest is not None:
         checkpoint.check_compatible(ckpt.read_meta(latest)["config"], cfg, ckpt.directory)
-    save_json(cfg, out_dir / "config.json")
+    if jax.process_index() == 0:
+        save_json(cfg, out_dir / "config.json")
     return latest
+
+
+def build_mesh(cfg: Config, devices: list[jax.Device]):
+    shape = sharding.mesh_shape(cfg.parallel, len(devices), cfg.moe.num_experts, cfg.model.hidden,
+                                local_devices=jax.local_device_count())
+    return sharding.make_mesh(devices, shape)
+
+
+def global_batch(source, step: int, mesh):
+    """This step's batch as one global array; each process supplies its own rows."""
+    local = source.batch(step, process_index=jax.process_index(), process_count=jax.process_count())
+    return jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), local)
 
 
 def run(cfg: Config, out_dir: Path, log: Callable[[str], None] = print) -> int:
     """Train ``cfg`` into ``out_dir``; returns the process exit code."""
     out_dir = Path(out_dir)
     devices = select_devices(cfg)
+    mesh = build_mesh(cfg, devices)
     t = cfg.train
     source = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
                          batch_size=t.batch_size)
@@ -77,7 +93,6 @@ def run(cfg: Config, out_dir: Path, log: Callable[[str], None] = print) -> int:
     ckpt = checkpoint.Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
     try:
         latest = _prepare_out(cfg, out_dir, ckpt)
-        mesh = sharding.make_mesh(devices)
         state = init_state(cfg, mesh)
         if latest is not None:
             state = ckpt.restore(latest, state)
@@ -94,22 +109,23 @@ def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
         log(f"nothing to do: {out_dir} is already at step {start} of {t.steps}")
         return EXIT_OK
     counter = StepCounter()
-    step_fn = make_train_step(cfg, mesh, counter)
+    step_fn = BucketedStep(cfg, mesh, counter, jax.tree.map(lambda x: x.sharding, state))
     meta = {"config": to_dict(cfg)}
     fpt = flops.train_flops_per_token(cfg)
     peak = peak_flops(mesh.devices.flat[0].device_kind, cfg.model.dtype)
-    log(f"training {source.description} on {devices} {mesh.devices.flat[0].platform} device(s), "
+    log(f"training {source.description} on {devices} {mesh.devices.flat[0].platform} device(s) "
+        f"(mesh {dict(mesh.shape)}, {jax.process_count()} process(es)), "
         f"steps {start + 1}-{t.steps}, batch {t.batch_size}x{t.seq_len}")
-    writer, stop, records = metrics.MetricsWriter(out_dir / "metrics.jsonl", start), StopFlag(), []
+    writer = metrics.MetricsWriter(out_dir / "metrics.jsonl", start, enabled=jax.process_index() == 0)
+    stop, records = StopFlag(), []
     stop.install()
     status = "finished"
     try:
         for step in range(start, t.steps):
-            batch = jax.device_put(source.batch(step), sharding.batch_sharding(mesh))
+            batch = global_batch(source, step, mesh)
             traces, t0 = counter.traces, time.perf_counter()
             with sharding.activate(mesh):
                 state, raw = step_fn(state, batch)
-            raw = jax.device_get(raw)
             rec = metrics.step_record(step + 1, raw, step_time_s=time.perf_counter() - t0,
                                       tokens=t.batch_size * t.seq_len, flops_per_token=fpt,
                                       devices=devices, peak_flops=peak, compilations=counter.traces)

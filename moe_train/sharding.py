@@ -1,13 +1,18 @@
 """Device mesh and the one table that maps logical axis names to mesh axes.
 
-Model code names axes logically (``batch``, ``embed``, ``expert``, ...). ``LOGICAL_RULES`` is
-the only place that says which mesh axis each one is split over. With the data-parallel mesh
-of this module, activations are split over ``data`` along ``batch`` and parameters are
-replicated; expert and FSDP axes are added to the mesh by the expert-parallel work.
+Mesh axes, outermost first: ``data`` (data parallel; non-expert weights and optimizer state
+are FSDP-sharded over it), ``expert_x`` (expert parallel across fast-link domains) and
+``expert`` (expert parallel inside one domain). An EP group is ``expert_x * expert``
+consecutive devices of the device order the caller passes, so whoever orders the devices
+(the topology module) decides which devices form an EP group and which share a domain.
+
+Model code names axes logically (``embed``, ``expert``, ``activation_batch``, ...);
+``LOGICAL_RULES`` is the only place that says which mesh axes each one is split over.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import flax.linen as nn
@@ -15,31 +20,62 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-DATA_AXIS = "data"
+from moe_train.config import ConfigError, ParallelConfig
 
-# logical axis -> mesh axis (None: replicated)
-LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
-    ("batch", DATA_AXIS),
-    ("seq", None),
-    ("embed", None),
+MESH_AXES = ("data", "expert_x", "expert")
+TOKEN_AXES = MESH_AXES  # a batch is split over every device
+EP_AXES = ("expert_x", "expert")
+
+# logical axis -> mesh axes (None: replicated)
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("activation_batch", TOKEN_AXES),
+    ("activation_seq", None),
+    ("activation_embed", None),
+    ("embed", "data"),  # FSDP: weights split along the model width
     ("vocab", None),
     ("heads", None),
     ("kv_heads", None),
     ("head_dim", None),
     ("mlp", None),
-    ("expert", None),
+    ("norm", None),
+    ("expert", EP_AXES),
     ("expert_gate", None),
 )
 
 
-def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
-    """A 1-D data-parallel mesh over ``devices`` in the order given (the caller picks it)."""
-    return Mesh(np.asarray(devices).reshape(len(devices)), (DATA_AXIS,))
+def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int, hidden: int,
+               local_devices: int) -> tuple[int, int, int]:
+    """(dp, expert_x, expert) for ``num_devices``; ConfigError names sizes that would work."""
+    ep = p.ep
+    if ep < 1 or num_devices % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the {num_devices} devices; valid ep: "
+                          f"{', '.join(str(d) for d in range(1, num_devices + 1) if num_devices % d == 0)}")
+    if num_experts % ep:
+        valid = [d for d in range(1, num_devices + 1) if num_devices % d == 0 and num_experts % d == 0]
+        raise ConfigError(f"moe.num_experts={num_experts} is not divisible by parallel.ep={ep}; "
+                          f"valid ep for {num_devices} devices: {', '.join(map(str, valid))}")
+    dp = p.dp or num_devices // ep
+    if dp * ep != num_devices:
+        raise ConfigError(f"parallel.dp={dp} x parallel.ep={ep} = {dp * ep} but the mesh has "
+                          f"{num_devices} devices; set parallel.dp={num_devices // ep} (or 0)")
+    if hidden % dp:
+        raise ConfigError(f"model.hidden={hidden} is not divisible by the data-parallel size {dp}")
+    domain = p.domain_size or local_devices
+    inner = ep if ep <= domain else domain
+    if ep % inner:
+        raise ConfigError(f"parallel.ep={ep} is not a multiple of the domain size {domain}")
+    return dp, ep // inner, inner
+
+
+def make_mesh(devices: Sequence[jax.Device], shape: tuple[int, int, int] | None = None) -> Mesh:
+    """Mesh over ``devices`` in the order given: EP groups are consecutive runs of them."""
+    shape = shape or (len(devices), 1, 1)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Token batches [B, S+1] split over the data axis along B."""
-    return NamedSharding(mesh, P(DATA_AXIS, None))
+    """Token batches [B, S+1] split over every device along B."""
+    return NamedSharding(mesh, P(TOKEN_AXES, None))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -52,10 +88,8 @@ def param_shardings(boxed_params, mesh: Mesh):
     return nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_RULES)
 
 
-def activate(mesh: Mesh):
+def activate(mesh: Mesh) -> contextlib.ExitStack:
     """Context in which traced model code resolves logical axis names on ``mesh``."""
-    import contextlib
-
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(mesh))
     stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))

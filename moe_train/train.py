@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from moe_train import sharding
 from moe_train.config import Config
 from moe_train.model import Transformer
+from moe_train.moe.ep import EPPlan
 
 
 @flax.struct.dataclass
@@ -61,6 +62,18 @@ def optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
+def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState:
+    """Parameters and their Adam moments FSDP/EP-sharded by the logical rules; rest replicated."""
+    tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
+    boxed = jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens)["params"], jax.random.key(0))
+    param_sh = sharding.param_shardings(boxed, mesh)
+    rep = sharding.replicated(mesh)
+    opt_sh = optax.tree_map_params(optimizer(cfg), lambda _, sh: sh, abstract.opt_state, param_sh,
+                                   transform_non_params=lambda _: rep)
+    return TrainState(step=rep, params=param_sh, opt_state=opt_sh,
+                      moe_state=jax.tree.map(lambda _: rep, abstract.moe_state))
+
+
 def init_state(cfg: Config, mesh: Mesh) -> TrainState:
     """Initialise parameters directly into their shardings on ``mesh``."""
     model, tx = Transformer(cfg), optimizer(cfg)
@@ -75,12 +88,7 @@ def init_state(cfg: Config, mesh: Mesh) -> TrainState:
     # The "rbg" generator compiles the initialisers ~3x faster than threefry on XLA:CPU.
     key = jax.random.key(cfg.train.seed, impl="rbg")
     abstract = jax.eval_shape(make, key)
-    boxed = jax.eval_shape(lambda k: model.init(k, tokens)["params"], jax.random.key(0))
-    param_sh = sharding.param_shardings(boxed, mesh)
-    rep = sharding.replicated(mesh)
-    out_sh = jax.tree.map(lambda _: rep, abstract)
-    out_sh = out_sh.replace(params=param_sh, opt_state=jax.tree.map(lambda _: rep, abstract.opt_state))
-    return jax.jit(make, out_shardings=out_sh)(key)
+    return jax.jit(make, out_shardings=state_shardings(cfg, mesh, abstract))(key)
 
 
 def _loss_fn(params, moe_state, batch_BS, model: Transformer, cfg: Config):
@@ -108,9 +116,19 @@ def update_bias(moe_state, tokens_per_expert_LE, rate: float):
     return new
 
 
-def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter):
-    """The jitted step ``(state, batch) -> (state, metrics)`` with the state donated."""
-    model, tx = Transformer(cfg), optimizer(cfg)
+def _sum_layers(stats, key, dtype=jnp.float32):
+    return stats[key].sum().astype(dtype) if stats else jnp.zeros((), dtype)
+
+
+def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState,
+                    ep_plan: EPPlan | None = None):
+    """The jitted step ``(state, batch) -> (state, metrics)`` with the state donated.
+
+    When an expert-parallel exchange overflows its buffers (``metrics["overflow"]``), the
+    returned state is the input state unchanged: the caller reruns the step with a larger
+    capacity bucket, so no update ever sees a dropped token.
+    """
+    model, tx = Transformer(cfg, ep_plan), optimizer(cfg)
     lr_at = schedule(cfg)
 
     def step(state: TrainState, batch_BS):
@@ -126,8 +144,17 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter):
                        seq_aux_loss=aux["seq_aux"], z_loss=aux["z"],
                        grad_norm=optax.tree.norm(grads), lr=lr_at(state.step),
                        tokens_per_expert=load_LE,
-                       dropped_tokens=stats["dropped_tokens"].sum() if stats else jnp.zeros((), jnp.int32))
+                       dropped_tokens=_sum_layers(stats, "dropped_tokens", jnp.int32),
+                       overflow=_sum_layers(stats, "overflow", jnp.int32) > 0,
+                       recv_rows=_sum_layers(stats, "recv_rows"),
+                       recv_slots=_sum_layers(stats, "recv_slots"),
+                       max_pair_rows=stats["max_pair_rows"].max() if stats else jnp.int32(0))
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, moe_state=moe_state)
+        if can_overflow:
+            new = jax.tree.map(lambda old, upd: jnp.where(metrics["overflow"], old, upd), state, new)
         return new, metrics
 
-    return jax.jit(step, donate_argnums=0, in_shardings=(None, sharding.batch_sharding(mesh)))
+    can_overflow = ep_plan is not None and ep_plan.dispatcher == "a2a" and ep_plan.capacity_factor is not None
+    return jax.jit(step, donate_argnums=0,
+                   in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
+                   out_shardings=(state_sharding, sharding.replicated(mesh)))

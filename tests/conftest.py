@@ -15,6 +15,6 @@ CACHE_DIR = Path(os.environ.get("MOE_TRAIN_TEST_JAX_CACHE",
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -119,29 +119,36 @@ def _seq_aux_loss(p_TE: jax.Array, experts_TK: jax.Array, seq_len: int | None) -
 
 
 def router_stats(logits_TE: jax.Array, scores_TE: jax.Array, experts_TK: jax.Array, *,
-                 score_function: str = "softmax", seq_len: int | None = None) -> dict:
+                 score_function: str = "softmax", seq_len: int | None = None,
+                 axis_names: tuple[str, ...] | None = None) -> dict:
     """Load statistics and unscaled router losses (all fp32 scalars except the counts).
 
     Keys: tokens_per_expert [E] int32, dropped_tokens int32 (0; callers that drop overwrite
     it), aux_loss (E * sum_e f_e P_e over all tokens), seq_aux_loss (per sequence of
     `seq_len` rows, then averaged), z_loss (mean logsumexp(logits)^2), router_entropy (mean
     entropy of the per-token distribution). P uses scores normalised to sum 1 per token.
+    With ``axis_names`` (inside shard_map) the tokens are this shard's part of the batch and
+    every statistic is over the whole batch: sums are psum-reduced over those mesh axes.
     """
+    def total(v):
+        return v if axis_names is None else jax.lax.psum(v, axis_names)
+
     T, E = logits_TE.shape
     K = experts_TK.shape[-1]
-    counts_E = expert_counts(experts_TK, E)
+    tokens = total(jnp.float32(T))
+    counts_E = total(expert_counts(experts_TK, E))
     p_TE = _token_distribution(scores_TE.astype(jnp.float32), score_function)
-    f_E = counts_E.astype(jnp.float32) / (T * K)
-    aux_loss = E * jnp.sum(f_E * p_TE.mean(axis=0))
+    f_E = counts_E.astype(jnp.float32) / (tokens * K)
+    aux_loss = E * jnp.sum(f_E * total(p_TE.sum(axis=0)) / tokens)
     lse_T = jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)
     entropy_T = -jnp.sum(p_TE * jnp.log(jnp.maximum(p_TE, 1e-30)), axis=-1)
     return {
         "tokens_per_expert": counts_E,
         "dropped_tokens": jnp.zeros((), jnp.int32),
         "aux_loss": aux_loss,
-        "seq_aux_loss": _seq_aux_loss(p_TE, experts_TK, seq_len),
-        "z_loss": jnp.mean(jnp.square(lse_T)),
-        "router_entropy": jnp.mean(entropy_T),
+        "seq_aux_loss": total(_seq_aux_loss(p_TE, experts_TK, seq_len)) / total(jnp.float32(1)),
+        "z_loss": total(jnp.sum(jnp.square(lse_T))) / tokens,
+        "router_entropy": total(jnp.sum(entropy_T)) / tokens,
     }
 
 

@@ -1,0 +1,99 @@
+"""The compiled train step per expert-parallel plan, with capacity buckets for ``a2a``.
+
+The ``a2a`` dispatcher's receive buffers are static. Instead of reserving the worst case
+(every token of a shard sent to one destination), a step runs with the smallest bucket
+(``moe.capacity_buckets`` x the balanced load) that has held recently. If an exchange
+overflows, the step returns its input state unchanged and runs again on the next bucket
+(each bucket compiles once); after ``moe.bucket_step_down_after`` steps whose largest pair
+load would have fit the next smaller bucket, it steps down. The worst-case bucket can never
+overflow, so every step ends dropless, bitwise equal to the worst-case path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from moe_train.config import Config, ConfigError
+from moe_train.moe.ep import EPPlan, capacity
+from moe_train.train import StepCounter, TrainState, make_train_step
+
+NOT_YET = {"hierarchical": "the two-stage hierarchical dispatcher is not implemented yet"}
+
+
+def parse_buckets(text: str) -> list[float]:
+    try:
+        factors = sorted(float(f) for f in text.split(",") if f.strip())
+    except ValueError:
+        raise ConfigError(f"moe.capacity_buckets={text!r}: expected comma-separated numbers "
+                          f"such as 1.0,1.25,1.5,2.0") from None
+    if not factors or factors[0] <= 0:
+        raise ConfigError(f"moe.capacity_buckets={text!r}: factors must be positive")
+    return factors
+
+
+def ep_plans(cfg: Config, mesh: Mesh) -> list[EPPlan | None]:
+    """The plans a run may use, smallest buffers first; [None] on a single device."""
+    ep = mesh.shape["expert_x"] * mesh.shape["expert"]
+    if mesh.devices.size == 1:
+        return [None]
+    if ep == 1:
+        return [EPPlan("local", 1, chunks=cfg.moe.chunks)]
+    name = cfg.moe.dispatcher
+    if name == "auto":
+        name = "a2a"
+    if name in NOT_YET:
+        raise ConfigError(f"moe.dispatcher={name}: {NOT_YET[name]}; choose allgather or a2a")
+    if name == "allgather":
+        return [EPPlan("allgather", ep, chunks=cfg.moe.chunks)]
+    factors = parse_buckets(cfg.moe.capacity_buckets)
+    return [EPPlan("a2a", ep, f, cfg.moe.chunks) for f in factors] + [EPPlan("a2a", ep, None, cfg.moe.chunks)]
+
+
+class BucketedStep:
+    """Runs one optimizer step on the smallest capacity bucket that holds the routing."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState):
+        self.cfg, self.mesh, self.counter, self.state_sharding = cfg, mesh, counter, state_sharding
+        self.plans = ep_plans(cfg, mesh)
+        self._compiled: dict[int, Any] = {}
+        self.bucket, self.reruns, self._fits_smaller = 0, 0, 0
+        t, devices = cfg.train, mesh.devices.size
+        n_shard = t.batch_size // devices * t.seq_len * cfg.moe.top_k // max(cfg.moe.chunks, 1)
+        local = cfg.moe.num_experts // max(self.plans[0].ep if self.plans[0] else 1, 1)
+        self._slots = [capacity(p, n_shard, cfg.moe.top_k, local) if p else n_shard for p in self.plans]
+
+    def _fn(self, bucket: int):
+        if bucket not in self._compiled:
+            self._compiled[bucket] = make_train_step(self.cfg, self.mesh, self.counter,
+                                                     self.state_sharding, self.plans[bucket])
+        return self._compiled[bucket]
+
+    def label(self) -> str | float | None:
+        plan = self.plans[self.bucket]
+        if plan is None or plan.dispatcher != "a2a":
+            return None
+        return "worst" if plan.capacity_factor is None else plan.capacity_factor
+
+    def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        while True:
+            state, raw = self._fn(self.bucket)(state, batch)
+            raw = jax.device_get(raw)
+            if not raw["overflow"]:
+                break
+            self.reruns += 1
+            self.bucket += 1
+            self._fits_smaller = 0
+        raw["ep_bucket"], raw["ep_overflow_reruns"] = self.label(), self.reruns
+        self._maybe_step_down(int(raw["max_pair_rows"]))
+        return state, raw
+
+    def _maybe_step_down(self, max_pair_rows: int) -> None:
+        if self.bucket == 0:
+            return
+        self._fits_smaller = self._fits_smaller + 1 if max_pair_rows <= self._slots[self.bucket - 1] else 0
+        if self._fits_smaller >= self.cfg.moe.bucket_step_down_after:
+            self.bucket -= 1
+            self._fits_smaller = 0
