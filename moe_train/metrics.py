@@ -39,7 +39,8 @@ def step_record(step: int, raw: dict[str, Any], *, step_time_s: float, tokens: i
     rec.update(load_stats(raw["tokens_per_expert"]))
     rec.update(dropped_tokens=int(raw["dropped_tokens"]), compilations=compilations,
                ep_bucket=raw.get("ep_bucket"), ep_overflow_reruns=int(raw.get("ep_overflow_reruns", 0)),
-               recv_buffer_fill=float(raw["recv_rows"] / raw["recv_slots"]) if raw["recv_slots"] else None)
+               recv_buffer_fill=float(raw["recv_rows"] / raw["recv_slots"]) if raw["recv_slots"] else None,
+               ep_slow_link_rows=float(raw.get("slow_rows", 0.0)))
     return rec
 
 

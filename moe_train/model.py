@@ -22,7 +22,7 @@ from moe_train.moe.ep import EPPlan, ep_moe
 
 ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
 STAT_KEYS = ("tokens_per_expert", "aux_loss", "seq_aux_loss", "z_loss", "dropped_tokens",
-             "overflow", "recv_rows", "recv_slots", "max_pair_rows")
+             "overflow", "recv_rows", "recv_slots", "max_pair_load", "slow_rows")
 
 
 def _init(fan_in_axes: tuple[int, ...] = (-2,), out_axes: tuple[int, ...] = (-1,),
@@ -142,7 +142,7 @@ class MoEBlock(nn.Module):
             y_TH, stats = dropless_moe(*operands, **kwargs)
             n = jnp.float32(B * S * e.top_k)
             stats.update(overflow=jnp.zeros((), bool), recv_rows=n, recv_slots=n,
-                         max_pair_rows=jnp.int32(0))
+                         max_pair_load=jnp.float32(0), slow_rows=jnp.float32(0))
         else:
             y_TH, stats = ep_moe(*operands, plan=self.ep_plan, **kwargs)
         y_BSH = y_TH.reshape(B, S, H)

@@ -1,11 +1,11 @@
 """The compiled train step per expert-parallel plan, with capacity buckets for ``a2a``.
 
-The ``a2a`` dispatcher's receive buffers are static. Instead of reserving the worst case
+The ``a2a`` and ``hierarchical`` dispatchers' receive buffers are static. Instead of reserving the worst case
 (every token of a shard sent to one destination), a step runs with the smallest bucket
 (``moe.capacity_buckets`` x the balanced load) that has held recently. If an exchange
 overflows, the step returns its input state unchanged and runs again on the next bucket
 (each bucket compiles once); after ``moe.bucket_step_down_after`` steps whose largest pair
-load would have fit the next smaller bucket, it steps down. The worst-case bucket can never
+load (relative to the balanced load) would have fit the next smaller bucket, it steps down. The worst-case bucket can never
 overflow, so every step ends dropless, bitwise equal to the worst-case path.
 """
 
@@ -17,10 +17,8 @@ import jax
 from jax.sharding import Mesh
 
 from moe_train.config import Config, ConfigError
-from moe_train.moe.ep import EPPlan, capacity
+from moe_train.moe.ep import EPPlan
 from moe_train.train import StepCounter, TrainState, make_train_step
-
-NOT_YET = {"hierarchical": "the two-stage hierarchical dispatcher is not implemented yet"}
 
 
 def parse_buckets(text: str) -> list[float]:
@@ -42,14 +40,16 @@ def ep_plans(cfg: Config, mesh: Mesh) -> list[EPPlan | None]:
     if ep == 1:
         return [EPPlan("local", 1, chunks=cfg.moe.chunks)]
     name = cfg.moe.dispatcher
-    if name == "auto":
-        name = "a2a"
-    if name in NOT_YET:
-        raise ConfigError(f"moe.dispatcher={name}: {NOT_YET[name]}; choose allgather or a2a")
+    if name == "auto":  # two-stage once an EP group spans several domains
+        name = "hierarchical" if mesh.shape["expert_x"] > 1 else "a2a"
+    if name == "hierarchical" and mesh.shape["expert_x"] == 1:
+        raise ConfigError(f"moe.dispatcher=hierarchical needs an EP group spanning several "
+                          f"domains: parallel.ep={ep} fits one domain of {mesh.shape['expert']}; "
+                          f"lower parallel.domain_size or use a2a")
     if name == "allgather":
         return [EPPlan("allgather", ep, chunks=cfg.moe.chunks)]
-    factors = parse_buckets(cfg.moe.capacity_buckets)
-    return [EPPlan("a2a", ep, f, cfg.moe.chunks) for f in factors] + [EPPlan("a2a", ep, None, cfg.moe.chunks)]
+    factors = parse_buckets(cfg.moe.capacity_buckets) + [None]
+    return [EPPlan(name, ep, f, cfg.moe.chunks) for f in factors]
 
 
 class BucketedStep:
@@ -60,10 +60,6 @@ class BucketedStep:
         self.plans = ep_plans(cfg, mesh)
         self._compiled: dict[int, Any] = {}
         self.bucket, self.reruns, self._fits_smaller = 0, 0, 0
-        t, devices = cfg.train, mesh.devices.size
-        n_shard = t.batch_size // devices * t.seq_len * cfg.moe.top_k // max(cfg.moe.chunks, 1)
-        local = cfg.moe.num_experts // max(self.plans[0].ep if self.plans[0] else 1, 1)
-        self._slots = [capacity(p, n_shard, cfg.moe.top_k, local) if p else n_shard for p in self.plans]
 
     def _fn(self, bucket: int):
         if bucket not in self._compiled:
@@ -73,7 +69,7 @@ class BucketedStep:
 
     def label(self) -> str | float | None:
         plan = self.plans[self.bucket]
-        if plan is None or plan.dispatcher != "a2a":
+        if plan is None or plan.dispatcher not in ("a2a", "hierarchical"):
             return None
         return "worst" if plan.capacity_factor is None else plan.capacity_factor
 
@@ -87,13 +83,14 @@ class BucketedStep:
             self.bucket += 1
             self._fits_smaller = 0
         raw["ep_bucket"], raw["ep_overflow_reruns"] = self.label(), self.reruns
-        self._maybe_step_down(int(raw["max_pair_rows"]))
+        self._maybe_step_down(float(raw["max_pair_load"]))
         return state, raw
 
-    def _maybe_step_down(self, max_pair_rows: int) -> None:
+    def _maybe_step_down(self, max_pair_load: float) -> None:
         if self.bucket == 0:
             return
-        self._fits_smaller = self._fits_smaller + 1 if max_pair_rows <= self._slots[self.bucket - 1] else 0
+        smaller = self.plans[self.bucket - 1].capacity_factor
+        self._fits_smaller = self._fits_smaller + 1 if max_pair_load <= smaller else 0
         if self._fits_smaller >= self.cfg.moe.bucket_step_down_after:
             self.bucket -= 1
             self._fits_smaller = 0

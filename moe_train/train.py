@@ -148,13 +148,14 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
                        overflow=_sum_layers(stats, "overflow", jnp.int32) > 0,
                        recv_rows=_sum_layers(stats, "recv_rows"),
                        recv_slots=_sum_layers(stats, "recv_slots"),
-                       max_pair_rows=stats["max_pair_rows"].max() if stats else jnp.int32(0))
+                       slow_rows=_sum_layers(stats, "slow_rows"),
+                       max_pair_load=stats["max_pair_load"].max() if stats else jnp.float32(0))
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, moe_state=moe_state)
         if can_overflow:
             new = jax.tree.map(lambda old, upd: jnp.where(metrics["overflow"], old, upd), state, new)
         return new, metrics
 
-    can_overflow = ep_plan is not None and ep_plan.dispatcher == "a2a" and ep_plan.capacity_factor is not None
+    can_overflow = ep_plan is not None and ep_plan.capacity_factor is not None
     return jax.jit(step, donate_argnums=0,
                    in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
                    out_shardings=(state_sharding, sharding.replicated(mesh)))

@@ -7,7 +7,8 @@ import pytest
 
 from moe_train import sharding
 from moe_train.moe import dropless_moe
-from moe_train.moe.ep import EPPlan, capacity, ep_moe
+from moe_train.moe.dispatch import bucket_slots
+from moe_train.moe.ep import EPPlan, ep_moe
 
 T, H, F, E, K = 128, 16, 8, 8, 2
 
@@ -53,6 +54,8 @@ CASES = [  # devices, ep, inner (domain), dispatcher, capacity factor
     (2, 2, 2, "allgather", None), (4, 4, 4, "allgather", None), (8, 8, 8, "allgather", None),
     (2, 2, 2, "a2a", None), (4, 4, 4, "a2a", None), (8, 8, 8, "a2a", None),
     (8, 4, 2, "a2a", None), (8, 8, 2, "allgather", None), (4, 2, 2, "a2a", 1.5),
+    (4, 4, 2, "hierarchical", None), (8, 8, 2, "hierarchical", None),
+    (8, 8, 4, "hierarchical", None), (8, 4, 1, "hierarchical", None), (8, 8, 2, "hierarchical", 2.0),
 ]
 
 
@@ -80,11 +83,12 @@ def test_overflow_is_flagged_when_a_bucket_is_too_small():
 
 
 @pytest.mark.parametrize("bias", [None, SKEW], ids=["random", "one-rank"])
-def test_bucket_equals_worst_case_bitwise(bias):
-    mesh, ops = mesh_for(4, 4), operands(1)
-    worst = run_ep(mesh, EPPlan("a2a", 4, None), ops, bias)
+@pytest.mark.parametrize("dispatcher,inner", [("a2a", 4), ("hierarchical", 2)])
+def test_bucket_equals_worst_case_bitwise(bias, dispatcher, inner):
+    mesh, ops = mesh_for(4, 4, inner), operands(1)
+    worst = run_ep(mesh, EPPlan(dispatcher, 4, None), ops, bias)
     for factor in (1.0, 1.5, 2.0, 4.0):
-        y, stats, grads = run_ep(mesh, EPPlan("a2a", 4, factor), ops, bias)
+        y, stats, grads = run_ep(mesh, EPPlan(dispatcher, 4, factor), ops, bias)
         if not bool(stats["overflow"]):
             np.testing.assert_array_equal(y, worst[0])
             for g, g_ref in zip(grads, worst[2]):
@@ -96,7 +100,7 @@ def test_bucket_equals_worst_case_bitwise(bias):
 def test_receive_fill_reports_buffer_use():
     _, stats, _ = run_ep(mesh_for(4, 4), EPPlan("a2a", 4, None), operands())
     assert float(stats["recv_rows"]) == T * K  # every assignment arrives somewhere
-    assert float(stats["recv_slots"]) == 4 * 4 * capacity(EPPlan("a2a", 4), T // 4 * K, K, E // 4)
+    assert float(stats["recv_slots"]) == 4 * 4 * bucket_slots(None, 0, T // 4 * min(K, E // 4))
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "a2a"])
@@ -118,3 +122,17 @@ def test_sigmoid_group_routing_with_bias_matches_single_device():
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     for g, g_ref in zip(grads, grads_ref):
         np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("inner", [2, 4], ids=["4-domains", "2-domains"])
+def test_hierarchical_sends_fewer_rows_over_slow_links_than_flat(inner):
+    mesh, ops = mesh_for(8, 8, inner), operands(4)
+    _, flat, _ = run_ep(mesh, EPPlan("a2a", 8, None), ops)
+    _, hier, _ = run_ep(mesh, EPPlan("hierarchical", 8, None), ops)
+    G = 8 // inner
+    expected = T * (G - 1) * (1 - (1 - 1 / G) ** K)  # cost model: T tokens in all, uniform routing
+    print(f"G={G}: flat {float(flat['slow_rows'])}, hierarchical {float(hier['slow_rows'])}, "
+          f"model {expected:.1f}")
+    assert float(hier["slow_rows"]) < float(flat["slow_rows"])
+    assert float(flat["slow_rows"]) == pytest.approx(T * K * (8 - inner) / 8, rel=0.35)
+    assert float(hier["slow_rows"]) == pytest.approx(expected, rel=0.35)

@@ -33,12 +33,13 @@ def single(tmp_path_factory) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,ep,dispatcher", [
-    (8, 8, "a2a"), (8, 4, "allgather"), (4, 2, "a2a"),
+@pytest.mark.parametrize("devices,ep,domain,dispatcher", [
+    (8, 8, 0, "a2a"), (8, 4, 0, "allgather"), (4, 2, 0, "a2a"), (8, 8, 2, "hierarchical"),
 ])
-def test_expert_parallel_training_matches_single_device(tmp_path, single, devices, ep, dispatcher):
+def test_expert_parallel_training_matches_single_device(tmp_path, single, devices, ep, domain,
+                                                        dispatcher):
     cfg = cfg_for(f"parallel.devices={devices}", f"parallel.ep={ep}", f"moe.dispatcher={dispatcher}",
-                  "moe.capacity_buckets=100")
+                  f"parallel.domain_size={domain}", "moe.capacity_buckets=100")
     assert run(cfg, tmp_path, log=lambda s: None) == EXIT_OK
     np.testing.assert_allclose(losses(tmp_path), single, rtol=1e-5)
 
@@ -69,6 +70,11 @@ def test_resume_with_another_ep_size_and_device_count(tmp_path, single):
 def test_experts_not_divisible_by_ep_names_valid_sizes(tmp_path):
     with pytest.raises(ConfigError, match=r"num_experts=8 is not divisible by parallel.ep=3"):
         run(cfg_for("parallel.devices=6", "parallel.ep=3", "train.batch_size=6"), tmp_path)
+
+
+def test_hierarchical_needs_several_domains(tmp_path):
+    with pytest.raises(ConfigError, match="needs an EP group spanning several domains"):
+        run(cfg_for("parallel.devices=4", "parallel.ep=4", "moe.dispatcher=hierarchical"), tmp_path)
 
 
 def test_dp_times_ep_must_equal_devices(tmp_path):
