@@ -15,7 +15,7 @@ from typing import Callable
 
 import jax
 
-from moe_train import checkpoint, flops, metrics, sharding
+from moe_train import checkpoint, distributed, flops, metrics, sharding
 from moe_train.config import Config, ConfigError, save_json, to_dict
 from moe_train.data import make_source
 from moe_train.stepper import BucketedStep
@@ -130,6 +130,7 @@ def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
                                       tokens=t.batch_size * t.seq_len, flops_per_token=fpt,
                                       devices=devices, peak_flops=peak, compilations=counter.traces)
             rec["compiled"] = counter.traces > traces
+            distributed.beat(step + 1)  # the multi-process watchdog: this process progresses
             if not math.isfinite(rec["total_loss"]):
                 log(f"error: loss became {rec['total_loss']} at step {step + 1}; stopping without "
                     f"saving; the last good checkpoint ({ckpt.latest_step()}) is kept")
