@@ -71,3 +71,8 @@ def test_incompatible_checkpoint_is_refused_and_kept(tmp_path):
 def test_help_lists_presets():
     proc = cli("--help")
     assert proc.returncode == 0 and "mixtral-8x7b" in proc.stdout
+
+
+def test_experts_not_divisible_by_ep(tmp_path):
+    assert_clean_error(cli("--out", str(tmp_path / "r"), "--devices", "6", "--set", "parallel.ep=3",
+                           "--set", "train.batch_size=6"), "not divisible by parallel.ep=3", "valid ep")
