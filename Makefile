@@ -17,7 +17,7 @@ EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,gpu
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help venv smoke train test test-fast clean
+.PHONY: help venv smoke train test test-fast bench clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -43,6 +43,9 @@ test: $(STAMP) ## run the whole test suite (GPU and Slurm tests skip where unava
 
 test-fast: $(STAMP) ## the test suite without tests marked slow
 	$(PY) -m pytest -m 'not slow' $(PYTEST_ARGS)
+
+bench: $(STAMP) ## expert-parallel MoE benchmark on 8 fake CPU devices; writes runs/bench/<UTC>/
+	$(PY) -m moe_train.bench
 
 clean: ## remove the virtualenv and run outputs
 	rm -rf $(VENV) runs .pytest_cache

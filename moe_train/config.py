@@ -71,7 +71,7 @@ class MoEConfig:
     bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate*sign(mean-load); 0 off
     dispatcher: str = "auto"  # expert-parallel token exchange: auto | allgather | a2a | hierarchical
     chunks: int = 1  # split each rank's tokens into N chunks to overlap dispatch with GEMMs
-    capacity_buckets: str = "1.0,1.25,1.5,2.0"  # a2a receive buffers, x balanced load; then worst case
+    capacity_buckets: str = "1.0,1.25,1.5,2.0,3.0,4.0"  # exchange buffers, x balanced load; then worst
     bucket_step_down_after: int = 20  # steps of lower load before using the next smaller bucket
 
 

@@ -1,0 +1,176 @@
+"""Benchmark plumbing: timing, collective bytes from lowered HLO, Markdown tables, results.
+
+Timing: the function is compiled first (``jit(...).lower(...).compile()``, its wall time is
+``compile_s``), run once as warm-up, then timed ``reps`` times with ``block_until_ready``;
+a row keeps the median, min, max and quartiles. ``reps`` adapts to the step time: enough to
+fill about ``target_s`` seconds, at least ``min_reps``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+
+# ----------------------------------------------------------------------------- timing
+
+def time_compiled(fn: Callable, args: Sequence, *, min_reps: int = 3, max_reps: int = 10,
+                  target_s: float = 2.0) -> tuple[dict[str, Any], Any]:
+    """Warm up once, then time ``fn(*args)`` ``reps`` times. Returns (timing, last output)."""
+    out = jax.block_until_ready(fn(*args))  # warm-up
+    times = []
+    reps = min_reps
+    while len(times) < reps:
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+        if len(times) == 1:  # size the run from the first timed repetition
+            reps = max(min_reps, min(max_reps, math.ceil(target_s / max(times[0], 1e-6))))
+    return summarize(times), out
+
+
+def summarize(times: Sequence[float]) -> dict[str, Any]:
+    ts = sorted(times)
+    q = np.percentile(ts, [25, 75]) if len(ts) > 1 else (ts[0], ts[0])
+    return {"median_s": statistics.median(ts), "min_s": ts[0], "max_s": ts[-1],
+            "q1_s": float(q[0]), "q3_s": float(q[1]), "reps": len(ts)}
+
+
+def compile_jit(jitted, *args):
+    """(compiled, lowered, compile seconds) of a jitted function on example ``args``."""
+    t0 = time.perf_counter()
+    lowered = jitted.lower(*args)
+    compiled = lowered.compile()
+    return compiled, lowered, time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- collectives
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+(all-to-all|all-gather|reduce-scatter)\(")
+_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,{}]*\})\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+
+
+def _replica_groups(line: str) -> list[list[int]] | None:
+    m = _GROUPS_LIST.search(line)
+    if m:
+        return [[int(v) for v in g.split(",") if v] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    m = _GROUPS_IOTA.search(line)
+    if m:
+        shape = [int(v) for v in m.group(1).split(",")]
+        dims = [int(v) for v in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    return None
+
+
+def collective_bytes(hlo_text: str, domain_of: Callable[[int], int]) -> dict[str, Any]:
+    """Bytes one device moves through the exchange collectives of an (unoptimized) HLO module.
+
+    Per device and per collective: all-to-all = its buffer (result) bytes, all-gather = the
+    gathered (result) bytes, reduce-scatter = its input bytes (result x group size); each
+    includes the device's own block. ``cross_domain`` counts the share of those bytes that
+    goes to (or comes from) group members in another fast-link domain (``domain_of`` maps a
+    device id of the replica groups to its domain). All-reduces (router statistics) are left
+    out. Bytes are averaged over the devices in the replica groups.
+    """
+    out = {"all_to_all": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "cross_domain": 0.0,
+           "count": 0}
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        dtype, dims, op = m.groups()
+        nbytes = math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
+        groups = _replica_groups(line)
+        n = len(groups[0]) if groups else 1
+        if op == "reduce-scatter":
+            nbytes *= n
+        out[op.replace("-", "_")] += nbytes
+        out["count"] += 1
+        if groups:
+            fracs = [sum(domain_of(o) != domain_of(d) for o in g) / len(g) for g in groups for d in g]
+            out["cross_domain"] += nbytes * float(np.mean(fracs))
+        else:
+            out["cross_domain"] = float("nan")
+    out["total"] = out["all_to_all"] + out["all_gather"] + out["reduce_scatter"]
+    return out
+
+
+# ----------------------------------------------------------------------------- output
+
+def utc_stamp() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def environment() -> dict[str, Any]:
+    return {"python": sys.version.split()[0], "jax": jax.__version__,
+            "jax_backend": jax.default_backend(), "devices": len(jax.devices()),
+            "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "machine": platform.machine()}
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v):
+        return "" if v is None else str(v)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt_ms(timing: dict[str, Any] | None) -> tuple[str, str]:
+    """(median ms, 'min-max') of a timing dict."""
+    if not timing:
+        return "", ""
+    return (f"{timing['median_s'] * 1e3:.1f}",
+            f"{timing['min_s'] * 1e3:.1f}-{timing['max_s'] * 1e3:.1f}")
+
+
+def mib(nbytes: float | None) -> str:
+    if nbytes is None or (isinstance(nbytes, float) and math.isnan(nbytes)):
+        return ""
+    return f"{nbytes / 2**20:.2f}"
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serializable: {type(o)}")
+
+
+def finite_or_none(obj):
+    """``obj`` with every non-finite float replaced by None (strict JSON has no NaN)."""
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    return obj
+
+
+def write_results(out_dir: Path, results: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "results.json", out_dir / "results.md"
+    json_path.write_text(json.dumps(finite_or_none(results), indent=2, default=_json_default,
+                                    allow_nan=False) + "\n")
+    md_path.write_text(markdown + "\n")
+    return json_path, md_path
