@@ -25,6 +25,13 @@ STAT_KEYS = ("tokens_per_expert", "aux_loss", "seq_aux_loss", "z_loss", "dropped
              "overflow", "recv_rows", "recv_slots", "max_pair_load", "slow_rows")
 
 
+def gathered(w, axes: tuple[str, ...], dtype):
+    """A weight cast for use, constrained whole along ``embed``: FSDP all-gathers the weight
+    rather than letting the partitioner reshard activations to match it."""
+    use_axes = tuple("activation_embed" if a == "embed" else a for a in axes)
+    return nn.with_logical_constraint(w.astype(dtype), use_axes)
+
+
 def _init(fan_in_axes: tuple[int, ...] = (-2,), out_axes: tuple[int, ...] = (-1,),
           batch_axes: tuple[int, ...] = ()):
     return nn.initializers.variance_scaling(
@@ -73,7 +80,7 @@ class Attention(nn.Module):
         def proj(name, heads, axes):
             w = self.param(name, nn.with_logical_partitioning(_init((0,), (1, 2)), axes),
                            (m.hidden, heads, d), jnp.dtype(m.param_dtype))
-            return jnp.einsum("bsh,hnd->bsnd", x_BSH, w.astype(dt))
+            return jnp.einsum("bsh,hnd->bsnd", x_BSH, gathered(w, axes, dt))
 
         q_BSND = proj("q", m.num_heads, ("embed", "heads", "head_dim"))
         k_BSKD = proj("k", m.num_kv_heads, ("embed", "kv_heads", "head_dim"))
@@ -83,10 +90,10 @@ class Attention(nn.Module):
             k_BSKD = RMSNorm(m.norm_eps, "head_dim", name="k_norm")(k_BSKD)
         q_BSND, k_BSKD = rope(q_BSND, m.rope_theta), rope(k_BSKD, m.rope_theta)
         o_BSND = jax.nn.dot_product_attention(q_BSND, k_BSKD, v_BSKD, is_causal=True)
-        wo = self.param("o", nn.with_logical_partitioning(_init((0, 1), (2,)),
-                                                         ("heads", "head_dim", "embed")),
+        o_axes = ("heads", "head_dim", "embed")
+        wo = self.param("o", nn.with_logical_partitioning(_init((0, 1), (2,)), o_axes),
                         (m.num_heads, d, m.hidden), jnp.dtype(m.param_dtype))
-        return jnp.einsum("bsnd,ndh->bsh", o_BSND, wo.astype(dt))
+        return jnp.einsum("bsnd,ndh->bsh", o_BSND, gathered(wo, o_axes, dt))
 
 
 class SwiGLU(nn.Module):
@@ -103,8 +110,9 @@ class SwiGLU(nn.Module):
         wi_0 = self.param("wi_0", part(_init(), ("embed", "mlp")), (m.hidden, self.ffn), pdt)
         wi_1 = self.param("wi_1", part(_init(), ("embed", "mlp")), (m.hidden, self.ffn), pdt)
         wo = self.param("wo", part(_init(), ("mlp", "embed")), (self.ffn, m.hidden), pdt)
-        h_BSF = nn.silu(x_BSH @ wi_0.astype(dt)) * (x_BSH @ wi_1.astype(dt))
-        return h_BSF @ wo.astype(dt)
+        up, down = ("embed", "mlp"), ("mlp", "embed")
+        h_BSF = nn.silu(x_BSH @ gathered(wi_0, up, dt)) * (x_BSH @ gathered(wi_1, up, dt))
+        return h_BSF @ gathered(wo, down, dt)
 
 
 class MoEBlock(nn.Module):
@@ -183,7 +191,8 @@ class Transformer(nn.Module):
         embed_VH = self.param("embed", nn.with_logical_partitioning(
             nn.initializers.normal(1.0), ("vocab", "embed")), (m.vocab_size, m.hidden),
             jnp.dtype(m.param_dtype))
-        x_BSH = embed_VH.astype(dt)[tokens_BS]
+        table_VH = gathered(embed_VH, ("vocab", "embed"), dt)
+        x_BSH = table_VH[tokens_BS]
         x_BSH = nn.with_logical_constraint(x_BSH, ACTIVATION_AXES)
         layer_stats = []
         for i in range(m.num_layers):
@@ -195,10 +204,10 @@ class Transformer(nn.Module):
         x_BSH = RMSNorm(m.norm_eps, name="final_norm")(x_BSH)
         if m.tie_embeddings:
             # The embedding is initialised at unit scale; 1/sqrt(H) keeps tied logits O(1).
-            logits_BSV = (x_BSH @ embed_VH.astype(dt).T) * (m.hidden ** -0.5)
+            logits_BSV = (x_BSH @ table_VH.T) * (m.hidden ** -0.5)
         else:
             head_HV = self.param("lm_head", nn.with_logical_partitioning(
                 _init(), ("embed", "vocab")), (m.hidden, m.vocab_size), jnp.dtype(m.param_dtype))
-            logits_BSV = x_BSH @ head_HV.astype(dt)
+            logits_BSV = x_BSH @ gathered(head_HV, ("embed", "vocab"), dt)
         stats_L = {k: jnp.stack([s[k] for s in layer_stats]) for k in STAT_KEYS} if layer_stats else {}
         return logits_BSV.astype(jnp.float32), stats_L
