@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import numpy as np
 
 from moe_train import checkpoint, distributed, flops, metrics, sharding
 from moe_train.config import Config, ConfigError, save_json, to_dict
@@ -43,6 +44,16 @@ class StopFlag:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def agreed(self) -> int | None:
+        """The stop signal if any process got one. Processes must stop after the same step
+        (a checkpoint is a collective), so a multi-process run agrees every step."""
+        if jax.process_count() == 1:
+            return self.signum
+        from jax.experimental import multihost_utils
+
+        signums = multihost_utils.process_allgather(np.int32(self.signum or 0))
+        return int(np.max(signums)) or None
 
 
 def select_devices(cfg: Config) -> list[jax.Device]:
@@ -139,12 +150,12 @@ def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
             records.append(rec)
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
                 log(metrics.progress_line(rec, t.steps))
-            done = step + 1 == t.steps
-            if done or stop.signum is not None or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0):
+            done, signum = step + 1 == t.steps, stop.agreed()
+            if done or signum is not None or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0):
                 ckpt.save(step + 1, state, meta)
-            if stop.signum is not None and not done:
+            if signum is not None and not done:
                 ckpt.wait()
-                status = (f"stopped by signal {signal.Signals(stop.signum).name} after step {step + 1}; "
+                status = (f"stopped by signal {signal.Signals(signum).name} after step {step + 1}; "
                           f"checkpoint saved, rerun the same command to continue")
                 break
         ckpt.wait()

@@ -265,3 +265,34 @@ def test_slurm_step_is_detected(tmp_path):
         assert p.returncode == 0, err
         line = [ln for ln in out.splitlines() if ln.startswith("slurm")][0]
         assert line == f"slurm {rank} 2 localhost:{61440 + job % 4096} 3.0"
+
+
+def test_signal_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path):
+    """Slurm may signal the tasks at slightly different times: all agree on one stop step."""
+    out, steps = tmp_path / "run", 12
+    args = ("--steps", str(steps), "--set", "parallel.init_timeout_s=60")
+    procs = pair(tmp_path, out, *args)
+    try:
+        deadline = time.monotonic() + 150
+        while metric_lines(out) < 3:
+            assert all(p.popen.poll() is None for p in procs), "\n".join(p.report() for p in procs)
+            assert time.monotonic() < deadline, "no training progress"
+            time.sleep(0.05)
+        procs[1].popen.send_signal(signal.SIGUSR2)
+        for p in procs:
+            assert p.wait(120) == 0, p.report()
+    finally:
+        for p in procs:
+            p.kill()
+    assert "stopped by signal SIGUSR2" in procs[0].stdout
+    stopped = metric_lines(out)
+    assert stopped < steps and (out / "checkpoints" / str(stopped)).is_dir()
+    procs = pair(tmp_path, out, *args)
+    try:
+        for p in procs:
+            assert p.wait(180) == 0, p.report()
+    finally:
+        for p in procs:
+            p.kill()
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, steps + 1))
