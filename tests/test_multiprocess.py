@@ -76,6 +76,16 @@ def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def wait_all(procs: list[Proc], timeout: float = 180) -> None:
+    """Every process exits 0 within ``timeout``; leftovers are killed either way."""
+    try:
+        for p in procs:
+            assert p.wait(timeout) == 0, p.report()
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def metric_lines(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -91,12 +101,7 @@ def test_two_processes_match_one_process(tmp_path, extra):
                   "--devices", "4", *extra)]
     procs += pair(tmp_path, tmp_path / "two", "--steps", "4", "--set", "parallel.init_timeout_s=60",
                   *extra)
-    try:
-        for p in procs:
-            assert p.wait(180) == 0, p.report()
-    finally:
-        for p in procs:
-            p.kill()
+    wait_all(procs)
     procs = procs[1:]
     expected, got = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(got) == 4
@@ -279,20 +284,14 @@ def test_signal_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path):
             assert time.monotonic() < deadline, "no training progress"
             time.sleep(0.05)
         procs[1].popen.send_signal(signal.SIGUSR2)
-        for p in procs:
-            assert p.wait(120) == 0, p.report()
-    finally:
+    except BaseException:
         for p in procs:
             p.kill()
+        raise
+    wait_all(procs, 120)
     assert "stopped by signal SIGUSR2" in procs[0].stdout
     stopped = metric_lines(out)
     assert stopped < steps and (out / "checkpoints" / str(stopped)).is_dir()
-    procs = pair(tmp_path, out, *args)
-    try:
-        for p in procs:
-            assert p.wait(180) == 0, p.report()
-    finally:
-        for p in procs:
-            p.kill()
+    wait_all(pair(tmp_path, out, *args))
     assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == \
         list(range(1, steps + 1))
