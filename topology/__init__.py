@@ -1,7 +1,16 @@
 """Hardware facts about the machines a run lands on.
 
 ``topology.peaks`` maps a JAX ``device.device_kind`` string to the device's dense peak FLOP/s,
-which the trainer divides into its achieved FLOP/s to report MFU. This package is where the
-cluster descriptions will live as well: NVLink domain sizes, per-GPU NVLink and scale-out
-bandwidths, and the all-to-all cost model that the expert-parallel layout is planned with.
+which the trainer divides into its achieved FLOP/s to report MFU.
+
+``topology.presets`` describes whole clusters (cpu-local, h100-dgx, h200-hgx, b200-hgx,
+gb200-nvl72, gb200-nvl36x2) from small TOML files: GPUs per node, NVLink domain size, one-way
+NVLink and NIC bandwidth per GPU, NCCL latencies, achieved-bandwidth efficiencies, peak
+FLOP/s, environment variables with their sources, Slurm options and container images.
+``load(name)`` returns a validated ``Cluster``; ``load(path)`` does the same for a site's own
+file.
+
+``topology.cost`` is the uniform-routing all-to-all cost model the expert-parallel layout is
+planned with: per-dispatch NVLink and network bytes and time, flat or hierarchical, and the
+per-layer split between all-to-all and expert GEMM time.
 """

@@ -1,0 +1,140 @@
+"""All-to-all cost model for expert parallelism under uniform routing.
+
+The model is the one in /work/shared/reference/hardware-and-topology.md ("All-to-all cost
+model (uniform routing)"). Symbols, per GPU:
+
+    T tokens, H hidden size, k experts per token (top-k), b bytes per element,
+    P expert-parallel (EP) group size, D = min(P, domain_size) GPUs of the group that share
+    an NVLink domain (groups are packed domain-first), G = P / D domains the group spans,
+    B_nv, B_ib one-way NVLink and network bandwidth, eta_* their achieved fractions,
+    alpha_* per-collective latencies.
+
+    V = T * k * H * b                       bytes one GPU sends per dispatch
+
+Flat all-to-all (every copy of a token goes straight to its expert's GPU):
+
+    V_nv = V * (D - 1) / P                  to the other GPUs of the own domain
+    V_ib = V * (P - D) / P                  to GPUs in other domains
+
+Hierarchical (deduplicated): a token crosses the network once per remote domain that holds
+one of its k experts, then fans out over NVLink. Under uniform routing a token reaches
+(G - 1) * (1 - (1 - 1/G)^k) remote domains on average, so
+
+    V_ib = T * H * b * (G - 1) * (1 - (1 - 1/G)^k)
+    V_nv = V * (D - 1) / D
+
+In both cases NVLink and network traffic overlap, so
+
+    t = alpha_nv + [P > D] * alpha_ib + max(V_nv / (eta_nv * B_nv), V_ib / (eta_ib * B_ib))
+
+The same time is used for the combine (the reverse all-to-all moves the same bytes).
+Bandwidths, efficiencies and latencies come from a ``topology.presets.Cluster``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from topology.presets import Cluster
+
+GB = 1e9  # preset bandwidths are GB/s with 1 GB = 1e9 bytes
+US = 1e-6  # preset latencies are microseconds
+
+# Per MoE layer per training step: dispatch + combine forward, and their transposes backward.
+ALL_TO_ALLS_PER_LAYER = 4
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Cost of one all-to-all (a dispatch or a combine) for one GPU."""
+
+    v_nvlink_bytes: float  # bytes this GPU sends over NVLink
+    v_network_bytes: float  # bytes this GPU sends over the scale-out network
+    t_nvlink_s: float  # NVLink transfer time at eta_nvlink * nvlink bandwidth, seconds
+    t_network_s: float  # network transfer time at eta_network * NIC bandwidth, seconds
+    latency_s: float  # fixed per-collective latency, seconds
+    total_s: float  # latency_s + max(t_nvlink_s, t_network_s): the two links overlap
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one MoE layer for one GPU over one training step (forward and backward)."""
+
+    all_to_all: Breakdown  # one all-to-all; the layer does ALL_TO_ALLS_PER_LAYER of them
+    comm_s: float  # ALL_TO_ALLS_PER_LAYER * all_to_all.total_s
+    gemm_flops: float  # expert GEMM FLOPs, forward and backward
+    gemm_s: float  # gemm_flops at the cluster's dense bf16 peak (a lower bound)
+    total_s: float  # comm_s + gemm_s, i.e. with no overlap of communication and compute
+    comm_fraction: float  # comm_s / total_s
+
+
+def _check(T: int, H: int, k: int, bytes_per_elem: float, ep: int, domain: int) -> None:
+    """Reject sizes the model has no meaning for."""
+    for name, value in (("T", T), ("H", H), ("k", k), ("bytes_per_elem", bytes_per_elem),
+                        ("ep", ep)):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    if ep > domain and ep % domain:
+        raise ValueError(f"ep {ep} spans several NVLink domains of {domain} GPUs but is not a "
+                         f"multiple of {domain}; EP groups are packed domain-first")
+
+
+def remote_domains_per_token(groups: int, k: int) -> float:
+    """Expected number of other domains a token's k experts fall in: (G-1)(1-(1-1/G)^k)."""
+    if groups <= 1:
+        return 0.0
+    return (groups - 1) * (1.0 - (1.0 - 1.0 / groups) ** k)
+
+
+def dispatch_bytes(T: int, H: int, k: int, bytes_per_elem: float, ep: int, domain_size: int,
+                   hierarchical: bool) -> tuple[float, float]:
+    """(V_nv, V_ib): bytes one GPU sends over NVLink and over the network per dispatch."""
+    _check(T, H, k, bytes_per_elem, ep, domain_size)
+    v = T * k * H * bytes_per_elem
+    d = min(ep, domain_size)
+    if not hierarchical:
+        return v * (d - 1) / ep, v * (ep - d) / ep
+    g = ep // d
+    return v * (d - 1) / d, T * H * bytes_per_elem * remote_domains_per_token(g, k)
+
+
+def dispatch_time(cluster: Cluster, T: int, H: int, k: int, bytes_per_elem: float, ep: int,
+                  hierarchical: bool = False) -> Breakdown:
+    """Time of one dispatch (or combine) all-to-all on ``cluster``, per the model above."""
+    v_nv, v_ib = dispatch_bytes(T, H, k, bytes_per_elem, ep, cluster.domain_size, hierarchical)
+    t_nv = v_nv / (cluster.eta_nvlink * cluster.nvlink_gbps_per_gpu * GB)
+    t_ib = v_ib / (cluster.eta_network * cluster.nic_gbps_per_gpu * GB)
+    latency = cluster.latency_nvlink_us * US
+    if ep > cluster.domain_size:
+        latency += cluster.latency_network_us * US
+    return Breakdown(v_nvlink_bytes=v_nv, v_network_bytes=v_ib, t_nvlink_s=t_nv,
+                     t_network_s=t_ib, latency_s=latency, total_s=latency + max(t_nv, t_ib))
+
+
+def expert_gemm_flops(T: int, H: int, k: int, F: int) -> float:
+    """Expert SwiGLU GEMM FLOPs for T tokens, forward and backward.
+
+    Each of the T*k routed token copies does three H x F matmuls (gate, up, down) at
+    2 FLOPs per multiply-add: 2 * T*k * 3*H*F forward; backward costs twice the forward,
+    so forward + backward = 3 * 2 * T*k * 3*H*F.
+    """
+    if F <= 0:
+        raise ValueError(f"F must be > 0, got {F}")
+    return 3 * 2 * T * k * 3 * H * F
+
+
+def layer_time(cluster: Cluster, T: int, H: int, k: int, F: int, bytes_per_elem: float,
+               ep: int, hierarchical: bool = False) -> LayerCost:
+    """Per-GPU cost of one MoE layer per step: 4 all-to-alls plus the expert GEMMs.
+
+    The 4 all-to-alls are dispatch and combine in the forward pass and their transposes in
+    the backward pass. The GEMM time uses the dense bf16 peak, so it is a lower bound and
+    the communication fraction an upper bound for a given cluster.
+    """
+    a2a = dispatch_time(cluster, T, H, k, bytes_per_elem, ep, hierarchical)
+    comm = ALL_TO_ALLS_PER_LAYER * a2a.total_s
+    flops = expert_gemm_flops(T, H, k, F)
+    gemm = flops / cluster.peak_bf16_flops
+    total = comm + gemm
+    return LayerCost(all_to_all=a2a, comm_s=comm, gemm_flops=flops, gemm_s=gemm,
+                     total_s=total, comm_fraction=comm / total)
