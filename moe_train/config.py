@@ -121,7 +121,9 @@ class ParallelConfig:
     devices: int = 0  # devices in the mesh; 0 means all; on CPU, that many fake host devices
     ep: int = 1  # expert-parallel size: experts are split over groups of this many devices
     dp: int = 0  # data-parallel (FSDP) size; 0 means devices // ep
-    domain_size: int = 0  # devices per fast-link (NVLink) domain; 0: one domain per host
+    domain_size: int = 0  # force fast-link domains of this many devices (fake domains on CPU); 0: discover them
+    cluster: str = ""  # cluster preset name or site .toml: peak FLOP/s for MFU, topology checks; "": none
+    allow_straddle: bool = False  # allow EP groups across NVLink domains when they cannot fit inside one
     coordinator: str = ""  # host:port of process 0; empty: from Slurm, else single-process
     num_processes: int = 0  # processes in the job; 0: from Slurm or the coordinator setup
     process_id: int = -1  # this process's rank; -1: from Slurm
@@ -267,10 +269,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} exceeds "
                           f"model.num_layers={m.num_layers}")
     _validate_groups(e)
+    _validate_cluster(cfg.parallel)
     if cfg.data.source in ("tokens", "bytes") and not cfg.data.path:
         raise ConfigError(f"data.source={cfg.data.source} needs data.path=<file>")
     if cfg.data.source == "bytes" and m.vocab_size < 256:
         raise ConfigError(f"data.source=bytes needs model.vocab_size >= 256, got {m.vocab_size}")
+
+
+def _validate_cluster(p: ParallelConfig) -> None:
+    if not p.cluster:
+        return
+    from topology.presets import TopologyError, load  # pure TOML reading, no jax
+
+    try:
+        load(p.cluster)
+    except TopologyError as err:
+        raise ConfigError(f"parallel.cluster: {err}") from None
 
 
 def _validate_groups(e: MoEConfig) -> None:

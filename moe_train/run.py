@@ -7,6 +7,7 @@ NaN/inf (the last good checkpoint is kept; nothing is saved past it).
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import time
@@ -16,11 +17,12 @@ from typing import Callable
 import jax
 import numpy as np
 
-from moe_train import checkpoint, distributed, flops, metrics, sharding
+from moe_train import checkpoint, distributed, flops, layout, metrics, sharding
 from moe_train.config import Config, ConfigError, save_json, to_dict
 from moe_train.data import make_source
 from moe_train.stepper import BucketedStep
 from moe_train.train import StepCounter, init_state
+from topology import presets as topology_presets
 from topology.peaks import peak_flops
 
 EXIT_OK, EXIT_CONFIG, EXIT_DIVERGED = 0, 2, 3
@@ -80,10 +82,11 @@ def _prepare_out(cfg: Config, out_dir: Path, ckpt: checkpoint.Checkpointer) -> i
     return latest
 
 
-def build_mesh(cfg: Config, devices: list[jax.Device]):
-    shape = sharding.mesh_shape(cfg.parallel, len(devices), cfg.moe.num_experts, cfg.model.hidden,
-                                local_devices=jax.local_device_count())
-    return sharding.make_mesh(devices, shape)
+def mfu_peak(cfg: Config, device_kind: str) -> float | None:
+    """Peak FLOP/s per device for MFU: the cluster preset's when one is named, else by kind."""
+    if cfg.parallel.cluster:
+        return topology_presets.load(cfg.parallel.cluster).peak_flops(cfg.model.dtype)
+    return peak_flops(device_kind, cfg.model.dtype)
 
 
 def global_batch(source, step: int, mesh):
@@ -92,11 +95,26 @@ def global_batch(source, step: int, mesh):
     return jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), local)
 
 
+def _report_layout(plan: layout.Layout, out_dir: Path, log: Callable[[str], None]) -> None:
+    """Log where the EP groups went (warnings loudly) and keep it in ``layout.json``."""
+    for line in plan.lines:
+        log(f"layout: {line}")
+    for line in plan.warnings:
+        log(f"WARNING: {line}")
+    if jax.process_index() == 0:
+        p = plan.placement
+        (out_dir / "layout.json").write_text(json.dumps({
+            "mesh": dict(plan.mesh.shape), "ep_groups": p.ep_groups, "domains": p.domains,
+            "straddling": p.straddling, "notes": list(plan.lines), "warnings": list(plan.warnings),
+        }, indent=1) + "\n")
+
+
 def run(cfg: Config, out_dir: Path, log: Callable[[str], None] = print) -> int:
     """Train ``cfg`` into ``out_dir``; returns the process exit code."""
     out_dir = Path(out_dir)
     devices = select_devices(cfg)
-    mesh = build_mesh(cfg, devices)
+    plan = layout.build(cfg, devices)
+    mesh = plan.mesh
     t = cfg.train
     source = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
                          batch_size=t.batch_size)
@@ -104,6 +122,7 @@ def run(cfg: Config, out_dir: Path, log: Callable[[str], None] = print) -> int:
     ckpt = checkpoint.Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
     try:
         latest = _prepare_out(cfg, out_dir, ckpt)
+        _report_layout(plan, out_dir, log)
         state = init_state(cfg, mesh)
         if latest is not None:
             state = ckpt.restore(latest, state)
@@ -123,7 +142,7 @@ def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
     step_fn = BucketedStep(cfg, mesh, counter, jax.tree.map(lambda x: x.sharding, state))
     meta = {"config": to_dict(cfg)}
     fpt = flops.train_flops_per_token(cfg)
-    peak = peak_flops(mesh.devices.flat[0].device_kind, cfg.model.dtype)
+    peak = mfu_peak(cfg, mesh.devices.flat[0].device_kind)
     log(f"training {source.description} on {devices} {mesh.devices.flat[0].platform} device(s) "
         f"(mesh {dict(mesh.shape)}, {jax.process_count()} process(es)), "
         f"steps {start + 1}-{t.steps}, batch {t.batch_size}x{t.seq_len}")

@@ -3,8 +3,8 @@
 Mesh axes, outermost first: ``data`` (data parallel; non-expert weights and optimizer state
 are FSDP-sharded over it), ``expert_x`` (expert parallel across fast-link domains) and
 ``expert`` (expert parallel inside one domain). An EP group is ``expert_x * expert``
-consecutive devices of the device order the caller passes, so whoever orders the devices
-(the topology module) decides which devices form an EP group and which share a domain.
+consecutive devices of the device order the caller passes: ``moe_train.layout`` orders
+them with the topology module, so EP groups stay inside NVLink domains.
 
 Model code names axes logically (``embed``, ``expert``, ``activation_batch``, ...);
 ``LOGICAL_RULES`` is the only place that says which mesh axes each one is split over.
@@ -43,9 +43,13 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int, hidden: int,
-               local_devices: int) -> tuple[int, int, int]:
-    """(dp, expert_x, expert) for ``num_devices``; ConfigError names sizes that would work."""
+def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int,
+               hidden: int) -> tuple[int, int]:
+    """(dp, ep) for ``num_devices``; ConfigError names sizes that would work.
+
+    How an EP group splits into ``expert_x`` x ``expert`` follows from the NVLink domains it
+    is placed on (``moe_train.layout``), not from these sizes.
+    """
     ep = p.ep
     if ep < 1 or num_devices % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the {num_devices} devices; valid ep: "
@@ -60,11 +64,7 @@ def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int, hidden: in
                           f"{num_devices} devices; set parallel.dp={num_devices // ep} (or 0)")
     if hidden % dp:
         raise ConfigError(f"model.hidden={hidden} is not divisible by the data-parallel size {dp}")
-    domain = p.domain_size or local_devices
-    inner = ep if ep <= domain else domain
-    if ep % inner:
-        raise ConfigError(f"parallel.ep={ep} is not a multiple of the domain size {domain}")
-    return dp, ep // inner, inner
+    return dp, ep
 
 
 def make_mesh(devices: Sequence[jax.Device], shape: tuple[int, int, int] | None = None) -> Mesh:

@@ -78,3 +78,14 @@ def test_every_field_has_a_comment():
         for field in dataclasses.fields(section):
             line = next(l for l in source.splitlines() if l.strip().startswith(f"{field.name}:"))
             assert "#" in line, f"{section.__name__}.{field.name} has no comment"
+
+
+def test_unknown_cluster_preset_names_the_valid_ones():
+    with pytest.raises(config.ConfigError, match="parallel.cluster: unknown cluster preset 'h100'; valid presets: .*h100-dgx"):
+        config.build("tiny", ["parallel.cluster=h100"])
+
+
+def test_cluster_preset_gives_the_mfu_peak():
+    from topology.presets import load
+    assert load("h100-dgx").peak_flops("bfloat16") == 989e12
+    assert load("cpu-local").peak_flops("bfloat16") is None  # nominal numbers are no peak

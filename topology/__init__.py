@@ -13,4 +13,12 @@ file.
 ``topology.cost`` is the uniform-routing all-to-all cost model the expert-parallel layout is
 planned with: per-dispatch NVLink and network bytes and time, flat or hierarchical, and the
 per-layer split between all-to-all and expert GEMM time.
+
+``topology.discovery`` finds the NVLink domain of every device of a running job (NVML fabric
+info, JAX's partition index, the Slurm block, the host) and checks it against a preset;
+``topology.placement`` orders the devices so that EP groups stay inside domains and picks the
+Slurm allocation shape (``--segment``); ``topology.plan`` and ``python -m topology plan``
+explain a placement with the cost model against a topology-blind one; ``python -m topology
+probe`` measures the all-to-all and writes a calibration file (``topology.calibration``);
+``topology.xla_flags`` checks a preset's XLA_FLAGS against the installed XLA.
 """

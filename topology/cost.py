@@ -138,3 +138,80 @@ def layer_time(cluster: Cluster, T: int, H: int, k: int, F: int, bytes_per_elem:
     total = comm + gemm
     return LayerCost(all_to_all=a2a, comm_s=comm, gemm_flops=flops, gemm_s=gemm,
                      total_s=total, comm_fraction=comm / total)
+
+
+# --- Cost of an arbitrary placement ---------------------------------------------------------
+#
+# For a placement (EP groups of global ranks, and each rank's NVLink domain) under uniform
+# routing, each GPU of a group of P sends V/P to every other member: the bytes to members of
+# its own domain go over NVLink, the rest over the network. The collective finishes when its
+# slowest GPU does, so its time is the worst GPU's max(t_nvlink, t_network) plus the latency
+# terms of dispatch_time (the network latency when any group spans domains). For groups
+# packed domain-major with the same number D of GPUs in each of their domains this is
+# exactly the flat formula above with that D; the hierarchical variant uses dispatch_bytes
+# with hierarchical=True for such groups.
+
+
+def _group_bytes(group, domain_of, v: float, T: int, H: int, k: int, bytes_per_elem: float,
+                 hierarchical: bool) -> list[tuple[float, float]]:
+    """(V_nv, V_ib) for each GPU of one EP group, in group order."""
+    p = len(group)
+    counts: dict = {}
+    for r in group:
+        counts[domain_of[r]] = counts.get(domain_of[r], 0) + 1
+    if hierarchical:
+        per_domain = set(counts.values())
+        if len(per_domain) != 1:
+            raise ValueError(f"hierarchical dispatch needs the same number of GPUs of a group in "
+                             f"each of its domains, got {sorted(counts.values())}")
+        pair = dispatch_bytes(T, H, k, bytes_per_elem, p, per_domain.pop(), hierarchical=True)
+        return [pair] * p
+    out = []
+    for r in group:
+        same = counts[domain_of[r]] - 1
+        out.append((v * same / p, v * (p - 1 - same) / p))
+    return out
+
+
+def placement_dispatch_time(cluster: Cluster, groups, domain_of, T: int, H: int, k: int,
+                            bytes_per_elem: float, hierarchical: bool = False) -> Breakdown:
+    """One dispatch (or combine) all-to-all over ``groups``: the slowest GPU's Breakdown.
+
+    ``groups`` are EP groups of global ranks; ``domain_of[rank]`` is the rank's NVLink domain
+    (a dict or a sequence). ``hierarchical`` needs every group to hold the same number of
+    GPUs in each domain it touches (domain-major packing).
+    """
+    if not groups:
+        raise ValueError("no EP groups")
+    largest = max(len(g) for g in groups)
+    _check(T, H, k, bytes_per_elem, largest, largest)
+    v = T * k * H * bytes_per_elem
+    eta_nv = cluster.eta_nvlink * cluster.nvlink_gbps_per_gpu * GB
+    eta_ib = cluster.eta_network * cluster.nic_gbps_per_gpu * GB
+    worst = None
+    spans = False
+    for g in groups:
+        spans = spans or len({domain_of[r] for r in g}) > 1
+        for v_nv, v_ib in _group_bytes(g, domain_of, v, T, H, k, bytes_per_elem, hierarchical):
+            t_nv, t_ib = v_nv / eta_nv, v_ib / eta_ib
+            if worst is None or max(t_nv, t_ib) > max(worst[2], worst[3]):
+                worst = (v_nv, v_ib, t_nv, t_ib)
+    latency = cluster.latency_nvlink_us * US
+    if spans:
+        latency += cluster.latency_network_us * US
+    v_nv, v_ib, t_nv, t_ib = worst
+    return Breakdown(v_nvlink_bytes=v_nv, v_network_bytes=v_ib, t_nvlink_s=t_nv,
+                     t_network_s=t_ib, latency_s=latency, total_s=latency + max(t_nv, t_ib))
+
+
+def placement_layer_time(cluster: Cluster, groups, domain_of, T: int, H: int, k: int, F: int,
+                         bytes_per_elem: float, hierarchical: bool = False) -> LayerCost:
+    """``layer_time`` for a placement: 4 of its all-to-alls plus the expert GEMMs per GPU."""
+    a2a = placement_dispatch_time(cluster, groups, domain_of, T, H, k, bytes_per_elem,
+                                  hierarchical)
+    comm = ALL_TO_ALLS_PER_LAYER * a2a.total_s
+    flops = expert_gemm_flops(T, H, k, F)
+    gemm = flops / cluster.peak_bf16_flops
+    total = comm + gemm
+    return LayerCost(all_to_all=a2a, comm_s=comm, gemm_flops=flops, gemm_s=gemm,
+                     total_s=total, comm_fraction=comm / total)

@@ -59,10 +59,15 @@ def device_model(device_kind: str) -> str | None:
     return None
 
 
+def dtype_family(dtype: str) -> str | None:
+    """"bf16" or "fp8" for a matmul dtype name; None where the peak is ambiguous (float32)."""
+    return _DTYPE_FAMILY.get(dtype.lower())
+
+
 def peak_flops(device_kind: str, dtype: str = "bfloat16") -> float | None:
     """Dense peak FLOP/s of one device for matmuls in ``dtype``; None when unknown."""
     model = device_model(device_kind)
-    family = _DTYPE_FAMILY.get(dtype.lower())
+    family = dtype_family(dtype)
     if model is None or family is None:
         return None
     return _PEAKS[model][family]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from topology.peaks import dtype_family
+
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 CPU_ARCHS = ("x86_64", "aarch64")
 
@@ -86,6 +88,14 @@ class Cluster:
     def image(self) -> str:
         """The container image for this cluster's CPU architecture."""
         return self.container_image[self.cpu_arch]
+
+    def peak_flops(self, dtype: str) -> float | None:
+        """Dense peak FLOP/s per GPU for matmuls in ``dtype``; None for nominal presets and
+        for dtypes without one clear peak (float32 may run as TF32 or as true FP32)."""
+        family = dtype_family(dtype)
+        if self.nominal or family is None:
+            return None
+        return self.peak_bf16_flops if family == "bf16" else self.peak_fp8_flops
 
     def sbatch_args(self) -> list[str]:
         """The sbatch flags for this cluster (--segment sized to one NVLink domain)."""

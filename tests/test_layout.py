@@ -1,0 +1,81 @@
+"""The trainer's mesh follows the topology plan: EP groups inside NVLink domains."""
+
+import json
+
+import jax
+import pytest
+
+from moe_train import config, layout
+from moe_train.config import ConfigError
+from moe_train.run import EXIT_OK, run
+from topology.discovery import DeviceDomain
+
+
+def cfg_for(*overrides: str) -> config.Config:
+    return config.build("tiny", ["train.steps=2", "train.log_every=100", "parallel.devices=8",
+                                 *overrides])
+
+
+def recorded(keys: list[str]):
+    """A discovery result as a job would have gathered it: device i in domain keys[i]."""
+    return lambda: [DeviceDomain(i, 0, "node", k, "nvml") for i, k in enumerate(keys)]
+
+
+@pytest.fixture
+def interleaved(monkeypatch):
+    """Two recorded NVLink domains that interleave in device-id order: evens and odds."""
+    keys = [f"nvml:rack{i % 2}" for i in range(8)]
+    monkeypatch.setattr(layout.discovery, "discover", recorded(keys))
+    return [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_each_ep_group_lies_in_one_recorded_domain(interleaved):
+    plan = layout.build(cfg_for("parallel.ep=4"), jax.devices()[:8])
+    assert sorted(plan.placement.ep_groups) == interleaved
+
+
+def test_mesh_order_is_the_placement_order(interleaved):
+    plan = layout.build(cfg_for("parallel.ep=4"), jax.devices()[:8])
+    assert [d.id for d in plan.mesh.devices.flat] == plan.placement.order
+
+
+def test_ep_larger_than_a_domain_spans_whole_domains(interleaved):
+    plan = layout.build(cfg_for("parallel.ep=8"), jax.devices()[:8])
+    assert dict(plan.mesh.shape) == {"data": 1, "expert_x": 2, "expert": 4}
+
+
+def test_fake_domains_split_the_group_axis():
+    plan = layout.build(cfg_for("parallel.ep=8", "parallel.domain_size=2"), jax.devices()[:8])
+    assert dict(plan.mesh.shape) == {"data": 1, "expert_x": 4, "expert": 2}
+
+
+def test_straddling_groups_are_refused_with_the_override_named(monkeypatch):
+    monkeypatch.setattr(layout.discovery, "discover", recorded(["a"] * 3 + ["b"] * 5))
+    with pytest.raises(ConfigError, match="parallel.ep=4: .*straddle.*allow_straddle=true"):
+        layout.build(cfg_for("parallel.ep=4"), jax.devices()[:8])
+
+
+def test_straddling_allowed_on_request(monkeypatch):
+    monkeypatch.setattr(layout.discovery, "discover", recorded(["a"] * 3 + ["b"] * 5))
+    plan = layout.build(cfg_for("parallel.ep=4", "parallel.allow_straddle=true"), jax.devices()[:8])
+    assert plan.placement.straddling
+
+
+def test_preset_mismatch_is_a_warning(interleaved):
+    plan = layout.build(cfg_for("parallel.ep=4", "parallel.cluster=gb200-nvl72"), jax.devices()[:8])
+    assert plan.warnings
+
+
+def test_fake_domain_size_must_divide_the_devices():
+    with pytest.raises(ConfigError, match="parallel.domain_size=3 does not divide the 8 devices"):
+        layout.build(cfg_for("parallel.ep=4", "parallel.domain_size=3"), jax.devices()[:8])
+
+
+@pytest.mark.slow
+def test_training_uses_the_planned_order(tmp_path, interleaved):
+    lines = []
+    assert run(cfg_for("parallel.ep=4", "parallel.cluster=cpu-local"), tmp_path, log=lines.append) == EXIT_OK
+    saved = json.loads((tmp_path / "layout.json").read_text())
+    assert sorted(saved["ep_groups"]) == interleaved
+    assert any(line.startswith("layout: each EP group of 4 lies inside one NVLink domain")
+               for line in lines)

@@ -1,0 +1,142 @@
+"""``python -m topology <command>``: expert-parallel planning tools.
+
+Commands (``COMMANDS`` maps each name to its argument setup and its runner):
+
+* ``plan`` -- the Slurm allocation, EP groups and predicted all-to-all cost of a model on a
+  cluster preset, against the topology-blind placement (``topology.plan``); ``--calibration``
+  replaces the preset's link numbers with a probe's measurement.
+* ``probe`` -- time all-to-alls over message sizes on the devices this job has (NCCL on GPUs,
+  fake host devices on CPU) and write a calibration file (``topology.probe``,
+  ``topology.calibration``). Under ``srun`` with several tasks every task runs it together.
+
+Bad input (unknown preset or model, EP or node counts that do not fit) prints one line
+``error: ...`` naming the valid choices to stderr and exits 2; no subcommand prints the usage
+and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable
+
+from topology.presets import TopologyError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one ``error:`` line, exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", required=True,
+                   help="cluster preset name (topology/presets/*.toml) or a site .toml path")
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
+    p.add_argument("--model", required=True, help="model preset (moe_train/presets/*.toml)")
+    p.add_argument("--ep", type=int, required=True, help="expert-parallel group size")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default GPUs / ep)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per GPU (default: the model's train batch / GPUs)")
+    p.add_argument("--allow-straddle", action="store_true",
+                   help="place EP groups across NVLink domains instead of refusing")
+    p.add_argument("--calibration", default=None,
+                   help="calibration file from `python -m topology probe` (measured link numbers)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _plan_run(args: argparse.Namespace) -> int:
+    from topology import plan  # imports moe_train.config (no jax)
+
+    result = plan.make_plan(args.preset, args.nodes, args.model, args.ep, dp=args.dp,
+                            tokens=args.tokens, allow_straddle=args.allow_straddle,
+                            calibration=args.calibration)
+    print(json.dumps(plan.plan_json(result)) if args.json else plan.render(result))
+    return 0
+
+
+def _probe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", required=True,
+                   help="cluster preset the measurement calibrates (name or site .toml path)")
+    p.add_argument("--out", required=True, help="calibration file to write (TOML)")
+    p.add_argument("--devices", type=int, default=0,
+                   help="devices to use (default all; on CPU, that many fake host devices)")
+    p.add_argument("--min-bytes", type=int, default=64 * 1024, help="smallest message per device")
+    p.add_argument("--max-bytes", type=int, default=0,
+                   help="largest message per device (default 256 MiB on GPU, 4 MiB on CPU)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per size (median kept)")
+
+
+def _probe_run(args: argparse.Namespace) -> int:
+    from topology import presets
+
+    cluster = presets.load(args.preset)  # fail on a bad name before starting JAX
+    import jax
+
+    from topology import calibration, discovery, probe
+
+    if args.devices and jax.config.jax_platforms in (None, "", "cpu"):
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", "1")) or 1) > 1 \
+            and "SLURM_STEP_NODELIST" in os.environ:
+        jax.distributed.initialize()
+    devices = jax.devices()[:args.devices or None]
+    if len(devices) < 2:
+        raise TopologyError(f"probe needs at least 2 devices, this job has {len(devices)}")
+    ids = {d.id for d in devices}
+    groups = discovery.domains_of(r for r in discovery.discover() if r.device_id in ids)
+    link = "nvlink" if len(groups) == 1 else "network"
+    gpu = devices[0].platform != "cpu"
+    sizes = probe.sizes(args.min_bytes, args.max_bytes or (256 << 20 if gpu else 4 << 20))
+    samples = probe.measure(devices, sizes, reps=args.reps)
+    result = calibration.fit(samples)
+    if jax.process_index() == 0:
+        path = calibration.write(args.out, cluster.name, link, result, samples,
+                                 devices[0].device_kind, len(devices))
+        for s in samples:
+            print(f"{s.bytes_per_device:>12,d} B per device  {s.seconds * 1e6:10.1f} us")
+        print(f"{link} over {len(devices)} {devices[0].platform} devices in {len(groups)} "
+              f"domain(s): latency {result.latency_s * 1e6:.1f} us, "
+              f"{result.rate_bytes_per_s / 1e9:.3f} GB/s per device -> {path}")
+    return 0
+
+
+# name -> (help, add arguments, run)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
+                          Callable[[argparse.Namespace], int]]] = {
+    "plan": ("EP placement, Slurm allocation and predicted all-to-all cost", _plan_args,
+             _plan_run),
+    "probe": ("measure all-to-all time over message sizes and write a calibration file",
+              _probe_args, _probe_run),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m topology", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    for name, (help_text, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return COMMANDS[args.command][2](args)
+    except TopologyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
