@@ -6,7 +6,11 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PRESET ?= tiny
+MODEL ?= tiny
+# cluster preset (topology/presets/*.toml) or a site .toml, for submit/plan/preflight
+PRESET ?= cpu-local
+NODES ?= 1
+EP ?= 8
 STEPS ?=
 OUT ?= runs/smoke
 SET ?=
@@ -14,14 +18,21 @@ PYTEST_ARGS ?=
 # pip extras: a machine with an NVIDIA driver also gets JAX's CUDA build
 EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,gpu || echo test,cluster)
 
+# User values reach recipes only as environment variables, quoted there ("$$OUT"), never
+# pasted into a command line by make: SET='x; touch /tmp/y' stays one odd --set value.
+export MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT
+# "$@" = --steps/--set arguments from STEPS and SET (split on spaces, no globbing)
+RUN_ARGS := set -f; set -- $$(printf -- '--set\n%s\n' $$SET); [ -z "$$STEPS" ] || set -- "$$@" --steps "$$STEPS"
+
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help venv smoke train test test-fast bench clean
+.PHONY: help venv smoke train test test-fast bench plan probe cluster-up cluster-down \
+	container container-import preflight clean
 
 help: ## list the targets
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
-	@echo "variables: PRESET=$(PRESET) OUT=$(OUT) STEPS=<n> SET='k=v ...' EXTRAS=$(EXTRAS) PYTHON=$(PYTHON)"
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-17s %s\n", $$1, $$2}'
+	@echo "variables: MODEL=$(MODEL) PRESET=$(PRESET) NODES=$(NODES) EP=$(EP) OUT=$(OUT) STEPS=<n> SET='k=v ...' EXTRAS=$(EXTRAS) PYTHON=$(PYTHON)"
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,11 +43,11 @@ $(STAMP): pyproject.toml requirements.lock
 venv: $(STAMP) ## create .venv (re-created only when dependency files change)
 
 smoke: $(STAMP) ## train the tiny preset on this machine (CPU or GPU) and print a summary
-	rm -rf $(OUT)
-	$(PY) -m moe_train --preset tiny --out $(OUT) $(if $(STEPS),--steps $(STEPS)) $(foreach s,$(SET),--set $(s))
+	rm -rf -- "$$OUT"
+	$(RUN_ARGS); $(PY) -m moe_train --preset tiny --out "$$OUT" "$$@"
 
-train: $(STAMP) ## train PRESET into OUT (resumes if OUT holds a checkpoint)
-	$(PY) -m moe_train --preset $(PRESET) --out $(OUT) $(if $(STEPS),--steps $(STEPS)) $(foreach s,$(SET),--set $(s))
+train: $(STAMP) ## train MODEL into OUT on this machine (resumes if OUT holds a checkpoint)
+	$(RUN_ARGS); $(PY) -m moe_train --preset "$$MODEL" --out "$$OUT" "$$@"
 
 test: $(STAMP) ## run the whole test suite (GPU and Slurm tests skip where unavailable)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -46,6 +57,27 @@ test-fast: $(STAMP) ## the test suite without tests marked slow
 
 bench: $(STAMP) ## expert-parallel MoE benchmark on 8 fake CPU devices; writes runs/bench/<UTC>/
 	$(PY) -m moe_train.bench
+
+plan: $(STAMP) ## EP placement + predicted all-to-all of MODEL on NODES of cluster PRESET with EP
+	$(PY) -m topology plan --preset "$$PRESET" --nodes "$$NODES" --model "$$MODEL" --ep "$$EP"
+
+probe: $(STAMP) ## time all-to-alls on this machine's devices; writes runs/probe/<PRESET>.toml
+	$(PY) -m topology probe --preset "$$PRESET" --out "runs/probe/$$(basename -- "$$PRESET" .toml).toml"
+
+cluster-up: ## start a local Slurm cluster (slurmctld, slurmd, slurmdbd, MariaDB, munge; root)
+	bash slurm/local_cluster.sh start
+
+cluster-down: ## stop the daemons cluster-up started
+	bash slurm/local_cluster.sh stop
+
+container: ## build the kit image for ARCH (amd64|arm64) with TOOL (docker|podman) and make a .sqsh
+	containers/build.sh $(if $(ARCH),--arch "$$ARCH") $(if $(TOOL),--tool "$$TOOL") $(if $(CONTAINER_OUT),--out "$$CONTAINER_OUT")
+
+container-import: ## IMAGE=<registry image> -> runs/containers/<name>.sqsh with enroot import
+	containers/import.sh "$$IMAGE" $(if $(ARCH),--arch "$$ARCH")
+
+preflight: $(STAMP) ## check this node (inside the container): GPUs, TE, NCCL, IMEX, NVML
+	$(PY) -m containers.preflight --preset "$$PRESET"
 
 clean: ## remove the virtualenv and run outputs
 	rm -rf $(VENV) runs .pytest_cache
