@@ -16,7 +16,7 @@ OUT ?= runs/smoke
 SET ?=
 PYTEST_ARGS ?=
 # pip extras: a machine with an NVIDIA driver also gets JAX's CUDA build
-EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,gpu || echo test,cluster)
+EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,report,gpu || echo test,cluster,report)
 
 # User values reach recipes only as environment variables, quoted there ("$$OUT"), never
 # pasted into a command line by make: SET='x; touch /tmp/y' stays one odd --set value.
