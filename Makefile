@@ -20,14 +20,14 @@ EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,rep
 
 # User values reach recipes only as environment variables, quoted there ("$$OUT"), never
 # pasted into a command line by make: SET='x; touch /tmp/y' stays one odd --set value.
-export MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT
+export MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT RUN
 # "$@" = --steps/--set arguments from STEPS and SET (split on spaces, no globbing)
 RUN_ARGS := set -f; set -- $$(printf -- '--set\n%s\n' $$SET); [ -z "$$STEPS" ] || set -- "$$@" --steps "$$STEPS"
 
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help venv smoke train test test-fast bench plan probe cluster-up cluster-down \
+.PHONY: help venv smoke train test test-fast bench plan probe report cluster-up cluster-down \
 	container container-import preflight clean
 
 help: ## list the targets
@@ -63,6 +63,10 @@ plan: $(STAMP) ## EP placement + predicted all-to-all of MODEL on NODES of clust
 
 probe: $(STAMP) ## time all-to-alls on this machine's devices; writes runs/probe/<PRESET>.toml
 	$(PY) -m topology probe --preset "$$PRESET" --out "runs/probe/$$(basename -- "$$PRESET" .toml).toml"
+
+report: $(STAMP) ## write RUN/report.html (+ RUN/report/*.png) from a run's metrics and telemetry
+	@test -n "$$RUN" || { echo "usage: make report RUN=<run dir>" >&2; exit 2; }
+	$(PY) -m moe_train.report "$$RUN"
 
 cluster-up: ## start a local Slurm cluster (slurmctld, slurmd, slurmdbd, MariaDB, munge; root)
 	bash slurm/local_cluster.sh start

@@ -23,6 +23,7 @@ DISPATCHERS = ("auto", "allgather", "a2a", "hierarchical")
 DATA_SOURCES = ("synthetic", "tokens", "bytes")
 TOKEN_DTYPES = ("uint16", "uint32")
 DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "matmuls", "moe")  # moe_train.remat documents each
 
 
 class ConfigError(ValueError):
@@ -112,6 +113,8 @@ class TrainConfig:
     keep_checkpoints: int = 3  # keep the last N checkpoints
     async_checkpoint: bool = True  # write periodic checkpoints in the background
     log_every: int = 1  # print a progress line every N steps
+    telemetry_interval_s: float = 1.0  # seconds between GPU/host samples to <out>/telemetry/; 0 disables
+    remat: str = "none"  # activation checkpointing per block: none | full | matmuls | moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +258,7 @@ def validate(cfg: Config) -> None:
     _choice(cfg.data.token_dtype, TOKEN_DTYPES, "data.token_dtype")
     _choice(m.dtype, DTYPES, "model.dtype")
     _choice(m.param_dtype, DTYPES, "model.param_dtype")
+    _choice(cfg.train.remat, REMAT_POLICIES, "train.remat")
     if e.top_k > e.num_experts:
         raise ConfigError(f"moe.top_k={e.top_k} is larger than moe.num_experts={e.num_experts}; "
                           f"choose top_k in 1..{e.num_experts}")

@@ -17,7 +17,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from moe_train import checkpoint, distributed, flops, layout, metrics, sharding
+from moe_train import checkpoint, distributed, flops, layout, metrics, sharding, summary, telemetry
 from moe_train.config import Config, ConfigError, save_json, to_dict
 from moe_train.data import make_source
 from moe_train.stepper import BucketedStep
@@ -109,6 +109,18 @@ def _report_layout(plan: layout.Layout, out_dir: Path, log: Callable[[str], None
         }, indent=1) + "\n")
 
 
+def _write_summary(out_dir: Path, peak: float | None, log: Callable[[str], None]) -> None:
+    """Once every process has stopped its sampler, process 0 writes ``summary.json``."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("moe_train: telemetry flushed")
+    if jax.process_index() == 0:
+        path = summary.write(out_dir, peak_flops=peak, process_count=jax.process_count(), log=log)
+        if path is not None:
+            log(f"Summary: {path}; report: python -m moe_train.report {out_dir}")
+
+
 def run(cfg: Config, out_dir: Path, log: Callable[[str], None] = print) -> int:
     """Train ``cfg`` into ``out_dir``; returns the process exit code."""
     out_dir = Path(out_dir)
@@ -149,9 +161,12 @@ def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
     writer = metrics.MetricsWriter(out_dir / "metrics.jsonl", start, enabled=jax.process_index() == 0)
     stop, records = StopFlag(), []
     stop.install()
+    sampler = telemetry.start(out_dir, t.telemetry_interval_s, log=log, devices=[
+        d for d in mesh.devices.flat if d.process_index == jax.process_index()])
     status = "finished"
     try:
         for step in range(start, t.steps):
+            sampler.set_step(step + 1)
             batch = global_batch(source, step, mesh)
             traces, t0 = counter.traces, time.perf_counter()
             with sharding.activate(mesh):
@@ -181,7 +196,10 @@ def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
     finally:
         stop.restore()
         writer.close()
+        sampler.set_step(None)
+        sampler.stop()
     log(metrics.summary(records, first_step=start, description=source.description,
                         out_dir=out_dir, status=status))
+    _write_summary(out_dir, peak, log)
     return EXIT_OK
 

@@ -1,0 +1,135 @@
+"""Reading a run directory that may still be written, or was left by a crash.
+
+``load_run(run_dir)`` reads ``metrics.jsonl``, ``telemetry/rank<N>.jsonl``, ``config.json``
+and ``layout.json``. Lines that are not whole JSON objects (a line cut by a crash or still
+being written, a blank line) are skipped and counted per file; missing or unreadable files are
+listed in ``problems``. Nothing here raises for bad content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
+
+
+@dataclass(frozen=True)
+class RunData:
+    """Everything a summary or report reads from one run directory."""
+
+    run_dir: Path  # the directory read
+    metrics: list[dict[str, Any]]  # metrics.jsonl records by step (a later line of a step wins)
+    telemetry: dict[int, list[dict[str, Any]]]  # rank -> telemetry lines in file order
+    config: dict[str, Any] | None  # config.json, None when missing or unreadable
+    layout: dict[str, Any] | None  # layout.json (mesh, EP groups, domains), None when missing
+    skipped: dict[str, int]  # file (relative to run_dir) -> lines skipped as not JSON objects
+    problems: tuple[str, ...]  # one line per missing or unreadable file
+
+
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """(JSON objects of the file's lines, number of lines that were not one); OSError if unreadable."""
+    records, skipped = [], 0
+    with path.open("rb") as f:
+        data = f.read()
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:  # a cut line, bad UTF-8, garbage
+            skipped += 1
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+        else:
+            skipped += 1
+    return records, skipped
+
+
+def read_json(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    """A JSON object file, or None with a line in ``problems``."""
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        problems.append(f"{path.name}: missing")
+        return None
+    except (OSError, ValueError) as err:
+        problems.append(f"{path.name}: unreadable ({type(err).__name__}: {err})")
+        return None
+    if not isinstance(value, dict):
+        problems.append(f"{path.name}: not a JSON object")
+        return None
+    return value
+
+
+def _metrics(run_dir: Path, skipped: dict[str, int], problems: list[str]) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    try:
+        records, bad = read_jsonl(path)
+    except FileNotFoundError:
+        problems.append("metrics.jsonl: missing (no step finished yet?)")
+        return []
+    except OSError as err:
+        problems.append(f"metrics.jsonl: unreadable ({err})")
+        return []
+    by_step: dict[int, dict] = {}
+    for rec in records:
+        step = rec.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            by_step[step] = rec
+        else:
+            bad += 1
+    if bad:
+        skipped["metrics.jsonl"] = bad
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _telemetry(run_dir: Path, skipped: dict[str, int], problems: list[str]) -> dict[int, list]:
+    out: dict[int, list] = {}
+    directory = run_dir / "telemetry"
+    if not directory.is_dir():
+        problems.append("telemetry/: missing (telemetry off, or no process started it)")
+        return out
+    for path in sorted(directory.iterdir()):
+        match = RANK_FILE.match(path.name)
+        if not match:
+            continue
+        try:
+            records, bad = read_jsonl(path)
+        except OSError as err:
+            problems.append(f"telemetry/{path.name}: unreadable ({err})")
+            continue
+        records = [r for r in records if isinstance(r.get("kind"), str)]
+        out[int(match.group(1))] = records
+        if bad:
+            skipped[f"telemetry/{path.name}"] = bad
+    return dict(sorted(out.items()))
+
+
+def load_run(run_dir: Path | str) -> RunData:
+    """Read ``run_dir`` as it is now (running, finished or crashed)."""
+    run_dir = Path(run_dir)
+    skipped: dict[str, int] = {}
+    problems: list[str] = []
+    metrics = _metrics(run_dir, skipped, problems)
+    telemetry = _telemetry(run_dir, skipped, problems)
+    config = read_json(run_dir / "config.json", problems)
+    layout_problems: list[str] = []
+    layout = read_json(run_dir / "layout.json", layout_problems)
+    problems += [p for p in layout_problems if not p.endswith("missing")]
+    return RunData(run_dir=run_dir, metrics=metrics, telemetry=telemetry, config=config,
+                   layout=layout, skipped=skipped, problems=tuple(problems))
+
+
+def samples(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``sample`` lines of one rank's telemetry."""
+    return [r for r in records if r.get("kind") == "sample" and isinstance(r.get("time"), (int, float))]
+
+
+def starts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``start`` lines of one rank's telemetry (one per run or resume)."""
+    return [r for r in records if r.get("kind") == "start"]
