@@ -22,12 +22,13 @@ EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,rep
 # pasted into a command line by make: SET='x; touch /tmp/y' stays one odd --set value.
 export MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT RUN
 # "$@" = --steps/--set arguments from STEPS and SET (split on spaces, no globbing)
-RUN_ARGS := set -f; set -- $$(printf -- '--set\n%s\n' $$SET); [ -z "$$STEPS" ] || set -- "$$@" --steps "$$STEPS"
+RUN_ARGS := set -f; set --; for s in $$SET; do set -- "$$@" --set "$$s"; done; [ -z "$$STEPS" ] || set -- "$$@" --steps "$$STEPS"
 
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help venv smoke train test test-fast bench plan probe report cluster-up cluster-down \
+.PHONY: help venv smoke train submit smoke-cluster golden test test-fast bench plan probe report \
+	cluster-up cluster-down \
 	container container-import preflight clean
 
 help: ## list the targets
@@ -48,6 +49,15 @@ smoke: $(STAMP) ## train the tiny preset on this machine (CPU or GPU) and print 
 
 train: $(STAMP) ## train MODEL into OUT on this machine (resumes if OUT holds a checkpoint)
 	$(RUN_ARGS); $(PY) -m moe_train --preset "$$MODEL" --out "$$OUT" "$$@"
+
+submit: $(STAMP) ## run MODEL on NODES of cluster PRESET under Slurm (DRY_RUN=1 prints the job, WAIT=1 follows it)
+	$(RUN_ARGS); $(PY) -m slurm.submit --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" --ep "$$EP" $(if $(filter command line environment,$(origin OUT)),--out "$$OUT") $(if $(IMAGE),--image "$$IMAGE") $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) "$$@"
+
+smoke-cluster: $(STAMP) ## one-node smoke job on cluster PRESET: preflight + a short tiny run, followed
+	$(PY) -m slurm.submit --preset "$$PRESET" --smoke --wait $(if $(IMAGE),--image "$$IMAGE")
+
+golden: $(STAMP) ## rewrite slurm/golden/*.sbatch after an intended change to the job rendering
+	$(PY) -m slurm.examples --update-golden
 
 test: $(STAMP) ## run the whole test suite (GPU and Slurm tests skip where unavailable)
 	$(PY) -m pytest $(PYTEST_ARGS)
