@@ -68,8 +68,10 @@ test-fast: $(STAMP) ## the test suite without tests marked slow
 bench: $(STAMP) ## expert-parallel MoE benchmark on 8 fake CPU devices; writes runs/bench/<UTC>/
 	$(PY) -m moe_train.bench
 
-plan: $(STAMP) ## EP placement + predicted all-to-all of MODEL on NODES of cluster PRESET with EP
+plan: $(STAMP) ## EP placement, predicted all-to-all and "will it fit?" for MODEL on NODES of PRESET
 	$(PY) -m topology plan --preset "$$PRESET" --nodes "$$NODES" --model "$$MODEL" --ep "$$EP"
+	@echo
+	$(RUN_ARGS); $(PY) -m moe_train.memory --model "$$MODEL" --cluster "$$PRESET" --nodes "$$NODES" --ep "$$EP" "$$@"
 
 probe: $(STAMP) ## time all-to-alls on this machine's devices; writes runs/probe/<PRESET>.toml
 	$(PY) -m topology probe --preset "$$PRESET" --out "runs/probe/$$(basename -- "$$PRESET" .toml).toml"

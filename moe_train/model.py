@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_train import remat
 from moe_train.config import Config, head_dim
 from moe_train.moe import dropless_moe
 from moe_train.moe.ep import EPPlan, ep_moe
@@ -160,6 +161,12 @@ class MoEBlock(nn.Module):
         return y_BSH, {k: stats[k] for k in STAT_KEYS}
 
 
+def _attention_sublayer(block: nn.Module, x_BSH):
+    """``attn(attn_norm(x))`` as submodules of ``block`` (a function, so ``train.remat=moe``
+    can rematerialise it alone)."""
+    return Attention(block.cfg, name="attn")(RMSNorm(block.cfg.model.norm_eps, name="attn_norm")(x_BSH))
+
+
 class Block(nn.Module):
     """Pre-norm transformer block; ``dense`` selects a SwiGLU MLP instead of MoE."""
 
@@ -170,7 +177,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BSH):
         m = self.cfg.model
-        x_BSH = x_BSH + Attention(self.cfg, name="attn")(RMSNorm(m.norm_eps, name="attn_norm")(x_BSH))
+        x_BSH = x_BSH + remat.wrap_attention(_attention_sublayer, self.cfg.train.remat)(self, x_BSH)
         h_BSH = RMSNorm(m.norm_eps, name="mlp_norm")(x_BSH)
         if self.dense:
             return x_BSH + SwiGLU(m.dense_ffn, self.cfg, name="mlp")(h_BSH), None
@@ -195,8 +202,9 @@ class Transformer(nn.Module):
         x_BSH = table_VH[tokens_BS]
         x_BSH = nn.with_logical_constraint(x_BSH, ACTIVATION_AXES)
         layer_stats = []
+        block_cls = remat.wrap_block(Block, self.cfg.train.remat)
         for i in range(m.num_layers):
-            x_BSH, stats = Block(self.cfg, dense=i < m.first_dense_layers,
+            x_BSH, stats = block_cls(self.cfg, dense=i < m.first_dense_layers,
                                   ep_plan=self.ep_plan, name=f"layer_{i}")(x_BSH)
             x_BSH = nn.with_logical_constraint(x_BSH, ACTIVATION_AXES)
             if stats is not None:

@@ -109,6 +109,18 @@ def _report_layout(plan: layout.Layout, out_dir: Path, log: Callable[[str], None
         }, indent=1) + "\n")
 
 
+def _compiled_memory(step_fn: BucketedStep, state, batch, log: Callable[[str], None]) -> dict:
+    """Log the compiled step's per-device memory and return it as metrics ({} if unknown)."""
+    t0 = time.perf_counter()
+    with sharding.activate(step_fn.mesh, sharding.logical_rules(step_fn.cfg.model.hidden,
+                                                                step_fn.mesh.size)):
+        mem = step_fn.compiled_memory(state, batch)
+    if mem is None:
+        return {}
+    log(f"{mem.line()} [{time.perf_counter() - t0:.2f} s to read]")
+    return mem.metrics()
+
+
 def _write_summary(out_dir: Path, peak: float | None, log: Callable[[str], None]) -> None:
     """Once every process has stopped its sampler, process 0 writes ``summary.json``."""
     if jax.process_count() > 1:
@@ -158,6 +170,7 @@ def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
     log(f"training {source.description} on {devices} {mesh.devices.flat[0].platform} device(s) "
         f"(mesh {dict(mesh.shape)}, {jax.process_count()} process(es)), "
         f"steps {start + 1}-{t.steps}, batch {t.batch_size}x{t.seq_len}")
+    rules = sharding.logical_rules(cfg.model.hidden, mesh.size)
     writer = metrics.MetricsWriter(out_dir / "metrics.jsonl", start, enabled=jax.process_index() == 0)
     stop, records = StopFlag(), []
     stop.install()
@@ -169,12 +182,14 @@ def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
             sampler.set_step(step + 1)
             batch = global_batch(source, step, mesh)
             traces, t0 = counter.traces, time.perf_counter()
-            with sharding.activate(mesh):
+            with sharding.activate(mesh, rules):
                 state, raw = step_fn(state, batch)
             rec = metrics.step_record(step + 1, raw, step_time_s=time.perf_counter() - t0,
                                       tokens=t.batch_size * t.seq_len, flops_per_token=fpt,
                                       devices=devices, peak_flops=peak, compilations=counter.traces)
             rec["compiled"] = counter.traces > traces
+            if step == start:  # once: what XLA planned for the step's device memory
+                rec.update(_compiled_memory(step_fn, state, batch, log))
             distributed.beat(step + 1)  # the multi-process watchdog: this process progresses
             if not math.isfinite(rec["total_loss"]):
                 log(f"error: loss became {rec['total_loss']} at step {step + 1}; stopping without "

@@ -1,7 +1,8 @@
 """Device mesh and the one table that maps logical axis names to mesh axes.
 
-Mesh axes, outermost first: ``data`` (data parallel; non-expert weights and optimizer state
-are FSDP-sharded over it), ``expert_x`` (expert parallel across fast-link domains) and
+Mesh axes, outermost first: ``data`` (data parallel; expert weights and their optimizer
+state are FSDP-sharded over it, the other weights over every device where the width allows), ``expert_x`` (expert
+parallel across fast-link domains) and
 ``expert`` (expert parallel inside one domain). An EP group is ``expert_x * expert``
 consecutive devices of the device order the caller passes: ``moe_train.layout`` orders
 them with the topology module, so EP groups stay inside NVLink domains.
@@ -31,16 +32,29 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_batch", TOKEN_AXES),
     ("activation_seq", None),
     ("activation_embed", None),
-    ("embed", "data"),  # FSDP: weights split along the model width
+    # Rules apply in order and a mesh axis serves one dimension of a tensor: expert weights
+    # [expert, embed, mlp] take the EP axes for `expert` first, so their width falls back to
+    # `data`; every other weight (attention, dense MLP, embeddings, router) is FSDP-sharded
+    # along its width over every device, so an EP group does not hold copies of them.
+    ("expert", EP_AXES),
+    ("embed", TOKEN_AXES),
+    ("embed", "data"),
     ("vocab", None),
     ("heads", None),
     ("kv_heads", None),
     ("head_dim", None),
     ("mlp", None),
     ("norm", None),
-    ("expert", EP_AXES),
     ("expert_gate", None),
 )
+# The same, for a width that the device count does not divide: every weight's width over data.
+DATA_FSDP_RULES = tuple(r for r in LOGICAL_RULES if r != ("embed", TOKEN_AXES))
+
+
+def logical_rules(hidden: int, num_devices: int):
+    """The rules for a model of width ``hidden`` on ``num_devices``: non-expert weights are
+    sharded over every device when that divides the width, else over ``data`` only."""
+    return LOGICAL_RULES if hidden % num_devices == 0 else DATA_FSDP_RULES
 
 
 def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int,
@@ -82,15 +96,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def param_shardings(boxed_params, mesh: Mesh):
+def param_shardings(boxed_params, mesh: Mesh, rules=LOGICAL_RULES):
     """NamedShardings for a tree of logically-partitioned (boxed) Flax variables."""
     specs = nn.get_partition_spec(boxed_params)
-    return nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_RULES)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
-def activate(mesh: Mesh) -> contextlib.ExitStack:
+def activate(mesh: Mesh, rules=LOGICAL_RULES) -> contextlib.ExitStack:
     """Context in which traced model code resolves logical axis names on ``mesh``."""
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(mesh))
-    stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))
+    stack.enter_context(nn.logical_axis_rules(rules))
     return stack

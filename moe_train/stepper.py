@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 
 from moe_train.config import Config, ConfigError
 from moe_train.moe.ep import EPPlan
-from moe_train.train import StepCounter, TrainState, make_train_step
+from moe_train.train import (CompiledMemory, StepCounter, TrainState, compiled_memory,
+                             make_train_step)
 
 
 def parse_buckets(text: str) -> list[float]:
@@ -66,6 +67,10 @@ class BucketedStep:
             self._compiled[bucket] = make_train_step(self.cfg, self.mesh, self.counter,
                                                      self.state_sharding, self.plans[bucket])
         return self._compiled[bucket]
+
+    def compiled_memory(self, state: TrainState, batch) -> CompiledMemory | None:
+        """XLA's memory analysis of the current bucket's step (reuses its executable)."""
+        return compiled_memory(self._fn(self.bucket), state, batch)
 
     def label(self) -> str | float | None:
         plan = self.plans[self.bucket]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from moe_train import sharding
+from moe_train import remat, sharding
 from moe_train.config import Config
 from moe_train.model import Transformer
 from moe_train.moe.ep import EPPlan
@@ -32,6 +32,50 @@ class TrainState:
     params: Any  # fp32 master weights
     opt_state: Any  # AdamW moments
     moe_state: Any  # {"layer_i": {"moe": {"expert_bias": [E]}}}: aux-loss-free balancing
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """XLA's memory analysis of one compiled step, bytes per device."""
+
+    argument: int  # inputs: the train state and the batch
+    output: int  # outputs: the new state and the metrics
+    alias: int  # outputs written in place of donated inputs (the state)
+    temp: int  # scratch: activations, gradients, gathered weights, exchange buffers
+    code: int  # generated code (0 on CPU)
+
+    @property
+    def peak(self) -> int:
+        """Arguments + temp + the outputs that do not reuse a donated input, + code."""
+        return self.argument + self.temp + self.output - self.alias + self.code
+
+    def metrics(self) -> dict[str, int]:
+        """For the run's metrics: ``compiled_peak_bytes``, ``compiled_temp_bytes``, ..."""
+        return {"compiled_peak_bytes": self.peak, "compiled_temp_bytes": self.temp,
+                "compiled_argument_bytes": self.argument, "compiled_output_bytes": self.output,
+                "compiled_alias_bytes": self.alias}
+
+    def line(self) -> str:
+        """One log line, GiB."""
+        gib = 2.0 ** 30
+        return (f"compiled step memory per device: peak {self.peak / gib:.2f} GiB (arguments "
+                f"{self.argument / gib:.2f}, temp {self.temp / gib:.2f}, outputs not aliased "
+                f"{(self.output - self.alias) / gib:.2f})")
+
+
+def compiled_memory(jitted, *args) -> CompiledMemory | None:
+    """XLA's memory analysis of ``jitted`` for ``args`` (None where the backend has none).
+
+    After ``jitted(*args)`` has run once this reuses its executable: no retrace, no compile.
+    """
+    stats = jitted.lower(*args).compile().memory_analysis()
+    if stats is None:
+        return None
+    return CompiledMemory(argument=int(stats.argument_size_in_bytes),
+                          output=int(stats.output_size_in_bytes),
+                          alias=int(stats.alias_size_in_bytes),
+                          temp=int(stats.temp_size_in_bytes),
+                          code=int(stats.generated_code_size_in_bytes))
 
 
 @dataclasses.dataclass
@@ -66,7 +110,8 @@ def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState
     """Parameters and their Adam moments FSDP/EP-sharded by the logical rules; rest replicated."""
     tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
     boxed = jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens)["params"], jax.random.key(0))
-    param_sh = sharding.param_shardings(boxed, mesh)
+    param_sh = sharding.param_shardings(boxed, mesh,
+                                        sharding.logical_rules(cfg.model.hidden, mesh.size))
     rep = sharding.replicated(mesh)
     opt_sh = optax.tree_map_params(optimizer(cfg), lambda _, sh: sh, abstract.opt_state, param_sh,
                                    transform_non_params=lambda _: rep)
@@ -156,6 +201,8 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
         return new, metrics
 
     can_overflow = ep_plan is not None and ep_plan.capacity_factor is not None
+    options = remat.compiler_options(cfg.train.remat, mesh.devices.flat[0].platform)
     return jax.jit(step, donate_argnums=0,
                    in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
-                   out_shardings=(state_sharding, sharding.replicated(mesh)))
+                   out_shardings=(state_sharding, sharding.replicated(mesh)),
+                   compiler_options=options)

@@ -61,6 +61,7 @@ class Request:
     no_container: bool = False  # run on the host's Python even on a container preset
     smoke: bool = False  # the single-node smoke job: preflight + a short tiny-model run
     dry_run: bool = False  # only render: the preset's base image may stand in for the kit image
+    ignore_memory: bool = False  # submit even when the memory planner says it will not fit
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,7 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
         raise LaunchError(f"cluster preset {cluster.name}: slurm.ntasks_per_node "
                           f"{cluster.slurm.ntasks_per_node} does not divide its "
                           f"{cluster.gpus_per_node} devices per node")
+    notes.insert(1, _memory(req, cluster, cfg))
     return JobSpec(
         cluster=cluster.name, job_name=job_name, nodes=req.nodes,
         ntasks_per_node=cluster.slurm.ntasks_per_node,
@@ -201,6 +203,24 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
         preflight=_preflight(req, cluster, container, site),
         notes=tuple(notes),
     )
+
+
+def _memory(req: Request, cluster: presets.Cluster, cfg) -> str:
+    """The memory planner's verdict as a note; a job that will not fit is refused unless
+    ``--ignore-memory`` (a dry run only warns, so every preset still renders)."""
+    from moe_train import memory
+
+    try:
+        verdict = memory.check_fits(cfg, cluster, req.nodes)
+    except memory.PlanError as err:  # sizes the trainer would refuse too (e.g. width vs dp)
+        raise LaunchError(str(err)) from None
+    if verdict.fits:
+        return f"memory: {verdict.message}"
+    if req.dry_run or req.ignore_memory:
+        return f"warning: memory: {verdict.message}"
+    raise LaunchError(f"memory: {verdict.message}; pass --ignore-memory to submit anyway "
+                      f"(details: python -m moe_train.memory --model {req.model} "
+                      f"--cluster {cluster.name} --nodes {req.nodes} --ep {cfg.parallel.ep})")
 
 
 def _smoke(req: Request, cluster: presets.Cluster) -> Request:

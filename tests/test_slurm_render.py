@@ -184,7 +184,25 @@ REFUSALS = [
     (["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set",
       "train.batch_size=6"], "train.batch_size=6 is not divisible by the job's 8 GPUs"),
     (["--preset", "cpu-local", "--model", "tiny"], "--model and --nodes (>= 1) are required"),
+    (["--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8",
+      "--image", "KIMG"], "memory: does not fit: needs"),
+    (["--preset", "gb200-nvl72", "--model", "deepseek-v3-moe", "--nodes", "18", "--ep", "8",
+      "--set", "train.batch_size=144", "--image", "KIMG"], "model.hidden=7168 is not divisible by the data-parallel size 9"),
 ]
+
+
+def test_a_job_that_does_not_fit_names_the_override(capsys, tmp_path):
+    image = tmp_path / "kit.sqsh"
+    image.write_bytes(b"")
+    code, _, err = run_cli(capsys, "--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes",
+                           "8", "--ep", "8", "--image", str(image), "--out", str(tmp_path / "r"))
+    assert code == 2 and "cheapest change that fits" in err and "--ignore-memory" in err
+
+
+def test_a_dry_run_only_warns_about_memory(capsys, tmp_path):
+    code, out, err = dry(capsys, tmp_path, "--preset", "h100-dgx", "--model", "mixtral-8x7b",
+                         "--nodes", "8", "--ep", "8")
+    assert code == 0 and "warning: memory: does not fit" in out + err
 
 
 @pytest.mark.parametrize("args,message", REFUSALS, ids=[m[:40] for _, m in REFUSALS])
@@ -194,6 +212,9 @@ def test_refusals_exit_2_with_one_line(capsys, monkeypatch, tmp_path, args, mess
 
     monkeypatch.setattr(submit, "submit_slurm", never)
     monkeypatch.setattr(submit, "submit_local", never)
+    image = tmp_path / "kit.sqsh"
+    image.write_bytes(b"")
+    args = [str(image) if a == "KIMG" else a for a in args]
     code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "run"))
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
@@ -228,7 +249,8 @@ def test_segment_is_what_allocation_says(capsys, tmp_path, nodes, ep):
     image.write_bytes(b"")
     code, out, err = dry(capsys, tmp_path, "--preset", "gb200-nvl72", "--model",
                          "deepseek-v3-moe", "--nodes", str(nodes), "--ep", str(ep),
-                         "--image", str(image), "--set", f"train.batch_size={nodes * 4 * 8}")
+                         "--image", str(image), "--set", f"train.batch_size={nodes * 4 * 8}",
+                         "--set", "model.hidden=6912")  # divisible by every dp here (9, 18, 27)
     assert code == 0, err
     alloc = allocation(presets.load("gb200-nvl72"), nodes, ep, num_experts=256)
     assert f"#SBATCH --segment={alloc.segment}\n" in out

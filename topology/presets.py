@@ -74,6 +74,7 @@ class Cluster:
     eta_network: float  # fraction of nic_gbps_per_gpu an all-to-all reaches, 0..1
     peak_bf16_flops: float  # dense bf16 tensor-core peak per GPU, FLOP/s
     peak_fp8_flops: float  # dense fp8 tensor-core peak per GPU, FLOP/s
+    gpu_memory_gib: float  # memory per GPU, GiB (the datasheet's GB as GiB; nominal on CPU)
     env: Mapping[str, str]  # environment variables for jobs on this hardware (read-only)
     env_source: Mapping[str, str]  # variable name -> where its value comes from (read-only)
     slurm: SlurmOptions  # submission options
@@ -108,6 +109,7 @@ _SCALARS: dict[str, type] = {
     "domain_size": int, "nvlink_gbps_per_gpu": float, "nic_gbps_per_gpu": float,
     "latency_nvlink_us": float, "latency_network_us": float, "eta_nvlink": float,
     "eta_network": float, "peak_bf16_tflops": float, "peak_fp8_tflops": float,
+    "gpu_memory_gib": float,
 }
 _TABLES = ("env", "env_source", "slurm", "container")
 _SLURM: dict[str, type] = {"exclusive": bool, "gpus_per_node": int, "ntasks_per_node": int,
@@ -194,6 +196,7 @@ def _build(name: str, data: Mapping[str, Any], where: str) -> Cluster:
         eta_nvlink=vals["eta_nvlink"], eta_network=vals["eta_network"],
         peak_bf16_flops=vals["peak_bf16_tflops"] * 1e12,
         peak_fp8_flops=vals["peak_fp8_tflops"] * 1e12,
+        gpu_memory_gib=vals["gpu_memory_gib"],
         env=types.MappingProxyType(env), env_source=types.MappingProxyType(env_source),
         slurm=slurm, container_image=types.MappingProxyType(container),
     )
@@ -203,7 +206,7 @@ def _check_values(vals: dict, env: dict, env_source: dict, container: dict,
                   slurm: SlurmOptions, where: str) -> None:
     """Cross-field rules: ranges, architectures, env provenance, Slurm consistency."""
     for key in ("gpus_per_node", "domain_size", "nvlink_gbps_per_gpu", "nic_gbps_per_gpu",
-                "peak_bf16_tflops", "peak_fp8_tflops"):
+                "peak_bf16_tflops", "peak_fp8_tflops", "gpu_memory_gib"):
         if vals[key] <= 0:
             raise TopologyError(f"{where}: key {key!r} must be > 0, got {vals[key]}")
     for key in ("latency_nvlink_us", "latency_network_us"):

@@ -1,0 +1,260 @@
+"""Per-device bytes of one training step, from the config and the job's shape alone.
+
+The formulas are stated in ``moe_train.memory``'s docstring; this module evaluates them.
+Nothing here imports JAX: the planner runs anywhere the config loads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from moe_train import flops
+from moe_train.config import Config, ConfigError, head_dim
+
+ITEMS = ("params", "grads", "optimizer", "activations", "moe_buffers", "precision_copies",
+         "other")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1}
+# Bytes kept per dispatched row per unit of expert_ffn F, by backend (compute itemsize a):
+# tiled: its hand-written VJP keeps a = x @ [wi_0|wi_1] [R, 2F] in fp32 (moe_train.moe.tiled);
+# sorted: autodiff through gemm.sorted_swiglu keeps a0, a1 and silu(a0) * a1 in fp32 and h in
+# the compute dtype (JAX's unfused residuals are 20 + a; XLA fusion can bring them to 8 + a).
+ROW_F_BYTES = {"tiled": lambda a: 8, "sorted": lambda a: 16 + a}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The job an estimate is for: sizes derived from the config, cluster and node count."""
+
+    devices: int  # accelerators in the job
+    ep: int  # expert-parallel group size (mesh axes expert_x x expert)
+    dp: int  # data-parallel (FSDP) size: devices // ep
+    tokens: int  # tokens per device per step: batch_size * seq_len / devices
+    remat: str  # train.remat policy
+    compute: str  # compute dtype of activations and weight copies: float32 | bfloat16 | fp8
+    backend: str  # "tiled" (padded tiles, CPU) or "sorted" (ragged/grouped GEMM on rows)
+    tile_rows: int  # m of the tiled backend (0 for sorted)
+    dispatcher: str  # local | allgather | a2a | hierarchical
+    domains: int  # G: NVLink domains one EP group spans (mesh axis expert_x)
+    domain_size: int  # D: devices of an EP group inside one domain (mesh axis expert)
+
+    @property
+    def a(self) -> int:
+        """Bytes per element in the compute dtype."""
+        return DTYPE_BYTES[self.compute]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-device bytes of one training step."""
+
+    setup: Setup  # what it is for
+    per_device: Mapping[str, int]  # ITEMS and "total" -> bytes
+    moe_buffers_by_bucket: Mapping[str, int]  # capacity bucket ("1.0", ..., "worst") -> bytes
+    bucket: str  # the bucket whose MoE buffers are in the total (largest finite one)
+    params_total: int  # parameters of the whole model
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def buckets(cfg: Config) -> list[float]:
+    """``moe.capacity_buckets`` as sorted factors (as ``moe_train.stepper.parse_buckets``)."""
+    try:
+        factors = sorted(float(f) for f in cfg.moe.capacity_buckets.split(",") if f.strip())
+    except ValueError:
+        raise ConfigError(f"moe.capacity_buckets={cfg.moe.capacity_buckets!r}: expected "
+                          f"comma-separated numbers such as 1.0,1.25,1.5,2.0") from None
+    if not factors or factors[0] <= 0:
+        raise ConfigError(f"moe.capacity_buckets={cfg.moe.capacity_buckets!r}: factors must "
+                          f"be positive")
+    return factors
+
+
+def bucket_slots(factor: float | None, balanced: float, worst: int) -> int:
+    """Slots per (source, destination) pair, as ``moe_train.moe.dispatch.bucket_slots``."""
+    if factor is None:
+        return worst
+    return max(1, min(worst, 8 * math.ceil(factor * balanced / 8)))
+
+
+def tile_rows(cfg: Config, assignments: int, local_experts: int, nominal: bool) -> int:
+    """m of the tiled backend: ``moe.tile_rows`` or the layer's own default for the platform
+    (imported on demand: the tiled backend is the CPU path, where JAX is at hand)."""
+    if cfg.moe.tile_rows:
+        return cfg.moe.tile_rows
+    from moe_train.moe.layer import default_tile_rows
+
+    return default_tile_rows(assignments, local_experts, "cpu" if nominal else "gpu")
+
+
+# ----------------------------------------------------------------------------- state
+
+def param_split(cfg: Config) -> tuple[int, int, int]:
+    """(routed expert, FSDP-sharded, replicated) parameter counts.
+
+    ``moe_train.sharding.LOGICAL_RULES``: routed experts ``[E, H, F]`` take the EP axes for
+    ``expert`` and ``data`` for ``embed``, so they split over every device; every other matrix
+    has an ``embed`` axis split over every device; norm scales are replicated.
+    """
+    c = flops.param_counts(cfg)
+    return c["routed_experts"], c["total"] - c["routed_experts"] - c["norms"], c["norms"]
+
+
+def state_bytes(cfg: Config, s: Setup) -> dict[str, int]:
+    """params, grads, optimizer and other (MoE bias state, batch, counters) per device."""
+    pb = DTYPE_BYTES[cfg.model.param_dtype]
+    expert, fsdp, rep = param_split(cfg)
+    fsdp_ways = s.devices if cfg.model.hidden % s.devices == 0 else s.dp  # sharding.logical_rules
+    params = (expert // (s.ep * s.dp) + fsdp // fsdp_ways + rep) * pb
+    n_moe = cfg.model.num_layers - cfg.model.first_dense_layers
+    seqs = cfg.train.batch_size // s.devices
+    other = n_moe * cfg.moe.num_experts * 4 + seqs * (cfg.train.seq_len + 1) * 4 + 64
+    return dict(params=params, grads=params, optimizer=2 * params, other=other)
+
+
+# ----------------------------------------------------------------------------- per token
+
+def _scores(cfg: Config, s: Setup) -> int:
+    """Attention scores per token per layer: [heads, seq] logits, exp, probs in fp32, plus
+    the probs cast to the compute dtype for the PV matmul when that is narrower."""
+    narrow = s.a if s.a < 4 else 0
+    return cfg.model.num_heads * cfg.train.seq_len * (12 + narrow)
+
+
+def token_bytes(cfg: Config, s: Setup) -> dict[str, int]:
+    """Residual bytes per token of each sub-layer (see the docstring's table)."""
+    m, e, a = cfg.model, cfg.moe, s.a
+    H, q, kv = m.hidden, m.num_heads * head_dim(m), m.num_kv_heads * head_dim(m)
+    shared = e.num_shared_experts * (e.shared_ffn or e.expert_ffn)
+    return dict(
+        attention=H * (a + 8) + (3 * q + 2 * kv) * a + _scores(cfg, s),
+        moe=H * (a + 8 + e.top_k * (a + 4)) + 12 * e.num_experts + 4 * shared * a,
+        dense=H * (a + 8) + 4 * m.dense_ffn * a,
+        block_input=H * a,
+        matmul_attention=H * a + (q + 2 * kv) * a + H * a,
+        matmul_moe=4 * e.num_experts + (2 * shared + H) * a if shared else 4 * e.num_experts,
+        matmul_dense=(2 * m.dense_ffn + H) * a,
+        head=H * (a + 8) + m.vocab_size * (8 + (a if a < 4 else 0)),
+    )
+
+
+# ----------------------------------------------------------------------------- MoE rows
+
+def moe_rows(cfg: Config, s: Setup, factor: float | None) -> tuple[int, int]:
+    """(expert GEMM rows, exchange buffer rows) of one MoE layer on one device."""
+    T, K, E = s.tokens, cfg.moe.top_k, cfg.moe.num_experts
+    L, P = E // s.ep, s.ep
+    if s.dispatcher == "local":
+        rows, exchange = T * K, 0
+    elif s.dispatcher == "allgather":
+        rows, exchange = P * T * K, P * T
+    elif s.dispatcher == "a2a":
+        rows = P * bucket_slots(factor, T * K / P, T * min(K, L))
+        exchange = 2 * rows
+    else:  # hierarchical: stage 1 over the slow links, stage 2 inside the domain
+        G, D = s.domains, s.domain_size
+        hit = 1.0 - (1.0 - 1.0 / G) ** K
+        r1 = G * bucket_slots(factor, T * hit, T)
+        rows = D * bucket_slots(factor, T * K / D, r1 * min(K, L))
+        exchange = 2 * r1 + 2 * rows
+    if s.backend != "tiled":
+        return rows, exchange
+    # tile-padded static layout (permute.tiled_padding), one extra group on the EP paths
+    return (_cdiv(rows, s.tile_rows) + L) * s.tile_rows, exchange
+
+
+def moe_layer_bytes(cfg: Config, s: Setup, factor: float | None) -> tuple[int, int]:
+    """(residual bytes of one MoE layer's dispatched rows, transient send buffers)."""
+    H, F, a = cfg.model.hidden, cfg.moe.expert_ffn, s.a
+    rows, exchange = moe_rows(cfg, s, factor)
+    kept = rows * (F * ROW_F_BYTES[s.backend](a) + 2 * H * a) + exchange * H * a
+    return kept, exchange * H * a
+
+
+# ----------------------------------------------------------------------------- aggregate
+
+def _layer_kinds(cfg: Config) -> tuple[int, int]:
+    """(dense layers, MoE layers)."""
+    dense = cfg.model.first_dense_layers
+    return dense, cfg.model.num_layers - dense
+
+
+def activation_bytes(cfg: Config, s: Setup) -> int:
+    """Token-proportional residuals held at the start of the backward pass, the recomputed
+    block under remat, and the output head (MoE rows are ``moe_buffers``)."""
+    t = token_bytes(cfg, s)
+    n_dense, n_moe = _layer_kinds(cfg)
+    full = {"moe": t["attention"] + t["moe"], "dense": t["attention"] + t["dense"]}
+    saved = {
+        "none": full,
+        "full": {"moe": t["block_input"], "dense": t["block_input"]},
+        "matmuls": {"moe": t["matmul_attention"] + t["matmul_moe"],
+                    "dense": t["matmul_attention"] + t["matmul_dense"]},
+        "moe": {"moe": t["block_input"] + t["moe"], "dense": t["block_input"] + t["dense"]},
+    }[s.remat]
+    biggest = max(full["moe"] if n_moe else 0, full["dense"] if n_dense else 0)
+    working = 0 if s.remat == "none" else biggest  # the block being recomputed
+    per_token = n_moe * saved["moe"] + n_dense * saved["dense"] + working + t["head"]
+    return s.tokens * per_token
+
+
+def moe_buffer_bytes(cfg: Config, s: Setup, factor: float | None) -> int:
+    """Dispatched-row residuals: every MoE layer's (``none``, ``moe``) or two layers' (the
+    recomputed one and its gradients: ``full``, ``matmuls``), plus one layer's send buffers."""
+    _, n_moe = _layer_kinds(cfg)
+    if n_moe == 0:
+        return 0
+    kept, transient = moe_layer_bytes(cfg, s, factor)
+    layers = n_moe + 1 if s.remat in ("none", "moe") else 2
+    return layers * kept + transient
+
+
+def _weight_copies(cfg: Config, s: Setup) -> dict[str, int]:
+    """Bytes of one layer's weights as used (gathered over FSDP, cast to compute dtype)."""
+    m, e, a = cfg.model, cfg.moe, s.a
+    H, q, kv = m.hidden, m.num_heads * head_dim(m), m.num_kv_heads * head_dim(m)
+    shared = e.num_shared_experts * (e.shared_ffn or e.expert_ffn)
+    gate = H * e.num_experts * 4 if s.devices > 1 else 0  # the fp32 router, all-gathered
+    return dict(attention=(2 * H * q + 2 * H * kv) * a,
+                moe=(e.num_experts // s.ep) * 3 * H * e.expert_ffn * a + gate + 3 * H * shared * a,
+                dense=3 * H * m.dense_ffn * a, head=H * m.vocab_size * a)
+
+
+def precision_copy_bytes(cfg: Config, s: Setup) -> int:
+    """Compute-dtype copies of gathered weights kept for the backward pass, plus one layer's
+    unsharded fp32 weight gradients before their reduce-scatter (FSDP only)."""
+    if s.devices == 1 and s.a == DTYPE_BYTES[cfg.model.param_dtype]:
+        return 0  # the weights are used as stored: no copy
+    w = _weight_copies(cfg, s)
+    n_dense, n_moe = _layer_kinds(cfg)
+    layer = max(w["attention"] + (w["moe"] if n_moe else w["dense"]),
+                w["attention"] + (w["dense"] if n_dense else 0))
+    if s.remat == "none":
+        kept = n_moe * (w["attention"] + w["moe"]) + n_dense * (w["attention"] + w["dense"])
+    elif s.remat == "moe":
+        kept = n_moe * w["moe"] + n_dense * w["dense"] + 2 * w["attention"]
+    else:  # re-gathered in the backward pass: one layer plus the one being recomputed
+        kept = 2 * layer
+    grads = layer * 4 // s.a if s.devices > 1 else 0
+    return kept + w["head"] + grads
+
+
+def estimate(cfg: Config, s: Setup) -> Estimate:
+    """Every item of ``ITEMS`` for ``cfg`` on the job ``s``; MoE buffers at each bucket."""
+    per = state_bytes(cfg, s)
+    per["activations"] = activation_bytes(cfg, s)
+    per["precision_copies"] = precision_copy_bytes(cfg, s)
+    if s.dispatcher in ("a2a", "hierarchical"):
+        factors: list[float | None] = [*buckets(cfg), None]
+    else:
+        factors = [None]
+    by_bucket = {("worst" if f is None else f"{f:g}"): moe_buffer_bytes(cfg, s, f) for f in factors}
+    bucket = "worst" if len(factors) == 1 else f"{factors[-2]:g}"
+    per["moe_buffers"] = by_bucket[bucket]
+    per = {k: per[k] for k in ITEMS}
+    per["total"] = sum(per.values())
+    return Estimate(setup=s, per_device=per, moe_buffers_by_bucket=by_bucket, bucket=bucket,
+                    params_total=flops.param_counts(cfg)["total"])

@@ -1,0 +1,116 @@
+"""The job an estimate is for: devices, EP/FSDP sizes, tokens per device, dispatcher, backend.
+
+``setup_for`` applies the trainer's own rules before anything is estimated, so a plan the
+trainer would refuse is refused here with the same kind of message (``PlanError``, one line,
+naming valid choices): EP must divide the devices and the experts, FSDP must divide the
+model width, the batch must divide over the devices, and (on whole nodes) EP groups must be
+placeable inside NVLink domains (``topology.placement.allocation``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moe_train.config import Config, ConfigError
+from moe_train.memory.estimate import Setup, tile_rows
+from topology.placement import PlacementError, allocation
+from topology.presets import Cluster
+
+
+class PlanError(ConfigError):
+    """A job the trainer would refuse: printed as one ``error:`` line, exit code 2."""
+
+
+def _divisors(n: int, also: int | None = None) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1)
+                     if n % d == 0 and (also is None or also % d == 0))
+
+
+def check_sizes(cfg: Config, devices: int, ep: int) -> int:
+    """The FSDP size ``devices // ep``; PlanError where the trainer's mesh would fail."""
+    E, H, batch = cfg.moe.num_experts, cfg.model.hidden, cfg.train.batch_size
+    if ep < 1 or devices % ep or E % ep:
+        raise PlanError(f"ep {ep} must divide the {devices} devices and moe.num_experts={E}; "
+                        f"valid ep: {_divisors(devices, E)}")
+    dp = devices // ep
+    if cfg.parallel.dp and cfg.parallel.dp != dp:
+        raise PlanError(f"parallel.dp={cfg.parallel.dp} x ep {ep} != {devices} devices; "
+                        f"set parallel.dp={dp} (or 0)")
+    if H % dp:
+        raise PlanError(f"model.hidden={H} is not divisible by the data-parallel size {dp} "
+                        f"({devices} devices / ep {ep}); valid dp: {_divisors(H)}")
+    if batch % devices:
+        raise PlanError(f"train.batch_size={batch} is not divisible by {devices} devices; "
+                        f"use a multiple of {devices}")
+    return dp
+
+
+def _dispatcher(cfg: Config, devices: int, ep: int, domains: int) -> str:
+    """``moe_train.stepper.ep_plans``' choice for this job."""
+    if devices == 1 or ep == 1:
+        return "local"
+    name = cfg.moe.dispatcher
+    if name == "auto":
+        return "hierarchical" if domains > 1 else "a2a"
+    if name == "hierarchical" and domains == 1:
+        raise PlanError(f"moe.dispatcher=hierarchical needs an EP group spanning several "
+                        f"domains; ep {ep} fits one; use a2a")
+    return name
+
+
+def _backend(cfg: Config, cluster: Cluster) -> str:
+    """``tiled`` on CPU presets or when asked for; else the GPU grouped GEMMs on sorted rows."""
+    if cfg.moe.backend == "tiled" or (cfg.moe.backend == "auto" and cluster.nominal):
+        return "tiled"
+    return "sorted"
+
+
+def check_placement(cfg: Config, cluster: Cluster, nodes: int, ep: int) -> None:
+    """PlanError when EP groups of ``ep`` cannot be placed on ``nodes`` whole nodes."""
+    try:
+        allocation(cluster, nodes, ep, num_experts=cfg.moe.num_experts,
+                   allow_straddle=cfg.parallel.allow_straddle)
+    except PlacementError as err:
+        raise PlanError(str(err)) from None
+
+
+def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = None,
+              devices: int | None = None, compute: str | None = None) -> Setup:
+    """The Setup of ``cfg`` on ``nodes`` nodes of ``cluster`` (or ``devices`` GPUs of one)."""
+    if nodes < 1:
+        raise PlanError(f"nodes must be >= 1, got {nodes}")
+    whole = devices is None
+    devices = nodes * cluster.gpus_per_node if whole else devices
+    if devices < 1:
+        raise PlanError(f"devices must be >= 1, got {devices}")
+    ep = cfg.parallel.ep if ep is None else ep
+    dp = check_sizes(cfg, devices, ep)
+    if whole and devices > 1:
+        check_placement(cfg, cluster, nodes, ep)
+    domain = min(cluster.domain_size, devices)
+    groups = max(1, -(-ep // domain))
+    tokens = cfg.train.batch_size * cfg.train.seq_len // devices
+    backend = _backend(cfg, cluster)
+    local_experts = cfg.moe.num_experts // ep
+    m = tile_rows(cfg, tokens * cfg.moe.top_k, local_experts, cluster.nominal)
+    return Setup(devices=devices, ep=ep, dp=dp, tokens=tokens, remat=cfg.train.remat,
+                 compute=compute or cfg.model.dtype, backend=backend,
+                 tile_rows=m if backend == "tiled" else 0,
+                 dispatcher=_dispatcher(cfg, devices, ep, groups), domains=groups,
+                 domain_size=ep // groups)
+
+
+def with_remat(cfg: Config, remat: str) -> Config:
+    """``cfg`` with ``train.remat`` replaced."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat=remat))
+
+
+def with_batch(cfg: Config, batch_size: int) -> Config:
+    """``cfg`` with ``train.batch_size`` replaced."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size))
+
+
+def with_ep(cfg: Config, ep: int) -> Config:
+    """``cfg`` with ``parallel.ep`` replaced (and ``parallel.dp`` left to follow)."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, dp=0))
+

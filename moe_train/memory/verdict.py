@@ -1,0 +1,184 @@
+"""Does a plan fit? Usable memory, the verdict, and the cheapest change that would make it fit.
+
+Usable memory per GPU is the preset's ``gpu_memory_gib`` times the preset's
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` (what XLA may allocate; the rest holds the CUDA context,
+NCCL and cuBLAS workspaces), or 0.90 of it when the preset sets no fraction, or the memory
+less ``reserve_gib`` when one is given.
+
+When a plan does not fit, single changes are tried with the same estimate, cheapest first:
+more expert parallelism (same GPUs, more all-to-all traffic), remat ``moe`` then ``matmuls``
+then ``full`` (more recompute), a smaller ``train.batch_size`` (changes the recipe), more nodes
+(more GPUs). ``fp8`` is listed as a what-if only: it is not implemented yet. If no single
+change fits, ``train.remat=full`` combined with a smaller batch, then with more nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_train.config import Config, REMAT_POLICIES
+from moe_train.memory import job
+from moe_train.memory.estimate import ITEMS, Estimate, estimate
+from topology.presets import Cluster
+
+GIB = 2 ** 30
+DEFAULT_FRACTION = 0.90
+REMAT_ORDER = ("moe", "matmuls", "full")  # least recompute first
+assert set(REMAT_ORDER) < set(REMAT_POLICIES)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one GPU offers."""
+
+    device_bytes: int  # the GPU's memory (cluster preset gpu_memory_gib)
+    usable_bytes: int  # what the step may use after the reserve
+    reserve: str  # how the reserve was chosen, in words
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One change and its estimate."""
+
+    change: str  # "parallel.ep=16", "train.remat=full", "train.batch_size=256", "nodes=16", ...
+    total_bytes: int  # estimated per-GPU total with the change
+    fits: bool  # total_bytes <= usable
+    available: bool = True  # False for what-ifs the kit cannot run yet (fp8)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Fits or not, and what to do about it."""
+
+    fits: bool  # total <= usable
+    total_bytes: int  # estimated per-GPU peak
+    usable_bytes: int  # budget after the reserve
+    device_bytes: int  # the GPU's memory
+    spare_bytes: int  # usable - total (negative when it does not fit)
+    largest: str  # the largest item of ITEMS
+    largest_bytes: int  # its bytes
+    change: str | None  # the cheapest available change that fits; None if it fits or none does
+    alternatives: tuple[Alternative, ...]  # everything tried, in order of cost
+    worst_case_bytes: int  # the total with worst-case MoE buffers (no capacity bucket)
+    bucket_fits: str | None  # the largest capacity bucket ("1.5", "worst") whose total fits
+    message: str  # one line for humans
+
+
+def budget(cluster: Cluster, reserve_gib: float | None = None) -> Budget:
+    """Usable bytes per GPU of ``cluster`` (see the module docstring)."""
+    device = int(cluster.gpu_memory_gib * GIB)
+    if reserve_gib is not None:
+        return Budget(device, device - int(reserve_gib * GIB), f"{reserve_gib:g} GiB reserve")
+    text = cluster.env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    fraction = float(text) if text else DEFAULT_FRACTION
+    why = ("XLA_PYTHON_CLIENT_MEM_FRACTION" if text else "default") + f" {fraction:g}"
+    return Budget(device, int(device * fraction), why)
+
+
+def _total(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
+           compute: str | None = None) -> int | None:
+    """The estimated total, or None where the trainer would refuse this job."""
+    try:
+        return estimate(cfg, job.setup_for(cfg, cluster, nodes, devices=devices,
+                                           compute=compute)).per_device["total"]
+    except job.PlanError:
+        return None
+
+
+def _first_fit(label, candidates, usable: int) -> Alternative | None:
+    """The first (change, total) that fits, else the smallest one tried."""
+    best = None
+    for change, total in candidates:
+        if total is None:
+            continue
+        alt = Alternative(label(change), total, total <= usable)
+        if alt.fits:
+            return alt
+        if best is None or total < best.total_bytes:
+            best = alt
+    return best
+
+
+def alternatives(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
+                 usable: int, current: int) -> list[Alternative]:
+    """Single changes that lower ``current``, cheapest first (module docstring); with remat
+    ``full`` combined when no single available change fits."""
+    n = devices or nodes * cluster.gpus_per_node
+    total = lambda c, **kw: _total(c, cluster, nodes, devices, **kw)  # noqa: E731
+    E = cfg.moe.num_experts
+    eps = [e for e in range(cfg.parallel.ep + 1, min(n, E) + 1) if n % e == 0 and E % e == 0]
+    out = [_first_fit(lambda e: f"parallel.ep={e}",
+                      ((e, total(job.with_ep(cfg, e))) for e in eps), usable)]
+    out += [_first_fit(lambda r: f"train.remat={r}", [(r, total(job.with_remat(cfg, r)))], usable)
+            for r in REMAT_ORDER if r != cfg.train.remat]
+    out += [_batch_alt(cfg, cluster, nodes, devices, n, usable),
+            _nodes_alt(cfg, cluster, nodes, devices, usable)]
+    fp8 = total(cfg, compute="fp8")
+    if fp8 is not None:
+        out.append(Alternative("fp8 compute (what-if: not implemented yet)", fp8, fp8 <= usable,
+                               available=False))
+    out = [a for a in out if a is not None and a.total_bytes < current]
+    if not any(a.fits and a.available for a in out) and cfg.train.remat != "full":
+        full = job.with_remat(cfg, "full")
+        for alt in (_batch_alt(full, cluster, nodes, devices, n, usable),
+                    _nodes_alt(full, cluster, nodes, devices, usable)):
+            if alt is not None and alt.total_bytes < current:
+                out.append(Alternative("train.remat=full + " + alt.change, alt.total_bytes,
+                                       alt.fits))
+    return out
+
+
+def _batch_alt(cfg: Config, cluster: Cluster, nodes: int, devices: int | None, n: int,
+               usable: int) -> Alternative | None:
+    """The largest smaller ``train.batch_size`` (a multiple of the devices) that fits."""
+    per = cfg.train.batch_size // n
+    sizes = [n * k for k in range(per - 1, 0, -1)]
+    return _first_fit(lambda b: f"train.batch_size={b}",
+                      ((b, _total(job.with_batch(cfg, b), cluster, nodes, devices)) for b in sizes),
+                      usable)
+
+
+def _nodes_alt(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
+               usable: int) -> Alternative | None:
+    """The fewest more nodes (the batch still dividing over the GPUs) that fit."""
+    if devices is not None and devices < cluster.gpus_per_node:
+        nodes = 1  # a partial node grows to whole nodes
+    top = max(cfg.train.batch_size // cluster.gpus_per_node, nodes)
+    counts = range(nodes + (devices is None), top + 1)
+    return _first_fit(lambda k: f"nodes={k}",
+                      ((k, _total(cfg, cluster, k, None)) for k in counts), usable)
+
+
+def judge(cfg: Config, est: Estimate, bud: Budget, cluster: Cluster, nodes: int,
+          devices: int | None, search: bool = True) -> Verdict:
+    """The verdict for ``est`` against ``bud``; alternatives only when it does not fit."""
+    per = est.per_device
+    total, usable = per["total"], bud.usable_bytes
+    largest = max(ITEMS, key=lambda k: per[k])
+    worst = total - per["moe_buffers"] + est.moe_buffers_by_bucket["worst"]
+    fits = total <= usable
+    base = total - per["moe_buffers"]
+    bucket_fits = next((b for b, v in reversed(est.moe_buffers_by_bucket.items())
+                        if base + v <= usable), None)
+    alts = (tuple(alternatives(cfg, cluster, nodes, devices, usable, total))
+            if search and not fits else ())
+    change = next((a.change for a in alts if a.fits and a.available), None)
+    return Verdict(fits=fits, total_bytes=total, usable_bytes=usable,
+                   device_bytes=bud.device_bytes, spare_bytes=usable - total, largest=largest,
+                   largest_bytes=per[largest], change=change, alternatives=alts,
+                   worst_case_bytes=worst, bucket_fits=bucket_fits, message=_message(fits, total, usable, largest,
+                                                            per[largest], change, worst, est))
+
+
+def _message(fits, total, usable, largest, largest_bytes, change, worst, est) -> str:
+    g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    if fits:
+        text = f"fits with {g(usable - total)} to spare ({g(total)} of {g(usable)} usable per GPU)"
+        if worst > usable and est.bucket != "worst":
+            text += (f"; worst-case MoE buffers would need {g(worst)}: a step overflowing the "
+                     f"{est.bucket}x bucket would run out of memory")
+        return text
+    text = (f"does not fit: needs {g(total)} per GPU, {g(usable)} usable; largest item: "
+            f"{largest} ({g(largest_bytes)})")
+    return text + (f"; cheapest change that fits: {change}" if change else
+                   "; no single change tried fits")

@@ -1,0 +1,37 @@
+"""The logical-axis table: expert weights over EP x data, other weights over every device."""
+
+import flax.linen as nn
+import jax
+from jax.sharding import PartitionSpec as P
+
+from moe_train import sharding
+
+
+def spec(axes, rules):
+    return nn.logical_to_mesh_axes(axes, rules)
+
+
+def test_non_expert_weights_are_sharded_over_every_device():
+    assert spec(("embed", "mlp"), sharding.LOGICAL_RULES) == P(sharding.TOKEN_AXES, None)
+
+
+def test_expert_weights_take_ep_axes_then_data_for_their_width():
+    got = spec(("expert", "embed", "mlp"), sharding.LOGICAL_RULES)
+    assert got == P(sharding.EP_AXES, "data", None)
+
+
+def test_a_width_the_devices_do_not_divide_falls_back_to_data():
+    rules = sharding.logical_rules(7168, 72)
+    assert spec(("embed", "mlp"), rules) == P("data", None)
+
+
+def test_a_width_the_devices_divide_uses_every_device():
+    assert sharding.logical_rules(7168, 128) is sharding.LOGICAL_RULES
+
+
+def test_param_shardings_split_a_weight_eight_ways():
+    mesh = sharding.make_mesh(jax.devices()[:8], (2, 2, 2))
+    boxed = {"w": nn.LogicallyPartitioned(jax.ShapeDtypeStruct((64, 16), "float32"),
+                                          ("embed", "mlp"))}
+    sh = sharding.param_shardings(boxed, mesh)["w"]
+    assert sh.shard_shape((64, 16)) == (8, 16)
