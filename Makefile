@@ -27,7 +27,7 @@ RUN_ARGS := set -f; set --; for s in $$SET; do set -- "$$@" --set "$$s"; done; [
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help venv smoke train submit smoke-cluster golden test test-fast bench plan probe report \
+.PHONY: help venv smoke train submit smoke-cluster golden test test-fast bench bench-gpu plan probe report \
 	cluster-up cluster-down \
 	container container-import preflight clean
 
@@ -65,8 +65,11 @@ test: $(STAMP) ## run the whole test suite (GPU and Slurm tests skip where unava
 test-fast: $(STAMP) ## the test suite without tests marked slow
 	$(PY) -m pytest -m 'not slow' $(PYTEST_ARGS)
 
-bench: $(STAMP) ## expert-parallel MoE benchmark on 8 fake CPU devices; writes runs/bench/<UTC>/
+bench: $(STAMP) ## CPU benchmarks (grouped GEMM, MoE layer, EP on 8 fake devices, compiles); runs/bench/<UTC>/
 	$(PY) -m moe_train.bench
+
+bench-gpu: $(STAMP) ## GPU benchmark: Mixtral/DeepSeek experts in bf16 per backend vs a dense GEMM; runs/bench/<UTC>/
+	$(PY) -m moe_train.bench --gpu
 
 plan: $(STAMP) ## EP placement, predicted all-to-all and "will it fit?" for MODEL on NODES of PRESET
 	$(PY) -m topology plan --preset "$$PRESET" --nodes "$$NODES" --model "$$MODEL" --ep "$$EP"

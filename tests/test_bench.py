@@ -1,4 +1,4 @@
-"""The benchmark runs at a tiny size and writes valid results (it measures nothing here)."""
+"""The benchmarks run at tiny sizes and write valid results (they measure nothing here)."""
 
 import json
 import math
@@ -11,35 +11,66 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_quick_bench_writes_results(tmp_path):
-    # its own process: the bench sets up 8 fake CPU devices itself
-    proc = subprocess.run([sys.executable, "-m", "moe_train.bench", "--quick", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _bench(tmp_path, *flags):
+    """Run ``python -m moe_train.bench FLAGS`` in its own process (it sets up its devices)."""
+    proc = subprocess.run([sys.executable, "-m", "moe_train.bench", *flags, "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    results = json.loads((run_dir / "results.json").read_text())
-    md = (run_dir / "results.md").read_text()
-    assert "Expert parallel (8 fake CPU devices)" in md and "| mesh |" in md
-    assert results["quick"] is True
-    ep = results["sections"]["ep"]
+    return json.loads((run_dir / "results.json").read_text()), (run_dir / "results.md").read_text()
 
-    def positive(v):
-        return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
+def positive(v):
+    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+def check_timing(t, min_reps=3):
+    assert all(positive(t[k]) for k in ("median_s", "min_s", "max_s")), t
+    assert t["min_s"] <= t["median_s"] <= t["max_s"] and t["reps"] >= min_reps
+
+
+def check_gemm(sec):
+    rows = [r for r in sec["rows"] if not r["skipped"]]
+    assert {r["backend"] for r in rows} >= {"dense", "tiled", "capacity"}
+    assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"}
+    assert {r["backend"] for r in sec["rows"] if r["skipped"]} >= {"mgpu", "te"}  # CPU
+    for r in rows:
+        check_timing(r["time"])
+        assert positive(r["ratio"]) and 0 < r["ratio_min"] <= r["ratio_max"]
+        assert r["padding_waste"] >= 1.0 and 0.0 <= r["drop_rate"] <= 1.0
+        assert r["executed_flops"] >= r["useful_flops"] > 0
+    for r in rows:
+        if r["backend"] == "tiled":
+            assert r["tile_rows"] >= 1 and r["block_rows"] >= r["tile_rows"]
+            assert r["drop_rate"] == 0.0
+    assert any(r["drop_rate"] > 0 for r in rows if r["backend"] == "capacity" and r["routing"] == "hot")
+
+
+def check_layer(sec):
+    rows = [r for r in sec["rows"] if not r["skipped"]]
+    assert {r["backend"] for r in rows} >= {"dense", "tiled", "ragged_dot", "capacity"}
+    for r in rows:
+        check_timing(r["time"])
+        assert positive(r["tokens_per_s"]) and positive(r["ratio"])
+        if r["backend"] in ("tiled", "ragged_dot"):
+            assert r["drop_rate"] == 0.0
+    step = sec["train_step"]
+    check_timing(step["time"])
+    check_timing(step["time_moe_removed"])
+    assert positive(step["tokens_per_s"]) and math.isfinite(step["moe_fraction"])
+
+
+def check_ep(ep):
     rows = ep["timing"]
     assert {r["dispatcher"] for r in rows} >= {"dense (dropless_moe)", "allgather", "a2a",
                                                 "hierarchical"}
     for r in rows:
-        t = r["time"]
-        assert all(positive(t[k]) for k in ("median_s", "min_s", "max_s")), r
-        assert t["min_s"] <= t["median_s"] <= t["max_s"] and t["reps"] >= 3
+        check_timing(r["time"])
         if r["kind"] == "ep":
             assert 0 < r["fill"] <= 1, r
             assert not r["overflow"]
             assert positive(r["fwd_bytes_per_device"]["total"])
     assert {r["routing"] for r in rows} >= {"uniform", "zipf"}
-
     buckets = ep["buckets"]
     assert {b["dispatcher"] for b in buckets} == {"a2a", "hierarchical"}
     for b in buckets:
@@ -47,3 +78,47 @@ def test_quick_bench_writes_results(tmp_path):
         assert b["worst_fill"] <= b["fill"] + 1e-9  # the worst case never fills better
         assert b["buffer_over_received"] == pytest.approx(1 / b["fill"])
         assert b["reruns"] >= 0 and b["held_bucket"]
+
+
+def check_compiles(sec):
+    # a correctness property, not a speed: one compilation per capacity bucket touched
+    d, e = sec["dropless"], sec["ep"]
+    assert d["ok"] and d["traces"] == d["compilations"] == 1 and d["distinct_routings"] > 1
+    assert e["ok"] and e["traces"] == e["compilations"] == len(e["buckets_touched"]) >= 1
+    assert len(e["bucket_by_step"]) == e["steps"]
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_results(tmp_path):
+    results, md = _bench(tmp_path, "--quick")
+    assert results["quick"] is True
+    sections = results["sections"]
+    assert set(sections) == {"gemm", "layer", "ep", "compiles"}
+    for title in ("Grouped GEMM efficiency", "MoE layer and train step",
+                  "Expert parallel (8 fake CPU devices)", "Compilations over drifting routing",
+                  "## Targets"):
+        assert title in md
+    check_gemm(sections["gemm"])
+    check_layer(sections["layer"])
+    check_ep(sections["ep"])
+    check_compiles(sections["compiles"])
+    assert results["targets"] and all(isinstance(t["met"], bool) for t in results["targets"])
+
+
+@pytest.mark.slow
+def test_gpu_section_code_path_runs_tiny_on_cpu(tmp_path):
+    results, md = _bench(tmp_path, "--gpu", "--tiny")
+    sec = results["sections"]["gpu"]
+    assert positive(sec["square_gemm"]["tflops"])
+    models = {r["model"] for r in sec["layer_rows"]}
+    assert models == {"mixtral-tiny", "deepseek-tiny"}
+    timed = [r for r in sec["layer_rows"] if not r["skipped"]]
+    assert {r["backend"] for r in timed} >= {"dense", "tiled", "ragged_dot"}
+    for r in timed:
+        check_timing(r["time"])
+        assert positive(r["tflops"]) and positive(r["fraction_of_square_gemm"])
+        assert r["dtype"] == "bfloat16"
+    skipped = {r["backend"]: r["skipped"] for r in sec["layer_rows"] if r["skipped"]}
+    assert "mgpu" in skipped and "GPU" in skipped["mgpu"]
+    assert any(r["backend"] == "tiled" and not r["skipped"] for r in sec["gemm_rows"])
+    assert "GPU: MoE layer TFLOP/s" in md

@@ -196,11 +196,18 @@ def test_te_import_failure_gives_install_hint():
 
 
 @pytest.mark.parametrize("n, e, platform, expected", [
-    (1024, 8, "cpu", 64), (48, 8, "cpu", 8), (40, 8, "cpu", 8), (4, 8, "cpu", 1),
-    (1024, 8, "gpu", 128),
+    (1024, 8, "cpu", 8), (16384, 32, "cpu", 32), (4096, 32, "cpu", 8), (65536, 8, "cpu", 32),
+    (48, 8, "cpu", 1), (4, 8, "cpu", 1), (65536, 8, "gpu", 128), (1024, 8, "gpu", 8),
 ])
 def test_default_tile_rows(n, e, platform, expected):
     assert default_tile_rows(n, e, platform) == expected
+
+
+@pytest.mark.parametrize("n, e", [(1024, 8), (16384, 32), (4096, 128), (100, 3), (7, 7)])
+def test_default_tile_rows_bounds_padding_waste(n, e):
+    m = default_tile_rows(n, e, "cpu")
+    assert m == 1 or e * (m - 1) <= 0.1 * n  # executed rows <= N + E*(m-1) <= 1.1 N
+    assert m & (m - 1) == 0
 
 
 def test_mgpu_vjp_traces_on_cpu(monkeypatch):

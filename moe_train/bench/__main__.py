@@ -1,7 +1,10 @@
-"""``python -m moe_train.bench [--quick] [--out DIR]``: run the benchmarks, save the results.
+"""``python -m moe_train.bench [--quick] [--only S,...] [--gpu [--tiny]] [--out DIR]``.
 
-The process owns its JAX setup: CPU only, 8 fake CPU devices, both set before any device
-is touched (so run it in its own process, not inside a test session).
+Runs the benchmark sections and saves ``OUT/<UTC timestamp>/results.{json,md}`` (the
+Markdown is also printed). CPU runs (the default) use 8 fake CPU devices for the
+expert-parallel and compile sections; ``--gpu`` runs the GPU section on the default JAX
+backend (``--tiny``: toy sizes, so the GPU code path also runs on CPU). The process owns its
+JAX setup (set before any device is touched): run it in its own process.
 """
 
 from __future__ import annotations
@@ -13,33 +16,77 @@ from pathlib import Path
 
 import jax
 
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
-
-from moe_train.bench import common, ep  # noqa: E402  (after the device setup)
+CPU_SECTIONS = ("gemm", "layer", "ep", "compiles")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_train.bench", description=__doc__.splitlines()[0])
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options (sections, --quick, --gpu, --tiny, --out)."""
+    ap = argparse.ArgumentParser(prog="python -m moe_train.bench",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes and fewer configurations (about a minute; used by the tests)")
+    ap.add_argument("--only", default=",".join(CPU_SECTIONS),
+                    help=f"comma-separated CPU sections to run (default: all of {CPU_SECTIONS})")
+    ap.add_argument("--gpu", action="store_true",
+                    help="the GPU section only (Mixtral/DeepSeek experts in bf16, per backend)")
+    ap.add_argument("--tiny", action="store_true", help="with --gpu: toy sizes (runs on CPU too)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench"),
                     help="results go to OUT/<UTC timestamp>/ (default: runs/bench)")
     args = ap.parse_args(argv)
+    args.sections = [s for s in args.only.split(",") if s]
+    bad = sorted(set(args.sections) - set(CPU_SECTIONS))
+    if bad and not args.gpu:
+        ap.error(f"unknown section(s) {bad}; choose from {CPU_SECTIONS}")
+    if args.tiny and not args.gpu:
+        ap.error("--tiny only applies to --gpu")
+    return args
+
+
+def run_sections(args) -> tuple[dict, list[str]]:
+    """Run the chosen sections; returns (JSON sections, Markdown parts)."""
+    from moe_train.bench import report
+    if args.gpu:
+        from moe_train.bench import gpu
+        if jax.default_backend() != "gpu" and not args.tiny:
+            raise SystemExit("no GPU here (jax.default_backend() is "
+                             f"{jax.default_backend()!r}); --gpu --tiny runs the code path on CPU")
+        sec = gpu.run(gpu.TINY if args.tiny else gpu.FULL)
+        return {"gpu": sec}, [report.gpu_md(sec)]
+    from moe_train.bench import compiles, ep, gemm, layer
+    modules = {"gemm": (gemm, report.gemm_md), "layer": (layer, report.layer_md),
+               "ep": (ep, None), "compiles": (compiles, report.compiles_md)}
+    sections, parts = {}, []
+    for name in args.sections:
+        module, md = modules[name]
+        sec = module.run(module.QUICK if args.quick else module.FULL)
+        parts.append(sec.pop("markdown") if md is None else md(sec))
+        sections[name] = sec
+    return sections, parts
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, print and save the benchmarks; returns the exit code."""
+    args = parse(argv)
+    if not args.gpu:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 8)
+    from moe_train.bench import common, report  # after the device setup
 
     t0 = time.perf_counter()
     stamp = common.utc_stamp()
-    section = ep.run(ep.QUICK if args.quick else ep.FULL)
-    md = section.pop("markdown")
+    sections, parts = run_sections(args)
+    items = report.targets(sections)
     results = {"created_utc": stamp, "argv": sys.argv[1:] if argv is None else argv,
-               "quick": args.quick, "environment": common.environment(),
-               "sections": {"ep": section}, "wall_s": time.perf_counter() - t0}
-    title = f"# moe_train benchmarks ({stamp}{', quick' if args.quick else ''})"
+               "quick": args.quick, "gpu": args.gpu, "tiny": args.tiny,
+               "environment": common.environment(), "sections": sections, "targets": items,
+               "wall_s": time.perf_counter() - t0}
     env = results["environment"]
-    header = (f"{title}\n\njax {env['jax']} on {env['jax_backend']} ({env['devices']} devices, "
-              f"{env['cpu_count']} CPU cores), Python {env['python']}, {env['machine']}; "
-              f"wall {results['wall_s']:.0f} s.\n")
-    markdown = header + "\n" + md
+    flags = ", ".join(f for f in ("quick", "gpu", "tiny") if getattr(args, f))
+    header = (f"# moe_train benchmarks ({stamp}{', ' + flags if flags else ''})\n\n"
+              f"jax {env['jax']} on {env['jax_backend']} ({env['devices']} devices, "
+              f"{env['cpu_count']} CPU cores, {env['cpu_model']}), Python {env['python']}, "
+              f"{env['machine']}; wall {results['wall_s']:.0f} s.\n")
+    markdown = "\n\n".join([header, *([report.targets_md(items)] if items else []), *parts])
     print(markdown, flush=True)
     json_path, _ = common.write_results(args.out / stamp, results, markdown)
     print(f"\nresults: {json_path.parent}", flush=True)

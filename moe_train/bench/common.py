@@ -41,6 +41,56 @@ def time_compiled(fn: Callable, args: Sequence, *, min_reps: int = 3, max_reps: 
     return summarize(times), out
 
 
+def time_rounds(fns: dict[str, tuple[Callable, Sequence]], *, min_reps: int = 3,
+                max_reps: int = 10, target_s: float = 2.0,
+                outputs: dict | None = None) -> dict[str, dict[str, Any]]:
+    """Time several compiled functions side by side: one warm-up call each, then ``reps``
+    rounds that call every function once, in order. Returns {name: timing}.
+
+    Interleaving spreads load changes of a shared machine evenly over the functions, so
+    ratios of their medians are steadier than the absolute times. Each timing also keeps
+    ``times_s`` (per round), so callers can form per-round ratios. ``outputs``, if given,
+    receives each function's warm-up result.
+    """
+    t0 = time.perf_counter()
+    for name, (fn, args) in fns.items():
+        out = jax.block_until_ready(fn(*args))  # warm-up
+        if outputs is not None:
+            outputs[name] = out
+    round_s = time.perf_counter() - t0
+    reps = max(min_reps, min(max_reps, math.ceil(target_s / max(round_s, 1e-6))))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, (fn, args) in fns.items():
+            t, c = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    return {name: dict(summarize(ts), times_s=ts, cpu_median_s=statistics.median(cpu[name]))
+            for name, ts in times.items()}
+
+
+def min_time(fn: Callable, args: Sequence, calls: int = 2) -> float:
+    """Fastest of ``calls`` runs (a cheap estimate for skip rules, not a measurement)."""
+    best = float("inf")
+    for _ in range(calls):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def ratio_stats(timing: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    """Median ratio (median / reference median), the min-max of the per-round ratios, and
+    the ratio of median process CPU times (all threads; steadier than wall time when other
+    processes share the cores, but it also counts work the threads do not overlap)."""
+    per_round = [a / b for a, b in zip(timing["times_s"], ref["times_s"])]
+    return {"ratio": timing["median_s"] / ref["median_s"], "ratio_min": min(per_round),
+            "ratio_max": max(per_round),
+            "cpu_ratio": timing["cpu_median_s"] / max(ref["cpu_median_s"], 1e-9)}
+
+
 def summarize(times: Sequence[float]) -> dict[str, Any]:
     ts = sorted(times)
     q = np.percentile(ts, [25, 75]) if len(ts) > 1 else (ts[0], ts[0])
@@ -119,11 +169,24 @@ def utc_stamp() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def environment() -> dict[str, Any]:
+    dev = jax.devices()[0]
     return {"python": sys.version.split()[0], "jax": jax.__version__,
             "jax_backend": jax.default_backend(), "devices": len(jax.devices()),
-            "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "machine": platform.machine()}
+            "device_kind": dev.device_kind, "cpu_count": os.cpu_count(),
+            "cpu_model": cpu_model(), "load_avg": os.getloadavg(),
+            "platform": platform.platform(), "machine": platform.machine()}
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

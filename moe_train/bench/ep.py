@@ -3,10 +3,12 @@
 Every EP row runs ``ep_moe`` forward+backward under ``jit`` on a mesh (data, expert_x,
 expert) = (dp, G domains, D shards per domain) of the process's 8 CPU devices; the
 reference row runs the single-device ``dropless_moe`` on the same global batch. Data is
-fp32 and the grouped GEMM uses the ``tiled`` backend (the CPU default), which computes every
-row of a buffer, padding included: on CPU a dispatcher's time follows its buffer sizes.
+fp32 and the grouped GEMM uses the ``tiled`` backend (the CPU default), which multiplies
+only the rows routed to local experts: empty buffer slots cost copies (exchange, permute,
+zero-filled outputs), not GEMMs, so on CPU a dispatcher's time follows its buffer sizes less
+than its rows.
 
-Routing. Each token's router logits are ``pref[e] + Gumbel noise``, so its top-k experts are
+Routing (``moe_train.bench.routing``). Each token's router logits are ``pref[e] + Gumbel noise``, so its top-k experts are
 a draw without replacement from ``p_e ~ pref`` (the Gumbel-top-k trick); ``uniform`` has
 ``pref = 0``, ``zipf`` has ``p_e ~ 1 / rank_e ** s`` with the ranks shuffled over the experts
 (a fixed permutation; hot experts land on random EP ranks) and ``zipf-sorted`` puts the
@@ -23,10 +25,9 @@ quiet steps, more than are run here). Receive-buffer fill = recv_rows / recv_slo
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import math
 import os
-import sys
 import time
 from typing import Any, Callable
 
@@ -38,18 +39,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moe_train import sharding
 from moe_train.bench.common import (collective_bytes, compile_jit, fmt_ms,
                                     time_compiled)
-from moe_train.moe import dropless_moe, route, router_logits
-from moe_train.moe.dispatch import bucket_slots
+from moe_train.moe import dropless_moe
 from moe_train.moe.ep import EPPlan, ep_moe
-from moe_train.bench.ep_report import buffer_ratios, markdown, skew_summary
+from moe_train.bench.ep_buckets import (NUM_DEVICES, TARGET_RATIO, BucketRows, factor_label,
+                                        host_stats, log)
+from moe_train.bench.ep_report import markdown, skew_summary
+from moe_train.bench.routing import ZIPF_S, expert_weights, gumbel_logits, tokens_for_logits
 from moe_train.config import MoEConfig
 from moe_train.stepper import parse_buckets
 
 TITLE = "Expert parallel (8 fake CPU devices)"
-NUM_DEVICES = 8
 BUCKETS = tuple(parse_buckets(MoEConfig().capacity_buckets))  # the trainer's default; then worst
-ZIPF_S = 1.1
-TARGET_RATIO = 1.3  # the issue: mean receive buffer <= 1.3x the rows actually received
 DTYPE = jnp.float32
 BACKEND = "tiled"
 
@@ -97,51 +97,23 @@ class Sizes:
     chunk_rows: bool = True  # chunks=2 rows on the first mesh
 
 
-FULL = Sizes(tokens=2048, hidden=128, ffn=256, experts=32, top_k=4, steps=3, min_reps=5,
-             target_s=1.5, meshes=(EP8_D4, EP8_D2, EP4_DP2), routings=("uniform", "zipf"),
-             bucket_routings=("uniform", "zipf", "zipf-sorted"))
+# One mesh in `make bench` (each bucket of each dispatcher is a compilation; the 10-minute
+# budget of 2 cores); EP8_D2 and EP4_DP2 are kept for runs that can afford them.
+FULL = Sizes(tokens=2048, hidden=128, ffn=256, experts=32, top_k=4, steps=2, min_reps=3,
+             target_s=1.0, meshes=(EP8_D4,), routings=("uniform", "zipf"),
+             bucket_routings=("uniform", "zipf", "zipf-sorted"), chunk_rows=False)
 # quick: every dispatcher once, fewer buckets (each bucket is a compilation, ~4 s on 2 cores)
 QUICK = Sizes(tokens=256, hidden=32, ffn=64, experts=16, top_k=2, steps=2, min_reps=3,
               target_s=0.1, meshes=(EP8_D4,), routings=("uniform", "zipf"),
-              bucket_routings=("uniform", "zipf"), buckets=(1.25, 2.0), chunk_rows=False)
-
-
-def log(msg: str) -> None:
-    print(f"[bench ep] {msg}", file=sys.stderr, flush=True)
+              bucket_routings=("uniform", "zipf"), buckets=(2.0,), chunk_rows=False)
 
 
 # ----------------------------------------------------------------------------- operands
 
-def expert_weights(s: Sizes, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    H, F, E = s.hidden, s.ffn, s.experts
-    return {"gate": rng.standard_normal((H, E)) / math.sqrt(H),
-            "w0": rng.standard_normal((E, H, F)) / math.sqrt(H),
-            "w1": rng.standard_normal((E, H, F)) / math.sqrt(H),
-            "wo": rng.standard_normal((E, F, H)) / math.sqrt(F)}
-
-
-def preference(s: Sizes, routing: str) -> np.ndarray:
-    """log p_e (unnormalized) of the routing's expert distribution."""
-    E = s.experts
-    if routing == "uniform":
-        return np.zeros(E)
-    rank = np.arange(E)
-    if routing == "zipf":
-        rank = np.random.default_rng(12345).permutation(E)
-    elif routing != "zipf-sorted":
-        raise ValueError(f"unknown routing {routing!r}")
-    return -ZIPF_S * np.log1p(rank)
-
-
 def tokens(s: Sizes, gate_HE: np.ndarray, routing: str, step: int) -> np.ndarray:
-    """x [T, H] whose router logits x @ gate are pref + Gumbel noise (see module doc)."""
-    if s.hidden < s.experts:
-        raise ValueError("the routing construction needs hidden >= experts")
-    rng = np.random.default_rng(1000 + step)  # the same noise for every routing
-    logits_TE = preference(s, routing) + rng.gumbel(size=(s.tokens, s.experts))
-    x0_TH = rng.standard_normal((s.tokens, s.hidden))
-    return x0_TH + (logits_TE - x0_TH @ gate_HE) @ np.linalg.pinv(gate_HE)
+    """x [T, H] whose router logits x @ gate are log p + Gumbel noise (see module doc)."""
+    logits = gumbel_logits(s.tokens, s.experts, routing, seed=step)  # same noise per routing
+    return tokens_for_logits(logits, gate_HE, seed=step)
 
 
 # ----------------------------------------------------------------------------- functions
@@ -168,25 +140,18 @@ def dense_step(top_k: int):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
 
-def host_stats(out) -> dict[str, Any]:
-    (_, stats), _ = out
-    return {k: np.asarray(v) for k, v in jax.device_get(stats).items()}
-
-
-def factor_label(f: float | None) -> str:
-    return "worst" if f is None else f"{f:g}"
-
-
 # ----------------------------------------------------------------------------- the bench
 
-class EPBench:
+class EPBench(BucketRows):
+    """Compiled EP steps per (mesh, plan), their timing rows and the operands they share."""
+
     def __init__(self, s: Sizes):
         self.s = s
         self.devices = jax.devices("cpu")[:NUM_DEVICES]
         if len(self.devices) < NUM_DEVICES:
             raise RuntimeError(f"needs {NUM_DEVICES} CPU devices, found {len(self.devices)}: set "
                                f"jax.config.update('jax_num_cpu_devices', 8) before using JAX")
-        w = expert_weights(s)
+        w = expert_weights(s.hidden, s.ffn, s.experts)
         self.weights = {k: v.astype(np.float32) for k, v in w.items()}
         self.gate64 = w["gate"]
         self._x: dict[tuple, np.ndarray] = {}  # token batches and their routed experts
@@ -216,6 +181,7 @@ class EPBench:
 
     # compiled steps -----------------------------------------------------------
     def step_fn(self, mc: MeshCfg, mesh, plan: EPPlan, args) -> Callable:
+        """The compiled fwd+bwd step of a (mesh, plan), compiled once and cached."""
         key = (mc, plan)
         if key not in self._compiled:
             with jax.set_mesh(mesh):
@@ -224,6 +190,17 @@ class EPBench:
             self.compile_s[f"{mc.label} {plan.dispatcher} {factor_label(plan.capacity_factor)} "
                            f"chunks={plan.chunks}"] = secs
         return self._compiled[key]
+
+    def precompile(self, mc: MeshCfg, mesh, plans: list[EPPlan], args) -> None:
+        """Compile plans not compiled yet, two at a time (XLA compiles outside the GIL).
+
+        The stepper emulation touches most buckets of a dispatcher anyway; compiling them
+        side by side halves the compile-bound part of this section on 2 cores. Compile
+        seconds of such plans are measured while another compile runs.
+        """
+        todo = [p for p in dict.fromkeys(plans) if (mc, p) not in self._compiled]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as ex:
+            list(ex.map(lambda p: self.step_fn(mc, mesh, p, args), todo))
 
     def fwd_bytes(self, mc, mesh, plan, args) -> dict[str, Any]:
         """Collective bytes per device of the forward pass (from its lowered HLO)."""
@@ -262,6 +239,7 @@ class EPBench:
 
     # rows ---------------------------------------------------------------------
     def dense_rows(self) -> list[dict]:
+        """Single-device dropless_moe rows (the reference) per timed routing."""
         rows = []
         dev = self.devices[0]
         fn = None
@@ -276,123 +254,6 @@ class EPBench:
                          "routing": routing, "time": timing, "chunks": 1,
                          "tokens_per_expert": loads.tolist()})
             log(f"dense {routing}: {fmt_ms(timing)[0]} ms")
-        return rows
-
-    def stepper(self, mc, mesh, dispatcher, routing, start: int = 0, chunks: int = 1,
-                steps: int | None = None) -> dict[str, Any]:
-        """Buckets as the stepper escalates them over ``steps`` batches."""
-        factors = self.factors
-        b, reruns, per_step = start, 0, []
-        for step in range(steps or self.s.steps):
-            args = self.placed(mc, mesh, routing, step)
-            while True:
-                st = host_stats(self.run(mc, mesh, EPPlan(dispatcher, mc.ep, factors[b], chunks),
-                                         args))
-                if not st["overflow"]:
-                    break
-                if factors[b] is None:
-                    raise RuntimeError(f"worst-case bucket overflowed: {mc.label} {dispatcher}")
-                reruns, b = reruns + 1, b + 1
-            per_step.append({"bucket": factor_label(factors[b]), "factor": factors[b],
-                             "recv_rows": float(st["recv_rows"]),
-                             "recv_slots": float(st["recv_slots"]),
-                             "max_pair_load": float(st["max_pair_load"])})
-        return {"held_index": b, "held": factors[b], "reruns": reruns, "steps": per_step}
-
-    def worst_fill(self, mc, mesh, dispatcher, routing) -> list[dict]:
-        out = []
-        for step in range(self.s.steps):
-            st = host_stats(self.run(mc, mesh, EPPlan(dispatcher, mc.ep, None),
-                                     self.placed(mc, mesh, routing, step)))
-            out.append({"factor": None, "recv_rows": float(st["recv_rows"]),
-                        "recv_slots": float(st["recv_slots"])})
-        return out
-
-    def experts(self, routing: str, step: int) -> np.ndarray:
-        """experts_TK of a batch, routed on one device as ep_moe routes it (softmax top-k)."""
-        key = ("experts", routing, step)
-        if key not in self._x:
-            fn = jax.jit(lambda x, g: route(router_logits(x, g), self.s.top_k)[1])
-            self._x[key] = np.asarray(fn(self.x(routing, step), self.weights["gate"]))
-        return self._x[key]
-
-    def stage1(self, mc: MeshCfg, routing: str, step: int, factor: float | None) -> tuple[int, int]:
-        """(rows received, buffer rows) of hierarchical's cross-domain stage, summed over devices.
-
-        Not in ep_moe's stats (recv_rows/recv_slots cover the in-domain stage): a token
-        sends one row to every domain holding one of its experts, its own included, into
-        G * C1 slots per device; C1 as ``moe.dispatch.hierarchical`` sizes it.
-        """
-        G, K = mc.domains, self.s.top_k
-        dom_TK = self.experts(routing, step) // (self.s.experts // mc.ep * mc.domain_size)
-        rows = int(np.sum(np.any(dom_TK[:, :, None] == np.arange(G), axis=1)))
-        T = self.s.tokens // NUM_DEVICES
-        hit = 1.0 - (1.0 - 1.0 / G) ** K
-        return rows, NUM_DEVICES * G * bucket_slots(factor, T * hit, T)
-
-    def mesh_rows(self, mc: MeshCfg) -> tuple[list[dict], list[dict], dict]:
-        mesh = self.mesh(mc)
-        timing_rows, bucket_rows, held_uniform = [], [], {}
-        for dispatcher in mc.dispatchers:
-            for routing in self.s.bucket_routings:
-                timed = routing in self.s.routings
-                args0 = self.placed(mc, mesh, routing, 0)
-                if dispatcher == "allgather":
-                    if timed:
-                        row = self.time_row(mc, mesh, EPPlan(dispatcher, mc.ep), routing, args0)
-                        timing_rows.append(row)
-                        log(f"{mc.label} allgather {routing}: {fmt_ms(row['time'])[0]} ms")
-                    continue
-                t0 = time.perf_counter()
-                emu = self.stepper(mc, mesh, dispatcher, routing)
-                worst = self.worst_fill(mc, mesh, dispatcher, routing)
-                if routing == "uniform":
-                    held_uniform[dispatcher] = emu["held_index"]
-                if dispatcher == "hierarchical":  # add the cross-domain stage's buffer
-                    for steps in (emu["steps"], worst):
-                        for i, r in enumerate(steps):
-                            r["stage1_rows"], r["stage1_slots"] = self.stage1(mc, routing, i,
-                                                                              r["factor"])
-                bound = float(np.mean([r["max_pair_load"] for r in emu["steps"]]))
-                row = {"mesh": mc.label, "ep": mc.ep, "dp": mc.dp, "dispatcher": dispatcher,
-                       "routing": routing, "held_bucket": factor_label(emu["held"]),
-                       "reruns": emu["reruns"], "steps": emu["steps"], "worst_steps": worst,
-                       "pair_load_bound": bound}
-                row.update(buffer_ratios(emu["steps"]))
-                row.update({f"worst_{k}": v for k, v in buffer_ratios(worst).items()})
-                row["target_met"] = bool(row["buffer_over_received"] <= TARGET_RATIO)
-                bucket_rows.append(row)
-                log(f"{mc.label} {dispatcher} {routing}: bucket {row['held_bucket']} after "
-                    f"{emu['reruns']} reruns, buffer/received {row['buffer_over_received']:.2f} "
-                    f"(worst {row['worst_buffer_over_received']:.2f}, bound {bound:.2f}) "
-                    f"[{time.perf_counter() - t0:.0f} s]")
-                if not timed:
-                    continue
-                plans = [EPPlan(dispatcher, mc.ep, emu["held"])]
-                if emu["held"] is not None:
-                    plans.append(EPPlan(dispatcher, mc.ep, None))
-                for plan in plans:
-                    row = self.time_row(mc, mesh, plan, routing, args0)
-                    timing_rows.append(row)
-                    log(f"{mc.label} {dispatcher} {routing} bucket "
-                        f"{factor_label(plan.capacity_factor)}: {fmt_ms(row['time'])[0]} ms")
-        return timing_rows, bucket_rows, held_uniform
-
-    def chunk_rows(self, mc: MeshCfg, held_uniform: dict[str, int]) -> list[dict]:
-        """chunks=2 on uniform routing, at the bucket that held for chunks=1 (or the next
-        one that holds for the chunked exchange)."""
-        mesh, rows = self.mesh(mc), []
-        args0 = self.placed(mc, mesh, "uniform", 0)
-        for dispatcher in mc.dispatchers:
-            factor = None
-            if dispatcher != "allgather":
-                emu = self.stepper(mc, mesh, dispatcher, "uniform", start=held_uniform[dispatcher],
-                                   chunks=2, steps=1)
-                factor = emu["held"]
-            row = self.time_row(mc, mesh, EPPlan(dispatcher, mc.ep, factor, chunks=2), "uniform",
-                                args0)
-            rows.append(row)
-            log(f"{mc.label} {dispatcher} chunks=2: {fmt_ms(row['time'])[0]} ms")
         return rows
 
 

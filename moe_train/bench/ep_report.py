@@ -36,7 +36,46 @@ def skew_summary(s, dense_rows: list[dict]) -> dict[str, dict]:
 
 
 
+def _timing_table(sec: dict[str, Any]) -> str:
+    """The forward+backward time and bytes-moved table."""
+    header = ["mesh", "dispatcher", "routing", "bucket", "chunks", "median ms", "min-max ms",
+              "reps", "fill", "fwd exchange MiB/dev", "cross-domain buffer MiB/dev",
+              "slow-link MiB/dev (rows)"]
+    rows = []
+    for r in sec["timing"]:
+        med, spread = fmt_ms(r["time"])
+        if r["kind"] == "dense":
+            rows.append([r["mesh"], r["dispatcher"], r["routing"], "", 1, med, spread,
+                         r["time"]["reps"], "", "", "", ""])
+            continue
+        by = r["fwd_bytes_per_device"]
+        rows.append([r["mesh"], r["dispatcher"], r["routing"], r["bucket"] or "", r["chunks"], med,
+                     spread, r["time"]["reps"], f"{r['fill']:.3f}", mib(by["total"]),
+                     mib(by["cross_domain"]), mib(r["slow_link_bytes_per_device"])])
+    return markdown_table(header, rows)
+
+
+def _bucket_table(sec: dict[str, Any]) -> str:
+    """The capacity-bucket table (stepper emulation)."""
+    header = ["mesh", "dispatcher", "routing", "bucket held", "reruns", "fill", "buffer/received",
+              "hierarchical stage 1 / 2", "worst-case fill", "worst buffer/received",
+              "max/mean pair load", f"<= {sec['target_ratio']}x?"]
+
+    def stages(b, pre=""):
+        if f"{pre}stage1_buffer_over_received" not in b:
+            return ""
+        return (f"{b[pre + 'stage1_buffer_over_received']:.2f} / "
+                f"{b[pre + 'stage2_buffer_over_received']:.2f}")
+    rows = [[b["mesh"], b["dispatcher"], b["routing"], b["held_bucket"], b["reruns"],
+             f"{b['fill']:.3f}", f"{b['buffer_over_received']:.2f}", stages(b),
+             f"{b['worst_fill']:.3f}", f"{b['worst_buffer_over_received']:.2f}",
+             f"{b['pair_load_bound']:.2f}", "met" if b["target_met"] else "not met"]
+            for b in sec["buckets"]]
+    return markdown_table(header, rows)
+
+
 def markdown(sec: dict[str, Any]) -> str:
+    """The section's Markdown: setup, timing table, bucket table and the target line."""
     s = sec["sizes"]
     lines = [f"## {sec['title']}", "",
              f"Global batch {s['tokens']} tokens, H={s['hidden']}, F={s['ffn']}, E={s['experts']}, "
@@ -56,22 +95,7 @@ def markdown(sec: dict[str, Any]) -> str:
     for routing, sk in sec["realized_skew"].items():
         lines.append(f"- {routing}: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}"
                                                      for k, v in sk.items()))
-    lines += ["", "### Forward+backward time and bytes moved", ""]
-    header = ["mesh", "dispatcher", "routing", "bucket", "chunks", "median ms", "min-max ms",
-              "reps", "fill", "fwd exchange MiB/dev", "cross-domain buffer MiB/dev",
-              "slow-link MiB/dev (rows)"]
-    rows = []
-    for r in sec["timing"]:
-        med, spread = fmt_ms(r["time"])
-        if r["kind"] == "dense":
-            rows.append([r["mesh"], r["dispatcher"], r["routing"], "", 1, med, spread,
-                         r["time"]["reps"], "", "", "", ""])
-            continue
-        by = r["fwd_bytes_per_device"]
-        rows.append([r["mesh"], r["dispatcher"], r["routing"], r["bucket"] or "", r["chunks"], med,
-                     spread, r["time"]["reps"], f"{r['fill']:.3f}", mib(by["total"]),
-                     mib(by["cross_domain"]), mib(r["slow_link_bytes_per_device"])])
-    lines += [markdown_table(header, rows), ""]
+    lines += ["", "### Forward+backward time and bytes moved", "", _timing_table(sec), ""]
     lines += ["Bytes are per device for one forward pass (the backward pass repeats the same "
               "exchanges transposed). *fwd exchange*: all-to-all buffers (dispatch, combine and "
               "the small id/weight/count exchanges) or all-gather + reduce-scatter, from the "
@@ -82,21 +106,7 @@ def markdown(sec: dict[str, Any]) -> str:
               "(allgather: rows for local experts / gathered rows; hierarchical: the in-domain "
               "stage only).", "",
               "### Capacity buckets (stepper emulation)", ""]
-    header = ["mesh", "dispatcher", "routing", "bucket held", "reruns", "fill", "buffer/received",
-              "hierarchical stage 1 / 2", "worst-case fill", "worst buffer/received",
-              "max/mean pair load", f"<= {sec['target_ratio']}x?"]
-
-    def stages(b, pre=""):
-        if f"{pre}stage1_buffer_over_received" not in b:
-            return ""
-        return (f"{b[pre + 'stage1_buffer_over_received']:.2f} / "
-                f"{b[pre + 'stage2_buffer_over_received']:.2f}")
-    rows = [[b["mesh"], b["dispatcher"], b["routing"], b["held_bucket"], b["reruns"],
-             f"{b['fill']:.3f}", f"{b['buffer_over_received']:.2f}", stages(b),
-             f"{b['worst_fill']:.3f}", f"{b['worst_buffer_over_received']:.2f}",
-             f"{b['pair_load_bound']:.2f}", "met" if b["target_met"] else "not met"]
-            for b in sec["buckets"]]
-    lines += [markdown_table(header, rows), ""]
+    lines += [_bucket_table(sec), ""]
     zipf = [b for b in sec["buckets"] if b["routing"].startswith("zipf")]
     met = [b for b in zipf if b["target_met"]]
     lines += [
@@ -115,8 +125,10 @@ def markdown(sec: dict[str, Any]) -> str:
         f"Zipf-skewed routing): met in {len(met)} of {len(zipf)} Zipf rows"
         + (f" ({', '.join(b['mesh'] + ' ' + b['dispatcher'] + ' ' + b['routing'] for b in met)})" if met else "")
         + ". Where the pair-load lower bound exceeds the target, no bucket of a dense "
-        "all_to_all can meet it; that needs ragged (per-pair sized) exchanges.", "",
-        "chunks=2 rows: timing only. On CPU fake devices the collectives are memory copies "
-        "that cannot overlap the expert GEMMs, so chunking only adds work here; its benefit "
-        "(overlapping one chunk's exchange with another's GEMMs) is a GPU matter."]
+        "all_to_all can meet it; that needs ragged (per-pair sized) exchanges."]
+    if any(r["chunks"] > 1 for r in sec["timing"]):
+        lines += ["", "chunks=2 rows: timing only. On CPU fake devices the collectives are memory "
+                  "copies that cannot overlap the expert GEMMs, so chunking only adds work here; "
+                  "its benefit (overlapping one chunk's exchange with another's GEMMs) is a GPU "
+                  "matter."]
     return "\n".join(lines)

@@ -7,9 +7,9 @@ Every backend computes, for each row r owned by expert e,
     y[r] = (silu(x[r] @ wi_0[e]) * (x[r] @ wi_1[e])) @ wo[e]
 with operands in x's dtype, fp32 accumulation and the SwiGLU product in fp32.
 
-- tiled: portable; rows in a tile-padded layout, one expert per tile, batched matmuls
-  with per-tile weights (gathered, so autodiff yields per-expert weight-grad segment sums).
-  It materialises B*H*F weights per matmul: meant for CPU and small models.
+- tiled: portable (moe_train.moe.tiled); rows in a tile-padded layout, a loop over the
+  experts that have rows and, inside, over blocks of their rows, each block one fused
+  SwiGLU; hand-written VJP. Only used rows run; no weight gather. The CPU default.
 - ragged_dot: jax.lax.ragged_dot on sorted rows (XLA; may run densely on some platforms).
 - mgpu: JAX's Pallas Mosaic-GPU Hopper kernels with a custom VJP (bf16/fp16, sm_90).
   blackwell_ragged_dot_mgpu is not used: it needs the row count to be a multiple of its
@@ -24,7 +24,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moe_train.moe.tiled import block_sizes, tiled_swiglu
+
 BACKENDS = ("auto", "tiled", "ragged_dot", "mgpu", "te")
+CPU_MAX_BLOCK_ROWS = 256
+GPU_MAX_BLOCK_ROWS = 512
+MAX_BLOCK_TILES = 16
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MGPU_ALIGN = 64  # H and F must be multiples of this (block_k and block_n of the kernels)
 _TE_HINT = ("install Transformer Engine for JAX on a CUDA machine: "
@@ -116,24 +121,18 @@ def resolve_backend(name: str, dtype=None, *, hidden: int | None = None,
 
 # ----------------------------------------------------------------------------- tiled
 
-def tiled_swiglu(x_RH: jax.Array, tile_expert_B: jax.Array, wi_0_EHF: jax.Array,
-                 wi_1_EHF: jax.Array, wo_EFH: jax.Array) -> jax.Array:
-    """SwiGLU experts on the tile-padded layout [B*m, H] -> [B*m, H].
+def default_block_rows(tile_rows: int, platform: str | None = None) -> int:
+    """Largest row block of the tiled backend: tile_rows * 2**j, at most 16 tiles and at
+    most 256 rows on CPU (512 on GPU).
 
-    All three matmuls run in tile space; padding rows are zero in and zero out.
+    Each expert's span runs as full blocks plus at most one block of each smaller size, so
+    there are at most 5 block sizes (each one compiled code path). The block depends on the
+    tile alone, never on the buffer size, so every capacity bucket of an expert-parallel
+    step runs the same blocks and gives bitwise the same rows.
     """
-    R, H = x_RH.shape
-    B = tile_expert_B.shape[0]
-    dtype = x_RH.dtype
-    x_BMH = x_RH.reshape(B, R // B, H)
-    wi_0_BHF = wi_0_EHF.astype(dtype)[tile_expert_B]
-    wi_1_BHF = wi_1_EHF.astype(dtype)[tile_expert_B]
-    wo_BFH = wo_EFH.astype(dtype)[tile_expert_B]
-    a0_BMF = jnp.einsum("bmh,bhf->bmf", x_BMH, wi_0_BHF, preferred_element_type=jnp.float32)
-    a1_BMF = jnp.einsum("bmh,bhf->bmf", x_BMH, wi_1_BHF, preferred_element_type=jnp.float32)
-    h_BMF = (jax.nn.silu(a0_BMF) * a1_BMF).astype(dtype)
-    y_BMH = jnp.einsum("bmf,bfh->bmh", h_BMF, wo_BFH, preferred_element_type=jnp.float32)
-    return y_BMH.astype(dtype).reshape(R, H)
+    platform = platform or jax.default_backend()
+    cap = GPU_MAX_BLOCK_ROWS if platform == "gpu" else CPU_MAX_BLOCK_ROWS
+    return max(block_sizes(tile_rows, min(cap, MAX_BLOCK_TILES * tile_rows)))
 
 
 # ----------------------------------------------------------------------------- sorted rows
@@ -203,12 +202,19 @@ def sorted_swiglu(x_NH: jax.Array, group_sizes_E: jax.Array, wi_0_EHF: jax.Array
 
 
 def grouped_swiglu(x_RH: jax.Array, plan, wi_0_EHF: jax.Array, wi_1_EHF: jax.Array,
-                   wo_EFH: jax.Array, backend: str) -> jax.Array:
-    """Dispatch to a concrete backend; `plan` is the permute.Dispatch for x_RH's layout."""
+                   wo_EFH: jax.Array, backend: str, block_rows: int | None = None) -> jax.Array:
+    """Dispatch to a concrete backend; `plan` is the permute.Dispatch for x_RH's layout.
+
+    The tiled backend reads the tile rows m from the layout (R = B*m) and runs blocks of up
+    to `block_rows` rows (None: default_block_rows(m)); only plan.group_sizes_E's experts
+    are computed.
+    """
     if backend == "tiled":
         if plan.tile_expert_B is None:
             raise ValueError("the tiled backend needs a plan built with tile_rows")
-        return tiled_swiglu(x_RH, plan.tile_expert_B, wi_0_EHF, wi_1_EHF, wo_EFH)
+        m = x_RH.shape[0] // plan.tile_expert_B.shape[0]  # R = B * m
+        return tiled_swiglu(x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, tile_rows=m,
+                            block_rows=block_rows or default_block_rows(m))
     if backend not in _GMM:
         raise ValueError(f"not a concrete backend: {backend!r}; resolve it first")
     return sorted_swiglu(x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, backend)

@@ -1,0 +1,240 @@
+"""The ``tiled`` grouped-GEMM backend: per-expert row blocks in a loop, hand-written VJP.
+
+Shape key: R dispatched rows (tile-padded layout), H hidden, F expert ffn, E experts,
+m tile rows (padding granularity), M block rows (M = m * 2**j), c rows of one block.
+
+Layout (``permute.make_dispatch`` with ``tile_rows=m``): rows sorted by expert, each
+expert's group padded with zero rows to a multiple of m, trailing zero rows after the last
+group. Expert e owns rows [start_e, start_e + ceil(g_e/m)*m).
+
+Execution: an outer loop over the experts that have rows slices expert e's weights once;
+inner loops run the expert's rows in blocks: as many of M rows as fit, then of M/4, M/16,
+..., then of m (``block_sizes``, at most three sizes for M = 16m). Every block is one fused
+SwiGLU: ``a = x_b @ [wi_0|wi_1]``, ``h = silu(a0) * a1``, ``y_b = h @ wo``. Only the rows
+the routing uses run: executed rows = sum_e ceil(g_e/m)*m <= N + E*(m-1), whatever the static
+buffer size R is (padding and trailing rows cost nothing), and there is no weight gather.
+Loop bounds are traced values, so routing changes never recompile.
+
+The VJP is written by hand (autodiff through the loops would store every block): the
+forward pass keeps ``a`` [R, 2F] in fp32; the backward pass walks the same blocks and
+accumulates each expert's weight gradients in fp32 before writing them once.
+Rows outside every expert's span (trailing padding) get y = 0 and dx = 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+
+
+def expert_spans(group_sizes_E: jax.Array, tile_rows: int) -> tuple[jax.Array, jax.Array]:
+    """(first row, padded rows) of every expert's span in the tile-padded layout, int32."""
+    padded_E = (group_sizes_E.astype(jnp.int32) + (tile_rows - 1)) // tile_rows * tile_rows
+    return jnp.cumsum(padded_E) - padded_E, padded_E
+
+
+def block_sizes(tile_rows: int, block_rows: int) -> tuple[int, ...]:
+    """Block sizes, largest first: M, M/4, M/16, ... (while >= 2m), then m.
+
+    M is block_rows rounded down to m * 2**j (at least m). Each size is a multiple of the
+    next, so the greedy split in ``for_blocks`` covers any multiple of m exactly. Steps of 4
+    keep the number of sizes (each is separately compiled code) at 3 for M = 16m.
+    """
+    big = tile_rows
+    while big * 2 <= block_rows:
+        big *= 2
+    sizes = [big]
+    while sizes[-1] // 4 >= 2 * tile_rows:
+        sizes.append(sizes[-1] // 4)
+    if sizes[-1] != tile_rows:
+        sizes.append(tile_rows)
+    return tuple(sizes)
+
+
+def for_blocks(start, rows, sizes: tuple[int, ...], body, carry):
+    """carry = body(offset, size, carry) over the rows [start, start + rows) in blocks.
+
+    ``rows`` is a multiple of sizes[-1]. Greedy split: as many blocks of sizes[0] as fit,
+    then of sizes[1] (fewer than sizes[0] / sizes[1] of them), and so on. Each size is a
+    loop whose trip count is a traced value, so XLA updates the carried buffers in place;
+    offsets use the trip index, so XLA cannot hoist a block out of a loop of 0 or 1 trips
+    and run it every time.
+    """
+    offset, rest = start, rows
+    for size in sizes:
+        n = rest // size
+        carry = lax.fori_loop(0, n, lambda i, c, o=offset, s=size: body(o + i * s, s, c), carry)
+        offset, rest = offset + n * size, rest - n * size
+    return carry
+
+
+def for_experts(group_sizes_E, tile_rows: int, expert, carry):
+    """carry = expert(e, first row, padded rows, carry) for every expert with rows, in order.
+
+    Empty experts are skipped (no weight slice is copied for them).
+    """
+    start_E, padded_E = expert_spans(group_sizes_E, tile_rows)
+    used = padded_E > 0
+    order = jnp.argsort(~used, stable=True).astype(jnp.int32)  # used experts first, in order
+
+    def step(k, carry):
+        e = order[k]
+        return expert(e, start_E[e], padded_E[e], carry)
+
+    return lax.fori_loop(0, jnp.sum(used.astype(jnp.int32)), step, carry)
+
+
+def _varying_axes(*arrays) -> tuple:
+    """Mesh axes along which any of ``arrays`` varies inside ``shard_map`` (else ())."""
+    axes = frozenset()
+    for a in arrays:
+        mat = getattr(jax.typeof(a), "manual_axis_type", None)
+        axes |= getattr(mat, "varying", frozenset())
+    return tuple(sorted(axes))
+
+
+def _vary(a, axes: tuple):
+    """``a`` typed as varying along ``axes`` (a no-op outside shard_map).
+
+    Called on the operands before the custom VJP, so that JAX's transpose of this cast
+    sums the weight gradients over the axes the weights do not vary along (the token axes).
+    """
+    missing = tuple(ax for ax in axes if ax not in _varying_axes(a))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _zeros(shape, dtype, axes: tuple):
+    """Zeros typed as varying along ``axes``, so loop carries keep one type under shard_map."""
+    z = jnp.zeros(shape, dtype)
+    return lax.pcast(z, axes, to="varying") if axes else z
+
+
+def _rows(a, offset, size):
+    return lax.dynamic_slice_in_dim(a, offset, size, axis=0)
+
+
+def _put(a, rows, offset):
+    return lax.dynamic_update_slice_in_dim(a, rows.astype(a.dtype), offset, axis=0)
+
+
+def _dot(a, b, contract=((1,), (0,))):
+    return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=F32)
+
+
+def _swiglu_act(a_CF2):
+    """(h, silu(a0), sigmoid(a0), a0, a1) of the fused gate|up activations, fp32."""
+    a0, a1 = jnp.split(a_CF2, 2, axis=1)
+    sig = jax.nn.sigmoid(a0)
+    s = a0 * sig
+    return s * a1, s, sig, a0, a1
+
+
+def _expert_w01(w0_EHF, w1_EHF, e):
+    """[wi_0[e] | wi_1[e]] [H, 2F]: one fused slice-and-concatenate copy per expert."""
+    return jnp.concatenate([w0_EHF[e], w1_EHF[e]], axis=1)
+
+
+def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows):
+    """(y [R, H] in x's dtype, a [R, 2F] fp32 residual)."""
+    R, H = x_RH.shape
+    E, _, F = w0_EHF.shape
+    F2 = 2 * F
+    sizes = block_sizes(tile_rows, block_rows)
+
+    def expert(e, start, rows, carry):
+        w01, wo = _expert_w01(w0_EHF, w1_EHF, e), wo_EFH[e]
+
+        def block(offset, size, carry):
+            y, a_res = carry
+            a = _dot(_rows(x_RH, offset, size), w01)
+            h = _swiglu_act(a)[0].astype(x_RH.dtype)
+            return _put(y, _dot(h, wo), offset), _put(a_res, a, offset)
+
+        return for_blocks(start, rows, sizes, block, carry)
+
+    axes = _varying_axes(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E)
+    init = (_zeros((R, H), x_RH.dtype, axes), _zeros((R, F2), F32, axes))
+    return for_experts(group_sizes_E, tile_rows, expert, init)
+
+
+def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_rows,
+              block_rows):
+    """(dx [R, H], dw0, dw1 [E, H, F], dwo [E, F, H]); weight grads in the weights' dtype."""
+    E, H, F = w0_EHF.shape
+    F2 = 2 * F
+    dtype = x_RH.dtype
+    sizes = block_sizes(tile_rows, block_rows)
+    axes = _varying_axes(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH)
+
+    def expert(e, start, rows, carry):
+        dx, dw0_all, dw1_all, dwo_all = carry
+        w01, wo = _expert_w01(w0_EHF, w1_EHF, e), wo_EFH[e]
+
+        def block(offset, size, inner):
+            dx, dw01, dwo = inner
+            x_b, dy_b = _rows(x_RH, offset, size), _rows(dy_RH, offset, size).astype(dtype)
+            h, s, sig, a0, a1 = _swiglu_act(_rows(a_RF2, offset, size))
+            dh = _dot(dy_b, wo, ((1,), (1,)))  # [c, F]
+            dwo = dwo + _dot(h.astype(dtype), dy_b, ((0,), (0,)))
+            da0 = dh * a1 * sig * (1.0 + a0 * (1.0 - sig))
+            da = jnp.concatenate([da0, dh * s], axis=1).astype(dtype)
+            dw01 = dw01 + _dot(x_b, da, ((0,), (0,)))
+            return _put(dx, _dot(da, w01, ((1,), (1,))), offset), dw01, dwo
+
+        inner = (dx, _zeros((H, F2), F32, axes), _zeros((F, H), F32, axes))
+        dx, dw01, dwo = for_blocks(start, rows, sizes, block, inner)
+        dw0, dw1 = jnp.split(dw01, 2, axis=1)
+        return (dx, dw0_all.at[e].set(dw0.astype(dw0_all.dtype)),
+                dw1_all.at[e].set(dw1.astype(dw1_all.dtype)),
+                dwo_all.at[e].set(dwo.astype(dwo_all.dtype)))
+
+    init = tuple(_zeros(a.shape, a.dtype, axes) for a in (x_RH, w0_EHF, w1_EHF, wo_EFH))
+    return for_experts(group_sizes_E, tile_rows, expert, init)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _tiled(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows):
+    return _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows)[0]
+
+
+def _tiled_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows):
+    y, a = _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows)
+    return y, (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a)
+
+
+def _tiled_bwd(tile_rows, block_rows, res, dy_RH):
+    x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a = res
+    grads = _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a, dy_RH, tile_rows,
+                      block_rows)
+    return (*grads, None)
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def tiled_swiglu(x_RH: jax.Array, group_sizes_E: jax.Array, wi_0_EHF: jax.Array,
+                 wi_1_EHF: jax.Array, wo_EFH: jax.Array, *, tile_rows: int,
+                 block_rows: int) -> jax.Array:
+    """SwiGLU experts on the tile-padded layout [R, H] -> [R, H] (x's dtype).
+
+    ``group_sizes_E`` may cover only the first E' experts of the layout (E' = weights' E):
+    rows of later groups are left out (their y is 0). Weights are cast to x's dtype.
+    """
+    dtype = x_RH.dtype
+    # Blocks larger than R never run (a span has at most R rows): the same blocks run for
+    # every R, so results do not depend on the buffer size.
+    block_rows = min(block_rows, x_RH.shape[0])
+    ops = (x_RH, wi_0_EHF.astype(dtype), wi_1_EHF.astype(dtype), wo_EFH.astype(dtype),
+           group_sizes_E.astype(jnp.int32))
+    axes = _varying_axes(*ops)
+    return _tiled(*(_vary(a, axes) for a in ops), tile_rows, block_rows)
+
+
+def executed_rows(group_sizes_E, tile_rows: int):
+    """Rows the tiled backend computes for these group sizes (sum of padded spans)."""
+    return jnp.sum(expert_spans(jnp.asarray(group_sizes_E), tile_rows)[1])
