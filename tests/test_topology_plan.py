@@ -168,3 +168,13 @@ def test_site_file_straddle_refused_then_allowed(tmp_path):
     d = plan_json(*args, "--allow-straddle")
     assert d["straddling"]["planned"] is True and d["allocation"]["segment"] is None
     assert d["bytes_over_network"]["planned"] <= d["bytes_over_network"]["naive"]
+
+
+def test_closed_stdout_is_not_a_traceback():
+    # `python -m topology plan ... | head` closes the pipe early: exit quietly, as shell tools do.
+    proc = subprocess.Popen([sys.executable, "-m", "topology", "plan", "--preset", "h100-dgx",
+                             "--nodes", "2", "--model", "tiny", "--ep", "8"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the child has written anything
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in err, err
