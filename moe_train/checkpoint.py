@@ -24,12 +24,22 @@ STRUCTURAL = {
 }
 
 
+def _fp8_state(precision: dict[str, Any]) -> str | None:
+    """What fp8 scaling state the train state holds ("precision.fp8_state"): None outside
+    fp8 (a config saved before [precision] existed counts as fp32); fp32 <-> bf16 resume."""
+    if precision.get("compute") != "fp8":
+        return None
+    return (f"fp8, {precision.get('fp8_backend')} backend, "
+            f"{precision.get('amax_history')}-step amax history")
+
+
 def structure(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for section, keys in STRUCTURAL.items():
         values = cfg_dict.get(section, {})
         for key in keys or values:
             out[f"{section}.{key}"] = values.get(key)
+    out["precision.fp8_state"] = _fp8_state(cfg_dict.get("precision", {}))
     return out
 
 

@@ -23,6 +23,11 @@ DISPATCHERS = ("auto", "allgather", "a2a", "hierarchical")
 DATA_SOURCES = ("synthetic", "tokens", "bytes")
 TOKEN_DTYPES = ("uint16", "uint32")
 DTYPES = ("float32", "bfloat16")
+COMPUTE = ("fp32", "bf16", "fp8")  # precision.compute
+FP8_RECIPES = ("delayed", "current", "mxfp8")  # mxfp8: Transformer Engine on Blackwell only
+FP8_BACKENDS = ("auto", "xla", "te")  # precision.fp8_backend
+# Keys that moved to another section: --set or a preset naming the old one is told where.
+MOVED = {"model.dtype": ("precision.compute", COMPUTE)}
 REMAT_POLICIES = ("none", "full", "matmuls", "moe")  # moe_train.remat documents each
 
 
@@ -46,8 +51,7 @@ class ModelConfig:
     tie_embeddings: bool = False  # share the input embedding with the output projection
     first_dense_layers: int = 0  # the first N blocks use a dense SwiGLU MLP instead of MoE
     dense_ffn: int = 256  # hidden width of the dense SwiGLU MLP in those blocks
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (params stay param_dtype)
-    param_dtype: str = "float32"  # master weight dtype
+    param_dtype: str = "float32"  # master weight dtype (compute precision: [precision])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +139,17 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Compute precision; master weights, optimizer state, router and losses stay fp32."""
+
+    compute: str = "fp32"  # matmul precision: fp32 | bf16 | fp8 (bf16 with fp8 quantized matmuls)
+    fp8_recipe: str = "delayed"  # fp8 scales: delayed (amax history) | current (this step) | mxfp8 (TE only)
+    amax_history: int = 16  # steps of amax kept per quantized tensor (delayed scaling)
+    margin: int = 0  # scale down by 2**margin below the fp8 maximum (headroom against overflow)
+    fp8_backend: str = "auto"  # auto (TE where transformer_engine.jax imports on GPU, else xla) | xla | te
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """The whole run."""
 
@@ -144,6 +159,7 @@ class Config:
     optim: OptimConfig = OptimConfig()  # optimizer and schedule
     train: TrainConfig = TrainConfig()  # loop and checkpoints
     parallel: ParallelConfig = ParallelConfig()  # devices
+    precision: PrecisionConfig = PrecisionConfig()  # compute dtype and fp8 scaling
 
 
 def section_names() -> tuple[str, ...]:
@@ -181,6 +197,10 @@ def _section_update(section: Any, name: str, values: dict[str, Any], parse: bool
     valid = [f.name for f in dataclasses.fields(section)]
     changes = {}
     for key, value in values.items():
+        if f"{name}.{key}" in MOVED:
+            new, choices = MOVED[f"{name}.{key}"]
+            raise ConfigError(f"{name}.{key} moved to {new}; set {new}=<{' | '.join(choices)}> "
+                              f"instead (e.g. {new}={choices[1]})")
         if key not in valid:
             raise ConfigError(f"unknown key {name}.{key}; valid keys in [{name}]: {', '.join(valid)}")
         typ = hints[key]
@@ -256,9 +276,9 @@ def validate(cfg: Config) -> None:
     _choice(e.dispatcher, DISPATCHERS, "moe.dispatcher")
     _choice(cfg.data.source, DATA_SOURCES, "data.source")
     _choice(cfg.data.token_dtype, TOKEN_DTYPES, "data.token_dtype")
-    _choice(m.dtype, DTYPES, "model.dtype")
     _choice(m.param_dtype, DTYPES, "model.param_dtype")
     _choice(cfg.train.remat, REMAT_POLICIES, "train.remat")
+    _validate_precision(cfg.precision)
     if e.top_k > e.num_experts:
         raise ConfigError(f"moe.top_k={e.top_k} is larger than moe.num_experts={e.num_experts}; "
                           f"choose top_k in 1..{e.num_experts}")
@@ -278,6 +298,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.source={cfg.data.source} needs data.path=<file>")
     if cfg.data.source == "bytes" and m.vocab_size < 256:
         raise ConfigError(f"data.source=bytes needs model.vocab_size >= 256, got {m.vocab_size}")
+
+
+def _validate_precision(p: PrecisionConfig) -> None:
+    _choice(p.compute, COMPUTE, "precision.compute")
+    _choice(p.fp8_recipe, FP8_RECIPES, "precision.fp8_recipe")
+    _choice(p.fp8_backend, FP8_BACKENDS, "precision.fp8_backend")
+    if p.amax_history < 1:
+        raise ConfigError(f"precision.amax_history must be >= 1, got {p.amax_history}")
+    if p.margin < 0:
+        raise ConfigError(f"precision.margin must be >= 0, got {p.margin}")
+    if p.fp8_recipe == "mxfp8" and p.fp8_backend == "xla":
+        raise ConfigError("precision.fp8_recipe=mxfp8 needs Transformer Engine (MXFP8 block "
+                          "scaling on Blackwell); with precision.fp8_backend=xla choose one of: "
+                          "delayed, current")
 
 
 def _validate_cluster(p: ParallelConfig) -> None:
@@ -301,6 +335,11 @@ def _validate_groups(e: MoEConfig) -> None:
         raise ConfigError(f"moe.group_top_k={e.group_top_k} must be in 1..{e.num_groups}")
     if e.top_k > e.group_top_k * (e.num_experts // e.num_groups):
         raise ConfigError(f"moe.top_k={e.top_k} exceeds the experts in {e.group_top_k} groups")
+
+
+def compute_dtype(p: PrecisionConfig) -> str:
+    """dtype name of activations and weight copies: fp8 computes in bf16 around fp8 matmuls."""
+    return "float32" if p.compute == "fp32" else "bfloat16"
 
 
 def head_dim(m: ModelConfig) -> int:

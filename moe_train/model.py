@@ -7,7 +7,9 @@ Letter key for tensor names:
 Parameters are created with logical axes (``embed``, ``mlp``, ``heads``, ``expert``, ...);
 ``moe_train.sharding.LOGICAL_RULES`` maps them to mesh axes. The expert bias of
 aux-loss-free balancing lives in the ``moe_state`` collection: it is read here and updated by
-the train step from the returned expert loads, never by the optimizer.
+the train step from the returned expert loads, never by the optimizer. Matmul precision
+follows ``[precision]`` (``moe_train.precision``): under fp8 the fp8 scaling state lives in
+the ``_overwrite_with_gradient`` collection and the router still sees the un-quantized input.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_train import remat
+from moe_train import precision, remat
 from moe_train.config import Config, head_dim
 from moe_train.moe import dropless_moe
 from moe_train.moe.ep import EPPlan, ep_moe
@@ -75,13 +77,13 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_BSH):
-        m = self.cfg.model
-        d, dt = head_dim(m), jnp.dtype(m.dtype)
+        m, pol = self.cfg.model, precision.policy(self.cfg)
+        d, dt = head_dim(m), pol.dtype
 
         def proj(name, heads, axes):
             w = self.param(name, nn.with_logical_partitioning(_init((0,), (1, 2)), axes),
                            (m.hidden, heads, d), jnp.dtype(m.param_dtype))
-            return jnp.einsum("bsh,hnd->bsnd", x_BSH, gathered(w, axes, dt))
+            return precision.dot(pol, name, x_BSH, gathered(w, axes, dt))  # [B, S, heads, D]
 
         q_BSND = proj("q", m.num_heads, ("embed", "heads", "head_dim"))
         k_BSKD = proj("k", m.num_kv_heads, ("embed", "kv_heads", "head_dim"))
@@ -94,7 +96,7 @@ class Attention(nn.Module):
         o_axes = ("heads", "head_dim", "embed")
         wo = self.param("o", nn.with_logical_partitioning(_init((0, 1), (2,)), o_axes),
                         (m.num_heads, d, m.hidden), jnp.dtype(m.param_dtype))
-        return jnp.einsum("bsnd,ndh->bsh", o_BSND, gathered(wo, o_axes, dt))
+        return precision.dot(pol, "o", o_BSND, gathered(wo, o_axes, dt), n=2)
 
 
 class SwiGLU(nn.Module):
@@ -105,15 +107,16 @@ class SwiGLU(nn.Module):
 
     @nn.compact
     def __call__(self, x_BSH):
-        m = self.cfg.model
-        dt, pdt = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
+        m, pol = self.cfg.model, precision.policy(self.cfg)
+        dt, pdt = pol.dtype, jnp.dtype(m.param_dtype)
         part = nn.with_logical_partitioning
         wi_0 = self.param("wi_0", part(_init(), ("embed", "mlp")), (m.hidden, self.ffn), pdt)
         wi_1 = self.param("wi_1", part(_init(), ("embed", "mlp")), (m.hidden, self.ffn), pdt)
         wo = self.param("wo", part(_init(), ("mlp", "embed")), (self.ffn, m.hidden), pdt)
         up, down = ("embed", "mlp"), ("mlp", "embed")
-        h_BSF = nn.silu(x_BSH @ gathered(wi_0, up, dt)) * (x_BSH @ gathered(wi_1, up, dt))
-        return h_BSF @ gathered(wo, down, dt)
+        h_BSF = (nn.silu(precision.dot(pol, "wi_0", x_BSH, gathered(wi_0, up, dt)))
+                 * precision.dot(pol, "wi_1", x_BSH, gathered(wi_1, up, dt)))
+        return precision.dot(pol, "wo", h_BSF, gathered(wo, down, dt))
 
 
 class MoEBlock(nn.Module):
@@ -139,14 +142,20 @@ class MoEBlock(nn.Module):
         wo_EFH = self.param("wo", part(expert_init, ("expert", "mlp", "embed")), (E, F, H), pdt)
         bias_E = self.variable("moe_state", "expert_bias", jnp.zeros, (E,), jnp.float32).value
         B, S, _ = x_BSH.shape
-        dt = jnp.dtype(m.dtype)
+        pol = precision.policy(self.cfg)
+        x_TH = x_BSH.reshape(B * S, H)
+        w = (wi_0_EHF.astype(pol.dtype), wi_1_EHF.astype(pol.dtype), wo_EFH.astype(pol.dtype))
+        expert_x_TH = None
+        if pol.fp8:  # the router keeps x_TH; the experts get e4m3 rows and weights
+            expert_x_TH = precision.quantize_operand(self, "expert_input", x_TH, pol)
+            w = tuple(precision.quantize_operand(self, f"{n}_kernel", w_, pol)
+                      for n, w_ in zip(("wi_0", "wi_1", "wo"), w))
         kwargs = dict(top_k=e.top_k, score_function=e.score_function,
                       normalize_top_k=e.normalize_top_k, num_groups=e.num_groups or None,
                       group_top_k=e.group_top_k or None, routed_scaling=e.routed_scaling,
                       expert_bias=bias_E, backend=e.backend, tile_rows=e.tile_rows or None,
-                      seq_len=S)
-        operands = (x_BSH.reshape(B * S, H), gate_HE, wi_0_EHF.astype(dt), wi_1_EHF.astype(dt),
-                   wo_EFH.astype(dt))
+                      seq_len=S, expert_input=expert_x_TH)
+        operands = (x_TH, gate_HE, *w)
         if self.ep_plan is None:
             y_TH, stats = dropless_moe(*operands, **kwargs)
             n = jnp.float32(B * S * e.top_k)
@@ -154,6 +163,8 @@ class MoEBlock(nn.Module):
                          max_pair_load=jnp.float32(0), slow_rows=jnp.float32(0))
         else:
             y_TH, stats = ep_moe(*operands, plan=self.ep_plan, **kwargs)
+        if pol.fp8:  # e5m2 gradient into the experts' output
+            y_TH = precision.quantize_cotangent(self, "expert_output_grad", y_TH, pol)
         y_BSH = y_TH.reshape(B, S, H)
         if e.num_shared_experts:
             width = e.num_shared_experts * (e.shared_ffn or F)
@@ -194,7 +205,7 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens_BS):
         m = self.cfg.model
-        dt = jnp.dtype(m.dtype)
+        dt = precision.policy(self.cfg).dtype  # bf16 under fp8: embedding and head unquantized
         embed_VH = self.param("embed", nn.with_logical_partitioning(
             nn.initializers.normal(1.0), ("vocab", "embed")), (m.vocab_size, m.hidden),
             jnp.dtype(m.param_dtype))

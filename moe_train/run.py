@@ -17,13 +17,12 @@ from typing import Callable
 import jax
 import numpy as np
 
-from moe_train import checkpoint, distributed, flops, layout, metrics, sharding, summary, telemetry
+from moe_train import (checkpoint, distributed, flops, layout, metrics, precision, sharding,
+                       summary, telemetry)
 from moe_train.config import Config, ConfigError, save_json, to_dict
 from moe_train.data import make_source
 from moe_train.stepper import BucketedStep
 from moe_train.train import StepCounter, init_state
-from topology import presets as topology_presets
-from topology.peaks import peak_flops
 
 EXIT_OK, EXIT_CONFIG, EXIT_DIVERGED = 0, 2, 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
@@ -83,10 +82,8 @@ def _prepare_out(cfg: Config, out_dir: Path, ckpt: checkpoint.Checkpointer) -> i
 
 
 def mfu_peak(cfg: Config, device_kind: str) -> float | None:
-    """Peak FLOP/s per device for MFU: the cluster preset's when one is named, else by kind."""
-    if cfg.parallel.cluster:
-        return topology_presets.load(cfg.parallel.cluster).peak_flops(cfg.model.dtype)
-    return peak_flops(device_kind, cfg.model.dtype)
+    """Peak FLOP/s per device for MFU (``summary.peak_for``: preset, else device kind)."""
+    return summary.peak_for(to_dict(cfg), device_kind)
 
 
 def global_batch(source, step: int, mesh):
@@ -147,6 +144,7 @@ def run(cfg: Config, out_dir: Path, log: Callable[[str], None] = print) -> int:
     try:
         latest = _prepare_out(cfg, out_dir, ckpt)
         _report_layout(plan, out_dir, log)
+        log(precision.describe(cfg, mesh.devices.flat[0].platform))
         state = init_state(cfg, mesh)
         if latest is not None:
             state = ckpt.restore(latest, state)

@@ -2,6 +2,12 @@
 
 Letter key: B batch, S sequence, V vocab, L MoE layers, E experts.
 
+Outside the optimizer the step updates two kinds of state: the aux-loss-free expert bias
+(``moe_state``) and, under ``precision.compute=fp8``, the fp8 scaling state (``fp8_state``,
+see ``moe_train.precision``): the step differentiates the loss with respect to it and keeps
+that "gradient", which the quantizers' custom VJPs set to each tensor's new scale and amax
+history.
+
 The step is compiled once per run: routing changes alter values, never shapes. Every trace of
 the step increments ``StepCounter.traces``, which the loop reports as ``compilations``.
 """
@@ -22,6 +28,7 @@ from moe_train import remat, sharding
 from moe_train.config import Config
 from moe_train.model import Transformer
 from moe_train.moe.ep import EPPlan
+from moe_train.precision import FP8_COLLECTION
 
 
 @flax.struct.dataclass
@@ -32,6 +39,7 @@ class TrainState:
     params: Any  # fp32 master weights
     opt_state: Any  # AdamW moments
     moe_state: Any  # {"layer_i": {"moe": {"expert_bias": [E]}}}: aux-loss-free balancing
+    fp8_state: Any  # {..: {"scale": [], "amax_history": [A]}} per fp8-quantized tensor; {} unless fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +124,8 @@ def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState
     opt_sh = optax.tree_map_params(optimizer(cfg), lambda _, sh: sh, abstract.opt_state, param_sh,
                                    transform_non_params=lambda _: rep)
     return TrainState(step=rep, params=param_sh, opt_state=opt_sh,
-                      moe_state=jax.tree.map(lambda _: rep, abstract.moe_state))
+                      moe_state=jax.tree.map(lambda _: rep, abstract.moe_state),
+                      fp8_state=jax.tree.map(lambda _: rep, abstract.fp8_state))
 
 
 def init_state(cfg: Config, mesh: Mesh) -> TrainState:
@@ -126,9 +135,14 @@ def init_state(cfg: Config, mesh: Mesh) -> TrainState:
 
     def make(key):
         variables = model.init(key, tokens)
+        unknown = set(variables) - {"params", "moe_state", FP8_COLLECTION}
+        if unknown:  # e.g. a Transformer Engine release that keeps state elsewhere
+            raise RuntimeError(f"the model created variable collections the train state does "
+                               f"not carry: {sorted(unknown)}")
         params = nn.unbox(variables["params"])
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=tx.init(params), moe_state=variables.get("moe_state", {}))
+                          opt_state=tx.init(params), moe_state=variables.get("moe_state", {}),
+                          fp8_state=nn.unbox(variables.get(FP8_COLLECTION, {})))
 
     # The "rbg" generator compiles the initialisers ~3x faster than threefry on XLA:CPU.
     key = jax.random.key(cfg.train.seed, impl="rbg")
@@ -136,8 +150,11 @@ def init_state(cfg: Config, mesh: Mesh) -> TrainState:
     return jax.jit(make, out_shardings=state_shardings(cfg, mesh, abstract))(key)
 
 
-def _loss_fn(params, moe_state, batch_BS, model: Transformer, cfg: Config):
-    logits_BSV, stats = model.apply({"params": params, "moe_state": moe_state}, batch_BS[:, :-1])
+def _loss_fn(params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Config):
+    variables = {"params": params, "moe_state": moe_state}
+    if fp8_state:
+        variables[FP8_COLLECTION] = fp8_state
+    logits_BSV, stats = model.apply(variables, batch_BS[:, :-1])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, batch_BS[:, 1:]).mean()
     e = cfg.moe
     zero = jnp.zeros((), jnp.float32)
@@ -178,8 +195,9 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
 
     def step(state: TrainState, batch_BS):
         counter.traces += 1
-        grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
-        (total, aux), grads = grad_fn(state.params, state.moe_state, batch_BS, model, cfg)
+        grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True)
+        (total, aux), (grads, fp8_state) = grad_fn(state.params, state.fp8_state,
+                                                     state.moe_state, batch_BS, model, cfg)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         stats = aux["stats"]
@@ -195,7 +213,8 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
                        recv_slots=_sum_layers(stats, "recv_slots"),
                        slow_rows=_sum_layers(stats, "slow_rows"),
                        max_pair_load=stats["max_pair_load"].max() if stats else jnp.float32(0))
-        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, moe_state=moe_state)
+        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                         moe_state=moe_state, fp8_state=fp8_state)
         if can_overflow:
             new = jax.tree.map(lambda old, upd: jnp.where(metrics["overflow"], old, upd), state, new)
         return new, metrics

@@ -73,7 +73,8 @@ def test_every_field_has_a_comment():
     import inspect
 
     for section in (config.ModelConfig, config.MoEConfig, config.DataConfig, config.OptimConfig,
-                    config.TrainConfig, config.ParallelConfig, config.Config):
+                    config.TrainConfig, config.ParallelConfig, config.PrecisionConfig,
+                    config.Config):
         source = inspect.getsource(section)
         for field in dataclasses.fields(section):
             line = next(l for l in source.splitlines() if l.strip().startswith(f"{field.name}:"))
@@ -89,3 +90,26 @@ def test_cluster_preset_gives_the_mfu_peak():
     from topology.presets import load
     assert load("h100-dgx").peak_flops("bfloat16") == 989e12
     assert load("cpu-local").peak_flops("bfloat16") is None  # nominal numbers are no peak
+
+
+def test_model_dtype_moved_to_precision_compute():
+    with pytest.raises(ConfigError, match=r"model.dtype moved to precision.compute; set "
+                                          r"precision.compute=<fp32 \| bf16 \| fp8>"):
+        config.build("tiny", ["model.dtype=bfloat16"])
+
+
+def test_model_dtype_in_a_preset_table_is_refused_too():
+    with pytest.raises(ConfigError, match="model.dtype moved to precision.compute"):
+        config.apply_tables(config.Config(), {"model": {"dtype": "bfloat16"}})
+
+
+def test_bad_precision_lists_choices():
+    with pytest.raises(ConfigError, match="precision.compute='fp16' is not valid; choose one of: "
+                                          "fp32, bf16, fp8"):
+        config.build("tiny", ["precision.compute=fp16"])
+
+
+def test_mxfp8_needs_transformer_engine():
+    with pytest.raises(ConfigError, match="mxfp8 needs Transformer Engine.*delayed, current"):
+        config.build("tiny", ["precision.compute=fp8", "precision.fp8_recipe=mxfp8",
+                              "precision.fp8_backend=xla"])

@@ -85,9 +85,9 @@ def test_big_presets_match_published(name):
 
 
 @pytest.mark.parametrize("name", BIG)
-def test_big_presets_are_bfloat16_and_synthetic_by_default(name):
+def test_big_presets_are_bf16_and_synthetic_by_default(name):
     cfg = config.build(name)
-    assert cfg.model.dtype == "bfloat16"
+    assert cfg.precision.compute == "bf16"
     assert cfg.data.source == "synthetic"
 
 

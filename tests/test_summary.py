@@ -134,3 +134,14 @@ def test_read_jsonl_counts_garbage(tmp_path):
     p.write_bytes(b'{"a": 1}\n[1, 2]\n\xff\xfe\n\n{"b": 2}\n{"c"')
     records, skipped = read_jsonl(p)
     assert records == [{"a": 1}, {"b": 2}] and skipped == 3
+
+
+@pytest.mark.parametrize("config, peak_tflops", [
+    ({"precision": {"compute": "fp8"}, "parallel": {"cluster": "h100-dgx"}}, 1979.0),
+    ({"precision": {"compute": "bf16"}, "parallel": {"cluster": "h100-dgx"}}, 989.0),
+    ({"precision": {"compute": "fp32"}, "parallel": {"cluster": "h100-dgx"}}, None),
+    ({"model": {"dtype": "bfloat16"}, "parallel": {"cluster": "h100-dgx"}}, 989.0),  # older runs
+])
+def test_mfu_peak_follows_precision_compute(config, peak_tflops):
+    peak = summary.peak_for(config, None)
+    assert (peak is None) if peak_tflops is None else peak == pytest.approx(peak_tflops * 1e12)

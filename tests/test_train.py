@@ -104,7 +104,7 @@ def test_bias_lives_in_state_and_is_checkpointed(tmp_path):
 
 
 def test_bf16_compute_with_fp32_master_weights(tmp_path):
-    assert run(tiny("model.dtype=bfloat16"), tmp_path, log=lambda s: None) == EXIT_OK
+    assert run(tiny("precision.compute=bf16"), tmp_path, log=lambda s: None) == EXIT_OK
     from moe_train.checkpoint import Checkpointer
 
     ck = Checkpointer(tmp_path, keep=3, use_async=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -18,6 +18,9 @@ from moe_train.bench.common import fmt_ms
 from moe_train.bench.ep_report import buffer_ratios
 from moe_train.moe import route, router_logits
 from moe_train.moe.dispatch import bucket_slots
+
+if TYPE_CHECKING:  # ep.py imports this module
+    from moe_train.bench.ep import MeshCfg
 from moe_train.moe.ep import EPPlan
 
 NUM_DEVICES = 8

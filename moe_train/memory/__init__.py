@@ -6,7 +6,8 @@ cluster, nodes)`` -> ``Verdict`` (for the launcher); ``python -m moe_train.memor
 Notation (per GPU): N GPUs, P = ``parallel.ep``, dp = N / P (FSDP), T = batch_size *
 seq_len / N tokens, S = seq_len, H hidden, q = heads * head_dim, kv = kv_heads * head_dim,
 nh heads, E experts, L = E / P local experts, K top-k, F expert_ffn, V vocab, a = bytes of
-``model.dtype`` (4 fp32, 2 bf16; 1 for the fp8 what-if), pb = bytes of ``model.param_dtype``.
+activations and weight copies by ``precision.compute`` (4 fp32, 2 bf16, 2 fp8: its XLA
+quantize-dequantize keeps bf16 values), pb = bytes of ``model.param_dtype``.
 
 State (exact: matches XLA's argument sizes, tests/test_memory.py)
     params     = (routed_experts / (P * dp) + other_matrices / N + norms) * pb
@@ -15,13 +16,17 @@ State (exact: matches XLA's argument sizes, tests/test_memory.py)
     grads      = params                      (same dtype and sharding, after reduce-scatter)
     optimizer  = 2 * params                  (AdamW mu and nu; the fp32 params are the master)
     other      = expert-bias state + the batch's int32 rows + counters
+                 + fp8 scaling state (fp8 only): 4 * (1 + amax_history) bytes per quantized
+                 tensor, 3 per dense projection (input, kernel, output gradient), 5 per MoE
+                 layer (input, wi_0, wi_1, wo, output gradient)
 
 Activations (token-proportional residuals kept for the backward pass), bytes per token:
     attention sub-layer  H*(a+8) + (3q+2kv)*a + nh*S*(12 + a')     a' = a if a < 4 else 0
         residual and fp32 norm intermediates; q, k, v, context; the [nh, S] scores per token
         of the XLA attention path (jax.nn.dot_product_attention): masked logits, exp and
         probs in fp32 plus the compute-dtype probs for the PV matmul
-    MoE sub-layer        H*(a+8) + K*H*(a+4) + 12E + 4*shared_width*a
+    MoE sub-layer        H*(a+8) + K*H*(a+4) + 12E + 4*shared_width*a (+ H*a under fp8:
+                         the experts' quantized copy of the input; the router keeps the original)
         residual, fp32 norm/router inputs, the per-assignment expert outputs gathered for the
         fp32 combine, router scores, shared-expert SwiGLU
     dense sub-layer      H*(a+8) + 4*dense_ffn*a
@@ -49,7 +54,7 @@ slots C = min(worst, 8*ceil(f * balanced / 8)) as moe.dispatch.bucket_slots):
   the worst case (no bucket) are reported beside it.
 
 Precision copies (weights as used: all-gathered over FSDP and cast to the compute dtype;
-none when dp = 1 and a = pb): per layer attention 2H(q+kv)*a, MoE L*3HF*a + fp32 router
+none when dp = 1 and a = pb, except under fp8, whose weights are quantized copies): per layer attention 2H(q+kv)*a, MoE L*3HF*a + fp32 router
 H*E*4 (dp > 1) + shared 3H*width*a, dense 3H*dense_ffn*a. Kept for every layer under none,
 the MoE/dense ones under moe (attention re-gathered), two layers under full/matmuls; plus the
 lm_head copy H*V*a and one layer's unsharded fp32 weight gradients before reduce-scatter.

@@ -15,7 +15,12 @@ from moe_train.config import Config, ConfigError, head_dim
 
 ITEMS = ("params", "grads", "optimizer", "activations", "moe_buffers", "precision_copies",
          "other")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1}
+PARAM_BYTES = {"float32": 4, "bfloat16": 2}  # model.param_dtype
+# precision.compute -> bytes of activations and weight copies. fp8 computes in bf16: XLA's
+# quantize-dequantize keeps bf16 values (on GPU the fused fp8 GEMMs read fp8 operands, but the
+# tensors kept for the backward pass stay bf16), so fp8 saves no memory here.
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
+FP8_SITES = {"attention": 12, "dense": 9, "moe": 5}  # quantized tensors per sub-layer (3 per dot)
 # Bytes kept per dispatched row per unit of expert_ffn F, by backend (compute itemsize a):
 # tiled: its hand-written VJP keeps a = x @ [wi_0|wi_1] [R, 2F] in fp32 (moe_train.moe.tiled);
 # sorted: autodiff through gemm.sorted_swiglu keeps a0, a1 and silu(a0) * a1 in fp32 and h in
@@ -32,7 +37,7 @@ class Setup:
     dp: int  # data-parallel (FSDP) size: devices // ep
     tokens: int  # tokens per device per step: batch_size * seq_len / devices
     remat: str  # train.remat policy
-    compute: str  # compute dtype of activations and weight copies: float32 | bfloat16 | fp8
+    compute: str  # precision.compute: fp32 | bf16 | fp8
     backend: str  # "tiled" (padded tiles, CPU) or "sorted" (ragged/grouped GEMM on rows)
     tile_rows: int  # m of the tiled backend (0 for sorted)
     dispatcher: str  # local | allgather | a2a | hierarchical
@@ -41,8 +46,8 @@ class Setup:
 
     @property
     def a(self) -> int:
-        """Bytes per element in the compute dtype."""
-        return DTYPE_BYTES[self.compute]
+        """Bytes per element of activations and weight copies."""
+        return COMPUTE_BYTES[self.compute]
 
 
 @dataclass(frozen=True)
@@ -103,15 +108,27 @@ def param_split(cfg: Config) -> tuple[int, int, int]:
     return c["routed_experts"], c["total"] - c["routed_experts"] - c["norms"], c["norms"]
 
 
+def fp8_state_bytes(cfg: Config, s: Setup) -> int:
+    """fp8 scaling state (replicated): a scale and an amax history per quantized tensor."""
+    if s.compute != "fp8":
+        return 0
+    n_dense, n_moe = _layer_kinds(cfg)
+    shared = FP8_SITES["dense"] if cfg.moe.num_shared_experts else 0
+    sites = (cfg.model.num_layers * FP8_SITES["attention"] + n_dense * FP8_SITES["dense"]
+             + n_moe * (FP8_SITES["moe"] + shared))
+    return sites * (1 + cfg.precision.amax_history) * 4
+
+
 def state_bytes(cfg: Config, s: Setup) -> dict[str, int]:
-    """params, grads, optimizer and other (MoE bias state, batch, counters) per device."""
-    pb = DTYPE_BYTES[cfg.model.param_dtype]
+    """params, grads, optimizer and other (MoE bias and fp8 state, batch, counters) per device."""
+    pb = PARAM_BYTES[cfg.model.param_dtype]
     expert, fsdp, rep = param_split(cfg)
     fsdp_ways = s.devices if cfg.model.hidden % s.devices == 0 else s.dp  # sharding.logical_rules
     params = (expert // (s.ep * s.dp) + fsdp // fsdp_ways + rep) * pb
     n_moe = cfg.model.num_layers - cfg.model.first_dense_layers
     seqs = cfg.train.batch_size // s.devices
-    other = n_moe * cfg.moe.num_experts * 4 + seqs * (cfg.train.seq_len + 1) * 4 + 64
+    other = (n_moe * cfg.moe.num_experts * 4 + seqs * (cfg.train.seq_len + 1) * 4 + 64
+             + fp8_state_bytes(cfg, s))
     return dict(params=params, grads=params, optimizer=2 * params, other=other)
 
 
@@ -129,9 +146,10 @@ def token_bytes(cfg: Config, s: Setup) -> dict[str, int]:
     m, e, a = cfg.model, cfg.moe, s.a
     H, q, kv = m.hidden, m.num_heads * head_dim(m), m.num_kv_heads * head_dim(m)
     shared = e.num_shared_experts * (e.shared_ffn or e.expert_ffn)
+    expert_copy = H * a if s.compute == "fp8" else 0  # the experts' q/dq copy of their input
     return dict(
         attention=H * (a + 8) + (3 * q + 2 * kv) * a + _scores(cfg, s),
-        moe=H * (a + 8 + e.top_k * (a + 4)) + 12 * e.num_experts + 4 * shared * a,
+        moe=H * (a + 8 + e.top_k * (a + 4)) + 12 * e.num_experts + 4 * shared * a + expert_copy,
         dense=H * (a + 8) + 4 * m.dense_ffn * a,
         block_input=H * a,
         matmul_attention=H * a + (q + 2 * kv) * a + H * a,
@@ -226,7 +244,7 @@ def _weight_copies(cfg: Config, s: Setup) -> dict[str, int]:
 def precision_copy_bytes(cfg: Config, s: Setup) -> int:
     """Compute-dtype copies of gathered weights kept for the backward pass, plus one layer's
     unsharded fp32 weight gradients before their reduce-scatter (FSDP only)."""
-    if s.devices == 1 and s.a == DTYPE_BYTES[cfg.model.param_dtype]:
+    if s.devices == 1 and s.a == PARAM_BYTES[cfg.model.param_dtype] and s.compute != "fp8":
         return 0  # the weights are used as stored: no copy
     w = _weight_copies(cfg, s)
     n_dense, n_moe = _layer_kinds(cfg)

@@ -75,7 +75,7 @@ def check_placement(cfg: Config, cluster: Cluster, nodes: int, ep: int) -> None:
 
 
 def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = None,
-              devices: int | None = None, compute: str | None = None) -> Setup:
+              devices: int | None = None) -> Setup:
     """The Setup of ``cfg`` on ``nodes`` nodes of ``cluster`` (or ``devices`` GPUs of one)."""
     if nodes < 1:
         raise PlanError(f"nodes must be >= 1, got {nodes}")
@@ -94,7 +94,7 @@ def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = Non
     local_experts = cfg.moe.num_experts // ep
     m = tile_rows(cfg, tokens * cfg.moe.top_k, local_experts, cluster.nominal)
     return Setup(devices=devices, ep=ep, dp=dp, tokens=tokens, remat=cfg.train.remat,
-                 compute=compute or cfg.model.dtype, backend=backend,
+                 compute=cfg.precision.compute, backend=backend,
                  tile_rows=m if backend == "tiled" else 0,
                  dispatcher=_dispatcher(cfg, devices, ep, groups), domains=groups,
                  domain_size=ep // groups)

@@ -8,8 +8,11 @@ less ``reserve_gib`` when one is given.
 When a plan does not fit, single changes are tried with the same estimate, cheapest first:
 more expert parallelism (same GPUs, more all-to-all traffic), remat ``moe`` then ``matmuls``
 then ``full`` (more recompute), a smaller ``train.batch_size`` (changes the recipe), more nodes
-(more GPUs). ``fp8`` is listed as a what-if only: it is not implemented yet. If no single
-change fits, ``train.remat=full`` combined with a smaller batch, then with more nodes.
+(more GPUs). ``precision.compute=fp8`` is not suggested: its XLA quantize-dequantize
+computes in bf16, so the estimate counts it as bf16 plus its scaling state and the experts'
+quantized input copy, never less memory (Transformer Engine's fp8 activation copies are not
+modelled). If no single change fits, ``train.remat=full`` combined with a smaller batch,
+then with more nodes.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class Alternative:
     change: str  # "parallel.ep=16", "train.remat=full", "train.batch_size=256", "nodes=16", ...
     total_bytes: int  # estimated per-GPU total with the change
     fits: bool  # total_bytes <= usable
-    available: bool = True  # False for what-ifs the kit cannot run yet (fp8)
+    available: bool = True  # False for a what-if the kit cannot run (none are offered now)
 
 
 @dataclass(frozen=True)
@@ -75,12 +78,10 @@ def budget(cluster: Cluster, reserve_gib: float | None = None) -> Budget:
     return Budget(device, int(device * fraction), why)
 
 
-def _total(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
-           compute: str | None = None) -> int | None:
+def _total(cfg: Config, cluster: Cluster, nodes: int, devices: int | None) -> int | None:
     """The estimated total, or None where the trainer would refuse this job."""
     try:
-        return estimate(cfg, job.setup_for(cfg, cluster, nodes, devices=devices,
-                                           compute=compute)).per_device["total"]
+        return estimate(cfg, job.setup_for(cfg, cluster, nodes, devices=devices)).per_device["total"]
     except job.PlanError:
         return None
 
@@ -104,7 +105,7 @@ def alternatives(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
     """Single changes that lower ``current``, cheapest first (module docstring); with remat
     ``full`` combined when no single available change fits."""
     n = devices or nodes * cluster.gpus_per_node
-    total = lambda c, **kw: _total(c, cluster, nodes, devices, **kw)  # noqa: E731
+    total = lambda c: _total(c, cluster, nodes, devices)  # noqa: E731
     E = cfg.moe.num_experts
     eps = [e for e in range(cfg.parallel.ep + 1, min(n, E) + 1) if n % e == 0 and E % e == 0]
     out = [_first_fit(lambda e: f"parallel.ep={e}",
@@ -113,10 +114,6 @@ def alternatives(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
             for r in REMAT_ORDER if r != cfg.train.remat]
     out += [_batch_alt(cfg, cluster, nodes, devices, n, usable),
             _nodes_alt(cfg, cluster, nodes, devices, usable)]
-    fp8 = total(cfg, compute="fp8")
-    if fp8 is not None:
-        out.append(Alternative("fp8 compute (what-if: not implemented yet)", fp8, fp8 <= usable,
-                               available=False))
     out = [a for a in out if a is not None and a.total_bytes < current]
     if not any(a.fits and a.available for a in out) and cfg.train.remat != "full":
         full = job.with_remat(cfg, "full")

@@ -64,7 +64,8 @@ def _chunked(fn, x_TH, weights_TK, experts_TK, w, ctx: Context):
 
 def ep_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, plan: EPPlan, top_k: int,
            score_function="softmax", normalize_top_k=True, num_groups=None, group_top_k=None,
-           routed_scaling=1.0, expert_bias=None, backend="auto", tile_rows=None, seq_len=None):
+           routed_scaling=1.0, expert_bias=None, backend="auto", tile_rows=None, seq_len=None,
+           expert_input=None):
     """``dropless_moe`` on the context mesh: same arguments and result, plus exchange stats.
 
     ``x_TH`` is the global token batch (split over TOKEN_AXES), expert weights are split over
@@ -72,6 +73,8 @@ def ep_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, plan: EPPlan, to
     with a larger bucket), ``recv_rows`` and ``recv_slots`` (rows received vs. buffer rows,
     summed over shards), ``max_pair_load`` (largest pair load / balanced load, to size
     buckets) and ``slow_rows`` (token rows sent across domains, one way, summed over shards).
+    ``expert_input`` (like ``dropless_moe``'s): the rows dispatched to the experts in place of
+    ``x_TH``, split like it; the router sees ``x_TH``.
     """
     E, H, F = wi_0_EHF.shape
     name = resolve_backend(backend, x_TH.dtype, hidden=H, ffn=F)
@@ -86,7 +89,7 @@ def ep_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, plan: EPPlan, to
                     num_groups=num_groups or None, group_top_k=group_top_k or None,
                     routed_scaling=routed_scaling)
 
-    def shard(x_TH, gate_HE, w0, w1, wo, bias_E):
+    def shard(x_TH, xe_TH, gate_HE, w0, w1, wo, bias_E):
         with jax.named_scope("route"):
             logits_TE = router_logits(x_TH, gate_HE)
             weights_TK, experts_TK, scores_TE = route(logits_TE, top_k, expert_bias=bias_E,
@@ -94,7 +97,7 @@ def ep_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, plan: EPPlan, to
             stats = router_stats(logits_TE, scores_TE, experts_TK, score_function=score_function,
                                  seq_len=seq_len, axis_names=TOKEN_AXES)
         with jax.named_scope(f"dispatch_{plan.dispatcher}"):
-            y_TH, ex = _chunked(DISPATCHERS[plan.dispatcher], x_TH, weights_TK, experts_TK,
+            y_TH, ex = _chunked(DISPATCHERS[plan.dispatcher], xe_TH, weights_TK, experts_TK,
                                 (w0, w1, wo), ctx)
         stats["overflow"] = jax.lax.pmax(ex["overflow"].astype(jnp.int32), TOKEN_AXES) > 0
         stats["max_pair_load"] = jax.lax.pmax(ex["max_pair_load"], TOKEN_AXES)
@@ -106,6 +109,7 @@ def ep_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, plan: EPPlan, to
     stat_specs = {k: P() for k in ("tokens_per_expert", "dropped_tokens", "aux_loss",
                                    "seq_aux_loss", "z_loss", "router_entropy", "overflow",
                                    "recv_rows", "recv_slots", "max_pair_load", "slow_rows")}
-    fn = jax.shard_map(shard, in_specs=(tokens, P(), experts, experts, experts, P()),
+    fn = jax.shard_map(shard, in_specs=(tokens, tokens, P(), experts, experts, experts, P()),
                        out_specs=(tokens, stat_specs))
-    return fn(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, bias_E)
+    xe_TH = x_TH if expert_input is None else expert_input
+    return fn(x_TH, xe_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, bias_E)

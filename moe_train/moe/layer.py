@@ -56,7 +56,7 @@ def check_expert_shapes(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH) -> tup
 def dropless_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, top_k,
                  score_function="softmax", normalize_top_k=True, num_groups=None,
                  group_top_k=None, routed_scaling=1.0, expert_bias=None, backend="auto",
-                 tile_rows=None, seq_len=None):
+                 tile_rows=None, seq_len=None, expert_input=None):
     """Dropless top-k SwiGLU mixture of experts.
 
     y[t] = sum over chosen e of w[t, e] * (silu(x[t] @ wi_0[e]) * (x[t] @ wi_1[e])) @ wo[e].
@@ -71,6 +71,8 @@ def dropless_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, top_k,
       backend: one of BACKENDS ("auto" picks per platform, see gemm.resolve_backend).
       tile_rows: rows per tile of the tiled backend (None or 0: default_tile_rows).
       seq_len: rows per sequence for seq_aux_loss (None: all T rows are one sequence).
+      expert_input: what the experts compute on in place of x_TH (same shape and dtype, e.g.
+        an fp8 quantize-dequantized copy); routing always uses x_TH. None: x_TH.
 
     Returns:
       (y, stats): y shaped like x; stats as router.router_stats (dropped_tokens is 0).
@@ -88,7 +90,7 @@ def dropless_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, top_k,
     m = (tile_rows or default_tile_rows(N, E)) if name == "tiled" else None
     with jax.named_scope("permute"):
         plan = make_dispatch(experts_TK, E, m)
-        x_RH = permute(x_TH, plan)
+        x_RH = permute(x_TH if expert_input is None else expert_input.reshape(-1, H), plan)
     with jax.named_scope("grouped_gemm"):
         y_RH = grouped_swiglu(x_RH, plan, wi_0_EHF, wi_1_EHF, wo_EFH, name)
     with jax.named_scope("unpermute"):
