@@ -114,6 +114,23 @@ def test_bf16_compute_with_fp32_master_weights(tmp_path):
     assert np.isfinite([r["loss"] for r in records(tmp_path)]).all()
 
 
+def test_resumes_a_checkpoint_saved_before_the_fp8_state_existed(tmp_path):
+    """Checkpoints of earlier releases hold no fp8_state: a non-fp8 run resumes them."""
+    from moe_train.checkpoint import Checkpointer
+
+    first, old = tmp_path / "first", tmp_path / "old"
+    assert run(tiny(steps=2), first, log=lambda s: None) == EXIT_OK
+    ck = Checkpointer(first, keep=3, use_async=False)
+    saved, meta = ck.restore_saved(2), ck.read_meta(2)
+    ck.close()
+    assert saved.pop("fp8_state") == {}
+    ck = Checkpointer(old, keep=3, use_async=False)  # the earlier release's layout
+    ck.save(2, saved, meta)
+    ck.close()
+    assert run(tiny(steps=3), old, log=lambda s: None) == EXIT_OK
+    assert [r["step"] for r in records(old)] == [3]
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     lines = []
     cfg = tiny("optim.lr=1e30", "optim.warmup_steps=0", "optim.grad_clip=0",
