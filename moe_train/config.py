@@ -119,6 +119,7 @@ class TrainConfig:
     log_every: int = 1  # print a progress line every N steps
     telemetry_interval_s: float = 1.0  # seconds between GPU/host samples to <out>/telemetry/; 0 disables
     remat: str = "none"  # activation checkpointing per block: none | full | matmuls | moe
+    micro_batches: int = 1  # gradient accumulation: run each step's batch as N micro-batches (activations / N)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +280,11 @@ def validate(cfg: Config) -> None:
     _choice(m.param_dtype, DTYPES, "model.param_dtype")
     _choice(cfg.train.remat, REMAT_POLICIES, "train.remat")
     _validate_precision(cfg.precision)
+    t = cfg.train
+    if t.micro_batches < 1 or t.batch_size % t.micro_batches:
+        divisors = [d for d in range(1, t.batch_size + 1) if t.batch_size % d == 0]
+        raise ConfigError(f"train.micro_batches={t.micro_batches} must divide "
+                          f"train.batch_size={t.batch_size}; choose one of {divisors}")
     if e.top_k > e.num_experts:
         raise ConfigError(f"moe.top_k={e.top_k} is larger than moe.num_experts={e.num_experts}; "
                           f"choose top_k in 1..{e.num_experts}")

@@ -64,10 +64,16 @@ def select_devices(cfg: Config) -> list[jax.Device]:
     if n > len(available):
         raise ConfigError(f"parallel.devices={n} but only {len(available)} "
                           f"{available[0].platform} device(s) are visible; choose 1..{len(available)}")
-    if cfg.train.batch_size % n:
-        sizes = [d for d in range(1, n + 1) if cfg.train.batch_size % d == 0]
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by {n} devices; "
+    batch, micro = cfg.train.batch_size, cfg.train.micro_batches
+    if batch % n:
+        sizes = [d for d in range(1, n + 1) if batch % d == 0]
+        raise ConfigError(f"train.batch_size={batch} is not divisible by {n} devices; "
                           f"use a multiple of {n} or parallel.devices in {sizes}")
+    if (batch // n) % micro:
+        ok = [k for k in range(1, batch // n + 1) if (batch // n) % k == 0]
+        raise ConfigError(f"train.micro_batches={micro} does not divide the {batch // n} "
+                          f"sequences per device (train.batch_size={batch} over {n} devices); "
+                          f"choose one of {ok}")
     return available[:n]
 
 

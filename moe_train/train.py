@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moe_train import remat, sharding
 from moe_train.config import Config
@@ -182,6 +182,47 @@ def _sum_layers(stats, key, dtype=jnp.float32):
     return stats[key].sum().astype(dtype) if stats else jnp.zeros((), dtype)
 
 
+STAT_MEAN = ("aux_loss", "seq_aux_loss", "z_loss")  # per-batch means: averaged over micro-batches
+STAT_MAX = ("max_pair_load", "overflow")  # the worst micro-batch; other stats are counts: summed
+
+
+def micro_batches(batch_BS, n: int, mesh: Mesh):
+    """[B, S+1] -> [n, B/n, S+1]. Micro-batch m holds rows m, m+n, m+2n, ...: every device
+    keeps the rows it was given (B/devices is a multiple of n), so nothing moves."""
+    mb = batch_BS.reshape(batch_BS.shape[0] // n, n, -1).swapaxes(0, 1)
+    spec = sharding.batch_sharding(mesh).spec
+    return jax.lax.with_sharding_constraint(mb, NamedSharding(mesh, P(None, *spec)))
+
+
+def _reduce_stat(key: str, v_n):
+    if key in STAT_MEAN:
+        return v_n.mean(0)
+    return v_n.max(0) if key in STAT_MAX else v_n.sum(0)
+
+
+def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh: Mesh):
+    """``loss_grads`` over the batch as ``n`` micro-batches run in turn (gradient
+    accumulation): ((mean total loss, aux), (mean gradients, fp8 state)). Only one
+    micro-batch's activations are live at a time. The fp8 scaling state passes from each
+    micro-batch to the next (each quantizes with the amax history so far); the expert bias
+    stays fixed within the step. With load-balance losses each micro-batch balances its own
+    tokens, so n > 1 is not bitwise the same step as n = 1."""
+    if n == 1:
+        return loss_grads(params, fp8_state, moe_state, batch_BS)
+
+    def body(carry, mb_BS):
+        grads_sum, fp8 = carry
+        (total, aux), (grads, fp8) = loss_grads(params, fp8, moe_state, mb_BS)
+        return (jax.tree.map(jnp.add, grads_sum, grads), fp8), (total, aux)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, fp8), (total_n, aux_n) = jax.lax.scan(body, (zeros, fp8_state),
+                                                  micro_batches(batch_BS, n, mesh))
+    aux = {k: v.mean(0) for k, v in aux_n.items() if k != "stats"}
+    aux["stats"] = {k: _reduce_stat(k, v) for k, v in aux_n["stats"].items()}
+    return (total_n.mean(), aux), (jax.tree.map(lambda g: g / n, grads), fp8)
+
+
 def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState,
                     ep_plan: EPPlan | None = None):
     """The jitted step ``(state, batch) -> (state, metrics)`` with the state donated.
@@ -193,11 +234,15 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
     model, tx = Transformer(cfg, ep_plan), optimizer(cfg)
     lr_at = schedule(cfg)
 
+    def loss_grads(params, fp8_state, moe_state, batch_BS):
+        grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True)
+        return grad_fn(params, fp8_state, moe_state, batch_BS, model, cfg)
+
     def step(state: TrainState, batch_BS):
         counter.traces += 1
-        grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True)
-        (total, aux), (grads, fp8_state) = grad_fn(state.params, state.fp8_state,
-                                                     state.moe_state, batch_BS, model, cfg)
+        (total, aux), (grads, fp8_state) = accumulate(
+            loss_grads, state.params, state.fp8_state, state.moe_state, batch_BS,
+            cfg.train.micro_batches, mesh)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         stats = aux["stats"]

@@ -42,7 +42,8 @@ def planned(cfg):
     ["parallel.devices=8", "parallel.ep=8", *SHAPE],  # a2a, every expert on its own device
     ["parallel.devices=8", "parallel.ep=2", *SHAPE],  # EP 2 x FSDP 4
     ["parallel.devices=1", "precision.compute=fp8"],  # + fp8 scaling state in the arguments
-], ids=["1-device", "8-devices-ep8", "8-devices-ep2-fsdp4", "1-device-fp8"])
+    ["parallel.devices=8", "parallel.ep=8", *SHAPE, "train.micro_batches=2"],  # accumulation
+], ids=["1-device", "8-devices-ep8", "8-devices-ep2-fsdp4", "1-device-fp8", "8-devices-micro2"])
 def test_state_is_exact_and_total_close_to_xla(overrides):
     cfg = config.build("tiny", overrides)
     xla, est = xla_memory(cfg), planned(cfg).estimate.per_device
@@ -112,6 +113,25 @@ def test_verdict_names_the_largest_item_and_a_change_that_fits():
     key, value = v.change.split("=")
     assert plan(config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64",
                                               f"{key}={value}"]), "h100-dgx", 8).verdict.fits
+
+
+def test_micro_batches_split_activations_and_keep_a_gradient_sum():
+    base = ["parallel.ep=8", "train.batch_size=256"]  # 4 sequences per GPU
+    one, four = (plan(config.build("mixtral-8x7b", [*base, f"train.micro_batches={n}"]),
+                      "h100-dgx", 8, search=False).estimate.per_device for n in (1, 4))
+    assert four["activations"] == pytest.approx(one["activations"] / 4, rel=0.01)
+    assert four["moe_buffers"] < one["moe_buffers"] / 3
+    assert four["grads"] == 2 * one["grads"] and four["params"] == one["params"]
+
+
+def test_verdict_offers_micro_batches_before_changing_the_batch():
+    v = check_fits(config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=512",
+                                                 "train.remat=full"]),
+                   presets.load("h100-dgx"), 8)
+    changes = [a.change for a in v.alternatives]
+    micro = next(i for i, c in enumerate(changes) if c.startswith("train.micro_batches="))
+    batch = next(i for i, c in enumerate(changes) if c.startswith("train.batch_size="))
+    assert micro < batch
 
 
 def test_buckets_grow_to_the_worst_case():

@@ -131,6 +131,45 @@ def test_resumes_a_checkpoint_saved_before_the_fp8_state_existed(tmp_path):
     assert [r["step"] for r in records(old)] == [3]
 
 
+def test_micro_batches_take_the_same_step(tmp_path):
+    """Gradient accumulation over 4 micro-batches is the same step as the whole batch (no
+    batch-level balance loss, so every term is a per-token mean)."""
+    recs = {}
+    for n in (1, 4):
+        cfg = tiny("moe.aux_loss_coef=0", f"train.micro_batches={n}", steps=2)
+        assert run(cfg, tmp_path / str(n), log=lambda s: None) == EXIT_OK
+        recs[n] = records(tmp_path / str(n))
+    for key in ("loss", "grad_norm", "z_loss"):
+        np.testing.assert_allclose([r[key] for r in recs[4]], [r[key] for r in recs[1]], rtol=2e-6)
+    assert [r["tokens_per_expert"] for r in recs[4]] == [r["tokens_per_expert"] for r in recs[1]]
+
+
+def test_micro_batches_lower_the_compiled_step_memory(tmp_path):
+    temp = {}
+    for n in (1, 4):
+        assert run(tiny(f"train.micro_batches={n}", steps=1), tmp_path / str(n),
+                   log=lambda s: None) == EXIT_OK
+        temp[n] = records(tmp_path / str(n))[0]["compiled_temp_bytes"]
+    assert temp[4] < 0.7 * temp[1], temp
+
+
+def test_micro_batches_not_dividing_the_batch_exit_2(tmp_path, capsys):
+    from moe_train import cli
+
+    args = ["--preset", "tiny", "--out", str(tmp_path), "--set", "train.micro_batches=3"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and ("train.micro_batches=3 must divide train.batch_size=8; "
+                                          "choose one of [1, 2, 4, 8]") in err, err
+
+
+def test_micro_batches_not_dividing_the_rows_per_device_are_refused(tmp_path):
+    cfg = tiny("train.micro_batches=4", "parallel.devices=4")
+    with pytest.raises(config.ConfigError, match=r"does not divide the 2 sequences per device "
+                       r"\(train.batch_size=8 over 4 devices\); choose one of \[1, 2\]"):
+        run(cfg, tmp_path, log=lambda s: None)
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     lines = []
     cfg = tiny("optim.lr=1e30", "optim.warmup_steps=0", "optim.grad_clip=0",

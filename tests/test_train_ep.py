@@ -67,6 +67,18 @@ def test_resume_with_another_ep_size_and_device_count(tmp_path, single):
     np.testing.assert_allclose(losses(tmp_path), single, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_micro_batches_with_expert_parallelism_and_reruns_match_one_device(tmp_path):
+    """Gradient accumulation under EP: the overflow flag of any micro-batch reruns the step."""
+    ref = cfg_for("parallel.devices=1", "moe.aux_loss_coef=0")
+    assert run(ref, tmp_path / "one", log=lambda s: None) == EXIT_OK
+    cfg = cfg_for("parallel.devices=4", "parallel.ep=4", "moe.dispatcher=a2a",
+                  "moe.capacity_buckets=1.0,1.25", "moe.aux_loss_coef=0", "train.micro_batches=2")
+    assert run(cfg, tmp_path / "ep", log=lambda s: None) == EXIT_OK
+    assert records(tmp_path / "ep")[-1]["ep_overflow_reruns"] >= 1
+    np.testing.assert_allclose(losses(tmp_path / "ep"), losses(tmp_path / "one"), rtol=1e-5)
+
+
 def test_experts_not_divisible_by_ep_names_valid_sizes(tmp_path):
     with pytest.raises(ConfigError, match=r"num_experts=8 is not divisible by parallel.ep=3"):
         run(cfg_for("parallel.devices=6", "parallel.ep=3", "train.batch_size=6"), tmp_path)

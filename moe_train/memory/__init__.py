@@ -4,7 +4,7 @@
 cluster, nodes)`` -> ``Verdict`` (for the launcher); ``python -m moe_train.memory`` prints it.
 
 Notation (per GPU): N GPUs, P = ``parallel.ep``, dp = N / P (FSDP), T = batch_size *
-seq_len / N tokens, S = seq_len, H hidden, q = heads * head_dim, kv = kv_heads * head_dim,
+seq_len / N / micro_batches tokens (one micro-batch's: only one is live at a time), S = seq_len, H hidden, q = heads * head_dim, kv = kv_heads * head_dim,
 nh heads, E experts, L = E / P local experts, K top-k, F expert_ffn, V vocab, a = bytes of
 activations and weight copies by ``precision.compute`` (4 fp32, 2 bf16, 2 fp8: its XLA
 quantize-dequantize keeps bf16 values), pb = bytes of ``model.param_dtype``.
@@ -13,7 +13,9 @@ State (exact: matches XLA's argument sizes, tests/test_memory.py)
     params     = (routed_experts / (P * dp) + other_matrices / N + norms) * pb
                  (``sharding.LOGICAL_RULES``: expert -> EP axes and the expert weights'
                  embed -> data; every other weight's embed -> all N devices (FSDP))
-    grads      = params                      (same dtype and sharding, after reduce-scatter)
+    grads      = params                      (same dtype and sharding, after reduce-scatter;
+                                              2 * params with train.micro_batches > 1: the
+                                              running sum and one micro-batch's gradients)
     optimizer  = 2 * params                  (AdamW mu and nu; the fp32 params are the master)
     other      = expert-bias state + the batch's int32 rows + counters
                  + fp8 scaling state (fp8 only): 4 * (1 + amax_history) bytes per quantized

@@ -35,7 +35,7 @@ class Setup:
     devices: int  # accelerators in the job
     ep: int  # expert-parallel group size (mesh axes expert_x x expert)
     dp: int  # data-parallel (FSDP) size: devices // ep
-    tokens: int  # tokens per device per step: batch_size * seq_len / devices
+    tokens: int  # tokens per device per micro-batch: batch_size * seq_len / devices / micro_batches
     remat: str  # train.remat policy
     compute: str  # precision.compute: fp32 | bf16 | fp8
     backend: str  # "tiled" (padded tiles, CPU) or "sorted" (ragged/grouped GEMM on rows)
@@ -129,7 +129,9 @@ def state_bytes(cfg: Config, s: Setup) -> dict[str, int]:
     seqs = cfg.train.batch_size // s.devices
     other = (n_moe * cfg.moe.num_experts * 4 + seqs * (cfg.train.seq_len + 1) * 4 + 64
              + fp8_state_bytes(cfg, s))
-    return dict(params=params, grads=params, optimizer=2 * params, other=other)
+    # gradient accumulation carries the running sum beside each micro-batch's gradients
+    grads = params * (2 if cfg.train.micro_batches > 1 else 1)
+    return dict(params=params, grads=grads, optimizer=2 * params, other=other)
 
 
 # ----------------------------------------------------------------------------- per token

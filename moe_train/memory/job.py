@@ -42,6 +42,10 @@ def check_sizes(cfg: Config, devices: int, ep: int) -> int:
     if batch % devices:
         raise PlanError(f"train.batch_size={batch} is not divisible by {devices} devices; "
                         f"use a multiple of {devices}")
+    micro = cfg.train.micro_batches
+    if (batch // devices) % micro:
+        raise PlanError(f"train.micro_batches={micro} does not divide the {batch // devices} "
+                        f"sequences per device; valid: {_divisors(batch // devices)}")
     return dp
 
 
@@ -89,7 +93,7 @@ def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = Non
         check_placement(cfg, cluster, nodes, ep)
     domain = min(cluster.domain_size, devices)
     groups = max(1, -(-ep // domain))
-    tokens = cfg.train.batch_size * cfg.train.seq_len // devices
+    tokens = cfg.train.batch_size * cfg.train.seq_len // devices // cfg.train.micro_batches
     backend = _backend(cfg, cluster)
     local_experts = cfg.moe.num_experts // ep
     m = tile_rows(cfg, tokens * cfg.moe.top_k, local_experts, cluster.nominal)
@@ -103,6 +107,11 @@ def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = Non
 def with_remat(cfg: Config, remat: str) -> Config:
     """``cfg`` with ``train.remat`` replaced."""
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat=remat))
+
+
+def with_micro_batches(cfg: Config, n: int) -> Config:
+    """``cfg`` with ``train.micro_batches`` replaced."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=n))
 
 
 def with_batch(cfg: Config, batch_size: int) -> Config:

@@ -7,8 +7,9 @@ less ``reserve_gib`` when one is given.
 
 When a plan does not fit, single changes are tried with the same estimate, cheapest first:
 more expert parallelism (same GPUs, more all-to-all traffic), remat ``moe`` then ``matmuls``
-then ``full`` (more recompute), a smaller ``train.batch_size`` (changes the recipe), more nodes
-(more GPUs). ``precision.compute=fp8`` is not suggested: its XLA quantize-dequantize
+then ``full`` (more recompute), more ``train.micro_batches`` (gradient accumulation: the same
+step in smaller pieces, more steps of smaller GEMMs), a smaller ``train.batch_size`` (changes
+the recipe), more nodes (more GPUs). ``precision.compute=fp8`` is not suggested: its XLA quantize-dequantize
 computes in bf16, so the estimate counts it as bf16 plus its scaling state and the experts'
 quantized input copy, never less memory (Transformer Engine's fp8 activation copies are not
 modelled). If no single change fits, ``train.remat=full`` combined with a smaller batch,
@@ -112,7 +113,8 @@ def alternatives(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
                       ((e, total(job.with_ep(cfg, e))) for e in eps), usable)]
     out += [_first_fit(lambda r: f"train.remat={r}", [(r, total(job.with_remat(cfg, r)))], usable)
             for r in REMAT_ORDER if r != cfg.train.remat]
-    out += [_batch_alt(cfg, cluster, nodes, devices, n, usable),
+    out += [_micro_alt(cfg, cluster, nodes, devices, n, usable),
+            _batch_alt(cfg, cluster, nodes, devices, n, usable),
             _nodes_alt(cfg, cluster, nodes, devices, usable)]
     out = [a for a in out if a is not None and a.total_bytes < current]
     if not any(a.fits and a.available for a in out) and cfg.train.remat != "full":
@@ -123,6 +125,16 @@ def alternatives(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
                 out.append(Alternative("train.remat=full + " + alt.change, alt.total_bytes,
                                        alt.fits))
     return out
+
+
+def _micro_alt(cfg: Config, cluster: Cluster, nodes: int, devices: int | None, n: int,
+               usable: int) -> Alternative | None:
+    """The fewest ``train.micro_batches`` (dividing the sequences per device) that fit."""
+    per = cfg.train.batch_size // n
+    counts = [k for k in range(cfg.train.micro_batches + 1, per + 1) if per % k == 0]
+    return _first_fit(lambda k: f"train.micro_batches={k}",
+                      ((k, _total(job.with_micro_batches(cfg, k), cluster, nodes, devices))
+                       for k in counts), usable)
 
 
 def _batch_alt(cfg: Config, cluster: Cluster, nodes: int, devices: int | None, n: int,
