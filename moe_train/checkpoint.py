@@ -54,13 +54,6 @@ def check_compatible(saved_cfg: dict[str, Any], cfg: Config, directory: Path) ->
                           f"{'; '.join(diffs)}; use another --out or the checkpoint's config")
 
 
-def _saved_before_fp8_state(err: ValueError, template: Any) -> bool:
-    """Whether orbax refused ``template`` only because the checkpoint has no fp8_state."""
-    msg = str(err)
-    return (getattr(template, "fp8_state", None) == {} and "fp8_state" in msg
-            and "MISSING" in msg)
-
-
 class Checkpointer:
     """Thin wrapper over ``ocp.CheckpointManager`` with the kit's layout and policy."""
 
@@ -86,13 +79,11 @@ class Checkpointer:
         """Restore the state at ``step`` with the shapes, dtypes and shardings of ``template``."""
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
-        try:
+        if "precision" in self.read_meta(step)["config"]:
             return self._restore_item(step, abstract)
-        except ValueError as err:
-            if not _saved_before_fp8_state(err, template):
-                raise
-        # Saved before the train state had an fp8_state field (never an fp8 run: the config
-        # check refuses those): restore the other fields, keep the template's empty one.
+        # Saved by a release whose config had no [precision] and whose train state had no
+        # fp8_state (never an fp8 run: check_compatible refuses those): restore the other
+        # fields and keep the template's empty one.
         rest = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(template)
                 if f.name != "fp8_state"}
         return template.replace(**self._restore_item(step, rest))
