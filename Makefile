@@ -27,7 +27,7 @@ RUN_ARGS := set -f; set --; for s in $$SET; do set -- "$$@" --set "$$s"; done; [
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help venv smoke train submit smoke-cluster golden test test-fast bench bench-gpu plan probe report \
+.PHONY: help venv smoke train submit smoke-cluster golden test test-fast bench bench-gpu gpu-check plan probe report \
 	cluster-up cluster-down \
 	container container-import preflight clean
 
@@ -70,6 +70,13 @@ bench: $(STAMP) ## CPU benchmarks (grouped GEMM, MoE layer, EP on 8 fake devices
 
 bench-gpu: $(STAMP) ## GPU benchmark: Mixtral/DeepSeek experts in bf16 per backend vs a dense GEMM; runs/bench/<UTC>/
 	$(PY) -m moe_train.bench --gpu
+
+# gpu-check runs with the Python that has jax already (the container's, or .venv's if it exists):
+# no virtualenv is created, nothing is installed
+CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+gpu-check: ## what works on this GPU node and how fast (CPU: toy sizes); runs/gpucheck/<UTC>/
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(CHECK_PYTHON) -m moe_train.gpucheck
 
 plan: $(STAMP) ## EP placement, predicted all-to-all and "will it fit?" for MODEL on NODES of PRESET
 	$(PY) -m topology plan --preset "$$PRESET" --nodes "$$NODES" --model "$$MODEL" --ep "$$EP"

@@ -29,6 +29,7 @@ FP8_BACKENDS = ("auto", "xla", "te")  # precision.fp8_backend
 # Keys that moved to another section: --set or a preset naming the old one is told where.
 MOVED = {"model.dtype": ("precision.compute", COMPUTE)}
 REMAT_POLICIES = ("none", "full", "matmuls", "moe")  # moe_train.remat documents each
+ATTENTION = ("auto", "xla", "cudnn", "chunked", "te")  # model.attention (moe_train.attention)
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,9 @@ class ModelConfig:
     first_dense_layers: int = 0  # the first N blocks use a dense SwiGLU MLP instead of MoE
     dense_ffn: int = 256  # hidden width of the dense SwiGLU MLP in those blocks
     param_dtype: str = "float32"  # master weight dtype (compute precision: [precision])
+    attention: str = "auto"  # attention kernel: auto | xla (full scores) | cudnn | chunked (flash-style) | te
+    attention_block: int = 0  # query/key block rows of the chunked attention; 0 picks per length
+    scan_layers: bool = True  # run repeated blocks under a scan (one compiled body); false: a Python loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,9 @@ class TrainConfig:
     telemetry_interval_s: float = 1.0  # seconds between GPU/host samples to <out>/telemetry/; 0 disables
     remat: str = "none"  # activation checkpointing per block: none | full | matmuls | moe
     micro_batches: int = 1  # gradient accumulation: run each step's batch as N micro-batches (activations / N)
+    micro_batch_size: int = 0  # instead of micro_batches: sequences per device in one micro-batch (any job size); 0: off
+    loss_chunk: int = 0  # tokens per device in one cross-entropy chunk (the [T, V] logits never exist whole); 0 picks from the vocab
+    skip_selftest: bool = False  # do not check the chosen GPU kernels against a reference before training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,12 +286,18 @@ def validate(cfg: Config) -> None:
     _choice(cfg.data.token_dtype, TOKEN_DTYPES, "data.token_dtype")
     _choice(m.param_dtype, DTYPES, "model.param_dtype")
     _choice(cfg.train.remat, REMAT_POLICIES, "train.remat")
+    _choice(m.attention, ATTENTION, "model.attention")
+    if m.attention_block < 0 or cfg.train.loss_chunk < 0:
+        raise ConfigError("model.attention_block and train.loss_chunk must be >= 0 (0 picks)")
     _validate_precision(cfg.precision)
     t = cfg.train
     if t.micro_batches < 1 or t.batch_size % t.micro_batches:
         divisors = [d for d in range(1, t.batch_size + 1) if t.batch_size % d == 0]
         raise ConfigError(f"train.micro_batches={t.micro_batches} must divide "
                           f"train.batch_size={t.batch_size}; choose one of {divisors}")
+    if t.micro_batch_size < 0 or (t.micro_batch_size and t.micro_batches != 1):
+        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} with train.micro_batches="
+                          f"{t.micro_batches}: set one of them (micro_batch_size >= 0)")
     if e.top_k > e.num_experts:
         raise ConfigError(f"moe.top_k={e.top_k} is larger than moe.num_experts={e.num_experts}; "
                           f"choose top_k in 1..{e.num_experts}")
@@ -341,6 +354,23 @@ def _validate_groups(e: MoEConfig) -> None:
         raise ConfigError(f"moe.group_top_k={e.group_top_k} must be in 1..{e.num_groups}")
     if e.top_k > e.group_top_k * (e.num_experts // e.num_groups):
         raise ConfigError(f"moe.top_k={e.top_k} exceeds the experts in {e.group_top_k} groups")
+
+
+def for_devices(cfg: Config, devices: int) -> Config:
+    """``cfg`` on a job of ``devices`` (batch-sharded) devices: ``train.micro_batch_size``
+    turned into the ``train.micro_batches`` it means there. ``batch_size`` must already
+    divide over the devices."""
+    t = cfg.train
+    if not t.micro_batch_size:
+        return cfg
+    per = t.batch_size // devices
+    if per % t.micro_batch_size:
+        ok = [k for k in range(1, per + 1) if per % k == 0]
+        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} does not divide the {per} "
+                          f"sequences per device (train.batch_size={t.batch_size} over {devices} "
+                          f"devices); choose one of {ok}")
+    train = dataclasses.replace(t, micro_batches=per // t.micro_batch_size, micro_batch_size=0)
+    return dataclasses.replace(cfg, train=train)
 
 
 def compute_dtype(p: PrecisionConfig) -> str:

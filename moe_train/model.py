@@ -2,7 +2,8 @@
 
 Letter key for tensor names:
   B batch, S sequence, T tokens (B*S), H hidden, V vocab, N query heads, K key/value heads,
-  D head dim, F ffn width, E experts, L MoE layers.
+  D head dim, F ffn width, E experts, L layers of one scanned group (the MoE layers, for
+  per-layer MoE stats and the expert bias).
 
 Parameters are created with logical axes (``embed``, ``mlp``, ``heads``, ``expert``, ...);
 ``moe_train.sharding.LOGICAL_RULES`` maps them to mesh axes. The expert bias of
@@ -10,20 +11,38 @@ aux-loss-free balancing lives in the ``moe_state`` collection: it is read here a
 the train step from the returned expert loads, never by the optimizer. Matmul precision
 follows ``[precision]`` (``moe_train.precision``): under fp8 the fp8 scaling state lives in
 the ``_overwrite_with_gradient`` collection and the router still sees the un-quantized input.
+
+Layer layout (``model.scan_layers``). Scanned (the default): the first
+``model.first_dense_layers`` blocks form the group ``dense_layers``, the others ``moe_layers``;
+each group is one ``nn.scan`` over a block, so it compiles once whatever the depth, and every
+variable of the group (``params``, ``moe_state``, the fp8 collection) has a leading ``layers``
+axis [L, ...] (logical axis ``layers``, never sharded). A group of no layers does not exist.
+Looped (``scan_layers=false``, for debugging): blocks ``layer_0`` ... ``layer_{n-1}`` in a Python
+loop, the same computation. ``to_scanned`` / ``to_looped`` convert any tree holding a layer
+layout (params, moe_state, fp8 state, Adam moments, a whole train state) between the two.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_train import precision, remat
+from moe_train import attention, precision, remat
 from moe_train.config import Config, head_dim
 from moe_train.moe import dropless_moe
 from moe_train.moe.ep import EPPlan, ep_moe
+from moe_train.precision import FP8_COLLECTION
 
 ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
+GROUPS = ("dense_layers", "moe_layers")  # scanned layer groups, in depth order
+LAYER_NAME = re.compile(r"layer_(\d+)")  # a block of the looped layout
+# Collections that hold one entry per layer (scanned along the layer axis); "intermediates"
+# makes capture_intermediates work under scan (stacked [L, ...]).
+LAYER_COLLECTIONS = ("params", "moe_state", FP8_COLLECTION, "intermediates")
 STAT_KEYS = ("tokens_per_expert", "aux_loss", "seq_aux_loss", "z_loss", "dropped_tokens",
              "overflow", "recv_rows", "recv_slots", "max_pair_load", "slow_rows")
 
@@ -71,7 +90,8 @@ def rope(x_BSND, theta: float):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention through ``jax.nn.dot_product_attention``."""
+    """Causal grouped-query attention through ``moe_train.attention`` (``model.attention``
+    resolved for this platform, ``model.attention_block`` rows per block of ``chunked``)."""
 
     cfg: Config
 
@@ -92,7 +112,10 @@ class Attention(nn.Module):
             q_BSND = RMSNorm(m.norm_eps, "head_dim", name="q_norm")(q_BSND)
             k_BSKD = RMSNorm(m.norm_eps, "head_dim", name="k_norm")(k_BSKD)
         q_BSND, k_BSKD = rope(q_BSND, m.rope_theta), rope(k_BSKD, m.rope_theta)
-        o_BSND = jax.nn.dot_product_attention(q_BSND, k_BSKD, v_BSKD, is_causal=True)
+        impl, _ = attention.resolve(m.attention, platform=jax.default_backend(), dtype=dt,
+                                    head_dim=d, v_head_dim=d, seq_len=x_BSH.shape[1])
+        o_BSND = attention.attend(q_BSND, k_BSKD, v_BSKD, implementation=impl,
+                                  block=m.attention_block)
         o_axes = ("heads", "head_dim", "embed")
         wo = self.param("o", nn.with_logical_partitioning(_init((0, 1), (2,)), o_axes),
                         (m.num_heads, d, m.hidden), jnp.dtype(m.param_dtype))
@@ -179,7 +202,10 @@ def _attention_sublayer(block: nn.Module, x_BSH):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; ``dense`` selects a SwiGLU MLP instead of MoE."""
+    """Pre-norm transformer block; ``dense`` selects a SwiGLU MLP instead of MoE.
+
+    ``x -> (x, stats)``: the carry/output signature of ``nn.scan`` (stats None when dense).
+    """
 
     cfg: Config
     dense: bool
@@ -188,45 +214,137 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BSH):
         m = self.cfg.model
-        x_BSH = x_BSH + remat.wrap_attention(_attention_sublayer, self.cfg.train.remat)(self, x_BSH)
+        sublayer = remat.wrap_attention(_attention_sublayer, self.cfg.train.remat,
+                                        prevent_cse=not m.scan_layers)
+        x_BSH = x_BSH + sublayer(self, x_BSH)
         h_BSH = RMSNorm(m.norm_eps, name="mlp_norm")(x_BSH)
         if self.dense:
-            return x_BSH + SwiGLU(m.dense_ffn, self.cfg, name="mlp")(h_BSH), None
-        y_BSH, stats = MoEBlock(self.cfg, self.ep_plan, name="moe")(h_BSH)
-        return x_BSH + y_BSH, stats
+            y_BSH, stats = SwiGLU(m.dense_ffn, self.cfg, name="mlp")(h_BSH), None
+        else:
+            y_BSH, stats = MoEBlock(self.cfg, self.ep_plan, name="moe")(h_BSH)
+        return nn.with_logical_constraint(x_BSH + y_BSH, ACTIVATION_AXES), stats
+
+
+def layer_groups(m) -> tuple[tuple[str, bool, range], ...]:
+    """(scanned group name, dense, layer indices) of every non-empty group, in depth order."""
+    groups = (("dense_layers", True, range(0, m.first_dense_layers)),
+              ("moe_layers", False, range(m.first_dense_layers, m.num_layers)))
+    return tuple(g for g in groups if len(g[2]))
+
+
+def scanned(block_cls: type[nn.Module], length: int) -> type[nn.Module]:
+    """``block_cls`` run ``length`` times under ``nn.scan``: one compiled body, every layer
+    collection stacked on a leading ``layers`` axis, a fresh init key per layer."""
+    return nn.scan(block_cls, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
+                   split_rngs={"params": True}, length=length,
+                   metadata_params={nn.PARTITION_NAME: "layers"})
+
+
+class LMHead(NamedTuple):
+    """What the logits are made of: logits_BSV = (x_BSH @ head_HV) * scale in fp32."""
+
+    x_BSH: jax.Array  # final-normed hidden states, compute dtype
+    head_HV: jax.Array  # lm_head, or the tied embedding transposed, compute dtype
+    scale: float  # 1, or hidden**-0.5 for the tied embedding
+
+
+def head_logits(h: LMHead):
+    """fp32 logits [B, S, V] of ``h`` (fp32 accumulation, as ``moe_train.loss.lm_loss``)."""
+    return jax.lax.dot_general(h.x_BSH, h.head_HV, (((2,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32) * h.scale
 
 
 class Transformer(nn.Module):
-    """Token ids [B,S] -> (fp32 logits [B,S,V], per-MoE-layer stats stacked on axis 0)."""
+    """Token ids [B,S] -> (fp32 logits [B,S,V], per-MoE-layer stats stacked on axis 0: [L, ...]);
+    with ``logits=False`` -> (``LMHead``, stats): the train step's chunked loss then never
+    materialises the [B, S, V] logits."""
 
     cfg: Config
     ep_plan: EPPlan | None = None  # expert-parallel MoE layers on the context mesh
 
     @nn.compact
-    def __call__(self, tokens_BS):
+    def __call__(self, tokens_BS, logits: bool = True):
         m = self.cfg.model
         dt = precision.policy(self.cfg).dtype  # bf16 under fp8: embedding and head unquantized
         embed_VH = self.param("embed", nn.with_logical_partitioning(
             nn.initializers.normal(1.0), ("vocab", "embed")), (m.vocab_size, m.hidden),
             jnp.dtype(m.param_dtype))
         table_VH = gathered(embed_VH, ("vocab", "embed"), dt)
-        x_BSH = table_VH[tokens_BS]
-        x_BSH = nn.with_logical_constraint(x_BSH, ACTIVATION_AXES)
-        layer_stats = []
-        block_cls = remat.wrap_block(Block, self.cfg.train.remat)
-        for i in range(m.num_layers):
-            x_BSH, stats = block_cls(self.cfg, dense=i < m.first_dense_layers,
-                                  ep_plan=self.ep_plan, name=f"layer_{i}")(x_BSH)
-            x_BSH = nn.with_logical_constraint(x_BSH, ACTIVATION_AXES)
-            if stats is not None:
-                layer_stats.append(stats)
+        x_BSH = nn.with_logical_constraint(table_VH[tokens_BS], ACTIVATION_AXES)
+        x_BSH, stats_L = self._blocks(x_BSH)
         x_BSH = RMSNorm(m.norm_eps, name="final_norm")(x_BSH)
         if m.tie_embeddings:
             # The embedding is initialised at unit scale; 1/sqrt(H) keeps tied logits O(1).
-            logits_BSV = (x_BSH @ table_VH.T) * (m.hidden ** -0.5)
+            head = LMHead(x_BSH, table_VH.T, m.hidden ** -0.5)
         else:
             head_HV = self.param("lm_head", nn.with_logical_partitioning(
                 _init(), ("embed", "vocab")), (m.hidden, m.vocab_size), jnp.dtype(m.param_dtype))
-            logits_BSV = x_BSH @ gathered(head_HV, ("embed", "vocab"), dt)
-        stats_L = {k: jnp.stack([s[k] for s in layer_stats]) for k in STAT_KEYS} if layer_stats else {}
-        return logits_BSV.astype(jnp.float32), stats_L
+            head = LMHead(x_BSH, gathered(head_HV, ("embed", "vocab"), dt), 1.0)
+        return (head_logits(head) if logits else head), stats_L
+
+    def _blocks(self, x_BSH):
+        """Every block, scanned per group or looped: (x, MoE stats {key: [L, ...]} or {})."""
+        m, scan = self.cfg.model, self.cfg.model.scan_layers
+        # Under scan the body is already a loop iteration: no CSE barrier needed for remat.
+        block_cls = remat.wrap_block(Block, self.cfg.train.remat, prevent_cse=not scan)
+        layer_stats = []
+        for name, dense, layers in layer_groups(m):
+            if scan:
+                x_BSH, stats = scanned(block_cls, len(layers))(
+                    self.cfg, dense=dense, ep_plan=self.ep_plan, name=name)(x_BSH)
+                layer_stats += [] if dense else [stats]
+                continue
+            for i in layers:
+                x_BSH, stats = block_cls(self.cfg, dense=dense, ep_plan=self.ep_plan,
+                                         name=f"layer_{i}")(x_BSH)
+                layer_stats += [] if dense else [jax.tree.map(lambda v: v[None], stats)]
+        if not layer_stats:
+            return x_BSH, {}
+        return x_BSH, {k: jnp.concatenate([s[k] for s in layer_stats]) for k in STAT_KEYS}
+
+
+# ----------------------------------------------------------------------------- layouts
+
+def _is_layered(looped: bool) -> Callable[[Any], bool]:
+    if looped:
+        return lambda t: isinstance(t, dict) and any(LAYER_NAME.fullmatch(str(k)) for k in t)
+    return lambda t: isinstance(t, dict) and any(k in GROUPS for k in t)
+
+
+def to_scanned(tree, m, stack: Callable = jnp.stack):
+    """``tree`` with every dict of ``layer_{i}`` entries turned into the scanned groups
+    (``stack(list of per-layer leaves)`` stacks one leaf). A collection may hold only some
+    groups' layers (moe_state: the MoE layers); a group is all there or not at all."""
+    def convert(d):
+        if not _is_layered(True)(d):
+            return d
+        out = {k: v for k, v in d.items() if not LAYER_NAME.fullmatch(str(k))}
+        for name, _, layers in layer_groups(m):
+            present = [d[f"layer_{i}"] for i in layers if f"layer_{i}" in d]
+            if len(present) not in (0, len(layers)):
+                raise ValueError(f"{name}: {len(present)} of layers {layers} present")
+            if present:
+                out[name] = jax.tree.map(lambda *xs: stack(list(xs)), *present)
+        return out
+
+    return jax.tree.map(convert, tree, is_leaf=_is_layered(True))
+
+
+def to_looped(tree, m, take: Callable = lambda x, j: x[j]):
+    """The inverse of ``to_scanned``: each group's [L, ...] leaves split into ``layer_{i}``
+    entries (``take(leaf, j)`` is layer j of the group)."""
+    def convert(d):
+        if not _is_layered(False)(d):
+            return d
+        out = {k: v for k, v in d.items() if k not in GROUPS}
+        for name, _, layers in layer_groups(m):
+            for j, i in enumerate(layers if name in d else ()):
+                out[f"layer_{i}"] = jax.tree.map(lambda x: take(x, j), d[name])
+        return out
+
+    return jax.tree.map(convert, tree, is_leaf=_is_layered(False))
+
+
+def is_scanned(tree) -> bool:
+    """Whether a params tree has the scanned layout (False: looped)."""
+    return any(k in GROUPS for k in tree)

@@ -17,9 +17,9 @@ from typing import Callable
 import jax
 import numpy as np
 
-from moe_train import (checkpoint, distributed, flops, layout, metrics, precision, sharding,
-                       summary, telemetry)
-from moe_train.config import Config, ConfigError, save_json, to_dict
+from moe_train import (checkpoint, distributed, flops, layout, metrics, precision, selftest,
+                       sharding, summary, telemetry)
+from moe_train.config import Config, ConfigError, for_devices, save_json, to_dict
 from moe_train.data import make_source
 from moe_train.stepper import BucketedStep
 from moe_train.train import StepCounter, init_state
@@ -140,8 +140,12 @@ def run(cfg: Config, out_dir: Path, log: Callable[[str], None] = print) -> int:
     """Train ``cfg`` into ``out_dir``; returns the process exit code."""
     out_dir = Path(out_dir)
     devices = select_devices(cfg)
-    plan = layout.build(cfg, devices)
+    job_cfg = for_devices(cfg, len(devices))  # train.micro_batch_size -> micro_batches here
+    plan = layout.build(job_cfg, devices)
     mesh = plan.mesh
+    # Before anything is written: a configured kernel that fails its check exits 2.
+    exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
+    log(kernel_line)
     t = cfg.train
     source = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
                          batch_size=t.batch_size)
@@ -149,18 +153,21 @@ def run(cfg: Config, out_dir: Path, log: Callable[[str], None] = print) -> int:
     ckpt = checkpoint.Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
     try:
         latest = _prepare_out(cfg, out_dir, ckpt)
+        selftest.write(out_dir, kernels)
         _report_layout(plan, out_dir, log)
-        log(precision.describe(cfg, mesh.devices.flat[0].platform))
-        state = init_state(cfg, mesh)
+        log(precision.describe(exec_cfg, mesh.devices.flat[0].platform))
+        state = init_state(exec_cfg, mesh)
         if latest is not None:
             state = ckpt.restore(latest, state)
             log(f"resumed from {ckpt.directory / str(latest)} (step {latest})")
-        return _loop(cfg, out_dir, mesh, state, source, ckpt, log)
+        meta = {"config": to_dict(cfg)}  # as configured: "auto" stays auto
+        return _loop(exec_cfg, out_dir, mesh, state, source, ckpt, log, meta,
+                     first_metrics={"selftest_s": kernels["selftest_s"]})
     finally:
         ckpt.close()
 
 
-def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
+def _loop(cfg, out_dir, mesh, state, source, ckpt, log, meta, first_metrics) -> int:
     t, devices = cfg.train, mesh.devices.size
     start = int(state.step)
     if start >= t.steps:
@@ -168,7 +175,6 @@ def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
         return EXIT_OK
     counter = StepCounter()
     step_fn = BucketedStep(cfg, mesh, counter, jax.tree.map(lambda x: x.sharding, state))
-    meta = {"config": to_dict(cfg)}
     fpt = flops.train_flops_per_token(cfg)
     peak = mfu_peak(cfg, mesh.devices.flat[0].device_kind)
     log(f"training {source.description} on {devices} {mesh.devices.flat[0].platform} device(s) "
@@ -193,7 +199,7 @@ def _loop(cfg, out_dir, mesh, state, source, ckpt, log) -> int:
                                       devices=devices, peak_flops=peak, compilations=counter.traces)
             rec["compiled"] = counter.traces > traces
             if step == start:  # once: what XLA planned for the step's device memory
-                rec.update(_compiled_memory(step_fn, state, batch, log))
+                rec.update(_compiled_memory(step_fn, state, batch, log), **first_metrics)
             distributed.beat(step + 1)  # the multi-process watchdog: this process progresses
             if not math.isfinite(rec["total_loss"]):
                 log(f"error: loss became {rec['total_loss']} at step {step + 1}; stopping without "

@@ -32,6 +32,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_batch", TOKEN_AXES),
     ("activation_seq", None),
     ("activation_embed", None),
+    # The leading axis of scanned layer groups' variables [layers, ...] (moe_train.model):
+    # each device holds every layer's shard; the other dims follow the rules below as unstacked.
+    ("layers", None),
     # Rules apply in order and a mesh axis serves one dimension of a tensor: expert weights
     # [expert, embed, mlp] take the EP axes for `expert` first, so their width falls back to
     # `data`; every other weight (attention, dense MLP, embeddings, router) is FSDP-sharded

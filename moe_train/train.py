@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moe_train import remat, sharding
+from moe_train import loss, remat, sharding
 from moe_train.config import Config
-from moe_train.model import Transformer
+from moe_train.model import GROUPS, LAYER_NAME, Transformer, is_scanned
 from moe_train.moe.ep import EPPlan
 from moe_train.precision import FP8_COLLECTION
 
@@ -38,7 +38,7 @@ class TrainState:
     step: jax.Array  # completed optimizer steps (int32 scalar)
     params: Any  # fp32 master weights
     opt_state: Any  # AdamW moments
-    moe_state: Any  # {"layer_i": {"moe": {"expert_bias": [E]}}}: aux-loss-free balancing
+    moe_state: Any  # {"moe_layers": {"moe": {"expert_bias": [L, E]}}}; looped: "layer_i": [E]
     fp8_state: Any  # {..: {"scale": [], "amax_history": [A]}} per fp8-quantized tensor; {} unless fp8
 
 
@@ -102,8 +102,13 @@ def schedule(cfg: Config) -> optax.Schedule:
 
 
 def _decay_mask(params):
-    """Weight decay on matrices only (not norm scales)."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Weight decay on matrices only (not norm scales); a scanned group's leading layer axis
+    does not count."""
+    def is_matrix(path, p):
+        stacked = any(getattr(k, "key", None) in GROUPS for k in path)
+        return p.ndim - stacked >= 2
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -150,12 +155,20 @@ def init_state(cfg: Config, mesh: Mesh) -> TrainState:
     return jax.jit(make, out_shardings=state_shardings(cfg, mesh, abstract))(key)
 
 
-def _loss_fn(params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Config):
+def _loss_fn(params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Config,
+             devices: int = 1):
+    """Total loss and its parts; the cross-entropy is chunked (``moe_train.loss``): the
+    [B, S, V] logits never exist whole; each chunk holds ``train.loss_chunk`` tokens of each
+    of the ``devices`` the batch is split over."""
     variables = {"params": params, "moe_state": moe_state}
     if fp8_state:
         variables[FP8_COLLECTION] = fp8_state
-    logits_BSV, stats = model.apply(variables, batch_BS[:, :-1])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, batch_BS[:, 1:]).mean()
+    head, stats = model.apply(variables, batch_BS[:, :-1], logits=False)
+    B, S, H = head.x_BSH.shape
+    ce, _ = loss.lm_loss(head.x_BSH.reshape(B * S, H), head.head_HV, batch_BS[:, 1:].reshape(-1),
+                         chunk=loss.sharded_chunk(B * S, cfg.model.vocab_size, devices,
+                                                  cfg.train.loss_chunk),
+                         logit_scale=head.scale)
     e = cfg.moe
     zero = jnp.zeros((), jnp.float32)
     aux = stats["aux_loss"].mean() if stats else zero
@@ -166,16 +179,18 @@ def _loss_fn(params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Co
 
 
 def update_bias(moe_state, tokens_per_expert_LE, rate: float):
-    """Aux-loss-free balancing, outside the optimizer: bias += rate * sign(mean_load - load)."""
+    """Aux-loss-free balancing, outside the optimizer: bias += rate * sign(mean_load - load),
+    row l of the loads for the l-th MoE layer (the scanned layout's layer axis)."""
     if rate == 0.0 or not moe_state:
         return moe_state
-    names = sorted(moe_state, key=lambda n: int(n.split("_")[1]))
-    new = dict(moe_state)
-    for i, name in enumerate(names):
-        load_E = tokens_per_expert_LE[i].astype(jnp.float32)
-        bias = moe_state[name]["moe"]["expert_bias"]
-        new[name] = {"moe": {"expert_bias": bias + rate * jnp.sign(load_E.mean() - load_E)}}
-    return new
+    load_LE = tokens_per_expert_LE.astype(jnp.float32)
+    step_LE = rate * jnp.sign(load_LE.mean(axis=-1, keepdims=True) - load_LE)
+    if is_scanned(moe_state):
+        bias_LE = moe_state["moe_layers"]["moe"]["expert_bias"]
+        return {"moe_layers": {"moe": {"expert_bias": bias_LE + step_LE}}}
+    names = sorted(moe_state, key=lambda n: int(LAYER_NAME.fullmatch(n)[1]))
+    return {name: {"moe": {"expert_bias": moe_state[name]["moe"]["expert_bias"] + step_LE[l]}}
+            for l, name in enumerate(names)}
 
 
 def _sum_layers(stats, key, dtype=jnp.float32):
@@ -236,7 +251,7 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
 
     def loss_grads(params, fp8_state, moe_state, batch_BS):
         grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True)
-        return grad_fn(params, fp8_state, moe_state, batch_BS, model, cfg)
+        return grad_fn(params, fp8_state, moe_state, batch_BS, model, cfg, mesh.size)
 
     def step(state: TrainState, batch_BS):
         counter.traces += 1

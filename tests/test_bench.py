@@ -122,3 +122,11 @@ def test_gpu_section_code_path_runs_tiny_on_cpu(tmp_path):
     assert "mgpu" in skipped and "GPU" in skipped["mgpu"]
     assert any(r["backend"] == "tiled" and not r["skipped"] for r in sec["gemm_rows"])
     assert "GPU: MoE layer TFLOP/s" in md
+
+
+def test_loss_section_shows_chunking_saves_memory_at_a_real_vocab():
+    from moe_train.bench import loss
+
+    rows = {r["vocab"]: r for r in loss.run(loss.QUICK)["rows"]}
+    assert rows[131072]["chunk"] < loss.QUICK.tokens  # really chunked there
+    assert rows[131072]["chunked_temp_bytes"] < 0.5 * rows[131072]["whole_temp_bytes"]

@@ -76,3 +76,16 @@ def test_help_lists_presets():
 def test_experts_not_divisible_by_ep(tmp_path):
     assert_clean_error(cli("--out", str(tmp_path / "r"), "--devices", "6", "--set", "parallel.ep=3",
                            "--set", "train.batch_size=6"), "not divisible by parallel.ep=3", "valid ep")
+
+
+def test_cudnn_attention_on_cpu_names_what_works(tmp_path):
+    proc = cli("--preset", "tiny", "--out", str(tmp_path / "run"), "--set", "model.attention=cudnn",
+               *FAST)
+    assert_clean_error(proc, "model.attention=cudnn", "choose one of: xla, chunked")
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_attention_lists_the_valid_ones(tmp_path):
+    proc = cli("--preset", "tiny", "--out", str(tmp_path / "run"), "--set", "model.attention=flash",
+               *FAST)
+    assert_clean_error(proc, "model.attention='flash'", "auto, xla, cudnn, chunked, te")

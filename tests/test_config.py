@@ -113,3 +113,14 @@ def test_mxfp8_needs_transformer_engine():
     with pytest.raises(ConfigError, match="mxfp8 needs Transformer Engine.*delayed, current"):
         config.build("tiny", ["precision.compute=fp8", "precision.fp8_recipe=mxfp8",
                               "precision.fp8_backend=xla"])
+
+
+def test_micro_batch_size_and_micro_batches_are_exclusive():
+    with pytest.raises(config.ConfigError, match="set one of them"):
+        config.build("tiny", ["train.micro_batch_size=2", "train.micro_batches=2"])
+
+
+def test_micro_batch_size_becomes_micro_batches_for_the_job():
+    cfg = config.build("tiny", ["train.micro_batch_size=2"])  # batch 8
+    assert config.for_devices(cfg, 2).train.micro_batches == 2
+    assert config.for_devices(cfg, 1).train.micro_batches == 4

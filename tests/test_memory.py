@@ -18,6 +18,8 @@ from topology import presets
 SHAPE = ["train.batch_size=16", "train.seq_len=128", "model.num_layers=3"]
 # planner total / XLA:CPU compiled peak: measured 1.02..1.16 (errs high)
 LOW, HIGH = 0.95, 1.30
+# the big presets' own fit (full remat, micro-batches) switched off, to test what it changes
+BARE = ["train.remat=none", "train.micro_batch_size=0"]
 
 
 def xla_memory(cfg) -> train.CompiledMemory:
@@ -41,9 +43,17 @@ def planned(cfg):
     ["parallel.devices=1"],
     ["parallel.devices=8", "parallel.ep=8", *SHAPE],  # a2a, every expert on its own device
     ["parallel.devices=8", "parallel.ep=2", *SHAPE],  # EP 2 x FSDP 4
-    ["parallel.devices=1", "precision.compute=fp8"],  # + fp8 scaling state in the arguments
+    # + fp8 scaling state in the arguments. Looped: under scan XLA:CPU converts the stacked
+    # bf16 residuals to f32 before the backward loop (its bf16 emulation; no GPU does this)
+    ["parallel.devices=1", "precision.compute=fp8", "model.scan_layers=false"],
     ["parallel.devices=8", "parallel.ep=8", *SHAPE, "train.micro_batches=2"],  # accumulation
-], ids=["1-device", "8-devices-ep8", "8-devices-ep2-fsdp4", "1-device-fp8", "8-devices-micro2"])
+    ["parallel.devices=1", *SHAPE, "model.scan_layers=false"],  # the Python loop of blocks
+    # flash-style attention at 4x the length: no [S, S] scores
+    ["parallel.devices=1", "model.attention=chunked", "train.batch_size=4", "train.seq_len=512"],
+    # a real vocab in 4 chunks of 128 tokens: one chunk's logits at a time
+    ["parallel.devices=1", "model.vocab_size=32768", "train.loss_chunk=128"],
+], ids=["1-device", "8-devices-ep8", "8-devices-ep2-fsdp4", "1-device-fp8", "8-devices-micro2",
+        "1-device-looped", "chunked-attention", "chunked-loss"])
 def test_state_is_exact_and_total_close_to_xla(overrides):
     cfg = config.build("tiny", overrides)
     xla, est = xla_memory(cfg), planned(cfg).estimate.per_device
@@ -72,7 +82,9 @@ def test_estimate_follows_precision_compute_and_fp8_saves_nothing():
 def test_remat_full_estimate_brackets_xla_cpu():
     """XLA:CPU hoists some recomputation: its peak lies between the planner's remat=full
     estimate (a memory-aware schedule) and its no-remat estimate."""
-    base = ["parallel.devices=1", "train.batch_size=16", "train.seq_len=128", "model.num_layers=4"]
+    # looped: a scanned backward loop keeps XLA:CPU from hoisting recomputation at all
+    base = ["parallel.devices=1", "train.batch_size=16", "train.seq_len=128", "model.num_layers=4",
+            "model.scan_layers=false"]
     full = config.build("tiny", [*base, "train.remat=full"])
     xla = xla_memory(full).peak
     assert planned(full).verdict.total_bytes <= xla
@@ -80,7 +92,7 @@ def test_remat_full_estimate_brackets_xla_cpu():
 
 
 def test_mixtral_published_size_and_both_verdicts():
-    cfg = config.build("mixtral-8x7b")
+    cfg = config.build("mixtral-8x7b", ["train.micro_batch_size=0"])  # no gradient sum
     one = plan(cfg, "h100-dgx", 1, devices=1)
     assert math.isclose(one.estimate.params_total, 46.7e9, rel_tol=0.005)
     per = one.estimate.per_device
@@ -103,7 +115,7 @@ def test_mixtral_published_size_and_both_verdicts():
 
 
 def test_verdict_names_the_largest_item_and_a_change_that_fits():
-    cfg = config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64"])
+    cfg = config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64", *BARE])
     v = check_fits(cfg, presets.load("h100-dgx"), 8)
     assert isinstance(v, Verdict) and not v.fits
     assert v.largest in ITEMS and v.largest in v.message
@@ -116,16 +128,18 @@ def test_verdict_names_the_largest_item_and_a_change_that_fits():
 
 
 def test_micro_batches_split_activations_and_keep_a_gradient_sum():
-    base = ["parallel.ep=8", "train.batch_size=256"]  # 4 sequences per GPU
+    # 4 sequences per GPU; a fixed loss chunk, whose logits do not split with the micro-batch
+    base = ["parallel.ep=8", "train.batch_size=256", "train.loss_chunk=1024", *BARE]
     one, four = (plan(config.build("mixtral-8x7b", [*base, f"train.micro_batches={n}"]),
                       "h100-dgx", 8, search=False).estimate.per_device for n in (1, 4))
-    assert four["activations"] == pytest.approx(one["activations"] / 4, rel=0.01)
+    chunk = 1024 * 32000 * (8 + 2)  # one chunk's fp32 logits and softmax, bf16 logits
+    assert four["activations"] - chunk == pytest.approx((one["activations"] - chunk) / 4, rel=0.01)
     assert four["moe_buffers"] < one["moe_buffers"] / 3
     assert four["grads"] == 2 * one["grads"] and four["params"] == one["params"]
 
 
 def test_verdict_offers_micro_batches_before_changing_the_batch():
-    v = check_fits(config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=512",
+    v = check_fits(config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=512", *BARE,
                                                  "train.remat=full"]),
                    presets.load("h100-dgx"), 8)
     changes = [a.change for a in v.alternatives]
@@ -201,3 +215,31 @@ def test_cli_errors_are_one_line_exit_2(capsys, args, match):
 def test_plan_error_is_a_config_error():
     with pytest.raises(PlanError, match="train.batch_size=8 is not divisible by 16 devices"):
         plan(config.build("tiny"), "cpu-local", 2, ep=1)
+
+
+@pytest.mark.parametrize("model, cluster, nodes, ep", [
+    ("mixtral-8x7b", "h100-dgx", 8, 8),  # README: make submit
+    ("deepseek-v3-moe", "gb200-nvl72", 32, 64),  # README: make plan
+])
+def test_readme_cluster_examples_fit_with_the_preset_defaults(model, cluster, nodes, ep):
+    assert plan(config.build(model), cluster, nodes, ep=ep, search=False).verdict.fits
+
+
+def test_flash_attention_and_chunked_loss_drop_the_quadratic_and_vocab_terms():
+    def acts(*sets):
+        return plan(config.build("mixtral-8x7b", ["train.micro_batch_size=1", *sets]), "h100-dgx",
+                    8, ep=8, search=False).estimate.per_device["activations"]
+    assert acts("model.attention=xla") > 2 * acts("model.attention=chunked")
+    assert acts("train.loss_chunk=4096") > acts("train.loss_chunk=512")
+
+
+def test_micro_batch_size_follows_the_job_size():
+    cfg = config.build("mixtral-8x7b", ["train.micro_batch_size=1"])
+    assert plan(cfg, "h100-dgx", 8, ep=8, search=False).estimate.setup.tokens == 4096
+    assert plan(cfg, "h100-dgx", 16, ep=8, search=False).estimate.setup.tokens == 4096
+
+
+def test_micro_batch_size_that_does_not_divide_is_a_plan_error():
+    cfg = config.build("mixtral-8x7b", ["train.micro_batch_size=3"])
+    with pytest.raises(PlanError, match="micro_batch_size=3 does not divide the 8 sequences"):
+        plan(cfg, "h100-dgx", 8, ep=8)

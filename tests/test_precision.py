@@ -122,21 +122,23 @@ def test_custom_vjps_pass_gradients_and_return_the_new_state():
 
 def test_every_quantized_tensor_has_state_and_the_trainer_rolls_it(fp8_run):
     at48, at50 = saved(fp8_run, 48)["fp8_state"], saved(fp8_run, 50)["fp8_state"]
-    leaves48 = jax.tree_util.tree_leaves_with_path(at48)
-    names = {jax.tree_util.keystr(p[:-1]) for p, _ in leaves48}
-    assert len(names) == 2 * (4 * 3 + 5)  # per layer: q, k, v, o x 3 tensors; MoE 5
-    for path, h50 in jax.tree_util.tree_leaves_with_path(at50):
+    scales = [(p, s) for p, s in jax.tree_util.tree_leaves_with_path(at48) if p[-1].key == "scale"]
+    assert {p[0].key for p, _ in scales} == {"moe_layers"}  # tiny: 2 MoE layers, scanned
+    # per layer: q, k, v, o x 3 tensors; MoE 5; each state stacked over the 2 layers
+    assert len(scales) == 4 * 3 + 5 and all(s.shape == (2,) for _, s in scales)
+    for path, h50_LA in jax.tree_util.tree_leaves_with_path(at50):
         if path[-1].key != "amax_history":
             continue
-        h48 = dict(jax.tree_util.tree_leaves_with_path(at48))[path]
-        np.testing.assert_array_equal(h50[2:], h48[:-2])  # two steps rolled in
-        assert np.all(h50[:STEPS] > 0) and np.all(h50[STEPS:] == 0), path
+        h48_LA = dict(jax.tree_util.tree_leaves_with_path(at48))[path]
+        np.testing.assert_array_equal(h50_LA[:, 2:], h48_LA[:, :-2])  # two steps rolled in
+        assert np.all(h50_LA[:, :STEPS] > 0) and np.all(h50_LA[:, STEPS:] == 0), path
         meta = at50
         for key in path[:-1]:
             meta = meta[key.key]
         q = precision.E5M2 if "grad" in jax.tree_util.keystr(path) else precision.E4M3
-        # delayed: step 50 scaled by the largest amax of steps 1..49
-        assert meta["scale"] * precision.fp8_max(q) == pytest.approx(h50[1:].max(), rel=1e-6)
+        # delayed: step 50 scaled by the largest amax of steps 1..49, layer by layer
+        np.testing.assert_allclose(meta["scale"] * precision.fp8_max(q),
+                                   h50_LA[:, 1:].max(axis=1), rtol=1e-6)
 
 
 def test_fp8_tracks_the_bf16_loss_curve_over_50_steps(bf16_run, fp8_run):
@@ -197,11 +199,11 @@ def test_routing_decisions_match_bf16_away_from_near_ties():
             v, t, capture_intermediates=lambda m, _: m.name == "mlp_norm")[1])
         inputs[c] = apply(v, tokens_BS)["intermediates"]
     k, checked = cfgs["bf16"].moe.top_k, 0
-    for layer in ("layer_0", "layer_1"):
-        gate_HE = nn.unbox(params[layer]["moe"]["gate"])
+    for layer in (0, 1):  # the scanned group's layers: [L, ...] parameters and intermediates
+        gate_HE = nn.unbox(params["moe_layers"]["moe"]["gate"])[layer]
         chosen, scores = {}, {}
         for c in cfgs:
-            x_TH = inputs[c][layer]["mlp_norm"]["__call__"][0].reshape(-1, 64)
+            x_TH = inputs[c]["moe_layers"]["mlp_norm"]["__call__"][0][layer].reshape(-1, 64)
             logits_TE = router_logits(x_TH, gate_HE)
             assert logits_TE.dtype == jnp.float32
             _, experts_TK, scores[c] = route(logits_TE, k)
@@ -226,11 +228,11 @@ def test_fp8_with_expert_parallelism_on_8_devices_matches_one_device(fp8_run, tm
     # Every device used the global amax: step 1's amax of each (expert-sharded) weight, a
     # function of the initial weights alone, equals the single device's bitwise.
     ep, one = saved(tmp_path, 3)["fp8_state"], saved(fp8_run, 24)["fp8_state"]
-    for layer in ("layer_0", "layer_1"):
-        for name in ("wi_0", "wi_1", "wo"):
-            got = ep[layer]["moe"][f"{name}_kernel"]["amax_history"][2]
-            assert got == one[layer]["moe"][f"{name}_kernel"]["amax_history"][23], (layer, name)
-            assert got > 0
+    for name in ("wi_0", "wi_1", "wo"):
+        got_L = ep["moe_layers"]["moe"][f"{name}_kernel"]["amax_history"][:, 2]
+        want_L = one["moe_layers"]["moe"][f"{name}_kernel"]["amax_history"][:, 23]
+        np.testing.assert_array_equal(got_L, want_L, err_msg=name)
+        assert np.all(got_L > 0)
 
 
 # ----------------------------------------------------------------------------- errors

@@ -10,6 +10,7 @@ import pytest
 
 from moe_train import config, layout, remat, sharding, train
 from moe_train.config import ConfigError
+from moe_train.model import to_looped
 from moe_train.stepper import ep_plans
 
 # Big enough that activations, not parameters, dominate the compiled temp memory.
@@ -64,6 +65,24 @@ def test_every_policy_gives_the_same_parameters_losses_and_gradients(one_step):
             # one AdamW step from the same state: equal updates mean equal gradients, up to
             # fp32 rounding where XLA fuses the recomputation differently
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=policy)
+
+
+def test_the_looped_layout_takes_the_same_step_under_full_remat(one_step):
+    """scan_layers=false (remat with CSE barriers, blocks ``layer_{i}``) from the scanned
+    run's initial weights: the same step as the scanned run without remat."""
+    cfg = config.build("tiny", ["parallel.devices=1", "train.remat=full",
+                                "model.scan_layers=false", *SHAPE])
+    step, looped, batch, _, mesh = _step(cfg)
+    with sharding.activate(mesh):
+        scanned = train.init_state(config.build("tiny", ["parallel.devices=1", *SHAPE]), mesh)
+        state = jax.device_put(to_looped(scanned, cfg.model), jax.tree.map(lambda x: x.sharding,
+                                                                          looped))
+        new, metrics = jax.device_get(step(state, batch))
+    _, want, want_params, _, _ = one_step["none"]
+    for key in ("loss", "total_loss", "aux_loss", "z_loss", "grad_norm"):
+        np.testing.assert_allclose(metrics[key], want[key], rtol=1e-6, err_msg=key)
+    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(to_looped(want_params, cfg.model))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_remat_lowers_the_compiled_temp_memory(one_step):

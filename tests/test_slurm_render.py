@@ -157,6 +157,8 @@ def test_env_exported_with_quoting(capsys, tmp_path):
 
 # --------------------------------------------------------------------------- refusals
 
+# the big presets' own fit (full remat, one-sequence micro-batches) switched off
+BARE = ["--set", "train.remat=none", "--set", "train.micro_batch_size=0"]
 REFUSALS = [
     (["--preset", "nope", "--model", "tiny", "--nodes", "1"],
      "unknown cluster preset 'nope'; valid presets: b200-hgx, cpu-local"),
@@ -185,7 +187,7 @@ REFUSALS = [
       "train.batch_size=6"], "train.batch_size=6 is not divisible by the job's 8 GPUs"),
     (["--preset", "cpu-local", "--model", "tiny"], "--model and --nodes (>= 1) are required"),
     (["--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8",
-      "--image", "KIMG"], "memory: does not fit: needs"),
+      "--image", "KIMG", *BARE], "memory: does not fit: needs"),
     (["--preset", "gb200-nvl72", "--model", "deepseek-v3-moe", "--nodes", "18", "--ep", "8",
       "--set", "train.batch_size=144", "--image", "KIMG"], "model.hidden=7168 is not divisible by the data-parallel size 9"),
 ]
@@ -195,14 +197,21 @@ def test_a_job_that_does_not_fit_names_the_override(capsys, tmp_path):
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
     code, _, err = run_cli(capsys, "--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes",
-                           "8", "--ep", "8", "--image", str(image), "--out", str(tmp_path / "r"))
+                           "8", "--ep", "8", "--image", str(image), "--out", str(tmp_path / "r"),
+                           *BARE)
     assert code == 2 and "cheapest change that fits" in err and "--ignore-memory" in err
 
 
 def test_a_dry_run_only_warns_about_memory(capsys, tmp_path):
     code, out, err = dry(capsys, tmp_path, "--preset", "h100-dgx", "--model", "mixtral-8x7b",
-                         "--nodes", "8", "--ep", "8")
+                         "--nodes", "8", "--ep", "8", *BARE)
     assert code == 0 and "warning: memory: does not fit" in out + err
+
+
+def test_the_readme_cluster_example_fits_without_a_warning(capsys, tmp_path):
+    code, out, err = dry(capsys, tmp_path, "--preset", "h100-dgx", "--model", "mixtral-8x7b",
+                         "--nodes", "8", "--ep", "8")
+    assert code == 0 and "memory: fits" in out + err and "warning: memory" not in out + err
 
 
 @pytest.mark.parametrize("args,message", REFUSALS, ids=[m[:40] for _, m in REFUSALS])

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,8 +42,10 @@ def test_pulse_two_steps_writes_metrics_and_config(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 2
 
 
-def test_metrics_report_loads_per_moe_layer(tmp_path):
-    run(tiny("model.num_layers=3", "model.first_dense_layers=1"), tmp_path, log=lambda s: None)
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_metrics_report_loads_per_moe_layer(tmp_path, scan):
+    run(tiny("model.num_layers=3", "model.first_dense_layers=1", f"model.scan_layers={scan}"),
+        tmp_path, log=lambda s: None)
     rec = records(tmp_path)[-1]
     assert np.asarray(rec["tokens_per_expert"]).shape == (2, 8)
     assert all(sum(layer) == 8 * 64 * 2 for layer in rec["tokens_per_expert"])
@@ -71,23 +74,50 @@ def test_loss_falls_on_smoke_task(tmp_path):
     assert np.mean(losses[-3:]) < 0.9 * losses[0], losses
 
 
+@pytest.mark.parametrize("tied", ["false", "true"])
+def test_chunked_loss_equals_the_full_logits_loss(tied):
+    """The train step's chunked cross-entropy (chunks of 40 of 128 tokens, the last one
+    padded) against the old computation: fp32 logits [B, S, V] of the head, optax CE."""
+    import optax
+    from moe_train.model import Transformer
+
+    cfg = tiny(f"model.tie_embeddings={tied}", "train.loss_chunk=40", "train.seq_len=64")
+    model = Transformer(cfg)
+    batch_BS = jax.random.randint(jax.random.key(1), (2, 65), 0, 256)
+    variables = model.init(jax.random.key(0), batch_BS[:, :-1])
+    params, moe_state = nn.unbox(variables["params"]), variables["moe_state"]
+
+    def old(params):
+        head, _ = model.apply({"params": params, "moe_state": moe_state}, batch_BS[:, :-1],
+                              logits=False)
+        logits_BSV = (head.x_BSH @ head.head_HV * head.scale).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, batch_BS[:, 1:]).mean()
+
+    def new(params):
+        return train._loss_fn(params, {}, moe_state, batch_BS, model, cfg)[1]["ce"]
+
+    (want, want_g), (got, got_g) = (jax.jit(jax.value_and_grad(f))(params) for f in (old, new))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), got_g, want_g)
+
+
 def test_bias_update_rule_moves_load_toward_balance():
     key_x, key_g = jax.random.split(jax.random.key(0))
     x_TH = jax.random.normal(key_x, (512, 16)) + 2.0  # a shared offset: most tokens agree
     gate_HE = jax.random.normal(key_g, (16, 8)) * 0.5
     w = jnp.zeros((8, 16, 4)), jnp.zeros((8, 16, 4)), jnp.zeros((8, 4, 16))
-    state = {"layer_0": {"moe": {"expert_bias": jnp.zeros(8)}}}
+    state = {"moe_layers": {"moe": {"expert_bias": jnp.zeros((1, 8))}}}  # one scanned layer
 
     def imbalance(bias):
         _, stats = dropless_moe(x_TH, gate_HE, *w, top_k=2, score_function="sigmoid", expert_bias=bias)
         load = stats["tokens_per_expert"]
         return float(load.max() / load.mean()), load
 
-    start, _ = imbalance(state["layer_0"]["moe"]["expert_bias"])
+    start, _ = imbalance(state["moe_layers"]["moe"]["expert_bias"][0])
     for _ in range(200):
-        _, load = imbalance(state["layer_0"]["moe"]["expert_bias"])
+        _, load = imbalance(state["moe_layers"]["moe"]["expert_bias"][0])
         state = train.update_bias(state, load[None], rate=0.01)
-    end, _ = imbalance(state["layer_0"]["moe"]["expert_bias"])
+    end, _ = imbalance(state["moe_layers"]["moe"]["expert_bias"][0])
     assert start > 2.0 and end < 0.6 * start, (start, end)
 
 
@@ -99,8 +129,8 @@ def test_bias_lives_in_state_and_is_checkpointed(tmp_path):
     ck = Checkpointer(tmp_path, keep=3, use_async=False)
     restored = ck.restore_saved(3)
     ck.close()
-    bias = np.asarray(restored["moe_state"]["layer_0"]["moe"]["expert_bias"])
-    assert np.abs(bias).sum() > 0
+    bias_LE = np.asarray(restored["moe_state"]["moe_layers"]["moe"]["expert_bias"])
+    assert bias_LE.shape == (2, 8) and np.all(np.abs(bias_LE).sum(axis=1) > 0)
 
 
 def test_bf16_compute_with_fp32_master_weights(tmp_path):

@@ -5,7 +5,9 @@ Markdown is also printed). CPU runs (the default) run each group of sections in 
 process with the JAX CPU devices it needs (``SECTION_DEVICES``): the grouped GEMM and layer
 comparisons on one device, as a single-device run sees them (XLA:CPU configured with 8 fake
 devices runs the tiled backend's loops about 1.4x slower), the expert-parallel and compile
-sections on 8 fake devices. ``--gpu`` runs the GPU section on the default JAX backend
+sections on 8 fake devices; the attention kernels, the compile time of scanned vs looped
+layers and the loss's memory against vocab on one (``--quick`` leaves those three out unless
+``--only`` names them). ``--gpu`` runs the GPU section on the default JAX backend
 (``--tiny``: toy sizes, so the GPU code path also runs on CPU). The process owns its JAX
 setup (set before any device is touched): run it in its own process.
 """
@@ -22,8 +24,10 @@ from pathlib import Path
 
 import jax
 
-CPU_SECTIONS = ("gemm", "layer", "ep", "compiles")
-SECTION_DEVICES = {"gemm": 1, "layer": 1, "ep": 8, "compiles": 8}  # JAX CPU devices per section
+CPU_SECTIONS = ("gemm", "layer", "ep", "compiles", "attention", "scan", "loss")
+QUICK_SECTIONS = ("gemm", "layer", "ep", "compiles")  # --quick without --only
+SECTION_DEVICES = {"gemm": 1, "layer": 1, "ep": 8, "compiles": 8,
+                   "attention": 1, "scan": 1, "loss": 1}  # JAX CPU devices per section
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -32,8 +36,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes and fewer configurations (about a minute; used by the tests)")
-    ap.add_argument("--only", default=",".join(CPU_SECTIONS),
-                    help=f"comma-separated CPU sections to run (default: all of {CPU_SECTIONS})")
+    ap.add_argument("--only", default=None,
+                    help=f"comma-separated CPU sections to run (default: all of {CPU_SECTIONS}; "
+                         f"with --quick: {QUICK_SECTIONS})")
     ap.add_argument("--gpu", action="store_true",
                     help="the GPU section only (Mixtral/DeepSeek experts in bf16, per backend)")
     ap.add_argument("--tiny", action="store_true", help="with --gpu: toy sizes (runs on CPU too)")
@@ -41,7 +46,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="results go to OUT/<UTC timestamp>/ (default: runs/bench)")
     ap.add_argument("--part", type=Path, default=None, help=argparse.SUPPRESS)  # child: JSON here
     args = ap.parse_args(argv)
-    args.sections = [s for s in args.only.split(",") if s]
+    only = args.only if args.only is not None else ",".join(
+        QUICK_SECTIONS if args.quick else CPU_SECTIONS)
+    args.sections = [s for s in only.split(",") if s]
     bad = sorted(set(args.sections) - set(CPU_SECTIONS))
     if bad and not args.gpu:
         ap.error(f"unknown section(s) {bad}; choose from {CPU_SECTIONS}")
@@ -60,9 +67,10 @@ def run_sections(args) -> tuple[dict, list[str]]:
                              f"{jax.default_backend()!r}); --gpu --tiny runs the code path on CPU")
         sec = gpu.run(gpu.TINY if args.tiny else gpu.FULL)
         return {"gpu": sec}, [report.gpu_md(sec)]
-    from moe_train.bench import compiles, ep, gemm, layer
+    from moe_train.bench import attention, compiles, ep, gemm, layer, loss, scan
     modules = {"gemm": (gemm, report.gemm_md), "layer": (layer, report.layer_md),
-               "ep": (ep, None), "compiles": (compiles, report.compiles_md)}
+               "ep": (ep, None), "compiles": (compiles, report.compiles_md),
+               "attention": (attention, None), "scan": (scan, None), "loss": (loss, None)}
     sections, parts = {}, []
     for name in args.sections:
         module, md = modules[name]

@@ -112,8 +112,9 @@ def layer_rows(model: Model, s: Sizes, deadline: float) -> list[dict]:
     return rows
 
 
-def gemm_rows(model: Model, s: Sizes, deadline: float) -> list[dict]:
-    """The grouped GEMM alone (fwd+bwd) per backend and routing, like the CPU section."""
+def gemm_rows(model: Model, s: Sizes, deadline: float,
+              modes: tuple[str, ...] = ("fwd+bwd",)) -> list[dict]:
+    """The grouped GEMM alone per backend, routing and mode, like the CPU section."""
     if time.perf_counter() > deadline:
         return [{"model": model.name, "backend": "all", "skipped": "over the run's time budget"}]
     shape = model.shape
@@ -121,11 +122,13 @@ def gemm_rows(model: Model, s: Sizes, deadline: float) -> list[dict]:
                        shape.hidden, shape.ffn, jnp.dtype(s.dtype)) for r in s.gemm_routings}
     sizes = gemm.Sizes(experts=(shape.experts,), rows_per_expert=0, hidden=shape.hidden,
                        ffn=shape.ffn, top_k=shape.top_k, routings=s.gemm_routings,
-                       fwd_routings=(), modes=("fwd+bwd",), candidates=("mgpu", "ragged_dot", "tiled", "te"),
+                       fwd_routings=(), modes=modes, candidates=("mgpu", "ragged_dot", "tiled", "te"),
                        min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s,
                        budget_s=max(1.0, deadline - time.perf_counter()), max_bytes=60e9,
                        dtype=s.dtype)
-    rows = gemm.group_rows(cases, "fwd+bwd", sizes.candidates, sizes)
+    rows = []
+    for mode in modes:
+        rows += gemm.group_rows(cases, mode, sizes.candidates, sizes)
     for r in rows:
         r["model"] = model.name
     return rows

@@ -4,7 +4,8 @@
 cluster, nodes)`` -> ``Verdict`` (for the launcher); ``python -m moe_train.memory`` prints it.
 
 Notation (per GPU): N GPUs, P = ``parallel.ep``, dp = N / P (FSDP), T = batch_size *
-seq_len / N / micro_batches tokens (one micro-batch's: only one is live at a time), S = seq_len, H hidden, q = heads * head_dim, kv = kv_heads * head_dim,
+seq_len / N / micro_batches tokens (one micro-batch's: only one is live at a time;
+``train.micro_batch_size`` sequences give micro_batches = batch_size / N / micro_batch_size), S = seq_len, H hidden, q = heads * head_dim, kv = kv_heads * head_dim,
 nh heads, E experts, L = E / P local experts, K top-k, F expert_ffn, V vocab, a = bytes of
 activations and weight copies by ``precision.compute`` (4 fp32, 2 bf16, 2 fp8: its XLA
 quantize-dequantize keeps bf16 values), pb = bytes of ``model.param_dtype``.
@@ -23,23 +24,27 @@ State (exact: matches XLA's argument sizes, tests/test_memory.py)
                  layer (input, wi_0, wi_1, wo, output gradient)
 
 Activations (token-proportional residuals kept for the backward pass), bytes per token:
-    attention sub-layer  H*(a+8) + (3q+2kv)*a + nh*S*(12 + a')     a' = a if a < 4 else 0
-        residual and fp32 norm intermediates; q, k, v, context; the [nh, S] scores per token
-        of the XLA attention path (jax.nn.dot_product_attention): masked logits, exp and
-        probs in fp32 plus the compute-dtype probs for the PV matmul
+    attention sub-layer  H*(a+8) + (3q+2kv)*a + scores             a' = a if a < 4 else 0
+        residual and fp32 norm intermediates; q, k, v, context; scores: nh*S*(12 + a') per
+        token where the attention keeps [S, S] scores (model.attention=xla: masked logits,
+        exp and probs in fp32 plus the compute-dtype probs for the PV matmul), nh*4 (one
+        fp32 logsumexp per head) for chunked, cuDNN and TE, which recompute their blocks.
+        ``auto`` is resolved as the trainer would on the cluster (job.attention_memory).
     MoE sub-layer        H*(a+8) + K*H*(a+4) + 12E + 4*shared_width*a (+ H*a under fp8:
                          the experts' quantized copy of the input; the router keeps the original)
         residual, fp32 norm/router inputs, the per-assignment expert outputs gathered for the
         fp32 combine, router scores, shared-expert SwiGLU
     dense sub-layer      H*(a+8) + 4*dense_ffn*a
-    head (once)          H*(a+8) + V*(8 + a')      fp32 logits and softmax, compute-dtype logits
+    head (once)          H*(a+8) + 4               final norm, the logsumexp; plus, once per
+                         step (not per token), one cross-entropy chunk's logits C*V*(8 + a'):
+                         C = train.loss_chunk tokens per device (moe_train.loss)
   kept per layer by ``train.remat`` (moe_train.remat):
     none     every sub-layer's residuals
     full     the block input H*a; plus one whole block (the one being recomputed)
     matmuls  block input + q, k, v and o-projection outputs + router logits (4E) + dense and
              shared SwiGLU matmul outputs; plus one whole block
     moe      block input + the MoE (or dense) sub-layer's residuals; plus one whole block
-  activations = T * (layers * kept + recomputed block + head)
+  activations = T * (layers * kept + recomputed block + head) + C*V*(8 + a')
 
 MoE buffers (rows R of one MoE layer on one GPU; bucket factor f of moe.capacity_buckets,
 slots C = min(worst, 8*ceil(f * balanced / 8)) as moe.dispatch.bucket_slots):
@@ -65,9 +70,15 @@ Validation (tests/test_memory.py; tiny preset, 3 layers, 16 x 128 tokens, XLA:CP
 the state equals XLA's compiled argument size to within 52 bytes (step counters) on 1 device,
 on 8 devices with EP 8 and with EP 2 x FSDP 4. For remat none the total is 1.08x..1.17x
 XLA's compiled peak (tested within 0.95x..1.3x: the estimate errs high). Under remat the
-estimate models a memory-aware schedule. XLA:CPU hoists part of the recomputation: its
-peak under full remat is 1.25x the estimate on 1 device and 2.2x with EP 8 (where full
-remat compiles to more temp than none: 30.0 vs 21.7 MiB); under moe it is 0.76x..0.87x.
+estimate models a memory-aware schedule. With the Python loop of blocks
+(``model.scan_layers=false``) XLA:CPU hoists part of the recomputation: its peak under full
+remat is 1.25x the estimate on 1 device and 2.2x with EP 8 (where full remat compiles to more
+temp than none: 30.0 vs 21.7 MiB); under moe it is 0.76x..0.87x. Scanned layers keep the
+recomputation in the backward loop (XLA's peak under full remat 0.81x the estimate). The
+same band holds for chunked attention at 512 tokens and a 32,768-token vocab in loss chunks
+of 128 tokens. Under scan with weights used as stored (one device, compute dtype = param
+dtype) three layers' weights are counted as copies: the scanned body's slices in the forward
+and backward passes and the layer gradient written into the stack.
 """
 
 from __future__ import annotations

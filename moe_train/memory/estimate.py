@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from moe_train import flops
-from moe_train.config import Config, ConfigError, head_dim
+from moe_train.config import Config, ConfigError, for_devices, head_dim
 
 ITEMS = ("params", "grads", "optimizer", "activations", "moe_buffers", "precision_copies",
          "other")
@@ -43,6 +43,8 @@ class Setup:
     dispatcher: str  # local | allgather | a2a | hierarchical
     domains: int  # G: NVLink domains one EP group spans (mesh axis expert_x)
     domain_size: int  # D: devices of an EP group inside one domain (mesh axis expert)
+    attention: str = "scores"  # "scores" (xla: [nh, S] fp32 scores per token) | "flash" (O(S))
+    loss_chunk: int = 0  # tokens per device of one cross-entropy chunk (0: all of them)
 
     @property
     def a(self) -> int:
@@ -137,10 +139,21 @@ def state_bytes(cfg: Config, s: Setup) -> dict[str, int]:
 # ----------------------------------------------------------------------------- per token
 
 def _scores(cfg: Config, s: Setup) -> int:
-    """Attention scores per token per layer: [heads, seq] logits, exp, probs in fp32, plus
-    the probs cast to the compute dtype for the PV matmul when that is narrower."""
+    """Attention scores per token per layer. ``scores`` (xla): [heads, seq] logits, exp,
+    probs in fp32, plus the probs cast to the compute dtype for the PV matmul when that is
+    narrower. ``flash`` (chunked, cuDNN, TE): one fp32 logsumexp per head; the blocks' scores
+    are recomputed in the backward pass."""
+    if s.attention == "flash":
+        return cfg.model.num_heads * 4
     narrow = s.a if s.a < 4 else 0
     return cfg.model.num_heads * cfg.train.seq_len * (12 + narrow)
+
+
+def head_chunk_bytes(cfg: Config, s: Setup) -> int:
+    """Logits of one cross-entropy chunk (fp32 logits and softmax, compute-dtype logits):
+    they exist for one chunk of ``loss_chunk`` tokens at a time, forward and backward."""
+    narrow = s.a if s.a < 4 else 0
+    return min(s.loss_chunk or s.tokens, s.tokens) * cfg.model.vocab_size * (8 + narrow)
 
 
 def token_bytes(cfg: Config, s: Setup) -> dict[str, int]:
@@ -157,7 +170,7 @@ def token_bytes(cfg: Config, s: Setup) -> dict[str, int]:
         matmul_attention=H * a + (q + 2 * kv) * a + H * a,
         matmul_moe=4 * e.num_experts + (2 * shared + H) * a if shared else 4 * e.num_experts,
         matmul_dense=(2 * m.dense_ffn + H) * a,
-        head=H * (a + 8) + m.vocab_size * (8 + (a if a < 4 else 0)),
+        head=H * (a + 8) + 4,  # final norm, its fp32 input, the logsumexp; logits: per chunk
     )
 
 
@@ -218,7 +231,7 @@ def activation_bytes(cfg: Config, s: Setup) -> int:
     biggest = max(full["moe"] if n_moe else 0, full["dense"] if n_dense else 0)
     working = 0 if s.remat == "none" else biggest  # the block being recomputed
     per_token = n_moe * saved["moe"] + n_dense * saved["dense"] + working + t["head"]
-    return s.tokens * per_token
+    return s.tokens * per_token + head_chunk_bytes(cfg, s)
 
 
 def moe_buffer_bytes(cfg: Config, s: Setup, factor: float | None) -> int:
@@ -243,15 +256,27 @@ def _weight_copies(cfg: Config, s: Setup) -> dict[str, int]:
                 dense=3 * H * m.dense_ffn * a, head=H * m.vocab_size * a)
 
 
+def _layer_weights(w: dict[str, int], n_dense: int, n_moe: int) -> int:
+    """Bytes of the largest layer's weight copies (attention plus its MLP or MoE)."""
+    return max(w["attention"] + (w["moe"] if n_moe else w["dense"]),
+               w["attention"] + (w["dense"] if n_dense else 0))
+
+
 def precision_copy_bytes(cfg: Config, s: Setup) -> int:
     """Compute-dtype copies of gathered weights kept for the backward pass, plus one layer's
-    unsharded fp32 weight gradients before their reduce-scatter (FSDP only)."""
-    if s.devices == 1 and s.a == PARAM_BYTES[cfg.model.param_dtype] and s.compute != "fp8":
-        return 0  # the weights are used as stored: no copy
-    w = _weight_copies(cfg, s)
+    unsharded fp32 weight gradients before their reduce-scatter (FSDP only).
+
+    Weights used as stored (one device, compute dtype = param dtype) need no copy, except
+    under ``model.scan_layers``: the scanned body slices its layer out of the stacked
+    weights, in the forward and again in the backward pass, and writes that layer's weight
+    gradient into the stacked gradient (3 layers' weights; elsewhere the slice fuses into
+    the cast or all-gather counted here)."""
     n_dense, n_moe = _layer_kinds(cfg)
-    layer = max(w["attention"] + (w["moe"] if n_moe else w["dense"]),
-                w["attention"] + (w["dense"] if n_dense else 0))
+    if s.devices == 1 and s.a == PARAM_BYTES[cfg.model.param_dtype] and s.compute != "fp8":
+        scan = 3 if cfg.model.scan_layers else 0
+        return scan * _layer_weights(_weight_copies(cfg, s), n_dense, n_moe)
+    w = _weight_copies(cfg, s)
+    layer = _layer_weights(w, n_dense, n_moe)
     if s.remat == "none":
         kept = n_moe * (w["attention"] + w["moe"]) + n_dense * (w["attention"] + w["dense"])
     elif s.remat == "moe":
@@ -264,6 +289,7 @@ def precision_copy_bytes(cfg: Config, s: Setup) -> int:
 
 def estimate(cfg: Config, s: Setup) -> Estimate:
     """Every item of ``ITEMS`` for ``cfg`` on the job ``s``; MoE buffers at each bucket."""
+    cfg = for_devices(cfg, s.devices)  # train.micro_batch_size as micro-batches of this job
     per = state_bytes(cfg, s)
     per["activations"] = activation_bytes(cfg, s)
     per["precision_copies"] = precision_copy_bytes(cfg, s)

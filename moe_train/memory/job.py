@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moe_train.config import Config, ConfigError
+from moe_train.config import Config, ConfigError, for_devices, head_dim
 from moe_train.memory.estimate import Setup, tile_rows
 from topology.placement import PlacementError, allocation
 from topology.presets import Cluster
@@ -69,6 +69,33 @@ def _backend(cfg: Config, cluster: Cluster) -> str:
     return "sorted"
 
 
+def attention_memory(cfg: Config, cluster: Cluster) -> str:
+    """"scores" where the job's attention keeps [S, S] scores (xla), else "flash".
+
+    ``auto`` as ``moe_train.attention.resolve`` picks it on the cluster's platform: on GPU
+    presets cuDNN where it takes the dtype and head dims (bf16/fp16, equal q/k and v head
+    dims that are multiples of 8 up to 256: every preset's GPU is Hopper or newer), else
+    chunked from ``CHUNKED_MIN_SEQ`` tokens on; on CPU presets chunked from that length."""
+    m, name = cfg.model, cfg.model.attention
+    if name != "auto":
+        return "scores" if name == "xla" else "flash"
+    d = head_dim(m)
+    if not cluster.nominal and cfg.precision.compute != "fp32" and d % 8 == 0 and d <= 256:
+        return "flash"
+    from moe_train.attention import CHUNKED_MIN_SEQ
+
+    return "flash" if cfg.train.seq_len >= CHUNKED_MIN_SEQ else "scores"
+
+
+def loss_chunk(cfg: Config, tokens: int) -> int:
+    """Tokens per device of one cross-entropy chunk (``moe_train.loss.sharded_chunk``)."""
+    if cfg.train.loss_chunk:
+        return min(cfg.train.loss_chunk, tokens)
+    from moe_train.loss import default_chunk
+
+    return default_chunk(tokens, cfg.model.vocab_size)
+
+
 def check_placement(cfg: Config, cluster: Cluster, nodes: int, ep: int) -> None:
     """PlanError when EP groups of ``ep`` cannot be placed on ``nodes`` whole nodes."""
     try:
@@ -89,6 +116,10 @@ def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = Non
         raise PlanError(f"devices must be >= 1, got {devices}")
     ep = cfg.parallel.ep if ep is None else ep
     dp = check_sizes(cfg, devices, ep)
+    try:
+        cfg = for_devices(cfg, devices)
+    except ConfigError as err:
+        raise PlanError(str(err)) from None
     if whole and devices > 1:
         check_placement(cfg, cluster, nodes, ep)
     domain = min(cluster.domain_size, devices)
@@ -101,7 +132,8 @@ def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = Non
                  compute=cfg.precision.compute, backend=backend,
                  tile_rows=m if backend == "tiled" else 0,
                  dispatcher=_dispatcher(cfg, devices, ep, groups), domains=groups,
-                 domain_size=ep // groups)
+                 domain_size=ep // groups, attention=attention_memory(cfg, cluster),
+                 loss_chunk=loss_chunk(cfg, tokens))
 
 
 def with_remat(cfg: Config, remat: str) -> Config:
@@ -110,8 +142,9 @@ def with_remat(cfg: Config, remat: str) -> Config:
 
 
 def with_micro_batches(cfg: Config, n: int) -> Config:
-    """``cfg`` with ``train.micro_batches`` replaced."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=n))
+    """``cfg`` with ``train.micro_batches`` replaced (and ``micro_batch_size`` off)."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=n,
+                                                              micro_batch_size=0))
 
 
 def with_batch(cfg: Config, batch_size: int) -> Config:

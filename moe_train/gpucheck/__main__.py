@@ -1,0 +1,82 @@
+"""``python -m moe_train.gpucheck [--out runs/gpucheck] [--only S,...]`` (``make gpu-check``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from moe_train.gpucheck import Context, Section, failed, run_section, write
+
+SECTION_NAMES = ("env", "gemm_numerics", "gemm_speed", "attention", "fp8", "training", "ep",
+                 "gpu_tests")
+
+
+def sections() -> list[Section]:
+    """The sections in order, with their time budgets on a GPU (480 s together)."""
+    from moe_train.gpucheck import kernels, runs
+
+    return [Section("env", "Environment", 10, kernels.environment),
+            Section("gemm_numerics", "Grouped GEMM numerics (bf16 vs fp32 reference)", 60,
+                    kernels.gemm_numerics),
+            Section("gemm_speed", "Grouped GEMM speed (vs dense bf16)", 60, kernels.gemm_speed),
+            Section("attention", "Attention implementations", 30, kernels.attention),
+            Section("fp8", "fp8 projections and loss band", 70, kernels.fp8),
+            Section("training", "Training per backend", 150, runs.training),
+            Section("ep", "Expert parallelism", 45, runs.expert_parallel),
+            Section("gpu_tests", "GPU-marked tests", 55, runs.gpu_tests)]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m moe_train.gpucheck",
+                                 description="What works on this GPU node, and how fast.")
+    ap.add_argument("--out", type=Path, default=Path("runs/gpucheck"),
+                    help="results go to OUT/<UTC>/results.{json,md} (default: runs/gpucheck)")
+    ap.add_argument("--only", default=",".join(SECTION_NAMES),
+                    help=f"comma-separated sections (default: all of {', '.join(SECTION_NAMES)})")
+    args = ap.parse_args(argv)
+    args.only = [s for s in args.only.split(",") if s]
+    bad = sorted(set(args.only) - set(SECTION_NAMES))
+    if bad:
+        ap.error(f"unknown section(s) {', '.join(bad)}; choose from {', '.join(SECTION_NAMES)}")
+    return args
+
+
+def markdown(results: dict) -> str:
+    from moe_train.gpucheck.report import render
+
+    return render(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    # grow GPU memory as needed (not 75% up front): the trainer runs are child processes
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    from moe_train.bench.common import utc_stamp
+
+    stamp = utc_stamp()
+    out_dir = args.out / stamp
+    platform, count = jax.default_backend(), len(jax.devices())
+    results = {"created_utc": stamp, "platform": platform, "device_kind": jax.devices()[0].device_kind,
+               "devices": count, "sections": []}
+    t0 = time.perf_counter()
+    for sec in (s for s in sections() if s.name in args.only):
+        print(f"[gpu-check] {sec.name}: {sec.title} (budget {sec.budget_s:.0f} s)", flush=True)
+        res = run_section(sec, lambda budget: Context(platform, count, out_dir,
+                                                      time.perf_counter() + budget))
+        results["sections"].append(res)
+        results["wall_s"] = time.perf_counter() - t0
+        write(out_dir, results, markdown(results))
+        print(f"[gpu-check] {sec.name}: {res['status']} in {res['seconds']:.1f} s"
+              + (f" ({res['reason']})" if res.get("reason") else ""), flush=True)
+    print(markdown(results), flush=True)
+    print(f"results: {out_dir}", flush=True)
+    return 1 if failed(results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

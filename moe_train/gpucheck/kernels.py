@@ -1,0 +1,232 @@
+"""Sections that check kernels in this process: environment, grouped GEMM, attention, fp8.
+
+Sizes: on a GPU the experts are Mixtral-8x7B-like (H 4096, F 14336, E 8, top-2) and
+DeepSeek-V3-like (H 7168, F 2048, top-8, 32 experts) with a reduced token count; attention runs
+at S 4096 with 32 query and 8 key/value heads of 128. Without a GPU the same code runs at toy
+sizes. Tolerances are ``moe_train.selftest.checks.TOLERANCE`` (per dtype) and
+``FP8_TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform as host_platform
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from moe_train.gpucheck import FAIL, PASS, SKIP, Context, over_budget, skip, verdict
+from moe_train.selftest import checks
+
+ROUTINGS = ("uniform", "zipf", "hot", "empty")
+GROUPED = ("tiled", "ragged_dot", "mgpu", "te")
+# name: (tokens, hidden, ffn, experts, top_k) on a GPU / without one
+# (DeepSeek-like keeps V3's expert shape and top-8 with 32 of its 256 experts: the fp32
+# reference and the gradients of all 256 would need ~135 GB; make bench-gpu times all 256.)
+SHAPES = {"gpu": {"mixtral-like": (512, 4096, 14336, 8, 2), "deepseek-like": (256, 7168, 2048, 32, 8)},
+          "cpu": {"mixtral-like": (64, 64, 128, 8, 2), "deepseek-like": (64, 64, 64, 16, 4)}}
+ATTENTION = {"gpu": checks.AttentionProblem(1, 4096, 32, 8, 128, 128, "bfloat16"),
+             "cpu": checks.AttentionProblem(1, 256, 4, 2, 32, 32, "float32")}
+FP8_SHAPE = {"gpu": (4096, 4096, 4096), "cpu": (64, 128, 128)}
+TIME_REPS = 5
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # noqa: BLE001 (no NVML: no driver version)
+        return None
+
+
+def _te() -> dict[str, Any]:
+    from moe_train import precision_te
+
+    err = precision_te._import_error()
+    if err:
+        return {"imports": False, "error": err}
+    recipes = {r: precision_te.unavailable_reason(r) or "supported"
+               for r in precision_te.MIN_COMPUTE_CAPABILITY}
+    return {"imports": True, "version": _version("transformer_engine"), "recipes": recipes}
+
+
+def environment(ctx: Context) -> dict[str, Any]:
+    """What this machine is: device, memory, driver, versions, Transformer Engine."""
+    from moe_train.attention.fused import gpu_facts
+
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    info = {"platform": ctx.platform, "device_kind": dev.device_kind, "devices": ctx.device_count,
+            "sm_count": getattr(dev, "core_count", None),
+            "compute_capability": getattr(dev, "compute_capability", None),
+            "memory_bytes": stats.get("bytes_limit"), "driver": _driver(),
+            "jax": jax.__version__, "jaxlib": _version("jaxlib"),
+            "xla_platform_version": str(getattr(dev.client, "platform_version", "")),
+            "cudnn": gpu_facts().get("cudnn"), "python": host_platform.python_version(),
+            "packages": {p: _version(p) for p in ("flax", "optax", "orbax-checkpoint",
+                                                  "nvidia-ml-py", "submitit", "pytest")},
+            "transformer_engine": _te() if ctx.on_gpu else {"imports": False, "error": "no GPU"}}
+    if not ctx.on_gpu:
+        return {"status": PASS, "reason": f"no GPU: jax.default_backend() is {ctx.platform!r}", **info}
+    missing = [k for k in ("sm_count", "compute_capability", "memory_bytes", "driver") if not info[k]]
+    return {"status": PASS, "reason": f"not reported: {', '.join(missing)}" if missing else "", **info}
+
+
+def _shapes(ctx: Context) -> dict[str, tuple[int, ...]]:
+    return SHAPES["gpu" if ctx.on_gpu else "cpu"]
+
+
+def _reason(backend: str, hidden: int, ffn: int) -> str | None:
+    from moe_train.bench.experts import unavailable
+
+    return unavailable(backend, jnp.bfloat16, hidden, ffn)
+
+
+def _result_row(res: checks.Result, **fields) -> dict[str, Any]:
+    row = {**fields, "errors": res.errors, "tolerance": next(iter(res.tolerance.values()), None)}
+    if res.time_s is not None:
+        row["time_ms"] = res.time_s * 1e3
+    if res.ok:
+        return {**row, "status": PASS}
+    return {**row, "status": FAIL, "reason": res.error or res.line()}
+
+
+def gemm_numerics(ctx: Context) -> dict[str, Any]:
+    """Every backend x shape x routing in bf16 against the fp32 per-expert reference."""
+    rows = []
+    for shape, (T, H, F, E, K) in _shapes(ctx).items():
+        for backend in GROUPED:
+            reason = _reason(backend, H, F)
+            if reason:
+                rows.append({"shape": shape, "backend": backend, "status": SKIP, "reason": reason})
+                continue
+            cand = checks.gemm_vjp(backend, E)  # one compilation per shape, every routing
+            for routing in ROUTINGS:
+                if ctx.left() <= 0:
+                    rows.append(over_budget(shape=shape, backend=backend, routing=routing))
+                    continue
+                p = checks.GemmProblem(T, H, F, E, K, "bfloat16", routing)
+                rows.append(_result_row(checks.check_gemm(backend, p, cand=cand), shape=shape,
+                                        backend=backend, routing=routing))
+    checks._expert_weights.cache_clear()  # give the device memory back to the next sections
+    return verdict(rows, dtype="bfloat16", tolerance=checks.TOLERANCE["bfloat16"])
+
+
+def gemm_speed(ctx: Context) -> dict[str, Any]:
+    """Each backend's grouped GEMM (fwd, fwd+bwd) over a dense GEMM chain of the same FLOPs."""
+    from moe_train.bench import gpu
+
+    sizes = gpu.FULL if ctx.on_gpu else gpu.TINY
+    rows = []
+    for model in sizes.models:
+        if ctx.left() <= 0:
+            rows.append(over_budget(model=model.name))
+            continue
+        for r in gpu.gemm_rows(model, sizes, ctx.deadline, modes=("fwd", "fwd+bwd")):
+            if r.get("skipped"):
+                rows.append({"model": r["model"], "backend": r["backend"], "mode": r.get("mode"),
+                             "status": SKIP, "reason": r["skipped"]})
+            else:
+                rows.append({k: r.get(k) for k in ("model", "backend", "routing", "mode", "ratio")}
+                            | {"time_ms": r["time"]["median_s"] * 1e3, "status": PASS})
+    return verdict([r for r in rows if r.get("backend") != "dense"], dtype=sizes.dtype,
+                   note="ratio = backend time / dense GEMM chain time (1.0 is the dense limit)")
+
+
+def _temp_bytes(fn, args) -> int | None:
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return None if stats is None else int(stats.temp_size_in_bytes)
+
+
+def attention(ctx: Context) -> dict[str, Any]:
+    """Every implementation the trainer can pick here vs the xla reference (fp32)."""
+    from moe_train import attention as attn
+
+    p = ATTENTION["gpu" if ctx.on_gpu else "cpu"]
+    rows = []
+    for name, reason in attn.available(platform=ctx.platform, dtype=p.dtype, head_dim=p.head_dim,
+                                       v_head_dim=p.v_head_dim).items():
+        if reason:
+            rows.append({"implementation": name, "status": SKIP, "reason": reason})
+        elif ctx.left() <= 0:
+            rows.append(over_budget(implementation=name))
+        else:
+            res = checks.check_attention(name, p, time_reps=TIME_REPS)
+            row = _result_row(res, implementation=name, seq_len=p.seq_len, dtype=p.dtype)
+            if res.ok:
+                q, k, v, dy = checks.attention_operands(p)
+                row["temp_bytes_fwd_bwd"] = _temp_bytes(jax.grad(lambda q, k, v: jnp.vdot(
+                    attn.attend(q, k, v, implementation=name).astype(jnp.float32), dy),
+                    argnums=(0, 1, 2)), (q, k, v))
+            rows.append(row)
+    return verdict(rows, problem=vars(p) if hasattr(p, "__dict__") else str(p))
+
+
+FP8_GEMM = re.compile(r'custom_call_target="([^"]*(?:f8|fp8|F8)[^"]*)"')
+CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+DOT_TYPES = re.compile(r"= (\w+)\[[^\]]*\][^=]*? dot\(")
+
+
+def hlo_gemms(hlo_text: str) -> dict[str, Any]:
+    """What the optimized HLO's matmuls became: fp8 GEMM custom calls, other custom calls,
+    and plain dots by result type."""
+    dots: dict[str, int] = {}
+    for t in DOT_TYPES.findall(hlo_text):
+        dots[t] = dots.get(t, 0) + 1
+    return {"fp8_gemm_calls": sorted(set(FP8_GEMM.findall(hlo_text))),
+            "custom_calls": sorted(set(CUSTOM_CALL.findall(hlo_text))), "dots": dots}
+
+
+def _fp8_backends(ctx: Context) -> dict[str, str | None]:
+    reasons = {"xla": None}
+    if not ctx.on_gpu:
+        reasons["te"] = "Transformer Engine needs an NVIDIA GPU"
+    else:
+        from moe_train import precision_te
+
+        reasons["te"] = precision_te.unavailable_reason("delayed")
+    return reasons
+
+
+def _fp8_row(ctx: Context, backend: str) -> dict[str, Any]:
+    shape = FP8_SHAPE["gpu" if ctx.on_gpu else "cpu"]
+    res = checks.check_fp8(backend, "delayed", shape=shape, time_reps=TIME_REPS)
+    row = _result_row(res, backend=backend, shape=shape)
+    if not res.ok:
+        return row
+    M, H, F = shape
+    x, w = jnp.zeros((M, H), jnp.bfloat16), jnp.zeros((H, F), jnp.bfloat16)
+    probe = checks.fp8_probe(backend, "delayed", 16, 0)
+    fwd_bwd = jax.jit(jax.grad(lambda x, w: probe(x, w).astype(jnp.float32).sum(), argnums=(0, 1)))
+    found = hlo_gemms(fwd_bwd.lower(x, w).compile().as_text())
+    row.update(found)
+    if ctx.on_gpu and not found["fp8_gemm_calls"]:
+        row.update(status=FAIL, reason="no fp8 GEMM in the optimized HLO: the q/dq matmuls run "
+                                       f"as {found['dots'] or found['custom_calls']}")
+    elif not ctx.on_gpu:
+        row["note"] = "CPU: fp8 numerics emulated (q/dq around bf16/fp32 dots), no fp8 GEMMs"
+    return row
+
+
+def fp8(ctx: Context) -> dict[str, Any]:
+    """fp8 projections per backend (numerics, HLO) and a short fp8 run against bf16."""
+    from moe_train.gpucheck import runs
+
+    rows = []
+    for backend, reason in _fp8_backends(ctx).items():
+        rows.append({"backend": backend, "status": SKIP, "reason": reason} if reason
+                    else _fp8_row(ctx, backend))
+    rows += runs.fp8_loss_band(ctx)
+    return verdict(rows, tolerance=checks.FP8_TOLERANCE)

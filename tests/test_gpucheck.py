@@ -1,0 +1,114 @@
+"""make gpu-check: its CPU run end to end, and the pieces that decide PASS/FAIL/SKIP."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_train import gpucheck
+from moe_train.gpucheck import __main__ as cli
+from moe_train.gpucheck.kernels import hlo_gemms
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_LIMIT_S = 180  # the issue's bound for the CPU run
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpucheck")
+    proc = subprocess.run([sys.executable, "-m", "moe_train.gpucheck", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    (run_dir,) = out.iterdir()
+    return proc, json.loads((run_dir / "results.json").read_text()), run_dir
+
+
+@pytest.mark.slow
+def test_cpu_run_exits_zero(cpu_run):
+    proc, _, _ = cpu_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_cpu_run_has_every_section_passed_or_skipped_with_a_reason(cpu_run):
+    _, results, _ = cpu_run
+    got = {s["name"]: s for s in results["sections"]}
+    assert list(got) == list(cli.SECTION_NAMES)
+    for s in got.values():
+        assert s["status"] in ("PASS", "SKIP"), (s["name"], s.get("reason"))
+        assert s["status"] == "PASS" or s["reason"], s["name"]
+
+
+@pytest.mark.slow
+def test_cpu_run_checks_the_cpu_kernels(cpu_run):
+    _, results, _ = cpu_run
+    sec = {s["name"]: s for s in results["sections"]}
+    ran = {(r["backend"], r["status"]) for r in sec["gemm_numerics"]["rows"]}
+    assert {("tiled", "PASS"), ("ragged_dot", "PASS"), ("mgpu", "SKIP"), ("te", "SKIP")} <= ran
+    assert {r["implementation"] for r in sec["attention"]["rows"] if r["status"] == "PASS"} \
+        >= {"xla", "chunked"}
+    assert sec["ep"]["status"] == "PASS" and sec["training"]["status"] == "PASS"
+
+
+@pytest.mark.slow
+def test_cpu_run_writes_markdown_and_stays_within_its_bound(cpu_run):
+    _, results, run_dir = cpu_run
+    md = (run_dir / "results.md").read_text()
+    assert all(f"## {i}. " in md for i in range(1, 9))
+    assert results["wall_s"] < CPU_LIMIT_S, results["wall_s"]
+
+
+def test_results_are_flushed_after_each_section(tmp_path, monkeypatch):
+    seen = []
+
+    def second(ctx):
+        seen.append(json.loads(next((tmp_path).rglob("results.json")).read_text()))
+        return {"status": "PASS", "reason": ""}
+    monkeypatch.setattr(cli, "sections", lambda: [
+        gpucheck.Section("env", "first", 5, lambda ctx: {"status": "SKIP", "reason": "r"}),
+        gpucheck.Section("ep", "second", 5, second)])
+    assert cli.main(["--out", str(tmp_path), "--only", "env,ep"]) == 0
+    assert [s["name"] for s in seen[0]["sections"]] == ["env"]
+
+
+def test_a_failing_section_makes_the_exit_code_one_and_the_rest_still_run(tmp_path, monkeypatch):
+    def boom(ctx):
+        raise RuntimeError("kernel miscompute")
+    monkeypatch.setattr(cli, "sections", lambda: [
+        gpucheck.Section("env", "broken", 5, boom),
+        gpucheck.Section("ep", "after", 5, lambda ctx: {"status": "PASS", "reason": ""})])
+    assert cli.main(["--out", str(tmp_path), "--only", "env,ep"]) == 1
+    results = json.loads(next(tmp_path.rglob("results.json")).read_text())
+    assert [s["status"] for s in results["sections"]] == ["FAIL", "PASS"]
+    assert "kernel miscompute" in results["sections"][0]["reason"]
+
+
+def test_unknown_section_is_refused():
+    with pytest.raises(SystemExit) as err:
+        cli.parse(["--only", "env,warp"])
+    assert err.value.code == 2
+
+
+@pytest.mark.parametrize("statuses, want", [
+    (["PASS", "SKIP"], "PASS"), (["SKIP", "SKIP"], "SKIP"), (["PASS", "FAIL", "SKIP"], "FAIL")])
+def test_section_verdict_from_rows(statuses, want):
+    rows = [{"status": s, "reason": "why" if s != "PASS" else ""} for s in statuses]
+    assert gpucheck.verdict(rows)["status"] == want
+
+
+def test_hlo_reader_names_fp8_gemm_custom_calls():
+    hlo = ('%c = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[64,64]{1,0} %a, f8e4m3fn[64,64]{1,0} %b), '
+           'custom_call_target="__cublas$lt$matmul$f8"\n'
+           '%d = f32[8,8]{1,0} dot(f32[8,4]{1,0} %x, f32[4,8]{1,0} %y), lhs_contracting_dims={1}')
+    got = hlo_gemms(hlo)
+    assert got["fp8_gemm_calls"] == ["__cublas$lt$matmul$f8"] and got["dots"] == {"f32": 1}
+
+
+def test_hlo_reader_finds_no_fp8_gemm_in_a_bf16_matmul():
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.zeros((16, 16), jnp.bfloat16)
+    text = jax.jit(lambda x, y: x @ y).lower(a, a).compile().as_text()
+    assert hlo_gemms(text)["fp8_gemm_calls"] == []

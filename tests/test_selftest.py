@@ -1,0 +1,166 @@
+"""The startup self-test: kernel checks against references, and how auto/explicit choose."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from moe_train import config
+from moe_train.config import ConfigError
+from moe_train.moe import gemm
+from moe_train.run import EXIT_OK, run
+from moe_train.selftest import checks, choose
+
+ROUTINGS = ("uniform", "zipf", "hot", "empty", "hot-empty")
+
+
+def tiny(*overrides: str, steps: int = 2) -> config.Config:
+    return config.build("tiny", [f"train.steps={steps}", "parallel.devices=1",
+                                 "train.log_every=100", *overrides])
+
+
+@pytest.fixture
+def broken_tiled(monkeypatch):
+    """The tiled grouped GEMM, as the self-test calls it, returns rows scaled by 1.1."""
+    real = gemm.grouped_swiglu
+
+    def wrong(x, plan, w0, w1, wo, backend, **kw):
+        y = real(x, plan, w0, w1, wo, backend, **kw)
+        return y * 1.1 if backend == "tiled" else y
+    monkeypatch.setattr(gemm, "grouped_swiglu", wrong)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("backend", ["tiled", "ragged_dot"])
+def test_grouped_gemm_matches_reference_fp32(backend, routing):
+    res = checks.check_gemm(backend, checks.GemmProblem(48, 32, 64, 8, 2, "float32", routing))
+    assert res.ok and max(res.errors.values()) < 1e-5, res.line()
+
+
+@pytest.mark.parametrize("backend", ["tiled", "ragged_dot"])
+def test_grouped_gemm_matches_reference_bf16(backend):
+    res = checks.check_gemm(backend, checks.GemmProblem(48, 32, 64, 8, 2, "bfloat16"))
+    assert res.ok and set(res.errors) == {"output", "dx", "dw0", "dw1", "dwo"}, res.line()
+
+
+def test_hot_empty_routing_is_adversarial():
+    ids = checks.routing_ids(checks.GemmProblem(40, 8, 8, 8, 2, "float32", "hot-empty"))
+    assert (ids == 0).any(axis=1).all() and not (ids == 7).any()
+
+
+def test_broken_kernel_fails_its_check(broken_tiled):
+    res = checks.check_gemm("tiled", checks.GemmProblem(48, 32, 64, 8, 2, "float32"))
+    assert not res.ok and res.errors["output"] > 0.05
+
+
+def test_kernel_that_raises_is_a_failed_check(monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("kernel exploded")
+    monkeypatch.setattr(gemm, "grouped_swiglu", boom)
+    res = checks.check_gemm("tiled", checks.GemmProblem(16, 8, 8, 4, 2, "float32"))
+    assert not res.ok and "kernel exploded" in res.error
+
+
+def test_non_finite_output_is_an_infinite_error():
+    assert checks.rel_err(jnp.array([1.0, jnp.nan]), jnp.array([1.0, 2.0])) == float("inf")
+
+
+@pytest.mark.parametrize("name", ["xla", "chunked"])
+def test_attention_matches_reference(name):
+    p = checks.AttentionProblem(1, 24, 4, 2, 16, 16, "float32")
+    res = checks.check_attention(name, p)
+    assert res.ok and max(res.errors.values()) < 1e-5, res.line()
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fp8_xla_projection_within_fp8_tolerance(recipe):
+    res = checks.check_fp8("xla", recipe)
+    assert res.ok and 1e-3 < res.errors["output"], res.line()  # quantized, not bf16
+
+
+def test_broken_fp8_projection_fails():
+    res = checks.check_fp8("xla", fn=lambda x, w: (x @ w).astype(jnp.float32) * 1.5)
+    assert not res.ok
+
+
+def _fake_check(bad: set[str]):
+    def check(name, reps):
+        err = 1.0 if name in bad else 1e-7
+        return checks.Result("moe.backend", name, name not in bad, {"output": err},
+                             {"output": 1e-3}, None)
+    return check
+
+
+def test_auto_skips_a_failing_candidate():
+    got = choose("moe.backend", "auto", ["tiled", "ragged_dot"], _fake_check({"tiled"}), skip=False)
+    assert got.chosen == "ragged_dot" and "tiled FAILED" in got.why
+
+
+def test_auto_stops_at_the_first_passing_candidate():
+    got = choose("moe.backend", "auto", ["tiled", "ragged_dot"], _fake_check(set()), skip=False)
+    assert got.chosen == "tiled" and [r.name for r in got.results] == ["tiled"]
+
+
+def test_auto_with_every_candidate_failing_is_a_config_error():
+    with pytest.raises(ConfigError, match="every candidate failed"):
+        choose("moe.backend", "auto", ["tiled", "ragged_dot"], _fake_check({"tiled", "ragged_dot"}),
+               skip=False)
+
+
+def test_explicit_failing_choice_is_refused_with_numbers():
+    with pytest.raises(ConfigError, match=r"moe.backend=tiled failed its self-test.*1\.00e\+00"):
+        choose("moe.backend", "tiled", ["tiled", "ragged_dot"], _fake_check({"tiled"}), skip=False)
+
+
+def test_skip_selftest_uses_an_explicit_choice_unchecked():
+    got = choose("moe.backend", "tiled", ["tiled"], _fake_check({"tiled"}), skip=True)
+    assert got.chosen == "tiled" and got.results == ()
+
+
+def test_by_speed_takes_a_clearly_faster_candidate():
+    def check(name, reps):
+        return checks.Result("moe.backend", name, True, {"output": 0.0}, {"output": 1e-3},
+                             {"a": 1.0, "b": 0.5, "c": 0.95}[name])
+    got = choose("moe.backend", "auto", ["a", "b", "c"], check, skip=False, by_speed=True)
+    assert got.chosen == "b" and "fastest" in got.why
+
+
+def test_recorded_choice_is_kept_while_it_passes():
+    got = choose("moe.backend", "auto", ["tiled", "ragged_dot"], _fake_check(set()), skip=False,
+                 recorded="ragged_dot")
+    assert got.chosen == "ragged_dot" and "resumed" in got.why
+
+
+def test_trainer_logs_kernels_first_and_times_the_selftest(tmp_path):
+    lines = []
+    assert run(tiny(), tmp_path, log=lines.append) == EXIT_OK
+    assert lines[0].startswith("kernels on cpu: moe.backend=tiled") and "model.attention=" in lines[0]
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["selftest_s"] > 0
+    kept = json.loads((tmp_path / "kernels.json").read_text())
+    assert [c["chosen"] for c in kept["choices"]][0] == "tiled"
+
+
+def test_trainer_auto_falls_back_from_a_broken_kernel(tmp_path, broken_tiled):
+    lines = []
+    assert run(tiny("train.steps=1"), tmp_path, log=lines.append) == EXIT_OK
+    assert "moe.backend=ragged_dot" in lines[0] and "tiled FAILED" in lines[0]
+
+
+def test_trainer_refuses_an_explicit_broken_kernel_and_writes_nothing(tmp_path, broken_tiled):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="moe.backend=tiled failed its self-test"):
+        run(tiny("moe.backend=tiled"), out, log=lambda s: None)
+    assert not out.exists()
+
+
+def test_trainer_skip_selftest_trains_with_the_explicit_kernel(tmp_path, broken_tiled):
+    lines = []
+    assert run(tiny("moe.backend=tiled", "train.skip_selftest=true", "train.steps=1"), tmp_path,
+               log=lines.append) == EXIT_OK
+    assert "skip_selftest=true" in lines[0]
+
+
+def test_explicit_backend_that_cannot_run_here_names_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match="moe.backend=mgpu cannot run here.*auto, tiled, ragged_dot"):
+        run(tiny("moe.backend=mgpu"), tmp_path, log=lambda s: None)
