@@ -12,7 +12,6 @@ from pathlib import Path
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

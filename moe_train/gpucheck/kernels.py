@@ -9,6 +9,7 @@ sizes. Tolerances are ``moe_train.selftest.checks.TOLERANCE`` (per dtype) and
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import platform as host_platform
 import re
@@ -17,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_train.gpucheck import FAIL, PASS, SKIP, Context, over_budget, skip, verdict
+from moe_train.gpucheck import FAIL, PASS, SKIP, Context, over_budget, verdict
 from moe_train.selftest import checks
 
 ROUTINGS = ("uniform", "zipf", "hot", "empty")
@@ -171,7 +172,7 @@ def attention(ctx: Context) -> dict[str, Any]:
                     attn.attend(q, k, v, implementation=name).astype(jnp.float32), dy),
                     argnums=(0, 1, 2)), (q, k, v))
             rows.append(row)
-    return verdict(rows, problem=vars(p) if hasattr(p, "__dict__") else str(p))
+    return verdict(rows, problem=dataclasses.asdict(p))
 
 
 FP8_GEMM = re.compile(r'custom_call_target="([^"]*(?:f8|fp8|F8)[^"]*)"')
