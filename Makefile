@@ -10,7 +10,8 @@ MODEL ?= tiny
 # cluster preset (topology/presets/*.toml) or a site .toml, for submit/plan/preflight
 PRESET ?= cpu-local
 NODES ?= 1
-EP ?= 8
+# expert-parallel size; unset: the model's parallel.ep (SET may give it; both disagreeing: error)
+EP ?=
 STEPS ?=
 OUT ?= runs/smoke
 SET ?=
@@ -23,6 +24,8 @@ EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,rep
 export MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT RUN
 # "$@" = --steps/--set arguments from STEPS and SET (split on spaces, no globbing)
 RUN_ARGS := set -f; set --; for s in $$SET; do set -- "$$@" --set "$$s"; done; [ -z "$$STEPS" ] || set -- "$$@" --steps "$$STEPS"
+# --ep only when EP is given (command line or environment), so SET='parallel.ep=N' works alone
+EP_ARG = $(if $(EP),--ep "$$EP")
 
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
@@ -33,7 +36,7 @@ STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-17s %s\n", $$1, $$2}'
-	@echo "variables: MODEL=$(MODEL) PRESET=$(PRESET) NODES=$(NODES) EP=$(EP) OUT=$(OUT) STEPS=<n> SET='k=v ...' EXTRAS=$(EXTRAS) PYTHON=$(PYTHON)"
+	@echo "variables: MODEL=$(MODEL) PRESET=$(PRESET) NODES=$(NODES) EP=$(or $(EP),<model's parallel.ep>) OUT=$(OUT) STEPS=<n> SET='k=v ...' EXTRAS=$(EXTRAS) PYTHON=$(PYTHON)"
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,7 +54,7 @@ train: $(STAMP) ## train MODEL into OUT on this machine (resumes if OUT holds a 
 	$(RUN_ARGS); $(PY) -m moe_train --preset "$$MODEL" --out "$$OUT" "$$@"
 
 submit: $(STAMP) ## run MODEL on NODES of cluster PRESET under Slurm (DRY_RUN=1 prints the job, WAIT=1 follows it)
-	$(RUN_ARGS); $(PY) -m slurm.submit --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" --ep "$$EP" $(if $(filter command line environment,$(origin OUT)),--out "$$OUT") $(if $(IMAGE),--image "$$IMAGE") $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) "$$@"
+	$(RUN_ARGS); $(PY) -m slurm.submit --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(filter command line environment,$(origin OUT)),--out "$$OUT") $(if $(IMAGE),--image "$$IMAGE") $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) "$$@"
 
 smoke-cluster: $(STAMP) ## one-node smoke job on cluster PRESET: preflight + a short tiny run, followed
 	$(PY) -m slurm.submit --preset "$$PRESET" --smoke --wait $(if $(IMAGE),--image "$$IMAGE")
@@ -79,9 +82,9 @@ gpu-check: ## what works on this GPU node and how fast (CPU: toy sizes); runs/gp
 	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(CHECK_PYTHON) -m moe_train.gpucheck
 
 plan: $(STAMP) ## EP placement, predicted all-to-all and "will it fit?" for MODEL on NODES of PRESET
-	$(PY) -m topology plan --preset "$$PRESET" --nodes "$$NODES" --model "$$MODEL" --ep "$$EP"
+	$(RUN_ARGS); $(PY) -m topology plan --preset "$$PRESET" --nodes "$$NODES" --model "$$MODEL" $(EP_ARG) "$$@"
 	@echo
-	$(RUN_ARGS); $(PY) -m moe_train.memory --model "$$MODEL" --cluster "$$PRESET" --nodes "$$NODES" --ep "$$EP" "$$@"
+	$(RUN_ARGS); $(PY) -m moe_train.memory --model "$$MODEL" --cluster "$$PRESET" --nodes "$$NODES" $(EP_ARG) "$$@"
 
 probe: $(STAMP) ## time all-to-alls on this machine's devices; writes runs/probe/<PRESET>.toml
 	$(PY) -m topology probe --preset "$$PRESET" --out "runs/probe/$$(basename -- "$$PRESET" .toml).toml"

@@ -6,6 +6,13 @@ a temporary directory and renames it only once every file is on disk, so a crash
 leaves at most an unfinished temporary directory, which is ignored and cleaned up on the next
 start; ``latest_step`` only ever names finished checkpoints.
 
+Every checkpoint carries a third item, ``manifest`` (``moe_train.manifest``): each array's
+shape, dtype, checksums and finiteness, computed on the devices at save. A state with a NaN
+or inf is never saved (``NonFiniteState``). ``restore`` verifies the arrays it read against
+the manifest; ``choose`` walks the checkpoints newest first and resumes from the newest one
+that reads and verifies, moving the ones that do not to ``<out>/checkpoints-rejected/``
+(never deleted). Checkpoints written before manifests existed restore unverified.
+
 A checkpoint keeps the layer layout it was written with (``model.scan_layers``: stacked
 ``dense_layers``/``moe_layers`` groups, or looped ``layer_{i}`` blocks; checkpoints from before
 scanned layers existed are looped). Restoring into the other layout converts it
@@ -16,6 +23,8 @@ the run continues as if it had never switched.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import shutil
 import types
 from pathlib import Path
 from typing import Any
@@ -24,7 +33,9 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from moe_train import manifest
 from moe_train.config import Config, ConfigError, to_dict
+from moe_train.manifest import CorruptCheckpoint
 from moe_train.model import is_scanned, to_looped, to_scanned
 
 # Config fields that change the shapes or meaning of the saved state.
@@ -86,36 +97,69 @@ def _take_abstract(x: jax.ShapeDtypeStruct, _: int) -> jax.ShapeDtypeStruct:
                                 sharding=NamedSharding(sh.mesh, P(*sh.spec[1:])))
 
 
+class NonFiniteState(Exception):
+    """The state to save holds NaN/inf (the step's guard should have stopped first)."""
+
+
+# What reading a damaged checkpoint raises: Orbax, JSON, a missing file, and TensorStore's
+# read errors (Orbax re-raises those as a bare Exception). Running out of memory is not damage.
+READ_ERRORS = (CorruptCheckpoint, OSError, ValueError, KeyError, TypeError, AttributeError)
+NOT_DAMAGE = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")
+
+
+def is_damage(err: BaseException) -> bool:
+    """Whether ``err``, raised reading a checkpoint, means the checkpoint is damaged."""
+    text = str(err)
+    if any(mark in text for mark in NOT_DAMAGE):
+        return False
+    return isinstance(err, READ_ERRORS) or (type(err) is Exception and (
+        "TensorStore" in text or "error while reading" in text))
+
+
 class Checkpointer:
     """Thin wrapper over ``ocp.CheckpointManager`` with the kit's layout and policy."""
 
     def __init__(self, out_dir: Path, keep: int, use_async: bool):
         self.directory = Path(out_dir).absolute() / "checkpoints"
+        self.rejected = Path(out_dir).absolute() / "checkpoints-rejected"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=use_async, create=True,
             cleanup_tmp_directories=True)
         self._mngr = ocp.CheckpointManager(self.directory, options=options,
-                                           item_names=("state", "meta"))
+                                           item_names=("state", "meta", "manifest"))
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self._mngr.all_steps())
+        return sorted(self._mngr.all_steps())
 
     def read_meta(self, step: int) -> dict[str, Any]:
         restored = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return restored["meta"]
 
+    def read_manifest(self, step: int) -> dict[str, Any] | None:
+        """The step's manifest; None for a checkpoint saved before manifests existed."""
+        if not (self.directory / str(step) / "manifest").exists():
+            return None
+        restored = self._mngr.restore(step, args=ocp.args.Composite(
+            manifest=ocp.args.JsonRestore()))
+        return restored["manifest"]
+
     def restore(self, step: int, template: Any) -> Any:
         """Restore the state at ``step`` with the shapes, dtypes and shardings of ``template``,
-        converting a checkpoint written in the other layer layout."""
+        converting a checkpoint written in the other layer layout. Raises CorruptCheckpoint
+        when the arrays read do not match the step's manifest."""
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
         saved_cfg = self.read_meta(step)["config"]
+        saved_manifest = self.read_manifest(step)
         scanned = is_scanned(template.params)
         if _saved_scanned(saved_cfg) == scanned:
-            return self._restore_state(step, abstract, saved_cfg)
+            restored = self._restore_state(step, abstract, saved_cfg)
+            if saved_manifest is not None:
+                manifest.verify(saved_manifest, restored, step)
+            return restored
         m = types.SimpleNamespace(**{k: saved_cfg["model"][k]  # structural: this run's too
                                      for k in ("num_layers", "first_dense_layers")})
         if scanned:
@@ -123,6 +167,8 @@ class Checkpointer:
         else:
             saved, convert = to_scanned(abstract, m, stack=_stack_abstract), to_looped
         restored = self._restore_state(step, saved, saved_cfg)
+        if saved_manifest is not None:
+            manifest.verify(saved_manifest, restored, step)
         shardings = jax.tree.map(lambda x: x.sharding, template)
         return jax.jit(lambda t: convert(t, m), out_shardings=shardings)(restored)
 
@@ -149,14 +195,78 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start saving; with async checkpointing the files are written in the background.
 
-        Device buffers are copied before this returns, so the caller may donate ``state``.
+        The state's manifest is computed on the devices first; a state with NaN/inf raises
+        NonFiniteState and nothing is written. Device buffers are copied before this
+        returns, so the caller may donate ``state``.
         """
+        fingerprint = manifest.fingerprint(state)
+        bad = manifest.non_finite(fingerprint)
+        if bad:
+            raise NonFiniteState(f"the state of step {step} has non-finite values in "
+                                 f"{len(bad)} arrays (e.g. {bad[0]}); not saved")
         self._mngr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+            manifest=ocp.args.JsonSave(fingerprint)), force=True)
+
+    def move_aside(self, step: int, reason: str) -> Path:
+        """Move checkpoint ``step`` out of the manager's sight into ``checkpoints-rejected/``
+        (with a ``REASON`` file); it is never deleted. Process 0 moves; all reload."""
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        target = self.rejected / f"{step}-{stamp}"
+        if jax.process_index() == 0:
+            self.rejected.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), str(target))
+            (target / "REASON").write_text(reason + "\n")
+        _sync("moe_train: checkpoint moved aside")
+        self.reload()
+        return target
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()
 
+    def reload(self) -> None:
+        """Forget cached step lists (after a failed save or a directory change)."""
+        self._mngr.reload()
+
+    def check_for_errors(self) -> None:
+        """Raise the error of a background save that failed (cheap; call every step)."""
+        self._mngr.check_for_errors()
+
     def close(self) -> None:
         self._mngr.wait_until_finished()
         self._mngr.close()
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _reason(err: BaseException) -> str:
+    """One line on why a checkpoint could not be read."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, CorruptCheckpoint):
+        return text
+    if type(err) is Exception:  # TensorStore, through Orbax: the first sentence says it
+        return f"cannot read the state: {text.split(' See full TensorStore details')[0][:200]}"
+    return f"{type(err).__name__}: {text[:200]}"
+
+
+def try_step(ckpt: Checkpointer, step: int, template: Any, cfg: Config) -> tuple[Any, str | None]:
+    """(restored state, None), or (None, why it cannot be used) for a damaged checkpoint. A
+    checkpoint of another model raises ConfigError (that is a mistake, not damage)."""
+    try:
+        saved_cfg = ckpt.read_meta(step)["config"]
+    except Exception as err:
+        if not is_damage(err):
+            raise
+        return None, _reason(err)
+    check_compatible(saved_cfg, cfg, ckpt.directory)
+    try:
+        return ckpt.restore(step, template), None
+    except Exception as err:
+        if not is_damage(err):
+            raise
+        return None, _reason(err)

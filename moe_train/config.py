@@ -1,10 +1,11 @@
 """Run configuration: frozen dataclasses, TOML presets, dotted ``--set`` overrides.
 
 A run's config is built in three layers: the dataclass defaults below, a preset file from
-``moe_train/presets/<name>.toml``, then ``--set section.key=value`` overrides. Unknown presets,
-sections and keys are rejected with the list of valid choices; ``validate`` checks the
-cross-field rules before anything is compiled. The resolved config is written to
-``<out>/config.json``.
+``moe_train/presets/<name>.toml``, then ``--set section.key=value`` overrides and command-line
+flags (``build(..., flags=)``; one key given twice with different values is an error). Unknown
+presets, sections and keys are rejected with the list of valid choices; ``validate`` checks
+every field's range, the size limits and the cross-field rules (``moe_train.config_checks``)
+before anything is compiled. The resolved config is written to ``<out>/config.json``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import json
 import tomllib
 from pathlib import Path
 from typing import Any, get_type_hints
+
+from moe_train import config_checks
+from moe_train.config_checks import ConfigError, parse_buckets, some_divisors  # noqa: F401 (API)
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -30,10 +34,7 @@ FP8_BACKENDS = ("auto", "xla", "te")  # precision.fp8_backend
 MOVED = {"model.dtype": ("precision.compute", COMPUTE)}
 REMAT_POLICIES = ("none", "full", "matmuls", "moe")  # moe_train.remat documents each
 ATTENTION = ("auto", "xla", "cudnn", "chunked", "te")  # model.attention (moe_train.attention)
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem: printed as one line, exit code 2."""
+ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,8 @@ class TrainConfig:
     micro_batch_size: int = 0  # instead of micro_batches: sequences per device in one micro-batch (any job size); 0: off
     loss_chunk: int = 0  # tokens per device in one cross-entropy chunk (the [T, V] logits never exist whole); 0 picks from the vocab
     skip_selftest: bool = False  # do not check the chosen GPU kernels against a reference before training
+    on_nonfinite: str = "stop"  # a step whose loss, gradients or updated state is NaN/inf: stop (exit 3, nothing saved past the last good checkpoint) | skip (drop that update, count it, go on)
+    max_nonfinite_skips: int = 10  # with on_nonfinite=skip: stop (exit 3) after this many consecutive skipped steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,87 +253,73 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:
     return tables
 
 
-def build(preset: str, overrides: list[str] = (), **sections: dict[str, Any]) -> Config:
-    """Preset + typed section overrides (from code) + textual ``--set`` overrides, validated."""
+def _same_value(key: str, a: str, b: str) -> bool:
+    """Whether two value texts of ``key`` mean the same (``2`` and ``2.0`` for a float)."""
+    if a.strip() == b.strip():
+        return True
+    section, _, field = key.partition(".")
+    typ = get_type_hints(type(getattr(Config(), section, None))).get(field)
+    try:
+        return typ is not None and _parse_value(a, typ, key) == _parse_value(b, typ, key)
+    except ConfigError:
+        return False
+
+
+def merge_flags(overrides: list[str], flags: dict[str, tuple[str, str]] | None = None) -> list[str]:
+    """``flags`` (``{"--devices": ("parallel.devices", "2")}``) then ``--set`` items, as one
+    list of overrides; a key given twice with different values is a ConfigError naming both."""
+    flags = flags or {}
+    given = [(f"{flag} {value}", key, value) for flag, (key, value) in flags.items()]
+    given += [(f"--set {item}", item.partition("=")[0].strip(), item.partition("=")[2])
+              for item in overrides if "=" in item]
+    seen: dict[str, tuple[str, str]] = {}  # key -> (how it was first given, value text)
+    for how, key, value in given:
+        if key in seen and not _same_value(key, seen[key][1], value):
+            raise ConfigError(f"{seen[key][0]} and {how} disagree; give one")
+        seen.setdefault(key, (how, value))
+    return [f"{key}={value}" for key, value in flags.values()] + list(overrides)
+
+
+def build(preset: str, overrides: list[str] = (), *, flags: dict[str, tuple[str, str]] | None = None,
+          **sections: dict[str, Any]) -> Config:
+    """Preset + typed section overrides (from code) + textual ``--set`` overrides and
+    command-line ``flags`` (flag -> (dotted key, value text)), validated.
+
+    A command line passes ``flags`` (``{}`` when it has none): then a key given twice with
+    different values is one error (``merge_flags``). Code composing overrides leaves it
+    None: a later override of the same key wins."""
     cfg = load_preset(preset)
     if sections:
         cfg = apply_tables(cfg, sections)
-    cfg = apply_tables(cfg, parse_overrides(list(overrides)), parse=True)
+    overrides = list(overrides) if flags is None else merge_flags(list(overrides), flags)
+    cfg = apply_tables(cfg, parse_overrides(overrides), parse=True)
     validate(cfg)
     return cfg
 
 
-def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(choices)}")
-
-
-def _positive(cfg: Config, keys: list[str]) -> None:
-    for key in keys:
-        section, field = key.split(".")
-        if getattr(getattr(cfg, section), field) <= 0:
-            raise ConfigError(f"{key} must be positive, got {getattr(getattr(cfg, section), field)}")
+# str fields with a fixed set of values (free text: data.path, parallel.cluster,
+# parallel.coordinator; moe.capacity_buckets is parsed by config_checks.parse_buckets)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "moe.score_function": SCORE_FUNCTIONS, "moe.backend": BACKENDS, "moe.dispatcher": DISPATCHERS,
+    "data.source": DATA_SOURCES, "data.token_dtype": TOKEN_DTYPES, "model.param_dtype": DTYPES,
+    "model.attention": ATTENTION, "train.remat": REMAT_POLICIES,
+    "train.on_nonfinite": ON_NONFINITE, "precision.compute": COMPUTE,
+    "precision.fp8_recipe": FP8_RECIPES, "precision.fp8_backend": FP8_BACKENDS,
+}
 
 
 def validate(cfg: Config) -> None:
-    """Cross-field checks that must hold before compiling."""
-    m, e = cfg.model, cfg.moe
-    _positive(cfg, ["model.vocab_size", "model.hidden", "model.num_layers", "model.num_heads",
-                    "model.num_kv_heads", "model.dense_ffn", "moe.num_experts", "moe.top_k",
-                    "moe.expert_ffn", "train.steps", "train.batch_size", "train.seq_len",
-                    "train.keep_checkpoints", "train.log_every", "optim.lr"])
-    _choice(e.score_function, SCORE_FUNCTIONS, "moe.score_function")
-    _choice(e.backend, BACKENDS, "moe.backend")
-    _choice(e.dispatcher, DISPATCHERS, "moe.dispatcher")
-    _choice(cfg.data.source, DATA_SOURCES, "data.source")
-    _choice(cfg.data.token_dtype, TOKEN_DTYPES, "data.token_dtype")
-    _choice(m.param_dtype, DTYPES, "model.param_dtype")
-    _choice(cfg.train.remat, REMAT_POLICIES, "train.remat")
-    _choice(m.attention, ATTENTION, "model.attention")
-    if m.attention_block < 0 or cfg.train.loss_chunk < 0:
-        raise ConfigError("model.attention_block and train.loss_chunk must be >= 0 (0 picks)")
-    _validate_precision(cfg.precision)
-    t = cfg.train
-    if t.micro_batches < 1 or t.batch_size % t.micro_batches:
-        divisors = [d for d in range(1, t.batch_size + 1) if t.batch_size % d == 0]
-        raise ConfigError(f"train.micro_batches={t.micro_batches} must divide "
-                          f"train.batch_size={t.batch_size}; choose one of {divisors}")
-    if t.micro_batch_size < 0 or (t.micro_batch_size and t.micro_batches != 1):
-        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} with train.micro_batches="
-                          f"{t.micro_batches}: set one of them (micro_batch_size >= 0)")
-    if e.top_k > e.num_experts:
-        raise ConfigError(f"moe.top_k={e.top_k} is larger than moe.num_experts={e.num_experts}; "
-                          f"choose top_k in 1..{e.num_experts}")
-    if m.head_dim == 0 and m.hidden % m.num_heads:
-        divisors = [h for h in range(1, m.hidden + 1) if m.hidden % h == 0 and h <= 256]
-        raise ConfigError(f"model.num_heads={m.num_heads} does not divide model.hidden={m.hidden}; "
-                          f"valid num_heads: {', '.join(map(str, divisors))} (or set model.head_dim)")
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} does not divide "
-                          f"model.num_heads={m.num_heads}")
-    if m.first_dense_layers > m.num_layers:
-        raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} exceeds "
-                          f"model.num_layers={m.num_layers}")
-    _validate_groups(e)
+    """Every field's range or choices, the size limits and the cross-field rules, before
+    compiling; ConfigError (one line: key, value, what is valid) for the first problem."""
+    config_checks.check_ranges(cfg)
+    config_checks.check_sizes(cfg)
+    for key, choices in CHOICES.items():
+        section, field = key.split(".")
+        value = getattr(getattr(cfg, section), field)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(choices)}")
+    config_checks.check_rules(cfg)
     _validate_cluster(cfg.parallel)
-    if cfg.data.source in ("tokens", "bytes") and not cfg.data.path:
-        raise ConfigError(f"data.source={cfg.data.source} needs data.path=<file>")
-    if cfg.data.source == "bytes" and m.vocab_size < 256:
-        raise ConfigError(f"data.source=bytes needs model.vocab_size >= 256, got {m.vocab_size}")
-
-
-def _validate_precision(p: PrecisionConfig) -> None:
-    _choice(p.compute, COMPUTE, "precision.compute")
-    _choice(p.fp8_recipe, FP8_RECIPES, "precision.fp8_recipe")
-    _choice(p.fp8_backend, FP8_BACKENDS, "precision.fp8_backend")
-    if p.amax_history < 1:
-        raise ConfigError(f"precision.amax_history must be >= 1, got {p.amax_history}")
-    if p.margin < 0:
-        raise ConfigError(f"precision.margin must be >= 0, got {p.margin}")
-    if p.fp8_recipe == "mxfp8" and p.fp8_backend == "xla":
-        raise ConfigError("precision.fp8_recipe=mxfp8 needs Transformer Engine (MXFP8 block "
-                          "scaling on Blackwell); with precision.fp8_backend=xla choose one of: "
-                          "delayed, current")
 
 
 def _validate_cluster(p: ParallelConfig) -> None:
@@ -344,18 +333,6 @@ def _validate_cluster(p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.cluster: {err}") from None
 
 
-def _validate_groups(e: MoEConfig) -> None:
-    if e.num_groups == 0:
-        return
-    if e.num_experts % e.num_groups:
-        raise ConfigError(f"moe.num_groups={e.num_groups} does not divide "
-                          f"moe.num_experts={e.num_experts}")
-    if not 1 <= e.group_top_k <= e.num_groups:
-        raise ConfigError(f"moe.group_top_k={e.group_top_k} must be in 1..{e.num_groups}")
-    if e.top_k > e.group_top_k * (e.num_experts // e.num_groups):
-        raise ConfigError(f"moe.top_k={e.top_k} exceeds the experts in {e.group_top_k} groups")
-
-
 def for_devices(cfg: Config, devices: int) -> Config:
     """``cfg`` on a job of ``devices`` (batch-sharded) devices: ``train.micro_batch_size``
     turned into the ``train.micro_batches`` it means there. ``batch_size`` must already
@@ -365,10 +342,7 @@ def for_devices(cfg: Config, devices: int) -> Config:
         return cfg
     per = t.batch_size // devices
     if per % t.micro_batch_size:
-        ok = [k for k in range(1, per + 1) if per % k == 0]
-        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} does not divide the {per} "
-                          f"sequences per device (train.batch_size={t.batch_size} over {devices} "
-                          f"devices); choose one of {ok}")
+        raise config_checks.micro_batch_size_error(cfg, per, devices)
     train = dataclasses.replace(t, micro_batches=per // t.micro_batch_size, micro_batch_size=0)
     return dataclasses.replace(cfg, train=train)
 

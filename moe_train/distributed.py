@@ -11,17 +11,29 @@ How a run becomes multi-process (``plan``):
   the coordinator (first host of the step, port from the job id) and one device per task.
 * otherwise one process; nothing is initialised.
 
-Failures, all bounded (seen with jax 0.10.2 on CPU with gloo):
+Failures, all bounded (measured with jax 0.10.2 on CPU with gloo, 2 processes on a loaded
+2-core machine, ``parallel.heartbeat_timeout_s=5``; tests/test_multiprocess.py). Every one
+ends each surviving process with ``EXIT_DISTRIBUTED`` (4) and one line on stderr naming the
+peer, the coordinator or the collective; no traceback, no SIGABRT (``moe_train.supervise``
+turns the JAX runtime's own aborts into that line):
 
 * the coordinator unreachable or a process missing at start: after ``parallel.init_timeout_s``
-  every waiting process prints one line and exits ``EXIT_DISTRIBUTED``;
-* a process dies: a collective in flight with it fails at once (gloo: "Connection reset by
-  peer"; the CLI prints one line and exits ``EXIT_DISTRIBUTED``); otherwise JAX's coordination
-  service aborts every other process (SIGABRT, exit 134): at once when process 0 died, within
-  ``parallel.heartbeat_timeout_s`` when another one died or froze (e.g. SIGSTOP);
+  every waiting process prints one line and exits;
+* a process is killed (at any moment, also during an async checkpoint commit): a collective
+  in flight with it fails at once (gloo "Connection reset by peer", ``peer_failure``); else
+  the coordination service stops the job: within ~1 s when process 0 (which hosts it) died
+  (measured 0.2-0.3 s), within ``heartbeat_timeout_s`` + ~1 s when another one died
+  (measured 4.9-5.4 s with 5 s); the JAX runtime aborts the survivors, the supervisor turns
+  that into the one line;
+* a process freezes (SIGSTOP, a dead node): its heartbeats stop, so the same happens after
+  ``heartbeat_timeout_s`` + ~1 s (process 0 frozen: measured 6.0 s with 5 s);
 * a process hangs while alive (its heartbeats go on, the others wait in a collective forever):
-  the step watchdog (``start_watchdog`` / ``beat``) exits ``EXIT_DISTRIBUTED`` when no step
-  finished for ``watchdog_timeout_s(p)`` seconds.
+  the step watchdog (``start_watchdog`` / ``beat``) exits when no step finished for
+  ``watchdog_timeout_s(p)`` = 2 x ``heartbeat_timeout_s`` seconds
+  (``startup_timeout_s(p)`` before the first step).
+
+So a peer failure ends the others within ``2 x heartbeat_timeout_s`` (plus process exit)
+once training runs, and within ``init_timeout_s + 2 x heartbeat_timeout_s`` before it.
 """
 
 from __future__ import annotations
@@ -33,9 +45,10 @@ import threading
 import time
 from typing import Callable, Mapping
 
+from moe_train import signals
 from moe_train.config import ConfigError, ParallelConfig
 
-EXIT_DISTRIBUTED = 4  # could not connect, or a peer stopped making progress
+EXIT_DISTRIBUTED = signals.EXIT_DISTRIBUTED  # could not connect, or a peer failed
 SOURCES = ("single", "explicit", "slurm")
 
 
@@ -220,18 +233,26 @@ def _init_timed_out(where: str, pid: int, n: int, timeout: int) -> None:
     exit_now(EXIT_DISTRIBUTED)
 
 
-_PEER_FAILURE_MARKS = ("gloo", "connection reset", "connection closed", "socket closed",
-                       "coordination service", "heartbeat")
+_PEER_FAILURE_MARKS = ("gloo", "nccl", "connection reset", "connection closed", "socket closed",
+                       "broken pipe", "coordination service", "heartbeat", "barrier failed")
+# JAX raises collective failures as JaxRuntimeError (a RuntimeError), or, where it converts a
+# result to numpy (e.g. ``multihost_utils.process_allgather``), as a ValueError; orbax wraps
+# a failed barrier in a TimeoutError whose cause says why.
+_PEER_FAILURE_TYPES = (RuntimeError, ValueError, TimeoutError, OSError)
 
 
 def peer_failure(err: BaseException) -> str | None:
-    """One line describing ``err`` when it is a collective/runtime failure caused by another
-    process going away (e.g. gloo's "Connection reset by peer"), else None."""
-    text = " ".join(str(err).split())
-    if type(err).__name__ != "JaxRuntimeError" or not any(m in text.lower() for m in _PEER_FAILURE_MARKS):
-        return None
-    return (f"a collective with the other processes failed, most likely a peer died (see its log): "
-            f"{text[:300]}")
+    """One line describing ``err`` when it (or an exception it came from) is a collective or
+    runtime failure caused by another process going away (e.g. gloo's "Connection reset by
+    peer"), else None."""
+    seen = 0
+    while err is not None and seen < 8:
+        text = " ".join(str(err).split())
+        if isinstance(err, _PEER_FAILURE_TYPES) and any(m in text.lower() for m in _PEER_FAILURE_MARKS):
+            return (f"a collective with the other processes failed, most likely a peer died "
+                    f"(see its log): {text[:300]}")
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
 
 
 def info() -> ProcessInfo:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -57,22 +58,49 @@ class MetricsWriter:
     """Appends one JSON line per step; a resumed run appends to the same file.
 
     Only one process of a multi-process job writes (``enabled``); the others keep nothing.
+    At the start the file is cut back to the records of steps <= ``start_step`` (what a crash
+    past the last checkpoint left is redone); lines that are not a JSON object with an integer
+    ``"step"`` (torn by a crash or a full disk) are dropped with one warning through ``log``.
     """
 
-    def __init__(self, path: Path, start_step: int, enabled: bool = True):
+    def __init__(self, path: Path, start_step: int, enabled: bool = True,
+                 log: Callable[[str], None] = print):
         self.path = path
+        self._log = log
         self._f = None
         if enabled:
             self._drop_after(start_step)
             self._f = path.open("a")
 
     def _drop_after(self, start_step: int) -> None:
-        """Forget records of steps a crashed run did past its last checkpoint."""
-        if not self.path.exists():
+        """Forget records of steps a crashed run did past its last checkpoint, and lines it
+        tore. The file is only rewritten when that changes it, and then atomically: the kept
+        lines go to ``<path>.tmp`` (fsynced) which replaces the file, so a crash during the
+        rewrite leaves either the old file or the new one."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
             return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= start_step]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        keep, torn = [], []
+        lines = data.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()  # the newline ending the last record
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            step = _step_of(line)
+            if step is None:
+                torn.append(number)
+            elif step <= start_step:
+                keep.append(line)
+        if torn:
+            more = f" and {len(torn) - 10} more" if len(torn) > 10 else ""
+            shown = ", ".join(map(str, torn[:10])) + more
+            self._log(f"WARNING: {self.path.name}: dropped {len(torn)} unreadable line(s) "
+                      f"(torn by a crash?) at line(s) {shown} of {self.path}")
+        new = b"".join(line + b"\n" for line in keep)
+        if new != data:  # also mends a last line without its newline (an append would join it)
+            _replace_atomically(self.path, new)
 
     def write(self, rec: dict[str, Any]) -> None:
         if self._f:
@@ -82,6 +110,40 @@ class MetricsWriter:
     def close(self) -> None:
         if self._f:
             self._f.close()
+
+
+def _step_of(line: bytes) -> int | None:
+    """The integer ``"step"`` of one metrics line, None if the line is not such a record."""
+    try:
+        rec = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    step = rec.get("step") if isinstance(rec, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``<path>.tmp``, fsync it, rename it over ``path``, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass  # some file systems cannot fsync a directory; the rename itself is done
+    finally:
+        os.close(dir_fd)
 
 
 def summary(records: list[dict[str, Any]], *, first_step: int, description: str,

@@ -1,15 +1,21 @@
 """The training loop: resume, step, log, checkpoint, stop cleanly on SIGTERM/SIGUSR2.
 
-Exit codes: 0 finished or stopped by a signal after saving (rerun the same command to go on),
-2 bad configuration or input (nothing in the run directory is changed), 3 the loss became
-NaN/inf (the last good checkpoint is kept; nothing is saved past it).
+Exit codes (``moe_train.signals``): 0 finished, or stopped by a signal after saving (rerun
+the same command to go on); 2 bad configuration or input, or the run directory is in use
+(nothing in the run directory is changed: every check runs, and the first step is traced,
+before ``config.json``, ``layout.json``, ``kernels.json`` or ``metrics.jsonl`` are written);
+3 training diverged (``train.on_nonfinite``; nothing past the last good checkpoint is saved);
+5 the run directory cannot be written (the previous checkpoint is intact).
+
+Order of a start: validate (devices, layout, EP plans, kernels, data) -> lock the run
+directory (``moe_train.runlock``) -> choose the checkpoint to resume from
+(``moe_train.resume``: the newest that verifies) -> first step -> write the run's files.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import signal
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -17,44 +23,17 @@ from typing import Callable
 import jax
 import numpy as np
 
-from moe_train import (checkpoint, distributed, flops, layout, metrics, precision, selftest,
-                       sharding, summary, telemetry)
-from moe_train.config import Config, ConfigError, for_devices, save_json, to_dict
+from moe_train import (checkpoint, distributed, flops, layout, metrics, precision, resume,
+                       runlock, selftest, sharding, signals, stepper, summary, telemetry)
+from moe_train.config import Config, ConfigError, for_devices, save_json, some_divisors, to_dict
 from moe_train.data import make_source
+from moe_train.guard import Divergence, NonFiniteGuard
+from moe_train.signals import EXIT_DIVERGED, EXIT_OK, OutputError
 from moe_train.stepper import BucketedStep
 from moe_train.train import StepCounter, init_state
 
-EXIT_OK, EXIT_CONFIG, EXIT_DIVERGED = 0, 2, 3
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGUSR2; the loop finishes the current step, saves and exits 0."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous = {}
-
-    def install(self) -> None:
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.signum = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def agreed(self) -> int | None:
-        """The stop signal if any process got one. Processes must stop after the same step
-        (a checkpoint is a collective), so a multi-process run agrees every step."""
-        if jax.process_count() == 1:
-            return self.signum
-        from jax.experimental import multihost_utils
-
-        signums = multihost_utils.process_allgather(np.int32(self.signum or 0))
-        return int(np.max(signums)) or None
+EXIT_CONFIG = signals.EXIT_CONFIG
+Log = Callable[[str], None]
 
 
 def select_devices(cfg: Config) -> list[jax.Device]:
@@ -66,25 +45,13 @@ def select_devices(cfg: Config) -> list[jax.Device]:
                           f"{available[0].platform} device(s) are visible; choose 1..{len(available)}")
     batch, micro = cfg.train.batch_size, cfg.train.micro_batches
     if batch % n:
-        sizes = [d for d in range(1, n + 1) if batch % d == 0]
-        raise ConfigError(f"train.batch_size={batch} is not divisible by {n} devices; "
-                          f"use a multiple of {n} or parallel.devices in {sizes}")
+        raise ConfigError(f"train.batch_size={batch} is not divisible by {n} devices; use a "
+                          f"multiple of {n} or parallel.devices in {[d for d in some_divisors(batch, 64) if d <= n]}")
     if (batch // n) % micro:
-        ok = [k for k in range(1, batch // n + 1) if (batch // n) % k == 0]
         raise ConfigError(f"train.micro_batches={micro} does not divide the {batch // n} "
                           f"sequences per device (train.batch_size={batch} over {n} devices); "
-                          f"choose one of {ok}")
+                          f"choose one of {some_divisors(batch // n)}")
     return available[:n]
-
-
-def _prepare_out(cfg: Config, out_dir: Path, ckpt: checkpoint.Checkpointer) -> int | None:
-    """Check a previous run in ``out_dir`` is compatible, then write config.json."""
-    latest = ckpt.latest_step()
-    if latest is not None:
-        checkpoint.check_compatible(ckpt.read_meta(latest)["config"], cfg, ckpt.directory)
-    if jax.process_index() == 0:
-        save_json(cfg, out_dir / "config.json")
-    return latest
 
 
 def mfu_peak(cfg: Config, device_kind: str) -> float | None:
@@ -98,21 +65,286 @@ def global_batch(source, step: int, mesh):
     return jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), local)
 
 
-def _report_layout(plan: layout.Layout, out_dir: Path, log: Callable[[str], None]) -> None:
-    """Log where the EP groups went (warnings loudly) and keep it in ``layout.json``."""
+def output_error(err: BaseException, what: str) -> OutputError | None:
+    """``err`` as an OutputError when it (or its cause) is the file system refusing a write."""
+    seen = err
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, OSError) and seen.errno in OUTPUT_ERRNOS:
+            return OutputError(f"cannot write {what}: {seen.strerror or text} "
+                               f"({getattr(seen, 'filename', None) or 'the run directory'})")
+        hit = next((m for m in OUTPUT_MARKS if m in text), None)
+        if hit:
+            return OutputError(f"cannot write {what}: {hit} ({' '.join(text.split())[:200]})")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+OUTPUT_ERRNOS = {13, 28, 27, 30, 122, 1, 20, 21}  # EACCES ENOSPC EFBIG EROFS EDQUOT EPERM ENOTDIR EISDIR
+OUTPUT_MARKS = ("No space left on device", "File too large", "Disk quota exceeded",
+                "Read-only file system", "Permission denied")
+
+
+def _lock(out_dir: Path, log: Log) -> runlock.RunLock | None:
+    """Process 0 locks the run directory; every process learns whether it could."""
+    lock, err = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = runlock.acquire(out_dir)
+        except (ConfigError, OutputError) as e:
+            err = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ok = multihost_utils.process_allgather(np.int32(err is None))
+        if err is None and not np.all(ok):
+            err = ConfigError(f"process 0 could not lock the run directory {out_dir} (see its log)")
+    if err is not None:
+        raise err
+    if lock is not None and lock.warning:
+        log(f"WARNING: {lock.warning}")
+    return lock
+
+
+def _write_run_files(cfg: Config, out_dir: Path, plan: layout.Layout, kernels: dict,
+                     log: Log) -> None:
+    """config.json, kernels.json, layout.json (process 0): after the first step traced."""
     for line in plan.lines:
         log(f"layout: {line}")
     for line in plan.warnings:
         log(f"WARNING: {line}")
-    if jax.process_index() == 0:
-        p = plan.placement
-        (out_dir / "layout.json").write_text(json.dumps({
-            "mesh": dict(plan.mesh.shape), "ep_groups": p.ep_groups, "domains": p.domains,
-            "straddling": p.straddling, "notes": list(plan.lines), "warnings": list(plan.warnings),
-        }, indent=1) + "\n")
+    if jax.process_index() != 0:
+        return
+    save_json(cfg, out_dir / "config.json")
+    selftest.write(out_dir, kernels)
+    p = plan.placement
+    (out_dir / "layout.json").write_text(json.dumps({
+        "mesh": dict(plan.mesh.shape), "ep_groups": p.ep_groups, "domains": p.domains,
+        "straddling": p.straddling, "notes": list(plan.lines), "warnings": list(plan.warnings),
+    }, indent=1) + "\n")
 
 
-def _compiled_memory(step_fn: BucketedStep, state, batch, log: Callable[[str], None]) -> dict:
+def _remove_if_new(out_dir: Path, existed: bool) -> None:
+    """After an exit 2: a run directory this start created holds nothing worth keeping."""
+    if existed or jax.process_index() != 0:
+        return
+    leftovers = [p for p in out_dir.rglob("*") if p.is_file() and p.name != runlock.LOCK_NAME]
+    if not leftovers:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def run(cfg: Config, out_dir: Path, log: Log = print, resume_step: int | None = None) -> int:
+    """Train ``cfg`` into ``out_dir``; returns the process exit code."""
+    installed = signals.STOP.install()  # the CLI installed it already: then it restores it
+    try:
+        return _run(cfg, Path(out_dir), log, resume_step)
+    finally:
+        if installed:
+            signals.STOP.restore()
+
+
+def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
+    devices = select_devices(cfg)
+    job_cfg = for_devices(cfg, len(devices))  # train.micro_batch_size -> micro_batches here
+    plan = layout.build(job_cfg, devices)
+    stepper.ep_plans(job_cfg, plan.mesh)  # dispatcher and capacity buckets, before any write
+    exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
+    log(kernel_line)
+    t = cfg.train
+    source = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
+                         batch_size=t.batch_size)
+    existed = out_dir.exists()
+    lock = _lock(out_dir, log)
+    try:
+        ckpt = _checkpointer(out_dir, t)
+        try:
+            start = Start(exec_cfg, cfg, out_dir, plan, kernels, source, ckpt, log)
+            return start.resume_and_train(resume_step)
+        finally:
+            _close(ckpt)
+    except ConfigError:
+        _remove_if_new(out_dir, existed)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _checkpointer(out_dir: Path, t) -> checkpoint.Checkpointer:
+    try:
+        return checkpoint.Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
+    except OSError as err:
+        raise output_error(err, out_dir / "checkpoints") or err
+
+
+def _close(ckpt: checkpoint.Checkpointer) -> None:
+    try:
+        ckpt.close()
+    except Exception as err:  # an async save that failed: report what the file system said
+        raise output_error(err, ckpt.directory) or err
+
+
+class Start:
+    """One start of a run: what it resumes from, its loop and how it ends."""
+
+    def __init__(self, cfg, configured, out_dir, plan, kernels, source, ckpt, log):
+        self.cfg, self.configured, self.out_dir, self.plan = cfg, configured, out_dir, plan
+        self.kernels, self.source, self.ckpt, self.log = kernels, source, ckpt, log
+        self.mesh = plan.mesh
+        self.meta = {"config": to_dict(configured)}  # as configured: "auto" stays auto
+
+    def resume_and_train(self, resume_step: int | None) -> int:
+        log = self.log
+        log(precision.describe(self.cfg, self.mesh.devices.flat[0].platform))
+        state = init_state(self.cfg, self.mesh)
+        restored = resume.choose(self.ckpt, state, self.configured, resume_step, log)
+        if restored is not None:
+            state = restored
+            log(f"resumed from {self.ckpt.directory / str(int(state.step))} (step {int(state.step)})")
+        if signals.STOP.agreed() is not None:
+            log(f"stopped by signal {signals.name(signals.STOP.signum or 15)} during start-up, "
+                f"before step {int(state.step) + 1}; nothing was changed, rerun to continue")
+            return EXIT_OK
+        return Loop(self, state).run()
+
+    def save(self, step: int, state) -> None:
+        try:
+            self.ckpt.save(step, state, self.meta)
+        except checkpoint.NonFiniteState as err:
+            raise Divergence(str(err)) from None
+        except Exception as err:
+            raise self._save_failed(err) from None
+
+    def wait(self) -> None:
+        try:
+            self.ckpt.wait()
+        except Exception as err:
+            raise self._save_failed(err) from None
+
+    def check_saves(self) -> None:
+        """A background save that failed ends the run now, not at the next save."""
+        try:
+            self.ckpt.check_for_errors()
+        except Exception as err:
+            raise self._save_failed(err) from None
+
+    def _save_failed(self, err: Exception) -> Exception:
+        """A failed save as an OutputError naming the checkpoint that is still intact."""
+        out = output_error(err, self.ckpt.directory)
+        if out is None:
+            return err
+        self.ckpt.reload()
+        kept = self.ckpt.latest_step()
+        return OutputError(f"{out}; {'no checkpoint is complete' if kept is None else f'checkpoint {kept} is intact'}")
+
+    def last_good(self) -> str:
+        step = self.ckpt.latest_step()
+        if step is None:
+            return "no checkpoint was saved yet: a rerun starts from step 0"
+        return f"the last good checkpoint is step {step}: a rerun resumes there"
+
+
+class Loop:
+    """The steps of one start, from the resumed step to ``train.steps``."""
+
+    def __init__(self, start: Start, state):
+        self.s, self.state, self.cfg = start, state, start.cfg
+        self.first = int(state.step)
+        self.counter = StepCounter()
+        self.step_fn = BucketedStep(self.cfg, start.mesh, self.counter,
+                                    jax.tree.map(lambda x: x.sharding, state))
+        self.guard = NonFiniteGuard(self.cfg.train, start.log)
+        self.writer, self.sampler = None, telemetry.NullSampler()
+        self.records: list[dict] = []
+        self.peak = mfu_peak(self.cfg, start.mesh.devices.flat[0].device_kind)
+
+    def run(self) -> int:
+        s, t = self.s, self.cfg.train
+        if self.first >= t.steps:
+            s.log(f"nothing to do: {s.out_dir} is already at step {self.first} of {t.steps}")
+            return EXIT_OK
+        m = s.mesh
+        s.log(f"training {s.source.description} on {m.devices.size} {m.devices.flat[0].platform} "
+              f"device(s) (mesh {dict(m.shape)}, {jax.process_count()} process(es)), "
+              f"steps {self.first + 1}-{t.steps}, batch {t.batch_size}x{t.seq_len}")
+        # Sampling from the first step (compile included), written once that step ran.
+        self.sampler = telemetry.start(s.out_dir, t.telemetry_interval_s, log=s.log, hold=True,
+                                       devices=[d for d in m.devices.flat
+                                                if d.process_index == jax.process_index()])
+        try:
+            status = self._steps()
+        except Divergence as err:
+            s.log(f"error: {err}; {s.last_good()}")
+            return EXIT_DIVERGED
+        finally:
+            self._close()
+        s.log(metrics.summary(self.records, first_step=self.first,
+                              description=s.source.description, out_dir=s.out_dir, status=status))
+        _write_summary(s.out_dir, self.peak, s.log)
+        return EXIT_OK
+
+    def _steps(self) -> str:
+        t, s = self.cfg.train, self.s
+        fpt = flops.train_flops_per_token(self.cfg)
+        rules = sharding.logical_rules(self.cfg.model.hidden, s.mesh.size)
+        for step in range(self.first, t.steps):
+            self.sampler.set_step(step + 1)
+            batch = global_batch(s.source, step, s.mesh)
+            traces, t0 = self.counter.traces, time.perf_counter()
+            with sharding.activate(s.mesh, rules):
+                self.state, raw = self.step_fn(self.state, batch)
+            rec = metrics.step_record(step + 1, raw, step_time_s=time.perf_counter() - t0,
+                                      tokens=t.batch_size * t.seq_len, flops_per_token=fpt,
+                                      devices=s.mesh.devices.size, peak_flops=self.peak,
+                                      compilations=self.counter.traces)
+            rec["compiled"] = self.counter.traces > traces
+            if step == self.first:
+                self._first_step_done(batch, rec)
+            distributed.beat(step + 1)  # the multi-process watchdog: this process progresses
+            rec.update(self.guard.check(step + 1, raw))  # raises Divergence
+            s.check_saves()
+            self._write(rec)
+            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+                s.log(metrics.progress_line(rec, t.steps))
+            done, signum = step + 1 == t.steps, signals.STOP.agreed()
+            if done or signum is not None or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0):
+                s.save(step + 1, self.state)
+            if signum is not None and not done:
+                s.wait()
+                return (f"stopped by signal {signals.name(signum)} after step {step + 1}; "
+                        f"checkpoint saved, rerun the same command to continue")
+        s.wait()
+        return "finished"
+
+    def _first_step_done(self, batch, rec: dict) -> None:
+        """The step traced and ran once: its compile-time checks passed, so now write the
+        run's files, truncate metrics.jsonl to the resumed step and release telemetry."""
+        s = self.s
+        rec.update(_compiled_memory(self.step_fn, self.state, batch, s.log),
+                   selftest_s=s.kernels["selftest_s"])
+        try:
+            _write_run_files(s.configured, s.out_dir, s.plan, s.kernels, s.log)
+            self.writer = metrics.MetricsWriter(s.out_dir / "metrics.jsonl", self.first,
+                                                enabled=jax.process_index() == 0, log=s.log)
+        except OSError as err:
+            raise output_error(err, s.out_dir) or err
+        self.sampler.release()
+
+    def _write(self, rec: dict) -> None:
+        try:
+            self.writer.write(rec)
+        except OSError as err:
+            raise output_error(err, self.writer.path) or err
+        self.records.append(rec)
+
+    def _close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.sampler.set_step(None)
+        self.sampler.stop()
+
+
+def _compiled_memory(step_fn: BucketedStep, state, batch, log: Log) -> dict:
     """Log the compiled step's per-device memory and return it as metrics ({} if unknown)."""
     t0 = time.perf_counter()
     with sharding.activate(step_fn.mesh, sharding.logical_rules(step_fn.cfg.model.hidden,
@@ -124,7 +356,7 @@ def _compiled_memory(step_fn: BucketedStep, state, batch, log: Callable[[str], N
     return mem.metrics()
 
 
-def _write_summary(out_dir: Path, peak: float | None, log: Callable[[str], None]) -> None:
+def _write_summary(out_dir: Path, peak: float | None, log: Log) -> None:
     """Once every process has stopped its sampler, process 0 writes ``summary.json``."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -134,97 +366,3 @@ def _write_summary(out_dir: Path, peak: float | None, log: Callable[[str], None]
         path = summary.write(out_dir, peak_flops=peak, process_count=jax.process_count(), log=log)
         if path is not None:
             log(f"Summary: {path}; report: python -m moe_train.report {out_dir}")
-
-
-def run(cfg: Config, out_dir: Path, log: Callable[[str], None] = print) -> int:
-    """Train ``cfg`` into ``out_dir``; returns the process exit code."""
-    out_dir = Path(out_dir)
-    devices = select_devices(cfg)
-    job_cfg = for_devices(cfg, len(devices))  # train.micro_batch_size -> micro_batches here
-    plan = layout.build(job_cfg, devices)
-    mesh = plan.mesh
-    # Before anything is written: a configured kernel that fails its check exits 2.
-    exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
-    log(kernel_line)
-    t = cfg.train
-    source = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
-                         batch_size=t.batch_size)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = checkpoint.Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
-    try:
-        latest = _prepare_out(cfg, out_dir, ckpt)
-        selftest.write(out_dir, kernels)
-        _report_layout(plan, out_dir, log)
-        log(precision.describe(exec_cfg, mesh.devices.flat[0].platform))
-        state = init_state(exec_cfg, mesh)
-        if latest is not None:
-            state = ckpt.restore(latest, state)
-            log(f"resumed from {ckpt.directory / str(latest)} (step {latest})")
-        meta = {"config": to_dict(cfg)}  # as configured: "auto" stays auto
-        return _loop(exec_cfg, out_dir, mesh, state, source, ckpt, log, meta,
-                     first_metrics={"selftest_s": kernels["selftest_s"]})
-    finally:
-        ckpt.close()
-
-
-def _loop(cfg, out_dir, mesh, state, source, ckpt, log, meta, first_metrics) -> int:
-    t, devices = cfg.train, mesh.devices.size
-    start = int(state.step)
-    if start >= t.steps:
-        log(f"nothing to do: {out_dir} is already at step {start} of {t.steps}")
-        return EXIT_OK
-    counter = StepCounter()
-    step_fn = BucketedStep(cfg, mesh, counter, jax.tree.map(lambda x: x.sharding, state))
-    fpt = flops.train_flops_per_token(cfg)
-    peak = mfu_peak(cfg, mesh.devices.flat[0].device_kind)
-    log(f"training {source.description} on {devices} {mesh.devices.flat[0].platform} device(s) "
-        f"(mesh {dict(mesh.shape)}, {jax.process_count()} process(es)), "
-        f"steps {start + 1}-{t.steps}, batch {t.batch_size}x{t.seq_len}")
-    rules = sharding.logical_rules(cfg.model.hidden, mesh.size)
-    writer = metrics.MetricsWriter(out_dir / "metrics.jsonl", start, enabled=jax.process_index() == 0)
-    stop, records = StopFlag(), []
-    stop.install()
-    sampler = telemetry.start(out_dir, t.telemetry_interval_s, log=log, devices=[
-        d for d in mesh.devices.flat if d.process_index == jax.process_index()])
-    status = "finished"
-    try:
-        for step in range(start, t.steps):
-            sampler.set_step(step + 1)
-            batch = global_batch(source, step, mesh)
-            traces, t0 = counter.traces, time.perf_counter()
-            with sharding.activate(mesh, rules):
-                state, raw = step_fn(state, batch)
-            rec = metrics.step_record(step + 1, raw, step_time_s=time.perf_counter() - t0,
-                                      tokens=t.batch_size * t.seq_len, flops_per_token=fpt,
-                                      devices=devices, peak_flops=peak, compilations=counter.traces)
-            rec["compiled"] = counter.traces > traces
-            if step == start:  # once: what XLA planned for the step's device memory
-                rec.update(_compiled_memory(step_fn, state, batch, log), **first_metrics)
-            distributed.beat(step + 1)  # the multi-process watchdog: this process progresses
-            if not math.isfinite(rec["total_loss"]):
-                log(f"error: loss became {rec['total_loss']} at step {step + 1}; stopping without "
-                    f"saving; the last good checkpoint ({ckpt.latest_step()}) is kept")
-                return EXIT_DIVERGED
-            writer.write(rec)
-            records.append(rec)
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
-                log(metrics.progress_line(rec, t.steps))
-            done, signum = step + 1 == t.steps, stop.agreed()
-            if done or signum is not None or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0):
-                ckpt.save(step + 1, state, meta)
-            if signum is not None and not done:
-                ckpt.wait()
-                status = (f"stopped by signal {signal.Signals(signum).name} after step {step + 1}; "
-                          f"checkpoint saved, rerun the same command to continue")
-                break
-        ckpt.wait()
-    finally:
-        stop.restore()
-        writer.close()
-        sampler.set_step(None)
-        sampler.stop()
-    log(metrics.summary(records, first_step=start, description=source.description,
-                        out_dir=out_dir, status=status))
-    _write_summary(out_dir, peak, log)
-    return EXIT_OK
-

@@ -16,21 +16,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from moe_train.config import Config, ConfigError
+from moe_train.config import Config, ConfigError, parse_buckets
 from moe_train.moe.ep import EPPlan
 from moe_train.train import (CompiledMemory, StepCounter, TrainState, compiled_memory,
                              make_train_step)
-
-
-def parse_buckets(text: str) -> list[float]:
-    try:
-        factors = sorted(float(f) for f in text.split(",") if f.strip())
-    except ValueError:
-        raise ConfigError(f"moe.capacity_buckets={text!r}: expected comma-separated numbers "
-                          f"such as 1.0,1.25,1.5,2.0") from None
-    if not factors or factors[0] <= 0:
-        raise ConfigError(f"moe.capacity_buckets={text!r}: factors must be positive")
-    return factors
 
 
 def ep_plans(cfg: Config, mesh: Mesh) -> list[EPPlan | None]:

@@ -238,13 +238,32 @@ def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh:
     return (total_n.mean(), aux), (jax.tree.map(lambda g: g / n, grads), fp8)
 
 
+def all_finite(tree) -> jax.Array:
+    """Whether every floating-point value in ``tree`` is finite (a bool scalar)."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+             if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
+def guard_nonfinite(old: TrainState, new: TrainState, total, grad_norm, skip: bool):
+    """(state, nonfinite): a step whose loss or gradient norm is NaN/inf leaves the state as
+    it was (``skip``: only the step counter advances, so the next step takes the next
+    batch). The check is on two scalars known before the update, so the select fuses into
+    the update: no second copy of the state. (The Adam moments need no check of their own:
+    a squared gradient that overflows makes the gradient norm inf too.)"""
+    bad = ~(jnp.isfinite(total) & jnp.isfinite(grad_norm))
+    keep = old.replace(step=old.step + 1) if skip else old
+    return jax.tree.map(lambda k, n: jnp.where(bad, k, n), keep, new), bad
+
+
 def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState,
                     ep_plan: EPPlan | None = None):
     """The jitted step ``(state, batch) -> (state, metrics)`` with the state donated.
 
     When an expert-parallel exchange overflows its buffers (``metrics["overflow"]``), the
     returned state is the input state unchanged: the caller reruns the step with a larger
-    capacity bucket, so no update ever sees a dropped token.
+    capacity bucket, so no update ever sees a dropped token. A non-finite loss or gradient
+    (``metrics["nonfinite"]``) never reaches the state either (``guard_nonfinite``).
     """
     model, tx = Transformer(cfg, ep_plan), optimizer(cfg)
     lr_at = schedule(cfg)
@@ -275,6 +294,11 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
                        max_pair_load=stats["max_pair_load"].max() if stats else jnp.float32(0))
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                          moe_state=moe_state, fp8_state=fp8_state)
+        new, metrics["nonfinite"] = guard_nonfinite(
+            state, new, total, metrics["grad_norm"], skip=cfg.train.on_nonfinite == "skip")
+        # The previous update's result, read where the forward pass reads it anyway (a check
+        # of the new parameters here would keep XLA from updating them in place: +4%).
+        metrics["params_finite"] = all_finite(state.params)
         if can_overflow:
             new = jax.tree.map(lambda old, upd: jnp.where(metrics["overflow"], old, upd), state, new)
         return new, metrics

@@ -2,7 +2,8 @@
 
 Everything is validated before anything is submitted (cluster preset, model config with
 ``--set`` overrides, EP size, ``--segment`` choice, image, names); a problem prints one
-``error:`` line on stderr and exits 2. On success it prints ``job <id>`` and ``OUT=<run dir>``;
+``error:`` line on stderr and exits 2. A value given twice (``--ep 8`` and ``--set
+parallel.ep=7``, or ``--set`` twice) with different values is such a problem, naming both. On success it prints ``job <id>`` and ``OUT=<run dir>``;
 ``--wait`` then follows the job and exits with its status; ``--dry-run`` prints the exact
 sbatch script and srun command instead of submitting.
 
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from moe_train import config
 from slurm import follow, plan, render
 from slurm import site as site_mod
 
@@ -64,12 +66,27 @@ def request(args: argparse.Namespace) -> plan.Request:
         raise plan.LaunchError("--model and --nodes (>= 1) are required (or --smoke)")
     if args.steps is not None and args.steps < 1:
         raise plan.LaunchError(f"--steps must be at least 1, got {args.steps}")
+    check_twice(args)
     return plan.Request(
         preset=args.preset, model=args.model or plan.SMOKE_MODEL, nodes=args.nodes or 1,
         steps=args.steps, sets=tuple(args.sets), out=args.out, ep=args.ep, time=args.time,
         partition=args.partition, account=args.account, qos=args.qos, job_name=args.job_name,
         image=args.image, allow_straddle=args.allow_straddle, no_container=args.no_container,
         smoke=args.smoke, dry_run=args.dry_run, ignore_memory=args.ignore_memory)
+
+
+# flags that set a trainer key, as config.build(flags=) takes them
+FLAG_KEYS = {"ep": ("--ep", "parallel.ep"), "steps": ("--steps", "train.steps")}
+
+
+def check_twice(args: argparse.Namespace) -> None:
+    """LaunchError when a flag and a ``--set`` (or two ``--set``) give one key different values."""
+    flags = {flag: (key, str(getattr(args, name))) for name, (flag, key) in FLAG_KEYS.items()
+             if getattr(args, name) is not None}
+    try:
+        config.merge_flags(list(args.sets), flags)
+    except config.ConfigError as err:
+        raise plan.LaunchError(str(err)) from None
 
 
 def build(args: argparse.Namespace) -> plan.JobSpec:

@@ -60,10 +60,12 @@ def test_incompatible_checkpoint_is_refused_and_kept(tmp_path):
     out = tmp_path / "r"
     first = cli("--out", str(out), "--steps", "1", *FAST)
     assert first.returncode == 0, first.stderr
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    files = lambda: {p: p.read_bytes() for p in out.rglob("*")  # noqa: E731
+                     if p.is_file() and p.name != "run.lock"}  # the lock's holder record changes
+    before = files()
     proc = cli("--out", str(out), "--steps", "2", *FAST, "--set", "model.hidden=32")
     assert_clean_error(proc, "incompatible", "model.hidden=64 (checkpoint) vs 32 (this run)")
-    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    after = files()
     assert after == before
     assert json.loads((out / "config.json").read_text())["model"]["hidden"] == 64
 
@@ -89,3 +91,55 @@ def test_unknown_attention_lists_the_valid_ones(tmp_path):
     proc = cli("--preset", "tiny", "--out", str(tmp_path / "run"), "--set", "model.attention=flash",
                *FAST)
     assert_clean_error(proc, "model.attention='flash'", "auto, xla, cudnn, chunked, te")
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
+    """Replace the trainer: record its arguments, or raise what the test sets."""
+    import moe_train.run
+    from moe_train import signals
+
+    seen = {}
+
+    def run(cfg, out, log=print, **kw):
+        seen.update(kw, out=out)
+        if "raise" in seen:
+            raise seen["raise"]
+        return 0
+
+    monkeypatch.setattr(moe_train.run, "run", run)
+    yield seen
+    signals.STOP.restore()
+    signals.STOP.signum = None
+
+
+def test_resume_step_reaches_the_trainer(tmp_path, fake_run):
+    from moe_train import cli as cli_module
+
+    assert cli_module.main(["--out", str(tmp_path / "r"), "--resume-step", "7"]) == 0
+    assert fake_run["resume_step"] == 7
+    assert cli_module.parser().parse_args(["--out", "x"]).resume_step is None
+
+
+def test_unwritable_output_is_one_line_and_exit_5(tmp_path, fake_run, capsys):
+    from moe_train import cli as cli_module, signals
+
+    fake_run["raise"] = signals.OutputError(f"cannot write {tmp_path / 'r'}: No space left on device")
+    assert cli_module.main(["--out", str(tmp_path / "r")]) == signals.EXIT_OUTPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "No space left" in err[0]
+
+
+def test_stop_signals_are_caught_first_thing(tmp_path, fake_run):
+    """SIGTERM while the run starts sets the stop flag instead of killing the process."""
+    import signal
+
+    from moe_train import cli as cli_module, signals
+
+    def run(cfg, out, log=print, **kw):
+        signal.raise_signal(signal.SIGTERM)  # e.g. during imports or compilation
+        return 0 if signals.STOP.signum == signal.SIGTERM else 1
+
+    import moe_train.run
+    moe_train.run.run = run  # restored by fake_run's monkeypatch
+    assert cli_module.main(["--out", str(tmp_path / "r")]) == 0

@@ -1,10 +1,18 @@
 """How a run decides single / explicit / Slurm, and the step watchdog (no processes started)."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
-from moe_train import cli, distributed
+from moe_train import cli, distributed, signals, supervise
 from moe_train.config import ConfigError, ParallelConfig
 
+ROOT = Path(__file__).resolve().parent.parent
 SLURM_STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_NODELIST": "node[001-002]", "SLURM_NTASKS": "4",
               "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}
 
@@ -259,4 +267,223 @@ def test_peer_failure_is_recognised():
     line = distributed.peer_failure(gloo)
     assert line and "peer died" in line and "Connection reset by peer" in line and "\n" not in line
     assert distributed.peer_failure(JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")) is None
-    assert distributed.peer_failure(ValueError("gloo")) is None
+    assert distributed.peer_failure(ValueError("bad shape")) is None
+
+
+def test_peer_failure_recognises_value_errors_and_wrapped_causes():
+    from jax.errors import JaxRuntimeError
+
+    gloo = ValueError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+                      "Read error [127.0.0.1]:37052: Connection reset by peer")
+    assert "Connection reset by peer" in distributed.peer_failure(gloo)  # process_allgather
+    try:  # orbax: a failed commit barrier, raised again as a TimeoutError
+        try:
+            raise JaxRuntimeError("INTERNAL: Barrier failed because: task is set to ERROR: "
+                                  "UNAVAILABLE: Task 1 heartbeat timeout.")
+        except JaxRuntimeError as cause:
+            raise TimeoutError("Timed out while waiting for async_write_complete barrier.") from cause
+    except TimeoutError as err:
+        assert "heartbeat timeout" in distributed.peer_failure(err)
+    assert distributed.peer_failure(ValueError("operands could not be broadcast together")) is None
+    assert distributed.peer_failure(KeyError("gloo")) is None
+
+
+# --------------------------------------------------------------------------- the supervisor
+
+HEARTBEATS = ["E1201 12:13:52.926574   20917 coordination_service.cc:1549] [386] Use error polling "
+              "to propagate the following error to all tasks: UNAVAILABLE: The following tasks "
+              "are unhealthy (stopped sending heartbeats):",
+              "1",
+              "The tasks have crashed. Check the task logs for an earlier error.",
+              "F1201 12:13:52.927144   20928 client.h:80] Terminating process because the JAX "
+              "distributed service detected fatal errors. absl::Status: UNAVAILABLE: The following "
+              "tasks are unhealthy (stopped sending heartbeats):",
+              "1",
+              "The tasks have crashed. Check the task logs for an earlier error, or scheduler events.",
+              "",
+              "RPC: /xla.coordination.CoordinationService/PollForError",
+              "ERROR:absl:[process=0] Failed to run 4 Handler Commit operations",
+              "Traceback (most recent call last):",
+              '  File "orbax/checkpoint/async_checkpointer.py", line 119, in _background_wait',
+              "TimeoutError: Timed out while waiting for async_write_complete barrier.",
+              "*** Check failure stack trace: ***",
+              "    @     0x7fc3af440634  absl::log_internal::LogMessage::SendToLog()"]
+LEADER_GONE = ["W1201 12:14:22.380099   21197 preemption_sync_manager.cc:147] Failed to retrieve "
+               "preemption notice from coordination service: UNAVAILABLE: Socket closed",
+               "F1201 12:14:22.380196   21197 client.h:80] Terminating process because the JAX "
+               "distributed service detected fatal errors. absl::Status: UNAVAILABLE: Failed to send "
+               "RPC to coordination service. Either the leader task was preempted/died/restarted",
+               "*** Check failure stack trace: ***"]
+
+
+def job(tmp_path, pid=0):
+    return supervise.Job(process_id=pid, num_processes=2, coordinator="127.0.0.1:5000",
+                         heartbeat_timeout_s=5, out_dir=tmp_path / "run")
+
+
+def test_stderr_filter_passes_lines_and_holds_runtime_noise():
+    clock, shown = Clock(), []
+    f = supervise.StderrFilter(write=shown.append, clock=clock, hold_s=5)
+    f.feed("a warning from Python\n")
+    assert shown == ["a warning from Python\n"]
+    f.feed("W1201 12:00:00.000001   1 file.cc:1] a C++ warning\n")
+    f.feed("its second line\n")
+    f.feed("error: process 0 of 2: the trainer's own line\n")  # waits behind the noise (order)
+    assert len(shown) == 1
+    clock.t += 5
+    f.tick()
+    assert shown[1:] == ["W1201 12:00:00.000001   1 file.cc:1] a C++ warning\n", "its second line\n",
+                         "error: process 0 of 2: the trainer's own line\n"]
+    assert f.said_error and not f.fatal_seen
+
+
+def test_fatal_record_is_never_shown_and_names_the_peer(tmp_path, capsys):
+    clock, shown = Clock(), []
+    f = supervise.StderrFilter(write=shown.append, clock=clock)
+    for line in HEARTBEATS:
+        f.feed(line + "\n")
+    clock.t += 100
+    f.tick()
+    assert shown == [] and f.fatal_seen
+    assert supervise.outcome(-6, f, job(tmp_path)) == signals.EXIT_DISTRIBUTED
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: process 0 of 2: peer process 1 stopped "
+                                                "sending heartbeats"), err
+    assert "heartbeat_timeout_s=5" in err[0] and "(SIGABRT)" in err[0]
+    log = (tmp_path / "run" / "logs" / "process-0.stderr.log").read_text()
+    assert str(tmp_path / "run" / "logs" / "process-0.stderr.log") in err[0]
+    assert "Check failure" in log and "Traceback" in log
+
+
+def test_lost_coordinator_and_plain_signals_are_one_line(tmp_path):
+    line = supervise.describe(LEADER_GONE[1:], 6, job(tmp_path, pid=1))
+    assert line.startswith("error: process 1 of 2: lost the JAX coordinator (process 0 at "
+                           "127.0.0.1:5000)")
+    frozen = ["F1201 12:21:30.000001   1 client.h:80] Terminating process because ... absl::Status: "
+              "DEADLINE_EXCEEDED: Deadline Exceeded", "RPC: /xla.coordination.CoordinationService/Heartbeat"]
+    line = supervise.describe(frozen, 6, job(tmp_path, pid=1))
+    assert "coordinator (process 0 at 127.0.0.1:5000) stopped answering heartbeats" in line
+    line = supervise.describe([], 11, job(tmp_path, pid=1))
+    assert "died of SIGSEGV" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("code", [0, 1, 2, 3, 5])
+def test_child_exit_codes_pass_through(tmp_path, code, capsys):
+    f = supervise.StderrFilter(write=lambda line: print(line, end="", file=sys.stderr))
+    f.feed("W1201 12:00:00.000001   1 file.cc:1] held\n")
+    assert supervise.outcome(code, f, job(tmp_path)) == code
+    assert "held" in capsys.readouterr().err  # shown at the end of a run that did not fail
+
+
+def test_child_exit_4_keeps_its_own_line(tmp_path, capsys):
+    f = supervise.StderrFilter()
+    f.feed("E1201 12:00:00.000001   1 pair.cc:1] gloo noise\n")
+    f.feed("error: process 1 of 2: a collective with the other processes failed\n")
+    assert supervise.outcome(4, f, job(tmp_path, pid=1)) == 4
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: process 1 of 2: a collective"), err
+
+
+SUPERVISOR = """
+import sys
+from pathlib import Path
+from moe_train import signals, supervise
+
+signals.STOP.install()
+job = supervise.Job(process_id=1, num_processes=2, coordinator="127.0.0.1:5000",
+                    heartbeat_timeout_s=5, out_dir=Path(sys.argv[1]))
+print("up", flush=True)
+sys.exit(supervise.run([], job, command=[sys.executable, "-c", sys.argv[2]]))
+"""
+CHILDREN = {
+    "abort": """
+import os, sys
+print("training", flush=True)
+print("F1201 12:00:00.000001   1 client.h:80] Terminating process because the JAX distributed "
+      "service detected fatal errors. absl::Status: UNAVAILABLE: Failed to send RPC to "
+      "coordination service. Either the leader task was preempted/died/restarted", file=sys.stderr)
+print("*** Check failure stack trace: ***", file=sys.stderr, flush=True)
+os.abort()
+""",
+    "stop": """
+import signal, sys, time
+from moe_train import supervise
+time.sleep(1.0)  # a forwarded signal waits (blocked) until the handler is there
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+supervise.child_ready()
+deadline = time.monotonic() + 20
+while not got and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("stopped" if got else "no signal", flush=True)
+sys.exit(0 if got else 7)
+""",
+    "forever": """
+import os, time
+from moe_train import supervise
+supervise.child_ready()
+print("child", os.getpid(), flush=True)
+time.sleep(600)
+""",
+}
+
+
+def supervised(tmp_path, child: str):
+    out = open(tmp_path / "sup.out", "w")
+    return subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path / "run"), CHILDREN[child]],
+                            cwd=ROOT, stdout=out, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def wait_for(path, needle, timeout=30):
+    deadline = time.monotonic() + timeout
+    while needle not in path.read_text():
+        assert time.monotonic() < deadline, path.read_text()
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def test_supervisor_turns_an_abort_into_exit_4_and_one_line(tmp_path):
+    p = supervised(tmp_path, "abort")
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 4, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: process 1 of 2: lost the JAX coordinator")
+    assert "(SIGABRT)" in lines[0] and "Check failure" not in err
+    assert "training" in (tmp_path / "sup.out").read_text()  # stdout passed through
+
+
+def test_supervisor_forwards_sigterm_even_before_the_child_is_ready(tmp_path):
+    p = supervised(tmp_path, "stop")
+    wait_for(tmp_path / "sup.out", "up")
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "stopped" in (tmp_path / "sup.out").read_text()
+
+
+def test_child_dies_with_its_supervisor(tmp_path):
+    p = supervised(tmp_path, "forever")
+    try:
+        text = wait_for(tmp_path / "sup.out", "child ")
+        pid = int(text.split("child ", 1)[1].split()[0])
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            try:  # reaped by init; a zombie still answers kill(0) briefly
+                if open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+                    break
+            except OSError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the trainer outlived its supervisor")
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -1,7 +1,8 @@
 """Real multi-process runs on CPU (2 processes x 2 fake devices, gloo collectives).
 
-Two processes train exactly like one process with all four devices; a killed peer or a missing
-coordinator makes the other process exit non-zero within the configured timeouts, never hang.
+Two processes train exactly like one process with all four devices; a killed peer (process 0
+or 1, also during an async checkpoint save) or a missing coordinator makes the other process
+exit 4 with one line on stderr within the configured timeouts, never hang or abort.
 """
 
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_train.distributed import EXIT_DISTRIBUTED
+from moe_train.signals import EXIT_DISTRIBUTED
 
 ROOT = Path(__file__).resolve().parent.parent
 # optim.decay_steps fixed: the compiled step does not depend on train.steps, so every test here
@@ -111,26 +112,43 @@ def test_two_processes_match_one_process(tmp_path, extra):
     assert (tmp_path / "two" / "checkpoints" / "4").is_dir()
 
 
-def test_killed_peer_ends_the_other_process(tmp_path):
-    victim = 1  # the survivor hosts the coordination service
+def assert_one_error_line(proc: Proc) -> str:
+    """Exit 4 and exactly one line on stderr, an "error:" line, no traceback or C++ dump."""
+    assert proc.popen.returncode == EXIT_DISTRIBUTED, proc.report()
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.report()
+    for bad in ("Traceback", "Fatal Python", "Check failure"):
+        assert bad not in proc.stderr, proc.report()
+    return lines[0]
+
+
+# The bound (moe_train.distributed): a dead peer ends the others within 2 x the heartbeat once
+# training runs (the coordination service: one heartbeat timeout; process 0 gone: at once).
+@pytest.mark.parametrize("victim, extra", [
+    (1, []),
+    (0, ["--set", "train.checkpoint_every=1"]),  # killed during an async checkpoint commit
+    (1, ["--set", "train.checkpoint_every=1"]),
+], ids=["kill-1", "kill-0-saving", "kill-1-saving"])
+def test_killed_peer_ends_the_other_process(tmp_path, victim, extra):
     procs = pair(tmp_path, tmp_path / "run", "--steps", "100000", "--set", "parallel.init_timeout_s=60",
-                 "--set", f"parallel.heartbeat_timeout_s={HEARTBEAT_S}")
+                 "--set", f"parallel.heartbeat_timeout_s={HEARTBEAT_S}", *extra)
     try:
         deadline = time.monotonic() + 150
-        while metric_lines(tmp_path / "run") < 2:
+        while metric_lines(tmp_path / "run") < 3:
             assert all(p.popen.poll() is None for p in procs), "\n".join(p.report() for p in procs)
             assert time.monotonic() < deadline, "no training progress"
-            time.sleep(0.2)
+            time.sleep(0.05)
         procs[victim].popen.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         survivor = procs[1 - victim]
         try:
-            rc = survivor.wait(2 * HEARTBEAT_S + SLACK_S)
+            survivor.wait(2 * HEARTBEAT_S + SLACK_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"process {1 - victim} still running {2 * HEARTBEAT_S + SLACK_S} s after "
                         f"its peer was killed\n{survivor.report()}")
         elapsed = time.monotonic() - killed
-        assert rc != 0, survivor.report()
+        line = assert_one_error_line(survivor)
+        assert f"process {1 - victim} of 2" in line
         assert elapsed < 2 * HEARTBEAT_S + SLACK_S
     finally:
         for p in procs:

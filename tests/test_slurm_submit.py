@@ -215,3 +215,39 @@ def test_without_slurm_runs_through_the_local_executor(tmp_path):
     assert "mode: local (no sbatch on PATH)" in proc.stdout
     assert "2 process(es)" in proc.stdout and "step 4/4" in proc.stdout
     assert len(losses(run_dir)) == 4 and (run_dir / "checkpoints" / "4").is_dir()
+
+
+DRY = ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--dry-run"]
+
+
+def _submit_main(capsys, *extra: str) -> tuple[int, str, str]:
+    from slurm.submit import main
+
+    code = main([*DRY, *extra])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_ep_and_set_disagreeing_is_one_error_naming_both(capsys):
+    code, _, err = _submit_main(capsys, "--ep", "8", "--set", "parallel.ep=4")
+    assert (code, err) == (2, "error: --ep 8 and --set parallel.ep=4 disagree; give one\n")
+
+
+def test_set_twice_disagreeing_is_one_error(capsys):
+    code, _, err = _submit_main(capsys, "--set", "parallel.ep=8", "--set", "parallel.ep=4")
+    assert (code, err) == (2, "error: --set parallel.ep=8 and --set parallel.ep=4 disagree; give one\n")
+
+
+def test_steps_and_set_disagreeing_is_one_error(capsys):
+    code, _, err = _submit_main(capsys, "--steps", "5", "--set", "train.steps=6")
+    assert (code, err) == (2, "error: --steps 5 and --set train.steps=6 disagree; give one\n")
+
+
+def test_ep_and_set_agreeing_is_fine(capsys):
+    code, out, _ = _submit_main(capsys, "--ep", "4", "--set", "parallel.ep=4")
+    assert code == 0 and "--set parallel.ep=4" in out
+
+
+def test_set_alone_gives_the_ep(capsys):
+    code, out, _ = _submit_main(capsys, "--set", "parallel.ep=4")
+    assert code == 0 and "--set parallel.ep=4" in out and "parallel.ep=8" not in out

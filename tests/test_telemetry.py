@@ -169,6 +169,30 @@ def test_sampler_writes_gpu_lines_and_each_unsupported_field_once(fake_nvml, tmp
     assert stop["kind"] == "stop" and stop["samples"] == len(samples) and sampler.error is None
 
 
+def _host_target(tmp_path):
+    return Target(path=tmp_path / "telemetry" / "rank0.jsonl", interval_s=0.05, rank=0,
+                  process_count=1, gpu_index=None, no_gpu_reason="JAX platform is cpu",
+                  context={"platform": "cpu"})
+
+
+def test_a_held_sampler_that_is_never_released_writes_nothing(tmp_path):
+    sampler = Sampler(_host_target(tmp_path), hold=True).start()
+    time.sleep(0.2)
+    sampler.stop()
+    assert not (tmp_path / "telemetry").exists()
+
+
+def test_a_released_sampler_writes_what_it_held(tmp_path):
+    target = _host_target(tmp_path)
+    sampler = Sampler(target, hold=True).start()
+    sampler.set_step(1)
+    time.sleep(0.2)
+    sampler.release()
+    sampler.stop()
+    lines = _lines(target.path)
+    assert lines[0]["kind"] == "start" and [m[0] for l in lines for m in l.get("steps", [])] == [1]
+
+
 @pytest.mark.parametrize("broken, expected", [
     ("init", "unavailable: NVML Shared Library Not Found"),
     ("import", "unavailable: pynvml not importable"),

@@ -40,7 +40,11 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="cluster preset name (topology/presets/*.toml) or a site .toml path")
     p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
     p.add_argument("--model", required=True, help="model preset (moe_train/presets/*.toml)")
-    p.add_argument("--ep", type=int, required=True, help="expert-parallel group size")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel group size (default: the model's parallel.ep after --set)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="model config override, as for training; only parallel.ep is used here")
+    p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # make plan's STEPS
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default GPUs / ep)")
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per GPU (default: the model's train batch / GPUs)")
@@ -54,7 +58,16 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 def _plan_run(args: argparse.Namespace) -> int:
     from topology import plan  # imports moe_train.config (no jax)
 
-    result = plan.make_plan(args.preset, args.nodes, args.model, args.ep, dp=args.dp,
+    from moe_train import config
+
+    ep = args.ep
+    if ep is None or args.overrides:  # the model's parallel.ep, after --set; --ep must agree
+        flags = {} if ep is None else {"--ep": ("parallel.ep", str(ep))}
+        try:
+            ep = config.build(args.model, args.overrides, flags=flags).parallel.ep
+        except config.ConfigError as err:
+            raise TopologyError(str(err)) from None
+    result = plan.make_plan(args.preset, args.nodes, args.model, ep, dp=args.dp,
                             tokens=args.tokens, allow_straddle=args.allow_straddle,
                             calibration=args.calibration)
     print(json.dumps(plan.plan_json(result)) if args.json else plan.render(result))

@@ -46,7 +46,7 @@ from moe_train.bench.ep_buckets import (NUM_DEVICES, TARGET_RATIO, BucketRows, f
 from moe_train.bench.ep_report import markdown, skew_summary
 from moe_train.bench.routing import ZIPF_S, expert_weights, gumbel_logits, tokens_for_logits
 from moe_train.config import MoEConfig
-from moe_train.stepper import parse_buckets
+from moe_train.config import parse_buckets
 
 TITLE = "Expert parallel (8 fake CPU devices)"
 BUCKETS = tuple(parse_buckets(MoEConfig().capacity_buckets))  # the trainer's default; then worst

@@ -118,7 +118,8 @@ def to_json(pl: Plan, model: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        cfg = config.build(args.model, args.overrides)
+        flags = {} if args.ep is None else {"--ep": ("parallel.ep", str(args.ep))}
+        cfg = config.build(args.model, args.overrides, flags=flags)
         pl = plan(cfg, load(args.cluster), args.nodes, ep=args.ep, devices=args.devices,
                   reserve_gib=args.reserve_gib)
     except (ConfigError, TopologyError) as err:

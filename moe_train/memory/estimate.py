@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from moe_train import flops
-from moe_train.config import Config, ConfigError, for_devices, head_dim
+from moe_train.config import Config, for_devices, head_dim, parse_buckets
 
 ITEMS = ("params", "grads", "optimizer", "activations", "moe_buffers", "precision_copies",
          "other")
@@ -68,16 +68,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def buckets(cfg: Config) -> list[float]:
-    """``moe.capacity_buckets`` as sorted factors (as ``moe_train.stepper.parse_buckets``)."""
-    try:
-        factors = sorted(float(f) for f in cfg.moe.capacity_buckets.split(",") if f.strip())
-    except ValueError:
-        raise ConfigError(f"moe.capacity_buckets={cfg.moe.capacity_buckets!r}: expected "
-                          f"comma-separated numbers such as 1.0,1.25,1.5,2.0") from None
-    if not factors or factors[0] <= 0:
-        raise ConfigError(f"moe.capacity_buckets={cfg.moe.capacity_buckets!r}: factors must "
-                          f"be positive")
-    return factors
+    """``moe.capacity_buckets`` as sorted factors (``moe_train.config.parse_buckets``)."""
+    return parse_buckets(cfg.moe.capacity_buckets)
 
 
 def bucket_slots(factor: float | None, balanced: float, worst: int) -> int:

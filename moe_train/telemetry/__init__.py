@@ -58,7 +58,8 @@ def target_for(out_dir: Path, interval_s: float, devices: Sequence[Any], *, rank
 
 
 def start(out_dir: Path, interval_s: float, devices: Sequence[Any] = (), *,
-          log: Callable[[str], None] = print, nvml: Any = None) -> Sampler | NullSampler:
+          log: Callable[[str], None] = print, nvml: Any = None,
+          hold: bool = False) -> Sampler | NullSampler:
     """Start this process's sampler; a NullSampler when ``interval_s <= 0`` or on any error."""
     if not interval_s or interval_s <= 0:
         return NullSampler()
@@ -68,7 +69,7 @@ def start(out_dir: Path, interval_s: float, devices: Sequence[Any] = (), *,
         devices = list(devices) or jax.local_devices()
         target = target_for(out_dir, interval_s, devices, rank=jax.process_index(),
                             process_count=jax.process_count())
-        return Sampler(target, log=log, nvml=nvml).start()
+        return Sampler(target, log=log, nvml=nvml, hold=hold).start()
     except Exception as err:  # telemetry never fails the run
         log(f"telemetry: not started ({type(err).__name__}: {err}); training goes on")
         return NullSampler()

@@ -49,8 +49,15 @@ class Target:
 class Sampler:
     """Samples in a daemon thread from ``start()`` to ``stop()``; never raises into training."""
 
-    def __init__(self, target: Target, *, log: Callable[[str], None] = print, nvml: Any = None):
+    def __init__(self, target: Target, *, log: Callable[[str], None] = print, nvml: Any = None,
+                 hold: bool = False):
         self.target = target
+        # hold: keep lines in memory until ``release()`` (the trainer releases once its first
+        # step ran: a start that fails its checks leaves the run directory as it was)
+        self._held: list[dict[str, Any]] = []
+        self._released = threading.Event()
+        if not hold:
+            self._released.set()
         self._log = log
         self._nvml = nvml  # a pynvml-like module (tests); None imports pynvml
         self._step: int | None = None
@@ -72,6 +79,10 @@ class Sampler:
         self._step = step
         self._marks.append((step, time.time()))
 
+    def release(self) -> None:
+        """Write what was held, and from now on every line (see ``hold``)."""
+        self._released.set()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Take a last sample, write the stop line and join the thread."""
         self._stop.set()
@@ -83,8 +94,6 @@ class Sampler:
     def _run(self) -> None:
         gpu, host = None, None
         try:
-            self.target.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.target.path.open("a")
             opened = nvml_probe.open_gpu(self.target.gpu_index, self.target.no_gpu_reason,
                                          self._nvml)
             gpu, host = opened.gpu, HostProbe()
@@ -142,15 +151,22 @@ class Sampler:
                 "sample_ms_max": max(ms) if ms else None}
 
     def _write(self, rec: dict[str, Any]) -> None:
-        self._file.write(json.dumps(rec) + "\n")
+        if not self._released.is_set():
+            self._held.append(rec)
+            return
+        if self._file is None:
+            self.target.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.target.path.open("a")
+        for held in self._held + [rec]:
+            self._file.write(json.dumps(held) + "\n")
+        self._held = []
         self._file.flush()
 
     def _fail(self, err: BaseException) -> None:
         self.error = f"{type(err).__name__}: {err}"
         self._log(f"telemetry: sampling stopped after an error ({self.error}); training goes on")
         try:
-            if self._file is not None:
-                self._write({"kind": "error", "time": time.time(), "error": self.error})
+            self._write({"kind": "error", "time": time.time(), "error": self.error})
         except Exception:
             pass
 
@@ -159,6 +175,9 @@ class NullSampler:
     """Stands in for a Sampler when telemetry is off or could not start."""
 
     error: str | None = None
+
+    def release(self) -> None:
+        """Nothing held."""
 
     def set_step(self, step: int | None) -> None:
         """Nothing to tell."""
