@@ -377,3 +377,18 @@ def test_the_cli_gives_back_the_signal_handlers_it_replaced(tmp_path):
         assert signal.getsignal(signal.SIGUSR2) is theirs
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.slow
+def test_sigkill_while_a_checkpoint_is_being_written_loses_nothing(tmp_path, cli_reference):
+    proc, caught = cli(tmp_path, steps=6), False
+    while proc.poll() is None and not caught:
+        ckpts = tmp_path / "checkpoints"
+        caught = ckpts.is_dir() and any("orbax-checkpoint-tmp" in p.name for p in ckpts.iterdir())
+        time.sleep(0.001)
+    proc.kill()
+    finish(proc)
+    if not caught:
+        pytest.skip("every save finished before it could be interrupted")
+    assert finish(cli(tmp_path, steps=6))[0] == EXIT_OK
+    assert losses(tmp_path) == cli_reference
