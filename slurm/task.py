@@ -13,9 +13,15 @@ the worker unpickles a ``TrainTask`` and calls it. Running the trainer in the sa
    rank 0 calls ``checkpoint()`` (bounded by ``max_requeues``), requeues the job and exits;
    the requeued job resumes from the trainer's checkpoint in the run directory.
 
-A signal that arrives before training starts goes straight to submitit's handler (requeue
-at once; nothing is lost). A trainer exit code other than 0 ends the task with that code
-(2 config, 3 diverged, 4 lost peers) so the job fails and ``--wait`` can say which rank.
+With several tasks, ``cli.main`` itself runs the trainer in a supervised child process
+(``moe_train.supervise``: a peer failure becomes exit 4 and one line). It forwards the stop
+signals to the child and gives submitit's handlers back before it returns, so step 3 holds.
+
+A signal that arrives before ``cli.main`` goes straight to submitit's handler (requeue at
+once); one during the trainer's start-up ends it with 0 before its first step, and step 3
+requeues: nothing is lost either way. A trainer exit code other than 0 ends the task with
+that code (2 config, 3 diverged, 4 lost peers, 5 unwritable run directory) so the job fails
+and ``--wait`` can say which rank.
 Under submitit's local executor (no Slurm), the task passes the coordinator explicitly.
 
 The class is pickled by value (``cloudpickle.register_pickle_by_value``), so the image needs
