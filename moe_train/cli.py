@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -115,31 +116,38 @@ def _quiet_libraries() -> None:
 class _DropClosedLoop:
     """``sys.stderr`` minus the "RuntimeError: Event loop is closed" tracebacks TensorStore
     prints (from C++, bypassing ``sys.excepthook``) after Orbax abandons a failed save.
-    Every other line passes at once; a traceback passes when it ends."""
+    Every other line passes at once; a traceback passes when it ends. Several threads print
+    such tracebacks at the same time, line by line, so each thread's lines are parsed apart."""
 
     NOISE = "RuntimeError: Event loop is closed"
 
     def __init__(self, stream):
-        self._stream, self._partial, self._block = stream, "", None
+        self._stream = stream
+        self._state: dict[int, list] = {}  # thread id -> [partial line, open traceback or None]
+        self._lock = threading.RLock()  # a signal handler may print mid-write
 
     def write(self, text: str) -> int:
-        self._partial += text
-        *lines, self._partial = self._partial.split("\n")
-        for line in lines:
-            self._line(line)
+        with self._lock:
+            state = self._state.setdefault(threading.get_ident(), ["", None])
+            state[0] += text
+            *lines, state[0] = state[0].split("\n")
+            for line in lines:
+                self._line(state, line)
+            if state == ["", None]:
+                del self._state[threading.get_ident()]
         return len(text)
 
-    def _line(self, line: str) -> None:
+    def _line(self, state: list, line: str) -> None:
         if line.startswith("Traceback (most recent call last):"):
-            self._end_block(None)
-            self._block = [line]
-        elif self._block is not None and line[:1] in (" ", "\t"):
-            self._block.append(line)
+            self._end_block(state, None)
+            state[1] = [line]
+        elif state[1] is not None and line[:1] in (" ", "\t"):
+            state[1].append(line)
         else:
-            self._end_block(line)
+            self._end_block(state, line)
 
-    def _end_block(self, last: str | None) -> None:
-        block, self._block = self._block, None
+    def _end_block(self, state: list, last: str | None) -> None:
+        block, state[1] = state[1], None
         if last == self.NOISE and block is not None:
             return
         for line in (block or []) + ([] if last is None else [last]):

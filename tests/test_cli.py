@@ -1,12 +1,16 @@
 """The command line: bad input exits 2 with one clear line and damages nothing."""
 
+import io
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+
+from moe_train import cli as cli_module
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--set", "train.seq_len=16", "--set", "train.batch_size=2", "--set", "train.log_every=100"]
@@ -143,3 +147,43 @@ def test_stop_signals_are_caught_first_thing(tmp_path, fake_run):
     import moe_train.run
     moe_train.run.run = run  # restored by fake_run's monkeypatch
     assert cli_module.main(["--out", str(tmp_path / "r")]) == 0
+
+
+_CLOSED_LOOP = ["Traceback (most recent call last):",
+                '  File "asyncio/base_events.py", line 806, in call_soon_threadsafe',
+                "    self._check_closed()",
+                "RuntimeError: Event loop is closed"]
+
+
+def _write_in_turns(stream, lines: list[str], threads: int) -> None:
+    """Each of ``threads`` threads writes ``lines`` one at a time, strictly taking turns."""
+    turn = threading.Condition()
+    state = {"next": 0}
+
+    def work(me: int) -> None:
+        for i, line in enumerate(lines):
+            with turn:
+                turn.wait_for(lambda: state["next"] == i * threads + me)
+                stream.write(line + "\n")
+                state["next"] += 1
+                turn.notify_all()
+
+    workers = [threading.Thread(target=work, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+
+def test_closed_loop_tracebacks_printed_by_two_threads_at_once_are_dropped():
+    out = io.StringIO()
+    _write_in_turns(cli_module._DropClosedLoop(out), _CLOSED_LOOP, threads=2)
+    assert out.getvalue() == ""
+
+
+def test_other_tracebacks_and_lines_pass_through_the_closed_loop_filter():
+    out = io.StringIO()
+    stream = cli_module._DropClosedLoop(out)
+    text = "error: cannot write\nTraceback (most recent call last):\n  File \"x\"\nValueError: no\n"
+    stream.write(text)
+    assert out.getvalue() == text
