@@ -6,6 +6,9 @@ flags (``build(..., flags=)``; one key given twice with different values is an e
 presets, sections and keys are rejected with the list of valid choices; ``validate`` checks
 every field's range, the size limits and the cross-field rules (``moe_train.config_checks``)
 before anything is compiled. The resolved config is written to ``<out>/config.json``.
+A ``tuple[float, ...]`` field (``moe.capacity_buckets``) is a TOML array, a JSON list or, on
+``--set``, comma-separated numbers, and is kept sorted; config.json files written when it was
+a comma-separated string still load.
 """
 
 from __future__ import annotations
@@ -14,16 +17,16 @@ import dataclasses
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
-from moe_train import config_checks
-from moe_train.config_checks import ConfigError, parse_buckets, some_divisors  # noqa: F401 (API)
+from moe_train import config_checks, jobplan
+from moe_train.config_checks import ConfigError, some_divisors  # noqa: F401 (API)
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BACKENDS = ("auto", "tiled", "ragged_dot", "mgpu", "te")
-DISPATCHERS = ("auto", "allgather", "a2a", "hierarchical")
+DISPATCHERS = jobplan.DISPATCHERS  # moe.dispatcher
 DATA_SOURCES = ("synthetic", "tokens", "bytes")
 TOKEN_DTYPES = ("uint16", "uint32")
 DTYPES = ("float32", "bfloat16")
@@ -81,7 +84,7 @@ class MoEConfig:
     bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate*sign(mean-load); 0 off
     dispatcher: str = "auto"  # expert-parallel token exchange: auto | allgather | a2a | hierarchical
     chunks: int = 1  # split each rank's tokens into N chunks to overlap dispatch with GEMMs
-    capacity_buckets: str = "1.0,1.25,1.5,2.0,3.0,4.0"  # exchange buffers, x balanced load; then worst
+    capacity_buckets: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # exchange buffers x balanced load; then worst
     bucket_step_down_after: int = 20  # steps of lower load before using the next smaller bucket
 
 
@@ -181,7 +184,14 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
 
 
+def _is_floats(typ: Any) -> bool:
+    """Whether ``typ`` is ``tuple[float, ...]``: a set of factors, kept sorted."""
+    return get_origin(typ) is tuple and get_args(typ) == (float, ...)
+
+
 def _parse_value(text: str, typ: type, key: str) -> Any:
+    if _is_floats(typ):  # --set key=1.0,1.25
+        return config_checks.parse_floats(text, key)
     if typ is bool:
         low = text.strip().lower()
         if low in ("true", "1", "yes", "on"):
@@ -195,7 +205,21 @@ def _parse_value(text: str, typ: type, key: str) -> Any:
         raise ConfigError(f"{key}: expected {typ.__name__}, got {text!r}") from None
 
 
+def _check_floats(value: Any, key: str) -> tuple[float, ...]:
+    """A TOML array or JSON list of numbers, or the comma-separated text of config.json files
+    written before the field was a tuple, as a sorted tuple of floats."""
+    if isinstance(value, str):
+        return config_checks.parse_floats(value, key)
+    if isinstance(value, (list, tuple)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return tuple(sorted(float(v) for v in value))
+    raise ConfigError(f"{key}: expected a list of numbers such as [1.0, 1.25, 1.5, 2.0], "
+                      f"got {value!r}")
+
+
 def _check_type(value: Any, typ: type, key: str) -> Any:
+    if _is_floats(typ):
+        return _check_floats(value, key)
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
@@ -298,7 +322,7 @@ def build(preset: str, overrides: list[str] = (), *, flags: dict[str, tuple[str,
 
 
 # str fields with a fixed set of values (free text: data.path, parallel.cluster,
-# parallel.coordinator; moe.capacity_buckets is parsed by config_checks.parse_buckets)
+# parallel.coordinator)
 CHOICES: dict[str, tuple[str, ...]] = {
     "moe.score_function": SCORE_FUNCTIONS, "moe.backend": BACKENDS, "moe.dispatcher": DISPATCHERS,
     "data.source": DATA_SOURCES, "data.token_dtype": TOKEN_DTYPES, "model.param_dtype": DTYPES,

@@ -8,7 +8,7 @@ step, one weight matrix, one device's expert weights per layer) by int32 indexin
 sizes stop here as one line instead of as a traceback in XLA. Every failure is a
 ``ConfigError`` naming the key, the value and what is valid. This module reads the config only
 through attributes, so it imports nothing from ``moe_train.config`` (which re-exports
-``ConfigError`` and ``parse_buckets`` from here).
+``ConfigError`` and ``some_divisors`` from here, and parses tuple fields with ``parse_floats``).
 """
 
 from __future__ import annotations
@@ -143,19 +143,29 @@ def check_sizes(cfg: Any) -> None:
                               f"(int32 indexing); {''.join(hint)}shrink one of them")
 
 
-def parse_buckets(text: str) -> list[float]:
-    """``moe.capacity_buckets`` ("1.0,1.25,...") as sorted factors; ConfigError if malformed."""
-    key = f"moe.capacity_buckets={text!r}"
+BUCKETS_EXAMPLE = "1.0,1.25,1.5,2.0"  # capacity buckets as messages show them
+
+
+def parse_floats(text: str, key: str) -> tuple[float, ...]:
+    """A tuple-of-numbers field's text ("2.0,1.0,1.5") as sorted floats (empty items are
+    skipped); ConfigError naming ``key`` if an item is not a number."""
     try:
-        factors = sorted(float(f) for f in text.split(",") if f.strip())
+        return tuple(sorted(float(f) for f in text.split(",") if f.strip()))
     except ValueError:
-        raise ConfigError(f"{key}: expected comma-separated numbers such as 1.0,1.25,1.5,2.0") from None
-    if not factors or not all(math.isfinite(f) and f > 0 for f in factors):
-        raise ConfigError(f"{key}: factors must be finite and positive, e.g. 1.0,1.25,1.5,2.0")
+        raise ConfigError(f"{key}={text!r}: expected comma-separated numbers such as "
+                          f"{BUCKETS_EXAMPLE}") from None
+
+
+def check_buckets(factors: tuple[float, ...]) -> None:
+    """``moe.capacity_buckets``: 1..MAX_BUCKETS finite, positive factors."""
+    key = f"moe.capacity_buckets={','.join(f'{f:g}' for f in factors) or repr('')}"
+    if not factors:
+        raise ConfigError(f"{key}: expected at least one factor, e.g. {BUCKETS_EXAMPLE}")
+    if not all(math.isfinite(f) and f > 0 for f in factors):
+        raise ConfigError(f"{key}: factors must be finite and positive, e.g. {BUCKETS_EXAMPLE}")
     if len(factors) > MAX_BUCKETS:
         raise ConfigError(f"{key}: {len(factors)} factors; at most {MAX_BUCKETS} "
                           f"(each compiles its own step)")
-    return factors
 
 
 def some_divisors(n: int, limit: int = 12) -> list[int]:
@@ -175,7 +185,8 @@ def some_divisors(n: int, limit: int = 12) -> list[int]:
     return (small + large[::-1])[:limit]
 
 
-def _divisors_text(n: int, limit: int = 12, at_most: int | None = None) -> str:
+def divisors_text(n: int, limit: int = 12, at_most: int | None = None) -> str:
+    """Up to ``limit`` divisors of ``n`` (those <= ``at_most``) as "1, 2, 4, ..." for messages."""
     ds = [d for d in some_divisors(n, limit + 1) if at_most is None or d <= at_most]
     return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
 
@@ -183,11 +194,11 @@ def _divisors_text(n: int, limit: int = 12, at_most: int | None = None) -> str:
 def check_rules(cfg: Any) -> None:
     """Cross-field rules (after ranges and sizes)."""
     m, e, t, p = cfg.model, cfg.moe, cfg.train, cfg.precision
-    parse_buckets(e.capacity_buckets)
+    check_buckets(e.capacity_buckets)
     if t.batch_size % t.micro_batches:
         raise ConfigError(f"train.micro_batches={t.micro_batches} must divide "
                           f"train.batch_size={t.batch_size}; choose one of "
-                          f"[{_divisors_text(t.batch_size)}]")
+                          f"[{divisors_text(t.batch_size)}]")
     if t.micro_batch_size and t.micro_batches != 1:
         raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} with train.micro_batches="
                           f"{t.micro_batches}: set one of them (micro_batch_size >= 0)")
@@ -196,7 +207,7 @@ def check_rules(cfg: Any) -> None:
                           f"choose top_k in 1..{e.num_experts}")
     if m.head_dim == 0 and m.hidden % m.num_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} does not divide model.hidden={m.hidden}; "
-                          f"valid num_heads: {_divisors_text(m.hidden, at_most=256)} "
+                          f"valid num_heads: {divisors_text(m.hidden, at_most=256)} "
                           f"(or set model.head_dim)")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} does not divide "
@@ -239,4 +250,4 @@ def micro_batch_size_error(cfg: Any, per: int, devices: int) -> ConfigError:
     t = cfg.train
     return ConfigError(f"train.micro_batch_size={t.micro_batch_size} does not divide the {per} "
                        f"sequences per device (train.batch_size={t.batch_size} over {devices} "
-                       f"devices); choose one of [{_divisors_text(per)}]")
+                       f"devices); choose one of [{divisors_text(per)}]")

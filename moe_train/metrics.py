@@ -38,10 +38,11 @@ def step_record(step: int, raw: dict[str, Any], *, step_time_s: float, tokens: i
     rec.update(step_time_s=step_time_s, tokens_per_s=tokens_per_s, tflops_per_device=tflops,
                mfu=(tflops * 1e12 / peak_flops) if peak_flops else None)
     rec.update(load_stats(raw["tokens_per_expert"]))
+    fill = float(raw["recv_buffer_fill"])  # the MoE metrics: moe_train.moe.stats.metrics
     rec.update(dropped_tokens=int(raw["dropped_tokens"]), compilations=compilations,
                ep_bucket=raw.get("ep_bucket"), ep_overflow_reruns=int(raw.get("ep_overflow_reruns", 0)),
-               recv_buffer_fill=float(raw["recv_rows"] / raw["recv_slots"]) if raw["recv_slots"] else None,
-               ep_slow_link_rows=float(raw.get("slow_rows", 0.0)))
+               recv_buffer_fill=None if math.isnan(fill) else fill,
+               ep_slow_link_rows=float(raw["ep_slow_link_rows"]))
     return rec
 
 

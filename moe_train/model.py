@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 from moe_train import attention, precision, remat
 from moe_train.config import Config, head_dim
-from moe_train.moe import dropless_moe
-from moe_train.moe.ep import EPPlan, ep_moe
+from moe_train.jobplan import EPPlan
+from moe_train.moe import Routing, dropless_moe, ep_moe
 from moe_train.precision import FP8_COLLECTION
 
 ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
@@ -43,8 +43,6 @@ LAYER_NAME = re.compile(r"layer_(\d+)")  # a block of the looped layout
 # Collections that hold one entry per layer (scanned along the layer axis); "intermediates"
 # makes capture_intermediates work under scan (stacked [L, ...]).
 LAYER_COLLECTIONS = ("params", "moe_state", FP8_COLLECTION, "intermediates")
-STAT_KEYS = ("tokens_per_expert", "aux_loss", "seq_aux_loss", "z_loss", "dropped_tokens",
-             "overflow", "recv_rows", "recv_slots", "max_pair_load", "slow_rows")
 
 
 def gathered(w, axes: tuple[str, ...], dtype):
@@ -173,17 +171,11 @@ class MoEBlock(nn.Module):
             expert_x_TH = precision.quantize_operand(self, "expert_input", x_TH, pol)
             w = tuple(precision.quantize_operand(self, f"{n}_kernel", w_, pol)
                       for n, w_ in zip(("wi_0", "wi_1", "wo"), w))
-        kwargs = dict(top_k=e.top_k, score_function=e.score_function,
-                      normalize_top_k=e.normalize_top_k, num_groups=e.num_groups or None,
-                      group_top_k=e.group_top_k or None, routed_scaling=e.routed_scaling,
-                      expert_bias=bias_E, backend=e.backend, tile_rows=e.tile_rows or None,
+        kwargs = dict(expert_bias=bias_E, backend=e.backend, tile_rows=e.tile_rows or None,
                       seq_len=S, expert_input=expert_x_TH)
-        operands = (x_TH, gate_HE, *w)
+        operands = (x_TH, gate_HE, *w, Routing.of(e))
         if self.ep_plan is None:
             y_TH, stats = dropless_moe(*operands, **kwargs)
-            n = jnp.float32(B * S * e.top_k)
-            stats.update(overflow=jnp.zeros((), bool), recv_rows=n, recv_slots=n,
-                         max_pair_load=jnp.float32(0), slow_rows=jnp.float32(0))
         else:
             y_TH, stats = ep_moe(*operands, plan=self.ep_plan, **kwargs)
         if pol.fp8:  # e5m2 gradient into the experts' output
@@ -192,7 +184,7 @@ class MoEBlock(nn.Module):
         if e.num_shared_experts:
             width = e.num_shared_experts * (e.shared_ffn or F)
             y_BSH = y_BSH + SwiGLU(width, self.cfg, name="shared")(x_BSH)
-        return y_BSH, {k: stats[k] for k in STAT_KEYS}
+        return y_BSH, stats
 
 
 def _attention_sublayer(block: nn.Module, x_BSH):
@@ -283,7 +275,7 @@ class Transformer(nn.Module):
         return (head_logits(head) if logits else head), stats_L
 
     def _blocks(self, x_BSH):
-        """Every block, scanned per group or looped: (x, MoE stats {key: [L, ...]} or {})."""
+        """Every block, scanned per group or looped: (x, MoEStats stacked [L, ...] or None)."""
         m, scan = self.cfg.model, self.cfg.model.scan_layers
         # Under scan the body is already a loop iteration: no CSE barrier needed for remat.
         block_cls = remat.wrap_block(Block, self.cfg.train.remat, prevent_cse=not scan)
@@ -299,8 +291,8 @@ class Transformer(nn.Module):
                                          name=f"layer_{i}")(x_BSH)
                 layer_stats += [] if dense else [jax.tree.map(lambda v: v[None], stats)]
         if not layer_stats:
-            return x_BSH, {}
-        return x_BSH, {k: jnp.concatenate([s[k] for s in layer_stats]) for k in STAT_KEYS}
+            return x_BSH, None
+        return x_BSH, jax.tree.map(lambda *v: jnp.concatenate(v), *layer_stats)
 
 
 # ----------------------------------------------------------------------------- layouts

@@ -23,13 +23,13 @@ from typing import Callable
 import jax
 import numpy as np
 
-from moe_train import (checkpoint, distributed, flops, layout, metrics, precision, resume,
-                       runlock, selftest, sharding, signals, stepper, summary, telemetry)
-from moe_train.config import Config, ConfigError, for_devices, save_json, some_divisors, to_dict
+from moe_train import (checkpoint, distributed, flops, jobplan, layout, metrics, precision,
+                       resume, runlock, selftest, sharding, signals, stepper, summary, telemetry)
+from moe_train.config import Config, ConfigError, for_devices, save_json, to_dict
 from moe_train.data import make_source
 from moe_train.guard import Divergence, NonFiniteGuard
 from moe_train.signals import EXIT_DIVERGED, EXIT_OK, OutputError
-from moe_train.stepper import BucketedStep
+from moe_train.stepper import BucketedStep, Confirmed
 from moe_train.train import StepCounter, init_state
 
 EXIT_CONFIG = signals.EXIT_CONFIG
@@ -43,14 +43,7 @@ def select_devices(cfg: Config) -> list[jax.Device]:
     if n > len(available):
         raise ConfigError(f"parallel.devices={n} but only {len(available)} "
                           f"{available[0].platform} device(s) are visible; choose 1..{len(available)}")
-    batch, micro = cfg.train.batch_size, cfg.train.micro_batches
-    if batch % n:
-        raise ConfigError(f"train.batch_size={batch} is not divisible by {n} devices; use a "
-                          f"multiple of {n} or parallel.devices in {[d for d in some_divisors(batch, 64) if d <= n]}")
-    if (batch // n) % micro:
-        raise ConfigError(f"train.micro_batches={micro} does not divide the {batch // n} "
-                          f"sequences per device (train.batch_size={batch} over {n} devices); "
-                          f"choose one of {some_divisors(batch // n)}")
+    jobplan.check_batch(cfg.train.batch_size, n, cfg.train.micro_batches)
     return available[:n]
 
 
@@ -257,6 +250,7 @@ class Loop:
         self.writer, self.sampler = None, telemetry.NullSampler()
         self.records: list[dict] = []
         self.peak = mfu_peak(self.cfg, start.mesh.devices.flat[0].device_kind)
+        self.fpt = flops.train_flops_per_token(self.cfg)
 
     def run(self) -> int:
         s, t = self.s, self.cfg.train
@@ -284,37 +278,49 @@ class Loop:
         return EXIT_OK
 
     def _steps(self) -> str:
+        """Dispatches each step before the one before it is confirmed (``BucketedStep``).
+        The loop waits for the step in flight (drains) only where it needs its state: the
+        first step (its compiled memory), a checkpoint, the last step and a stop signal, so
+        every save holds a confirmed state. Records are written as steps are confirmed."""
         t, s = self.cfg.train, self.s
-        fpt = flops.train_flops_per_token(self.cfg)
-        rules = sharding.logical_rules(self.cfg.model.hidden, s.mesh.size)
         for step in range(self.first, t.steps):
-            self.sampler.set_step(step + 1)
+            n = step + 1
+            self.sampler.set_step(n)
             batch = global_batch(s.source, step, s.mesh)
-            traces, t0 = self.counter.traces, time.perf_counter()
-            with sharding.activate(s.mesh, rules):
-                self.state, raw = self.step_fn(self.state, batch)
-            rec = metrics.step_record(step + 1, raw, step_time_s=time.perf_counter() - t0,
-                                      tokens=t.batch_size * t.seq_len, flops_per_token=fpt,
-                                      devices=s.mesh.devices.size, peak_flops=self.peak,
-                                      compilations=self.counter.traces)
-            rec["compiled"] = self.counter.traces > traces
-            if step == self.first:
-                self._first_step_done(batch, rec)
-            distributed.beat(step + 1)  # the multi-process watchdog: this process progresses
-            rec.update(self.guard.check(step + 1, raw))  # raises Divergence
-            s.check_saves()
-            self._write(rec)
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
-                s.log(metrics.progress_line(rec, t.steps))
-            done, signum = step + 1 == t.steps, signals.STOP.agreed()
-            if done or signum is not None or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0):
-                s.save(step + 1, self.state)
-            if signum is not None and not done:
+            self.state, done = self.step_fn.submit(self.state, batch)
+            if done is not None:
+                self._record(n - 1, done, batch=None)
+            last, signum = n == t.steps, signals.STOP.agreed()
+            save = last or signum is not None or (t.checkpoint_every and n % t.checkpoint_every == 0)
+            if save or step == self.first:
+                self.state, done = self.step_fn.drain(self.state)
+                self._record(n, done, batch)
+            if save:
+                s.save(n, self.state)
+            if signum is not None and not last:
                 s.wait()
-                return (f"stopped by signal {signals.name(signum)} after step {step + 1}; "
+                return (f"stopped by signal {signals.name(signum)} after step {n}; "
                         f"checkpoint saved, rerun the same command to continue")
         s.wait()
         return "finished"
+
+    def _record(self, n: int, done: Confirmed, batch) -> None:
+        """Step ``n`` is confirmed: its record (the first step's with the compiled memory of
+        ``batch``), the non-finite guard (raises Divergence), metrics.jsonl and the log."""
+        t, s = self.cfg.train, self.s
+        rec = metrics.step_record(n, done.raw, step_time_s=done.seconds,
+                                  tokens=t.batch_size * t.seq_len, flops_per_token=self.fpt,
+                                  devices=s.mesh.devices.size, peak_flops=self.peak,
+                                  compilations=done.traces)
+        rec["compiled"] = done.compiled
+        if n == self.first + 1:
+            self._first_step_done(batch, rec)
+        distributed.beat(n)  # the multi-process watchdog: this process progresses
+        rec.update(self.guard.check(n, done.raw))  # raises Divergence
+        s.check_saves()
+        self._write(rec)
+        if n % t.log_every == 0 or n == t.steps:
+            s.log(metrics.progress_line(rec, t.steps))
 
     def _first_step_done(self, batch, rec: dict) -> None:
         """The step traced and ran once: its compile-time checks passed, so now write the
@@ -347,9 +353,7 @@ class Loop:
 def _compiled_memory(step_fn: BucketedStep, state, batch, log: Log) -> dict:
     """Log the compiled step's per-device memory and return it as metrics ({} if unknown)."""
     t0 = time.perf_counter()
-    with sharding.activate(step_fn.mesh, sharding.logical_rules(step_fn.cfg.model.hidden,
-                                                                step_fn.mesh.size)):
-        mem = step_fn.compiled_memory(state, batch)
+    mem = step_fn.compiled_memory(state, batch)
     if mem is None:
         return {}
     log(f"{mem.line()} [{time.perf_counter() - t0:.2f} s to read]")

@@ -14,6 +14,7 @@ Model code names axes logically (``embed``, ``expert``, ``activation_batch``, ..
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Sequence
 
 import flax.linen as nn
@@ -21,11 +22,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moe_train.config import ConfigError, ParallelConfig
+from moe_train import jobplan
+from moe_train.config import ParallelConfig
 
-MESH_AXES = ("data", "expert_x", "expert")
+DATA = "data"  # data parallel (FSDP for the weights)
+EXPERT_X = "expert_x"  # expert parallel across fast-link domains (the slow links)
+EXPERT = "expert"  # expert parallel inside one fast-link domain
+MESH_AXES = (DATA, EXPERT_X, EXPERT)
 TOKEN_AXES = MESH_AXES  # a batch is split over every device
-EP_AXES = ("expert_x", "expert")
+EP_AXES = (EXPERT_X, EXPERT)
 
 # logical axis -> mesh axes (None: replicated)
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -67,27 +72,21 @@ def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int,
     How an EP group splits into ``expert_x`` x ``expert`` follows from the NVLink domains it
     is placed on (``moe_train.layout``), not from these sizes.
     """
-    ep = p.ep
-    if ep < 1 or num_devices % ep:
-        raise ConfigError(f"parallel.ep={ep} does not divide the {num_devices} devices; valid ep: "
-                          f"{', '.join(str(d) for d in range(1, num_devices + 1) if num_devices % d == 0)}")
-    if num_experts % ep:
-        valid = [d for d in range(1, num_devices + 1) if num_devices % d == 0 and num_experts % d == 0]
-        raise ConfigError(f"moe.num_experts={num_experts} is not divisible by parallel.ep={ep}; "
-                          f"valid ep for {num_devices} devices: {', '.join(map(str, valid))}")
-    dp = p.dp or num_devices // ep
-    if dp * ep != num_devices:
-        raise ConfigError(f"parallel.dp={dp} x parallel.ep={ep} = {dp * ep} but the mesh has "
-                          f"{num_devices} devices; set parallel.dp={num_devices // ep} (or 0)")
-    if hidden % dp:
-        raise ConfigError(f"model.hidden={hidden} is not divisible by the data-parallel size {dp}")
-    return dp, ep
+    jobplan.check_ep(num_devices, p.ep, num_experts)
+    dp = jobplan.check_dp(num_devices, p.ep, p.dp)
+    jobplan.check_width(hidden, dp)
+    return dp, p.ep
 
 
 def make_mesh(devices: Sequence[jax.Device], shape: tuple[int, int, int] | None = None) -> Mesh:
     """Mesh over ``devices`` in the order given: EP groups are consecutive runs of them."""
     shape = shape or (len(devices), 1, 1)
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def ep_size(mesh: Mesh) -> int:
+    """Devices of one expert-parallel group: ``expert_x`` x ``expert``."""
+    return mesh.shape[EXPERT_X] * mesh.shape[EXPERT]
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -111,3 +110,58 @@ def activate(mesh: Mesh, rules=LOGICAL_RULES) -> contextlib.ExitStack:
     stack.enter_context(jax.set_mesh(mesh))
     stack.enter_context(nn.logical_axis_rules(rules))
     return stack
+
+
+def logical_spec(*names: str | None, rules=LOGICAL_RULES) -> P:
+    """The PartitionSpec of an array whose dimensions have these logical ``names`` (None:
+    not split), e.g. the ``shard_map`` specs of the MoE layer."""
+    return P(*nn.logical_to_mesh_axes(names, rules))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """A run's mesh and the logical-axis rules chosen for it, built once (``of``)."""
+
+    mesh: Mesh  # axes MESH_AXES; EP groups are consecutive devices (moe_train.layout)
+    rules: tuple  # LOGICAL_RULES, or DATA_FSDP_RULES for a width the devices do not divide
+
+    @classmethod
+    def of(cls, mesh: Mesh, hidden: int) -> "Sharding":
+        return cls(mesh, logical_rules(hidden, mesh.size))
+
+    def activate(self) -> contextlib.ExitStack:
+        """The context in which traced model code resolves logical names on this mesh."""
+        return activate(self.mesh, self.rules)
+
+    def params(self, boxed_params):
+        """NamedShardings of a tree of logically-partitioned (boxed) Flax variables."""
+        return param_shardings(boxed_params, self.mesh, self.rules)
+
+    @property
+    def batch(self) -> NamedSharding:
+        return batch_sharding(self.mesh)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return replicated(self.mesh)
+
+    def wrap(self, jitted) -> "InContext":
+        """``jitted`` (a ``jax.jit`` function) traced, lowered and run in this context, so
+        its callers need no context of their own."""
+        return InContext(jitted, self)
+
+
+class InContext:
+    """A jitted function that enters its ``Sharding``'s context whenever it is called or
+    lowered (where tracing happens)."""
+
+    def __init__(self, jitted, sharding: Sharding):
+        self.jitted, self.sharding = jitted, sharding
+
+    def __call__(self, *args):
+        with self.sharding.activate():
+            return self.jitted(*args)
+
+    def lower(self, *args):
+        with self.sharding.activate():
+            return self.jitted.lower(*args)

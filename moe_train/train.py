@@ -27,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from moe_train import loss, remat, sharding
 from moe_train.config import Config
 from moe_train.model import GROUPS, LAYER_NAME, Transformer, is_scanned
-from moe_train.moe.ep import EPPlan
+from moe_train.jobplan import EPPlan
+from moe_train.moe import stats as moe_stats
 from moe_train.precision import FP8_COLLECTION
 
 
@@ -123,9 +124,8 @@ def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState
     """Parameters and their Adam moments FSDP/EP-sharded by the logical rules; rest replicated."""
     tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
     boxed = jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens)["params"], jax.random.key(0))
-    param_sh = sharding.param_shardings(boxed, mesh,
-                                        sharding.logical_rules(cfg.model.hidden, mesh.size))
-    rep = sharding.replicated(mesh)
+    shd = sharding.Sharding.of(mesh, cfg.model.hidden)
+    param_sh, rep = shd.params(boxed), shd.replicated
     opt_sh = optax.tree_map_params(optimizer(cfg), lambda _, sh: sh, abstract.opt_state, param_sh,
                                    transform_non_params=lambda _: rep)
     return TrainState(step=rep, params=param_sh, opt_state=opt_sh,
@@ -170,10 +170,7 @@ def _loss_fn(params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Co
                                                   cfg.train.loss_chunk),
                          logit_scale=head.scale)
     e = cfg.moe
-    zero = jnp.zeros((), jnp.float32)
-    aux = stats["aux_loss"].mean() if stats else zero
-    seq_aux = stats["seq_aux_loss"].mean() if stats else zero
-    z = stats["z_loss"].mean() if stats else zero
+    aux, seq_aux, z = moe_stats.losses(stats)
     total = ce + e.aux_loss_coef * aux + e.seq_aux_loss_coef * seq_aux + e.z_loss_coef * z
     return total, dict(ce=ce, aux=aux, seq_aux=seq_aux, z=z, stats=stats)
 
@@ -193,26 +190,12 @@ def update_bias(moe_state, tokens_per_expert_LE, rate: float):
             for l, name in enumerate(names)}
 
 
-def _sum_layers(stats, key, dtype=jnp.float32):
-    return stats[key].sum().astype(dtype) if stats else jnp.zeros((), dtype)
-
-
-STAT_MEAN = ("aux_loss", "seq_aux_loss", "z_loss")  # per-batch means: averaged over micro-batches
-STAT_MAX = ("max_pair_load", "overflow")  # the worst micro-batch; other stats are counts: summed
-
-
 def micro_batches(batch_BS, n: int, mesh: Mesh):
     """[B, S+1] -> [n, B/n, S+1]. Micro-batch m holds rows m, m+n, m+2n, ...: every device
     keeps the rows it was given (B/devices is a multiple of n), so nothing moves."""
     mb = batch_BS.reshape(batch_BS.shape[0] // n, n, -1).swapaxes(0, 1)
     spec = sharding.batch_sharding(mesh).spec
     return jax.lax.with_sharding_constraint(mb, NamedSharding(mesh, P(None, *spec)))
-
-
-def _reduce_stat(key: str, v_n):
-    if key in STAT_MEAN:
-        return v_n.mean(0)
-    return v_n.max(0) if key in STAT_MAX else v_n.sum(0)
 
 
 def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh: Mesh):
@@ -234,7 +217,7 @@ def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh:
     (grads, fp8), (total_n, aux_n) = jax.lax.scan(body, (zeros, fp8_state),
                                                   micro_batches(batch_BS, n, mesh))
     aux = {k: v.mean(0) for k, v in aux_n.items() if k != "stats"}
-    aux["stats"] = {k: _reduce_stat(k, v) for k, v in aux_n["stats"].items()}
+    aux["stats"] = None if aux_n["stats"] is None else moe_stats.combine(aux_n["stats"])
     return (total_n.mean(), aux), (jax.tree.map(lambda g: g / n, grads), fp8)
 
 
@@ -258,12 +241,18 @@ def guard_nonfinite(old: TrainState, new: TrainState, total, grad_norm, skip: bo
 
 def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState,
                     ep_plan: EPPlan | None = None):
-    """The jitted step ``(state, batch) -> (state, metrics)`` with the state donated.
+    """The jitted step ``(state, batch) -> (state, metrics)`` with the state donated; where
+    ``ep_plan`` can overflow (a capacity bucket), ``(state, batch, hold) -> (state, metrics)``.
 
     When an expert-parallel exchange overflows its buffers (``metrics["overflow"]``), the
     returned state is the input state unchanged: the caller reruns the step with a larger
-    capacity bucket, so no update ever sees a dropped token. A non-finite loss or gradient
+    capacity bucket, so no update ever sees a dropped token. ``hold`` (a replicated bool
+    scalar on the device, e.g. the previous step's ``metrics["overflow"]``) does the same: a
+    held step returns its input state unchanged, so a caller can dispatch the next step
+    before it has read whether this one overflowed. A non-finite loss or gradient
     (``metrics["nonfinite"]``) never reaches the state either (``guard_nonfinite``).
+    The step enters its own sharding context (``sharding.Sharding.wrap``): the mesh and the
+    logical rules chosen for ``cfg`` on it.
     """
     model, tx = Transformer(cfg, ep_plan), optimizer(cfg)
     lr_at = schedule(cfg)
@@ -272,26 +261,18 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
         grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True)
         return grad_fn(params, fp8_state, moe_state, batch_BS, model, cfg, mesh.size)
 
-    def step(state: TrainState, batch_BS):
+    def step(state: TrainState, batch_BS, hold=None):
         counter.traces += 1
         (total, aux), (grads, fp8_state) = accumulate(
             loss_grads, state.params, state.fp8_state, state.moe_state, batch_BS,
             cfg.train.micro_batches, mesh)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        stats = aux["stats"]
-        load_LE = stats.get("tokens_per_expert", jnp.zeros((0, cfg.moe.num_experts), jnp.int32))
-        moe_state = update_bias(state.moe_state, load_LE, cfg.moe.bias_update_rate)
+        moe = moe_stats.metrics(aux["stats"], cfg.moe.num_experts)
+        moe_state = update_bias(state.moe_state, moe["tokens_per_expert"], cfg.moe.bias_update_rate)
         metrics = dict(loss=aux["ce"], total_loss=total, aux_loss=aux["aux"],
                        seq_aux_loss=aux["seq_aux"], z_loss=aux["z"],
-                       grad_norm=optax.tree.norm(grads), lr=lr_at(state.step),
-                       tokens_per_expert=load_LE,
-                       dropped_tokens=_sum_layers(stats, "dropped_tokens", jnp.int32),
-                       overflow=_sum_layers(stats, "overflow", jnp.int32) > 0,
-                       recv_rows=_sum_layers(stats, "recv_rows"),
-                       recv_slots=_sum_layers(stats, "recv_slots"),
-                       slow_rows=_sum_layers(stats, "slow_rows"),
-                       max_pair_load=stats["max_pair_load"].max() if stats else jnp.float32(0))
+                       grad_norm=optax.tree.norm(grads), lr=lr_at(state.step), **moe)
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                          moe_state=moe_state, fp8_state=fp8_state)
         new, metrics["nonfinite"] = guard_nonfinite(
@@ -300,12 +281,15 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
         # of the new parameters here would keep XLA from updating them in place: +4%).
         metrics["params_finite"] = all_finite(state.params)
         if can_overflow:
-            new = jax.tree.map(lambda old, upd: jnp.where(metrics["overflow"], old, upd), state, new)
+            keep = metrics["overflow"] | hold
+            new = jax.tree.map(lambda old, upd: jnp.where(keep, old, upd), state, new)
         return new, metrics
 
     can_overflow = ep_plan is not None and ep_plan.capacity_factor is not None
     options = remat.compiler_options(cfg.train.remat, mesh.devices.flat[0].platform)
-    return jax.jit(step, donate_argnums=0,
-                   in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
-                   out_shardings=(state_sharding, sharding.replicated(mesh)),
-                   compiler_options=options)
+    shd = sharding.Sharding.of(mesh, cfg.model.hidden)
+    return shd.wrap(jax.jit(step, donate_argnums=0,
+                            in_shardings=(state_sharding, shd.batch)
+                            + ((shd.replicated,) if can_overflow else ()),
+                            out_shardings=(state_sharding, shd.replicated),
+                            compiler_options=options))

@@ -14,7 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_train import config
+from moe_train import config, jobplan
 from topology import presets
 
 if TYPE_CHECKING:
@@ -81,14 +81,17 @@ def check_ep(cfg: config.Config, cluster: presets.Cluster, nodes: int, ep: int) 
 
     gpus = nodes * cluster.gpus_per_node
     experts = cfg.moe.num_experts
-    if ep < 1 or gpus % ep or experts % ep:
-        why = (f"does not divide the {gpus} GPUs of {nodes} {cluster.name} node(s)" if gpus % ep
-               else f"does not divide the model's {experts} experts")
+    fault = jobplan.ep_fault(gpus, ep, experts)  # the trainer's rule, in the launcher's words
+    if fault:
+        why = (f"does not divide the {gpus} GPUs of {nodes} {cluster.name} node(s)"
+               if fault == "devices" else f"does not divide the model's {experts} experts")
         valid = valid_eps_for_nodes(cluster, nodes, experts) if ep >= 1 else []
         raise _error(f"ep {ep} {why}; valid ep: {', '.join(map(str, valid)) or 'none'}")
-    if cfg.train.batch_size % gpus:
+    try:
+        jobplan.check_batch(cfg.train.batch_size, gpus)
+    except config.ConfigError:
         raise _error(f"train.batch_size={cfg.train.batch_size} is not divisible by the job's "
-                     f"{gpus} GPUs; use a multiple of {gpus} (--set train.batch_size=...)")
+                     f"{gpus} GPUs; use a multiple of {gpus} (--set train.batch_size=...)") from None
 
 
 def placement(req: "Request", cluster: presets.Cluster, ep: int,

@@ -1,6 +1,8 @@
 """Config: presets, dotted overrides, validation messages."""
 
 import dataclasses
+import json
+import tomllib
 import typing
 
 import pytest
@@ -154,7 +156,7 @@ def test_every_choice_names_a_real_field():
         assert hasattr(getattr(config.Config(), section), field), key
 
 
-FREE_TEXT = {"data.path", "parallel.cluster", "parallel.coordinator", "moe.capacity_buckets"}
+FREE_TEXT = {"data.path", "parallel.cluster", "parallel.coordinator"}
 
 
 def test_every_str_field_has_choices_or_is_free_text():
@@ -283,8 +285,47 @@ def test_bad_capacity_buckets_are_refused_up_front(text):
         config.build("tiny", [f"moe.capacity_buckets={text}"])
 
 
-def test_parse_buckets_sorts_the_factors():
-    assert config.parse_buckets("2.0, 1.0,1.5") == [1.0, 1.5, 2.0]
+def test_set_capacity_buckets_gives_a_sorted_tuple():
+    cfg = config.build("tiny", ["moe.capacity_buckets=2.0, 1.0,1.5"])
+    assert cfg.moe.capacity_buckets == (1.0, 1.5, 2.0)
+
+
+def test_capacity_buckets_default_is_a_tuple_of_floats():
+    assert config.MoEConfig().capacity_buckets == (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+
+
+def test_config_json_lists_the_buckets_and_reads_them_back(tmp_path):
+    cfg = config.build("tiny", ["moe.capacity_buckets=1.25,3"])
+    config.save_json(cfg, tmp_path / "config.json")
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["moe"]["capacity_buckets"] == [1.25, 3.0]
+    assert config.from_dict(saved) == cfg
+
+
+def test_old_config_json_with_comma_separated_buckets_still_loads():
+    cfg = config.from_dict({"moe": {"capacity_buckets": "2.0,1.0,1.25"}})
+    assert cfg.moe.capacity_buckets == (1.0, 1.25, 2.0)
+
+
+def test_toml_array_of_buckets_is_sorted_floats():
+    cfg = config.apply_tables(config.Config(), tomllib.loads("[moe]\ncapacity_buckets = [2, 1.5]"))
+    assert cfg.moe.capacity_buckets == (1.5, 2.0)
+
+
+def test_malformed_buckets_text_names_the_key_and_an_example():
+    with pytest.raises(ConfigError, match=r"^moe.capacity_buckets='1,x': expected comma-separated "
+                                          r"numbers such as 1.0,1.25,1.5,2.0$"):
+        config.build("tiny", ["moe.capacity_buckets=1,x"])
+
+
+def test_buckets_list_of_non_numbers_is_refused():
+    with pytest.raises(ConfigError, match="moe.capacity_buckets: expected a list of numbers"):
+        config.from_dict({"moe": {"capacity_buckets": ["a"]}})
+
+
+def test_same_buckets_written_two_ways_do_not_disagree():
+    flags = {"--x": ("moe.capacity_buckets", "1.0,2.0")}
+    config.build("tiny", ["moe.capacity_buckets=1,2"], flags=flags)
 
 
 def test_on_nonfinite_lists_choices():

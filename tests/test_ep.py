@@ -1,14 +1,16 @@
 """Expert parallelism: every dispatcher equals the single-device layer, buckets never drop."""
 
+import contextlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moe_train import sharding
-from moe_train.moe import dropless_moe
-from moe_train.moe.dispatch import bucket_slots
-from moe_train.moe.ep import EPPlan, ep_moe
+from moe_train.jobplan import EPPlan, bucket_slots
+from moe_train.moe import Routing, dropless_moe, ep_moe
 
 T, H, F, E, K = 128, 16, 8, 8, 2
 
@@ -30,8 +32,8 @@ def mesh_for(devices, ep, inner=None):
 
 def run_ep(mesh, plan, ops, bias=None, **kw):
     def loss(ops):
-        y, stats = ep_moe(*ops, plan=plan, top_k=K, expert_bias=bias, seq_len=16, **kw)
-        return jnp.sum(y * jnp.cos(y)) + stats["aux_loss"], (y, stats)
+        y, stats = ep_moe(*ops, Routing(K, **kw), plan=plan, expert_bias=bias, seq_len=16)
+        return jnp.sum(y * jnp.cos(y)) + stats.aux_loss, (y, stats)
 
     with jax.set_mesh(mesh):
         (_, (y, stats)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(ops)
@@ -40,8 +42,8 @@ def run_ep(mesh, plan, ops, bias=None, **kw):
 
 def run_single(ops, bias=None, **kw):
     def loss(ops):
-        y, stats = dropless_moe(*ops, top_k=K, expert_bias=bias, seq_len=16, **kw)
-        return jnp.sum(y * jnp.cos(y)) + stats["aux_loss"], (y, stats)
+        y, stats = dropless_moe(*ops, Routing(K, **kw), expert_bias=bias, seq_len=16)
+        return jnp.sum(y * jnp.cos(y)) + stats.aux_loss, (y, stats)
 
     (_, (y, stats)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(ops)
     return y, stats, grads
@@ -66,20 +68,20 @@ def test_matches_single_device(devices, ep, inner, dispatcher, factor, bias):
     plan = EPPlan(dispatcher, ep, factor)
     y, stats, grads = run_ep(mesh_for(devices, ep, inner), plan, ops, bias)
     y_ref, stats_ref, grads_ref = run_single(ops, bias)
-    if factor is not None and bool(stats["overflow"]):
+    if factor is not None and bool(stats.overflow):
         pytest.skip("bucket overflowed: covered by test_overflow_is_flagged")
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     for g, g_ref in zip(grads, grads_ref):
         np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=2e-5)
-    np.testing.assert_array_equal(stats["tokens_per_expert"], stats_ref["tokens_per_expert"])
-    np.testing.assert_allclose(stats["aux_loss"], stats_ref["aux_loss"], rtol=1e-6)
-    np.testing.assert_allclose(stats["seq_aux_loss"], stats_ref["seq_aux_loss"], rtol=1e-6)
-    np.testing.assert_allclose(stats["z_loss"], stats_ref["z_loss"], rtol=1e-6)
+    np.testing.assert_array_equal(stats.tokens_per_expert, stats_ref.tokens_per_expert)
+    np.testing.assert_allclose(stats.aux_loss, stats_ref.aux_loss, rtol=1e-6)
+    np.testing.assert_allclose(stats.seq_aux_loss, stats_ref.seq_aux_loss, rtol=1e-6)
+    np.testing.assert_allclose(stats.z_loss, stats_ref.z_loss, rtol=1e-6)
 
 
 def test_overflow_is_flagged_when_a_bucket_is_too_small():
     _, stats, _ = run_ep(mesh_for(4, 4), EPPlan("a2a", 4, 1.0), operands(), SKEW)
-    assert bool(stats["overflow"])
+    assert bool(stats.overflow)
 
 
 @pytest.mark.parametrize("bias", [None, SKEW], ids=["random", "one-rank"])
@@ -89,7 +91,7 @@ def test_bucket_equals_worst_case_bitwise(bias, dispatcher, inner):
     worst = run_ep(mesh, EPPlan(dispatcher, 4, None), ops, bias)
     for factor in (1.0, 1.5, 2.0, 4.0):
         y, stats, grads = run_ep(mesh, EPPlan(dispatcher, 4, factor), ops, bias)
-        if not bool(stats["overflow"]):
+        if not bool(stats.overflow):
             np.testing.assert_array_equal(y, worst[0])
             for g, g_ref in zip(grads, worst[2]):
                 np.testing.assert_array_equal(g, g_ref)
@@ -99,8 +101,8 @@ def test_bucket_equals_worst_case_bitwise(bias, dispatcher, inner):
 
 def test_receive_fill_reports_buffer_use():
     _, stats, _ = run_ep(mesh_for(4, 4), EPPlan("a2a", 4, None), operands())
-    assert float(stats["recv_rows"]) == T * K  # every assignment arrives somewhere
-    assert float(stats["recv_slots"]) == 4 * 4 * bucket_slots(None, 0, T // 4 * min(K, E // 4))
+    assert float(stats.recv_rows) == T * K  # every assignment arrives somewhere
+    assert float(stats.recv_slots) == 4 * 4 * bucket_slots(None, 0, T // 4 * min(K, E // 4))
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "a2a"])
@@ -131,8 +133,32 @@ def test_hierarchical_sends_fewer_rows_over_slow_links_than_flat(inner):
     _, hier, _ = run_ep(mesh, EPPlan("hierarchical", 8, None), ops)
     G = 8 // inner
     expected = T * (G - 1) * (1 - (1 - 1 / G) ** K)  # cost model: T tokens in all, uniform routing
-    print(f"G={G}: flat {float(flat['slow_rows'])}, hierarchical {float(hier['slow_rows'])}, "
+    print(f"G={G}: flat {float(flat.slow_rows)}, hierarchical {float(hier.slow_rows)}, "
           f"model {expected:.1f}")
-    assert float(hier["slow_rows"]) < float(flat["slow_rows"])
-    assert float(flat["slow_rows"]) == pytest.approx(T * K * (8 - inner) / 8, rel=0.35)
-    assert float(hier["slow_rows"]) == pytest.approx(expected, rel=0.35)
+    assert float(hier.slow_rows) < float(flat.slow_rows)
+    assert float(flat.slow_rows) == pytest.approx(T * K * (8 - inner) / 8, rel=0.35)
+    assert float(hier.slow_rows) == pytest.approx(expected, rel=0.35)
+
+
+LOCAL_STEPS = {"route", "permute", "grouped_gemm", "unpermute"}
+STEPS = LOCAL_STEPS | {"dispatch", "combine"}  # an exchange adds its two steps
+
+
+def _scopes(fn, mesh=None) -> set[str]:
+    """The named scopes in the lowered program of ``fn`` on operands()."""
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        text = jax.jit(fn).lower(*operands()).as_text(debug_info=True)
+    names = re.findall(r'loc\("([^"/][^"]*/[^"]*)"', text)  # op names, not source files
+    return {part for name in names for part in name.split("/")}
+
+
+@pytest.mark.parametrize("dispatcher, devices, ep, inner", [
+    ("local", 4, 1, 1), ("allgather", 4, 4, 4), ("a2a", 4, 4, 4), ("hierarchical", 8, 8, 4)])
+def test_every_dispatcher_runs_the_same_named_steps(dispatcher, devices, ep, inner):
+    plan = EPPlan(dispatcher, ep, None)
+    fn = lambda *ops: ep_moe(*ops, Routing(K), plan=plan)  # noqa: E731
+    assert (LOCAL_STEPS if ep == 1 else STEPS) <= _scopes(fn, mesh_for(devices, ep, inner))
+
+
+def test_the_single_device_layer_runs_the_same_named_steps():
+    assert LOCAL_STEPS <= _scopes(lambda *ops: dropless_moe(*ops, Routing(K)))

@@ -29,10 +29,13 @@ def xla_memory(cfg) -> train.CompiledMemory:
         abstract = jax.eval_shape(lambda: train.init_state(cfg, mesh))
         shardings = train.state_shardings(cfg, mesh, abstract)
         plans = ep_plans(cfg, mesh)
-        step = train.make_train_step(cfg, mesh, train.StepCounter(), shardings,
-                                     plans[-2] if len(plans) > 1 else plans[0])
+        plan = plans[-2] if len(plans) > 1 else plans[0]
+        step = train.make_train_step(cfg, mesh, train.StepCounter(), shardings, plan)
         batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
-        return train.compiled_memory(step, abstract, batch)
+        # a bucket's step takes the step before's overflow flag (stepper.BucketedStep)
+        hold = jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding.replicated(mesh))
+        bucketed = plan is not None and plan.capacity_factor is not None
+        return train.compiled_memory(step, abstract, batch, *([hold] if bucketed else []))
 
 
 def planned(cfg):
@@ -202,7 +205,7 @@ def test_cli_text_and_check_exit(capsys):
     (["--model", "mixtrl", "--cluster", "h100-dgx", "--nodes", "8"], "valid presets: .*mixtral-8x7b"),
     (["--model", "tiny", "--cluster", "h300", "--nodes", "1"], "valid presets: .*h100-dgx"),
     (["--model", "mixtral-8x7b", "--cluster", "h100-dgx", "--nodes", "8", "--ep", "3"],
-     "ep 3 must divide .* valid ep: 1, 2, 4, 8"),
+     r"parallel.ep=3 does not divide the 64 devices; valid ep .*: 1, 2, 4, 8$"),
     (["--model", "tiny", "--cluster", "h100-dgx", "--nodes", "0"], "nodes must be >= 1"),
 ])
 def test_cli_errors_are_one_line_exit_2(capsys, args, match):

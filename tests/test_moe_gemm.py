@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train.moe import (BACKENDS, BackendUnavailable, default_tile_rows, dropless_moe,
-                           resolve_backend, tiled_padding)
+from moe_train.moe import (BACKENDS, BackendUnavailable, Routing, default_tile_rows,
+                           dropless_moe, resolve_backend, tiled_padding)
 from moe_train.moe.gemm import _te_import_error, grouped_swiglu
 from moe_train.moe.permute import make_dispatch, permute, unpermute
 
@@ -169,7 +169,7 @@ def test_dropless_moe_rejects_unknown_backend():
     x = _normal(T, H)
     with pytest.raises(ValueError, match="unknown MoE backend"):
         dropless_moe(x, _normal(H, E), _normal(E, H, F), _normal(E, H, F), _normal(E, F, H),
-                     top_k=K, backend="dense")
+                     Routing(K), backend="dense")
 
 
 @pytest.mark.skipif(on_gpu, reason="CPU behaviour")
@@ -246,7 +246,7 @@ def _gpu_case():
 
 def _layer_and_grads(backend, params):
     def loss(*args):
-        y, _ = dropless_moe(*args, top_k=2, backend=backend)
+        y, _ = dropless_moe(*args, Routing(2), backend=backend)
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
     grads, y = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*params)

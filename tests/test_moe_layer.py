@@ -1,5 +1,6 @@
 """dropless_moe: every CPU backend against the dense per-expert reference, plus layer properties."""
 
+import dataclasses
 import functools
 
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train.moe import capacity_moe, dense_reference_moe, dropless_moe, swiglu_mlp
+from moe_train.moe import Routing, capacity_moe, dense_reference_moe, dropless_moe, swiglu_mlp
 from moe_train.moe.router import route, route_tokens, router_logits, router_stats
 
 T, H, E, F, K = 24, 16, 8, 12, 2
@@ -64,9 +65,19 @@ def _adversarial_params(case):
     return tuple(jnp.asarray(a) for a in (x, gate, wi_0, wi_1, wo)), kwargs
 
 
-def _jit(fn, **kwargs):
-    """jax.jit of fn with its keyword arguments fixed."""
-    return jax.jit(functools.partial(fn, **kwargs))
+ROUTING_FIELDS = {f.name for f in dataclasses.fields(Routing)}
+
+
+def _routed(top_k, kwargs):
+    """(Routing, the other keywords) from one dict of layer keywords."""
+    routing = Routing(top_k, **{k: v for k, v in kwargs.items() if k in ROUTING_FIELDS})
+    return routing, {k: v for k, v in kwargs.items() if k not in ROUTING_FIELDS}
+
+
+def _jit(fn, top_k=K, **kwargs):
+    """jax.jit of fn routed with top_k and the router case ``kwargs``, other keywords fixed."""
+    routing, rest = _routed(top_k, kwargs)
+    return jax.jit(lambda *args: fn(*args, routing, **rest))
 
 
 def _cotangent(shape):
@@ -102,7 +113,8 @@ def _results(backend_case):
             kwargs = inputs[case][1]
 
             def loss(*args, kwargs=kwargs):
-                y, stats = fn(*args, top_k=K, **kwargs)
+                routing, rest = _routed(K, kwargs)
+                y, stats = fn(*args, routing, **rest)
                 return jnp.sum(y * dy), (y, stats)
 
             grads, (y, stats) = jax.grad(loss, argnums=tuple(range(5)), has_aux=True)(
@@ -153,7 +165,7 @@ def test_adversarial_routing_forward_and_grads(backend_case, params_case):
 ])
 def test_adversarial_loads(params_case, expected_counts):
     _, stats, _ = _run("tiled-4", params_case)
-    counts = np.asarray(stats["tokens_per_expert"])
+    counts = np.asarray(stats.tokens_per_expert)
     if expected_counts is None:
         assert counts[3:].sum() == 0 and counts.sum() == T * K
     else:
@@ -162,23 +174,23 @@ def test_adversarial_loads(params_case, expected_counts):
 
 def test_one_expert_gate_sends_every_token_to_expert_5():
     _, stats, _ = _run("tiled-1", "one-expert-gate")
-    assert int(stats["tokens_per_expert"][5]) == T
+    assert int(stats.tokens_per_expert[5]) == T
 
 
 @pytest.mark.parametrize("backend_case", BACKEND_CASES)
 def test_stats_counts_and_no_drops(backend_case):
     _, stats, _ = _run(backend_case, "sigmoid-groups")
     x, gate, *_ = _moe_params()
-    _, experts, _ = _jit(route_tokens, top_k=K, **ROUTER_CASES["sigmoid-groups"])(x, gate)
+    _, experts, _ = _jit(route_tokens, **ROUTER_CASES["sigmoid-groups"])(x, gate)
     counts = np.bincount(np.asarray(experts).ravel(), minlength=E)
-    assert stats["tokens_per_expert"].dtype == jnp.int32
-    np.testing.assert_array_equal(stats["tokens_per_expert"], counts)
-    assert int(stats["tokens_per_expert"].sum()) == T * K
-    assert int(stats["dropped_tokens"]) == 0
+    assert stats.tokens_per_expert.dtype == jnp.int32
+    np.testing.assert_array_equal(stats.tokens_per_expert, counts)
+    assert int(stats.tokens_per_expert.sum()) == T * K
+    assert int(stats.dropped_tokens) == 0
 
 
 def test_default_tile_rows_forward():
-    y, _ = _jit(dropless_moe, top_k=K, backend="tiled")(*_moe_params())
+    y, _ = _jit(dropless_moe, backend="tiled")(*_moe_params())
     y_ref, _, _ = _run(None, "softmax")
     np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
 
@@ -186,13 +198,13 @@ def test_default_tile_rows_forward():
 def test_stats_are_fp32_scalars():
     _, stats, _ = _run("tiled-4", "softmax")
     for key in ("aux_loss", "seq_aux_loss", "z_loss", "router_entropy"):
-        assert stats[key].shape == () and stats[key].dtype == jnp.float32, key
+        assert getattr(stats, key).shape == () and getattr(stats, key).dtype == jnp.float32, key
 
 
 def test_one_expert_top1_equals_dense_swiglu():
     @jax.jit
     def both(x, gate, wi_0, wi_1, wo):
-        y, _ = dropless_moe(x, gate, wi_0, wi_1, wo, top_k=1, backend="tiled")
+        y, _ = dropless_moe(x, gate, wi_0, wi_1, wo, Routing(1), backend="tiled")
         return y, swiglu_mlp(x, wi_0[0], wi_1[0], wo[0])
 
     y, y_dense = both(*_moe_params(E=1))
@@ -202,19 +214,19 @@ def test_one_expert_top1_equals_dense_swiglu():
 @pytest.mark.parametrize("router_case", ["softmax", "sigmoid-groups"])
 def test_dropless_equals_capacity_at_max_load(router_case):
     y, stats, _ = _run("tiled-4", router_case)
-    max_load = int(stats["tokens_per_expert"].max())
-    capacity = _jit(capacity_moe, top_k=K, capacity=max_load, **ROUTER_CASES[router_case])
+    max_load = int(stats.tokens_per_expert.max())
+    capacity = _jit(capacity_moe, capacity=max_load, **ROUTER_CASES[router_case])
     y_cap, cap_stats = capacity(*_moe_params())
     np.testing.assert_allclose(y_cap, y, atol=1e-5, rtol=1e-5)
-    assert int(cap_stats["dropped_tokens"]) == 0
+    assert int(cap_stats.dropped_tokens) == 0
 
 
 def test_capacity_moe_drops_and_counts():
     _, stats, _ = _run("tiled-4", "softmax")
-    counts = np.asarray(stats["tokens_per_expert"])
+    counts = np.asarray(stats.tokens_per_expert)
     capacity = int(counts.max()) - 2
-    _, cap_stats = _jit(capacity_moe, top_k=K, capacity=capacity)(*_moe_params())
-    assert int(cap_stats["dropped_tokens"]) == np.maximum(counts - capacity, 0).sum() > 0
+    _, cap_stats = _jit(capacity_moe, capacity=capacity)(*_moe_params())
+    assert int(cap_stats.dropped_tokens) == np.maximum(counts - capacity, 0).sum() > 0
 
 
 def test_capacity_priority_is_first_choice_then_token_order():
@@ -223,11 +235,11 @@ def test_capacity_priority_is_first_choice_then_token_order():
     @jax.jit
     def run(x, wi_0, wi_1, wo):
         # A zero gate ties all logits; the bias makes every token choose (0, 1) in order.
-        y, stats = capacity_moe(x, jnp.zeros((H, 2)), wi_0, wi_1, wo, top_k=2, capacity=2,
-                                normalize_top_k=False, expert_bias=jnp.array([1.0, 0.0]))
+        y, stats = capacity_moe(x, jnp.zeros((H, 2)), wi_0, wi_1, wo, Routing(2, normalize_top_k=False),
+                                capacity=2, expert_bias=jnp.array([1.0, 0.0]))
         both = 0.5 * (swiglu_mlp(x, wi_0[0], wi_1[0], wo[0])
                       + swiglu_mlp(x, wi_0[1], wi_1[1], wo[1]))
-        return y, stats["dropped_tokens"], both
+        return y, stats.dropped_tokens, both
 
     x, _, wi_0, wi_1, wo = _moe_params(T=4, E=2)
     y, dropped, both = run(x, wi_0, wi_1, wo)
@@ -243,12 +255,12 @@ def test_jit_compiles_once_for_different_routings():
     @jax.jit
     def layer(x, gate, wi_0, wi_1, wo):
         traces.append(1)
-        return dropless_moe(x, gate, wi_0, wi_1, wo, top_k=K, backend="tiled", tile_rows=4)
+        return dropless_moe(x, gate, wi_0, wi_1, wo, Routing(K), backend="tiled", tile_rows=4)
 
     params = _moe_params()
     _, stats_a = layer(*params)
     _, stats_b = layer(params[0], -params[1], *params[2:])  # a different routing
-    assert not np.array_equal(stats_a["tokens_per_expert"], stats_b["tokens_per_expert"])
+    assert not np.array_equal(stats_a.tokens_per_expert, stats_b.tokens_per_expert)
     assert len(traces) == 1
 
 
@@ -258,11 +270,11 @@ def _bf16_results():
 
     @jax.jit
     def run(x, gate, wi_0, wi_1, wo):
-        out = {b: dropless_moe(x, gate, wi_0, wi_1, wo, top_k=K, backend=b)[0]
+        out = {b: dropless_moe(x, gate, wi_0, wi_1, wo, Routing(K), backend=b)[0]
                for b in ("tiled", "ragged_dot")}
-        out["reference"] = dense_reference_moe(x, gate, wi_0, wi_1, wo, top_k=K)[0]
+        out["reference"] = dense_reference_moe(x, gate, wi_0, wi_1, wo, Routing(K))[0]
         out["fp32"] = dense_reference_moe(x.astype(jnp.float32), gate, wi_0, wi_1, wo,
-                                          top_k=K)[0]
+                                          Routing(K))[0]
         return out
 
     return run(*_moe_params(dtype=jnp.bfloat16))
@@ -285,25 +297,25 @@ def test_bf16_close_to_fp32():
 def test_leading_dims_are_flattened_and_seq_len_used():
     @jax.jit
     def run(x, gate, wi_0, wi_1, wo):
-        y3, stats3 = dropless_moe(x.reshape(4, 6, H), gate, wi_0, wi_1, wo, top_k=K,
+        y3, stats3 = dropless_moe(x.reshape(4, 6, H), gate, wi_0, wi_1, wo, Routing(K),
                                   backend="tiled", tile_rows=4, seq_len=6)
         logits = router_logits(x, gate)
-        _, experts, scores = route(logits, K)
-        expected = router_stats(logits, scores, experts, seq_len=6)["seq_aux_loss"]
-        return y3, stats3["seq_aux_loss"], expected
+        _, experts, scores = route(logits, Routing(K))
+        expected = router_stats(logits, scores, experts, seq_len=6).seq_aux_loss
+        return y3, stats3.seq_aux_loss, expected
 
     y3, seq_aux, expected = run(*_moe_params())
     y, stats, _ = _run("tiled-4", "softmax")
     np.testing.assert_allclose(y3.reshape(T, H), y, atol=1e-6)
     np.testing.assert_allclose(seq_aux, expected, rtol=1e-6)
-    assert abs(float(expected) - float(stats["seq_aux_loss"])) > 1e-4
+    assert abs(float(expected) - float(stats.seq_aux_loss)) > 1e-4
 
 
 def test_no_gradient_to_expert_bias():
     params = _moe_params()
 
     def loss(bias):
-        y, _ = dropless_moe(*params, top_k=K, backend="tiled", expert_bias=bias)
+        y, _ = dropless_moe(*params, Routing(K), backend="tiled", expert_bias=bias)
         return jnp.sum(y)
 
     np.testing.assert_array_equal(jax.jit(jax.grad(loss))(jnp.asarray(_BIAS_E)), 0.0)
@@ -312,4 +324,4 @@ def test_no_gradient_to_expert_bias():
 def test_bad_shapes_raise():
     x, gate, wi_0, wi_1, wo = _moe_params()
     with pytest.raises(ValueError, match="wo"):
-        dropless_moe(x, gate, wi_0, wi_1, wo[:, :, :-1], top_k=K)
+        dropless_moe(x, gate, wi_0, wi_1, wo[:, :, :-1], Routing(K))

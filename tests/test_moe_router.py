@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train.moe.router import route, route_tokens, router_logits, router_stats
+from moe_train.moe.router import Routing, route, route_tokens, router_logits, router_stats
 
 
-def _route(logits, top_k, **kwargs):
+def _route(logits, top_k, expert_bias=None, **kwargs):
     """Jitted route() on a numpy/float list of logits."""
-    fn = jax.jit(functools.partial(route, top_k=top_k, **kwargs))
+    fn = jax.jit(functools.partial(route, routing=Routing(top_k, **kwargs), expert_bias=expert_bias))
     return fn(jnp.asarray(logits, jnp.float32))
 
 
@@ -122,7 +122,7 @@ _HAND_LOGITS = np.array([[_L3, 0], [0, _L3], [_L3, 0], [_L3, 0]], np.float32)
 def _hand_stats(seq_len=None, score_function="softmax", logits=_HAND_LOGITS, top_k=1):
     @jax.jit
     def stats(logits):
-        _, experts, scores = route(logits, top_k, score_function=score_function)
+        _, experts, scores = route(logits, Routing(top_k, score_function=score_function))
         return router_stats(logits, scores, experts, score_function=score_function,
                             seq_len=seq_len)
 
@@ -132,25 +132,25 @@ def _hand_stats(seq_len=None, score_function="softmax", logits=_HAND_LOGITS, top
 def test_aux_loss_hand_example():
     # counts [3, 1] -> f = [3/4, 1/4]; P = [0.625, 0.375]; aux = 2 * (0.46875 + 0.09375)
     stats = _hand_stats()
-    np.testing.assert_array_equal(stats["tokens_per_expert"], [3, 1])
-    np.testing.assert_allclose(stats["aux_loss"], 1.125, rtol=1e-6)
+    np.testing.assert_array_equal(stats.tokens_per_expert, [3, 1])
+    np.testing.assert_allclose(stats.aux_loss, 1.125, rtol=1e-6)
 
 
 def test_seq_aux_loss_hand_example():
     # seq (0,1): f = [1, 1], P = [.5, .5] -> 1.0; seq (2,3): f = [2, 0], P = [.75, .25] -> 1.5
-    np.testing.assert_allclose(_hand_stats(seq_len=2)["seq_aux_loss"], 1.25, rtol=1e-6)
+    np.testing.assert_allclose(_hand_stats(seq_len=2).seq_aux_loss, 1.25, rtol=1e-6)
 
 
 def test_seq_aux_loss_one_sequence_by_default():
     # one sequence of 4: f = 2/4 * [3, 1] = [1.5, .5]; P = [.625, .375] -> 1.125
-    np.testing.assert_allclose(_hand_stats()["seq_aux_loss"], 1.125, rtol=1e-6)
+    np.testing.assert_allclose(_hand_stats().seq_aux_loss, 1.125, rtol=1e-6)
 
 
 def test_z_loss_and_entropy_hand_example():
     stats = _hand_stats()
-    np.testing.assert_allclose(stats["z_loss"], math.log(4.0) ** 2, rtol=1e-6)
+    np.testing.assert_allclose(stats.z_loss, math.log(4.0) ** 2, rtol=1e-6)
     entropy = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
-    np.testing.assert_allclose(stats["router_entropy"], entropy, rtol=1e-5)
+    np.testing.assert_allclose(stats.router_entropy, entropy, rtol=1e-5)
 
 
 def test_sigmoid_aux_loss_uses_per_token_normalised_scores():
@@ -158,7 +158,7 @@ def test_sigmoid_aux_loss_uses_per_token_normalised_scores():
     # f = [1, 0]; P = [.825, .175] -> aux = 2 * .825 (raw scores would give 1.05).
     logits = _logit([[0.6, 0.2], [0.45, 0.05]])
     stats = _hand_stats(score_function="sigmoid", logits=logits)
-    np.testing.assert_allclose(stats["aux_loss"], 1.65, rtol=1e-5)
+    np.testing.assert_allclose(stats.aux_loss, 1.65, rtol=1e-5)
 
 
 def test_seq_len_must_divide_tokens():
@@ -176,14 +176,14 @@ def test_seq_len_must_divide_tokens():
 def test_invalid_router_config_raises(kwargs, match):
     kwargs = {"top_k": 2, **kwargs}
     with pytest.raises(ValueError, match=match):
-        route(jnp.zeros((2, 8)), kwargs.pop("top_k"), **kwargs)
+        route(jnp.zeros((2, 8)), Routing(**kwargs))
 
 
 def test_bf16_activations_route_like_fp32():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((64, 32), dtype=np.float32))
     gate = jnp.asarray(rng.standard_normal((32, 8), dtype=np.float32))
-    run = jax.jit(lambda x: route_tokens(x, gate, top_k=2))
+    run = jax.jit(lambda x: route_tokens(x, gate, Routing(2)))
     w_bf16, e_bf16, _ = run(x.astype(jnp.bfloat16))
     w_rounded, e_rounded, _ = run(x.astype(jnp.bfloat16).astype(jnp.float32))
     # The router casts to fp32 first, so equal inputs route bit-identically.

@@ -97,7 +97,7 @@ def test_tiled_vjp_matches_autodiff_of_per_row_formula(case, tile_rows, block_ro
 
 def test_tiled_skips_groups_beyond_its_experts_and_trailing_rows():
     """EP passes E'+1 groups and E' experts' weights: the last group's rows and trailing
-    rows give y = 0 and dx = 0 (expert_rows gives them zero combine weight)."""
+    rows give y = 0 and dx = 0 (the expert steps give them zero combine weight)."""
     ids = jnp.asarray(np.random.default_rng(1).integers(0, E + 1, (T, K)), jnp.int32)
     plan = make_dispatch(ids, E + 1, 4)
     plan = plan._replace(group_sizes_E=plan.group_sizes_E[:E])

@@ -47,7 +47,7 @@ def loss_and_grads(cfg: config.Config, variables: dict):
         variables = {"params": params, **rest, **extra}
         logits_BSV, stats = Transformer(cfg).apply(variables, t_BS[:, :-1])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, t_BS[:, 1:]).mean()
-        return ce + 0.01 * stats["aux_loss"].mean(), stats
+        return ce + 0.01 * stats.aux_loss.mean(), stats
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
     return fn(variables["params"], variables.get(FP8_COLLECTION, {}),
@@ -116,8 +116,8 @@ def test_both_layouts_give_the_same_loss_stats_and_gradients():
     looped = to_looped(scanned, cfg[True].model)
     (loss_l, stats_l), (grads_l, _) = loss_and_grads(cfg[False], looped)
     np.testing.assert_allclose(loss_l, loss_s, rtol=1e-6)
-    np.testing.assert_array_equal(stats_l["tokens_per_expert"], stats_s["tokens_per_expert"])
-    assert stats_s["tokens_per_expert"].shape == (2, 8)
+    np.testing.assert_array_equal(stats_l.tokens_per_expert, stats_s.tokens_per_expert)
+    assert stats_s.tokens_per_expert.shape == (2, 8)
     assert_trees_close(to_looped(grads_s, cfg[True].model), grads_l)
 
 

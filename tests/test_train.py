@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from moe_train import config, train
-from moe_train.moe import dropless_moe
+from moe_train.moe import Routing, dropless_moe
 from moe_train.run import EXIT_DIVERGED, EXIT_OK, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +109,8 @@ def test_bias_update_rule_moves_load_toward_balance():
     state = {"moe_layers": {"moe": {"expert_bias": jnp.zeros((1, 8))}}}  # one scanned layer
 
     def imbalance(bias):
-        _, stats = dropless_moe(x_TH, gate_HE, *w, top_k=2, score_function="sigmoid", expert_bias=bias)
-        load = stats["tokens_per_expert"]
+        _, stats = dropless_moe(x_TH, gate_HE, *w, Routing(2, score_function="sigmoid"), expert_bias=bias)
+        load = stats.tokens_per_expert
         return float(load.max() / load.mean()), load
 
     start, _ = imbalance(state["moe_layers"]["moe"]["expert_bias"][0])

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_train.jobplan import domain_hit
 from topology.presets import Cluster
 
 GB = 1e9  # preset bandwidths are GB/s with 1 GB = 1e9 bytes
@@ -83,7 +84,7 @@ def remote_domains_per_token(groups: int, k: int) -> float:
     """Expected number of other domains a token's k experts fall in: (G-1)(1-(1-1/G)^k)."""
     if groups <= 1:
         return 0.0
-    return (groups - 1) * (1.0 - (1.0 - 1.0 / groups) ** k)
+    return (groups - 1) * domain_hit(groups, k)
 
 
 def dispatch_bytes(T: int, H: int, k: int, bytes_per_elem: float, ep: int, domain_size: int,

@@ -31,8 +31,7 @@ import numpy as np
 from moe_train import sharding, stepper
 from moe_train.bench.routing import expert_weights, gumbel_logits, log_preference, tokens_for_logits
 from moe_train.config import Config, MoEConfig
-from moe_train.moe import dropless_moe
-from moe_train.moe.ep import ep_moe
+from moe_train.moe import Routing, dropless_moe, ep_moe
 
 TITLE = "Compilations over drifting routing"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -56,12 +55,12 @@ class Sizes:
     experts: int
     top_k: int
     mesh: tuple[int, int, int] = (1, 2, 4)  # (data, expert_x, expert): EP = 8
-    buckets: str = MoEConfig().capacity_buckets
+    buckets: tuple[float, ...] = MoEConfig().capacity_buckets  # capacity factors, smallest first
     step_down_after: int = MoEConfig().bucket_step_down_after
 
 
 FULL = Sizes(steps=100, tokens=1024, hidden=64, ffn=128, experts=32, top_k=2)
-QUICK = Sizes(steps=24, tokens=256, hidden=32, ffn=32, experts=16, top_k=2, buckets="1.25,2.0",
+QUICK = Sizes(steps=24, tokens=256, hidden=32, ffn=32, experts=16, top_k=2, buckets=(1.25, 2.0),
               step_down_after=4)
 
 
@@ -92,7 +91,7 @@ class Batches:
 
 
 def _loss(y, stats):
-    return jnp.mean(jnp.square(y.astype(jnp.float32))) + 0.01 * stats["aux_loss"]
+    return jnp.mean(jnp.square(y.astype(jnp.float32))) + 0.01 * stats.aux_loss
 
 
 def _counting(fn):
@@ -112,8 +111,8 @@ def dropless_run(s: Sizes, batches: Batches) -> dict[str, Any]:
 
     def step(x, gate, w0, w1, wo):
         traces.append(1)
-        y, stats = dropless_moe(x, gate, w0, w1, wo, top_k=s.top_k, backend="tiled")
-        return _loss(y, stats), stats["tokens_per_expert"]
+        y, stats = dropless_moe(x, gate, w0, w1, wo, Routing(s.top_k), backend="tiled")
+        return _loss(y, stats), stats.tokens_per_expert
 
     fn = jax.jit(jax.value_and_grad(step, argnums=(0, 1, 2, 3, 4), has_aux=True))
     device = jax.devices()[0]
@@ -139,16 +138,16 @@ def _fake_train_step(s: Sizes, batches: Batches):
     """stepper.make_train_step's stand-in: the EP layer's fwd+bwd as a bucketed step."""
     def make(cfg, mesh, counter, state_sharding, plan):
         """stepper.make_train_step's signature; returns the jitted bucketed layer step."""
-        def step(state, x):
+        def step(state, x, hold=None):  # the state never changes, so a held step is the same
             counter.traces += 1
 
             def loss(*ops):
-                y, stats = ep_moe(*ops, plan=plan, top_k=s.top_k, backend="tiled")
+                y, stats = ep_moe(*ops, Routing(s.top_k), plan=plan, backend="tiled")
                 return _loss(y, stats), stats
 
             (_, stats), _ = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
                 x, *state)
-            return state, {"overflow": stats["overflow"], "max_pair_load": stats["max_pair_load"]}
+            return state, {"overflow": stats.overflow, "max_pair_load": stats.max_pair_load}
         return jax.jit(step)
     return make
 

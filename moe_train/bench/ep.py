@@ -16,11 +16,12 @@ hottest experts on EP rank 0 (the adversarial placement). The logits are made ex
 the gate kernel: ``x = x0 + (logits - x0 @ gate) @ pinv(gate)`` gives ``x @ gate = logits``
 for random ``x0`` and a random full-column-rank gate (needs H >= E). No expert_bias is used.
 
-Capacity buckets emulate ``moe_train.stepper.BucketedStep``: over ``steps`` routing batches
-the step starts at the smallest bucket (the factors of ``moe.capacity_buckets`` times the
-balanced load, then the worst case), reruns on the next bucket whenever an exchange overflows, and keeps
-the bucket for the next batch (stepping down needs ``moe.bucket_step_down_after`` = 20
-quiet steps, more than are run here). Receive-buffer fill = recv_rows / recv_slots.
+Capacity buckets follow the trainer's ``moe_train.jobplan.BucketPolicy``: over ``steps``
+routing batches the step starts at the smallest bucket (the factors of
+``moe.capacity_buckets`` times the balanced load, then the worst case), reruns on the next
+bucket whenever an exchange overflows, and keeps the bucket for the next batch (stepping down
+after ``moe.bucket_step_down_after`` = 20 quiet batches, more than are run here).
+Receive-buffer fill = recv_rows / recv_slots.
 """
 
 from __future__ import annotations
@@ -39,17 +40,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moe_train import sharding
 from moe_train.bench.common import (collective_bytes, compile_jit, fmt_ms,
                                     time_compiled)
-from moe_train.moe import dropless_moe
-from moe_train.moe.ep import EPPlan, ep_moe
+from moe_train.moe import Routing, dropless_moe, ep_moe
 from moe_train.bench.ep_buckets import (NUM_DEVICES, TARGET_RATIO, BucketRows, factor_label,
                                         host_stats, log)
 from moe_train.bench.ep_report import markdown, skew_summary
 from moe_train.bench.routing import ZIPF_S, expert_weights, gumbel_logits, tokens_for_logits
 from moe_train.config import MoEConfig
-from moe_train.config import parse_buckets
+from moe_train.jobplan import EPPlan, bucket_factors
 
 TITLE = "Expert parallel (8 fake CPU devices)"
-BUCKETS = tuple(parse_buckets(MoEConfig().capacity_buckets))  # the trainer's default; then worst
+BUCKETS = MoEConfig().capacity_buckets  # the trainer's default (sorted); then worst
 DTYPE = jnp.float32
 BACKEND = "tiled"
 
@@ -94,6 +94,7 @@ class Sizes:
     routings: tuple[str, ...]  # routings of the timing rows
     bucket_routings: tuple[str, ...]  # routings of the capacity-bucket rows (a superset)
     buckets: tuple[float, ...] = BUCKETS  # capacity factors tried before the worst case
+    step_down_after: int = MoEConfig().bucket_step_down_after  # quiet batches, then a smaller bucket
     chunk_rows: bool = True  # chunks=2 rows on the first mesh
 
 
@@ -119,23 +120,23 @@ def tokens(s: Sizes, gate_HE: np.ndarray, routing: str, step: int) -> np.ndarray
 # ----------------------------------------------------------------------------- functions
 
 def _loss(y_TH, stats):
-    return jnp.mean(jnp.sum(jnp.square(y_TH.astype(jnp.float32)), axis=-1)) + 0.01 * stats["aux_loss"]
+    return jnp.mean(jnp.sum(jnp.square(y_TH.astype(jnp.float32)), axis=-1)) + 0.01 * stats.aux_loss
 
 
 def ep_step(plan: EPPlan, top_k: int):
     def loss(x, gate, w0, w1, wo):
-        y, stats = ep_moe(x, gate, w0, w1, wo, plan=plan, top_k=top_k, backend=BACKEND)
+        y, stats = ep_moe(x, gate, w0, w1, wo, Routing(top_k), plan=plan, backend=BACKEND)
         return _loss(y, stats), stats
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
 
 def ep_forward(plan: EPPlan, top_k: int):
-    return jax.jit(lambda *ops: ep_moe(*ops, plan=plan, top_k=top_k, backend=BACKEND))
+    return jax.jit(lambda *ops: ep_moe(*ops, Routing(top_k), plan=plan, backend=BACKEND))
 
 
 def dense_step(top_k: int):
     def loss(x, gate, w0, w1, wo):
-        y, stats = dropless_moe(x, gate, w0, w1, wo, top_k=top_k, backend=BACKEND)
+        y, stats = dropless_moe(x, gate, w0, w1, wo, Routing(top_k), backend=BACKEND)
         return _loss(y, stats), stats
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
@@ -157,7 +158,7 @@ class EPBench(BucketRows):
         self._x: dict[tuple, np.ndarray] = {}  # token batches and their routed experts
         self._compiled: dict[tuple, Any] = {}
         self._bytes: dict[tuple, dict] = {}
-        self.factors = [*s.buckets, None]
+        self.factors = bucket_factors("a2a", s.buckets)  # the buckets, then the worst case
         self.compile_s: dict[str, float] = {}
 
     # operands -----------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Capacity-bucket rows of the expert-parallel benchmark: the stepper emulation, receive
-buffer fill against the worst case, hierarchical's cross-domain stage and chunked rows.
+"""Capacity-bucket rows of the expert-parallel benchmark: the stepper emulation (the
+trainer's ``jobplan.BucketPolicy`` over real exchanges), receive buffer fill against the worst
+case, hierarchical's cross-domain stage and chunked rows.
 
 ``BucketRows`` is a mixin of ``ep.EPBench`` (it uses the bench's operands, compiled steps and
 timing rows); see ``moe_train.bench.ep`` for the setup.
@@ -7,6 +8,7 @@ timing rows); see ``moe_train.bench.ep`` for the setup.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,12 +18,11 @@ import numpy as np
 
 from moe_train.bench.common import fmt_ms
 from moe_train.bench.ep_report import buffer_ratios
-from moe_train.moe import route, router_logits
-from moe_train.moe.dispatch import bucket_slots
+from moe_train.jobplan import BucketPolicy, EPPlan, hierarchical_stages
+from moe_train.moe import Routing, route, router_logits
 
 if TYPE_CHECKING:  # ep.py imports this module
     from moe_train.bench.ep import MeshCfg
-from moe_train.moe.ep import EPPlan
 
 NUM_DEVICES = 8
 TARGET_RATIO = 1.3  # the issue: mean receive buffer <= 1.3x the rows actually received
@@ -33,7 +34,7 @@ def log(msg: str) -> None:
 
 def host_stats(out) -> dict[str, Any]:
     (_, stats), _ = out
-    return {k: np.asarray(v) for k, v in jax.device_get(stats).items()}
+    return {k: np.asarray(v) for k, v in dataclasses.asdict(jax.device_get(stats)).items()}
 
 
 def factor_label(f: float | None) -> str:
@@ -45,24 +46,30 @@ class BucketRows:
 
     def stepper(self, mc, mesh, dispatcher, routing, start: int = 0, chunks: int = 1,
                 steps: int | None = None) -> dict[str, Any]:
-        """Buckets as the stepper escalates them over ``steps`` batches."""
-        factors = self.factors
-        b, reruns, per_step = start, 0, []
+        """Buckets as the trainer's ``jobplan.BucketPolicy`` picks them over ``steps`` batches,
+        from bucket ``start`` on; "held" is the bucket the last batch ran on."""
+        policy = BucketPolicy(self.factors, self.s.step_down_after)
+        policy.bucket = held = start
+        per_step = []
         for step in range(steps or self.s.steps):
             args = self.placed(mc, mesh, routing, step)
             while True:
-                st = host_stats(self.run(mc, mesh, EPPlan(dispatcher, mc.ep, factors[b], chunks),
-                                         args))
+                plan = EPPlan(dispatcher, mc.ep, policy.factor, chunks)
+                st = host_stats(self.run(mc, mesh, plan, args))
                 if not st["overflow"]:
                     break
-                if factors[b] is None:
-                    raise RuntimeError(f"worst-case bucket overflowed: {mc.label} {dispatcher}")
-                reruns, b = reruns + 1, b + 1
-            per_step.append({"bucket": factor_label(factors[b]), "factor": factors[b],
+                try:
+                    policy.overflowed()
+                except RuntimeError as err:
+                    raise RuntimeError(f"{mc.label} {dispatcher}: {err}") from None
+            held = policy.bucket
+            per_step.append({"bucket": factor_label(policy.factor), "factor": policy.factor,
                              "recv_rows": float(st["recv_rows"]),
                              "recv_slots": float(st["recv_slots"]),
                              "max_pair_load": float(st["max_pair_load"])})
-        return {"held_index": b, "held": factors[b], "reruns": reruns, "steps": per_step}
+            policy.finished(float(st["max_pair_load"]))
+        return {"held_index": held, "held": self.factors[held], "reruns": policy.reruns,
+                "steps": per_step}
 
     def worst_fill(self, mc, mesh, dispatcher, routing) -> list[dict]:
         out = []
@@ -77,7 +84,7 @@ class BucketRows:
         """experts_TK of a batch, routed on one device as ep_moe routes it (softmax top-k)."""
         key = ("experts", routing, step)
         if key not in self._x:
-            fn = jax.jit(lambda x, g: route(router_logits(x, g), self.s.top_k)[1])
+            fn = jax.jit(lambda x, g: route(router_logits(x, g), Routing(self.s.top_k))[1])
             self._x[key] = np.asarray(fn(self.x(routing, step), self.weights["gate"]))
         return self._x[key]
 
@@ -86,14 +93,14 @@ class BucketRows:
 
         Not in ep_moe's stats (recv_rows/recv_slots cover the in-domain stage): a token
         sends one row to every domain holding one of its experts, its own included, into
-        G * C1 slots per device; C1 as ``moe.dispatch.hierarchical`` sizes it.
+        G * C1 slots per device; C1 as ``jobplan.hierarchical_stages`` sizes it.
         """
-        G, K = mc.domains, self.s.top_k
-        dom_TK = self.experts(routing, step) // (self.s.experts // mc.ep * mc.domain_size)
+        G, L = mc.domains, self.s.experts // mc.ep
+        dom_TK = self.experts(routing, step) // (L * mc.domain_size)
         rows = int(np.sum(np.any(dom_TK[:, :, None] == np.arange(G), axis=1)))
-        T = self.s.tokens // NUM_DEVICES
-        hit = 1.0 - (1.0 - 1.0 / G) ** K
-        return rows, NUM_DEVICES * G * bucket_slots(factor, T * hit, T)
+        one, _ = hierarchical_stages(self.s.tokens // NUM_DEVICES, self.s.top_k, L, G,
+                                     mc.domain_size, factor)
+        return rows, NUM_DEVICES * one.peers * one.slots
 
     def mesh_rows(self, mc: MeshCfg) -> tuple[list[dict], list[dict], dict]:
         """Timing and bucket rows of one mesh: per dispatcher and routing, the stepper emulation, the worst-case fill and the timed plans."""

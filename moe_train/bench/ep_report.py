@@ -109,10 +109,12 @@ def markdown(sec: dict[str, Any]) -> str:
     lines += [_bucket_table(sec), ""]
     zipf = [b for b in sec["buckets"] if b["routing"].startswith("zipf")]
     met = [b for b in zipf if b["target_met"]]
+    step_down = (f"(the trainer's BucketPolicy: a smaller one after {s['step_down_after']} "
+                 f"quieter batches) " if "step_down_after" in s else "")
     lines += [
         f"{s['steps']} routing batches per row; buckets {', '.join(f'{f:g}' for f in sec['capacity_buckets'])} "
         f"x balanced load, then worst case; the bucket that held carries over to the next batch "
-        f"and reruns are summed. fill and buffer/received are over all devices and batches "
+        f"{step_down}and reruns are summed. fill and buffer/received are over all devices and batches "
         f"(buffer/received = 1/fill). hierarchical has two receive buffers: its fill and "
         f"buffer/received count both (stage 1, cross-domain: one row per token and domain "
         f"used, counted from the batch's routing; stage 2, in-domain: ep_moe's "

@@ -103,7 +103,7 @@ def layer_rows(model: Model, s: Sizes, deadline: float) -> list[dict]:
     timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s,
                           outputs=outs)
     for kind, timing in timings.items():
-        stats = jax.device_get(outs[kind][1]) if kind != "dense" else {}
+        stats = dataclasses.asdict(jax.device_get(outs[kind][1])) if kind != "dense" else {}
         row = layer_row(shape, kind, "-" if kind == "dense" else model.router["score_function"],
                         timing, timings["dense"], stats, compile_s[kind])
         row.update(model=model.name, dtype=dtype.name,

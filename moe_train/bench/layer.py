@@ -32,8 +32,9 @@ import numpy as np
 from moe_train import config, sharding
 from moe_train.bench import experts as X
 from moe_train.bench.common import compile_jit, min_time, ratio_stats, summarize, time_rounds
-from moe_train.moe import capacity_moe, dropless_moe, swiglu_mlp
+from moe_train.moe import MoEStats, Routing, capacity_moe, dropless_moe, swiglu_mlp
 from moe_train.moe.gemm import resolve_backend
+from moe_train.moe.stats import exchange_stats
 
 TITLE = "MoE layer and train step"
 ROUTERS = {
@@ -100,13 +101,14 @@ def layer_fn(kind: str, shape: Shape, router_kw: dict, capacity_factor: float = 
 
     ``kind`` is a grouped-GEMM backend or ``capacity``; a sigmoid router gets an expert bias.
     """
-    kw = dict(router_kw, top_k=shape.top_k)
-    if kw.get("score_function") == "sigmoid":
+    routing = Routing(shape.top_k, **router_kw)
+    kw = {}
+    if routing.score_function == "sigmoid":
         kw["expert_bias"] = jnp.linspace(-0.1, 0.1, shape.experts)
     if kind == "capacity":
-        layer = lambda *ops: capacity_moe(*ops, capacity_factor=capacity_factor, **kw)
+        layer = lambda *ops: capacity_moe(*ops, routing, capacity_factor=capacity_factor, **kw)
     else:
-        layer = lambda *ops: dropless_moe(*ops, backend=kind, **kw)
+        layer = lambda *ops: dropless_moe(*ops, routing, backend=kind, **kw)
 
     def loss(x, gate, w0, w1, wo, dy):
         y, stats = layer(x, gate, w0, w1, wo)
@@ -164,7 +166,7 @@ def shape_rows(shape: Shape, s: Sizes) -> list[dict]:
     for (kind, router), timing in timings.items():
         stats = {}
         if kind != "dense":
-            stats = {k: np.asarray(v) for k, v in jax.device_get(outs[(kind, router)][1]).items()}
+            stats = dataclasses.asdict(jax.device_get(outs[(kind, router)][1]))
         rows.append(layer_row(shape, kind, router, timing, ref, stats, compile_s[(kind, router)]))
     return rows
 
@@ -183,12 +185,13 @@ def layer_row(shape, kind, router, timing, ref, stats, secs) -> dict[str, Any]:
     return row
 
 
-def _zero_moe(x_TH, gate_HE, wi_0, wi_1, wo, *, top_k, **_):
+def _zero_moe(x_TH, gate_HE, wi_0, wi_1, wo, routing, **_):
     """The ablation stub: no MoE work at all (zeros, zero stats of the right shapes)."""
     E = gate_HE.shape[1]
     zero = jnp.zeros((), jnp.float32)
-    stats = dict(tokens_per_expert=jnp.zeros((E,), jnp.int32), dropped_tokens=jnp.zeros((), jnp.int32),
-                 aux_loss=zero, seq_aux_loss=zero, z_loss=zero, router_entropy=zero)
+    stats = MoEStats(tokens_per_expert=jnp.zeros((E,), jnp.int32), aux_loss=zero,
+                     seq_aux_loss=zero, z_loss=zero, router_entropy=zero,
+                     dropped_tokens=jnp.zeros((), jnp.int32), **exchange_stats(0))
     return jnp.zeros_like(x_TH), stats
 
 

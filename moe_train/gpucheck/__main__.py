@@ -24,8 +24,8 @@ def sections() -> list[Section]:
             Section("gemm_speed", "Grouped GEMM speed (vs dense bf16)", 60, kernels.gemm_speed),
             Section("attention", "Attention implementations", 30, kernels.attention),
             Section("fp8", "fp8 projections and loss band", 70, kernels.fp8),
-            Section("training", "Training per backend", 150, runs.training),
-            Section("ep", "Expert parallelism", 45, runs.expert_parallel),
+            Section("training", "Training per backend", 130, runs.training),
+            Section("ep", "Expert parallelism", 65, runs.expert_parallel),
             Section("gpu_tests", "GPU-marked tests", 55, runs.gpu_tests)]
 
 

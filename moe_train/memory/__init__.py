@@ -47,7 +47,7 @@ Activations (token-proportional residuals kept for the backward pass), bytes per
   activations = T * (layers * kept + recomputed block + head) + C*V*(8 + a')
 
 MoE buffers (rows R of one MoE layer on one GPU; bucket factor f of moe.capacity_buckets,
-slots C = min(worst, 8*ceil(f * balanced / 8)) as moe.dispatch.bucket_slots):
+slots C = min(worst, 8*ceil(f * balanced / 8)) as moe_train.jobplan.bucket_slots):
     local (P = 1)  R = T*K
     allgather      R = P*T*K, plus the gathered tokens P*T*H*a
     a2a            R = P*C, C for balanced T*K/P, worst T*min(K, L); plus received tokens and

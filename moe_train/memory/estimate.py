@@ -6,12 +6,11 @@ Nothing here imports JAX: the planner runs anywhere the config loads.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from moe_train import flops
-from moe_train.config import Config, for_devices, head_dim, parse_buckets
+from moe_train import flops, jobplan
+from moe_train.config import Config, for_devices, head_dim
 
 ITEMS = ("params", "grads", "optimizer", "activations", "moe_buffers", "precision_copies",
          "other")
@@ -65,18 +64,6 @@ class Estimate:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def buckets(cfg: Config) -> list[float]:
-    """``moe.capacity_buckets`` as sorted factors (``moe_train.config.parse_buckets``)."""
-    return parse_buckets(cfg.moe.capacity_buckets)
-
-
-def bucket_slots(factor: float | None, balanced: float, worst: int) -> int:
-    """Slots per (source, destination) pair, as ``moe_train.moe.dispatch.bucket_slots``."""
-    if factor is None:
-        return worst
-    return max(1, min(worst, 8 * math.ceil(factor * balanced / 8)))
 
 
 def tile_rows(cfg: Config, assignments: int, local_experts: int, nominal: bool) -> int:
@@ -177,13 +164,12 @@ def moe_rows(cfg: Config, s: Setup, factor: float | None) -> tuple[int, int]:
     elif s.dispatcher == "allgather":
         rows, exchange = P * T * K, P * T
     elif s.dispatcher == "a2a":
-        rows = P * bucket_slots(factor, T * K / P, T * min(K, L))
+        stage = jobplan.a2a_stage(T, K, L, P, factor)
+        rows = stage.peers * stage.slots
         exchange = 2 * rows
     else:  # hierarchical: stage 1 over the slow links, stage 2 inside the domain
-        G, D = s.domains, s.domain_size
-        hit = 1.0 - (1.0 - 1.0 / G) ** K
-        r1 = G * bucket_slots(factor, T * hit, T)
-        rows = D * bucket_slots(factor, T * K / D, r1 * min(K, L))
+        one, two = jobplan.hierarchical_stages(T, K, L, s.domains, s.domain_size, factor)
+        r1, rows = one.peers * one.slots, two.peers * two.slots
         exchange = 2 * r1 + 2 * rows
     if s.backend != "tiled":
         return rows, exchange
@@ -285,10 +271,7 @@ def estimate(cfg: Config, s: Setup) -> Estimate:
     per = state_bytes(cfg, s)
     per["activations"] = activation_bytes(cfg, s)
     per["precision_copies"] = precision_copy_bytes(cfg, s)
-    if s.dispatcher in ("a2a", "hierarchical"):
-        factors: list[float | None] = [*buckets(cfg), None]
-    else:
-        factors = [None]
+    factors = jobplan.bucket_factors(s.dispatcher, cfg.moe.capacity_buckets)
     by_bucket = {("worst" if f is None else f"{f:g}"): moe_buffer_bytes(cfg, s, f) for f in factors}
     bucket = "worst" if len(factors) == 1 else f"{factors[-2]:g}"
     per["moe_buffers"] = by_bucket[bucket]

@@ -1,16 +1,19 @@
 """The job an estimate is for: devices, EP/FSDP sizes, tokens per device, dispatcher, backend.
 
-``setup_for`` applies the trainer's own rules before anything is estimated, so a plan the
-trainer would refuse is refused here with the same kind of message (``PlanError``, one line,
-naming valid choices): EP must divide the devices and the experts, FSDP must divide the
-model width, the batch must divide over the devices, and (on whole nodes) EP groups must be
-placeable inside NVLink domains (``topology.placement.allocation``).
+``setup_for`` applies the trainer's own rules (``moe_train.jobplan``) before anything is
+estimated, so a plan the trainer would refuse is refused here with the same message
+(``PlanError``, one line, naming valid choices): EP must divide the devices and the
+experts, FSDP must divide the model width, the batch must divide over the devices, and (on
+whole nodes) EP groups must be placeable inside NVLink domains
+(``topology.placement.allocation``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
+from moe_train import jobplan
 from moe_train.config import Config, ConfigError, for_devices, head_dim
 from moe_train.memory.estimate import Setup, tile_rows
 from topology.placement import PlacementError, allocation
@@ -21,45 +24,31 @@ class PlanError(ConfigError):
     """A job the trainer would refuse: printed as one ``error:`` line, exit code 2."""
 
 
-def _divisors(n: int, also: int | None = None) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1)
-                     if n % d == 0 and (also is None or also % d == 0))
+@contextlib.contextmanager
+def _as_plan_error():
+    """A ConfigError of the shared job rules (``moe_train.jobplan``) as a PlanError."""
+    try:
+        yield
+    except PlanError:
+        raise
+    except ConfigError as err:
+        raise PlanError(str(err)) from None
 
 
 def check_sizes(cfg: Config, devices: int, ep: int) -> int:
     """The FSDP size ``devices // ep``; PlanError where the trainer's mesh would fail."""
-    E, H, batch = cfg.moe.num_experts, cfg.model.hidden, cfg.train.batch_size
-    if ep < 1 or devices % ep or E % ep:
-        raise PlanError(f"ep {ep} must divide the {devices} devices and moe.num_experts={E}; "
-                        f"valid ep: {_divisors(devices, E)}")
-    dp = devices // ep
-    if cfg.parallel.dp and cfg.parallel.dp != dp:
-        raise PlanError(f"parallel.dp={cfg.parallel.dp} x ep {ep} != {devices} devices; "
-                        f"set parallel.dp={dp} (or 0)")
-    if H % dp:
-        raise PlanError(f"model.hidden={H} is not divisible by the data-parallel size {dp} "
-                        f"({devices} devices / ep {ep}); valid dp: {_divisors(H)}")
-    if batch % devices:
-        raise PlanError(f"train.batch_size={batch} is not divisible by {devices} devices; "
-                        f"use a multiple of {devices}")
-    micro = cfg.train.micro_batches
-    if (batch // devices) % micro:
-        raise PlanError(f"train.micro_batches={micro} does not divide the {batch // devices} "
-                        f"sequences per device; valid: {_divisors(batch // devices)}")
+    with _as_plan_error():
+        jobplan.check_ep(devices, ep, cfg.moe.num_experts)
+        dp = jobplan.check_dp(devices, ep, cfg.parallel.dp)
+        jobplan.check_width(cfg.model.hidden, dp)
+        jobplan.check_batch(cfg.train.batch_size, devices, cfg.train.micro_batches)
     return dp
 
 
 def _dispatcher(cfg: Config, devices: int, ep: int, domains: int) -> str:
-    """``moe_train.stepper.ep_plans``' choice for this job."""
-    if devices == 1 or ep == 1:
-        return "local"
-    name = cfg.moe.dispatcher
-    if name == "auto":
-        return "hierarchical" if domains > 1 else "a2a"
-    if name == "hierarchical" and domains == 1:
-        raise PlanError(f"moe.dispatcher=hierarchical needs an EP group spanning several "
-                        f"domains; ep {ep} fits one; use a2a")
-    return name
+    """``moe_train.stepper.ep_plans``' choice for this job (``jobplan.dispatcher``)."""
+    with _as_plan_error():
+        return jobplan.dispatcher(cfg.moe.dispatcher, devices, ep, domains)
 
 
 def _backend(cfg: Config, cluster: Cluster) -> str:
@@ -116,10 +105,8 @@ def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = Non
         raise PlanError(f"devices must be >= 1, got {devices}")
     ep = cfg.parallel.ep if ep is None else ep
     dp = check_sizes(cfg, devices, ep)
-    try:
+    with _as_plan_error():
         cfg = for_devices(cfg, devices)
-    except ConfigError as err:
-        raise PlanError(str(err)) from None
     if whole and devices > 1:
         check_placement(cfg, cluster, nodes, ep)
     domain = min(cluster.domain_size, devices)

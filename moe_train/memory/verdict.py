@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_train import jobplan
 from moe_train.config import Config, REMAT_POLICIES
 from moe_train.memory import job
 from moe_train.memory.estimate import ITEMS, Estimate, estimate
@@ -108,7 +109,8 @@ def alternatives(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
     n = devices or nodes * cluster.gpus_per_node
     total = lambda c: _total(c, cluster, nodes, devices)  # noqa: E731
     E = cfg.moe.num_experts
-    eps = [e for e in range(cfg.parallel.ep + 1, min(n, E) + 1) if n % e == 0 and E % e == 0]
+    eps = [e for e in range(cfg.parallel.ep + 1, min(n, E) + 1)
+           if jobplan.ep_fault(n, e, E) is None]
     out = [_first_fit(lambda e: f"parallel.ep={e}",
                       ((e, total(job.with_ep(cfg, e))) for e in eps), usable)]
     out += [_first_fit(lambda r: f"train.remat={r}", [(r, total(job.with_remat(cfg, r)))], usable)

@@ -3,14 +3,15 @@
 from moe_train.moe.capacity import capacity_moe, expert_capacity
 from moe_train.moe.gemm import (BACKENDS, BackendUnavailable, available_backends,
                                 resolve_backend)
-from moe_train.moe.layer import default_tile_rows, dropless_moe
+from moe_train.moe.layer import default_tile_rows, dropless_moe, ep_moe
 from moe_train.moe.permute import tiled_padding
 from moe_train.moe.reference import dense_reference_moe, swiglu_mlp
-from moe_train.moe.router import route, route_tokens, router_logits, router_stats
+from moe_train.moe.router import Routing, route, route_tokens, router_logits, router_stats
+from moe_train.moe.stats import MoEStats
 
 __all__ = [
-    "BACKENDS", "BackendUnavailable", "available_backends", "capacity_moe",
-    "default_tile_rows", "dense_reference_moe", "dropless_moe", "expert_capacity",
-    "resolve_backend", "route", "route_tokens", "router_logits", "router_stats",
-    "swiglu_mlp", "tiled_padding",
+    "BACKENDS", "BackendUnavailable", "MoEStats", "Routing", "available_backends",
+    "capacity_moe", "default_tile_rows", "dense_reference_moe", "dropless_moe", "ep_moe",
+    "expert_capacity", "resolve_backend", "route", "route_tokens", "router_logits",
+    "router_stats", "swiglu_mlp", "tiled_padding",
 ]

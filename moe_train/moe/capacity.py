@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.moe.layer import check_expert_shapes
-from moe_train.moe.router import route_tokens
+from moe_train.moe.permute import weighted_sum
+from moe_train.moe.router import Routing, route_tokens
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int,
@@ -38,9 +39,9 @@ def slot_positions(experts_TK: jax.Array, num_experts: int) -> jax.Array:
     return position_N.reshape(K, T).T
 
 
-def capacity_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, top_k,
-                 capacity_factor=1.0, capacity=None, seq_len=None, **router_kwargs):
-    """Token-dropping SwiGLU MoE with dropless_moe's router keywords.
+def capacity_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Routing, *,
+                 capacity_factor=1.0, capacity=None, seq_len=None, expert_bias=None):
+    """Token-dropping SwiGLU MoE routed as dropless_moe routes.
 
     capacity (int) overrides capacity_factor. Returns (y, stats); stats as dropless_moe's
     but dropped_tokens counts the dropped assignments.
@@ -49,10 +50,11 @@ def capacity_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, top_k,
     lead_shape = x_TH.shape[:-1]
     x_TH = x_TH.reshape(-1, H)
     T, dtype = x_TH.shape[0], x_TH.dtype
+    top_k = routing.top_k
     C = int(capacity) if capacity is not None else expert_capacity(T, top_k, E, capacity_factor)
     with jax.named_scope("route"):
         weights_TK, experts_TK, stats = route_tokens(
-            x_TH, gate_kernel_HE, top_k=top_k, seq_len=seq_len, **router_kwargs)
+            x_TH, gate_kernel_HE, routing, expert_bias=expert_bias, seq_len=seq_len)
     with jax.named_scope("permute"):
         position_TK = slot_positions(experts_TK, E)
         kept_TK = position_TK < C
@@ -72,8 +74,7 @@ def capacity_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, top_k,
                            preferred_element_type=jnp.float32).astype(dtype)
     with jax.named_scope("unpermute"):
         y_SH = y_ECH.reshape(E * C, H)
-        y_TKH = y_SH[jnp.minimum(slot_TK, E * C - 1)].astype(jnp.float32)
-        w_TK = jnp.where(kept_TK, weights_TK, 0.0)
-        y_TH = jnp.einsum("tkh,tk->th", y_TKH, w_TK).astype(dtype)
-    stats = dict(stats, dropped_tokens=jnp.sum(~kept_TK).astype(jnp.int32))
+        y_NH = y_SH[jnp.minimum(slot_TK, E * C - 1)].reshape(-1, H)
+        y_TH = weighted_sum(y_NH, jnp.where(kept_TK, weights_TK, 0.0), dtype)
+    stats = stats.replace(dropped_tokens=jnp.sum(~kept_TK).astype(jnp.int32))
     return y_TH.reshape(*lead_shape, H), stats

@@ -1,7 +1,19 @@
-"""Dropless MoE layer: route -> permute -> grouped GEMM -> unpermute.
+"""The dropless MoE layer: one pipeline of named steps for every expert-parallel size.
 
 Shape key: T tokens, H hidden, E experts, F expert ffn, K top-k, N = T*K assignments,
-R dispatched rows, m tile rows.
+L local experts, P expert-parallel size, A rows arriving at a shard, J expert ids per
+arriving row, R dispatched rows, m tile rows.
+
+    route -> dispatch -> permute -> grouped_gemm -> unpermute -> combine
+
+``route`` picks each token's experts and weights (``moe_train.moe.router``); ``dispatch``
+sends the tokens to the shards holding their experts (``moe_train.moe.dispatch``: one file
+per dispatcher); ``permute`` groups the rows that arrived by local expert; ``grouped_gemm``
+runs every expert's SwiGLU on its rows (``moe_train.moe.gemm``); ``unpermute`` puts the
+results back in arrival order, summed with their combine weights where those arrived too;
+``combine`` is the dispatch's inverse. With one shard (``dropless_moe``, or an EP group of
+size 1) dispatch and combine are identities. Each step runs under ``jax.named_scope`` of its
+name, so a profile shows the same phases whatever the EP size.
 
 Every assignment is computed (no capacity, no dropping). Shapes are static: routing only
 changes array values, so a jitted layer compiles once and never syncs with the host.
@@ -9,11 +21,21 @@ changes array values, so a jitted layer compiles once and never syncs with the h
 
 from __future__ import annotations
 
-import jax
+import math
+from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moe_train.jobplan import EPPlan
+from moe_train.moe import stats as moe_stats
+from moe_train.moe.dispatch import Arrived, Context, dispatcher
+from moe_train.moe.dispatch.local import Local
 from moe_train.moe.gemm import grouped_swiglu, resolve_backend
 from moe_train.moe.permute import make_dispatch, permute, unpermute
-from moe_train.moe.router import route_tokens
+from moe_train.moe.router import Routing, route_tokens
+from moe_train.sharding import EXPERT, EXPERT_X, TOKEN_AXES, logical_spec
 
 MAX_PADDING = 0.1  # executed rows <= (1 + MAX_PADDING) * useful rows under any routing
 CPU_MAX_TILE_ROWS = 32
@@ -53,11 +75,65 @@ def check_expert_shapes(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH) -> tup
     return H, E, F
 
 
-def dropless_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, top_k,
-                 score_function="softmax", normalize_top_k=True, num_groups=None,
-                 group_top_k=None, routed_scaling=1.0, expert_bias=None, backend="auto",
-                 tile_rows=None, seq_len=None, expert_input=None):
-    """Dropless top-k SwiGLU mixture of experts.
+class Experts(NamedTuple):
+    """The SwiGLU experts of one shard (the backends compute in the rows' dtype)."""
+
+    wi_0_LHF: jax.Array
+    wi_1_LHF: jax.Array
+    wo_LFH: jax.Array
+    backend: str  # concrete grouped-GEMM backend
+    tile_rows: int | None  # rows per tile of the tiled backend; None: sorted rows
+
+
+def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
+    """permute -> grouped_gemm -> unpermute on the rows that arrived at this shard."""
+    L = experts.wi_0_LHF.shape[0]
+    with jax.named_scope("permute"):
+        plan = make_dispatch(arrived.ids_AJ, L + arrived.spare, experts.tile_rows)
+        if arrived.spare:  # id L (not here) is an extra group that no GEMM reads
+            tiles = None if plan.tile_expert_B is None else jnp.minimum(plan.tile_expert_B, L - 1)
+            plan = plan._replace(group_sizes_E=plan.group_sizes_E[:L], tile_expert_B=tiles)
+        x_RH = permute(arrived.x_AH, plan)
+    with jax.named_scope("grouped_gemm"):
+        y_RH = grouped_swiglu(x_RH, plan, experts.wi_0_LHF, experts.wi_1_LHF, experts.wo_LFH,
+                              experts.backend)
+    with jax.named_scope("unpermute"):
+        return unpermute(y_RH, plan, arrived.weights_AJ, out_dtype=arrived.out_dtype)
+
+
+def exchange_steps(exchange, x_TH, weights_TK, experts_TK, experts: Experts, chunks: int = 1):
+    """dispatch -> expert steps -> combine, on ``chunks`` consecutive token chunks (independent
+    exchanges that XLA's scheduler can overlap with the other chunks' GEMMs): (y_TH, stats)."""
+    if chunks > 1:
+        outs = [exchange_steps(exchange, *part, experts) for part in
+                zip(jnp.split(x_TH, chunks), jnp.split(weights_TK, chunks),
+                    jnp.split(experts_TK, chunks))]
+        return (jnp.concatenate([y for y, _ in outs]),
+                moe_stats.combine_exchanges([s for _, s in outs]))
+    with jax.named_scope("dispatch"):
+        arrived, sent = exchange.dispatch(x_TH, weights_TK, experts_TK)
+    y = expert_steps(arrived, experts)
+    with jax.named_scope("combine"):
+        return exchange.combine(y, sent)
+
+
+def moe_steps(x_TH, xe_TH, gate_HE, experts: Experts, routing: Routing, exchange, *,
+              expert_bias=None, seq_len=None, axes=None, chunks: int = 1):
+    """The whole pipeline on one shard's tokens: (y_TH, MoEStats over the whole batch).
+    ``axes``: the mesh axes the batch is split over (inside ``shard_map``), else None."""
+    with jax.named_scope("route"):
+        weights_TK, experts_TK, stats = route_tokens(x_TH, gate_HE, routing,
+                                                     expert_bias=expert_bias, seq_len=seq_len,
+                                                     axis_names=axes)
+    y_TH, ex = exchange_steps(exchange, xe_TH, weights_TK, experts_TK, experts, chunks)
+    stats = stats.replace(**ex)
+    return y_TH, stats if axes is None else moe_stats.across_shards(stats, axes)
+
+
+def dropless_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Routing, *,
+                 expert_bias=None, backend="auto", tile_rows=None, seq_len=None,
+                 expert_input=None):
+    """Dropless top-k SwiGLU mixture of experts on one device.
 
     y[t] = sum over chosen e of w[t, e] * (silu(x[t] @ wi_0[e]) * (x[t] @ wi_1[e])) @ wo[e].
 
@@ -66,8 +142,8 @@ def dropless_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, top_k,
         Expert matmuls run in this dtype with fp32 accumulation; y has this dtype.
       gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH: router and expert weights (any float
         dtype; experts are cast to x's dtype, the router runs in fp32).
-      top_k, score_function, normalize_top_k, num_groups, group_top_k, routed_scaling,
-        expert_bias: routing, see router.route (num_groups None or 0 disables groups).
+      routing: the router's settings (``router.Routing``).
+      expert_bias: [E] added to the scores for choosing only (aux-loss-free balancing).
       backend: one of BACKENDS ("auto" picks per platform, see gemm.resolve_backend).
       tile_rows: rows per tile of the tiled backend (None or 0: default_tile_rows).
       seq_len: rows per sequence for seq_aux_loss (None: all T rows are one sequence).
@@ -75,24 +151,50 @@ def dropless_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, top_k,
         an fp8 quantize-dequantized copy); routing always uses x_TH. None: x_TH.
 
     Returns:
-      (y, stats): y shaped like x; stats as router.router_stats (dropped_tokens is 0).
+      (y, stats): y shaped like x; stats a ``MoEStats`` (dropped_tokens is 0).
     """
     H, E, F = check_expert_shapes(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH)
     lead_shape = x_TH.shape[:-1]
     x_TH = x_TH.reshape(-1, H)
-    N = x_TH.shape[0] * top_k
     name = resolve_backend(backend, x_TH.dtype, hidden=H, ffn=F)
-    with jax.named_scope("route"):
-        weights_TK, experts_TK, stats = route_tokens(
-            x_TH, gate_kernel_HE, top_k=top_k, score_function=score_function,
-            normalize_top_k=normalize_top_k, num_groups=num_groups, group_top_k=group_top_k,
-            routed_scaling=routed_scaling, expert_bias=expert_bias, seq_len=seq_len)
-    m = (tile_rows or default_tile_rows(N, E)) if name == "tiled" else None
-    with jax.named_scope("permute"):
-        plan = make_dispatch(experts_TK, E, m)
-        x_RH = permute(x_TH if expert_input is None else expert_input.reshape(-1, H), plan)
-    with jax.named_scope("grouped_gemm"):
-        y_RH = grouped_swiglu(x_RH, plan, wi_0_EHF, wi_1_EHF, wo_EFH, name)
-    with jax.named_scope("unpermute"):
-        y_TH = unpermute(y_RH, plan, weights_TK, out_dtype=x_TH.dtype)
+    m = (tile_rows or default_tile_rows(x_TH.shape[0] * routing.top_k, E)) if name == "tiled" else None
+    experts = Experts(wi_0_EHF, wi_1_EHF, wo_EFH, name, m)
+    xe_TH = x_TH if expert_input is None else expert_input.reshape(-1, H)
+    y_TH, stats = moe_steps(x_TH, xe_TH, gate_kernel_HE, experts, routing, Local(),
+                            expert_bias=expert_bias, seq_len=seq_len)
     return y_TH.reshape(*lead_shape, H), stats
+
+
+def ep_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Routing, *, plan: EPPlan,
+           expert_bias=None, backend="auto", tile_rows=None, seq_len=None, expert_input=None):
+    """``dropless_moe`` on the context mesh: the same pipeline on every shard under
+    ``shard_map``, with ``plan``'s dispatcher between the shards; same arguments and result.
+
+    ``x_TH`` is the global token batch (split over TOKEN_AXES), expert weights are split over
+    EP_AXES; each shard routes its own tokens and the statistics are over the whole batch.
+    ``stats.overflow``: some bucketed exchange needed more slots than it has: the train step
+    keeps its old state and is rerun on a larger bucket, so no token is ever dropped.
+    """
+    E, H, F = wi_0_EHF.shape
+    name = resolve_backend(backend, x_TH.dtype, hidden=H, ffn=F)
+    # One tile size for every buffer size, so a bucket computes exactly what the worst case
+    # does; a shard receives T*K rows when routing is balanced.
+    mesh = jax.sharding.get_abstract_mesh().shape
+    shard_rows = x_TH.shape[0] // math.prod(mesh.values()) * routing.top_k
+    m = (tile_rows or default_tile_rows(shard_rows // plan.chunks, E // plan.ep)) \
+        if name == "tiled" else None
+    exchange = dispatcher(Context(plan, E // plan.ep, mesh[EXPERT_X], mesh[EXPERT]))
+    bias_E = jnp.zeros((E,), jnp.float32) if expert_bias is None else expert_bias
+
+    def shard(x_TH, xe_TH, gate_HE, w0, w1, wo, bias_E):
+        return moe_steps(x_TH, xe_TH, gate_HE, Experts(w0, w1, wo, name, m), routing, exchange,
+                         expert_bias=bias_E, seq_len=seq_len, axes=TOKEN_AXES, chunks=plan.chunks)
+
+    # Inside the map each shard holds its tokens and its experts' whole weights.
+    tokens = logical_spec("activation_batch", "activation_embed")
+    experts = logical_spec("expert", None, None)
+    stat_specs = moe_stats.MoEStats(**{k: P() for k in moe_stats.KIND})
+    fn = jax.shard_map(shard, in_specs=(tokens, tokens, P(), experts, experts, experts, P()),
+                       out_specs=(tokens, stat_specs))
+    xe_TH = x_TH if expert_input is None else expert_input
+    return fn(x_TH, xe_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, bias_E)

@@ -111,10 +111,18 @@ def permute(x_TH: jax.Array, plan: Dispatch) -> jax.Array:
     return jnp.where(plan.valid_R[:, None], x_RH, jnp.zeros((), x_TH.dtype))
 
 
-def unpermute(y_RH: jax.Array, plan: Dispatch, weights_TK: jax.Array,
-              out_dtype=None) -> jax.Array:
-    """Combine: y[t] = sum_k weights[t, k] * y_R[row of (t, k)], summed in fp32."""
+def weighted_sum(y_NH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array:
+    """y[t] = sum_k weights[t, k] * y[t*K + k], summed in fp32."""
     T, K = weights_TK.shape
-    y_TKH = y_RH[plan.row_N].reshape(T, K, -1)
-    y_TH = jnp.einsum("tkh,tk->th", y_TKH.astype(jnp.float32), weights_TK.astype(jnp.float32))
-    return y_TH.astype(out_dtype or y_RH.dtype)
+    y_TKH = y_NH.reshape(T, K, -1).astype(jnp.float32)
+    return jnp.einsum("tkh,tk->th", y_TKH, weights_TK.astype(jnp.float32)).astype(out_dtype)
+
+
+def unpermute(y_RH: jax.Array, plan: Dispatch, weights_TK: jax.Array | None = None,
+              out_dtype=None) -> jax.Array:
+    """Back to assignment order: y[t] = sum_k weights[t, k] * y_R[row of (t, k)] (fp32 sums);
+    without weights, the row of every assignment n [N, H] as it is."""
+    y_NH = y_RH[plan.row_N]
+    if weights_TK is None:
+        return y_NH
+    return weighted_sum(y_NH, weights_TK, out_dtype or y_RH.dtype)

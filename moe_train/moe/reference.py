@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_train.moe.router import route_tokens
+from moe_train.moe.router import Routing, route_tokens
 
 
 def swiglu_mlp(x_TH: jax.Array, w0_HF: jax.Array, w1_HF: jax.Array, wo_FH: jax.Array) -> jax.Array:
@@ -29,19 +29,18 @@ def dense_combine_weights(weights_TK: jax.Array, experts_TK: jax.Array, num_expe
     return jnp.einsum("tke,tk->te", one_hot_TKE, weights_TK.astype(jnp.float32))
 
 
-def dense_reference_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, *, top_k,
-                        seq_len=None, **router_kwargs):
+def dense_reference_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Routing, *,
+                        seq_len=None, expert_bias=None):
     """Python loop over experts: y = sum_e combine[:, e] * swiglu_e(x).
 
-    Takes dropless_moe's router keywords (score_function, normalize_top_k, num_groups,
-    group_top_k, routed_scaling, expert_bias) and returns (y, stats) like it.
+    Routes as dropless_moe does and returns (y, stats) like it.
     """
     H = x_TH.shape[-1]
     lead_shape = x_TH.shape[:-1]
     x_TH = x_TH.reshape(-1, H)
     E = gate_kernel_HE.shape[-1]
     weights_TK, experts_TK, stats = route_tokens(
-        x_TH, gate_kernel_HE, top_k=top_k, seq_len=seq_len, **router_kwargs)
+        x_TH, gate_kernel_HE, routing, expert_bias=expert_bias, seq_len=seq_len)
     combine_TE = dense_combine_weights(weights_TK, experts_TK, E)
     y_TH = jnp.zeros(x_TH.shape, jnp.float32)
     for e in range(E):

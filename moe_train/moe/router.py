@@ -9,10 +9,33 @@ that are equal after rounding route identically.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
+from moe_train.moe.stats import MoEStats, exchange_stats
+
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How tokens choose experts: the router's static settings, one value for every layer."""
+
+    top_k: int  # K: experts per token
+    score_function: str = "softmax"  # softmax probabilities or DeepSeek-V3 sigmoid affinities
+    normalize_top_k: bool = True  # renormalise the chosen weights to sum to 1 per token
+    num_groups: int = 0  # group-limited routing over this many groups of experts; 0: off
+    group_top_k: int = 0  # groups a token may choose experts from (with num_groups)
+    routed_scaling: float = 1.0  # factor applied to the final combine weights
+
+    @classmethod
+    def of(cls, moe: Any) -> "Routing":
+        """The routing of a ``moe_train.config.MoEConfig``."""
+        return cls(moe.top_k, moe.score_function, moe.normalize_top_k, moe.num_groups,
+                   moe.group_top_k, moe.routed_scaling)
 
 
 def router_logits(x_TH: jax.Array, gate_kernel_HE: jax.Array) -> jax.Array:
@@ -51,30 +74,25 @@ def _limit_groups(choice_TE: jax.Array, num_groups: int, group_top_k: int) -> ja
     return jnp.where(keep_TE, choice_TE, -jnp.inf)
 
 
-def route(logits_TE: jax.Array, top_k: int, *, score_function: str = "softmax",
-          normalize_top_k: bool = True, num_groups: int | None = None,
-          group_top_k: int | None = None, routed_scaling: float = 1.0,
-          expert_bias: jax.Array | None = None):
-    """Choose `top_k` experts per token.
+def route(logits_TE: jax.Array, routing: Routing, expert_bias: jax.Array | None = None):
+    """Choose ``routing.top_k`` experts per token.
 
     Args:
       logits_TE: router logits (cast to fp32).
-      top_k: experts per token.
-      score_function: "softmax" or "sigmoid".
-      normalize_top_k: renormalise the chosen weights to sum to 1 per token.
-      num_groups, group_top_k: group-limited routing (None or 0 disables).
-      routed_scaling: factor applied to the final weights.
+      routing: the router's settings (group-limited routing when ``num_groups`` is set).
       expert_bias: [E] added to the scores for choosing only; receives no gradient.
 
     Returns:
       (weights_TK fp32, experts_TK int32, scores_TE fp32). Experts are ordered by decreasing
       choice value; ties go to the lowest index (jax.lax.top_k).
     """
+    r = routing
+    top_k, num_groups, group_top_k = r.top_k, r.num_groups, r.group_top_k
     logits_TE = logits_TE.astype(jnp.float32)
     T, E = logits_TE.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be in 1..{E}")
-    scores_TE = router_scores(logits_TE, score_function)
+    scores_TE = router_scores(logits_TE, r.score_function)
     choice_TE = jax.lax.stop_gradient(scores_TE)
     if expert_bias is not None:
         choice_TE = choice_TE + jax.lax.stop_gradient(expert_bias.astype(jnp.float32))
@@ -87,9 +105,9 @@ def route(logits_TE: jax.Array, top_k: int, *, score_function: str = "softmax",
     _, experts_TK = jax.lax.top_k(choice_TE, top_k)
     experts_TK = experts_TK.astype(jnp.int32)
     weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
-    if normalize_top_k:
+    if r.normalize_top_k:
         weights_TK = weights_TK / (weights_TK.sum(axis=-1, keepdims=True) + 1e-20)
-    return weights_TK * routed_scaling, experts_TK, scores_TE
+    return weights_TK * r.routed_scaling, experts_TK, scores_TE
 
 
 def expert_counts(experts_TK: jax.Array, num_experts: int) -> jax.Array:
@@ -120,13 +138,13 @@ def _seq_aux_loss(p_TE: jax.Array, experts_TK: jax.Array, seq_len: int | None) -
 
 def router_stats(logits_TE: jax.Array, scores_TE: jax.Array, experts_TK: jax.Array, *,
                  score_function: str = "softmax", seq_len: int | None = None,
-                 axis_names: tuple[str, ...] | None = None) -> dict:
-    """Load statistics and unscaled router losses (all fp32 scalars except the counts).
+                 axis_names: tuple[str, ...] | None = None) -> MoEStats:
+    """Load statistics and unscaled router losses (``MoEStats``; its exchange fields are
+    those of a layer without an exchange: every assignment computed where it was routed).
 
-    Keys: tokens_per_expert [E] int32, dropped_tokens int32 (0; callers that drop overwrite
-    it), aux_loss (E * sum_e f_e P_e over all tokens), seq_aux_loss (per sequence of
-    `seq_len` rows, then averaged), z_loss (mean logsumexp(logits)^2), router_entropy (mean
-    entropy of the per-token distribution). P uses scores normalised to sum 1 per token.
+    aux_loss is E * sum_e f_e P_e over all tokens, seq_aux_loss the same per sequence of
+    ``seq_len`` rows, then averaged; z_loss the mean logsumexp(logits)^2; router_entropy the
+    mean entropy of the per-token distribution. P uses scores normalised to sum 1 per token.
     With ``axis_names`` (inside shard_map) the tokens are this shard's part of the batch and
     every statistic is over the whole batch: sums are psum-reduced over those mesh axes.
     """
@@ -142,27 +160,25 @@ def router_stats(logits_TE: jax.Array, scores_TE: jax.Array, experts_TK: jax.Arr
     aux_loss = E * jnp.sum(f_E * total(p_TE.sum(axis=0)) / tokens)
     lse_T = jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)
     entropy_T = -jnp.sum(p_TE * jnp.log(jnp.maximum(p_TE, 1e-30)), axis=-1)
-    return {
-        "tokens_per_expert": counts_E,
-        "dropped_tokens": jnp.zeros((), jnp.int32),
-        "aux_loss": aux_loss,
-        "seq_aux_loss": total(_seq_aux_loss(p_TE, experts_TK, seq_len)) / total(jnp.float32(1)),
-        "z_loss": total(jnp.sum(jnp.square(lse_T))) / tokens,
-        "router_entropy": total(jnp.sum(entropy_T)) / tokens,
-    }
+    return MoEStats(
+        tokens_per_expert=counts_E,
+        aux_loss=aux_loss,
+        seq_aux_loss=total(_seq_aux_loss(p_TE, experts_TK, seq_len)) / total(jnp.float32(1)),
+        z_loss=total(jnp.sum(jnp.square(lse_T))) / tokens,
+        router_entropy=total(jnp.sum(entropy_T)) / tokens,
+        dropped_tokens=jnp.zeros((), jnp.int32),
+        **exchange_stats(tokens * K))
 
 
-def route_tokens(x_TH: jax.Array, gate_kernel_HE: jax.Array, *, top_k: int,
-                 score_function: str = "softmax", normalize_top_k: bool = True,
-                 num_groups: int | None = None, group_top_k: int | None = None,
-                 routed_scaling: float = 1.0, expert_bias: jax.Array | None = None,
-                 seq_len: int | None = None):
-    """logits -> route -> stats in one call: returns (weights_TK, experts_TK, stats)."""
+def route_tokens(x_TH: jax.Array, gate_kernel_HE: jax.Array, routing: Routing, *,
+                 expert_bias: jax.Array | None = None, seq_len: int | None = None,
+                 axis_names: tuple[str, ...] | None = None):
+    """logits -> route -> stats in one call: returns (weights_TK, experts_TK, stats).
+
+    ``axis_names`` (inside ``shard_map``): the mesh axes the batch is split over; the
+    statistics are then over the whole batch (``router_stats``)."""
     logits_TE = router_logits(x_TH, gate_kernel_HE)
-    weights_TK, experts_TK, scores_TE = route(
-        logits_TE, top_k, score_function=score_function, normalize_top_k=normalize_top_k,
-        num_groups=num_groups, group_top_k=group_top_k, routed_scaling=routed_scaling,
-        expert_bias=expert_bias)
-    stats = router_stats(logits_TE, scores_TE, experts_TK, score_function=score_function,
-                         seq_len=seq_len)
+    weights_TK, experts_TK, scores_TE = route(logits_TE, routing, expert_bias)
+    stats = router_stats(logits_TE, scores_TE, experts_TK, score_function=routing.score_function,
+                         seq_len=seq_len, axis_names=axis_names)
     return weights_TK, experts_TK, stats

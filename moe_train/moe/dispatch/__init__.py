@@ -1,0 +1,103 @@
+"""Token dispatchers for expert parallelism; each runs inside ``shard_map`` on one shard.
+
+Letter key: T this shard's tokens, H hidden, K top-k, L local experts, P EP size, G fast-link
+domains in the EP group (mesh axis ``expert_x``), D shards per domain (axis ``expert``),
+C slots per (source, destination) pair, N assignments, X rows to send (this shard's tokens,
+or the rows an earlier stage delivered), A rows arriving at a shard, J expert ids per row,
+R rows of a buffer.
+
+A dispatcher is the exchange around the single-device steps (``moe_train.moe.layer``):
+``dispatch`` sends each token to the shards holding its experts and returns what arrived
+here (``Arrived``: rows, their local expert ids, and combine weights when the weighted sum
+runs here), ``combine`` sends the experts' outputs back and returns ``(y_TH, exchange
+stats)``. One file per dispatcher: ``local`` (P = 1: no exchange), ``allgather``, ``a2a``
+(flat all-to-all in capacity-bucketed slots), ``hierarchical`` (two stages, each token
+crosses the slow links once per remote domain). Exchange stats (``moe_train.moe.stats``):
+``overflow`` (a pair needed more than C slots: the step must be rerun on a larger bucket),
+``recv_rows``/``recv_slots``, ``max_pair_load`` and ``slow_rows``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_train.jobplan import EPPlan
+
+
+class Context(NamedTuple):
+    """Static facts a dispatcher needs besides its operands."""
+
+    plan: EPPlan
+    local_experts: int  # L: experts on each shard
+    domains: int  # G: fast-link domains in an EP group (mesh axis expert_x)
+    domain_size: int  # D: shards per domain (mesh axis expert)
+
+
+class Arrived(NamedTuple):
+    """What a dispatch delivered to this shard's experts."""
+
+    x_AH: jax.Array  # rows to compute
+    ids_AJ: jax.Array  # local expert of each (row, j); L: none here (its output is unused)
+    weights_AJ: jax.Array | None  # combine weights summed here; None: each (row, j) returns
+    out_dtype: Any  # dtype of the rows (or sums) sent back
+    spare: bool = True  # some ids are L (rows or slots with no expert here)
+
+
+def all_to_all(x, axis):
+    """Tiled all-to-all along ``axis`` over the leading dimension."""
+    return jax.lax.all_to_all(x, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
+
+
+class Packed(NamedTuple):
+    """A send buffer of ``n_dest * C`` rows and where each assignment went."""
+
+    x_RH: jax.Array  # rows, destination-major, C slots each
+    ids_R: jax.Array  # local expert of each row at its destination (L: empty slot)
+    slot_N: jax.Array  # slot of assignment n (R: not sent)
+    counts: jax.Array  # [n_dest] assignments this shard has for each destination
+
+
+def pack(x_XH, dest_XJ, local_XJ, n_dest: int, C: int, L: int) -> Packed:
+    """Slot of every assignment (x, j): destination ``dest[x, j]``, then the order of its local
+    expert, then of x (``dest == n_dest``: stays out of this exchange); rows past C slots of
+    a destination are not sent (the exchange then reports ``overflow``)."""
+    X, J = dest_XJ.shape
+    R, N = n_dest * C, X * J
+    dest_N = dest_XJ.reshape(-1)
+    local_N = jnp.where(dest_N < n_dest, local_XJ.reshape(-1), 0)
+    order_N = jnp.argsort(dest_N * L + local_N, stable=True)
+    counts = jnp.bincount(dest_N, length=n_dest + 1).astype(jnp.int32)
+    start = jnp.cumsum(counts) - counts
+    pos_N = jnp.zeros((N,), jnp.int32).at[order_N].set(
+        jnp.arange(N, dtype=jnp.int32) - start[dest_N[order_N]])
+    slot_N = jnp.where((dest_N < n_dest) & (pos_N < C), dest_N * C + pos_N, R)
+    x_RH = jnp.zeros((R, x_XH.shape[1]), x_XH.dtype).at[slot_N].set(
+        jnp.repeat(x_XH, J, axis=0), mode="drop")
+    ids_R = jnp.full((R,), L, jnp.int32).at[slot_N].set(local_N, mode="drop")
+    return Packed(x_RH, ids_R, slot_N, counts[:n_dest])
+
+
+def unpack(y_RH, slot_N):
+    """Row of every assignment from the returned buffer (zero where it was not sent)."""
+    R = y_RH.shape[0]
+    return jnp.where((slot_N < R)[:, None], y_RH[jnp.minimum(slot_N, R - 1)], 0)
+
+
+def pair_stats(recv_counts, C: int, balanced: float) -> dict:
+    """Exchange stats of one bucketed exchange from the counts each source sent here."""
+    return {"overflow": jnp.any(recv_counts > C),
+            "recv_rows": jnp.sum(jnp.minimum(recv_counts, C)).astype(jnp.float32),
+            "recv_slots": jnp.float32(recv_counts.shape[0] * C),
+            "max_pair_load": jnp.max(recv_counts).astype(jnp.float32) / balanced}
+
+
+def dispatcher(ctx: Context):
+    """The dispatcher object for ``ctx.plan.dispatcher``."""
+    from moe_train.moe.dispatch import a2a, allgather, hierarchical, local
+
+    kinds = {"local": local.Local, "allgather": allgather.AllGather, "a2a": a2a.A2A,
+             "hierarchical": hierarchical.Hierarchical}
+    return kinds[ctx.plan.dispatcher](ctx)

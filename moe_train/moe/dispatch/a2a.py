@@ -1,0 +1,47 @@
+"""Flat all-to-all over the whole EP group: each assignment goes straight to its expert.
+
+Letter key: T this shard's tokens, H hidden, K top-k, L local experts, P EP size, C slots per
+(source, destination) pair, R = P*C buffer rows, N = T*K assignments.
+
+The receive buffer is static: C slots per pair, a capacity bucket times the balanced load
+(``moe_train.jobplan.a2a_stage``). An exchange that does not fit reports ``overflow`` and
+the step is rerun on a larger bucket; the worst-case bucket always fits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_train import jobplan
+from moe_train.moe.dispatch import Arrived, Context, all_to_all, pack, pair_stats, unpack
+from moe_train.moe.permute import weighted_sum
+from moe_train.sharding import EP_AXES, EXPERT_X
+
+
+class A2A:
+    """Send every assignment's row to its expert's shard; the rows come back unweighted and
+    the combine weights are applied here, in fp32."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def dispatch(self, x_TH, weights_TK, experts_TK):
+        T, K = experts_TK.shape
+        L, P = self.ctx.local_experts, self.ctx.plan.ep
+        stage = jobplan.a2a_stage(T, K, L, P, self.ctx.plan.capacity_factor)
+        with jax.named_scope("pack"):
+            sent = pack(x_TH, experts_TK // L, experts_TK % L, P, stage.slots, L)
+        recv_counts = all_to_all(sent.counts, EP_AXES)  # the small exchange first
+        arrived = Arrived(all_to_all(sent.x_RH, EP_AXES), all_to_all(sent.ids_R, EP_AXES)[:, None],
+                          None, x_TH.dtype)
+        domain = jax.lax.axis_index(EXPERT_X)
+        stats = pair_stats(recv_counts, stage.slots, stage.balanced)
+        stats["slow_rows"] = jnp.sum(experts_TK // L // self.ctx.domain_size != domain
+                                     ).astype(jnp.float32)
+        return arrived, (sent.slot_N, weights_TK, x_TH.dtype, stats)
+
+    def combine(self, y_RH, sent):
+        slot_N, weights_TK, dtype, stats = sent
+        y_NH = unpack(all_to_all(y_RH, EP_AXES), slot_N)
+        return weighted_sum(y_NH, weights_TK, dtype), stats

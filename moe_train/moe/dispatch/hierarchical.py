@@ -1,0 +1,84 @@
+"""Two-stage dispatch for EP groups that span several fast-link domains.
+
+Letter key: T this shard's tokens, H hidden, K top-k, L local experts, G domains in the EP
+group (mesh axis ``expert_x``, the slow links), D shards per domain (axis ``expert``),
+C1/C2 slots per pair of stage 1/2, R1 = G*C1 and R2 = D*C2 buffer rows.
+
+Stage 1 sends each token once to every domain holding one of its experts, with its expert
+ids and weights there; stage 2 fans the rows out inside the domain as ``a2a`` does. Combine
+runs in reverse: stage 2's rows are weighted and summed per stage-1 row in fp32, and those
+partial sums cross the slow links once per (token, domain). Slot sizes:
+``moe_train.jobplan.hierarchical_stages``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_train import jobplan
+from moe_train.moe.dispatch import Arrived, Context, all_to_all, pack, pair_stats, unpack
+from moe_train.moe.permute import weighted_sum
+from moe_train.sharding import EXPERT, EXPERT_X
+
+SLOW, FAST = EXPERT_X, EXPERT
+
+
+class Hierarchical:
+    """Token rows over the slow links once per remote domain, then assignments inside it."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def _stage_one(self, x_TH, weights_TK, experts_TK, C1: int):
+        """Send buffers of stage 1: the token, its experts in that domain (-1 elsewhere) and
+        their weights, in C1 slots per domain."""
+        T, K = experts_TK.shape
+        L, G, D = self.ctx.local_experts, self.ctx.domains, self.ctx.domain_size
+        dom_TK = experts_TK // (L * D)
+        need_TG = jnp.any(dom_TK[:, :, None] == jnp.arange(G), axis=1)
+        pos_TG = jnp.cumsum(need_TG, axis=0, dtype=jnp.int32) - 1
+        ok_TG = need_TG & (pos_TG < C1)
+        slot = jnp.where(ok_TG, jnp.arange(G) * C1 + pos_TG, G * C1).reshape(-1)
+        in_dom_TGK = dom_TK[:, None, :] == jnp.arange(G)[None, :, None]
+        send_x = jnp.zeros((G * C1, x_TH.shape[1]), x_TH.dtype).at[slot].set(
+            jnp.repeat(x_TH, G, axis=0), mode="drop")
+        send_e = jnp.full((G * C1, K), -1, jnp.int32).at[slot].set(
+            jnp.where(in_dom_TGK, experts_TK[:, None, :], -1).reshape(T * G, K), mode="drop")
+        send_w = jnp.zeros((G * C1, K), jnp.float32).at[slot].set(
+            jnp.where(in_dom_TGK, weights_TK[:, None, :], 0.0).reshape(T * G, K), mode="drop")
+        return send_x, send_e, send_w, slot, ok_TG, need_TG
+
+    def dispatch(self, x_TH, weights_TK, experts_TK):
+        T, K = experts_TK.shape
+        L, G, D = self.ctx.local_experts, self.ctx.domains, self.ctx.domain_size
+        one, two = jobplan.hierarchical_stages(T, K, L, G, D, self.ctx.plan.capacity_factor)
+        with jax.named_scope("pack"):
+            send_x, send_e, send_w, slot1, ok_TG, need_TG = self._stage_one(
+                x_TH, weights_TK, experts_TK, one.slots)
+        recv_counts1 = all_to_all(need_TG.sum(axis=0).astype(jnp.int32), SLOW)
+        r_e = all_to_all(send_e, SLOW)
+        r_x, r_w = all_to_all(send_x, SLOW), all_to_all(send_w, SLOW)
+        dest2 = jnp.where(r_e >= 0, (r_e // L) % D, D)
+        with jax.named_scope("pack"):
+            sent2 = pack(r_x, dest2, r_e % L, D, two.slots, L)
+        recv_counts2 = all_to_all(sent2.counts, FAST)
+        arrived = Arrived(all_to_all(sent2.x_RH, FAST), all_to_all(sent2.ids_R, FAST)[:, None],
+                          None, x_TH.dtype)
+        stats = pair_stats(recv_counts2, two.slots, two.balanced)
+        first = pair_stats(recv_counts1, one.slots, one.balanced)
+        domain = jax.lax.axis_index(SLOW)
+        stats.update(overflow=stats["overflow"] | first["overflow"],
+                     max_pair_load=jnp.maximum(stats["max_pair_load"], first["max_pair_load"]),
+                     slow_rows=(need_TG.sum() - need_TG[:, domain].sum()).astype(jnp.float32))
+        return arrived, (sent2.slot_N, jnp.where(dest2 < D, r_w, 0.0), slot1, ok_TG,
+                         x_TH.dtype, stats)
+
+    def combine(self, y_R2H, sent):
+        slot2, w2, slot1, ok_TG, dtype, stats = sent
+        part_R1H = weighted_sum(unpack(all_to_all(y_R2H, FAST), slot2), w2, jnp.float32)
+        back_R1H = all_to_all(part_R1H, SLOW)
+        T, G = ok_TG.shape
+        y_TGH = jnp.where(ok_TG[..., None], back_R1H[jnp.minimum(slot1, back_R1H.shape[0] - 1)]
+                          .reshape(T, G, -1), 0)
+        return y_TGH.sum(axis=1).astype(dtype), stats
