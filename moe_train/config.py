@@ -38,6 +38,8 @@ MOVED = {"model.dtype": ("precision.compute", COMPUTE)}
 REMAT_POLICIES = ("none", "full", "matmuls", "moe")  # moe_train.remat documents each
 ATTENTION = ("auto", "xla", "cudnn", "chunked", "te")  # model.attention (moe_train.attention)
 ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
+ROPE_LAYOUTS = ("half", "interleaved")  # rope.layout (moe_train.rope)
+ROPE_SCALINGS = ("none", "yarn")  # rope.scaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +155,20 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embeddings (``moe_train.rope``); the base is ``model.rope_theta``."""
+
+    layout: str = "half"  # pairs: half (rotate-half: Llama, Mixtral, Qwen3) | interleaved (DeepSeek-V3)
+    scaling: str = "none"  # none | yarn (context extension, as long-context checkpoints use)
+    factor: float = 1.0  # yarn: the context stretch, new context / original_max_positions
+    original_max_positions: int = 4096  # yarn: the context the model was trained on
+    beta_fast: float = 32.0  # yarn: frequencies turning more often over that context are kept
+    beta_slow: float = 1.0  # yarn: frequencies turning less often are divided by factor
+    mscale: float = 1.0  # yarn: magnitude correction of the rotated values (numerator)
+    mscale_all_dim: float = 0.0  # yarn: its denominator, and the softmax-scale correction; 0: none
+
+
+@dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
     """Compute precision; master weights, optimizer state, router and losses stay fp32."""
 
@@ -174,6 +190,7 @@ class Config:
     train: TrainConfig = TrainConfig()  # loop and checkpoints
     parallel: ParallelConfig = ParallelConfig()  # devices
     precision: PrecisionConfig = PrecisionConfig()  # compute dtype and fp8 scaling
+    rope: RopeConfig = RopeConfig()  # rotary position embeddings
 
 
 def section_names() -> tuple[str, ...]:
@@ -329,6 +346,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention": ATTENTION, "train.remat": REMAT_POLICIES,
     "train.on_nonfinite": ON_NONFINITE, "precision.compute": COMPUTE,
     "precision.fp8_recipe": FP8_RECIPES, "precision.fp8_backend": FP8_BACKENDS,
+    "rope.layout": ROPE_LAYOUTS, "rope.scaling": ROPE_SCALINGS,
 }
 
 

@@ -94,6 +94,9 @@ RANGES: dict[str, Range] = {
     # delayed scaling keeps this many amaxes per tensor (Transformer Engine's default is 1024);
     # beyond a margin of 16 the largest value already falls into e4m3's subnormals
     "precision.amax_history": _int(1, 2 ** 16), "precision.margin": _int(0, 16),
+    "rope.factor": Range(float, 1.0), "rope.original_max_positions": _int(1),
+    "rope.beta_fast": _positive(), "rope.beta_slow": _positive(), "rope.mscale": _nonneg(),
+    "rope.mscale_all_dim": _nonneg(),
 }
 
 
@@ -202,6 +205,10 @@ def check_rules(cfg: Any) -> None:
     if t.micro_batch_size and t.micro_batches != 1:
         raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} with train.micro_batches="
                           f"{t.micro_batches}: set one of them (micro_batch_size >= 0)")
+    r = cfg.rope
+    if r.scaling == "yarn" and r.beta_fast <= r.beta_slow:
+        raise ConfigError(f"rope.beta_fast={r.beta_fast} must be larger than rope.beta_slow="
+                          f"{r.beta_slow} (the frequencies between them are blended)")
     if e.top_k > e.num_experts:
         raise ConfigError(f"moe.top_k={e.top_k} is larger than moe.num_experts={e.num_experts}; "
                           f"choose top_k in 1..{e.num_experts}")

@@ -24,6 +24,7 @@ layout (params, moe_state, fp8 state, Adam moments, a whole train state) between
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable, NamedTuple
 
@@ -31,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_train import attention, precision, remat
+from moe_train import attention, precision, remat, rope
 from moe_train.config import Config, head_dim
 from moe_train.jobplan import EPPlan
 from moe_train.moe import Routing, dropless_moe, ep_moe
@@ -75,18 +76,6 @@ class RMSNorm(nn.Module):
         return (x32 * scale).astype(x.dtype)
 
 
-def rope(x_BSND, theta: float):
-    """Rotary position embedding (rotate-half form) on the last axis."""
-    d = x_BSND.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    pos = jnp.arange(x_BSND.shape[1], dtype=jnp.float32)
-    ang_SD = jnp.outer(pos, inv_freq)[None, :, None, :]
-    sin, cos = jnp.sin(ang_SD), jnp.cos(ang_SD)
-    x1, x2 = jnp.split(x_BSND.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BSND.dtype)
-
-
 class Attention(nn.Module):
     """Causal grouped-query attention through ``moe_train.attention`` (``model.attention``
     resolved for this platform, ``model.attention_block`` rows per block of ``chunked``)."""
@@ -109,11 +98,13 @@ class Attention(nn.Module):
         if m.qk_norm:
             q_BSND = RMSNorm(m.norm_eps, "head_dim", name="q_norm")(q_BSND)
             k_BSKD = RMSNorm(m.norm_eps, "head_dim", name="k_norm")(k_BSKD)
-        q_BSND, k_BSKD = rope(q_BSND, m.rope_theta), rope(k_BSKD, m.rope_theta)
+        r = self.cfg.rope
+        q_BSND, k_BSKD = rope.apply(q_BSND, m.rope_theta, r), rope.apply(k_BSKD, m.rope_theta, r)
         impl, _ = attention.resolve(m.attention, platform=jax.default_backend(), dtype=dt,
                                     head_dim=d, v_head_dim=d, seq_len=x_BSH.shape[1])
         o_BSND = attention.attend(q_BSND, k_BSKD, v_BSKD, implementation=impl,
-                                  block=m.attention_block)
+                                  block=m.attention_block,
+                                  scale=rope.softmax_scale_factor(r) / math.sqrt(d))
         o_axes = ("heads", "head_dim", "embed")
         wo = self.param("o", nn.with_logical_partitioning(_init((0, 1), (2,)), o_axes),
                         (m.num_heads, d, m.hidden), jnp.dtype(m.param_dtype))
