@@ -43,9 +43,11 @@ STRUCTURAL = {
     "model": None,  # every model field but those below
     "moe": ("num_experts", "expert_ffn", "num_shared_experts", "shared_ffn"),
 }
-# Model fields that are not: the attention kernel changes no state, and a checkpoint of the
-# other layer layout is converted on restore.
-NOT_STRUCTURAL = {"model": ("attention", "attention_block", "scan_layers")}
+# Model fields that are not: the attention kernel changes no state, a checkpoint of the
+# other layer layout is converted on restore, and the MTP loss weight may change on resume
+# (DeepSeek-V3 lowered it from 0.3 to 0.1 late in its run).
+NOT_STRUCTURAL = {"model": ("attention", "attention_block", "scan_layers", "mtp_loss_weight",
+                            "mtp_loss_weight_late", "mtp_late_step")}
 
 
 def _fp8_state(precision: dict[str, Any]) -> str | None:

@@ -32,7 +32,8 @@ from moe_train import config, distributed, signals, supervise
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m moe_train", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny",
-                   help=f"model preset: {', '.join(config.list_presets())} (default: tiny)")
+                   help=f"model preset: {', '.join(config.list_presets())}, or a .toml file's "
+                        "path (default: tiny)")
     p.add_argument("--out", required=True, type=Path,
                    help="run directory (resumes from its latest checkpoint if there is one)")
     p.add_argument("--steps", type=int, help="total steps (same as --set train.steps=N)")

@@ -27,7 +27,7 @@ PRESET_DIR = Path(__file__).parent / "presets"
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BACKENDS = ("auto", "tiled", "ragged_dot", "mgpu", "te")
 DISPATCHERS = jobplan.DISPATCHERS  # moe.dispatcher
-DATA_SOURCES = ("synthetic", "tokens", "bytes")
+DATA_SOURCES = ("synthetic", "tokens", "bytes", "prepared")
 TOKEN_DTYPES = ("uint16", "uint32")
 DTYPES = ("float32", "bfloat16")
 COMPUTE = ("fp32", "bf16", "fp8")  # precision.compute
@@ -40,6 +40,7 @@ ATTENTION = ("auto", "xla", "cudnn", "chunked", "te")  # model.attention (moe_tr
 ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 ROPE_LAYOUTS = ("half", "interleaved")  # rope.layout (moe_train.rope)
 ROPE_SCALINGS = ("none", "yarn")  # rope.scaling
+ATTENTION_KINDS = ("gqa", "mla")  # model.attention_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +57,23 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     qk_norm: bool = False  # RMSNorm on each query/key head (Qwen3)
     tie_embeddings: bool = False  # share the input embedding with the output projection
+    tied_logit_scale: float = 0.0  # with tie_embeddings: logits x this; 0: hidden**-0.5 (keeps the unit-scale init's logits O(1)); 1: Hugging Face's convention (from-hf sets it)
     first_dense_layers: int = 0  # the first N blocks use a dense SwiGLU MLP instead of MoE
     dense_ffn: int = 256  # hidden width of the dense SwiGLU MLP in those blocks
     param_dtype: str = "float32"  # master weight dtype (compute precision: [precision])
     attention: str = "auto"  # attention kernel: auto | xla (full scores) | cudnn | chunked (flash-style) | te
     attention_block: int = 0  # query/key block rows of the chunked attention; 0 picks per length
     scan_layers: bool = True  # run repeated blocks under a scan (one compiled body); false: a Python loop
+    attention_kind: str = "gqa"  # gqa (grouped-query: num_kv_heads, head_dim) | mla (multi-head latent attention, DeepSeek-V2/V3: the fields below)
+    q_lora_rank: int = 0  # mla: width of the query latent (V3: 1536); 0 projects queries straight from the hidden state
+    kv_lora_rank: int = 512  # mla: width of the shared key/value latent (V3: 512)
+    qk_nope_head_dim: int = 128  # mla: per-head query/key dims without RoPE (V3: 128)
+    qk_rope_head_dim: int = 64  # mla: RoPE dims of each query head and of the one key all heads share (V3: 64); even
+    v_head_dim: int = 128  # mla: per-head value width (V3: 128)
+    mtp_depth: int = 0  # multi-token prediction modules (V3: 1): module k also predicts token i+k+1; 0: none
+    mtp_loss_weight: float = 0.3  # weight of the depths' mean cross-entropy in the training loss (V3: 0.3 for its first 10T tokens)
+    mtp_loss_weight_late: float = 0.1  # the weight from train step mtp_late_step on (V3: 0.1 for its last 4.8T tokens)
+    mtp_late_step: int = 0  # optimizer step from which mtp_loss_weight_late applies; 0: never
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +92,7 @@ class MoEConfig:
     routed_scaling: float = 1.0  # factor on the routed experts' weights
     backend: str = "auto"  # grouped GEMM: auto | tiled | ragged_dot | mgpu | te
     tile_rows: int = 0  # row tile of the tiled backend; 0 picks per platform
-    aux_loss_coef: float = 0.01  # switch-style load-balance loss over the global batch; 0 disables
+    aux_loss_coef: float = 0.01  # switch-style load-balance loss over the global batch, E*sum_e f_e*P_e with f the share of the top-k assignments (balanced: 1; Hugging Face's router_aux_loss_coef multiplies top_k times this value, so theirs x top_k is ours); 0 disables
     seq_aux_loss_coef: float = 0.0  # per-sequence load-balance loss (DeepSeek-V3); 0 disables
     z_loss_coef: float = 0.001  # router z-loss (mean squared logsumexp of logits); 0 disables
     bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate*sign(mean-load); 0 off
@@ -94,10 +106,11 @@ class MoEConfig:
 class DataConfig:
     """Where the training tokens come from."""
 
-    source: str = "synthetic"  # synthetic | tokens (pre-tokenised file) | bytes (UTF-8 text)
-    path: str = ""  # file for tokens/bytes; relative paths resolve from the working directory
+    source: str = "synthetic"  # synthetic | tokens (pre-tokenised file) | bytes (UTF-8 text) | prepared (a directory of python -m moe_train.data prepare)
+    path: str = ""  # file for tokens/bytes, directory for prepared; relative paths resolve from the working directory
     token_dtype: str = "uint16"  # element type of a tokens file: uint16 | uint32
     seed: int = 0  # seed of the batch order (and of the synthetic generator)
+    packing: bool = True  # prepared: documents packed into rows with segment ids; positions restart per document; attention never crosses documents; the first token of a document is not predicted from the previous one (false: plain rows that cross documents); other sources have no documents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +140,19 @@ class TrainConfig:
     keep_checkpoints: int = 3  # keep the last N checkpoints
     async_checkpoint: bool = True  # write periodic checkpoints in the background
     log_every: int = 1  # print a progress line every N steps
+    eval_every: int = 0  # held-out loss (eval_loss, eval_ppl) every N steps and at the last step: the val split of a prepared data.path, or fixed held-out walks of the synthetic chain; 0: off
+    eval_tokens: int = 0  # held-out tokens per evaluation, rounded up to whole batches of batch_size sequences (a smaller val split is used whole); 0: 64 sequences
     telemetry_interval_s: float = 1.0  # seconds between GPU/host samples to <out>/telemetry/; 0 disables
     remat: str = "none"  # activation checkpointing per block: none | full | matmuls | moe
     micro_batches: int = 1  # gradient accumulation: run each step's batch as N micro-batches (activations / N)
     micro_batch_size: int = 0  # instead of micro_batches: sequences per device in one micro-batch (any job size); 0: off
     loss_chunk: int = 0  # tokens per device in one cross-entropy chunk (the [T, V] logits never exist whole); 0 picks from the vocab
     skip_selftest: bool = False  # do not check the chosen GPU kernels against a reference before training
+    init_from: str = ""  # start a new run from these weights (a converted checkpoint, a run or one step): fresh optimizer, step 0; "": random init
     on_nonfinite: str = "stop"  # a step whose loss, gradients or updated state is NaN/inf: stop (exit 3, nothing saved past the last good checkpoint) | skip (drop that update, count it, go on)
     max_nonfinite_skips: int = 10  # with on_nonfinite=skip: stop (exit 3) after this many consecutive skipped steps
+    tensorboard: bool = True  # write OUT/tensorboard/ event files (every scalar of metrics.jsonl); false: off
+    wandb_project: str = ""  # Weights & Biases project (offline unless WANDB_MODE says otherwise); "": off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,11 +292,17 @@ def apply_tables(cfg: Config, tables: dict[str, Any], parse: bool = False) -> Co
 
 
 def load_preset(name: str) -> Config:
-    path = PRESET_DIR / f"{name}.toml"
+    """A shipped preset by name, or a preset file by path (``*.toml``, e.g. the
+    ``preset.toml`` of ``python -m moe_train.convert from-hf``)."""
+    path = Path(name) if name.endswith(".toml") else PRESET_DIR / f"{name}.toml"
     if not path.is_file():
-        raise ConfigError(f"unknown preset {name!r}; valid presets: {', '.join(list_presets())}")
-    with path.open("rb") as f:
-        tables = tomllib.load(f)
+        raise ConfigError(f"unknown preset {name!r}; valid presets: {', '.join(list_presets())}"
+                          f" or the path of a .toml file")
+    try:
+        with path.open("rb") as f:
+            tables = tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"preset {path}: not valid TOML ({err})") from None
     return apply_tables(Config(), tables)
 
 
@@ -339,11 +363,12 @@ def build(preset: str, overrides: list[str] = (), *, flags: dict[str, tuple[str,
 
 
 # str fields with a fixed set of values (free text: data.path, parallel.cluster,
-# parallel.coordinator)
+# parallel.coordinator, train.wandb_project, train.init_from)
 CHOICES: dict[str, tuple[str, ...]] = {
     "moe.score_function": SCORE_FUNCTIONS, "moe.backend": BACKENDS, "moe.dispatcher": DISPATCHERS,
     "data.source": DATA_SOURCES, "data.token_dtype": TOKEN_DTYPES, "model.param_dtype": DTYPES,
-    "model.attention": ATTENTION, "train.remat": REMAT_POLICIES,
+    "model.attention": ATTENTION, "model.attention_kind": ATTENTION_KINDS,
+    "train.remat": REMAT_POLICIES,
     "train.on_nonfinite": ON_NONFINITE, "precision.compute": COMPUTE,
     "precision.fp8_recipe": FP8_RECIPES, "precision.fp8_backend": FP8_BACKENDS,
     "rope.layout": ROPE_LAYOUTS, "rope.scaling": ROPE_SCALINGS,
@@ -395,7 +420,24 @@ def compute_dtype(p: PrecisionConfig) -> str:
 
 
 def head_dim(m: ModelConfig) -> int:
+    """GQA's per-head width (``model.head_dim``, or hidden // num_heads)."""
     return m.head_dim or m.hidden // m.num_heads
+
+
+def moe_layer_count(m: ModelConfig) -> int:
+    """MoE blocks a token passes through in training: the main model's (num_layers -
+    first_dense_layers) plus each MTP module's block when the model has MoE layers."""
+    main = m.num_layers - m.first_dense_layers
+    return main + m.mtp_depth if main else 0
+
+
+def attention_dims(m: ModelConfig) -> tuple[int, int, int]:
+    """(query/key head dim, value head dim, key/value heads) of ``model.attention_kind``:
+    GQA (head_dim, head_dim, num_kv_heads); MLA (nope + rope, v_head_dim, num_heads: each
+    head has its own keys and values, up-projected from the latent)."""
+    if m.attention_kind == "mla":
+        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.num_heads
+    return head_dim(m), head_dim(m), m.num_kv_heads
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -70,6 +70,10 @@ RANGES: dict[str, Range] = {
     "model.head_dim": _int(0), "model.rope_theta": _positive(), "model.norm_eps": _positive(),
     "model.first_dense_layers": _int(0, 2 ** 16), "model.dense_ffn": _int(1),
     "model.attention_block": _int(0),
+    "model.q_lora_rank": _int(0), "model.kv_lora_rank": _int(1), "model.qk_nope_head_dim": _int(0),
+    "model.qk_rope_head_dim": _int(2), "model.v_head_dim": _int(1), "model.mtp_depth": _int(0, 16),
+    "model.mtp_loss_weight": _nonneg(), "model.mtp_loss_weight_late": _nonneg(),
+    "model.mtp_late_step": _int(0), "model.tied_logit_scale": _nonneg(),
     "moe.num_experts": _int(1), "moe.top_k": _int(1), "moe.expert_ffn": _int(1),
     "moe.num_shared_experts": _int(0), "moe.shared_ffn": _int(0), "moe.num_groups": _int(0),
     "moe.group_top_k": _int(0), "moe.routed_scaling": _positive(), "moe.tile_rows": _int(0),
@@ -85,6 +89,7 @@ RANGES: dict[str, Range] = {
     "train.steps": _int(1), "train.batch_size": _int(1), "train.seq_len": _int(1),
     "train.seed": _int(0), "train.checkpoint_every": _int(0), "train.keep_checkpoints": _int(1),
     "train.log_every": _int(1), "train.telemetry_interval_s": _nonneg(),
+    "train.eval_every": _int(0), "train.eval_tokens": _int(0),
     "train.micro_batches": _int(1), "train.micro_batch_size": _int(0), "train.loss_chunk": _int(0),
     "train.max_nonfinite_skips": _int(1),
     "parallel.devices": _int(0), "parallel.ep": _int(1), "parallel.dp": _int(0),
@@ -120,7 +125,8 @@ def _shared_ffn(e: Any) -> int:
 # (what it is, formula in config keys, elements[, hint]); each must fit int32 indexing
 def _sizes(cfg: Any) -> list[tuple]:
     m, e, t = cfg.model, cfg.moe, cfg.train
-    hd = m.head_dim or max(1, m.hidden // m.num_heads)
+    hd = (m.qk_nope_head_dim + m.qk_rope_head_dim if m.attention_kind == "mla"
+          else m.head_dim or max(1, m.hidden // m.num_heads))
     tokens = t.batch_size * t.seq_len
     return [
         ("tokens per step", "train.batch_size*train.seq_len", tokens),
@@ -212,11 +218,13 @@ def check_rules(cfg: Any) -> None:
     if e.top_k > e.num_experts:
         raise ConfigError(f"moe.top_k={e.top_k} is larger than moe.num_experts={e.num_experts}; "
                           f"choose top_k in 1..{e.num_experts}")
-    if m.head_dim == 0 and m.hidden % m.num_heads:
+    if m.attention_kind == "mla":
+        _check_mla(m)
+    elif m.head_dim == 0 and m.hidden % m.num_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} does not divide model.hidden={m.hidden}; "
                           f"valid num_heads: {divisors_text(m.hidden, at_most=256)} "
                           f"(or set model.head_dim)")
-    if m.num_heads % m.num_kv_heads:
+    if m.attention_kind == "gqa" and m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} does not divide "
                           f"model.num_heads={m.num_heads}")
     if m.first_dense_layers > m.num_layers:
@@ -227,10 +235,33 @@ def check_rules(cfg: Any) -> None:
         raise ConfigError("precision.fp8_recipe=mxfp8 needs Transformer Engine (MXFP8 block "
                           "scaling on Blackwell); with precision.fp8_backend=xla choose one of: "
                           "delayed, current")
-    if cfg.data.source in ("tokens", "bytes") and not cfg.data.path:
-        raise ConfigError(f"data.source={cfg.data.source} needs data.path=<file>")
+    _check_data(cfg)
     if cfg.data.source == "bytes" and m.vocab_size < 256:
         raise ConfigError(f"data.source=bytes needs model.vocab_size >= 256, got {m.vocab_size}")
+
+
+def _check_data(cfg: Any) -> None:
+    """Data source, its path, packing and held-out evaluation."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    if d.source in ("tokens", "bytes") and not d.path:
+        raise ConfigError(f"data.source={d.source} needs data.path=<file>")
+    if d.source == "prepared" and not d.path:
+        raise ConfigError("data.source=prepared needs data.path=<directory written by "
+                          "python -m moe_train.data prepare>")
+    if t.eval_every and d.source in ("tokens", "bytes"):
+        raise ConfigError(f"train.eval_every={t.eval_every} needs held-out data, which "
+                          f"data.source={d.source} has none of (every window may be trained on); "
+                          f"use data.source=prepared with a val split, or set train.eval_every=0")
+    if d.source == "prepared" and d.packing and m.attention == "te":
+        raise ConfigError("model.attention=te does not take segment ids (packed documents, "
+                          "data.packing=true); choose one of: auto, chunked, xla, cudnn, or "
+                          "set data.packing=false")
+
+
+def _check_mla(m: Any) -> None:
+    if m.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE "
+                          f"rotates pairs of dims), e.g. 64")
 
 
 def _check_groups(e: Any) -> None:

@@ -28,13 +28,15 @@ def load_stats(tokens_per_expert_LE: np.ndarray) -> dict[str, Any]:
 
 def step_record(step: int, raw: dict[str, Any], *, step_time_s: float, tokens: int,
                 flops_per_token: float, devices: int, peak_flops: float | None,
-                compilations: int) -> dict[str, Any]:
+                compilations: int, mtp: bool = False) -> dict[str, Any]:
     """The JSON-ready metrics of one step from the step's device outputs (already on host)."""
     tokens_per_s = tokens / step_time_s if step_time_s > 0 else float("nan")
     tflops = flops_per_token * tokens_per_s / devices / 1e12
     rec = {"step": step}
     for key in ("loss", "total_loss", "aux_loss", "seq_aux_loss", "z_loss", "grad_norm", "lr"):
         rec[key] = float(raw[key])
+    if "mtp_loss" in raw:  # multi-token prediction's mean cross-entropy; None without MTP
+        rec["mtp_loss"] = float(raw["mtp_loss"]) if mtp else None
     rec.update(step_time_s=step_time_s, tokens_per_s=tokens_per_s, tflops_per_device=tflops,
                mfu=(tflops * 1e12 / peak_flops) if peak_flops else None)
     rec.update(load_stats(raw["tokens_per_expert"]))
@@ -46,13 +48,50 @@ def step_record(step: int, raw: dict[str, Any], *, step_time_s: float, tokens: i
     return rec
 
 
-def progress_line(rec: dict[str, Any], total_steps: int) -> str:
+ETA_WINDOW = 50  # the ETA is the steps left x the median step time of the last N records
+
+
+def progress_line(rec: dict[str, Any], total_steps: int,
+                  recent: list[dict[str, Any]] | None = None) -> str:
+    """The per-step log line. ``recent``: this start's records so far (``rec`` among them);
+    the ETA uses the median ``step_time_s`` of the last ``ETA_WINDOW`` that did not compile
+    (none yet, e.g. at the first step: no ETA)."""
     load = rec["max_over_mean_load"]
     width = len(str(total_steps))
+    eta = eta_s(rec["step"], total_steps, recent if recent else [rec])
+    mtp, held = rec.get("mtp_loss"), rec.get("eval_loss")
+    held = "" if held is None else f"| eval {held:.4f} (ppl {rec['eval_ppl']:.4g}) "
     return (f"step {rec['step']:>{width}}/{total_steps} | loss {rec['loss']:.4f} "
+            f"{'' if mtp is None else f'| mtp {mtp:.4f} '}{held}"
             f"| aux {rec['aux_loss']:.3f} | {rec['tokens_per_s']:>9,.0f} tok/s "
             f"| load max/mean {load if load is None else f'{load:.2f}'} "
-            f"| {rec['step_time_s'] * 1e3:7.1f} ms")
+            f"| {rec['step_time_s'] * 1e3:7.1f} ms"
+            f"{'' if eta is None else f' | eta {format_duration(eta)}'}")
+
+
+def eta_s(step: int, total_steps: int, records: list[dict[str, Any]]) -> float | None:
+    """Seconds until ``total_steps``: steps left x the median recent step time, leaving out
+    steps that compiled (their time is not the steady one); None without such a step."""
+    times = [r["step_time_s"] for r in records[-ETA_WINDOW:]
+             if not r.get("compiled") and math.isfinite(r["step_time_s"])]
+    if not times:
+        return None
+    return max(total_steps - step, 0) * float(np.median(times))
+
+
+def format_duration(seconds: float) -> str:
+    """A short duration: ``<1s``, ``45s``, ``3m12s``, ``2h05m``, ``3d04h``; ``?`` for NaN,
+    inf or < 0."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s" if s or not seconds else "<1s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 class MetricsWriter:
@@ -158,8 +197,12 @@ def summary(records: list[dict[str, Any]], *, first_step: int, description: str,
     loads = [r["max_over_mean_load"] for r in steady if r["max_over_mean_load"] is not None]
     fall = 100.0 * (first["loss"] - last["loss"]) / first["loss"] if first["loss"] else math.nan
     mfu = last["mfu"]
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    held = (f"held-out loss {evals[-1]['eval_loss']:.4f} (perplexity "
+            f"{evals[-1]['eval_ppl']:.4g}) at step {evals[-1]['step']}; " if evals else "")
     return (f"Trained steps {first_step + 1}-{last['step']} of {description} ({status}). "
             f"Loss went from {first['loss']:.4f} to {last['loss']:.4f} ({fall:.1f}% {'lower' if fall >= 0 else 'HIGHER'}); "
+            f"{held}"
             f"median throughput after the first step {tok_s:,.0f} tokens/s "
             f"({last['tflops_per_device']:.3g} TFLOP/s per device"
             f"{'' if mfu is None else f', MFU {100 * mfu:.1f}%'}); "

@@ -32,13 +32,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_train import attention, precision, remat, rope
+from moe_train import attention, packing, precision, remat, rope
 from moe_train.config import Config, head_dim
 from moe_train.jobplan import EPPlan
+from moe_train.layers import ACTIVATION_AXES, RMSNorm, SwiGLU, fan_in_init, gathered, weight
+from moe_train.mla import MLA
+from moe_train.mtp import MTPModule
 from moe_train.moe import Routing, dropless_moe, ep_moe
 from moe_train.precision import FP8_COLLECTION
 
-ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
 GROUPS = ("dense_layers", "moe_layers")  # scanned layer groups, in depth order
 LAYER_NAME = re.compile(r"layer_(\d+)")  # a block of the looped layout
 # Collections that hold one entry per layer (scanned along the layer axis); "intermediates"
@@ -46,50 +48,21 @@ LAYER_NAME = re.compile(r"layer_(\d+)")  # a block of the looped layout
 LAYER_COLLECTIONS = ("params", "moe_state", FP8_COLLECTION, "intermediates")
 
 
-def gathered(w, axes: tuple[str, ...], dtype):
-    """A weight cast for use, constrained whole along ``embed``: FSDP all-gathers the weight
-    rather than letting the partitioner reshard activations to match it."""
-    use_axes = tuple("activation_embed" if a == "embed" else a for a in axes)
-    return nn.with_logical_constraint(w.astype(dtype), use_axes)
-
-
-def _init(fan_in_axes: tuple[int, ...] = (-2,), out_axes: tuple[int, ...] = (-1,),
-          batch_axes: tuple[int, ...] = ()):
-    return nn.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal", in_axis=fan_in_axes, out_axis=out_axes,
-        batch_axis=batch_axes)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, returned in the input dtype."""
-
-    eps: float
-    axis_name: str = "norm"
-
-    @nn.compact
-    def __call__(self, x):
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones,
-                                                                  (self.axis_name,)),
-                           (x.shape[-1],), jnp.float32)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale).astype(x.dtype)
-
-
 class Attention(nn.Module):
     """Causal grouped-query attention through ``moe_train.attention`` (``model.attention``
-    resolved for this platform, ``model.attention_block`` rows per block of ``chunked``)."""
+    resolved for this platform, ``model.attention_block`` rows per block of ``chunked``).
+    With ``segment_ids_BS`` a token attends only to its own document; ``positions_BS``
+    are the RoPE positions (default 0..S-1)."""
 
     cfg: Config
 
     @nn.compact
-    def __call__(self, x_BSH):
+    def __call__(self, x_BSH, segment_ids_BS=None, positions_BS=None):
         m, pol = self.cfg.model, precision.policy(self.cfg)
         d, dt = head_dim(m), pol.dtype
 
         def proj(name, heads, axes):
-            w = self.param(name, nn.with_logical_partitioning(_init((0,), (1, 2)), axes),
-                           (m.hidden, heads, d), jnp.dtype(m.param_dtype))
+            w = weight(self, name, (m.hidden, heads, d), axes)
             return precision.dot(pol, name, x_BSH, gathered(w, axes, dt))  # [B, S, heads, D]
 
         q_BSND = proj("q", m.num_heads, ("embed", "heads", "head_dim"))
@@ -99,36 +72,16 @@ class Attention(nn.Module):
             q_BSND = RMSNorm(m.norm_eps, "head_dim", name="q_norm")(q_BSND)
             k_BSKD = RMSNorm(m.norm_eps, "head_dim", name="k_norm")(k_BSKD)
         r = self.cfg.rope
-        q_BSND, k_BSKD = rope.apply(q_BSND, m.rope_theta, r), rope.apply(k_BSKD, m.rope_theta, r)
+        q_BSND = rope.apply(q_BSND, m.rope_theta, r, positions_BS)
+        k_BSKD = rope.apply(k_BSKD, m.rope_theta, r, positions_BS)
         impl, _ = attention.resolve(m.attention, platform=jax.default_backend(), dtype=dt,
                                     head_dim=d, v_head_dim=d, seq_len=x_BSH.shape[1])
         o_BSND = attention.attend(q_BSND, k_BSKD, v_BSKD, implementation=impl,
-                                  block=m.attention_block,
+                                  segment_ids_BS=segment_ids_BS, block=m.attention_block,
                                   scale=rope.softmax_scale_factor(r) / math.sqrt(d))
         o_axes = ("heads", "head_dim", "embed")
-        wo = self.param("o", nn.with_logical_partitioning(_init((0, 1), (2,)), o_axes),
-                        (m.num_heads, d, m.hidden), jnp.dtype(m.param_dtype))
+        wo = weight(self, "o", (m.num_heads, d, m.hidden), o_axes, fan_in_axes=(0, 1))
         return precision.dot(pol, "o", o_BSND, gathered(wo, o_axes, dt), n=2)
-
-
-class SwiGLU(nn.Module):
-    """Dense SwiGLU MLP: (silu(x @ wi_0) * (x @ wi_1)) @ wo."""
-
-    ffn: int
-    cfg: Config
-
-    @nn.compact
-    def __call__(self, x_BSH):
-        m, pol = self.cfg.model, precision.policy(self.cfg)
-        dt, pdt = pol.dtype, jnp.dtype(m.param_dtype)
-        part = nn.with_logical_partitioning
-        wi_0 = self.param("wi_0", part(_init(), ("embed", "mlp")), (m.hidden, self.ffn), pdt)
-        wi_1 = self.param("wi_1", part(_init(), ("embed", "mlp")), (m.hidden, self.ffn), pdt)
-        wo = self.param("wo", part(_init(), ("mlp", "embed")), (self.ffn, m.hidden), pdt)
-        up, down = ("embed", "mlp"), ("mlp", "embed")
-        h_BSF = (nn.silu(precision.dot(pol, "wi_0", x_BSH, gathered(wi_0, up, dt)))
-                 * precision.dot(pol, "wi_1", x_BSH, gathered(wi_1, up, dt)))
-        return precision.dot(pol, "wo", h_BSF, gathered(wo, down, dt))
 
 
 class MoEBlock(nn.Module):
@@ -148,7 +101,7 @@ class MoEBlock(nn.Module):
         E, H, F = e.num_experts, m.hidden, e.expert_ffn
         gate_HE = self.param("gate", part(nn.initializers.normal(0.02), ("embed", "expert_gate")),
                              (H, E), jnp.float32)
-        expert_init = _init((1,), (2,), (0,))
+        expert_init = fan_in_init((1,), (2,), (0,))
         wi_0_EHF = self.param("wi_0", part(expert_init, ("expert", "embed", "mlp")), (E, H, F), pdt)
         wi_1_EHF = self.param("wi_1", part(expert_init, ("expert", "embed", "mlp")), (E, H, F), pdt)
         wo_EFH = self.param("wo", part(expert_init, ("expert", "mlp", "embed")), (E, F, H), pdt)
@@ -178,16 +131,20 @@ class MoEBlock(nn.Module):
         return y_BSH, stats
 
 
-def _attention_sublayer(block: nn.Module, x_BSH):
+def _attention_sublayer(block: nn.Module, x_BSH, segment_ids_BS=None, positions_BS=None):
     """``attn(attn_norm(x))`` as submodules of ``block`` (a function, so ``train.remat=moe``
-    can rematerialise it alone)."""
-    return Attention(block.cfg, name="attn")(RMSNorm(block.cfg.model.norm_eps, name="attn_norm")(x_BSH))
+    can rematerialise it alone); ``attn`` is GQA or MLA (``model.attention_kind``)."""
+    kind = MLA if block.cfg.model.attention_kind == "mla" else Attention
+    return kind(block.cfg, name="attn")(RMSNorm(block.cfg.model.norm_eps, name="attn_norm")(x_BSH),
+                                        segment_ids_BS, positions_BS)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block; ``dense`` selects a SwiGLU MLP instead of MoE.
 
-    ``x -> (x, stats)``: the carry/output signature of ``nn.scan`` (stats None when dense).
+    ``x -> (x, stats)``: the carry/output signature of ``nn.scan`` (stats None when dense);
+    the packed documents' segment ids and positions (or None) are the same for every layer
+    (broadcast by the scan).
     """
 
     cfg: Config
@@ -195,11 +152,11 @@ class Block(nn.Module):
     ep_plan: EPPlan | None = None
 
     @nn.compact
-    def __call__(self, x_BSH):
+    def __call__(self, x_BSH, segment_ids_BS=None, positions_BS=None):
         m = self.cfg.model
         sublayer = remat.wrap_attention(_attention_sublayer, self.cfg.train.remat,
                                         prevent_cse=not m.scan_layers)
-        x_BSH = x_BSH + sublayer(self, x_BSH)
+        x_BSH = x_BSH + sublayer(self, x_BSH, segment_ids_BS, positions_BS)
         h_BSH = RMSNorm(m.norm_eps, name="mlp_norm")(x_BSH)
         if self.dense:
             y_BSH, stats = SwiGLU(m.dense_ffn, self.cfg, name="mlp")(h_BSH), None
@@ -217,9 +174,11 @@ def layer_groups(m) -> tuple[tuple[str, bool, range], ...]:
 
 def scanned(block_cls: type[nn.Module], length: int) -> type[nn.Module]:
     """``block_cls`` run ``length`` times under ``nn.scan``: one compiled body, every layer
-    collection stacked on a leading ``layers`` axis, a fresh init key per layer."""
+    collection stacked on a leading ``layers`` axis, a fresh init key per layer; the
+    arguments after the carry (segment ids, positions) are the same in every layer."""
     return nn.scan(block_cls, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
                    split_rngs={"params": True}, length=length,
+                   in_axes=(nn.broadcast, nn.broadcast),
                    metadata_params={nn.PARTITION_NAME: "layers"})
 
 
@@ -228,7 +187,8 @@ class LMHead(NamedTuple):
 
     x_BSH: jax.Array  # final-normed hidden states, compute dtype
     head_HV: jax.Array  # lm_head, or the tied embedding transposed, compute dtype
-    scale: float  # 1, or hidden**-0.5 for the tied embedding
+    scale: float  # 1, or model.tied_logit_scale (hidden**-0.5 by default) for the tied embedding
+    mtp_DBSH: jax.Array | None = None  # each MTP depth's normed hidden states (same head)
 
 
 def head_logits(h: LMHead):
@@ -237,16 +197,33 @@ def head_logits(h: LMHead):
                                preferred_element_type=jnp.float32) * h.scale
 
 
+def _stacked(stats):
+    """Per-layer MoE stats with a leading layer axis of 1."""
+    return jax.tree.map(lambda v: v[None], stats)
+
+
 class Transformer(nn.Module):
     """Token ids [B,S] -> (fp32 logits [B,S,V], per-MoE-layer stats stacked on axis 0: [L, ...]);
     with ``logits=False`` -> (``LMHead``, stats): the train step's chunked loss then never
-    materialises the [B, S, V] logits."""
+    materialises the [B, S, V] logits.
+
+    With ``model.mtp_depth`` > 0 and ``mtp_ids_DBS`` (``moe_train.mtp.shifted``) the MTP
+    modules run too: ``LMHead.mtp_DBSH`` holds their normed outputs and their MoE layers'
+    stats follow the main model's in the stats (L = main MoE layers + depths, the depth order
+    of the released checkpoints, where the MTP module is the layer after the last). Without
+    ids they do not run (scoring, evaluation), except at init, which creates their weights.
+
+    Packed documents (``moe_train.packing``): ``segment_ids_BS`` [B, S] keeps every
+    attention (the MTP modules' too) inside its document, and the RoPE positions restart per
+    document (``positions_BS``, derived from the segment ids unless given).
+    """
 
     cfg: Config
     ep_plan: EPPlan | None = None  # expert-parallel MoE layers on the context mesh
 
     @nn.compact
-    def __call__(self, tokens_BS, logits: bool = True):
+    def __call__(self, tokens_BS, logits: bool = True, mtp_ids_DBS=None, segment_ids_BS=None,
+                 positions_BS=None):
         m = self.cfg.model
         dt = precision.policy(self.cfg).dtype  # bf16 under fp8: embedding and head unquantized
         embed_VH = self.param("embed", nn.with_logical_partitioning(
@@ -254,19 +231,29 @@ class Transformer(nn.Module):
             jnp.dtype(m.param_dtype))
         table_VH = gathered(embed_VH, ("vocab", "embed"), dt)
         x_BSH = nn.with_logical_constraint(table_VH[tokens_BS], ACTIVATION_AXES)
-        x_BSH, stats_L = self._blocks(x_BSH)
-        x_BSH = RMSNorm(m.norm_eps, name="final_norm")(x_BSH)
+        if segment_ids_BS is not None and positions_BS is None:
+            positions_BS = packing.positions(segment_ids_BS)
+        seq = (segment_ids_BS, positions_BS)
+        h_BSH, stats_L = self._blocks(x_BSH, seq)
+        x_BSH = RMSNorm(m.norm_eps, name="final_norm")(h_BSH)
+        if m.mtp_depth and mtp_ids_DBS is None and self.is_initializing():
+            mtp_ids_DBS = jnp.zeros((m.mtp_depth, *tokens_BS.shape), jnp.int32)
+        mtp_DBSH = None
+        if m.mtp_depth and mtp_ids_DBS is not None:
+            mtp_DBSH, stats_L = self._mtp(h_BSH, table_VH, mtp_ids_DBS, stats_L, seq)
         if m.tie_embeddings:
-            # The embedding is initialised at unit scale; 1/sqrt(H) keeps tied logits O(1).
-            head = LMHead(x_BSH, table_VH.T, m.hidden ** -0.5)
+            # The embedding is initialised at unit scale; 1/sqrt(H) keeps tied logits O(1)
+            # (model.tied_logit_scale=0); released tied checkpoints use 1.
+            head = LMHead(x_BSH, table_VH.T, m.tied_logit_scale or m.hidden ** -0.5, mtp_DBSH)
         else:
             head_HV = self.param("lm_head", nn.with_logical_partitioning(
-                _init(), ("embed", "vocab")), (m.hidden, m.vocab_size), jnp.dtype(m.param_dtype))
-            head = LMHead(x_BSH, gathered(head_HV, ("embed", "vocab"), dt), 1.0)
+                fan_in_init(), ("embed", "vocab")), (m.hidden, m.vocab_size), jnp.dtype(m.param_dtype))
+            head = LMHead(x_BSH, gathered(head_HV, ("embed", "vocab"), dt), 1.0, mtp_DBSH)
         return (head_logits(head) if logits else head), stats_L
 
-    def _blocks(self, x_BSH):
-        """Every block, scanned per group or looped: (x, MoEStats stacked [L, ...] or None)."""
+    def _blocks(self, x_BSH, seq):
+        """Every block, scanned per group or looped: (x, MoEStats stacked [L, ...] or None).
+        ``seq``: (segment ids, positions), each [B, S] or None."""
         m, scan = self.cfg.model, self.cfg.model.scan_layers
         # Under scan the body is already a loop iteration: no CSE barrier needed for remat.
         block_cls = remat.wrap_block(Block, self.cfg.train.remat, prevent_cse=not scan)
@@ -274,16 +261,35 @@ class Transformer(nn.Module):
         for name, dense, layers in layer_groups(m):
             if scan:
                 x_BSH, stats = scanned(block_cls, len(layers))(
-                    self.cfg, dense=dense, ep_plan=self.ep_plan, name=name)(x_BSH)
+                    self.cfg, dense=dense, ep_plan=self.ep_plan, name=name)(x_BSH, *seq)
                 layer_stats += [] if dense else [stats]
                 continue
             for i in layers:
                 x_BSH, stats = block_cls(self.cfg, dense=dense, ep_plan=self.ep_plan,
-                                         name=f"layer_{i}")(x_BSH)
-                layer_stats += [] if dense else [jax.tree.map(lambda v: v[None], stats)]
-        if not layer_stats:
-            return x_BSH, None
-        return x_BSH, jax.tree.map(lambda *v: jnp.concatenate(v), *layer_stats)
+                                         name=f"layer_{i}")(x_BSH, *seq)
+                layer_stats += [] if dense else [_stacked(stats)]
+        return x_BSH, _concat(layer_stats)
+
+    def _mtp(self, h_BSH, table_VH, ids_DBS, stats_L, seq):
+        """The MTP depths in turn: (normed outputs [D, B, S, H], stats with theirs appended)."""
+        m = self.cfg.model
+        block_cls = remat.wrap_block(Block, self.cfg.train.remat, prevent_cse=True)
+        dense = m.first_dense_layers >= m.num_layers  # V3's MTP block is a MoE block
+        outs, layer_stats = [], [] if stats_L is None else [stats_L]
+        for k in range(m.mtp_depth):
+            emb_BSH = nn.with_logical_constraint(table_VH[ids_DBS[k]], ACTIVATION_AXES)
+            h_BSH, normed_BSH, stats = MTPModule(self.cfg, block_cls, dense, self.ep_plan,
+                                                 name=f"mtp_{k}")(h_BSH, emb_BSH, *seq)
+            outs.append(normed_BSH)
+            layer_stats += [] if dense else [_stacked(stats)]
+        return jnp.stack(outs), _concat(layer_stats)
+
+
+def _concat(layer_stats: list):
+    """Per-layer stats lists [l, ...] concatenated along the layer axis (None if empty)."""
+    if not layer_stats:
+        return None
+    return jax.tree.map(lambda *v: jnp.concatenate(v), *layer_stats)
 
 
 # ----------------------------------------------------------------------------- layouts

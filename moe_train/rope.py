@@ -1,6 +1,8 @@
 """Rotary position embeddings: the two pair layouts and YaRN frequency scaling.
 
 Letter key: B batch, S sequence, N heads, D rotated head dim (even), D/2 frequencies.
+Positions are 0..S-1 unless the caller passes per-row positions (packed documents,
+``moe_train.packing.positions``).
 
 - Layout ``half`` (rotate-half: dim i pairs with dim i + D/2) is what Llama, Mixtral and
   Qwen3 checkpoints use; ``interleaved`` (dim 2i pairs with 2i + 1) is what DeepSeek-V3's
@@ -69,11 +71,15 @@ def softmax_scale_factor(r: Any) -> float:
     return yarn_mscale(r.factor, r.mscale_all_dim) ** 2
 
 
-def apply(x_BSND: jax.Array, theta: float, r: Any) -> jax.Array:
-    """``x`` rotated by position (0..S-1) in ``r.layout``; computed in fp32, cast back."""
+def apply(x_BSND: jax.Array, theta: float, r: Any, positions_BS=None) -> jax.Array:
+    """``x`` rotated by position in ``r.layout``; computed in fp32, cast back. Positions are
+    0..S-1 in every row, or ``positions_BS`` (int [B, S]: packed documents restart at 0)."""
     d = x_BSND.shape[-1]
-    ang_SD = jnp.outer(jnp.arange(x_BSND.shape[1], dtype=jnp.float32),
-                       inv_frequencies(d, theta, r))[None, :, None, :]
+    inv = inv_frequencies(d, theta, r)
+    if positions_BS is None:
+        ang_SD = jnp.outer(jnp.arange(x_BSND.shape[1], dtype=jnp.float32), inv)[None, :, None, :]
+    else:  # the same products, per row: [B, S, 1, D/2]
+        ang_SD = (positions_BS.astype(jnp.float32)[:, :, None] * inv)[:, :, None, :]
     scale = value_scale(r)
     sin, cos = jnp.sin(ang_SD) * scale, jnp.cos(ang_SD) * scale
     x = x_BSND.astype(jnp.float32)

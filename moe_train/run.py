@@ -7,9 +7,11 @@ before ``config.json``, ``layout.json``, ``kernels.json`` or ``metrics.jsonl`` a
 3 training diverged (``train.on_nonfinite``; nothing past the last good checkpoint is saved);
 5 the run directory cannot be written (the previous checkpoint is intact).
 
-Order of a start: validate (devices, layout, EP plans, kernels, data) -> lock the run
-directory (``moe_train.runlock``) -> choose the checkpoint to resume from
+Order of a start: validate (devices, layout, EP plans, data and held-out data, kernels) ->
+lock the run directory (``moe_train.runlock``) -> choose the checkpoint to resume from
 (``moe_train.resume``: the newest that verifies) -> first step -> write the run's files.
+With ``train.eval_every`` the loop evaluates the held-out loss (``moe_train.evaluate``) every
+N steps and at the last, into that step's record (``eval_loss``, ``eval_ppl``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Callable
 import jax
 import numpy as np
 
-from moe_train import (checkpoint, distributed, flops, jobplan, layout, metrics, precision,
-                       resume, runlock, selftest, sharding, signals, stepper, summary, telemetry)
+from moe_train import (checkpoint, distributed, evaluate, flops, jobplan, layout, metrics,
+                       precision, resume, runlock, selftest, sharding, signals, stepper, summary,
+                       telemetry, tracking, weights)
 from moe_train.config import Config, ConfigError, for_devices, save_json, to_dict
 from moe_train.data import make_source
 from moe_train.guard import Divergence, NonFiniteGuard
@@ -53,9 +56,11 @@ def mfu_peak(cfg: Config, device_kind: str) -> float | None:
 
 
 def global_batch(source, step: int, mesh):
-    """This step's batch as one global array; each process supplies its own rows."""
+    """This step's batch as one global array (a packed batch: a dict of them); each process
+    supplies its own rows."""
     local = source.batch(step, process_index=jax.process_index(), process_count=jax.process_count())
-    return jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), local)
+    batch_sh = sharding.batch_sharding(mesh)
+    return jax.tree.map(lambda a: jax.make_array_from_process_local_data(batch_sh, a), local)
 
 
 def output_error(err: BaseException, what: str) -> OutputError | None:
@@ -141,17 +146,23 @@ def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
     job_cfg = for_devices(cfg, len(devices))  # train.micro_batch_size -> micro_batches here
     plan = layout.build(job_cfg, devices)
     stepper.ep_plans(job_cfg, plan.mesh)  # dispatcher and capacity buckets, before any write
-    exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
-    log(kernel_line)
     t = cfg.train
+    # The data (and held-out data) before the kernel self-test: a DataError ends it sooner.
     source = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
                          batch_size=t.batch_size)
-    existed = out_dir.exists()
-    lock = _lock(out_dir, log)
+    try:
+        evals = evaluate.InRun.of(cfg)
+        exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
+        log(kernel_line)
+        existed = out_dir.exists()
+        lock = _lock(out_dir, log)
+    except BaseException:
+        source.close()
+        raise
     try:
         ckpt = _checkpointer(out_dir, t)
         try:
-            start = Start(exec_cfg, cfg, out_dir, plan, kernels, source, ckpt, log)
+            start = Start(exec_cfg, cfg, out_dir, plan, kernels, source, ckpt, log, evals)
             return start.resume_and_train(resume_step)
         finally:
             _close(ckpt)
@@ -159,6 +170,7 @@ def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
         _remove_if_new(out_dir, existed)
         raise
     finally:
+        source.close()
         if lock is not None:
             lock.release()
 
@@ -180,9 +192,10 @@ def _close(ckpt: checkpoint.Checkpointer) -> None:
 class Start:
     """One start of a run: what it resumes from, its loop and how it ends."""
 
-    def __init__(self, cfg, configured, out_dir, plan, kernels, source, ckpt, log):
+    def __init__(self, cfg, configured, out_dir, plan, kernels, source, ckpt, log, evals=None):
         self.cfg, self.configured, self.out_dir, self.plan = cfg, configured, out_dir, plan
         self.kernels, self.source, self.ckpt, self.log = kernels, source, ckpt, log
+        self.evals = evals  # evaluate.InRun with train.eval_every, else None
         self.mesh = plan.mesh
         self.meta = {"config": to_dict(configured)}  # as configured: "auto" stays auto
 
@@ -194,6 +207,8 @@ class Start:
         if restored is not None:
             state = restored
             log(f"resumed from {self.ckpt.directory / str(int(state.step))} (step {int(state.step)})")
+        elif self.cfg.train.init_from:  # a new run: the given weights, the optimizer fresh
+            state = weights.start_from(self.cfg.train.init_from, state, self.cfg, self.mesh, log)
         if signals.STOP.agreed() is not None:
             log(f"stopped by signal {signals.name(signals.STOP.signum or 15)} during start-up, "
                 f"before step {int(state.step) + 1}; nothing was changed, rerun to continue")
@@ -248,6 +263,7 @@ class Loop:
                                     jax.tree.map(lambda x: x.sharding, state))
         self.guard = NonFiniteGuard(self.cfg.train, start.log)
         self.writer, self.sampler = None, telemetry.NullSampler()
+        self.tracker: tracking.Tracker | None = None  # TensorBoard / W&B, process 0
         self.records: list[dict] = []
         self.peak = mfu_peak(self.cfg, start.mesh.devices.flat[0].device_kind)
         self.fpt = flops.train_flops_per_token(self.cfg)
@@ -261,6 +277,8 @@ class Loop:
         s.log(f"training {s.source.description} on {m.devices.size} {m.devices.flat[0].platform} "
               f"device(s) (mesh {dict(m.shape)}, {jax.process_count()} process(es)), "
               f"steps {self.first + 1}-{t.steps}, batch {t.batch_size}x{t.seq_len}")
+        if s.evals is not None:
+            s.log(s.evals.line())
         # Sampling from the first step (compile included), written once that step ran.
         self.sampler = telemetry.start(s.out_dir, t.telemetry_interval_s, log=s.log, hold=True,
                                        devices=[d for d in m.devices.flat
@@ -281,7 +299,9 @@ class Loop:
         """Dispatches each step before the one before it is confirmed (``BucketedStep``).
         The loop waits for the step in flight (drains) only where it needs its state: the
         first step (its compiled memory), a checkpoint, the last step and a stop signal, so
-        every save holds a confirmed state. Records are written as steps are confirmed."""
+        every save holds a confirmed state. Records are written as steps are confirmed. An
+        evaluation step (``train.eval_every``, and the last) drains too and evaluates the
+        confirmed state before its record is written."""
         t, s = self.cfg.train, self.s
         for step in range(self.first, t.steps):
             n = step + 1
@@ -292,9 +312,11 @@ class Loop:
                 self._record(n - 1, done, batch=None)
             last, signum = n == t.steps, signals.STOP.agreed()
             save = last or signum is not None or (t.checkpoint_every and n % t.checkpoint_every == 0)
-            if save or step == self.first:
+            evaluate_now = s.evals is not None and s.evals.due(n)
+            if save or step == self.first or evaluate_now:
                 self.state, done = self.step_fn.drain(self.state)
-                self._record(n, done, batch)
+                held_out = s.evals(self.cfg, s.mesh, self.state) if evaluate_now else None
+                self._record(n, done, batch, held_out)
             if save:
                 s.save(n, self.state)
             if signum is not None and not last:
@@ -304,23 +326,25 @@ class Loop:
         s.wait()
         return "finished"
 
-    def _record(self, n: int, done: Confirmed, batch) -> None:
+    def _record(self, n: int, done: Confirmed, batch, evaluation: dict | None = None) -> None:
         """Step ``n`` is confirmed: its record (the first step's with the compiled memory of
-        ``batch``), the non-finite guard (raises Divergence), metrics.jsonl and the log."""
+        ``batch``; an evaluation step's with ``evaluation``), the non-finite guard (raises
+        Divergence), metrics.jsonl and the log."""
         t, s = self.cfg.train, self.s
         rec = metrics.step_record(n, done.raw, step_time_s=done.seconds,
                                   tokens=t.batch_size * t.seq_len, flops_per_token=self.fpt,
                                   devices=s.mesh.devices.size, peak_flops=self.peak,
-                                  compilations=done.traces)
+                                  compilations=done.traces, mtp=self.cfg.model.mtp_depth > 0)
         rec["compiled"] = done.compiled
+        rec.update(evaluation or {})
         if n == self.first + 1:
             self._first_step_done(batch, rec)
         distributed.beat(n)  # the multi-process watchdog: this process progresses
         rec.update(self.guard.check(n, done.raw))  # raises Divergence
         s.check_saves()
         self._write(rec)
-        if n % t.log_every == 0 or n == t.steps:
-            s.log(metrics.progress_line(rec, t.steps))
+        if n % t.log_every == 0 or n == t.steps or evaluation:
+            s.log(metrics.progress_line(rec, t.steps, self.records))
 
     def _first_step_done(self, batch, rec: dict) -> None:
         """The step traced and ran once: its compile-time checks passed, so now write the
@@ -334,6 +358,9 @@ class Loop:
                                                 enabled=jax.process_index() == 0, log=s.log)
         except OSError as err:
             raise output_error(err, s.out_dir) or err
+        if jax.process_index() == 0:  # never raises: a failure is one warning, tracking off
+            self.tracker = tracking.Tracker(s.out_dir, self.first, self.cfg.train,
+                                            config=s.meta["config"], log=s.log)
         self.sampler.release()
 
     def _write(self, rec: dict) -> None:
@@ -341,11 +368,15 @@ class Loop:
             self.writer.write(rec)
         except OSError as err:
             raise output_error(err, self.writer.path) or err
+        if self.tracker is not None:
+            self.tracker.write(rec)
         self.records.append(rec)
 
     def _close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.tracker is not None:
+            self.tracker.close()
         self.sampler.set_step(None)
         self.sampler.stop()
 

@@ -54,15 +54,33 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", None),
     ("norm", None),
     ("expert_gate", None),
+    ("mtp_concat", None),  # the [embedding; hidden] input rows of an MTP module's eh_proj
+    # MLA's latent widths: FSDP over every device where the count divides them
+    # (``logical_rules``), else whole on each device like the activations' own copies
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("activation_latent", None),
 )
 # The same, for a width that the device count does not divide: every weight's width over data.
 DATA_FSDP_RULES = tuple(r for r in LOGICAL_RULES if r != ("embed", TOKEN_AXES))
 
 
-def logical_rules(hidden: int, num_devices: int):
+def latent_widths(m) -> dict[str, int]:
+    """The MLA latent axes of model config ``m`` and their widths ({} for GQA)."""
+    if m.attention_kind != "mla":
+        return {}
+    return {"kv_lora": m.kv_lora_rank, **({"q_lora": m.q_lora_rank} if m.q_lora_rank else {})}
+
+
+def logical_rules(hidden: int, num_devices: int, latents: dict[str, int] | None = None):
     """The rules for a model of width ``hidden`` on ``num_devices``: non-expert weights are
-    sharded over every device when that divides the width, else over ``data`` only."""
-    return LOGICAL_RULES if hidden % num_devices == 0 else DATA_FSDP_RULES
+    sharded over every device when that divides the width, else over ``data`` only; an MLA
+    latent axis (``latents``: name -> width) over every device where that divides it, else
+    not at all."""
+    rules = LOGICAL_RULES if hidden % num_devices == 0 else DATA_FSDP_RULES
+    split = tuple((name, TOKEN_AXES) for name, width in sorted((latents or {}).items())
+                  if width % num_devices == 0)
+    return split + rules if split else rules
 
 
 def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int,
@@ -126,8 +144,9 @@ class Sharding:
     rules: tuple  # LOGICAL_RULES, or DATA_FSDP_RULES for a width the devices do not divide
 
     @classmethod
-    def of(cls, mesh: Mesh, hidden: int) -> "Sharding":
-        return cls(mesh, logical_rules(hidden, mesh.size))
+    def of(cls, mesh: Mesh, m) -> "Sharding":
+        """For model config ``m`` (``cfg.model``) on ``mesh``."""
+        return cls(mesh, logical_rules(m.hidden, mesh.size, latent_widths(m)))
 
     def activate(self) -> contextlib.ExitStack:
         """The context in which traced model code resolves logical names on this mesh."""

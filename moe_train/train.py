@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moe_train import loss, remat, sharding
+from moe_train import loss, mtp, packing, remat, sharding
 from moe_train.config import Config
-from moe_train.model import GROUPS, LAYER_NAME, Transformer, is_scanned
+from moe_train.model import GROUPS, LAYER_NAME, Transformer
 from moe_train.jobplan import EPPlan
 from moe_train.moe import stats as moe_stats
 from moe_train.precision import FP8_COLLECTION
@@ -124,7 +124,7 @@ def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState
     """Parameters and their Adam moments FSDP/EP-sharded by the logical rules; rest replicated."""
     tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
     boxed = jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens)["params"], jax.random.key(0))
-    shd = sharding.Sharding.of(mesh, cfg.model.hidden)
+    shd = sharding.Sharding.of(mesh, cfg.model)
     param_sh, rep = shd.params(boxed), shd.replicated
     opt_sh = optax.tree_map_params(optimizer(cfg), lambda _, sh: sh, abstract.opt_state, param_sh,
                                    transform_non_params=lambda _: rep)
@@ -156,46 +156,79 @@ def init_state(cfg: Config, mesh: Mesh) -> TrainState:
 
 
 def _loss_fn(params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Config,
-             devices: int = 1):
+             devices: int = 1, mtp_weight=0.0):
     """Total loss and its parts; the cross-entropy is chunked (``moe_train.loss``): the
     [B, S, V] logits never exist whole; each chunk holds ``train.loss_chunk`` tokens of each
-    of the ``devices`` the batch is split over."""
+    of the ``devices`` the batch is split over. With MTP (``moe_train.mtp``) the total adds
+    ``mtp_weight`` times the mean of the depths' cross-entropies (``mtp``); ``ce`` stays the
+    next-token cross-entropy. ``batch_BS``: either batch form of ``moe_train.packing`` (with
+    segment ids no attention, position or label crosses a document)."""
     variables = {"params": params, "moe_state": moe_state}
     if fp8_state:
         variables[FP8_COLLECTION] = fp8_state
-    head, stats = model.apply(variables, batch_BS[:, :-1], logits=False)
+    depth = cfg.model.mtp_depth
+    tokens_BS1, segments_BS1 = packing.parts(batch_BS)
+    mtp_ids, mtp_labels = (mtp.shifted(tokens_BS1, depth, segments_BS1) if depth
+                           else (None, None))
+    segment_ids_BS = None if segments_BS1 is None else segments_BS1[:, :-1]
+    head, stats = model.apply(variables, tokens_BS1[:, :-1], logits=False, mtp_ids_DBS=mtp_ids,
+                              segment_ids_BS=segment_ids_BS)
     B, S, H = head.x_BSH.shape
-    ce, _ = loss.lm_loss(head.x_BSH.reshape(B * S, H), head.head_HV, batch_BS[:, 1:].reshape(-1),
-                         chunk=loss.sharded_chunk(B * S, cfg.model.vocab_size, devices,
-                                                  cfg.train.loss_chunk),
-                         logit_scale=head.scale)
+    chunk = loss.sharded_chunk(B * S, cfg.model.vocab_size, devices, cfg.train.loss_chunk)
+
+    def ce_of(x_BSH, labels_BS):
+        return loss.lm_loss(x_BSH.reshape(B * S, H), head.head_HV, labels_BS.reshape(-1),
+                            chunk=chunk, logit_scale=head.scale)[0]
+
+    ce = ce_of(head.x_BSH, packing.next_token_labels(tokens_BS1, segments_BS1))
+    mtp_ce = (sum(ce_of(head.mtp_DBSH[k], mtp_labels[k]) for k in range(depth)) / depth
+              if depth else jnp.float32(0.0))
     e = cfg.moe
     aux, seq_aux, z = moe_stats.losses(stats)
-    total = ce + e.aux_loss_coef * aux + e.seq_aux_loss_coef * seq_aux + e.z_loss_coef * z
-    return total, dict(ce=ce, aux=aux, seq_aux=seq_aux, z=z, stats=stats)
+    total = (ce + e.aux_loss_coef * aux + e.seq_aux_loss_coef * seq_aux + e.z_loss_coef * z
+             + mtp_weight * mtp_ce)
+    return total, dict(ce=ce, mtp=mtp_ce, aux=aux, seq_aux=seq_aux, z=z, stats=stats)
 
 
 def update_bias(moe_state, tokens_per_expert_LE, rate: float):
     """Aux-loss-free balancing, outside the optimizer: bias += rate * sign(mean_load - load),
-    row l of the loads for the l-th MoE layer (the scanned layout's layer axis)."""
+    row l of the loads for the l-th MoE layer in depth order (the scanned layout's layer axis,
+    then the MTP modules' blocks)."""
     if rate == 0.0 or not moe_state:
         return moe_state
     load_LE = tokens_per_expert_LE.astype(jnp.float32)
     step_LE = rate * jnp.sign(load_LE.mean(axis=-1, keepdims=True) - load_LE)
-    if is_scanned(moe_state):
-        bias_LE = moe_state["moe_layers"]["moe"]["expert_bias"]
-        return {"moe_layers": {"moe": {"expert_bias": bias_LE + step_LE}}}
-    names = sorted(moe_state, key=lambda n: int(LAYER_NAME.fullmatch(n)[1]))
-    return {name: {"moe": {"expert_bias": moe_state[name]["moe"]["expert_bias"] + step_LE[l]}}
-            for l, name in enumerate(names)}
+    out, row = {}, 0
+    for name in sorted(moe_state, key=_depth_order):
+        in_mtp = name.startswith("mtp_")  # an MTP module's block: {"block": {"moe": ...}}
+        bias = (moe_state[name]["block"] if in_mtp else moe_state[name])["moe"]["expert_bias"]
+        rows = bias.shape[0] if name == "moe_layers" else 1  # the scanned group: [L, E]
+        step = step_LE[row:row + rows] if name == "moe_layers" else step_LE[row]
+        new = {"moe": {"expert_bias": bias + step}}
+        out[name] = {"block": new} if in_mtp else new
+        row += rows
+    return out
+
+
+def _depth_order(name: str) -> tuple[int, int]:
+    """Sort key of a moe_state entry: main layers (scanned group or layer_{i}), then MTP."""
+    if name.startswith("mtp_"):
+        return 1, int(name[4:])
+    match = LAYER_NAME.fullmatch(name)
+    return 0, int(match[1]) if match else 0
 
 
 def micro_batches(batch_BS, n: int, mesh: Mesh):
-    """[B, S+1] -> [n, B/n, S+1]. Micro-batch m holds rows m, m+n, m+2n, ...: every device
-    keeps the rows it was given (B/devices is a multiple of n), so nothing moves."""
-    mb = batch_BS.reshape(batch_BS.shape[0] // n, n, -1).swapaxes(0, 1)
-    spec = sharding.batch_sharding(mesh).spec
-    return jax.lax.with_sharding_constraint(mb, NamedSharding(mesh, P(None, *spec)))
+    """[B, S+1] -> [n, B/n, S+1] (each leaf of a packed batch alike). Micro-batch m holds rows
+    m, m+n, m+2n, ...: every device keeps the rows it was given (B/devices is a multiple of
+    n), so nothing moves."""
+    spec = NamedSharding(mesh, P(None, *sharding.batch_sharding(mesh).spec))
+
+    def split(a_BS):
+        mb = a_BS.reshape(a_BS.shape[0] // n, n, -1).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(mb, spec)
+
+    return jax.tree.map(split, batch_BS)
 
 
 def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh: Mesh):
@@ -257,12 +290,14 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
     model, tx = Transformer(cfg, ep_plan), optimizer(cfg)
     lr_at = schedule(cfg)
 
-    def loss_grads(params, fp8_state, moe_state, batch_BS):
-        grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True)
-        return grad_fn(params, fp8_state, moe_state, batch_BS, model, cfg, mesh.size)
-
     def step(state: TrainState, batch_BS, hold=None):
         counter.traces += 1
+        w = mtp.mtp_weight(cfg.model, state.step)
+
+        def loss_grads(params, fp8_state, moe_state, batch_BS):
+            grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1), has_aux=True)
+            return grad_fn(params, fp8_state, moe_state, batch_BS, model, cfg, mesh.size, w)
+
         (total, aux), (grads, fp8_state) = accumulate(
             loss_grads, state.params, state.fp8_state, state.moe_state, batch_BS,
             cfg.train.micro_batches, mesh)
@@ -270,7 +305,7 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
         params = optax.apply_updates(state.params, updates)
         moe = moe_stats.metrics(aux["stats"], cfg.moe.num_experts)
         moe_state = update_bias(state.moe_state, moe["tokens_per_expert"], cfg.moe.bias_update_rate)
-        metrics = dict(loss=aux["ce"], total_loss=total, aux_loss=aux["aux"],
+        metrics = dict(loss=aux["ce"], mtp_loss=aux["mtp"], total_loss=total, aux_loss=aux["aux"],
                        seq_aux_loss=aux["seq_aux"], z_loss=aux["z"],
                        grad_norm=optax.tree.norm(grads), lr=lr_at(state.step), **moe)
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
@@ -287,7 +322,7 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
 
     can_overflow = ep_plan is not None and ep_plan.capacity_factor is not None
     options = remat.compiler_options(cfg.train.remat, mesh.devices.flat[0].platform)
-    shd = sharding.Sharding.of(mesh, cfg.model.hidden)
+    shd = sharding.Sharding.of(mesh, cfg.model)
     return shd.wrap(jax.jit(step, donate_argnums=0,
                             in_shardings=(state_sharding, shd.batch)
                             + ((shd.replicated,) if can_overflow else ()),

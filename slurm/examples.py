@@ -42,11 +42,11 @@ EXAMPLES: dict[str, Example] = {
                         sets=("train.batch_size=32", "train.remat=full")),
     "h200-hgx": Example(nodes=2, model="mixtral-8x7b", ep=8, steps=1000,
                         sets=("train.batch_size=16", "train.remat=full")),
-    "b200-hgx": Example(nodes=16, model="deepseek-v3-moe", ep=64, steps=1000,
+    "b200-hgx": Example(nodes=16, model="deepseek-v3", ep=64, steps=1000,
                         sets=("train.batch_size=128", "train.remat=full")),
-    "gb200-nvl72": Example(nodes=32, model="deepseek-v3-moe", ep=64, steps=1000,
+    "gb200-nvl72": Example(nodes=32, model="deepseek-v3", ep=64, steps=1000,
                            sets=("train.batch_size=128", "train.remat=full")),
-    "gb200-nvl36x2": Example(nodes=32, model="deepseek-v3-moe", ep=64, steps=1000,
+    "gb200-nvl36x2": Example(nodes=32, model="deepseek-v3", ep=64, steps=1000,
                              sets=("train.batch_size=128", "train.remat=full")),
 }
 

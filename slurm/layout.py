@@ -132,7 +132,7 @@ def straddle_warning(cluster: presets.Cluster, alloc, ep: int, cfg: config.Confi
                                           m.hidden, e.top_k, e.expert_ffn, 2, False)
     except (presets.TopologyError, ValueError):
         return head + "; its all-to-all traffic crosses the scale-out network"
-    moe_layers = m.num_layers - m.first_dense_layers
+    moe_layers = config.moe_layer_count(m)  # the MTP modules' MoE blocks too
     net_gb = cost.ALL_TO_ALLS_PER_LAYER * layer.all_to_all.v_network_bytes * moe_layers / 1e9
     return (f"{head}: predicted all-to-all {layer.comm_s * 1e3:.3f} ms per MoE layer "
             f"({layer.comm_fraction:.0%} of its time), {layer.comm_s * moe_layers:.3f} s and "

@@ -137,29 +137,53 @@ def test_qwen3_non_embedding_count():
 
 
 def mla_attention_params() -> int:
-    """DeepSeek-V3's Multi-head Latent Attention, all 61 layers (published dims)."""
+    """DeepSeek-V3's Multi-head Latent Attention, all 61 layers (published dims), counted
+    by hand (weights only)."""
     hidden, heads, layers = 7168, 128, 61
     q_lora, kv_lora, nope, rope, v_head = 1536, 512, 128, 64, 128
-    per_layer = (hidden * q_lora + q_lora  # q down-projection and its RMSNorm
+    per_layer = (hidden * q_lora  # q down-projection
                  + q_lora * heads * (nope + rope)  # q up-projection
-                 + hidden * (kv_lora + rope) + kv_lora  # joint kv down (+ shared rope key), norm
+                 + hidden * (kv_lora + rope)  # joint kv down-projection (+ shared rope key)
                  + kv_lora * heads * (nope + v_head)  # k_nope and v up-projection
                  + heads * v_head * hidden)  # output projection
     return layers * per_layer
 
 
-def test_deepseek_v3_with_mla_matches_published():
-    # The preset swaps MLA for GQA; put the MLA count back and compare with 671B / 37B
-    # (main model, without the 14B multi-token-prediction module).
-    p = param_counts(config.build("deepseek-v3-moe"))
-    mla = mla_attention_params()
-    assert mla == pytest.approx(11.41e9, rel=0.001)
-    assert p["total"] - p["attention"] + mla == pytest.approx(671e9, rel=0.01)
-    assert p["active"] - p["attention"] + mla == pytest.approx(37e9, rel=0.02)
+def test_deepseek_v3_matches_published():
+    # the report: 671B total, 37B activated per token in the main model; the released files
+    # add the 14B MTP module (its block, eh_proj and norms, plus copies of the embedding and
+    # head): 685B in all
+    p = param_counts(config.build("deepseek-v3"))
+    assert p["attention"] == mla_attention_params() == pytest.approx(11.41e9, rel=0.001)
+    assert p["total"] == pytest.approx(671e9, rel=0.005)
+    assert p["active"] == pytest.approx(37e9, rel=0.02)
+    assert p["mtp_with_shared"] == pytest.approx(14e9, rel=0.05)
+    assert p["total"] + p["mtp_with_shared"] == pytest.approx(685e9, rel=0.005)
+
+
+def test_mtp_module_is_one_moe_layer_plus_its_projection_and_norms():
+    cfg = config.build("deepseek-v3")
+    p = param_counts(cfg)
+    H = 7168
+    moe_layer = (p["attention"] // 61 + 7168 * 256 + 257 * 3 * H * 2048  # attn, gate, experts
+                 + 2 * H + 1536 + 512)  # block norms, MLA's latent norms
+    assert p["mtp"] == moe_layer + 2 * H * H + 3 * H
+    assert p["total_with_mtp"] == p["total"] + p["mtp"]
+    no_mtp = param_counts(config.build("deepseek-v3", ["model.mtp_depth=0"]))
+    assert no_mtp["mtp"] == 0 and no_mtp["total"] == p["total"]
+    # its work counts in the FLOPs: one more MoE layer's matmuls, eh_proj and the head again
+    assert p["matmul_active"] - no_mtp["matmul_active"] == (
+        p["mtp_active"] - (2 * H + 1536 + 512 + 3 * H) + H * 129280)
+
+
+def test_mla_attention_flops_use_both_head_dims():
+    cfg = config.build("deepseek-v3")
+    # QK^T over 192 dims and AV over 128, causal: 2 * S * N * (192 + 128) / 2 per layer
+    assert attention_flops_per_token(cfg) == (61 + 1) * 4096 * 128 * (192 + 128)
 
 
 def test_deepseek_v3_moe_parts():
-    p = param_counts(config.build("deepseek-v3-moe"))
+    p = param_counts(config.build("deepseek-v3"))
     assert p["dense_mlp"] == 3 * 3 * 7168 * 18432
     assert p["routed_experts"] == 58 * 256 * 3 * 7168 * 2048
     assert p["shared_experts"] == 58 * 3 * 7168 * 2048
@@ -215,7 +239,10 @@ def test_peak_flops_on_this_machine():
     ("tiny", ["model.tie_embeddings=true", "model.qk_norm=true", "model.num_layers=3",
               "model.first_dense_layers=1", "moe.num_shared_experts=2", "moe.shared_ffn=32"]),
     ("mixtral-8x7b", []),
-    ("deepseek-v3-moe", []),
+    ("deepseek-v3", []),
+    ("deepseek-v3-tiny", []),
+    ("deepseek-v3-tiny", ["model.q_lora_rank=0", "model.mtp_depth=2"]),
+    ("deepseek-v3-tiny", ["model.first_dense_layers=3"]),  # no MoE layers: a dense MTP block
 ])
 def test_counts_equal_the_parameters_the_model_creates(preset, overrides):
     import jax
@@ -227,4 +254,4 @@ def test_counts_equal_the_parameters_the_model_creates(preset, overrides):
                             jax.random.key(0))
     created = sum(int(np.prod(x.value.shape if hasattr(x, "value") else x.shape))
                   for x in jax.tree.leaves(shapes["params"], is_leaf=lambda x: hasattr(x, "value")))
-    assert created == param_counts(cfg)["total"]
+    assert created == param_counts(cfg)["total_with_mtp"]

@@ -152,7 +152,7 @@ def test_verdict_offers_micro_batches_before_changing_the_batch():
 
 
 def test_buckets_grow_to_the_worst_case():
-    p = plan(config.build("deepseek-v3-moe", ["parallel.ep=64"]), "gb200-nvl72", 32)
+    p = plan(config.build("deepseek-v3", ["parallel.ep=64"]), "gb200-nvl72", 32)
     by = list(p.estimate.moe_buffers_by_bucket.values())
     assert by == sorted(by) and by[-1] > 4 * by[0]
     assert p.estimate.bucket == "4" and p.verdict.worst_case_bytes > p.verdict.total_bytes
@@ -222,7 +222,7 @@ def test_plan_error_is_a_config_error():
 
 @pytest.mark.parametrize("model, cluster, nodes, ep", [
     ("mixtral-8x7b", "h100-dgx", 8, 8),  # README: make submit
-    ("deepseek-v3-moe", "gb200-nvl72", 32, 64),  # README: make plan
+    ("deepseek-v3", "gb200-nvl72", 32, 64),  # README: make plan
 ])
 def test_readme_cluster_examples_fit_with_the_preset_defaults(model, cluster, nodes, ep):
     assert plan(config.build(model), cluster, nodes, ep=ep, search=False).verdict.fits

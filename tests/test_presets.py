@@ -9,7 +9,7 @@ import pytest
 from moe_train import config
 
 PRESETS = config.list_presets()
-BIG = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3-moe")
+BIG = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
 
 
 def test_expected_presets_exist():
@@ -52,6 +52,7 @@ PUBLISHED = {
         "moe.num_shared_experts": 0, "moe.score_function": "softmax",
         "moe.normalize_top_k": True, "moe.num_groups": 0, "moe.routed_scaling": 1.0,
         "moe.bias_update_rate": 0.0,
+        "moe.aux_loss_coef": 0.02 * 2,  # router_aux_loss_coef x top_k: the same penalty
     },
     "qwen3-30b-a3b": {
         "model.vocab_size": 151936, "model.hidden": 2048, "model.num_layers": 48,
@@ -62,10 +63,14 @@ PUBLISHED = {
         "moe.num_shared_experts": 0, "moe.score_function": "softmax",
         "moe.normalize_top_k": True, "moe.num_groups": 0, "moe.routed_scaling": 1.0,
         "moe.bias_update_rate": 0.0,
+        "moe.aux_loss_coef": 0.001 * 8,  # router_aux_loss_coef x top_k: the same penalty
     },
-    "deepseek-v3-moe": {
+    "deepseek-v3": {
         "model.vocab_size": 129280, "model.hidden": 7168, "model.num_layers": 61,
-        "model.num_heads": 128, "model.head_dim": 128, "model.first_dense_layers": 3,
+        "model.num_heads": 128, "model.first_dense_layers": 3, "model.attention_kind": "mla",
+        "model.q_lora_rank": 1536, "model.kv_lora_rank": 512, "model.qk_nope_head_dim": 128,
+        "model.qk_rope_head_dim": 64, "model.v_head_dim": 128, "model.mtp_depth": 1,
+        "rope.layout": "interleaved", "model.rope_theta": 10000.0,
         "model.dense_ffn": 18432, "model.tie_embeddings": False, "model.norm_eps": 1e-6,
         "moe.num_experts": 256, "moe.top_k": 8, "moe.expert_ffn": 2048,
         "moe.num_shared_experts": 1, "moe.shared_ffn": 2048, "moe.score_function": "sigmoid",
@@ -91,6 +96,7 @@ def test_big_presets_are_bf16_and_synthetic_by_default(name):
     assert cfg.data.source == "synthetic"
 
 
-def test_deepseek_preset_says_mla_is_replaced():
-    text = (config.PRESET_DIR / "deepseek-v3-moe.toml").read_text()
-    assert "MLA" in text and "GQA" in text
+def test_deepseek_preset_is_the_real_architecture_and_the_gqa_stand_in_is_gone():
+    text = (config.PRESET_DIR / "deepseek-v3.toml").read_text()
+    assert "Multi-head Latent Attention" in text and "GQA" not in text
+    assert "deepseek-v3-moe" not in PRESETS

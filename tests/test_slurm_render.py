@@ -166,16 +166,16 @@ REFUSALS = [
      "unknown model preset 'nope'; valid presets:"),
     (["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set", "moe.topk=3"],
      "unknown key moe.topk; valid keys in [moe]:"),
-    (["--preset", "gb200-nvl72", "--model", "deepseek-v3-moe", "--nodes", "20", "--ep", "64"],
+    (["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "20", "--ep", "64"],
      "ep 64 does not divide the 80 GPUs"),
     (["--preset", "h100-dgx", "--model", "tiny", "--nodes", "2", "--ep", "16"],
      "ep 16 does not divide the model's 8 experts; valid ep: 1, 2, 4, 8"),
     (["--preset", "gb200-nvl72", "--model", "tiny", "--nodes", "21", "--ep", "42",
       "--set", "moe.num_experts=42", "--set", "train.batch_size=84"],
      "EP groups of 42 would straddle NVLink domains"),
-    (["--preset", "gb200-nvl72", "--model", "deepseek-v3-moe", "--nodes", "32", "--ep", "64",
+    (["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "32", "--ep", "64",
       "--image", "/nonexistent/moe.sqsh"], "image file '/nonexistent/moe.sqsh' does not exist"),
-    (["--preset", "gb200-nvl72", "--model", "deepseek-v3-moe", "--nodes", "32", "--ep", "64"],
+    (["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "32", "--ep", "64"],
      "no kit image"),
     (["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--image", "x:y"],
      "runs on the host without a container"),
@@ -188,7 +188,7 @@ REFUSALS = [
     (["--preset", "cpu-local", "--model", "tiny"], "--model and --nodes (>= 1) are required"),
     (["--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8",
       "--image", "KIMG", *BARE], "memory: does not fit: needs"),
-    (["--preset", "gb200-nvl72", "--model", "deepseek-v3-moe", "--nodes", "18", "--ep", "8",
+    (["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "18", "--ep", "8",
       "--set", "train.batch_size=144", "--image", "KIMG"], "model.hidden=7168 is not divisible by the data-parallel size 9"),
 ]
 
@@ -257,7 +257,7 @@ def test_segment_is_what_allocation_says(capsys, tmp_path, nodes, ep):
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
     code, out, err = dry(capsys, tmp_path, "--preset", "gb200-nvl72", "--model",
-                         "deepseek-v3-moe", "--nodes", str(nodes), "--ep", str(ep),
+                         "deepseek-v3", "--nodes", str(nodes), "--ep", str(ep),
                          "--image", str(image), "--set", f"train.batch_size={nodes * 4 * 8}",
                          "--set", "model.hidden=6912")  # divisible by every dp here (9, 18, 27)
     assert code == 0, err

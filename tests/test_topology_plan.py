@@ -75,7 +75,7 @@ def test_h100_has_no_segment():
 # --- the plan -------------------------------------------------------------------------------
 
 def test_json_nvl72_deepseek_ep64():
-    d = plan_json("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3-moe",
+    d = plan_json("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3",
                   "--ep", "64")
     for key in ("ep_groups", "domains", "a2a_seconds", "bytes_over_network", "allocation",
                 "mesh", "comm_fraction"):
@@ -99,7 +99,7 @@ def test_json_nvl72_deepseek_ep64():
 
 
 def test_json_ep_beyond_a_rack_is_hierarchical():
-    d = plan_json("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3-moe",
+    d = plan_json("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3",
                   "--ep", "128", "--tokens", "8192")
     assert d["mesh"] == {"data": 1, "expert_x": 2, "expert": 64}
     assert d["hierarchical"] == {"planned": True, "naive": False}
@@ -114,7 +114,7 @@ def test_h100_mixtral_planned_equals_naive():
 
 
 def test_human_output_mentions_the_segment():
-    r = cli("plan", "--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3-moe",
+    r = cli("plan", "--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3",
             "--ep", "64")
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -131,13 +131,13 @@ def test_many_groups_are_abbreviated():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3-moe", "--ep", "48"),
+    (("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3", "--ep", "48"),
      "valid ep for 32 gb200-nvl72 nodes: 1, 2, 4, 8, 16, 32, 64, 128"),
     (("--preset", "nope", "--nodes", "2", "--model", "tiny", "--ep", "2"),
      "valid presets: b200-hgx"),
     (("--preset", "h100-dgx", "--nodes", "2", "--model", "nope", "--ep", "2"),
      "unknown model preset 'nope'"),
-    (("--preset", "gb200-nvl72", "--nodes", "18", "--model", "deepseek-v3-moe", "--ep", "64"),
+    (("--preset", "gb200-nvl72", "--nodes", "18", "--model", "deepseek-v3", "--ep", "64"),
      "valid node counts for ep 64: 16, 32"),
     (("--preset", "h100-dgx", "--nodes", "2", "--model", "tiny", "--ep", "8", "--dp", "3"),
      "use dp 2"),

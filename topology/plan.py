@@ -7,7 +7,8 @@ domains -- next to the topology-blind baseline: what Slurm gives without the pla
 filled in order, ``naive_domains``) with the default device order and a flat all-to-all.
 
 Inputs from the model preset (``moe_train/presets``): hidden size H, expert FFN width F,
-top-k, routed experts, MoE layers (num_layers - first_dense_layers) and, unless given,
+top-k, routed experts, MoE layers (num_layers - first_dense_layers, plus the MTP
+modules' blocks) and, unless given,
 tokens per GPU = train.batch_size * train.seq_len / GPUs. Elements are bf16 (2 bytes).
 Figures are per GPU; "per layer" is one MoE layer of one training step, i.e. 4 all-to-alls
 (dispatch and combine, forward and backward) as in ``cost.layer_time``.
@@ -43,7 +44,7 @@ class ModelShape:
     expert_ffn: int  # F, routed expert SwiGLU width
     top_k: int  # k, experts per token
     num_experts: int  # routed experts; ep must divide it
-    moe_layers: int  # MoE blocks: num_layers - first_dense_layers
+    moe_layers: int  # MoE blocks: num_layers - first_dense_layers (+ MTP modules' blocks)
     batch_tokens: int  # train.batch_size * train.seq_len, tokens per global step
 
 
@@ -87,7 +88,7 @@ def model_shape(name: str) -> ModelShape:
     m, moe, tr = cfg.model, cfg.moe, cfg.train
     return ModelShape(name=name, hidden=m.hidden, expert_ffn=moe.expert_ffn, top_k=moe.top_k,
                       num_experts=moe.num_experts,
-                      moe_layers=m.num_layers - m.first_dense_layers,
+                      moe_layers=model_config.moe_layer_count(m),
                       batch_tokens=tr.batch_size * tr.seq_len)
 
 

@@ -78,35 +78,56 @@ def tile_rows(cfg: Config, assignments: int, local_experts: int, nominal: bool) 
 
 # ----------------------------------------------------------------------------- state
 
-def param_split(cfg: Config) -> tuple[int, int, int]:
-    """(routed expert, FSDP-sharded, replicated) parameter counts.
+def param_split(cfg: Config, devices: int = 1) -> tuple[int, int, int]:
+    """(routed expert, FSDP-sharded, replicated) parameter counts on ``devices``, MTP
+    modules included.
 
     ``moe_train.sharding.LOGICAL_RULES``: routed experts ``[E, H, F]`` take the EP axes for
     ``expert`` and ``data`` for ``embed``, so they split over every device; every other matrix
-    has an ``embed`` axis split over every device; norm scales are replicated.
+    has an ``embed`` axis split over every device, except MLA's up-projections from a latent
+    whose width the devices do not divide (``sharding.logical_rules``): those and the norm
+    scales are replicated.
     """
     c = flops.param_counts(cfg)
-    return c["routed_experts"], c["total"] - c["routed_experts"] - c["norms"], c["norms"]
+    routed = c["routed_experts"] + c["mtp_routed_experts"]
+    rep = c["norms"] + _replicated_latent_weights(cfg, devices)
+    return routed, c["total_with_mtp"] - routed - rep, rep
+
+
+def _replicated_latent_weights(cfg: Config, devices: int) -> int:
+    """Weights of MLA's q_b and kv_b where ``devices`` does not divide their latent width."""
+    m = cfg.model
+    if m.attention_kind != "mla":
+        return 0
+    N, layers = m.num_heads, m.num_layers + m.mtp_depth
+    q_b = m.q_lora_rank * N * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    kv_b = m.kv_lora_rank * N * (m.qk_nope_head_dim + m.v_head_dim)
+    return layers * ((q_b if m.q_lora_rank % devices else 0)
+                     + (kv_b if m.kv_lora_rank % devices else 0))
 
 
 def fp8_state_bytes(cfg: Config, s: Setup) -> int:
     """fp8 scaling state (replicated): a scale and an amax history per quantized tensor."""
     if s.compute != "fp8":
         return 0
+    m = cfg.model
     n_dense, n_moe = _layer_kinds(cfg)
     shared = FP8_SITES["dense"] if cfg.moe.num_shared_experts else 0
-    sites = (cfg.model.num_layers * FP8_SITES["attention"] + n_dense * FP8_SITES["dense"]
-             + n_moe * (FP8_SITES["moe"] + shared))
+    attention = FP8_SITES["attention"]  # GQA's q, k, v, o; MLA's q_a, q_b (or q), kv_a, kv_b, o
+    if m.attention_kind == "mla":
+        attention = 3 * (5 if m.q_lora_rank else 4)
+    sites = ((m.num_layers + m.mtp_depth) * attention + n_dense * FP8_SITES["dense"]
+             + n_moe * (FP8_SITES["moe"] + shared) + m.mtp_depth * 3)  # + each eh_proj
     return sites * (1 + cfg.precision.amax_history) * 4
 
 
 def state_bytes(cfg: Config, s: Setup) -> dict[str, int]:
     """params, grads, optimizer and other (MoE bias and fp8 state, batch, counters) per device."""
     pb = PARAM_BYTES[cfg.model.param_dtype]
-    expert, fsdp, rep = param_split(cfg)
+    expert, fsdp, rep = param_split(cfg, s.devices)
     fsdp_ways = s.devices if cfg.model.hidden % s.devices == 0 else s.dp  # sharding.logical_rules
     params = (expert // (s.ep * s.dp) + fsdp // fsdp_ways + rep) * pb
-    n_moe = cfg.model.num_layers - cfg.model.first_dense_layers
+    _, n_moe = _layer_kinds(cfg)
     seqs = cfg.train.batch_size // s.devices
     other = (n_moe * cfg.moe.num_experts * 4 + seqs * (cfg.train.seq_len + 1) * 4 + 64
              + fp8_state_bytes(cfg, s))
@@ -135,21 +156,42 @@ def head_chunk_bytes(cfg: Config, s: Setup) -> int:
     return min(s.loss_chunk or s.tokens, s.tokens) * cfg.model.vocab_size * (8 + narrow)
 
 
+def _attention_elements(m) -> tuple[int, int]:
+    """(residual elements, matmul outputs) per token of one attention sub-layer.
+
+    GQA, q = heads * head_dim, kv = kv_heads * head_dim: q before and after RoPE, the output
+    and k, v (3 q + 2 kv); the projections' outputs q + 2 kv. MLA (``moe_train.mla``): the
+    query latent before and after its norm (2W), q before and after RoPE (2 N D), the kv
+    latent with the RoPE key and the normed latent (2Z + I), the up-projection's output
+    N (U + J), full keys N D, values and the output (2 N J); its projections' outputs
+    W + N D + Z + I + N (U + J)."""
+    if m.attention_kind != "mla":
+        q, kv = m.num_heads * head_dim(m), m.num_kv_heads * head_dim(m)
+        return 3 * q + 2 * kv, q + 2 * kv
+    N, W, Z = m.num_heads, m.q_lora_rank, m.kv_lora_rank
+    U, I, J = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    D = U + I
+    kept = 2 * W + 2 * N * D + 2 * Z + I + N * (U + J) + N * D + 2 * N * J
+    return kept, W + N * D + Z + I + N * (U + J)
+
+
 def token_bytes(cfg: Config, s: Setup) -> dict[str, int]:
     """Residual bytes per token of each sub-layer (see the docstring's table)."""
     m, e, a = cfg.model, cfg.moe, s.a
-    H, q, kv = m.hidden, m.num_heads * head_dim(m), m.num_kv_heads * head_dim(m)
+    H = m.hidden
+    attn_kept, attn_matmuls = _attention_elements(m)
     shared = e.num_shared_experts * (e.shared_ffn or e.expert_ffn)
     expert_copy = H * a if s.compute == "fp8" else 0  # the experts' q/dq copy of their input
     return dict(
-        attention=H * (a + 8) + (3 * q + 2 * kv) * a + _scores(cfg, s),
+        attention=H * (a + 8) + attn_kept * a + _scores(cfg, s),
         moe=H * (a + 8 + e.top_k * (a + 4)) + 12 * e.num_experts + 4 * shared * a + expert_copy,
         dense=H * (a + 8) + 4 * m.dense_ffn * a,
         block_input=H * a,
-        matmul_attention=H * a + (q + 2 * kv) * a + H * a,
+        matmul_attention=H * a + attn_matmuls * a + H * a,
         matmul_moe=4 * e.num_experts + (2 * shared + H) * a if shared else 4 * e.num_experts,
         matmul_dense=(2 * m.dense_ffn + H) * a,
         head=H * (a + 8) + 4,  # final norm, its fp32 input, the logsumexp; logits: per chunk
+        mtp_input=3 * H * a + 2 * H * (a + 8),  # an MTP depth: [emb; h] and eh_proj's output, 2 norms
     )
 
 
@@ -188,9 +230,11 @@ def moe_layer_bytes(cfg: Config, s: Setup, factor: float | None) -> tuple[int, i
 # ----------------------------------------------------------------------------- aggregate
 
 def _layer_kinds(cfg: Config) -> tuple[int, int]:
-    """(dense layers, MoE layers)."""
-    dense = cfg.model.first_dense_layers
-    return dense, cfg.model.num_layers - dense
+    """(dense layers, MoE layers), the MTP modules' blocks included (MoE blocks, or dense ones
+    in a model without MoE layers)."""
+    m = cfg.model
+    dense, moe = m.first_dense_layers, m.num_layers - m.first_dense_layers
+    return (dense, moe + m.mtp_depth) if moe else (dense + m.mtp_depth, 0)
 
 
 def activation_bytes(cfg: Config, s: Setup) -> int:
@@ -208,7 +252,8 @@ def activation_bytes(cfg: Config, s: Setup) -> int:
     }[s.remat]
     biggest = max(full["moe"] if n_moe else 0, full["dense"] if n_dense else 0)
     working = 0 if s.remat == "none" else biggest  # the block being recomputed
-    per_token = n_moe * saved["moe"] + n_dense * saved["dense"] + working + t["head"]
+    per_token = (n_moe * saved["moe"] + n_dense * saved["dense"] + working
+                 + (1 + cfg.model.mtp_depth) * t["head"] + cfg.model.mtp_depth * t["mtp_input"])
     return s.tokens * per_token + head_chunk_bytes(cfg, s)
 
 
@@ -226,10 +271,10 @@ def moe_buffer_bytes(cfg: Config, s: Setup, factor: float | None) -> int:
 def _weight_copies(cfg: Config, s: Setup) -> dict[str, int]:
     """Bytes of one layer's weights as used (gathered over FSDP, cast to compute dtype)."""
     m, e, a = cfg.model, cfg.moe, s.a
-    H, q, kv = m.hidden, m.num_heads * head_dim(m), m.num_kv_heads * head_dim(m)
+    H = m.hidden
     shared = e.num_shared_experts * (e.shared_ffn or e.expert_ffn)
     gate = H * e.num_experts * 4 if s.devices > 1 else 0  # the fp32 router, all-gathered
-    return dict(attention=(2 * H * q + 2 * H * kv) * a,
+    return dict(attention=flops.attention_params(m)[0] * a,
                 moe=(e.num_experts // s.ep) * 3 * H * e.expert_ffn * a + gate + 3 * H * shared * a,
                 dense=3 * H * m.dense_ffn * a, head=H * m.vocab_size * a)
 
@@ -278,4 +323,4 @@ def estimate(cfg: Config, s: Setup) -> Estimate:
     per = {k: per[k] for k in ITEMS}
     per["total"] = sum(per.values())
     return Estimate(setup=s, per_device=per, moe_buffers_by_bucket=by_bucket, bucket=bucket,
-                    params_total=flops.param_counts(cfg)["total"])
+                    params_total=flops.param_counts(cfg)["total_with_mtp"])

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 
 from moe_train import jobplan
-from moe_train.config import Config, ConfigError, for_devices, head_dim
+from moe_train.config import Config, ConfigError, attention_dims, for_devices
 from moe_train.memory.estimate import Setup, tile_rows
 from topology.placement import PlacementError, allocation
 from topology.presets import Cluster
@@ -68,8 +68,9 @@ def attention_memory(cfg: Config, cluster: Cluster) -> str:
     m, name = cfg.model, cfg.model.attention
     if name != "auto":
         return "scores" if name == "xla" else "flash"
-    d = head_dim(m)
-    if not cluster.nominal and cfg.precision.compute != "fp32" and d % 8 == 0 and d <= 256:
+    d, j, _ = attention_dims(m)  # MLA: cuDNN refuses v head dim != q/k head dim
+    if (not cluster.nominal and cfg.precision.compute != "fp32" and d == j and d % 8 == 0
+            and d <= 256):
         return "flash"
     from moe_train.attention import CHUNKED_MIN_SEQ
 

@@ -60,20 +60,24 @@ def training(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
     if not metrics:
         return []
     fig, axes = plt.subplots(3, 1, figsize=(9, 6.5), sharex=True)
-    for ax, keys, label in ((axes[0], ("loss", "total_loss"), "loss"),
+    for ax, keys, label in ((axes[0], ("loss", "eval_loss", "mtp_loss", "total_loss"), "loss"),
                             (axes[1], ("aux_loss", "seq_aux_loss"), "aux loss"),
                             (axes[2], ("lr",), "learning rate")):
         for key in keys:
             xs, ys = _series(metrics, key)
             if xs:
-                ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=key)
+                sparse = len(xs) < 50 or key == "eval_loss"  # evaluated every N steps
+                ax.plot(xs, ys, marker="." if sparse else None, label=key)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("step")
     return [_save(fig, out_dir, "training", "Loss, aux loss and learning rate",
-                  "loss is the cross-entropy; total_loss adds the weighted aux and z losses")]
+                  "loss is the next-token cross-entropy; eval_loss (with train.eval_every) the "
+                  "same on held-out data; mtp_loss (with multi-token prediction) "
+                  "the mean cross-entropy of the MTP depths; total_loss adds the weighted MTP, "
+                  "aux and z losses")]
 
 
 def _loads(metrics: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:

@@ -35,7 +35,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from moe_train.config import Config, ConfigError, head_dim
+from moe_train.config import Config, ConfigError, attention_dims
 from moe_train.selftest import candidates as C
 from moe_train.selftest.checks import Result
 
@@ -168,7 +168,7 @@ def run(cfg: Config, out_dir: Path | None = None) -> tuple[Config, str, dict]:
     line = (f"kernels on {_device()}: {what} [self-test {seconds:.2f} s]" if not skip else
             f"kernels on {_device()}: {what} [train.skip_selftest=true]")
     record = {"device": _device(), "platform": platform, "skip_selftest": skip,
-              "selftest_s": seconds, "head_dim": head_dim(cfg.model),
+              "selftest_s": seconds, "head_dim": attention_dims(cfg.model)[0],
               "choices": [c.record() for c in choices]}
     return exec_cfg, line, record
 

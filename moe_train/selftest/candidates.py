@@ -18,7 +18,7 @@ import dataclasses
 from typing import Callable, Iterator
 
 from moe_train import precision
-from moe_train.config import Config, ConfigError, compute_dtype, head_dim
+from moe_train.config import Config, ConfigError, attention_dims, compute_dtype
 from moe_train.selftest import checks
 
 MAX_WIDTH = 256  # hidden / expert ffn of the grouped-GEMM problem (multiple of 64: mgpu)
@@ -82,7 +82,8 @@ def attention_candidates(cfg: Config, platform: str, seq_len: int) -> tuple[list
     from moe_train import attention
 
     m, dtype = cfg.model, compute_dtype(cfg.precision)
-    dims = dict(platform=platform, dtype=dtype, head_dim=head_dim(m), v_head_dim=head_dim(m))
+    d, j, _ = attention_dims(m)
+    dims = dict(platform=platform, dtype=dtype, head_dim=d, v_head_dim=j)
     first, why = attention.resolve(m.attention, seq_len=seq_len, **dims)  # ConfigError if it cannot
     ok = [n for n, reason in attention.available(**dims).items() if reason is None]
     rest = [n for n in ATTENTION_ORDER if n in ok and n != first]
@@ -91,11 +92,12 @@ def attention_candidates(cfg: Config, platform: str, seq_len: int) -> tuple[list
 
 def attention_problem(cfg: Config, platform: str) -> checks.AttentionProblem:
     m = cfg.model
-    ratio = m.num_heads // m.num_kv_heads
-    kv = _small(m.num_kv_heads, 2)
+    d, j, kv_heads = attention_dims(m)  # MLA: a head's own keys and values (kv_heads = heads)
+    ratio = m.num_heads // kv_heads
+    kv = _small(kv_heads, 2)
     return checks.AttentionProblem(
         batch=1, seq_len=_small(cfg.train.seq_len, SEQ.get(platform, SEQ["cpu"])),
-        heads=kv * _small(ratio, 4), kv_heads=kv, head_dim=head_dim(m), v_head_dim=head_dim(m),
+        heads=kv * _small(ratio, 4), kv_heads=kv, head_dim=d, v_head_dim=j,
         dtype=compute_dtype(cfg.precision), block=m.attention_block)
 
 

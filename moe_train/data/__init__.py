@@ -1,7 +1,8 @@
 """Training batches: synthetic Markov text, pre-tokenised files, or raw UTF-8 bytes.
 
 Every source answers ``batch(step)`` with an ``int32 [batch_size // process_count, seq_len + 1]``
-array; the model reads ``inputs = b[:, :-1]`` and ``targets = b[:, 1:]``. A batch is a pure
+array (packed prepared data: a dict of the token ids and their documents' segment ids, both of
+that shape); the model reads ``inputs = b[:, :-1]`` and ``targets = b[:, 1:]``. A batch is a pure
 function of ``(data.seed, step)``: the global batch of a step never changes, so a resumed run sees
 exactly the batches it would have seen, and process ``p`` of ``P`` always gets rows
 ``[p*B/P, (p+1)*B/P)`` of it whatever ``P`` is.
@@ -14,6 +15,9 @@ Sources (``data.source``):
 * ``tokens``: a flat file of ``uint16`` or ``uint32`` token ids (``data.token_dtype``), memory
   mapped; each row is a window of ``seq_len + 1`` tokens at a random offset.
 * ``bytes``: any UTF-8 text file, one token per byte (vocabulary 256), windowed the same way.
+* ``prepared``: the train split of a directory written by ``python -m moe_train.data prepare``:
+  shuffled documents cut into rows, packed with segment ids unless ``data.packing=false``
+  (``moe_train.data.packed``; such a batch is ``{"tokens", "segments"}``, ``moe_train.packing``).
 
 Relative paths resolve against the working directory, then against the kit root (the folder
 holding the ``moe_train`` package), so presets can name shipped files such as
@@ -31,7 +35,7 @@ import numpy as np
 
 from moe_train.config import DATA_SOURCES, TOKEN_DTYPES, ConfigError, DataConfig
 
-KIT_ROOT = Path(__file__).resolve().parent.parent
+KIT_ROOT = Path(__file__).resolve().parents[2]  # moe_train/data/__init__.py -> the kit root
 
 # Files up to this size are fully validated when opened (token range, UTF-8); larger files have
 # their first SCAN_LIMIT bytes checked at open, and every batch is range-checked regardless.
@@ -87,6 +91,9 @@ class Source:
                             f"{process_count} processes; use a multiple of {process_count}")
         rows = self.batch_size // process_count
         return step, process_index * rows, (process_index + 1) * rows
+
+    def close(self) -> None:
+        """Release what the source holds (a prefetch thread); a no-op for most."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.description}>"
@@ -242,20 +249,20 @@ class BytesSource(_WindowSource):
                                 f"expected {self._expected()}") from None
 
 
-def resolve_path(path: str, what: str = "file") -> tuple[Path, str]:
-    """The file ``path`` names, and how to show it: cwd first, then the kit root."""
+def resolve_path(path: str, what: str = "file", *, directory: bool = False,
+                 empty: str = "") -> tuple[Path, str]:
+    """The file (or, with ``directory``, the directory) ``path`` names, and how to show it:
+    cwd first, then the kit root. ``empty``: the message when ``path`` is empty."""
     if not path:
-        raise DataError(f"data.path is empty; expected the path of {what}")
+        raise DataError(empty or f"data.path is empty; expected the path of {what}")
     p = Path(path).expanduser()
-    if p.is_absolute():
-        tried = [p]
-    else:
-        tried = [Path.cwd() / p, KIT_ROOT / p]
+    tried = [p] if p.is_absolute() else [Path.cwd() / p, KIT_ROOT / p]
+    kind = "a directory" if directory else "a regular file"
     for i, cand in enumerate(tried):
-        if cand.is_file():
+        if cand.is_dir() if directory else cand.is_file():
             return cand, (str(cand) if i else str(path))
         if cand.exists():
-            raise DataError(f"data.path={path!r}: {cand} is not a regular file; expected {what}")
+            raise DataError(f"data.path={path!r}: {cand} is not {kind}; expected {what}")
     looked = " or ".join(str(c) for c in tried)
     raise DataError(f"data.path={path!r} not found (looked in {looked}); expected {what}")
 
@@ -286,4 +293,8 @@ def make_source(data_cfg: DataConfig, *, vocab_size: int, seq_len: int, batch_si
             raise DataError(f"data.source=bytes needs model.vocab_size >= 256, got {vocab_size}")
         path, shown = resolve_path(data_cfg.path, "a UTF-8 text file")
         return BytesSource(path, shown, np.uint8, **kw)
+    if source == "prepared":
+        from moe_train.data.packed import PreparedSource  # imports this module
+
+        return PreparedSource(data_cfg.path, bool(data_cfg.packing), **kw)
     raise DataError(f"data.source={source!r} is not valid; choose one of: {', '.join(DATA_SOURCES)}")

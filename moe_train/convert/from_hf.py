@@ -1,0 +1,176 @@
+"""``from-hf``: a Hugging Face checkpoint directory -> the kit's converted checkpoint.
+
+``OUT/preset.toml`` is the kit's config of the model (each value with the ``config.json`` key
+it came from), ``OUT/weights/<part>/`` orbax checkpoints ``{"params", "moe_state"}`` in the
+looped layer layout, one per layer (``moe_train.weights`` reads them into any layout and
+device count), and
+``OUT/convert.json`` what it was made from. Weights keep the source's dtype (bf16 or fp32;
+fp8 is dequantized with its block scales to bf16, as DeepSeek's own fp8-to-bf16 script does);
+the expert bias is fp32.
+
+Streaming: every tensor's presence and shape are checked from the shard headers before
+anything is read. Then, layer by layer, each kit leaf is assembled in a memory-mapped file (a
+stacked expert leaf one expert at a time) and orbax writes the layer from those files: orbax
+holds what it writes in memory until the save ends, so the process holds about one layer,
+not the model (``tests/test_convert.py`` measures it). Everything is written
+under ``OUT``'s sibling ``.OUT.partial-<pid>`` and renamed to ``OUT`` at the end: a failure
+leaves no ``OUT``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+
+from moe_train import config
+from moe_train.config import Config, ConfigError
+from moe_train.convert.families import Family, family_of, kit_tables
+from moe_train.convert.hf_files import (FP8_DTYPES, SCALE_SUFFIX, HFCheckpoint, new_directory,
+                                        read_config)
+from moe_train.convert.tensors import Entry, entries, extra_copies
+from moe_train.model import Transformer
+from moe_train.weights import PRESET, WEIGHTS, part_of
+
+IGNORED = re.compile(r".*(rotary_emb\.inv_freq|" + re.escape(SCALE_SUFFIX) + r")$")
+SECTIONS = ("model", "moe", "rope", "train")
+
+
+def looped_tree(cfg: Config) -> dict:
+    """Abstract {"params", "moe_state"} of ``cfg`` in the looped layout."""
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    v = jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens), jax.random.key(0))
+    return {"params": nn.unbox(v["params"]), "moe_state": v.get("moe_state", {})}
+
+
+def plan(hf_dir: Path) -> tuple[Family, dict, Config, dict, HFCheckpoint, list[Entry]]:
+    """Everything but the data: (family, config.json, kit config, value sources, files,
+    entries), with every tensor checked for presence and shape; ConfigError otherwise."""
+    hf = read_config(hf_dir)
+    fam = family_of(hf)
+    quant = hf.get("quantization_config") or {}
+    ckpt = HFCheckpoint(hf_dir, tuple(quant.get("weight_block_size") or (128, 128)))
+    mtp_prefix = f"model.layers.{hf.get('num_hidden_layers')}."
+    mtp = fam.name == "deepseek_v3" and any(n.startswith(mtp_prefix) for n in ckpt.names())
+    tables, sources = kit_tables(fam, hf, mtp=mtp)
+    try:
+        cfg = config.apply_tables(config.Config(), tables)
+        config.validate(cfg)
+    except ConfigError as err:
+        raise ConfigError(f"config.json gives a config the kit refuses: {err}") from None
+    ents = entries(fam, cfg, looped_tree(cfg))
+    _check_tensors(ckpt, ents, cfg)
+    return fam, hf, cfg, sources, ckpt, ents
+
+
+def _check_tensors(ckpt: HFCheckpoint, ents: list[Entry], cfg: Config) -> None:
+    used = {name for e in ents for name in e.hf} | {n for n, _ in extra_copies(cfg)}
+    for e in ents:
+        for name, want in zip(e.hf, e.hf_shapes()):
+            got = ckpt.shape(name)  # ConfigError when missing
+            if got != tuple(want):
+                raise ConfigError(f"{ckpt.dir}: tensor {name} has shape {list(got)}, "
+                                  f"the config needs {list(want)}")
+    unused = sorted(n for n in ckpt.names() - used if not IGNORED.fullmatch(n))
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise ConfigError(f"{ckpt.dir}: tensor {unused[0]} is not used by the converted "
+                          f"model ({', '.join(unused[1:3])}{more}); unsupported feature?")
+
+
+def _dtype_of(ckpt: HFCheckpoint, e: Entry):
+    """The stored dtype of leaf ``e``: its source's, bf16 for dequantized fp8, fp32 bias."""
+    if not e.hf:
+        return np.dtype(np.float32)
+    stored = ckpt._entry(e.hf[0])["dtype"]
+    if stored in FP8_DTYPES or stored == "BF16":
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype({"F32": np.float32, "F16": np.float32, "F64": np.float32}.get(stored, np.float32))
+
+
+def _assemble(ckpt: HFCheckpoint, e: Entry, path: Path) -> np.ndarray:
+    """Leaf ``e`` in a memory-mapped file at ``path``, one HF tensor in memory at a time."""
+    dtype = _dtype_of(ckpt, e)
+    out = np.memmap(path, dtype=dtype, mode="w+", shape=e.shape)  # raw: .npy has no bf16
+    if e.kind == "experts":
+        for i, name in enumerate(e.hf):
+            out[i] = ckpt.tensor(name).T.astype(dtype)
+    else:
+        out[...] = e.to_kit([ckpt.tensor(n) for n in e.hf]).astype(dtype)
+    out.flush()
+    return np.memmap(path, dtype=dtype, mode="r", shape=e.shape)
+
+
+def _by_part(ents: list[Entry]) -> dict[str, list[Entry]]:
+    """Entries grouped by the part of the converted checkpoint they are saved in."""
+    out: dict[str, list[Entry]] = {}
+    for e in ents:
+        out.setdefault(part_of(e.kit[1]), []).append(e)
+    return out
+
+
+def _nest(pairs: list[tuple[tuple[str, ...], np.ndarray]]) -> dict:
+    tree: dict = {"params": {}, "moe_state": {}}
+    for path, value in pairs:
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def preset_text(hf_dir: Path, fam: Family, tables: dict, sources: dict) -> str:
+    """``preset.toml``: the kit's config of the model, each value with its HF key."""
+    lines = [f"# {fam.architecture} converted from {hf_dir} by python -m moe_train.convert "
+             "from-hf.", "# Each value names the config.json key it came from.", ""]
+    for section in SECTIONS:
+        if section not in tables:
+            continue
+        lines.append(f"[{section}]")
+        for key, value in tables[section].items():
+            lines.append(f"{key} = {_toml(value)}  # {sources[f'{section}.{key}']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def from_hf(hf_dir: str | Path, out: str | Path, log: Callable[[str], None] = print) -> Path:
+    """Convert ``hf_dir`` into ``out`` (which must not exist or be empty)."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # before reading anything
+        raise ConfigError(f"{out}: exists and is not an empty directory; choose a new OUT")
+    fam, hf, cfg, sources, ckpt, ents = plan(hf_dir)
+    tables, _ = kit_tables(fam, hf, mtp=cfg.model.mtp_depth > 0)
+    with new_directory(out, "OUT") as tmp:
+        arrays = tmp / ".arrays"
+        arrays.mkdir()
+        for part, group in _by_part(ents).items():
+            leaves = [(e.kit, _assemble(ckpt, e, arrays / f"{i}.bin")) for i, e in enumerate(group)]
+            ocp.PyTreeCheckpointer().save((tmp / WEIGHTS / part).absolute(), _nest(leaves))
+            del leaves
+            for f in arrays.iterdir():
+                f.unlink()
+        arrays.rmdir()
+        (tmp / PRESET).write_text(preset_text(hf_dir, fam, tables, sources))
+        (tmp / "convert.json").write_text(json.dumps(
+            {"source": str(hf_dir.absolute()), "family": fam.name,
+             "architecture": fam.architecture, "hf_config": hf}, indent=2) + "\n")
+    log(f"converted {fam.architecture} ({len(ents)} tensors) from {hf_dir} into {out}")
+    return out

@@ -1,0 +1,116 @@
+"""``to-hf``: a kit checkpoint (converted, a run, or one step) -> a Hugging Face directory.
+
+Writes ``config.json`` (``families.hf_config``) and ``model-0000i-of-0000N.safetensors`` shards
+with ``model.safetensors.index.json``, tensors named and laid out as ``save_pretrained`` does
+(experts one by one, ``[out, in]`` Linear weights), in bf16 or fp32; DeepSeek-V3's MTP layers
+carry the copies of the embedding and head the released files have. The kit's leaves are read
+one at a time (orbax partial restores), so the process holds about one leaf plus one shard.
+Written under a ``.HF_OUT.partial-<pid>`` sibling and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+
+from moe_train import weights
+from moe_train.config import Config, ConfigError
+from moe_train.convert.families import FAMILIES, Family, family_for, hf_config
+from moe_train.convert.from_hf import looped_tree
+from moe_train.convert.hf_files import new_directory, write_shards
+from moe_train.convert.tensors import entries, extra_copies
+
+DTYPES = {"bf16": ("bfloat16", ml_dtypes.bfloat16), "fp32": ("float32", np.float32)}
+SHARD_BYTES = 5 << 30  # transformers' default max_shard_size
+
+
+def _family(source: weights.Source, cfg: Config) -> Family:
+    record = source.path / "convert.json"
+    if source.kind == "converted" and record.is_file():
+        return FAMILIES[json.loads(record.read_text())["family"]]
+    return family_for(cfg)
+
+
+def _leaf_reader(source: weights.Source, cfg: Config) -> Callable[[tuple[str, ...]], np.ndarray]:
+    """A function from a looped-layout kit path to that leaf's host array."""
+    converted = source.kind == "converted"
+    root = (source.path / (weights.WEIGHTS if converted else "state")).absolute()
+    scanned = source.kind == "step" and cfg.model.scan_layers
+    checkpointer = ocp.PyTreeCheckpointer()
+    stacked: dict[tuple[str, ...], np.ndarray] = {}
+
+    def read(saved_path: tuple[str, ...]) -> np.ndarray:
+        item: dict = {}
+        node = item
+        for key in saved_path[:-1]:
+            node = node.setdefault(key, {})
+        node[saved_path[-1]] = 0
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+        path = root / weights.part_of(saved_path[1]) if converted else root
+        with weights.quiet_orbax():
+            out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=args, partial_restore=True))
+        for key in saved_path:
+            out = out[key]
+        return np.asarray(out)
+
+    def leaf(kit: tuple[str, ...]) -> np.ndarray:
+        if not scanned or not kit[1].startswith("layer_"):
+            return read(kit)
+        i = int(kit[1][len("layer_"):])  # looped name -> (group, row) of the scanned tree
+        dense = i < cfg.model.first_dense_layers
+        group, row = ("dense_layers", i) if dense else ("moe_layers", i - cfg.model.first_dense_layers)
+        key = (kit[0], group, *kit[2:])
+        if key not in stacked:
+            stacked.clear()  # one stacked leaf at a time: layers are visited in order
+            stacked[key] = read(key)
+        return stacked[key][row]
+
+    return leaf
+
+
+def _tensors(source, cfg: Config, fam: Family, dtype) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) of every tensor, in the kit tree's order, then the MTP copies."""
+    leaf = _leaf_reader(source, cfg)
+    copies = {source: None for _, source in extra_copies(cfg)}  # HF name -> its array
+    for e in _ordered(entries(fam, cfg, looped_tree(cfg))):
+        for name, array in zip(e.hf, e.to_hf(leaf(e.kit))):
+            if name in copies:
+                copies[name] = array.astype(dtype)
+            yield name, array.astype(dtype)
+    for name, source_name in extra_copies(cfg):
+        yield name, copies[source_name]
+
+
+def _ordered(ents):
+    """Entries leaf kind by leaf kind across the layers (``layer_0/attn/q``, ``layer_1/attn/q``,
+    ...): a scanned checkpoint's stacked leaf is then read once, not once per layer."""
+    def key(e):
+        top = e.kit[1]
+        layer = int(top.split("_")[1]) if top.startswith("layer_") else -1
+        return (e.kit[0], top.startswith("layer_"), e.kit[2:] if layer >= 0 else e.kit[1:], layer)
+
+    return sorted(ents, key=key)
+
+
+def to_hf(ckpt: str | Path, out: str | Path, dtype: str = "bf16",
+          log: Callable[[str], None] = print, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Export the weights at ``ckpt`` into ``out`` (new or empty)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    source = weights.locate(ckpt)
+    cfg = weights.config_of(source)
+    fam = _family(source, cfg)
+    torch_name, np_dtype = DTYPES[dtype]
+    with new_directory(Path(out), "HF_OUT") as tmp:
+        (tmp / "config.json").write_text(json.dumps(hf_config(fam, cfg, torch_name), indent=2) + "\n")
+        index = write_shards(tmp, _tensors(source, cfg, fam, np_dtype), shard_bytes)
+    log(f"exported {len(index['weight_map'])} tensors ({fam.architecture}, {dtype}) to {out}")
+    return out
+

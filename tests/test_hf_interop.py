@@ -1,0 +1,134 @@
+"""Against Hugging Face transformers (PyTorch, fp32): tiny random Mixtral, Qwen3-MoE and
+DeepSeek-V3 models built and saved with ``save_pretrained`` here; ``from-hf`` + ``score`` give
+their logits, ``to-hf`` writes what ``from_pretrained`` loads with no missing or unused weights
+and the same logits. Needs the ``interop`` extra (torch CPU build + transformers)."""
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs the interop extra (torch, CPU build): "
+                                            "make test EXTRAS=test,cluster,report,interop")
+transformers = pytest.importorskip("transformers", reason="needs the interop extra "
+                                                          "(transformers)")
+
+from moe_train.convert.from_hf import from_hf  # noqa: E402
+from moe_train.convert.to_hf import to_hf  # noqa: E402
+from moe_train.score import score  # noqa: E402
+
+COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=64,
+              attn_implementation="eager")
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_key_value_heads=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+        rope_theta=1e6, router_aux_loss_coef=0.02, sliding_window=None)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, moe_intermediate_size=24, intermediate_size=64,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], router_aux_loss_coef=0.001, rope_theta=1e6)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, intermediate_size=64,
+        moe_intermediate_size=16, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+        qk_nope_head_dim=8, norm_topk_prob=True, rope_interleave=True)),
+}
+
+
+def hf_model(family: str, seed: int = 0, **extra):
+    config_cls, model_cls, kwargs = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **kwargs, **extra})
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # make the routers and norms non-trivial (HF inits them flat)
+        for name, p in model.named_parameters():
+            if "norm" in name or "e_score_correction_bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+@pytest.fixture(scope="module", params=[*FAMILIES, "qwen3_moe:tied"])
+def saved(request, tmp_path_factory):
+    """(family, HF model, the directory holding its save_pretrained ``hf/`` and the
+    converted ``kit/``); ``:tied`` ties the embeddings (the kit then scales logits by 1)."""
+    family, _, variant = request.param.partition(":")
+    root = tmp_path_factory.mktemp(family)
+    model = hf_model(family, **({"tie_word_embeddings": True} if variant == "tied" else {}))
+    model.save_pretrained(root / "hf", safe_serialization=True)
+    from_hf(root / "hf", root / "kit", log=lambda s: None)
+    return family, model, root
+
+
+def ids_of(seed: int = 1, shape=(2, 11)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 97, shape).astype(np.int32)
+
+
+def test_scored_logits_equal_transformers(saved):
+    family, model, root = saved
+    ids = ids_of()
+    loss, logits = score(str(root / "kit"), ids, devices=1)
+    want = hf_logits(model, ids)
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    ref = torch.nn.functional.cross_entropy(torch.as_tensor(want[:, :-1]).reshape(-1, 97),
+                                            torch.as_tensor(ids[:, 1:]).long().reshape(-1))
+    assert loss == pytest.approx(float(ref), rel=1e-5)
+
+
+def test_to_hf_loads_with_no_missing_or_unused_weights_and_equal_logits(saved, tmp_path):
+    family, model, root = saved
+    to_hf(root / "kit", tmp_path / "back", dtype="fp32", log=lambda s: None)
+    back, info = getattr(transformers, FAMILIES[family][1]).from_pretrained(
+        tmp_path / "back", output_loading_info=True, attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info.get("mismatched_keys"), info
+    ids = ids_of(2)
+    np.testing.assert_allclose(hf_logits(back.eval(), ids), hf_logits(model, ids), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_round_trip_reproduces_the_tensors_bitwise(saved, tmp_path):
+    from safetensors.numpy import load_file
+
+    family, _, root = saved
+    to_hf(root / "kit", tmp_path / "back", dtype="fp32", log=lambda s: None)
+
+    def tensors(d):
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    src, back = tensors(root / "hf"), tensors(tmp_path / "back")
+    assert set(back) == set(src)
+    for name in src:
+        np.testing.assert_array_equal(back[name], src[name], err_msg=name)
+
+
+def test_preset_names_where_each_value_came_from(saved):
+    family, _, root = saved
+    text = (root / "kit" / "preset.toml").read_text()
+    assert "hidden = 32  # hidden_size" in text
+    assert "num_layers = " in text and "# num_hidden_layers" in text
+    record = json.loads((root / "kit" / "convert.json").read_text())
+    assert record["family"] == family
+
+
+def test_transformers_balance_loss_is_top_k_times_ours():
+    import jax.numpy as jnp
+
+    from moe_train.moe.router import Routing, route, router_stats
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    logits = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+    routing = Routing(top_k=2, score_function="softmax", normalize_top_k=True)
+    _, experts_TK, scores_TE = route(jnp.asarray(logits), routing)
+    ours = router_stats(jnp.asarray(logits), scores_TE, experts_TK).aux_loss
+    theirs = load_balancing_loss_func((torch.as_tensor(logits),), num_experts=8, top_k=2)
+    assert float(theirs) == pytest.approx(2 * float(ours), rel=1e-5)

@@ -1,0 +1,113 @@
+"""``python -m moe_train.score`` and ``train.init_from`` on the kit's own runs: a run directory, one
+step and a converted checkpoint all load; scores equal a direct forward pass; a run started
+from weights takes them (fresh optimizer, step 0) and resumes itself later."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from moe_train import config, weights
+from moe_train.config import ConfigError
+from moe_train.data import make_source
+from moe_train.run import EXIT_CONFIG, EXIT_OK, run
+from moe_train.score import score
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny(*extra, steps=2):
+    return config.build("tiny", [f"train.steps={steps}", "parallel.devices=1",
+                                 "train.log_every=100", *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert run(tiny(), out, log=lambda s: None) == EXIT_OK
+    return out
+
+
+def ids(seed=0, shape=(2, 17)):
+    return np.random.default_rng(seed).integers(0, 256, shape).astype(np.int32)
+
+
+def test_a_run_and_its_last_step_score_alike(trained):
+    a, logits = score(str(trained), ids())
+    b, _ = score(str(trained / "checkpoints" / "2"), ids())
+    assert a == b and logits.shape == (2, 17, 256) and logits.dtype == np.float32
+
+
+def test_score_is_the_mean_next_token_cross_entropy_of_the_logits(trained):
+    loss, logits = score(str(trained), ids())
+    logp = jax.nn.log_softmax(logits[:, :-1], -1)
+    want = -np.take_along_axis(np.asarray(logp), ids()[:, 1:, None], -1).mean()
+    assert loss == pytest.approx(float(want), rel=1e-6)
+
+
+def test_two_devices_score_as_one(trained):
+    one, a = score(str(trained), ids(), devices=1)
+    two, b = score(str(trained), ids(), devices=2)
+    assert two == pytest.approx(one, rel=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_prints_loss_and_writes_logits(trained, tmp_path):
+    np.save(tmp_path / "ids.npy", ids())
+    proc = subprocess.run([sys.executable, "-m", "moe_train.score", str(trained), "--tokens",
+                           str(tmp_path / "ids.npy"), "--logits", str(tmp_path / "l.npy"),
+                           "--devices", "1"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "loss " in proc.stdout and "perplexity " in proc.stdout
+    assert np.load(tmp_path / "l.npy").shape == (2, 17, 256)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (np.full((2, 5), 300), r"ids must be in \[0, 256\)"),
+    (np.zeros((5,), np.int32), r"expected integer ids \[B, S\]"),
+    (np.zeros((2, 5), np.float32), "expected integer ids"),
+])
+def test_bad_ids_exit_2_with_one_line(trained, tmp_path, bad, match):
+    np.save(tmp_path / "ids.npy", bad)
+    proc = subprocess.run([sys.executable, "-m", "moe_train.score", str(trained), "--tokens",
+                           str(tmp_path / "ids.npy")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert pytest.importorskip("re").search(match, proc.stderr)
+
+
+def test_a_path_without_weights_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no weights here"):
+        weights.locate(tmp_path)
+
+
+def test_init_from_starts_a_new_run_from_those_weights(trained, tmp_path):
+    cfg = tiny(f"train.init_from={trained}", steps=1)
+    assert run(cfg, tmp_path / "b", log=lambda s: None) == EXIT_OK
+    rec = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
+    assert rec["step"] == 1  # step 0 of a new run, not the source's step 2
+    t = cfg.train
+    batch = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
+                        batch_size=t.batch_size).batch(0)
+    want, _ = score(str(trained), np.asarray(batch))  # the first step's loss: before its update
+    assert rec["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_a_run_started_from_weights_resumes_itself(trained, tmp_path):
+    lines = []
+    run(tiny(f"train.init_from={trained}", steps=1), tmp_path / "b", log=lambda s: None)
+    assert run(tiny(f"train.init_from={trained}", steps=2), tmp_path / "b",
+               log=lines.append) == EXIT_OK
+    assert any("resumed from" in line for line in lines)
+    assert not any("initialised from" in line for line in lines)
+
+
+def test_init_from_weights_of_another_shape_exits_2_naming_the_tensor(trained, tmp_path):
+    cfg = tiny(f"train.init_from={trained}", "model.hidden=32", steps=1)
+    with pytest.raises(ConfigError, match=r"tensor .*embed.* has shape \(256, 64\), this model "
+                                          r"needs \(256, 32\)"):
+        run(cfg, tmp_path / "c", log=lambda s: None)
+    assert not (tmp_path / "c").exists() or EXIT_CONFIG == 2
