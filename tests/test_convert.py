@@ -146,6 +146,18 @@ def test_to_hf_splits_into_shards_of_the_limit(tmp_path):
     assert not list((tmp_path / "back").glob("*partial*"))
 
 
+def test_two_worker_processes_write_the_same_weights(tmp_path):
+    hf = write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors(), shards=2)
+    from_hf(hf, tmp_path / "one", log=lambda s: None)
+    from_hf(hf, tmp_path / "two", log=lambda s: None, workers=2)
+    for path in (("params", "layer_1", "moe", "wi_0"), ("params", "embed"),
+                 ("params", "layer_0", "attn", "o")):
+        np.testing.assert_array_equal(converted_leaf(tmp_path / "two", *path),
+                                      converted_leaf(tmp_path / "one", *path))
+    assert sorted(p.name for p in (tmp_path / "two" / "weights").iterdir()) == [
+        "layer_0", "layer_1", "model"]
+
+
 # ---------------------------------------------------------------- DeepSeek-V3: fp8 and MTP
 
 W, Z, U, I, J = 12, 8, 4, 4, 4  # q latent, kv latent, nope, rope, value dims

@@ -79,3 +79,23 @@ def test_gqa_fields_are_ignored_by_mla_and_their_rules_too():
     # num_kv_heads need not divide num_heads under MLA: each head has its own keys
     cfg = config.build("deepseek-v3-tiny", ["model.num_kv_heads=3"])
     assert config.attention_dims(cfg.model)[2] == cfg.model.num_heads
+
+
+@pytest.mark.slow
+def test_resume_is_bitwise_with_mla_and_mtp(tmp_path):
+    def records(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    def cfg(steps):
+        return config.build("deepseek-v3-tiny", [
+            f"train.steps={steps}", "train.checkpoint_every=2", "train.batch_size=4",
+            "optim.decay_steps=10",  # the schedule must not depend on train.steps
+            "train.seq_len=16", "parallel.devices=1", "train.log_every=100"])
+
+    assert run(cfg(4), tmp_path / "straight", log=lambda s: None) == EXIT_OK
+    assert run(cfg(2), tmp_path / "resumed", log=lambda s: None) == EXIT_OK
+    assert run(cfg(4), tmp_path / "resumed", log=lambda s: None) == EXIT_OK
+    keys = ("loss", "mtp_loss", "grad_norm", "tokens_per_expert")
+    got, want = records(tmp_path / "resumed"), records(tmp_path / "straight")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]

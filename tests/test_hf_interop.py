@@ -132,3 +132,19 @@ def test_transformers_balance_loss_is_top_k_times_ours():
     ours = router_stats(jnp.asarray(logits), scores_TE, experts_TK).aux_loss
     theirs = load_balancing_loss_func((torch.as_tensor(logits),), num_experts=8, top_k=2)
     assert float(theirs) == pytest.approx(2 * float(ours), rel=1e-5)
+
+
+def test_a_trained_scanned_run_exports_to_mixtral_with_the_logits_it_scores(tmp_path):
+    from moe_train import config
+    from moe_train.run import EXIT_OK, run
+
+    cfg = config.build("tiny", ["train.steps=2", "parallel.devices=1", "train.log_every=100"])
+    assert cfg.model.scan_layers  # stacked [L, ...] leaves, split back per layer on export
+    assert run(cfg, tmp_path / "run", log=lambda s: None) == EXIT_OK
+    to_hf(tmp_path / "run", tmp_path / "hf", dtype="fp32", log=lambda s: None)
+    model, info = transformers.MixtralForCausalLM.from_pretrained(
+        tmp_path / "hf", output_loading_info=True, attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = np.random.default_rng(3).integers(0, 256, (2, 9)).astype(np.int32)
+    _, ours = score(str(tmp_path / "run"), ids, devices=1)
+    np.testing.assert_allclose(hf_logits(model.eval(), ids), ours, rtol=1e-4, atol=1e-4)

@@ -22,6 +22,9 @@ def parser() -> argparse.ArgumentParser:
     a = sub.add_parser("from-hf", help="a Hugging Face checkpoint -> preset.toml + orbax weights")
     a.add_argument("hf_dir", metavar="HF_DIR", help="config.json and *.safetensors")
     a.add_argument("out", metavar="OUT", help="new (or empty) output directory")
+    a.add_argument("--workers", type=int, default=1,
+                   help="processes that split the layers between them (each holds about one "
+                        "layer in memory; default 1)")
     b = sub.add_parser("to-hf", help="kit weights -> a Hugging Face checkpoint directory")
     b.add_argument("ckpt", metavar="CKPT", help="a converted checkpoint, a run directory or a step")
     b.add_argument("out", metavar="HF_OUT", help="new (or empty) output directory")
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "from-hf":
             from moe_train.convert.from_hf import from_hf
 
-            from_hf(args.hf_dir, args.out)
+            from_hf(args.hf_dir, args.out, workers=max(1, args.workers))
         else:
             from moe_train.convert.to_hf import to_hf
 

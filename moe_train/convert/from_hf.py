@@ -8,6 +8,8 @@ device count), and
 fp8 is dequantized with its block scales to bf16, as DeepSeek's own fp8-to-bf16 script does);
 the expert bias is fp32.
 
+Several processes (``workers``) may split the layers between them; each holds about one layer.
+
 Streaming: every tensor's presence and shape are checked from the shard headers before
 anything is read. Then, layer by layer, each kit leaf is assembled in a memory-mapped file (a
 stacked expert leaf one expert at a time) and orbax writes the layer from those files: orbax
@@ -21,7 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import os
 import re
+import shutil
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -151,26 +157,52 @@ def _toml(value) -> str:
     return repr(value)
 
 
-def from_hf(hf_dir: str | Path, out: str | Path, log: Callable[[str], None] = print) -> Path:
-    """Convert ``hf_dir`` into ``out`` (which must not exist or be empty)."""
+def convert_parts(hf_dir: str, tmp: str, names: list[str]) -> None:
+    """Write the parts ``names`` of ``hf_dir``'s conversion under ``tmp/weights/`` (one
+    process's share of the work; its scratch files in ``tmp/.arrays-<pid>``)."""
+    _, _, _, _, ckpt, ents = plan(Path(hf_dir))
+    groups = _by_part(ents)
+    arrays = Path(tmp) / f".arrays-{os.getpid()}"
+    arrays.mkdir()
+    try:
+        for part in names:
+            leaves = [(e.kit, _assemble(ckpt, e, arrays / f"{i}.bin"))
+                      for i, e in enumerate(groups[part])]
+            ocp.PyTreeCheckpointer().save((Path(tmp) / WEIGHTS / part).absolute(), _nest(leaves))
+            del leaves
+            for f in arrays.iterdir():
+                f.unlink()
+    finally:
+        shutil.rmtree(arrays, ignore_errors=True)
+
+
+def _convert(hf_dir: Path, tmp: Path, names: list[str], workers: int) -> None:
+    """The parts, in this process or split over ``workers`` processes (round robin)."""
+    if workers <= 1 or len(names) <= 1:
+        convert_parts(str(hf_dir), str(tmp), names)
+        return
+    shares = [names[i::workers] for i in range(min(workers, len(names)))]
+    context = multiprocessing.get_context("spawn")  # JAX and orbax do not survive a fork
+    with ProcessPoolExecutor(len(shares), mp_context=context) as pool:
+        for done in [pool.submit(convert_parts, str(hf_dir), str(tmp), share) for share in shares]:
+            done.result()  # re-raises a worker's ConfigError or OSError here
+
+
+def from_hf(hf_dir: str | Path, out: str | Path, log: Callable[[str], None] = print,
+            workers: int = 1) -> Path:
+    """Convert ``hf_dir`` into ``out`` (which must not exist or be empty), the layers split
+    over ``workers`` processes (each holds about one layer)."""
     hf_dir, out = Path(hf_dir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # before reading anything
         raise ConfigError(f"{out}: exists and is not an empty directory; choose a new OUT")
     fam, hf, cfg, sources, ckpt, ents = plan(hf_dir)
     tables, _ = kit_tables(fam, hf, mtp=cfg.model.mtp_depth > 0)
     with new_directory(out, "OUT") as tmp:
-        arrays = tmp / ".arrays"
-        arrays.mkdir()
-        for part, group in _by_part(ents).items():
-            leaves = [(e.kit, _assemble(ckpt, e, arrays / f"{i}.bin")) for i, e in enumerate(group)]
-            ocp.PyTreeCheckpointer().save((tmp / WEIGHTS / part).absolute(), _nest(leaves))
-            del leaves
-            for f in arrays.iterdir():
-                f.unlink()
-        arrays.rmdir()
+        _convert(hf_dir, tmp, list(_by_part(ents)), workers)
         (tmp / PRESET).write_text(preset_text(hf_dir, fam, tables, sources))
         (tmp / "convert.json").write_text(json.dumps(
             {"source": str(hf_dir.absolute()), "family": fam.name,
              "architecture": fam.architecture, "hf_config": hf}, indent=2) + "\n")
-    log(f"converted {fam.architecture} ({len(ents)} tensors) from {hf_dir} into {out}")
+    log(f"converted {fam.architecture} ({len(ents)} tensors) from {hf_dir} into {out}"
+        f"{f' with {workers} processes' if workers > 1 else ''}")
     return out
