@@ -100,6 +100,7 @@ class MoEConfig:
     chunks: int = 1  # split each rank's tokens into N chunks to overlap dispatch with GEMMs
     capacity_buckets: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # exchange buffers x balanced load; then worst
     bucket_step_down_after: int = 20  # steps of lower load before using the next smaller bucket
+    capacity_factor: float = 0.0  # > 0: the GShard-style baseline for studies: each expert takes at most factor x the balanced share of the batch's assignments and drops the rest (dropped_tokens counts them); 0: dropless (this kit's path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,7 +79,7 @@ RANGES: dict[str, Range] = {
     "moe.group_top_k": _int(0), "moe.routed_scaling": _positive(), "moe.tile_rows": _int(0),
     "moe.aux_loss_coef": _nonneg(), "moe.seq_aux_loss_coef": _nonneg(),
     "moe.z_loss_coef": _nonneg(), "moe.bias_update_rate": _nonneg(), "moe.chunks": _int(1),
-    "moe.bucket_step_down_after": _int(1),
+    "moe.bucket_step_down_after": _int(1), "moe.capacity_factor": _nonneg(),
     "data.seed": _int(0),
     "optim.lr": _positive(), "optim.min_lr_ratio": Range(float, 0.0, 1.0),
     "optim.warmup_steps": _int(0), "optim.decay_steps": _int(0), "optim.weight_decay": _nonneg(),
@@ -231,6 +231,7 @@ def check_rules(cfg: Any) -> None:
         raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} exceeds "
                           f"model.num_layers={m.num_layers}")
     _check_groups(e)
+    _check_capacity(cfg)
     if p.fp8_recipe == "mxfp8" and p.fp8_backend == "xla":
         raise ConfigError("precision.fp8_recipe=mxfp8 needs Transformer Engine (MXFP8 block "
                           "scaling on Blackwell); with precision.fp8_backend=xla choose one of: "
@@ -262,6 +263,19 @@ def _check_mla(m: Any) -> None:
     if m.qk_rope_head_dim % 2:
         raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE "
                           f"rotates pairs of dims), e.g. 64")
+
+
+def _check_capacity(cfg: Any) -> None:
+    """The token-dropping baseline (moe.capacity_factor) runs on the plain local path."""
+    f = cfg.moe.capacity_factor
+    if not f:
+        return
+    if cfg.parallel.ep != 1:
+        raise ConfigError(f"moe.capacity_factor={f} (the token-dropping baseline) runs without "
+                          f"expert parallelism; set parallel.ep=1 or moe.capacity_factor=0")
+    if cfg.precision.compute == "fp8":
+        raise ConfigError(f"moe.capacity_factor={f} (the token-dropping baseline) has no fp8 "
+                          f"path; choose precision.compute fp32 or bf16")
 
 
 def _check_groups(e: Any) -> None:

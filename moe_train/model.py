@@ -38,7 +38,7 @@ from moe_train.jobplan import EPPlan
 from moe_train.layers import ACTIVATION_AXES, RMSNorm, SwiGLU, fan_in_init, gathered, weight
 from moe_train.mla import MLA
 from moe_train.mtp import MTPModule
-from moe_train.moe import Routing, dropless_moe, ep_moe
+from moe_train.moe import Routing, capacity_moe, dropless_moe, ep_moe
 from moe_train.precision import FP8_COLLECTION
 
 GROUPS = ("dense_layers", "moe_layers")  # scanned layer groups, in depth order
@@ -118,7 +118,10 @@ class MoEBlock(nn.Module):
         kwargs = dict(expert_bias=bias_E, backend=e.backend, tile_rows=e.tile_rows or None,
                       seq_len=S, expert_input=expert_x_TH)
         operands = (x_TH, gate_HE, *w, Routing.of(e))
-        if self.ep_plan is None:
+        if e.capacity_factor:  # the token-dropping baseline of studies (ep 1, no fp8)
+            y_TH, stats = capacity_moe(*operands, capacity_factor=e.capacity_factor,
+                                       seq_len=S, expert_bias=bias_E)
+        elif self.ep_plan is None:
             y_TH, stats = dropless_moe(*operands, **kwargs)
         else:
             y_TH, stats = ep_moe(*operands, plan=self.ep_plan, **kwargs)

@@ -1,0 +1,49 @@
+"""``moe.capacity_factor``: the token-dropping baseline of studies, in the trainer. A factor
+large enough to drop nothing takes the dropless step; a tight one drops and says how many;
+it refuses expert parallelism and fp8."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moe_train import config
+from moe_train.config import ConfigError
+from moe_train.run import EXIT_OK, run
+
+
+def records(cfg, out):
+    assert run(cfg, out, log=lambda s: None) == EXIT_OK
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny(*extra):
+    return config.build("tiny", ["train.steps=2", "parallel.devices=1", "train.log_every=100",
+                                 *extra])
+
+
+def test_a_factor_that_drops_nothing_takes_the_dropless_step(tmp_path):
+    # capacity = factor x T*K/E = 8 x 512*2/8 = 1024 >= T: no expert can overflow
+    capped = records(tiny("moe.capacity_factor=8"), tmp_path / "capped")
+    dropless = records(tiny(), tmp_path / "dropless")
+    assert [r["dropped_tokens"] for r in capped] == [0, 0]
+    np.testing.assert_allclose([r["loss"] for r in capped], [r["loss"] for r in dropless],
+                               rtol=1e-5)
+
+
+def test_a_tight_factor_drops_and_counts_the_dropped_assignments(tmp_path):
+    recs = records(tiny("moe.capacity_factor=0.5"), tmp_path / "tight")
+    # half the balanced load per expert: at least half of the T*K assignments are dropped
+    assert all(r["dropped_tokens"] >= 8 * 64 * 2 * 2 // 2 for r in recs)  # 2 MoE layers
+    assert all(np.isfinite(r["loss"]) for r in recs)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["parallel.devices=2", "parallel.ep=2"], "runs without expert parallelism"),
+    (["precision.compute=fp8"], "has no fp8 path"),
+    (["moe.capacity_factor=-1"], "moe.capacity_factor=-1"),
+])
+def test_the_baseline_refuses_what_it_cannot_run(extra, match):
+    overrides = extra if "moe.capacity_factor=-1" in extra else ["moe.capacity_factor=1.25", *extra]
+    with pytest.raises(ConfigError, match=match):
+        config.build("tiny", overrides)
