@@ -30,7 +30,7 @@ EP_ARG = $(if $(EP),--ep "$$EP")
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help venv smoke train submit smoke-cluster golden test test-fast bench bench-gpu gpu-check plan probe report \
+.PHONY: help venv smoke train submit smoke-cluster golden test test-fast bench bench-gpu gpu-check study plan probe report \
 	cluster-up cluster-down \
 	container container-import preflight clean
 
@@ -70,6 +70,9 @@ test-fast: $(STAMP) ## the test suite without tests marked slow
 
 bench: $(STAMP) ## CPU benchmarks (grouped GEMM, MoE layer, EP on 8 fake devices, compiles); runs/bench/<UTC>/
 	$(PY) -m moe_train.bench
+
+study: $(STAMP) ## dropless MoE vs capacity-factor drops, dense same-active/same-total, aux-free; 3 seeds, ~16 min CPU; runs/study/<UTC>/
+	$(PY) -m moe_train.study
 
 bench-gpu: $(STAMP) ## GPU benchmark: Mixtral/DeepSeek experts in bf16 per backend vs a dense GEMM; runs/bench/<UTC>/
 	$(PY) -m moe_train.bench --gpu
