@@ -85,14 +85,14 @@ def _saved_scanned(saved_cfg: dict[str, Any]) -> bool:
     return bool(saved_cfg.get("model", {}).get("scan_layers", False))
 
 
-def _stack_abstract(xs: list[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
+def stack_abstract(xs: list[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
     """Per-layer abstract arrays as one [L, ...] array, the layer axis unsharded."""
     x, sh = xs[0], xs[0].sharding
     return jax.ShapeDtypeStruct((len(xs), *x.shape), x.dtype,
                                 sharding=NamedSharding(sh.mesh, P(None, *sh.spec)))
 
 
-def _take_abstract(x: jax.ShapeDtypeStruct, _: int) -> jax.ShapeDtypeStruct:
+def take_abstract(x: jax.ShapeDtypeStruct, _: int) -> jax.ShapeDtypeStruct:
     """One layer of an abstract [L, ...] array."""
     sh = x.sharding
     return jax.ShapeDtypeStruct(x.shape[1:], x.dtype,
@@ -165,9 +165,9 @@ class Checkpointer:
         m = types.SimpleNamespace(**{k: saved_cfg["model"][k]  # structural: this run's too
                                      for k in ("num_layers", "first_dense_layers")})
         if scanned:
-            saved, convert = to_looped(abstract, m, take=_take_abstract), to_scanned
+            saved, convert = to_looped(abstract, m, take=take_abstract), to_scanned
         else:
-            saved, convert = to_scanned(abstract, m, stack=_stack_abstract), to_looped
+            saved, convert = to_scanned(abstract, m, stack=stack_abstract), to_looped
         restored = self._restore_state(step, saved, saved_cfg)
         if saved_manifest is not None:
             manifest.verify(saved_manifest, restored, step)

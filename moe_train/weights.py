@@ -102,8 +102,8 @@ def restore(source: Source, cfg: Config, mesh: Mesh) -> tuple[Any, Any]:
     want_scanned = is_scanned(params)
     saved = target
     if saved_scanned != want_scanned:
-        saved = (to_looped(target, m, take=checkpoint._take_abstract) if want_scanned
-                 else to_scanned(target, m, stack=checkpoint._stack_abstract))
+        saved = (to_looped(target, m, take=checkpoint.take_abstract) if want_scanned
+                 else to_scanned(target, m, stack=checkpoint.stack_abstract))
     if source.kind == "converted":
         restored = _merge([_restore_item(source, source.path / WEIGHTS / name, item)
                            for name, item in parts(saved).items()])
