@@ -332,7 +332,7 @@ def test_cli_exits_2_with_one_line_and_refuses_a_full_out(tmp_path):
 @pytest.mark.slow
 def test_peak_memory_stays_near_one_tensor(tmp_path):
     """1.2 GB in 6 layers of 8 MiB tensors: the converter's anonymous memory grows by a
-    small multiple of one layer (orbax holds what one save writes), not by the checkpoint
+    small multiple of one layer (orbax holds what one save writes), not with the layer count
     (measured in a subprocess, /proc/self/status RssAnon)."""
     layers = 6
     big = {**MIXTRAL, "hidden_size": 512, "intermediate_size": 4096, "num_local_experts": 8,
@@ -372,4 +372,5 @@ def test_peak_memory_stays_near_one_tensor(tmp_path):
     grown = int(out.stdout.strip().splitlines()[-1])
     layer = 3 * 8 * 512 * 4096 * 4 + 4 * 512 * 512 * 4  # one layer's experts and attention
     assert total > 5 * layer
-    assert grown < 3 * layer and grown < 0.5 * total, (grown, layer, total)
+    # measured 2.0 layers; 3.0 before the converter returned freed heap pages after each layer
+    assert grown < 2.5 * layer and grown < 0.5 * total, (grown, layer, total)

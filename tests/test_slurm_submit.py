@@ -93,6 +93,9 @@ def release_when_requeued(job_id: str, timeout: float) -> None:
         r = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True,
                            text=True, timeout=30)
         if r.stdout.split()[:2] == ["PENDING", "BeginTime"]:
+            # slurmd refuses a launch whose credential is not newer, in whole seconds, than
+            # the requeue's revocation ("Job credential revoked"): start it in a later second
+            time.sleep(2)
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
                            check=True, timeout=30)
             return

@@ -21,6 +21,7 @@ leaves no ``OUT``.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import multiprocessing
@@ -172,8 +173,19 @@ def convert_parts(hf_dir: str, tmp: str, names: list[str]) -> None:
             del leaves
             for f in arrays.iterdir():
                 f.unlink()
+            _return_freed_memory()
     finally:
         shutil.rmtree(arrays, ignore_errors=True)
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc): without it the per-thread arenas of
+    orbax's writers keep a part of every layer, and the process grows with the layer count
+    (measured: 3.6 layers' worth after 12 layers, 2.1 with this)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _convert(hf_dir: Path, tmp: Path, names: list[str], workers: int) -> None:

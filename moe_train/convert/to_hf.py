@@ -4,13 +4,16 @@ Writes ``config.json`` (``families.hf_config``) and ``model-0000i-of-0000N.safet
 with ``model.safetensors.index.json``, tensors named and laid out as ``save_pretrained`` does
 (experts one by one, ``[out, in]`` Linear weights), in bf16 or fp32; DeepSeek-V3's MTP layers
 carry the copies of the embedding and head the released files have. The kit's leaves are read
-one at a time (orbax partial restores), so the process holds about one leaf plus one shard.
+one at a time (orbax partial restores; a scanned run's stacked leaves one layer's row at a
+time through TensorStore), so the process holds about one leaf plus one shard.
 Written under a ``.HF_OUT.partial-<pid>`` sibling and renamed at the end.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -18,6 +21,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 
 from moe_train import weights
 from moe_train.config import Config, ConfigError
@@ -37,8 +41,10 @@ def _family(source: weights.Source, cfg: Config) -> Family:
     return family_for(cfg)
 
 
-def _leaf_reader(source: weights.Source, cfg: Config) -> Callable[[tuple[str, ...]], np.ndarray]:
-    """A function from a looped-layout kit path to that leaf's host array."""
+def _leaf_reader(source: weights.Source, cfg: Config,
+                 scratch: Path) -> Callable[[tuple[str, ...]], np.ndarray]:
+    """A function from a looped-layout kit path to that leaf's host array (a scanned run's
+    stacked leaves are staged, one at a time, in a memory-mapped file under ``scratch``)."""
     converted = source.kind == "converted"
     root = (source.path / (weights.WEIGHTS if converted else "state")).absolute()
     scanned = source.kind == "step" and cfg.model.scan_layers
@@ -67,17 +73,42 @@ def _leaf_reader(source: weights.Source, cfg: Config) -> Callable[[tuple[str, ..
         dense = i < cfg.model.first_dense_layers
         group, row = ("dense_layers", i) if dense else ("moe_layers", i - cfg.model.first_dense_layers)
         key = (kit[0], group, *kit[2:])
-        if key not in stacked:
-            stacked.clear()  # one stacked leaf at a time: layers are visited in order
-            stacked[key] = read(key)
+        if key not in stacked:  # one stacked leaf at a time: layers are visited in order
+            stacked.clear()
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            stacked[key] = stage(root, key, scratch / "leaf.bin")
         return stacked[key][row]
 
     return leaf
 
 
-def _tensors(source, cfg: Config, fam: Family, dtype) -> Iterator[tuple[str, np.ndarray]]:
+def stage(root: Path, saved_path: tuple[str, ...], path: Path) -> np.ndarray:
+    """The leaf ``saved_path`` of the orbax checkpoint at ``root``, copied through TensorStore
+    one stored chunk (one device's shard, as saved) at a time into a read-only memory map at
+    ``path``: the process holds one chunk, not the stacked leaf."""
+    meta = json.loads((root / "_METADATA").read_text())
+    use_ocdbt = meta.get("use_ocdbt", True)
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+    info = ocp.type_handlers.ParamInfo(name=".".join(saved_path), parent_dir=root,
+                                       use_zarr3=meta.get("use_zarr3", False), ts_context=context)
+    spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
+    stored = ts.open(spec, context=context, open=True, read=True).result()
+    shape, dtype = tuple(stored.shape), stored.dtype.numpy_dtype
+    out = np.memmap(path, dtype=dtype, mode="w+", shape=shape)
+    chunk = [c or n for c, n in zip(stored.chunk_layout.read_chunk.shape, shape)]
+    for start in itertools.product(*(range(0, n, c) for n, c in zip(shape, chunk))):
+        region = tuple(slice(s, min(s + c, n)) for s, c, n in zip(start, chunk, shape))
+        out[region] = stored[region].read().result()
+    out.flush()
+    del out
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+
+
+def _tensors(source, cfg: Config, fam: Family, dtype,
+             scratch: Path) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) of every tensor, in the kit tree's order, then the MTP copies."""
-    leaf = _leaf_reader(source, cfg)
+    leaf = _leaf_reader(source, cfg, scratch)
     copies = {source: None for _, source in extra_copies(cfg)}  # HF name -> its array
     for e in _ordered(entries(fam, cfg, looped_tree(cfg))):
         for name, array in zip(e.hf, e.to_hf(leaf(e.kit))):
@@ -110,7 +141,9 @@ def to_hf(ckpt: str | Path, out: str | Path, dtype: str = "bf16",
     torch_name, np_dtype = DTYPES[dtype]
     with new_directory(Path(out), "HF_OUT") as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config(fam, cfg, torch_name), indent=2) + "\n")
-        index = write_shards(tmp, _tensors(source, cfg, fam, np_dtype), shard_bytes)
+        scratch = tmp / ".stacked"  # a scanned run's stacked leaf, staged one at a time
+        index = write_shards(tmp, _tensors(source, cfg, fam, np_dtype, scratch), shard_bytes)
+        shutil.rmtree(scratch, ignore_errors=True)
     log(f"exported {len(index['weight_map'])} tensors ({fam.architecture}, {dtype}) to {out}")
     return out
 
