@@ -115,16 +115,7 @@ class MoEBlock(nn.Module):
             expert_x_TH = precision.quantize_operand(self, "expert_input", x_TH, pol)
             w = tuple(precision.quantize_operand(self, f"{n}_kernel", w_, pol)
                       for n, w_ in zip(("wi_0", "wi_1", "wo"), w))
-        kwargs = dict(expert_bias=bias_E, backend=e.backend, tile_rows=e.tile_rows or None,
-                      seq_len=S, expert_input=expert_x_TH)
-        operands = (x_TH, gate_HE, *w, Routing.of(e))
-        if e.capacity_factor:  # the token-dropping baseline of studies (ep 1, no fp8)
-            y_TH, stats = capacity_moe(*operands, capacity_factor=e.capacity_factor,
-                                       seq_len=S, expert_bias=bias_E)
-        elif self.ep_plan is None:
-            y_TH, stats = dropless_moe(*operands, **kwargs)
-        else:
-            y_TH, stats = ep_moe(*operands, plan=self.ep_plan, **kwargs)
+        y_TH, stats = self.routed(x_TH, gate_HE, w, bias_E, S, expert_x_TH)
         if pol.fp8:  # e5m2 gradient into the experts' output
             y_TH = precision.quantize_cotangent(self, "expert_output_grad", y_TH, pol)
         y_BSH = y_TH.reshape(B, S, H)
@@ -132,6 +123,22 @@ class MoEBlock(nn.Module):
             width = e.num_shared_experts * (e.shared_ffn or F)
             y_BSH = y_BSH + SwiGLU(width, self.cfg, name="shared")(x_BSH)
         return y_BSH, stats
+
+    def routed(self, x_TH, gate_HE, w, bias_E, seq_len: int, expert_x_TH=None):
+        """The routed experts: (y_TH, MoEStats) of ``w`` = (wi_0, wi_1, wo) on the T tokens
+        (``moe.layer``'s pipeline, local or expert-parallel, or the capacity baseline). A
+        method of its own so that ``flax.linen.intercept_methods`` can replace it (the
+        benchmark's MoE-removed ablation)."""
+        e = self.cfg.moe
+        operands = (x_TH, gate_HE, *w, Routing.of(e))
+        if e.capacity_factor:  # the token-dropping baseline of studies (ep 1, no fp8)
+            return capacity_moe(*operands, capacity_factor=e.capacity_factor,
+                                seq_len=seq_len, expert_bias=bias_E)
+        kwargs = dict(expert_bias=bias_E, backend=e.backend, tile_rows=e.tile_rows or None,
+                      seq_len=seq_len, expert_input=expert_x_TH)
+        if self.ep_plan is None:
+            return dropless_moe(*operands, **kwargs)
+        return ep_moe(*operands, plan=self.ep_plan, **kwargs)
 
 
 def _attention_sublayer(block: nn.Module, x_BSH, segment_ids_BS=None, positions_BS=None):

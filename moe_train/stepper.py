@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +79,12 @@ class BucketedStep:
     loop (the next step was already dispatched), which changes buffers, never results.
     """
 
-    def __init__(self, cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState):
+    def __init__(self, cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState,
+                 make_step: Callable[..., Any] = make_train_step):
+        """``make_step(cfg, mesh, counter, state_sharding, plan)`` jits one bucket's step
+        (``train.make_train_step``; the compile benchmark passes its EP layer step)."""
         self.cfg, self.mesh, self.counter, self.state_sharding = cfg, mesh, counter, state_sharding
+        self.make_step = make_step
         self.plans = ep_plans(cfg, mesh)
         self.policy = jobplan.BucketPolicy(
             [None if p is None else p.capacity_factor for p in self.plans],
@@ -104,8 +108,8 @@ class BucketedStep:
 
     def _fn(self, bucket: int):
         if bucket not in self._compiled:
-            self._compiled[bucket] = make_train_step(self.cfg, self.mesh, self.counter,
-                                                     self.state_sharding, self.plans[bucket])
+            self._compiled[bucket] = self.make_step(self.cfg, self.mesh, self.counter,
+                                                    self.state_sharding, self.plans[bucket])
         return self._compiled[bucket]
 
     def _holds(self, bucket: int) -> bool:

@@ -130,3 +130,26 @@ def test_loss_section_shows_chunking_saves_memory_at_a_real_vocab():
     rows = {r["vocab"]: r for r in loss.run(loss.QUICK)["rows"]}
     assert rows[131072]["chunk"] < loss.QUICK.tokens  # really chunked there
     assert rows[131072]["chunked_temp_bytes"] < 0.5 * rows[131072]["whole_temp_bytes"]
+
+
+def test_moe_removed_ablation_skips_exactly_the_routed_experts():
+    """The train-step ablation's interceptor zeroes MoEBlock.routed (no tokens reach an
+    expert) inside the scanned blocks; without it every token is routed."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from moe_train import config
+    from moe_train.bench.layer import _without_routed_experts
+    from moe_train.model import Transformer
+
+    cfg = config.build("tiny", ["parallel.devices=1"])
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    model = Transformer(cfg)
+    variables = model.init(jax.random.key(0), tokens)
+    _, stats = model.apply(variables, tokens)
+    with nn.intercept_methods(_without_routed_experts):
+        _, removed = model.apply(variables, tokens)
+    routed = 2 * 8 * cfg.moe.top_k * (cfg.model.num_layers - cfg.model.first_dense_layers)
+    assert int(stats.tokens_per_expert.sum()) == routed
+    assert int(removed.tokens_per_expert.sum()) == 0

@@ -306,11 +306,11 @@ def test_a_tensor_the_model_would_not_use_is_refused(tmp_path):
                                       np.zeros(3, np.float32)}, "extra.weight is not used")
 
 
-def test_a_failure_while_reading_leaves_nothing(tmp_path):
+def test_a_truncated_shard_is_named_and_leaves_nothing(tmp_path):
     hf = write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors(), shards=2)
     shard = sorted(hf.glob("*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-200])  # the last tensors' bytes are cut off
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError, match=rf"{shard.name}: truncated: .* download it again"):
         from_hf(hf, tmp_path / "kit", log=lambda s: None)
     assert not (tmp_path / "kit").exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
@@ -325,6 +325,23 @@ def test_cli_exits_2_with_one_line_and_refuses_a_full_out(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "not an empty directory" in proc.stderr
     assert (tmp_path / "kit" / "keep.txt").read_text() == "mine"
+
+
+def test_a_shard_that_is_not_a_file_is_named(tmp_path):
+    hf = write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors(), index=False)
+    (hf / "model-extra.safetensors").mkdir()
+    with pytest.raises(ConfigError, match=r"model-extra\.safetensors: not a file"):
+        from_hf(hf, tmp_path / "kit", log=lambda s: None)
+
+
+@pytest.mark.parametrize("name,writing", [
+    ("kit", True), ("kit/weights/model/x", True), (".kit.partial-123/config.json", True),
+    ("hf/model.safetensors", False), ("kit2/x", False)])
+def test_cli_tells_output_errors_from_input_errors(tmp_path, name, writing):
+    from moe_train.convert.__main__ import _in_output
+
+    err = OSError(28, "No space left on device", str(tmp_path / name))
+    assert _in_output(err, str(tmp_path / "kit")) is writing
 
 
 # ---------------------------------------------------------------- memory

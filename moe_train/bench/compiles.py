@@ -22,7 +22,6 @@ import dataclasses
 import sys
 import time
 from typing import Any
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -134,10 +133,11 @@ def dropless_run(s: Sizes, batches: Batches) -> dict[str, Any]:
             "ok": len(traces) == len(compiles) == 1}
 
 
-def _fake_train_step(s: Sizes, batches: Batches):
-    """stepper.make_train_step's stand-in: the EP layer's fwd+bwd as a bucketed step."""
+def _layer_step(s: Sizes, batches: Batches):
+    """BucketedStep's ``make_step`` for this section: the EP layer's fwd+bwd as the bucketed
+    step (the optimizer and the rest of the model left out)."""
     def make(cfg, mesh, counter, state_sharding, plan):
-        """stepper.make_train_step's signature; returns the jitted bucketed layer step."""
+        """``train.make_train_step``'s signature; returns the jitted bucketed layer step."""
         def step(state, x, hold=None):  # the state never changes, so a held step is the same
             counter.traces += 1
 
@@ -165,22 +165,22 @@ def ep_run(s: Sizes, batches: Batches) -> dict[str, Any]:
     exp = NamedSharding(mesh, P(sharding.EP_AXES, None, None))
     gate, *experts = batches.weights
     state = (jax.device_put(gate, NamedSharding(mesh, P())), *(jax.device_put(w, exp) for w in experts))
-    with mock.patch.object(stepper, "make_train_step", _fake_train_step(s, batches)):
-        bucketed = stepper.BucketedStep(cfg, mesh, counter, None)
+    bucketed = stepper.BucketedStep(cfg, mesh, counter, None,
+                                    make_step=_layer_step(s, batches))
 
-        def loop():
-            per_step = []
-            with jax.set_mesh(mesh):
-                for t in range(s.steps):
-                    t0, before = time.perf_counter(), counter.traces
-                    _, raw = bucketed(state, jax.device_put(batches.x(t), tok))
-                    per_step.append({"bucket": raw["ep_bucket"], "reruns": raw["ep_overflow_reruns"],
-                                     "compiled": counter.traces > before,
-                                     "wall_s": time.perf_counter() - t0})
-            return per_step
+    def loop():
+        per_step = []
+        with jax.set_mesh(mesh):
+            for t in range(s.steps):
+                t0, before = time.perf_counter(), counter.traces
+                _, raw = bucketed(state, jax.device_put(batches.x(t), tok))
+                per_step.append({"bucket": raw["ep_bucket"], "reruns": raw["ep_overflow_reruns"],
+                                 "compiled": counter.traces > before,
+                                 "wall_s": time.perf_counter() - t0})
+        return per_step
 
-        t0 = time.perf_counter()
-        per_step, compiles = _counting(loop)
+    t0 = time.perf_counter()
+    per_step, compiles = _counting(loop)
     touched = sorted(bucketed._compiled)
     labels = [bucketed.plans[i].capacity_factor for i in touched]
     return {"steps": s.steps, "traces": counter.traces, "compilations": len(compiles),

@@ -10,9 +10,10 @@ gate random, so routing is close to uniform.
 
 Train step rows (``train_step``): the jitted optimizer step of a preset on one device,
 tokens/s, and the fraction of step time spent in the MoE layers, measured by ablation: the
-same step compiled with every ``dropless_moe`` call replaced by a stub that returns zeros
-(no routing, dispatch, expert GEMMs or combine, and no backward through them; the rest of
-the model, the loss and the optimizer update of every parameter are unchanged). fraction =
+same step compiled with every MoE block's routed experts (``MoEBlock.routed``) replaced by a
+stub that returns zeros, through ``flax.linen.intercept_methods`` (no routing, dispatch,
+expert GEMMs or combine, and no backward through them; shared experts, the rest of the
+model, the loss and the optimizer update of every parameter are unchanged). fraction =
 1 - stub time / full time; both steps run interleaved on their own copies of the state.
 """
 
@@ -23,8 +24,8 @@ import dataclasses
 import sys
 import time
 from typing import Any
-from unittest import mock
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +33,7 @@ import numpy as np
 from moe_train import config, sharding
 from moe_train.bench import experts as X
 from moe_train.bench.common import compile_jit, min_time, ratio_stats, summarize, time_rounds
+from moe_train.model import MoEBlock
 from moe_train.moe import MoEStats, Routing, capacity_moe, dropless_moe, swiglu_mlp
 from moe_train.moe.gemm import resolve_backend
 from moe_train.moe.stats import exchange_stats
@@ -185,8 +187,12 @@ def layer_row(shape, kind, router, timing, ref, stats, secs) -> dict[str, Any]:
     return row
 
 
-def _zero_moe(x_TH, gate_HE, wi_0, wi_1, wo, routing, **_):
-    """The ablation stub: no MoE work at all (zeros, zero stats of the right shapes)."""
+def _without_routed_experts(next_fun, args, kwargs, context):
+    """A flax method interceptor: ``MoEBlock.routed`` does no work at all (zeros, zero stats
+    of the right shapes); every other module method runs as written."""
+    if not (isinstance(context.module, MoEBlock) and context.method_name == "routed"):
+        return next_fun(*args, **kwargs)
+    x_TH, gate_HE = args[:2]
     E = gate_HE.shape[1]
     zero = jnp.zeros((), jnp.float32)
     stats = MoEStats(tokens_per_expert=jnp.zeros((E,), jnp.int32), aux_loss=zero,
@@ -209,7 +215,7 @@ def train_step(s: Sizes) -> dict[str, Any]:
         for name in ("full", "moe removed"):
             state = init_state(cfg, mesh)
             fn = make_train_step(cfg, mesh, StepCounter(), jax.tree.map(lambda a: a.sharding, state))
-            patch = (mock.patch("moe_train.model.dropless_moe", _zero_moe) if name != "full"
+            patch = (nn.intercept_methods(_without_routed_experts) if name != "full"
                      else contextlib.nullcontext())
             with patch:
                 steps[name], _, compile_s[name] = compile_jit(fn, state, batch)

@@ -79,7 +79,7 @@ def layer_md(sec: dict[str, Any]) -> str:
             f"top-{t['top_k']}, H={t['hidden']}, F={t['ffn']}, {t['tokens_per_step']} tokens/step, "
             f"`{t['backend']}`): {fmt_ms(t['time'])[0]} ms/step ({fmt_ms(t['time'])[1]}), "
             f"{t['tokens_per_s']:,.0f} tokens/s; MoE layers {t['moe_fraction']:.0%} of the step "
-            f"(ablation: the same step with every `dropless_moe` replaced by a zero stub runs in "
+            f"(ablation: the same step with every MoE block's routed experts replaced by a zero stub runs in "
             f"{fmt_ms(t['time_moe_removed'])[0]} ms; fraction = 1 - stub / full).")
     return (f"## {sec['title']}\n\n`dropless_moe` forward+backward (gradients for x, gate and experts) "
             f"next to `capacity_moe` (factor {sec['sizes']['capacity_factor']}) and a dense SwiGLU on "

@@ -2,14 +2,16 @@
 
 Exit codes as the trainer's (``moe_train.signals``): 0 done; 2 bad input (an unsupported
 architecture or feature, a missing tensor, a shape that does not match the config, an OUT
-that is not empty), one line naming the key or tensor, nothing left in OUT; 5 the output
-cannot be written; 1 a bug (traceback).
+that is not empty, an input file that cannot be read), one line naming the key, tensor or
+file, nothing left in OUT; 5 the output cannot be written; 1 a bug (traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from moe_train import signals
 from moe_train.config import ConfigError
@@ -48,9 +50,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return signals.EXIT_CONFIG
     except OSError as err:
-        print(f"error: cannot write the output: {err}", file=sys.stderr)
-        return signals.EXIT_OUTPUT
+        if _in_output(err, args.out):
+            print(f"error: cannot write the output: {err}", file=sys.stderr)
+            return signals.EXIT_OUTPUT
+        print(f"error: cannot read the input: {err}", file=sys.stderr)
+        return signals.EXIT_CONFIG
     return signals.EXIT_OK
+
+
+def _in_output(err: OSError, out: str) -> bool:
+    """Whether ``err`` is about OUT or its ``.OUT.partial-<pid>`` sibling (else: an input)."""
+    if not err.filename:
+        return True  # e.g. no space left while writing
+    target, path = Path(out).absolute(), Path(os.fsdecode(err.filename)).absolute()
+    return (path == target or target in path.parents
+            or any(p.parent == target.parent and p.name.startswith(f".{target.name}.partial-")
+                   for p in (path, *path.parents)))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,14 @@ def _header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError, MemoryError, OverflowError):
             raise ConfigError(f"{path}: not a safetensors file (bad header)") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path}: not a safetensors file (bad header)")
+    ends = [e["data_offsets"][1] for k, e in header.items()
+            if k != "__metadata__" and isinstance(e, dict) and len(e.get("data_offsets", ())) == 2]
+    size, need = path.stat().st_size, 8 + n + max(ends, default=0)
+    if size < need:  # an interrupted download or copy
+        raise ConfigError(f"{path}: truncated: its header needs {need:,} bytes, the file has "
+                          f"{size:,}; download it again")
     return header, 8 + n
 
 
@@ -89,7 +97,9 @@ class HFCheckpoint:
     def _header_of(self, shard: Path) -> tuple[dict, int]:
         if shard not in self.headers:
             if not shard.is_file():
-                raise ConfigError(f"{shard}: named by {INDEX} but missing")
+                why = f"named by {INDEX} but missing" if (self.dir / INDEX).is_file() else \
+                    "not a file"
+                raise ConfigError(f"{shard}: {why}")
             self.headers[shard] = _header(shard)
         return self.headers[shard]
 
