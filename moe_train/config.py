@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -28,6 +27,7 @@ from moe_train.config_schema import (  # noqa: F401 (API: the sections, choices,
     ModelConfig, ON_NONFINITE, OptimConfig, ParallelConfig, PrecisionConfig, REMAT_POLICIES,
     ROPE_LAYOUTS, ROPE_SCALINGS, RopeConfig, SCORE_FUNCTIONS, TOKEN_DTYPES, TrainConfig,
     attention_dims, compute_dtype, head_dim, moe_layer_count)
+from topology.presets import read_toml
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -119,12 +119,7 @@ def load_preset(name: str) -> Config:
     if not path.is_file():
         raise ConfigError(f"unknown preset {name!r}; valid presets: {', '.join(list_presets())}"
                           f" or the path of a .toml file")
-    try:
-        with path.open("rb") as f:
-            tables = tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"preset {path}: not valid TOML ({err})") from None
-    return apply_tables(Config(), tables)
+    return apply_tables(Config(), read_toml(path, ConfigError, what="preset "))
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:

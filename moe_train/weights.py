@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import tomllib
 import types
 from pathlib import Path
 from typing import Any
@@ -67,8 +66,7 @@ def locate(path: str | Path) -> Source:
 def config_of(source: Source) -> Config:
     """The config the weights belong to (validated)."""
     if source.kind == "converted":
-        with (source.path / PRESET).open("rb") as f:
-            cfg = config.apply_tables(Config(), tomllib.load(f))
+        cfg = config.load_preset(str(source.path / PRESET))
     else:
         meta = json.loads((source.path / "meta" / "metadata").read_text())
         cfg = config.from_dict(meta["config"])

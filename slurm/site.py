@@ -20,10 +20,11 @@ Unknown keys and values of the wrong type are refused (exit 2) like everything e
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
+
+from topology.presets import read_toml
 
 SITE_ENV = "MOE_TRAIN_SITE"
 DEFAULT_SITE = Path("~/.config/moe-train/site.toml")
@@ -78,14 +79,7 @@ def load(path: Path | None) -> Site:
     """The validated settings in ``path``; ``Site()`` when ``path`` is None."""
     if path is None:
         return Site()
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
-        raise SiteError(f"site file {path}: not valid TOML: {err}") from None
-    except OSError as err:
-        raise SiteError(f"site file {path}: {err.strerror}") from None
-    return from_dict(data, str(path))
+    return from_dict(read_toml(path, SiteError, what="site file "), str(path))
 
 
 def from_dict(data: Mapping[str, Any], where: str) -> Site:

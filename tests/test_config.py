@@ -378,3 +378,10 @@ def test_cli_bad_range_prints_one_line_and_exits_2(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr.count("\n"), proc.stdout) == (2, 1, "")
     assert proc.stderr.startswith("error: optim.b1=2.0 is not valid")
+
+
+def test_a_preset_file_that_is_not_toml_is_a_config_error_naming_it(tmp_path):
+    bad = tmp_path / "preset.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(ConfigError, match=rf"^preset {bad}: not valid TOML"):
+        config.load_preset(str(bad))

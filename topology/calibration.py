@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from topology.presets import Cluster, TopologyError
+from topology.presets import Cluster, TopologyError, read_toml
 
 LINKS = ("nvlink", "network")
 
@@ -96,10 +95,7 @@ def read(path: str | os.PathLike[str]) -> dict:
     p = Path(path)
     if not p.is_file():
         raise TopologyError(f"calibration file {str(p)!r} does not exist")
-    try:
-        table = tomllib.loads(p.read_text()).get("calibration")
-    except tomllib.TOMLDecodeError as e:
-        raise TopologyError(f"{p}: not valid TOML: {e}") from None
+    table = read_toml(p, TopologyError).get("calibration")
     if not isinstance(table, dict):
         raise TopologyError(f"{p}: no [calibration] table (write one with `python -m topology probe`)")
     if table.get("link") not in LINKS:

@@ -133,12 +133,19 @@ def load(name_or_path: str | os.PathLike[str]) -> Cluster:
         if not path.is_file():
             raise TopologyError(f"unknown cluster preset {text!r}; "
                                 f"valid presets: {', '.join(list_presets())}")
+    return _build(path.stem, read_toml(path, TopologyError), where=str(path))
+
+
+def read_toml(path: str | os.PathLike[str], error: type[Exception], what: str = "") -> dict:
+    """The tables of the TOML file at ``path``. A file that is not valid TOML or cannot be
+    read raises ``error`` ("<what><path>: ..."), so each caller keeps its own error type."""
     try:
-        with path.open("rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise TopologyError(f"{path}: not valid TOML: {e}") from None
-    return _build(path.stem, data, where=str(path))
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise error(f"{what}{path}: not valid TOML: {err}") from None
+    except OSError as err:
+        raise error(f"{what}{path}: {err.strerror or err}") from None
 
 
 def _check_keys(data: Mapping[str, Any], valid: Mapping[str, type] | tuple, where: str) -> None:

@@ -4,8 +4,9 @@ Writes ``config.json`` (``families.hf_config``) and ``model-0000i-of-0000N.safet
 with ``model.safetensors.index.json``, tensors named and laid out as ``save_pretrained`` does
 (experts one by one, ``[out, in]`` Linear weights), in bf16 or fp32; DeepSeek-V3's MTP layers
 carry the copies of the embedding and head the released files have. The kit's leaves are read
-one at a time (orbax partial restores; a scanned run's stacked leaves one layer's row at a
-time through TensorStore), so the process holds about one leaf plus one shard.
+one at a time (orbax partial restores), so the process holds about one leaf plus one shard; a
+scanned run's stacked leaves (every layer's copy of a weight) are first staged, one stored
+chunk at a time, in a memory-mapped file (``stage``), so there it holds about one chunk.
 Written under a ``.HF_OUT.partial-<pid>`` sibling and renamed at the end.
 """
 
