@@ -1,7 +1,7 @@
-"""``python -m moe_train``: see ``moe_train.cli``."""
+"""``python -m moe_train``: see ``moe_train.train.cli``."""
 
 import sys
 
-from moe_train.cli import main
+from moe_train.train.cli import main
 
 sys.exit(main())

@@ -14,7 +14,8 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_train import config, jobplan
+from moe_train import config
+from moe_train.parallel import jobplan
 from topology import presets
 
 if TYPE_CHECKING:

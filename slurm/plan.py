@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_train import config
-from slurm import layout
-from slurm import site as site_mod
+from slurm import layout, site as site_mod
 from topology import presets
 
 CONTAINER_NAME = "moe-train"  # Pyxis --container-name; job-scoped, so one fixed name suffices
@@ -45,7 +44,7 @@ class Request:
     """What the user asked for (command line flags; empty strings mean "not given")."""
 
     preset: str  # cluster preset name or path to a site's cluster .toml
-    model: str  # model preset (moe_train/presets)
+    model: str  # model preset (moe_train/config/presets)
     nodes: int  # nodes to allocate
     steps: int | None = None  # total training steps; None: the model preset's
     sets: tuple[str, ...] = ()  # "section.key=value" trainer overrides

@@ -32,7 +32,7 @@ from submitit.slurm.slurm import SlurmExecutor
 
 from slurm.plan import JobSpec
 
-WATCHDOG_EXIT = 4  # moe_train.distributed.EXIT_DISTRIBUTED: lost peers / no step progress
+WATCHDOG_EXIT = 4  # moe_train.train.distributed.EXIT_DISTRIBUTED: lost peers / no step progress
 
 
 class RenderOnlyExecutor(SlurmExecutor):

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 from moe_train import config
-from slurm import follow, plan, render
-from slurm import site as site_mod
+from slurm import follow, plan, render, site as site_mod
 
 KIT_ROOT = Path(__file__).resolve().parent.parent  # this checkout: host runs start here
 
@@ -31,7 +30,7 @@ KIT_ROOT = Path(__file__).resolve().parent.parent  # this checkout: host runs st
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m slurm.submit", description=__doc__.splitlines()[0])
     p.add_argument("--preset", required=True, help="cluster preset name or a site's cluster .toml")
-    p.add_argument("--model", default="", help="model preset (moe_train/presets); not with --smoke")
+    p.add_argument("--model", default="", help="model preset (moe_train/config/presets); not with --smoke")
     p.add_argument("--nodes", type=int, default=0, help="nodes to allocate")
     p.add_argument("--steps", type=int, help="total training steps (default: the model preset's)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",

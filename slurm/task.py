@@ -2,7 +2,7 @@
 
 submitit starts ``python -u -m submitit.core._submit <folder>`` once per task (one per GPU);
 the worker unpickles a ``TrainTask`` and calls it. Running the trainer in the same process
-(``moe_train.cli.main``) keeps submitit's signal handling and requeue working:
+(``moe_train.train.cli.main``) keeps submitit's signal handling and requeue working:
 
 1. Before the call, submitit installs its USR2 handler (checkpoint + ``scontrol requeue``).
 2. While training, the trainer's own handler takes USR2/SIGTERM: every process finishes the
@@ -14,7 +14,7 @@ the worker unpickles a ``TrainTask`` and calls it. Running the trainer in the sa
    the requeued job resumes from the trainer's checkpoint in the run directory.
 
 With several tasks, ``cli.main`` itself runs the trainer in a supervised child process
-(``moe_train.supervise``: a peer failure becomes exit 4 and one line). It forwards the stop
+(``moe_train.train.supervise``: a peer failure becomes exit 4 and one line). It forwards the stop
 signals to the child and gives submitit's handlers back before it returns, so step 3 holds.
 
 A signal that arrives before ``cli.main`` goes straight to submitit's handler (requeue at
@@ -58,7 +58,7 @@ class TrainTask(Checkpointable):
 
     def __call__(self) -> int:
         argv = list(self.trainer_args) + self._local_process_args()
-        from moe_train import cli
+        from moe_train.train import cli
 
         code = cli.main(argv)
         rank = _rank()

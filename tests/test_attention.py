@@ -1,4 +1,4 @@
-"""Attention kernels (moe_train.attention): chunked and the GPU paths against the xla reference,
+"""Attention kernels (moe_train.model.attention): chunked and the GPU paths against the xla reference,
 memory growth in S, and the choice of implementation (resolve / available)."""
 
 import functools
@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train import attention
-from moe_train.attention import fused
 from moe_train.config import ConfigError
+from moe_train.model import attention
+from moe_train.model.attention import fused
 
 TOL = 1e-5  # fp32 on CPU, forward and gradients (see rel_err)
 BF16_TOL = 2e-2  # bf16 inputs vs the fp32 reference (bf16 epsilon 7.8e-3; measured ~5e-3)

@@ -141,7 +141,7 @@ def test_moe_removed_ablation_skips_exactly_the_routed_experts():
 
     from moe_train import config
     from moe_train.bench.layer import _without_routed_experts
-    from moe_train.model import Transformer
+    from moe_train.model.transformer import Transformer
 
     cfg = config.build("tiny", ["parallel.devices=1"])
     tokens = jnp.zeros((2, 8), jnp.int32)

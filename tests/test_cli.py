@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_train import cli as cli_module
+from moe_train.train import cli as cli_module
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--set", "train.seq_len=16", "--set", "train.batch_size=2", "--set", "train.log_every=100"]
@@ -100,8 +100,8 @@ def test_unknown_attention_lists_the_valid_ones(tmp_path):
 @pytest.fixture
 def fake_run(monkeypatch):
     """Replace the trainer: record its arguments, or raise what the test sets."""
-    import moe_train.run
-    from moe_train import signals
+    import moe_train.train.loop
+    from moe_train.train import signals
 
     seen = {}
 
@@ -111,14 +111,14 @@ def fake_run(monkeypatch):
             raise seen["raise"]
         return 0
 
-    monkeypatch.setattr(moe_train.run, "run", run)
+    monkeypatch.setattr(moe_train.train.loop, "run", run)
     yield seen
     signals.STOP.restore()
     signals.STOP.signum = None
 
 
 def test_resume_step_reaches_the_trainer(tmp_path, fake_run):
-    from moe_train import cli as cli_module
+    from moe_train.train import cli as cli_module
 
     assert cli_module.main(["--out", str(tmp_path / "r"), "--resume-step", "7"]) == 0
     assert fake_run["resume_step"] == 7
@@ -126,7 +126,7 @@ def test_resume_step_reaches_the_trainer(tmp_path, fake_run):
 
 
 def test_unwritable_output_is_one_line_and_exit_5(tmp_path, fake_run, capsys):
-    from moe_train import cli as cli_module, signals
+    from moe_train.train import cli as cli_module, signals
 
     fake_run["raise"] = signals.OutputError(f"cannot write {tmp_path / 'r'}: No space left on device")
     assert cli_module.main(["--out", str(tmp_path / "r")]) == signals.EXIT_OUTPUT
@@ -138,14 +138,14 @@ def test_stop_signals_are_caught_first_thing(tmp_path, fake_run):
     """SIGTERM while the run starts sets the stop flag instead of killing the process."""
     import signal
 
-    from moe_train import cli as cli_module, signals
+    from moe_train.train import cli as cli_module, signals
 
     def run(cfg, out, log=print, **kw):
         signal.raise_signal(signal.SIGTERM)  # e.g. during imports or compilation
         return 0 if signals.STOP.signum == signal.SIGTERM else 1
 
-    import moe_train.run
-    moe_train.run.run = run  # restored by fake_run's monkeypatch
+    import moe_train.train.loop
+    moe_train.train.loop.run = run  # restored by fake_run's monkeypatch
     assert cli_module.main(["--out", str(tmp_path / "r")]) == 0
 
 

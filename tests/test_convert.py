@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from moe_train import config, weights
+from moe_train import config
 from moe_train.config import ConfigError
+from moe_train.convert import weights
 from moe_train.convert.from_hf import from_hf
 from moe_train.convert.hf_files import dequantize
 from moe_train.convert.to_hf import to_hf
@@ -253,7 +254,7 @@ def test_mtp_layer_becomes_the_mtp_module_and_comes_back(tmp_path):
 
 
 def test_a_converted_deepseek_trains_with_init_from(tmp_path):
-    from moe_train.run import EXIT_OK, run
+    from moe_train.train.loop import EXIT_OK, run
 
     from_hf(write_hf(tmp_path / "hf", DEEPSEEK, deepseek_tensors()), tmp_path / "kit",
             log=lambda s: None)

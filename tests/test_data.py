@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import moe_train
-from moe_train import corpus, data
+from moe_train import data
 from moe_train.config import ConfigError, DataConfig
-from moe_train.data import DataError, make_source
+from moe_train.data import DataError, corpus, make_source
 
 CORPUS = "moe_train/assets/corpus.txt"
 KIT_ROOT = Path(moe_train.__file__).resolve().parent.parent
@@ -236,7 +236,7 @@ def test_synthetic_is_learnable():
 
 
 def test_shipped_corpus_matches_generator():
-    assert corpus.check(KIT_ROOT / CORPUS), "run: python -m moe_train.corpus"
+    assert corpus.check(KIT_ROOT / CORPUS), "run: python -m moe_train.data.corpus"
 
 
 def test_corpus_check_flags_a_modified_file(tmp_path):

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from moe_train import config, remat
-from moe_train.run import EXIT_OK, run
+from moe_train import config
+from moe_train.model import remat
+from moe_train.train.loop import EXIT_OK, run
 
 STEPS = 2
 
@@ -46,12 +47,12 @@ def test_every_remat_policy_takes_the_same_steps(tmp_path, one_device, policy):
 def test_the_looped_layout_gives_the_same_losses():
     import dataclasses
 
+    import flax.linen as nn
     import jax
     import jax.numpy as jnp
-    import flax.linen as nn
 
-    from moe_train import train
-    from moe_train.model import Transformer, to_looped
+    from moe_train.model.transformer import Transformer, to_looped
+    from moe_train.train import step as train
 
     cfg = config.build("deepseek-v3-tiny", ["train.seq_len=16"])
     looped = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_train import cli, distributed, signals, supervise
 from moe_train.config import ConfigError, ParallelConfig
+from moe_train.train import cli, distributed, signals, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM_STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_NODELIST": "node[001-002]", "SLURM_NTASKS": "4",
@@ -387,7 +387,8 @@ def test_child_exit_4_keeps_its_own_line(tmp_path, capsys):
 SUPERVISOR = """
 import sys
 from pathlib import Path
-from moe_train import signals, supervise
+from moe_train.train import signals
+from moe_train.train import supervise
 
 signals.STOP.install()
 job = supervise.Job(process_id=1, num_processes=2, coordinator="127.0.0.1:5000",
@@ -407,7 +408,7 @@ os.abort()
 """,
     "stop": """
 import signal, sys, time
-from moe_train import supervise
+from moe_train.train import supervise
 time.sleep(1.0)  # a forwarded signal waits (blocked) until the handler is there
 got = []
 signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
@@ -420,7 +421,7 @@ sys.exit(0 if got else 7)
 """,
     "forever": """
 import os, time
-from moe_train import supervise
+from moe_train.train import supervise
 supervise.child_ready()
 print("child", os.getpid(), flush=True)
 time.sleep(600)

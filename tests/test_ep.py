@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train import sharding
-from moe_train.jobplan import EPPlan, bucket_slots
 from moe_train.moe import Routing, dropless_moe, ep_moe
+from moe_train.parallel import sharding
+from moe_train.parallel.jobplan import EPPlan, bucket_slots
 
 T, H, F, E, K = 128, 16, 8, 8, 2
 
@@ -72,7 +72,7 @@ def test_matches_single_device(devices, ep, inner, dispatcher, factor, bias):
         pytest.skip("bucket overflowed: covered by test_overflow_is_flagged")
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     for g, g_ref in zip(grads, grads_ref):
-        np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=2e-5)
+        assert_close_to_scale(g, g_ref, 1e-5)
     np.testing.assert_array_equal(stats.tokens_per_expert, stats_ref.tokens_per_expert)
     np.testing.assert_allclose(stats.aux_loss, stats_ref.aux_loss, rtol=1e-6)
     np.testing.assert_allclose(stats.seq_aux_loss, stats_ref.seq_aux_loss, rtol=1e-6)
@@ -105,14 +105,22 @@ def test_receive_fill_reports_buffer_use():
     assert float(stats.recv_slots) == 4 * 4 * bucket_slots(None, 0, T // 4 * min(K, E // 4))
 
 
+def assert_close_to_scale(actual, desired, rel: float) -> None:
+    """Equal to ``rel`` of the tensor's largest magnitude: fp32 sums taken in another order
+    (another split over devices or chunks, another CPU's vector width) differ by rounding
+    on the scale of the largest terms, not of each element."""
+    desired = np.asarray(desired)
+    np.testing.assert_allclose(actual, desired, rtol=rel, atol=rel * np.abs(desired).max())
+
+
 @pytest.mark.parametrize("dispatcher", ["allgather", "a2a"])
 def test_chunked_dispatch_equals_unchunked(dispatcher):
     mesh, ops = mesh_for(4, 4), operands(2)
     y1, _, g1 = run_ep(mesh, EPPlan(dispatcher, 4, None, 1), ops)
     y2, _, g2 = run_ep(mesh, EPPlan(dispatcher, 4, None, 2), ops)
     np.testing.assert_allclose(y2, y1, rtol=1e-6, atol=1e-6)
-    for a, b in zip(g2, g1):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g2, g1):  # chunks sum the gradients in another order: fp32 rounding
+        assert_close_to_scale(a, b, 1e-6)
 
 
 def test_sigmoid_group_routing_with_bias_matches_single_device():
@@ -123,7 +131,7 @@ def test_sigmoid_group_routing_with_bias_matches_single_device():
     y_ref, _, grads_ref = run_single(ops, bias, **kw)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     for g, g_ref in zip(grads, grads_ref):
-        np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=2e-5)
+        assert_close_to_scale(g, g_ref, 1e-5)
 
 
 @pytest.mark.parametrize("inner", [2, 4], ids=["4-domains", "2-domains"])

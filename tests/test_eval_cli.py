@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_prepare import _train_bpe, paragraphs, run as prepare_run, write_jsonl
 
 from moe_train import config
 from moe_train.eval import evaluate_weights
-from moe_train.run import EXIT_OK, run
-from test_prepare import _train_bpe, paragraphs, write_jsonl
-from test_prepare import run as prepare_run
+from moe_train.train.loop import EXIT_OK, run
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train import checkpoint, config, run as run_mod, train
-from moe_train.signals import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, EXIT_OUTPUT
+from moe_train import config
+from moe_train.train import checkpoint, loop as run_mod, step as train
+from moe_train.train.signals import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, EXIT_OUTPUT
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = dict(log=lambda s: None)
@@ -366,7 +367,7 @@ def test_sigterm_during_start_up_exits_0_and_loses_nothing(tmp_path, cli_referen
 
 def test_the_cli_gives_back_the_signal_handlers_it_replaced(tmp_path):
     """submitit requeues a preempted job from its own USR2 handler once the trainer returns."""
-    from moe_train import cli
+    from moe_train.train import cli
 
     def theirs(signum, frame):
         pass

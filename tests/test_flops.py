@@ -1,4 +1,4 @@
-"""Parameter and FLOP accounting (moe_train.flops) and device peaks (topology.peaks)."""
+"""Parameter and FLOP accounting (moe_train.model.flops) and device peaks (topology.peaks)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import numpy as np
 import pytest
 
 from moe_train import config
-from moe_train.flops import (attention_flops_per_token, forward_flops_per_token, param_counts,
-                             train_flops_per_token)
+from moe_train.model.flops import (
+    attention_flops_per_token,
+    forward_flops_per_token,
+    param_counts,
+    train_flops_per_token,
+)
 from topology.peaks import device_model, peak_flops
 
 # A 1-layer model small enough to count on paper: V=10, H=4, 2 query heads and 1 KV head of
@@ -247,7 +251,8 @@ def test_peak_flops_on_this_machine():
 def test_counts_equal_the_parameters_the_model_creates(preset, overrides):
     import jax
     import jax.numpy as jnp
-    from moe_train.model import Transformer
+
+    from moe_train.model.transformer import Transformer
 
     cfg = config.build(preset, overrides)
     shapes = jax.eval_shape(lambda k: Transformer(cfg).init(k, jnp.zeros((1, 8), jnp.int32)),

@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers", reason="needs the interop ext
                                                           "(transformers)")
 
 from moe_train.convert.from_hf import from_hf  # noqa: E402
+from moe_train.convert.score import score  # noqa: E402
 from moe_train.convert.to_hf import to_hf  # noqa: E402
-from moe_train.score import score  # noqa: E402
 
 COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=64,
@@ -122,9 +122,9 @@ def test_preset_names_where_each_value_came_from(saved):
 
 def test_transformers_balance_loss_is_top_k_times_ours():
     import jax.numpy as jnp
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     from moe_train.moe.router import Routing, route, router_stats
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     logits = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
     routing = Routing(top_k=2, score_function="softmax", normalize_top_k=True)
@@ -136,7 +136,7 @@ def test_transformers_balance_loss_is_top_k_times_ours():
 
 def test_a_trained_scanned_run_exports_to_mixtral_with_the_logits_it_scores(tmp_path):
     from moe_train import config
-    from moe_train.run import EXIT_OK, run
+    from moe_train.train.loop import EXIT_OK, run
 
     cfg = config.build("tiny", ["train.steps=2", "parallel.devices=1", "train.log_every=100"])
     assert cfg.model.scan_layers  # stacked [L, ...] leaves, split back per layer on export

@@ -1,17 +1,17 @@
-"""moe_train.jobplan: the job rules every other module asks (no JAX needed)."""
+"""moe_train.parallel.jobplan: the job rules every other module asks (no JAX needed)."""
 
 import subprocess
 import sys
 
 import pytest
 
-from moe_train import jobplan
-from moe_train.config_checks import ConfigError
-from moe_train.jobplan import BucketPolicy
+from moe_train.config.checks import ConfigError
+from moe_train.parallel import jobplan
+from moe_train.parallel.jobplan import BucketPolicy
 
 
 def test_importing_jobplan_does_not_import_jax():
-    code = "import sys, moe_train.jobplan; assert 'jax' not in sys.modules, 'jax imported'"
+    code = "import sys, moe_train.parallel.jobplan; assert 'jax' not in sys.modules, 'jax imported'"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

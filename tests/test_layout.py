@@ -5,9 +5,10 @@ import json
 import jax
 import pytest
 
-from moe_train import config, layout
+from moe_train import config
 from moe_train.config import ConfigError
-from moe_train.run import EXIT_OK, run
+from moe_train.parallel import layout
+from moe_train.train.loop import EXIT_OK, run
 from topology.discovery import DeviceDomain
 
 

@@ -1,4 +1,4 @@
-"""Chunked LM loss (moe_train.loss): equal to the full-logits optax loss and its gradients,
+"""Chunked LM loss (moe_train.model.loss): equal to the full-logits optax loss and its gradients,
 memory bounded by the chunk, sharding-neutral, and the default chunk rule.
 
 Letter key: T tokens, H hidden, V vocab, C tokens per chunk.
@@ -13,7 +13,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moe_train.loss import CHUNK_LOGITS_BYTES, MIN_CHUNK_TOKENS, default_chunk, lm_loss
+from moe_train.model.loss import CHUNK_LOGITS_BYTES, MIN_CHUNK_TOKENS, default_chunk, lm_loss
 
 T, H, V = 37, 16, 50
 F32_TOL = 1e-6  # relative to the largest entry

@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from moe_train import config, layout, sharding, train
+from moe_train import config
 from moe_train.memory import GIB, ITEMS, PlanError, Verdict, check_fits, plan
 from moe_train.memory.__main__ import main
-from moe_train.stepper import ep_plans
+from moe_train.parallel import layout, sharding
+from moe_train.train import step as train
+from moe_train.train.stepper import ep_plans
 from topology import presets
 
 SHAPE = ["train.batch_size=16", "train.seq_len=128", "model.num_layers=3"]

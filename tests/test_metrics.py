@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from moe_train import metrics
+from moe_train.train import metrics
 
 
 def _lines(*steps):

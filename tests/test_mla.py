@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moe_train import config
-from moe_train.mla import MLA
+from moe_train.model.mla import MLA
 
 B, S = 2, 12
 MLA_SETS = ["model.attention_kind=mla", "model.hidden=32", "model.num_heads=4",
@@ -182,7 +182,7 @@ def test_parameters_keep_the_released_fused_layouts():
 
 
 def test_gqa_and_mla_have_their_own_weights():
-    from moe_train.model import Transformer
+    from moe_train.model.transformer import Transformer
 
     tokens = jnp.zeros((1, 8), jnp.int32)
     gqa = nn.unbox(Transformer(config.build("tiny")).init(jax.random.key(0), tokens)["params"])

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from moe_train import sharding
 from moe_train.moe import stats as moe_stats
 from moe_train.moe.stats import KIND, MoEStats
+from moe_train.parallel import sharding
 
 
 def layer(load, aux, overflow, rows, slots, pair, slow, dropped=0) -> MoEStats:

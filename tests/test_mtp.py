@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train import config, mtp, train
-from moe_train.model import Block, Transformer
-from moe_train.run import EXIT_OK, run
+from moe_train import config
+from moe_train.model import mtp
+from moe_train.model.transformer import Block, Transformer
+from moe_train.train import step as train
+from moe_train.train.loop import EXIT_OK, run
 
 B, S = 2, 16
 

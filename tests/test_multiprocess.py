@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_train.signals import EXIT_DISTRIBUTED
+from moe_train.train.signals import EXIT_DISTRIBUTED
 
 ROOT = Path(__file__).resolve().parent.parent
 # optim.decay_steps fixed: the compiled step does not depend on train.steps, so every test here
@@ -122,7 +122,7 @@ def assert_one_error_line(proc: Proc) -> str:
     return lines[0]
 
 
-# The bound (moe_train.distributed): a dead peer ends the others within 2 x the heartbeat once
+# The bound (moe_train.train.distributed): a dead peer ends the others within 2 x the heartbeat once
 # training runs (the coordination service: one heartbeat timeout; process 0 gone: at once).
 @pytest.mark.parametrize("victim, extra", [
     (1, []),
@@ -182,7 +182,7 @@ import sys, time
 import numpy as np
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
-from moe_train import distributed
+from moe_train.train import distributed
 from moe_train.config import ParallelConfig
 
 pid, port, hb = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -233,8 +233,9 @@ def test_stuck_peer_is_caught_by_the_step_watchdog(tmp_path):
 def test_training_loop_beats_the_watchdog(tmp_path):
     """The loop reports every finished step (``distributed.beat``); without it a multi-process
     run would be ended by the watchdog's start-up deadline."""
-    from moe_train import config, distributed
-    from moe_train.run import run
+    from moe_train import config
+    from moe_train.train import distributed
+    from moe_train.train.loop import run
 
     cfg = config.build("tiny", ["train.steps=3", "train.seq_len=16", "train.batch_size=4",
                                 "optim.decay_steps=1000", "parallel.devices=4"])
@@ -249,7 +250,7 @@ def test_training_loop_beats_the_watchdog(tmp_path):
 SLURM_TASK = """
 import numpy as np, jax
 from jax.sharding import NamedSharding, PartitionSpec
-from moe_train import distributed
+from moe_train.train import distributed
 from moe_train.config import ParallelConfig
 
 info = distributed.initialize(ParallelConfig(init_timeout_s=30, heartbeat_timeout_s=10))

@@ -20,19 +20,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_prepare import _train_bpe, paragraphs, run as prepare_run, write_jsonl
 
-from moe_train import checkpoint, config, mtp, packing, sharding, train
-from moe_train import evaluate as evaluate_mod
-from moe_train import run as run_mod
+from moe_train import config, eval as evaluate_mod
 from moe_train.config import ConfigError, DataConfig
-from moe_train.data import make_source
+from moe_train.data import make_source, packing
 from moe_train.data.heldout import DEFAULT_SEQUENCES, eval_batches
 from moe_train.data.prefetch import Prefetcher
 from moe_train.data.prepared import open_split
-from moe_train.model import Transformer
-from moe_train.signals import EXIT_CONFIG, EXIT_OK
-from test_prepare import _train_bpe, paragraphs, write_jsonl
-from test_prepare import run as prepare_run
+from moe_train.model import mtp
+from moe_train.model.transformer import Transformer
+from moe_train.parallel import sharding
+from moe_train.train import checkpoint, loop as run_mod, step as train
+from moe_train.train.signals import EXIT_CONFIG, EXIT_OK
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 320  # the model's vocabulary: the test tokenizer has 300

@@ -14,12 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train import cli, config, layout, precision, sharding, train
-from moe_train.checkpoint import Checkpointer
+from moe_train import config
 from moe_train.config import ConfigError
-from moe_train.model import MoEBlock, Transformer
+from moe_train.model import precision
+from moe_train.model.transformer import MoEBlock, Transformer
 from moe_train.moe.router import Routing, route, router_logits
-from moe_train.run import EXIT_OK, run
+from moe_train.parallel import layout, sharding
+from moe_train.train import cli, step as train
+from moe_train.train.checkpoint import Checkpointer
+from moe_train.train.loop import EXIT_OK, run
 
 STEPS = 50
 # decay_steps fixed: the schedule, hence the compiled step, does not depend on train.steps;
@@ -268,7 +271,7 @@ def test_auto_backend_falls_back_to_xla_and_says_why():
 def test_transformer_engine_fp8_step_matches_xla_qdq(recipe):
     """One train step with TE's dense GEMMs: same loss as the XLA q/dq step (both fp8) to
     within 2%, and DelayedScaling's state lands in the carried collection."""
-    from moe_train import precision_te
+    from moe_train.model import precision_te
 
     reason = precision_te.unavailable_reason(recipe)
     if reason:

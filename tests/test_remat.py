@@ -8,10 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train import config, layout, remat, sharding, train
+from moe_train import config
 from moe_train.config import ConfigError
-from moe_train.model import to_looped
-from moe_train.stepper import ep_plans
+from moe_train.model import remat
+from moe_train.model.transformer import to_looped
+from moe_train.parallel import layout, sharding
+from moe_train.train import step as train
+from moe_train.train.stepper import ep_plans
 
 # Big enough that activations, not parameters, dominate the compiled temp memory.
 SHAPE = ["train.batch_size=8", "train.seq_len=128", "model.num_layers=3"]

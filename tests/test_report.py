@@ -9,11 +9,12 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the report extra (matplotlib) is not installed")
 
-from moe_train import config, report, summary  # noqa: E402
+from moe_train import config, report  # noqa: E402
 from moe_train.report import browser, plots  # noqa: E402
 from moe_train.report.__main__ import main as report_main  # noqa: E402
-from moe_train.run import EXIT_OK, run  # noqa: E402
+from moe_train.telemetry import summary
 from moe_train.telemetry.files import load_run  # noqa: E402
+from moe_train.train.loop import EXIT_OK, run  # noqa: E402
 
 STEPS = 6
 FIGURES = {"training", "experts_layer0", "experts_layer1", "load_balance", "throughput", "host"}

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train import config, rope
+from moe_train import config
 from moe_train.config import ConfigError, RopeConfig
+from moe_train.model import rope
 
 PLAIN = RopeConfig()
 # DeepSeek-V3's released rope_scaling, on its 64 rotated dims
@@ -91,7 +92,7 @@ def test_rope_layout_choices_are_listed():
 
 
 def test_the_model_uses_the_rope_section():
-    from moe_train.model import Transformer
+    from moe_train.model.transformer import Transformer
 
     tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
     cfgs = {name: config.build("tiny", sets) for name, sets in {

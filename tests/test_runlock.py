@@ -1,4 +1,4 @@
-"""moe_train.runlock: one trainer per run directory, checked with real processes."""
+"""moe_train.train.runlock: one trainer per run directory, checked with real processes."""
 
 import errno
 import json
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_train import runlock
 from moe_train.config import ConfigError
-from moe_train.signals import OutputError
+from moe_train.train import runlock
+from moe_train.train.signals import OutputError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
-    from moe_train import runlock
+    from moe_train.train import runlock
     try:
         lock = runlock.acquire(Path(sys.argv[1]))
     except runlock.RunDirLocked as err:
@@ -161,7 +161,7 @@ def test_holder_info_written(tmp_path, holder):
     assert record["pid"] == proc.pid
     assert record["host"] and record["started_at"].endswith("+00:00")
     assert (record["slurm_job_id"], record["slurm_step_id"]) == ("777", "3")
-    assert "moe_train import runlock" in record["command"]
+    assert "from moe_train.train import runlock" in record["command"]
 
 
 def test_creates_missing_out_dir(tmp_path):

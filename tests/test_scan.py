@@ -16,12 +16,14 @@ import numpy as np
 import optax
 import pytest
 
-from moe_train import checkpoint, config, layout, sharding, train
-from moe_train.checkpoint import Checkpointer
+from moe_train import config
 from moe_train.config import ConfigError
-from moe_train.model import Transformer, to_looped, to_scanned
-from moe_train.precision import FP8_COLLECTION
-from moe_train.run import EXIT_OK, run
+from moe_train.model.precision import FP8_COLLECTION
+from moe_train.model.transformer import Transformer, to_looped, to_scanned
+from moe_train.parallel import layout, sharding
+from moe_train.train import checkpoint, step as train
+from moe_train.train.checkpoint import Checkpointer
+from moe_train.train.loop import EXIT_OK, run
 
 # a dense group of 1 and an MoE group of 2, sigmoid routing with a live expert bias
 SHAPE = ["model.num_layers=3", "model.first_dense_layers=1", "moe.score_function=sigmoid"]

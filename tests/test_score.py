@@ -11,11 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from moe_train import config, weights
+from moe_train import config
 from moe_train.config import ConfigError
+from moe_train.convert import weights
+from moe_train.convert.score import score
 from moe_train.data import make_source
-from moe_train.run import EXIT_CONFIG, EXIT_OK, run
-from moe_train.score import score
+from moe_train.train.loop import EXIT_CONFIG, EXIT_OK, run
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,8 @@ import pytest
 from moe_train import config
 from moe_train.config import ConfigError
 from moe_train.moe import gemm
-from moe_train.run import EXIT_OK, run
 from moe_train.selftest import checks, choose
+from moe_train.train.loop import EXIT_OK, run
 
 ROUTINGS = ("uniform", "zipf", "hot", "empty", "hot-empty")
 

@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec as P
 
-from moe_train import sharding
+from moe_train.parallel import sharding
 
 
 def spec(axes, rules):
@@ -47,7 +47,7 @@ def test_the_layers_axis_of_scanned_weights_is_never_sharded():
 
 def test_scanned_weights_shard_every_other_dim_like_their_looped_layers():
     from moe_train import config
-    from moe_train.model import Transformer, to_looped
+    from moe_train.model.transformer import Transformer, to_looped
 
     mesh = sharding.make_mesh(jax.devices()[:8], (2, 2, 2))
     specs = {}

@@ -18,9 +18,11 @@ import jax
 import numpy as np
 import pytest
 
-from moe_train import checkpoint, config, run as run_mod, sharding
-from moe_train.run import EXIT_OK
-from moe_train.stepper import BucketedStep
+from moe_train import config
+from moe_train.parallel import sharding
+from moe_train.train import checkpoint, loop as run_mod
+from moe_train.train.loop import EXIT_OK
+from moe_train.train.stepper import BucketedStep
 
 MID, ALL = 3, 4  # repeated rows on the first shard
 SAME = ("loss", "total_loss", "aux_loss", "z_loss", "grad_norm", "lr", "tokens_per_expert",

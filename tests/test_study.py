@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_train import flops, study
+from moe_train.bench import study
+from moe_train.model import flops
 
 DATA = Path("/nonexistent/prepared")  # configs only: nothing is read
 

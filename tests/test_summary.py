@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from moe_train import summary
+from moe_train.telemetry import summary
 from moe_train.telemetry.files import load_run, read_jsonl
 
 TOKENS_PER_STEP = 4 * 16

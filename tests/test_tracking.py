@@ -12,11 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 tensorboardX = pytest.importorskip("tensorboardX", reason="tensorboardX (a base dependency) is not installed")
 event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
 masked_crc32c = pytest.importorskip("tensorboardX.record_writer").masked_crc32c
 
-from moe_train import config, metrics, tracking
+from moe_train import config
+from moe_train.train import metrics, tracking
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADS = [[167, 149, 83, 80, 296, 63, 64, 122], [48, 83, 147, 182, 192, 52, 60, 260]]

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train import config, train
+from moe_train import config
 from moe_train.moe import Routing, dropless_moe
-from moe_train.run import EXIT_DIVERGED, EXIT_OK, run
+from moe_train.train import step as train
+from moe_train.train.loop import EXIT_DIVERGED, EXIT_OK, run
 
 ROOT = Path(__file__).resolve().parent.parent
 METRIC_KEYS = {"step", "loss", "aux_loss", "z_loss", "grad_norm", "lr", "step_time_s",
@@ -79,7 +80,8 @@ def test_chunked_loss_equals_the_full_logits_loss(tied):
     """The train step's chunked cross-entropy (chunks of 40 of 128 tokens, the last one
     padded) against the old computation: fp32 logits [B, S, V] of the head, optax CE."""
     import optax
-    from moe_train.model import Transformer
+
+    from moe_train.model.transformer import Transformer
 
     cfg = tiny(f"model.tie_embeddings={tied}", "train.loss_chunk=40", "train.seq_len=64")
     model = Transformer(cfg)
@@ -124,7 +126,7 @@ def test_bias_update_rule_moves_load_toward_balance():
 def test_bias_lives_in_state_and_is_checkpointed(tmp_path):
     cfg = tiny("moe.score_function=sigmoid", "moe.bias_update_rate=0.01", steps=3)
     run(cfg, tmp_path, log=lambda s: None)
-    from moe_train.checkpoint import Checkpointer
+    from moe_train.train.checkpoint import Checkpointer
 
     ck = Checkpointer(tmp_path, keep=3, use_async=False)
     restored = ck.restore_saved(3)
@@ -135,7 +137,7 @@ def test_bias_lives_in_state_and_is_checkpointed(tmp_path):
 
 def test_bf16_compute_with_fp32_master_weights(tmp_path):
     assert run(tiny("precision.compute=bf16"), tmp_path, log=lambda s: None) == EXIT_OK
-    from moe_train.checkpoint import Checkpointer
+    from moe_train.train.checkpoint import Checkpointer
 
     ck = Checkpointer(tmp_path, keep=3, use_async=False)
     params = ck.restore_saved(2)["params"]
@@ -146,7 +148,7 @@ def test_bf16_compute_with_fp32_master_weights(tmp_path):
 
 def test_resumes_a_checkpoint_saved_before_the_fp8_state_existed(tmp_path):
     """Checkpoints of earlier releases hold no fp8_state: a non-fp8 run resumes them."""
-    from moe_train.checkpoint import Checkpointer
+    from moe_train.train.checkpoint import Checkpointer
 
     first, old = tmp_path / "first", tmp_path / "old"
     assert run(tiny(steps=2), first, log=lambda s: None) == EXIT_OK
@@ -185,7 +187,7 @@ def test_micro_batches_lower_the_compiled_step_memory(tmp_path):
 
 
 def test_micro_batches_not_dividing_the_batch_exit_2(tmp_path, capsys):
-    from moe_train import cli
+    from moe_train.train import cli
 
     args = ["--preset", "tiny", "--out", str(tmp_path), "--set", "train.micro_batches=3"]
     assert cli.main(args) == 2

@@ -8,7 +8,7 @@ import pytest
 
 from moe_train import config
 from moe_train.config import ConfigError
-from moe_train.run import EXIT_OK, run
+from moe_train.train.loop import EXIT_OK, run
 
 STEPS = 3
 

@@ -39,7 +39,7 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", required=True,
                    help="cluster preset name (topology/presets/*.toml) or a site .toml path")
     p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
-    p.add_argument("--model", required=True, help="model preset (moe_train/presets/*.toml)")
+    p.add_argument("--model", required=True, help="model preset (moe_train/config/presets/*.toml)")
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel group size (default: the model's parallel.ep after --set)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -56,9 +56,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def _plan_run(args: argparse.Namespace) -> int:
-    from topology import plan  # imports moe_train.config (no jax)
-
     from moe_train import config
+    from topology import plan  # imports moe_train.config (no jax)
 
     ep = args.ep
     if ep is None or args.overrides:  # the model's parallel.ep, after --set; --ep must agree

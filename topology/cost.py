@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_train.jobplan import domain_hit
+from moe_train.parallel.jobplan import domain_hit
 from topology.presets import Cluster
 
 GB = 1e9  # preset bandwidths are GB/s with 1 GB = 1e9 bytes

@@ -6,7 +6,7 @@ layer's all-to-alls with ``cost.placement_layer_time`` -- hierarchical when a gr
 domains -- next to the topology-blind baseline: what Slurm gives without the plan (racks
 filled in order, ``naive_domains``) with the default device order and a flat all-to-all.
 
-Inputs from the model preset (``moe_train/presets``): hidden size H, expert FFN width F,
+Inputs from the model preset (``moe_train/config/presets``): hidden size H, expert FFN width F,
 top-k, routed experts, MoE layers (num_layers - first_dense_layers, plus the MTP
 modules' blocks) and, unless given,
 tokens per GPU = train.batch_size * train.seq_len / GPUs. Elements are bf16 (2 bytes).
@@ -20,11 +20,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_train import config as model_config
-from topology import calibration as topology_calibration
-from topology import cost, presets
-from topology.placement import (Allocation, Placement, allocation, compress, domain_index,
-                                naive_domains, naive_placement, place, synth_domains,
-                                valid_eps_for_nodes)
+from topology import calibration as topology_calibration, cost, presets
+from topology.placement import (
+    Allocation,
+    Placement,
+    allocation,
+    compress,
+    domain_index,
+    naive_domains,
+    naive_placement,
+    place,
+    synth_domains,
+    valid_eps_for_nodes,
+)
 from topology.presets import Cluster, TopologyError
 
 BYTES_PER_ELEM = 2  # bf16 activations in the all-to-all

@@ -1,10 +1,10 @@
 """Attention kernels (``model.attention``): step time and compiled memory per sequence length.
 
-- ``timing``: forward+backward of ``moe_train.attention.attend`` per implementation at each
+- ``timing``: forward+backward of ``moe_train.model.attention.attend`` per implementation at each
   sequence length (fixed batch), timed in interleaved rounds (``common.time_rounds``); each
   row carries its median over ``xla``'s median (and the per-round min-max). The first length
   from which ``chunked`` stays faster than ``xla`` is the measured crossover that ``auto``'s
-  ``moe_train.attention.CHUNKED_MIN_SEQ`` is set from.
+  ``moe_train.model.attention.CHUNKED_MIN_SEQ`` is set from.
 - ``memory``: XLA's compiled temp bytes of the same forward+backward at equal tokens
   (B * S fixed) and growing S, compiled only: full scores grow ~S x at equal tokens, the
   chunked kernel stays ~flat.
@@ -23,9 +23,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_train import attention
-from moe_train.bench.common import (compile_jit, fmt_ms, markdown_table, mib, ratio_stats,
-                                    time_rounds)
+from moe_train.bench.common import (
+    compile_jit,
+    fmt_ms,
+    markdown_table,
+    mib,
+    ratio_stats,
+    time_rounds,
+)
+from moe_train.model import attention
 
 TITLE = "Attention kernels"
 

@@ -27,10 +27,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_train import sharding, stepper
-from moe_train.bench.routing import expert_weights, gumbel_logits, log_preference, tokens_for_logits
 from moe_train.config import Config, MoEConfig
 from moe_train.moe import Routing, dropless_moe, ep_moe
+from moe_train.moe.routings import (
+    MoEShape,
+    expert_weights,
+    gumbel_logits,
+    log_preference,
+    tokens_for_logits,
+)
+from moe_train.parallel import sharding
+from moe_train.train import stepper
 
 TITLE = "Compilations over drifting routing"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -46,13 +53,10 @@ jax.monitoring.register_event_duration_secs_listener(_listener)
 
 
 @dataclasses.dataclass(frozen=True)
-class Sizes:
+class Sizes(MoEShape):
+    """tokens: the global batch of the EP run (the dropless run uses the same)."""
+
     steps: int
-    tokens: int  # global batch of the EP run (the dropless run uses the same)
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
     mesh: tuple[int, int, int] = (1, 2, 4)  # (data, expert_x, expert): EP = 8
     buckets: tuple[float, ...] = MoEConfig().capacity_buckets  # capacity factors, smallest first
     step_down_after: int = MoEConfig().bucket_step_down_after
@@ -155,7 +159,8 @@ def _layer_step(s: Sizes, batches: Batches):
 def ep_run(s: Sizes, batches: Batches) -> dict[str, Any]:
     """The EP layer under BucketedStep over the drifting steps: compilations vs buckets."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from moe_train.train import StepCounter
+
+    from moe_train.train.step import StepCounter
     mesh = sharding.make_mesh(jax.devices("cpu")[:int(np.prod(s.mesh))], s.mesh)
     cfg = dataclasses.replace(Config(), moe=dataclasses.replace(
         MoEConfig(), num_experts=s.experts, top_k=s.top_k, dispatcher="a2a",

@@ -8,7 +8,7 @@ only the rows routed to local experts: empty buffer slots cost copies (exchange,
 zero-filled outputs), not GEMMs, so on CPU a dispatcher's time follows its buffer sizes less
 than its rows.
 
-Routing (``moe_train.bench.routing``). Each token's router logits are ``pref[e] + Gumbel noise``, so its top-k experts are
+Routing (``moe_train.moe.routings``). Each token's router logits are ``pref[e] + Gumbel noise``, so its top-k experts are
 a draw without replacement from ``p_e ~ pref`` (the Gumbel-top-k trick); ``uniform`` has
 ``pref = 0``, ``zipf`` has ``p_e ~ 1 / rank_e ** s`` with the ranks shuffled over the experts
 (a fixed permutation; hot experts land on random EP ranks) and ``zipf-sorted`` puts the
@@ -16,7 +16,7 @@ hottest experts on EP rank 0 (the adversarial placement). The logits are made ex
 the gate kernel: ``x = x0 + (logits - x0 @ gate) @ pinv(gate)`` gives ``x @ gate = logits``
 for random ``x0`` and a random full-column-rank gate (needs H >= E). No expert_bias is used.
 
-Capacity buckets follow the trainer's ``moe_train.jobplan.BucketPolicy``: over ``steps``
+Capacity buckets follow the trainer's ``moe_train.parallel.jobplan.BucketPolicy``: over ``steps``
 routing batches the step starts at the smallest bucket (the factors of
 ``moe.capacity_buckets`` times the balanced load, then the worst case), reruns on the next
 bucket whenever an exchange overflows, and keeps the bucket for the next batch (stepping down
@@ -37,16 +37,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moe_train import sharding
-from moe_train.bench.common import (collective_bytes, compile_jit, fmt_ms,
-                                    time_compiled)
-from moe_train.moe import Routing, dropless_moe, ep_moe
-from moe_train.bench.ep_buckets import (NUM_DEVICES, TARGET_RATIO, BucketRows, factor_label,
-                                        host_stats, log)
+from moe_train.bench.common import collective_bytes, compile_jit, fmt_ms, time_compiled
+from moe_train.bench.ep_buckets import (
+    NUM_DEVICES,
+    TARGET_RATIO,
+    BucketRows,
+    factor_label,
+    host_stats,
+    log,
+)
 from moe_train.bench.ep_report import markdown, skew_summary
-from moe_train.bench.routing import ZIPF_S, expert_weights, gumbel_logits, tokens_for_logits
 from moe_train.config import MoEConfig
-from moe_train.jobplan import EPPlan, bucket_factors
+from moe_train.moe import Routing, dropless_moe, ep_moe
+from moe_train.moe.routings import (
+    ZIPF_S,
+    MoEShape,
+    expert_weights,
+    gumbel_logits,
+    tokens_for_logits,
+)
+from moe_train.parallel import sharding
+from moe_train.parallel.jobplan import EPPlan, bucket_factors
 
 TITLE = "Expert parallel (8 fake CPU devices)"
 BUCKETS = MoEConfig().capacity_buckets  # the trainer's default (sorted); then worst
@@ -81,12 +92,9 @@ EP4_DP2 = MeshCfg(2, 2, 2, ALL)  # EP=4 (2 domains of 2) x DP=2
 
 
 @dataclasses.dataclass(frozen=True)
-class Sizes:
-    tokens: int  # global batch, split over all 8 devices
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
+class Sizes(MoEShape):
+    """tokens: the global batch, split over all 8 devices."""
+
     steps: int  # routing batches of the stepper emulation
     min_reps: int
     target_s: float  # timed seconds per row (reps = target / step time, at least min_reps)

@@ -18,8 +18,8 @@ import numpy as np
 
 from moe_train.bench.common import fmt_ms
 from moe_train.bench.ep_report import buffer_ratios
-from moe_train.jobplan import BucketPolicy, EPPlan, hierarchical_stages
 from moe_train.moe import Routing, route, router_logits
+from moe_train.parallel.jobplan import BucketPolicy, EPPlan, hierarchical_stages
 
 if TYPE_CHECKING:  # ep.py imports this module
     from moe_train.bench.ep import MeshCfg

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from moe_train.bench import experts as X
 from moe_train.bench.common import compile_jit, min_time, ratio_stats, time_rounds
-from moe_train.bench.routing import assignments
 from moe_train.moe.gemm import default_block_rows
+from moe_train.moe.routings import assignments
 from moe_train.moe.tiled import block_sizes
 
 TITLE = "Grouped GEMM efficiency"

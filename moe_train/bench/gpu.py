@@ -27,11 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_train.bench import experts as X
-from moe_train.bench import gemm
+from moe_train.bench import experts as X, gemm
 from moe_train.bench.common import compile_jit, time_rounds
-from moe_train.bench.layer import Shape, dense_fn, layer_fn, layer_row, operands, unavailable
-from moe_train.bench.routing import assignments
+from moe_train.bench.layer import dense_fn, layer_fn, layer_row, operands, unavailable
+from moe_train.moe.routings import MoEShape, assignments
 
 TITLE = "GPU: MoE layer TFLOP/s against dense bf16"
 BACKENDS = ("mgpu", "ragged_dot", "tiled", "te")
@@ -40,7 +39,7 @@ BACKENDS = ("mgpu", "ragged_dot", "tiled", "te")
 @dataclasses.dataclass(frozen=True)
 class Model:
     name: str
-    shape: Shape
+    shape: MoEShape
     router: dict
 
 
@@ -58,12 +57,12 @@ class Sizes:
 
 DEEPSEEK_ROUTER = dict(score_function="sigmoid", num_groups=8, group_top_k=4, routed_scaling=2.5)
 FULL = Sizes(models=(
-    Model("mixtral-8x7b", Shape(4096, 4096, 14336, 8, 2), dict(score_function="softmax")),
-    Model("deepseek-v3", Shape(4096, 7168, 2048, 256, 8), DEEPSEEK_ROUTER)),
+    Model("mixtral-8x7b", MoEShape(4096, 4096, 14336, 8, 2), dict(score_function="softmax")),
+    Model("deepseek-v3", MoEShape(4096, 7168, 2048, 256, 8), DEEPSEEK_ROUTER)),
     square=8192, gemm_routings=("uniform", "hot"))
 TINY = Sizes(models=(
-    Model("mixtral-tiny", Shape(256, 64, 128, 8, 2), dict(score_function="softmax")),
-    Model("deepseek-tiny", Shape(256, 64, 64, 16, 4),
+    Model("mixtral-tiny", MoEShape(256, 64, 128, 8, 2), dict(score_function="softmax")),
+    Model("deepseek-tiny", MoEShape(256, 64, 64, 16, 4),
           dict(DEEPSEEK_ROUTER, num_groups=4, group_top_k=2))),
     square=256, gemm_routings=("hot",), max_reps=3, target_s=0.05, budget_s=120.0)
 

@@ -30,13 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_train import config, sharding
+from moe_train import config
 from moe_train.bench import experts as X
 from moe_train.bench.common import compile_jit, min_time, ratio_stats, summarize, time_rounds
-from moe_train.model import MoEBlock
+from moe_train.model.transformer import MoEBlock
 from moe_train.moe import MoEStats, Routing, capacity_moe, dropless_moe, swiglu_mlp
 from moe_train.moe.gemm import resolve_backend
+from moe_train.moe.routings import MoEShape
 from moe_train.moe.stats import exchange_stats
+from moe_train.parallel import sharding
 
 TITLE = "MoE layer and train step"
 ROUTERS = {
@@ -47,17 +49,8 @@ ROUTERS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
-    tokens: int
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
-
-
-@dataclasses.dataclass(frozen=True)
 class Sizes:
-    shapes: tuple[Shape, ...]
+    shapes: tuple[MoEShape, ...]
     backends: tuple[str, ...]
     routers: tuple[str, ...]
     min_reps: int
@@ -71,10 +64,10 @@ class Sizes:
 
 
 # The issue's two target shapes: 1.5x-dense at the first, 5x-ragged_dot at the second.
-FULL = Sizes(shapes=(Shape(8192, 512, 1024, 32, 2), Shape(2048, 256, 256, 32, 2)),
+FULL = Sizes(shapes=(MoEShape(8192, 512, 1024, 32, 2), MoEShape(2048, 256, 256, 32, 2)),
              backends=("tiled", "ragged_dot", "mgpu", "te"), routers=tuple(ROUTERS),
              min_reps=3, max_reps=5, target_s=6.0, budget_s=30.0, preset="small", step_reps=3)
-QUICK = Sizes(shapes=(Shape(256, 32, 64, 8, 2),), backends=("tiled", "ragged_dot", "mgpu"),
+QUICK = Sizes(shapes=(MoEShape(256, 32, 64, 8, 2),), backends=("tiled", "ragged_dot", "mgpu"),
               routers=("sigmoid-groups",), min_reps=3, max_reps=3, target_s=0.05, budget_s=5.0,
               preset="tiny", step_reps=3)
 
@@ -83,7 +76,7 @@ def log(msg: str) -> None:
     print(f"[bench layer] {msg}", file=sys.stderr, flush=True)
 
 
-def operands(shape: Shape, dtype, seed: int = 0):
+def operands(shape: MoEShape, dtype, seed: int = 0):
     """(x, gate, w0, w1, wo), the dense reference's (x_N, w0, w1, wo) and the cotangents dy
     [T, H] and dy_N [T*K, H]. Drawn on the device (DeepSeek-sized weights are large)."""
     T, H, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
@@ -98,7 +91,7 @@ def operands(shape: Shape, dtype, seed: int = 0):
     return moe, dense, n(T, H), n(T * K, H)
 
 
-def layer_fn(kind: str, shape: Shape, router_kw: dict, capacity_factor: float = 1.25):
+def layer_fn(kind: str, shape: MoEShape, router_kw: dict, capacity_factor: float = 1.25):
     """Jitted fwd+bwd of one layer variant: (x, gate, w0, w1, wo, dy) -> (grads, stats).
 
     ``kind`` is a grouped-GEMM backend or ``capacity``; a sigmoid router gets an expert bias.
@@ -125,12 +118,12 @@ def dense_fn():
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
 
-def unavailable(kind: str, shape: Shape, dtype) -> str | None:
+def unavailable(kind: str, shape: MoEShape, dtype) -> str | None:
     """Why grouped-GEMM backend ``kind`` cannot run this shape here (None: it can)."""
     return X.unavailable(kind, dtype, shape.hidden, shape.ffn)
 
 
-def _skip(kind: str, shape: Shape, dense_s: float, s: Sizes) -> str | None:
+def _skip(kind: str, shape: MoEShape, dense_s: float, s: Sizes) -> str | None:
     if kind in ("capacity",):
         return None
     reason = unavailable(kind, shape, s.dtype)
@@ -143,7 +136,7 @@ def _skip(kind: str, shape: Shape, dense_s: float, s: Sizes) -> str | None:
     return None
 
 
-def shape_rows(shape: Shape, s: Sizes) -> list[dict]:
+def shape_rows(shape: MoEShape, s: Sizes) -> list[dict]:
     """Every backend x router of one shape, plus capacity and dense, timed side by side."""
     dtype = jnp.dtype(s.dtype)
     moe_ops, dense_ops, dy, dy_n = operands(shape, dtype)
@@ -203,7 +196,7 @@ def _without_routed_experts(next_fun, args, kwargs, context):
 
 def train_step(s: Sizes) -> dict[str, Any]:
     """The preset's train step with and without its MoE layers' work (see module doc)."""
-    from moe_train.train import StepCounter, init_state, make_train_step
+    from moe_train.train.step import StepCounter, init_state, make_train_step
     cfg = config.build(s.preset, ["parallel.devices=1"])
     mesh = sharding.make_mesh(jax.devices()[:1])
     t = cfg.train

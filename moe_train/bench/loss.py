@@ -1,4 +1,4 @@
-"""Compiled memory of the LM loss against vocab size: chunked (``moe_train.loss``) vs whole logits.
+"""Compiled memory of the LM loss against vocab size: chunked (``moe_train.model.loss``) vs whole logits.
 
 Shape key: T tokens, H hidden, V vocab.
 
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moe_train import loss
 from moe_train.bench.common import markdown_table, mib
+from moe_train.model import loss
 
 TITLE = "LM loss compiled memory vs vocab: chunked vs whole logits"
 

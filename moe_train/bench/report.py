@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from moe_train.bench.common import fmt_ms, markdown_table
 from moe_train.bench.gemm import realistic
@@ -19,6 +19,15 @@ def _split_unavailable(rows: list[dict]) -> tuple[list[dict], str]:
             why.setdefault(r["backend"], r["skipped"].split(": ", 1)[-1])
     note = "; ".join(f"`{b}` not run: {w}" for b, w in why.items())
     return [r for r in rows if not (r.get("skipped") or "").startswith("unavailable")], note
+
+
+def _rows_table(rows: list[dict], header: list[str], skipped: Callable[[dict], list],
+                timed: Callable[[dict], list]) -> str:
+    """Markdown table of a section's rows, cells by ``skipped`` for a skipped row and ``timed``
+    for the others, then the note naming the backends not run ('unavailable' skips, left out)."""
+    kept, note = _split_unavailable(rows)
+    table = markdown_table(header, [skipped(r) if r["skipped"] else timed(r) for r in kept])
+    return table + (f"\n\n{note}." if note else "")
 
 
 def _ratio(r: dict) -> str:
@@ -44,36 +53,36 @@ def gemm_md(sec: dict[str, Any]) -> str:
     header = ["E", "tokens x k", "routing (max/mean)", "mode", "backend", "tile/block rows",
               "median ms", "dense ms", "time / dense (min-max)", "CPU time / dense", "waste",
               "drop rate"]
-    rows = []
-    kept, note = _split_unavailable(sec["rows"])
-    for r in kept:
-        if r["skipped"]:
-            rows.append([r["experts"], "", "", r["mode"], r["backend"], "", "", "",
-                         "skipped: " + r["skipped"], "", "", ""])
-            continue
+
+    def skipped(r: dict) -> list:
+        return [r["experts"], "", "", r["mode"], r["backend"], "", "", "",
+                "skipped: " + r["skipped"], "", "", ""]
+
+    def timed(r: dict) -> list:
         routing = "-" if r["routing"] == "-" else f"{r['routing']} ({r['max_over_mean_load']:.2f})"
         tile = f"{r['tile_rows']}/{r['block_rows']}" if r["tile_rows"] else ""
-        rows.append([r["experts"], f"{r['tokens']} x {r['top_k']}", routing, r["mode"], r["backend"],
-                     tile, fmt_ms(r["time"])[0], fmt_ms(r["dense_time"])[0], _ratio(r), _cpu(r),
-                     f"{r['padding_waste']:.3f}", f"{r['drop_rate']:.1%}" if r["backend"] == "capacity" else ""])
-    return head + "\n" + markdown_table(header, rows) + (f"\n\n{note}." if note else "")
+        return [r["experts"], f"{r['tokens']} x {r['top_k']}", routing, r["mode"], r["backend"],
+                tile, fmt_ms(r["time"])[0], fmt_ms(r["dense_time"])[0], _ratio(r), _cpu(r),
+                f"{r['padding_waste']:.3f}", f"{r['drop_rate']:.1%}" if r["backend"] == "capacity" else ""]
+
+    return head + "\n" + _rows_table(sec["rows"], header, skipped, timed)
 
 
 def layer_md(sec: dict[str, Any]) -> str:
     """The layer section's Markdown: the layer table and the train-step line."""
     header = ["T", "H", "F", "E", "k", "backend", "router", "median ms", "tokens/s",
               "time / dense (min-max)", "CPU time / dense", "drop rate", "max/mean load"]
-    rows = []
-    kept, note = _split_unavailable(sec["rows"])
-    for r in kept:
-        if r["skipped"]:
-            rows.append([r["tokens"], r["hidden"], r["ffn"], r["experts"], r["top_k"], r["backend"],
-                         "", "", "", "skipped: " + r["skipped"], "", "", ""])
-            continue
+    shape = lambda r: [r["tokens"], r["hidden"], r["ffn"], r["experts"], r["top_k"], r["backend"]]
+
+    def skipped(r: dict) -> list:
+        return shape(r) + ["", "", "", "skipped: " + r["skipped"], "", "", ""]
+
+    def timed(r: dict) -> list:
         load = "" if r["max_over_mean_load"] is None else f"{r['max_over_mean_load']:.2f}"
-        rows.append([r["tokens"], r["hidden"], r["ffn"], r["experts"], r["top_k"], r["backend"],
-                     r["router"], fmt_ms(r["time"])[0], f"{r['tokens_per_s']:,.0f}", _ratio(r),
-                     _cpu(r), f"{r['drop_rate']:.1%}" if r["backend"] == "capacity" else "", load])
+        return shape(r) + [r["router"], fmt_ms(r["time"])[0], f"{r['tokens_per_s']:,.0f}", _ratio(r),
+                           _cpu(r), f"{r['drop_rate']:.1%}" if r["backend"] == "capacity" else "", load]
+
+    table = _rows_table(sec["rows"], header, skipped, timed)
     t = sec["train_step"]
     step = (f"**Train step** of the `{t['preset']}` preset ({t['layers']} layers, E={t['experts']} "
             f"top-{t['top_k']}, H={t['hidden']}, F={t['ffn']}, {t['tokens_per_step']} tokens/step, "
@@ -85,7 +94,7 @@ def layer_md(sec: dict[str, Any]) -> str:
             f"next to `capacity_moe` (factor {sec['sizes']['capacity_factor']}) and a dense SwiGLU on "
             f"the T*k useful rows (*time / dense*), timed side by side. Routers: `softmax` top-k; "
             f"`sigmoid-groups` (DeepSeek-V3 style: 4 groups, top-2 groups, scaling 2.5, bias).\n\n"
-            + markdown_table(header, rows) + (f"\n\n{note}." if note else "") + "\n\n" + step)
+            + table + "\n\n" + step)
 
 
 def compiles_md(sec: dict[str, Any]) -> str:

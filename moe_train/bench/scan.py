@@ -23,8 +23,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_train import config, sharding, train
+from moe_train import config
 from moe_train.bench.common import markdown_table
+from moe_train.parallel import sharding
+from moe_train.train import step as train
 
 TITLE = "Train-step compile time vs depth: scanned vs looped layers"
 

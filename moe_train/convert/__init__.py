@@ -10,4 +10,11 @@
 ``families`` maps the configs both ways, ``tensors`` the tensor names and layouts,
 ``hf_files`` reads and writes the files. Train from converted weights with
 ``--set train.init_from=OUT``; score any of them with ``python -m moe_train.score``.
+
+``weights`` finds and restores model weights wherever they are kept (a converted checkpoint,
+a run, one step); ``score`` scores token ids (``python -m moe_train.score``).
+
+May import: ``moe_train.config``, ``moe_train.model``, ``moe_train.parallel`` and, of the loop,
+``train.checkpoint`` (to read runs) and ``train.signals`` (exit codes). Never the launcher,
+the planners or the benchmarks.
 """

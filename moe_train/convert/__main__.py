@@ -1,6 +1,6 @@
 """``python -m moe_train.convert from-hf HF_DIR OUT`` | ``to-hf CKPT HF_OUT [--dtype bf16|fp32]``.
 
-Exit codes as the trainer's (``moe_train.signals``): 0 done; 2 bad input (an unsupported
+Exit codes as the trainer's (``moe_train.train.signals``): 0 done; 2 bad input (an unsupported
 architecture or feature, a missing tensor, a shape that does not match the config, an OUT
 that is not empty, an input file that cannot be read), one line naming the key, tensor or
 file, nothing left in OUT; 5 the output cannot be written; 1 a bug (traceback).
@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from moe_train import signals
 from moe_train.config import ConfigError
+from moe_train.train import signals
 
 
 def parser() -> argparse.ArgumentParser:

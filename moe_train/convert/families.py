@@ -110,11 +110,11 @@ def kit_tables(fam: Family, hf: dict, *, mtp: bool) -> tuple[dict, dict]:
             raise ConfigError(f"config.json: {key.split('|')[0]} is missing (needed for {dotted})")
         put(dotted, cast(value), present[0] if present else f"{key.split('|')[0]} (default)")
 
-    take("model.vocab_size", "vocab_size", int)
-    take("model.hidden", "hidden_size", int)
-    take("model.num_layers", "num_hidden_layers", int)
-    take("model.num_heads", "num_attention_heads", int)
-    take("model.norm_eps", "rms_norm_eps", float)
+    for key, hf_key, cast in (("vocab_size", "vocab_size", int), ("hidden", "hidden_size", int),
+                              ("num_layers", "num_hidden_layers", int),
+                              ("num_heads", "num_attention_heads", int),
+                              ("norm_eps", "rms_norm_eps", float)):
+        take(f"model.{key}", hf_key, cast)
     tied = bool(hf.get("tie_word_embeddings", False))
     put("model.tie_embeddings", tied, "tie_word_embeddings")
     if tied:
@@ -152,11 +152,16 @@ def _balance(hf: dict, put, top_k: int) -> None:
         "(transformers' balance loss is top_k times the kit's)")
 
 
+def _experts(take, num_key: str, ffn_key: str) -> None:
+    """The routed experts: how many (HF ``num_key``), top-k, one's width (``ffn_key``)."""
+    take("moe.num_experts", num_key, int)
+    take("moe.top_k", "num_experts_per_tok", int)
+    take("moe.expert_ffn", ffn_key, int)
+
+
 def _mixtral(hf: dict, take, put, mtp: bool) -> None:
     _gqa(hf, take, put)
-    take("moe.num_experts", "num_local_experts|num_experts", int)
-    take("moe.top_k", "num_experts_per_tok", int)
-    take("moe.expert_ffn", "intermediate_size", int)
+    _experts(take, "num_local_experts|num_experts", "intermediate_size")
     put("moe.score_function", "softmax", "MixtralSparseMoeBlock: softmax")
     put("moe.normalize_top_k", True, "MixtralSparseMoeBlock: renormalised top-k")
     _balance(hf, put, int(hf["num_experts_per_tok"]))
@@ -165,9 +170,7 @@ def _mixtral(hf: dict, take, put, mtp: bool) -> None:
 def _qwen3(hf: dict, take, put, mtp: bool) -> None:
     _gqa(hf, take, put)
     put("model.qk_norm", True, "Qwen3MoeAttention: q_norm, k_norm")
-    take("moe.num_experts", "num_experts|num_local_experts", int)
-    take("moe.top_k", "num_experts_per_tok", int)
-    take("moe.expert_ffn", "moe_intermediate_size", int)
+    _experts(take, "num_experts|num_local_experts", "moe_intermediate_size")
     put("moe.score_function", "softmax", "Qwen3MoeSparseMoeBlock: softmax")
     take("moe.normalize_top_k", "norm_topk_prob", bool, False)
     _balance(hf, put, int(hf["num_experts_per_tok"]))
@@ -183,9 +186,7 @@ def _deepseek(hf: dict, take, put, mtp: bool) -> None:
         "rope_interleave")
     take("model.first_dense_layers", "first_k_dense_replace", int, 0)
     take("model.dense_ffn", "intermediate_size", int)
-    take("moe.num_experts", "n_routed_experts|num_local_experts", int)
-    take("moe.top_k", "num_experts_per_tok", int)
-    take("moe.expert_ffn", "moe_intermediate_size", int)
+    _experts(take, "n_routed_experts|num_local_experts", "moe_intermediate_size")
     take("moe.num_shared_experts", "n_shared_experts", int, 0)
     take("moe.shared_ffn", "moe_intermediate_size", int)
     take("moe.score_function", "scoring_func", str, "sigmoid")

@@ -2,7 +2,7 @@
 
 ``OUT/preset.toml`` is the kit's config of the model (each value with the ``config.json`` key
 it came from), ``OUT/weights/<part>/`` orbax checkpoints ``{"params", "moe_state"}`` in the
-looped layer layout, one per layer (``moe_train.weights`` reads them into any layout and
+looped layer layout, one per layer (``moe_train.convert.weights`` reads them into any layout and
 device count), and
 ``OUT/convert.json`` what it was made from. Weights keep the source's dtype (bf16 or fp32;
 fp8 is dequantized with its block scales to bf16, as DeepSeek's own fp8-to-bf16 script does);
@@ -41,12 +41,18 @@ import orbax.checkpoint as ocp
 
 from moe_train import config
 from moe_train.config import Config, ConfigError
+from moe_train.config.checks import first_few
 from moe_train.convert.families import Family, family_of, kit_tables
-from moe_train.convert.hf_files import (FP8_DTYPES, SCALE_SUFFIX, HFCheckpoint, new_directory,
-                                        read_config)
+from moe_train.convert.hf_files import (
+    FP8_DTYPES,
+    SCALE_SUFFIX,
+    HFCheckpoint,
+    new_directory,
+    read_config,
+)
 from moe_train.convert.tensors import Entry, entries, extra_copies
-from moe_train.model import Transformer
-from moe_train.weights import PRESET, WEIGHTS, part_of
+from moe_train.convert.weights import PRESET, WEIGHTS, part_of
+from moe_train.model.transformer import Transformer
 
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|" + re.escape(SCALE_SUFFIX) + r")$")
 SECTIONS = ("model", "moe", "rope", "train")
@@ -90,9 +96,8 @@ def _check_tensors(ckpt: HFCheckpoint, ents: list[Entry], cfg: Config) -> None:
                                   f"the config needs {list(want)}")
     unused = sorted(n for n in ckpt.names() - used if not IGNORED.fullmatch(n))
     if unused:
-        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
         raise ConfigError(f"{ckpt.dir}: tensor {unused[0]} is not used by the converted "
-                          f"model ({', '.join(unused[1:3])}{more}); unsupported feature?")
+                          f"model ({first_few(unused[1:], 2)}); unsupported feature?")
 
 
 def _dtype_of(ckpt: HFCheckpoint, e: Entry):

@@ -1,6 +1,6 @@
 """Which Hugging Face tensors make each of the kit's parameters, and how.
 
-The kit's tree is taken in its looped layout (``layer_{i}``, ``mtp_{k}``; ``moe_train.model``)
+The kit's tree is taken in its looped layout (``layer_{i}``, ``mtp_{k}``; ``moe_train.model.transformer``)
 with ``params`` and ``moe_state`` side by side. Every leaf has one ``Entry``:
 
 * ``same``: the tensor as it is (embeddings, norm scales, DeepSeek-V3's router bias);

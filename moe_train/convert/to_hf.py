@@ -24,8 +24,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from moe_train import weights
 from moe_train.config import Config, ConfigError
+from moe_train.convert import weights
 from moe_train.convert.families import FAMILIES, Family, family_for, hf_config
 from moe_train.convert.from_hf import looped_tree
 from moe_train.convert.hf_files import new_directory, write_shards

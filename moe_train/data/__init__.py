@@ -17,17 +17,23 @@ Sources (``data.source``):
 * ``bytes``: any UTF-8 text file, one token per byte (vocabulary 256), windowed the same way.
 * ``prepared``: the train split of a directory written by ``python -m moe_train.data prepare``:
   shuffled documents cut into rows, packed with segment ids unless ``data.packing=false``
-  (``moe_train.data.packed``; such a batch is ``{"tokens", "segments"}``, ``moe_train.packing``).
+  (``moe_train.data.packed``; such a batch is ``{"tokens", "segments"}``, ``moe_train.data.packing``).
 
 Relative paths resolve against the working directory, then against the kit root (the folder
 holding the ``moe_train`` package), so presets can name shipped files such as
 ``moe_train/assets/corpus.txt``. Problems with the data are raised as :class:`DataError`, a
 one-line :class:`ConfigError`.
+
+May import: ``moe_train.config`` and, of the loop, ``train.signals`` (exit codes and the
+output error of ``python -m moe_train.data``); tokenizers, sentencepiece, pyarrow where a
+source needs them. Never the model, the loop proper, the launcher or the planners
+(``moe_train.model`` imports ``packing`` from here).
 """
 
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import operator
 from pathlib import Path
 
@@ -53,16 +59,15 @@ class DataError(ConfigError):
     """A user-facing problem with the training data (missing file, bad contents, bad split)."""
 
 
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
 class Source:
     """Base of all sources: deterministic ``batch(step)`` and a one-line ``description``."""
 
-    description: str = ""
-
-    def __init__(self, *, vocab_size: int, seq_len: int, batch_size: int, seed: int) -> None:
-        self.vocab_size = vocab_size
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.seed = seed
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    seed: int
+    description = ""  # not a field: each source sets its own
 
     def batch(self, step: int, *, process_index: int = 0, process_count: int = 1) -> np.ndarray:
         """This process's rows of the global batch of ``step``: int32 ``[B // P, seq_len + 1]``."""

@@ -1,6 +1,6 @@
 """``python -m moe_train.data prepare``: tokenize a corpus into train/val token shards.
 
-Exit codes (as for the trainer, ``moe_train.signals``): 0 done (or already complete), 1 a bug
+Exit codes (as for the trainer, ``moe_train.train.signals``): 0 done (or already complete), 1 a bug
 (traceback) or a worker process that died, 2 bad input or options (one line on stderr naming
 the file and the line or byte offset; nothing is written when the inputs are bad), 5 the output
 directory cannot be written, 130/143 interrupted by Ctrl-C/SIGTERM (rerun the same command to
@@ -15,9 +15,9 @@ import sys
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from moe_train import signals
 from moe_train.config import ConfigError
 from moe_train.data import prepare
+from moe_train.train import signals
 
 POLICIES = """\
 inputs (by suffix, each optionally .gz):

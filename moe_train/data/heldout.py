@@ -26,9 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from moe_train import packing
 from moe_train.config import Config
-from moe_train.data import DataError, SyntheticSource
+from moe_train.data import DataError, SyntheticSource, packing
 
 DEFAULT_SEQUENCES = 64  # sequences per evaluation when train.eval_tokens is 0
 _HELD_OUT_TAG = 0x4E1D  # separates the held-out walks' streams from the batches'
@@ -43,7 +42,7 @@ def sequences(cfg: Config) -> int:
 
 def eval_batches(cfg: Config) -> tuple[list[Any], str]:
     """(the held-out global batches, host numpy of ``train.batch_size`` rows each, in either
-    form of ``moe_train.packing``; a one-line description for the log)."""
+    form of ``moe_train.data.packing``; a one-line description for the log)."""
     d, t, m = cfg.data, cfg.train, cfg.model
     rows, B = sequences(cfg), t.batch_size
     if d.source == "prepared":

@@ -188,13 +188,18 @@ def _utf8_error(inp: Input, raw: bytes, at: int, offset: int, lineno: int) -> Da
                      f"(byte 0x{raw[at]:02x}); inputs must be strict UTF-8 text")
 
 
+def _lines(stream, inp: Input) -> Iterator[tuple[int, bytes, str]]:
+    """(line number from 1, raw bytes, text) of each line, decoded as strict UTF-8."""
+    offset = 0
+    for lineno, raw in enumerate(stream, 1):
+        yield lineno, raw, _decode(raw, inp, offset, lineno)
+        offset += len(raw)
+
+
 def _paragraphs(stream, inp: Input) -> Iterator[str]:
     """Runs of non-blank lines, joined by newlines (``--split-on blank-lines``)."""
     lines: list[str] = []
-    offset = 0
-    for lineno, raw in enumerate(stream, 1):
-        line = _decode(raw, inp, offset, lineno)
-        offset += len(raw)
+    for _, _, line in _lines(stream, inp):
         line = line[:-1] if line.endswith("\n") else line
         line = line[:-1] if line.endswith("\r") else line
         if line.strip():
@@ -217,20 +222,10 @@ def _whole(data: bytes, inp: Input) -> str:
 
 def _jsonl(stream, inp: Input, field: str) -> Iterator[str]:
     """The ``field`` string of each JSON line."""
-    offset = 0
-    for lineno, raw in enumerate(stream, 1):
-        text = _decode(raw, inp, offset, lineno)
-        offset += len(raw)
+    for lineno, raw, text in _lines(stream, inp):
         if not text.strip():
             continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{inp.shown}:{lineno}: not JSON ({err.msg} at column {err.colno}); "
-                            f"expected one JSON object per line") from None
-        if not isinstance(obj, dict):
-            raise DataError(f"{inp.shown}:{lineno}: a JSON {type(obj).__name__}, not an object; "
-                            f"expected one JSON object per line")
+        obj = _json_object(text, inp, lineno)
         if field not in obj:
             have = ", ".join(list(obj)[:10]) or "none"
             raise DataError(f"{inp.shown}:{lineno}: no {field!r} field (fields: {have}); "
@@ -242,6 +237,19 @@ def _jsonl(stream, inp: Input, field: str) -> Iterator[str]:
         if b"\\u" in raw or b"\\U" in raw:
             _no_surrogates(value, inp, lineno)
         yield value
+
+
+def _json_object(text: str, inp: Input, lineno: int) -> dict:
+    """Line ``lineno`` as a JSON object; DataError when it is not JSON or not an object."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{inp.shown}:{lineno}: not JSON ({err.msg} at column {err.colno}); "
+                        f"expected one JSON object per line") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{inp.shown}:{lineno}: a JSON {type(obj).__name__}, not an object; "
+                        f"expected one JSON object per line")
+    return obj
 
 
 def _no_surrogates(value: str, inp: Input, lineno: int) -> None:

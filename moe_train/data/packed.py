@@ -13,7 +13,7 @@ ahead on a background thread (``moe_train.data.prefetch``).
 
 Packing (``data.packing``, the default): each row records which document piece each token
 belongs to as segment ids 1, 2, ... (the batch ``{"tokens", "segments"}`` of
-``moe_train.packing``): attention stays inside a document, positions restart per document
+``moe_train.data.packing``): attention stays inside a document, positions restart per document
 and a document's first token is not predicted from the one before. ``data.packing=false``
 gives the same tokens as a plain ``[B, S+1]`` array (attention then crosses documents, as with
 a flat token file).
@@ -33,8 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_train import packing
-from moe_train.data import DataError, Source, resolve_path
+from moe_train.data import DataError, Source, packing, resolve_path
 from moe_train.data.prefetch import Prefetcher
 from moe_train.data.prepared import Split, open_split, read_manifest
 
@@ -113,7 +112,7 @@ class PreparedSource(Source):
 
     def batch(self, step: int, *, process_index: int = 0, process_count: int = 1):
         """This process's rows of the global batch of ``step``: int32 ``[B // P, seq_len + 1]``,
-        or with packing ``{"tokens", "segments"}`` of that shape (``moe_train.packing``)."""
+        or with packing ``{"tokens", "segments"}`` of that shape (``moe_train.data.packing``)."""
         step, lo, hi = self._rows(step, process_index, process_count)
         return self._prefetch.get(step, lo, hi)
 

@@ -32,12 +32,17 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_train.data import DataError, inputs as inputs_mod, shards, split as split_mod
-from moe_train.data import tokenizer as tok_mod
+from moe_train.data import (
+    DataError,
+    inputs as inputs_mod,
+    shards,
+    split as split_mod,
+    tokenizer as tok_mod,
+)
 from moe_train.data.prepared import FORMAT, FORMAT_VERSION
 from moe_train.data.progress import Progress
 from moe_train.data.workers import Workers
-from moe_train.signals import OutputError
+from moe_train.train.signals import OutputError
 
 SPLITS = ("train", "val")
 # 2**28 tokens: 512 MiB per uint16 shard (1 GiB at uint32). A trillion-token corpus is a few

@@ -48,16 +48,23 @@ class ShardRecord:
                 "tokens": self.tokens, "sha256": self.sha256, "idx_sha256": self.idx_sha256}
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync_dir(path: Path, *, tolerant: bool = False) -> None:
+    """fsync a folder (after a rename in it); ``tolerant``: an OSError is ignored (some file
+    systems cannot fsync a directory; the rename itself is done)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        if not tolerant:
+            raise
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through ``path.tmp``: fsync, rename, fsync the folder."""
+def atomic_write(path: Path, data: bytes, *, tolerant: bool = False) -> None:
+    """Write ``data`` to ``path`` through ``path.tmp``: fsync, rename, fsync the folder
+    (``tolerant``: see ``fsync_dir``)."""
     tmp = path.with_name(path.name + TMP)
     try:
         with open(tmp, "wb") as f:
@@ -67,7 +74,7 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    fsync_dir(path.parent, tolerant=tolerant)
 
 
 def _sha256(path: Path) -> str:

@@ -21,6 +21,9 @@ did. Each section and each of its rows is PASS, FAIL or SKIP with a reason and n
 On a machine without a GPU the same command runs the sections that can run there at toy
 sizes (in well under 3 minutes; the test suite runs it), marks the rest SKIP and exits 0.
 The exit code is 1 when any section FAILs.
+
+May import anything of the kit (it runs the benchmarks' kernels, the self-test and the test
+suite); nothing of the kit imports it.
 """
 
 from __future__ import annotations

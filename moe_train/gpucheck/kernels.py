@@ -53,7 +53,7 @@ def _driver() -> str | None:
 
 
 def _te() -> dict[str, Any]:
-    from moe_train import precision_te
+    from moe_train.model import precision_te
 
     err = precision_te._import_error()
     if err:
@@ -65,7 +65,7 @@ def _te() -> dict[str, Any]:
 
 def environment(ctx: Context) -> dict[str, Any]:
     """What this machine is: device, memory, driver, versions, Transformer Engine."""
-    from moe_train.attention.fused import gpu_facts
+    from moe_train.model.attention.fused import gpu_facts
 
     dev = jax.devices()[0]
     stats = dev.memory_stats() or {}
@@ -153,7 +153,7 @@ def _temp_bytes(fn, args) -> int | None:
 
 def attention(ctx: Context) -> dict[str, Any]:
     """Every implementation the trainer can pick here vs the xla reference (fp32)."""
-    from moe_train import attention as attn
+    from moe_train.model import attention as attn
 
     p = ATTENTION["gpu" if ctx.on_gpu else "cpu"]
     rows = []
@@ -195,7 +195,7 @@ def _fp8_backends(ctx: Context) -> dict[str, str | None]:
     if not ctx.on_gpu:
         reasons["te"] = "Transformer Engine needs an NVIDIA GPU"
     else:
-        from moe_train import precision_te
+        from moe_train.model import precision_te
 
         reasons["te"] = precision_te.unavailable_reason("delayed")
     return reasons

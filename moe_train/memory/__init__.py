@@ -37,8 +37,8 @@ Activations (token-proportional residuals kept for the backward pass), bytes per
     dense sub-layer      H*(a+8) + 4*dense_ffn*a
     head (once)          H*(a+8) + 4               final norm, the logsumexp; plus, once per
                          step (not per token), one cross-entropy chunk's logits C*V*(8 + a'):
-                         C = train.loss_chunk tokens per device (moe_train.loss)
-  kept per layer by ``train.remat`` (moe_train.remat):
+                         C = train.loss_chunk tokens per device (moe_train.model.loss)
+  kept per layer by ``train.remat`` (moe_train.model.remat):
     none     every sub-layer's residuals
     full     the block input H*a; plus one whole block (the one being recomputed)
     matmuls  block input + q, k, v and o-projection outputs + router logits (4E) + dense and
@@ -47,7 +47,7 @@ Activations (token-proportional residuals kept for the backward pass), bytes per
   activations = T * (layers * kept + recomputed block + head) + C*V*(8 + a')
 
 MoE buffers (rows R of one MoE layer on one GPU; bucket factor f of moe.capacity_buckets,
-slots C = min(worst, 8*ceil(f * balanced / 8)) as moe_train.jobplan.bucket_slots):
+slots C = min(worst, 8*ceil(f * balanced / 8)) as moe_train.parallel.jobplan.bucket_slots):
     local (P = 1)  R = T*K
     allgather      R = P*T*K, plus the gathered tokens P*T*H*a
     a2a            R = P*C, C for balanced T*K/P, worst T*min(K, L); plus received tokens and
@@ -79,6 +79,10 @@ same band holds for chunked attention at 512 tokens and a 32,768-token vocab in 
 of 128 tokens. Under scan with weights used as stored (one device, compute dtype = param
 dtype) three layers' weights are counted as copies: the scanned body's slices in the forward
 and backward passes and the layer gradient written into the stack.
+
+May import: ``moe_train.config``, ``moe_train.model`` (FLOPs, attention and remat choices),
+``moe_train.moe``, ``moe_train.parallel`` and ``topology`` (presets, placement). Never the
+training loop: ``make plan`` and the launcher run it without starting a run.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from moe_train import flops, jobplan
 from moe_train.config import Config, for_devices, head_dim
+from moe_train.model import flops
+from moe_train.parallel import jobplan
 
 ITEMS = ("params", "grads", "optimizer", "activations", "moe_buffers", "precision_copies",
          "other")
@@ -82,7 +83,7 @@ def param_split(cfg: Config, devices: int = 1) -> tuple[int, int, int]:
     """(routed expert, FSDP-sharded, replicated) parameter counts on ``devices``, MTP
     modules included.
 
-    ``moe_train.sharding.LOGICAL_RULES``: routed experts ``[E, H, F]`` take the EP axes for
+    ``moe_train.parallel.sharding.LOGICAL_RULES``: routed experts ``[E, H, F]`` take the EP axes for
     ``expert`` and ``data`` for ``embed``, so they split over every device; every other matrix
     has an ``embed`` axis split over every device, except MLA's up-projections from a latent
     whose width the devices do not divide (``sharding.logical_rules``): those and the norm
@@ -160,7 +161,7 @@ def _attention_elements(m) -> tuple[int, int]:
     """(residual elements, matmul outputs) per token of one attention sub-layer.
 
     GQA, q = heads * head_dim, kv = kv_heads * head_dim: q before and after RoPE, the output
-    and k, v (3 q + 2 kv); the projections' outputs q + 2 kv. MLA (``moe_train.mla``): the
+    and k, v (3 q + 2 kv); the projections' outputs q + 2 kv. MLA (``moe_train.model.mla``): the
     query latent before and after its norm (2W), q before and after RoPE (2 N D), the kv
     latent with the RoPE key and the normed latent (2Z + I), the up-projection's output
     N (U + J), full keys N D, values and the output (2 N J); its projections' outputs

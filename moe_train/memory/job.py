@@ -1,6 +1,6 @@
 """The job an estimate is for: devices, EP/FSDP sizes, tokens per device, dispatcher, backend.
 
-``setup_for`` applies the trainer's own rules (``moe_train.jobplan``) before anything is
+``setup_for`` applies the trainer's own rules (``moe_train.parallel.jobplan``) before anything is
 estimated, so a plan the trainer would refuse is refused here with the same message
 (``PlanError``, one line, naming valid choices): EP must divide the devices and the
 experts, FSDP must divide the model width, the batch must divide over the devices, and (on
@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from moe_train import jobplan
 from moe_train.config import Config, ConfigError, attention_dims, for_devices
 from moe_train.memory.estimate import Setup, tile_rows
+from moe_train.parallel import jobplan
 from topology.placement import PlacementError, allocation
 from topology.presets import Cluster
 
@@ -26,7 +26,7 @@ class PlanError(ConfigError):
 
 @contextlib.contextmanager
 def _as_plan_error():
-    """A ConfigError of the shared job rules (``moe_train.jobplan``) as a PlanError."""
+    """A ConfigError of the shared job rules (``moe_train.parallel.jobplan``) as a PlanError."""
     try:
         yield
     except PlanError:
@@ -46,7 +46,7 @@ def check_sizes(cfg: Config, devices: int, ep: int) -> int:
 
 
 def _dispatcher(cfg: Config, devices: int, ep: int, domains: int) -> str:
-    """``moe_train.stepper.ep_plans``' choice for this job (``jobplan.dispatcher``)."""
+    """``moe_train.train.stepper.ep_plans``' choice for this job (``jobplan.dispatcher``)."""
     with _as_plan_error():
         return jobplan.dispatcher(cfg.moe.dispatcher, devices, ep, domains)
 
@@ -61,7 +61,7 @@ def _backend(cfg: Config, cluster: Cluster) -> str:
 def attention_memory(cfg: Config, cluster: Cluster) -> str:
     """"scores" where the job's attention keeps [S, S] scores (xla), else "flash".
 
-    ``auto`` as ``moe_train.attention.resolve`` picks it on the cluster's platform: on GPU
+    ``auto`` as ``moe_train.model.attention.resolve`` picks it on the cluster's platform: on GPU
     presets cuDNN where it takes the dtype and head dims (bf16/fp16, equal q/k and v head
     dims that are multiples of 8 up to 256: every preset's GPU is Hopper or newer), else
     chunked from ``CHUNKED_MIN_SEQ`` tokens on; on CPU presets chunked from that length."""
@@ -72,16 +72,16 @@ def attention_memory(cfg: Config, cluster: Cluster) -> str:
     if (not cluster.nominal and cfg.precision.compute != "fp32" and d == j and d % 8 == 0
             and d <= 256):
         return "flash"
-    from moe_train.attention import CHUNKED_MIN_SEQ
+    from moe_train.model.attention import CHUNKED_MIN_SEQ
 
     return "flash" if cfg.train.seq_len >= CHUNKED_MIN_SEQ else "scores"
 
 
 def loss_chunk(cfg: Config, tokens: int) -> int:
-    """Tokens per device of one cross-entropy chunk (``moe_train.loss.sharded_chunk``)."""
+    """Tokens per device of one cross-entropy chunk (``moe_train.model.loss.sharded_chunk``)."""
     if cfg.train.loss_chunk:
         return min(cfg.train.loss_chunk, tokens)
-    from moe_train.loss import default_chunk
+    from moe_train.model.loss import default_chunk
 
     return default_chunk(tokens, cfg.model.vocab_size)
 

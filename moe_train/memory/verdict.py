@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_train import jobplan
-from moe_train.config import Config, REMAT_POLICIES
+from moe_train.config import REMAT_POLICIES, Config
 from moe_train.memory import job
 from moe_train.memory.estimate import ITEMS, Estimate, estimate
+from moe_train.parallel import jobplan
 from topology.presets import Cluster
 
 GIB = 2 ** 30

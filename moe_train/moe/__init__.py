@@ -1,8 +1,20 @@
-"""Dropless mixture-of-experts: router, dispatch, grouped GEMM backends, baselines."""
+"""Dropless mixture-of-experts: router, dispatch, grouped GEMM backends, baselines.
+
+* ``layer``: the pipeline of named steps (``route``, ``dispatch``, ``permute``, ``grouped_gemm``,
+  ``unpermute``, ``combine``) for every EP size; ``router``, ``permute``, ``stats``: its steps
+  and its statistics; ``dispatch/``: one module per token exchange (local, allgather, a2a,
+  hierarchical);
+* ``gemm``, ``tiled``: the grouped GEMM backends; ``reference``: the obviously-correct
+  per-expert loop they are tested against; ``capacity``: the token-dropping GShard baseline;
+* ``routings``: synthetic routings (uniform, Zipf, one hot expert) shared by the self-test,
+  the benchmarks and the tests.
+
+May import: ``moe_train.parallel`` (mesh axes, job rules). Never the model, the training
+loop, the launcher, the planners or the benchmarks.
+"""
 
 from moe_train.moe.capacity import capacity_moe, expert_capacity
-from moe_train.moe.gemm import (BACKENDS, BackendUnavailable, available_backends,
-                                resolve_backend)
+from moe_train.moe.gemm import BACKENDS, BackendUnavailable, available_backends, resolve_backend
 from moe_train.moe.layer import default_tile_rows, dropless_moe, ep_moe
 from moe_train.moe.permute import tiled_padding
 from moe_train.moe.reference import dense_reference_moe, swiglu_mlp

@@ -28,14 +28,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe_train.jobplan import EPPlan
 from moe_train.moe import stats as moe_stats
 from moe_train.moe.dispatch import Arrived, Context, dispatcher
 from moe_train.moe.dispatch.local import Local
 from moe_train.moe.gemm import grouped_swiglu, resolve_backend
 from moe_train.moe.permute import make_dispatch, permute, unpermute
 from moe_train.moe.router import Routing, route_tokens
-from moe_train.sharding import EXPERT, EXPERT_X, TOKEN_AXES, logical_spec
+from moe_train.parallel.jobplan import EPPlan
+from moe_train.parallel.sharding import EXPERT, EXPERT_X, TOKEN_AXES, logical_spec
 
 MAX_PADDING = 0.1  # executed rows <= (1 + MAX_PADDING) * useful rows under any routing
 CPU_MAX_TILE_ROWS = 32

@@ -6,7 +6,7 @@ Every field says how it combines (``KIND``): counts add up, the router's losses 
 the exchange's worst-case numbers take the maximum. ``across_shards`` reduces what one shard
 of ``shard_map`` measured; ``combine`` folds a stacked axis (chunks of one layer, or the
 micro-batches of a step); ``metrics`` exports the per-step values under the names of the
-metrics record (``moe_train.metrics.step_record``).
+metrics record (``moe_train.train.metrics.step_record``).
 """
 
 from __future__ import annotations

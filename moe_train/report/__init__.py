@@ -8,13 +8,16 @@ no network), and the same PNGs under ``<RUN_DIR>/report/``:
 * step time and tokens/s over steps, compile steps marked;
 * GPU utilization, power, memory, NVLink, PCIe and GPM activity over time per rank (when a
   GPU was sampled), and host CPU, RSS and load per rank (always; the whole timeline on CPU);
-* the summary (``moe_train.summary``, recomputed from the files), data quality (skipped lines,
+* the summary (``moe_train.telemetry.summary``, recomputed from the files), data quality (skipped lines,
   missing files and ranks, unsupported NVML fields), the resolved config, the cluster preset
   and the layout (mesh, EP groups, NVLink domains).
 
 It reads whatever is there: a running, finished or crashed run. Cut or unreadable lines are
 skipped and counted on the page. ``moe_train.report.browser`` renders the page in headless
 Chromium to check it (the tests do).
+
+May import: ``moe_train.telemetry`` (the run's files and summary), ``topology`` (presets,
+peaks) and matplotlib (the ``report`` extra). Nothing of the training path imports it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_train import summary as run_summary
 from moe_train.report import html, plots
+from moe_train.telemetry import summary as run_summary
 from moe_train.telemetry.files import load_run
 
 KEEP = ("screenshot.png",)  # files under <run>/report/ that are not figures

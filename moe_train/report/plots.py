@@ -91,12 +91,16 @@ def _loads(metrics: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | Non
     return np.array([s for s, _ in shaped]), np.stack([a for _, a in shaped])
 
 
-def expert_heatmaps(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
-    """One heatmap per MoE layer: each expert's load over steps, as a multiple of the mean."""
+def experts(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
+    """The per-expert load figures: the heatmaps, then the balance plot; none without loads."""
     loaded = _loads(metrics)
     if loaded is None:
         return []
-    steps, loads = loaded
+    return [*expert_heatmaps(*loaded, out_dir), *load_balance(*loaded, out_dir)]
+
+
+def expert_heatmaps(steps: np.ndarray, loads: np.ndarray, out_dir: Path) -> list[Figure]:
+    """One heatmap per MoE layer: each expert's load over steps, as a multiple of the mean."""
     figures = []
     for layer in range(loads.shape[1]):
         rel = loads[:, layer, :] / np.maximum(loads[:, layer, :].mean(axis=1, keepdims=True), 1e-9)
@@ -112,12 +116,8 @@ def expert_heatmaps(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure
     return figures
 
 
-def load_balance(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
+def load_balance(steps: np.ndarray, loads: np.ndarray, out_dir: Path) -> list[Figure]:
     """Max/mean expert load over steps, per MoE layer (or median and worst when many)."""
-    loaded = _loads(metrics)
-    if loaded is None:
-        return []
-    steps, loads = loaded
     ratio = loads.max(axis=2) / np.maximum(loads.mean(axis=2), 1e-9)  # [S, L]
     fig, ax = plt.subplots(figsize=(9, 3.2))
     if ratio.shape[1] <= MAX_LAYER_LINES:
@@ -207,37 +207,39 @@ def _time_panels(telemetry: dict[int, list[dict]], rows: list[tuple[str, list, f
     return [_save(fig, out_dir, name, title, caption)]
 
 
-def devices(telemetry: dict[int, list[dict]], out_dir: Path,
-            compiled: set[int] = frozenset()) -> list[Figure]:
-    """GPU utilization, power, memory, NVLink and GPM activity over time, per rank."""
-    rows = [("GPU util (%)", [("gpu_util_pct", "-", "")], 1.0),
-            ("power (W)", [("power_w", "-", "")], 1.0),
-            ("memory used (GB)", [("mem_used_bytes", "-", "")], 1e-9),
-            ("NVLink (GB/s)", [("nvlink_tx_gbps", "-", " tx"), ("nvlink_rx_gbps", "--", " rx")], 1.0),
-            ("PCIe (GB/s)", [("pcie_tx_gbps", "-", " tx"), ("pcie_rx_gbps", "--", " rx")], 1.0),
-            ("GPM SM / tensor (%)", [("gpm_sm_active_pct", "-", " SM"),
-                                     ("gpm_tensor_active_pct", "--", " tensor")], 1.0)]
-    return _time_panels(telemetry, rows, out_dir, "gpu", "GPUs over time",
-                        "one line per rank (NVML); NVLink over all links, tx solid, rx dashed; "
-                        "shaded: steps that compiled (rank 0's clock)", compiled)
+# Figures over time, one line per rank: (name, title, caption, panels); a panel is (y label,
+# [(telemetry key, line style, legend suffix)], scale). Panels no rank has data for are left out.
+TIME_FIGURES = (
+    ("gpu", "GPUs over time",
+     "one line per rank (NVML); NVLink over all links, tx solid, rx dashed; "
+     "shaded: steps that compiled (rank 0's clock)",
+     [("GPU util (%)", [("gpu_util_pct", "-", "")], 1.0),
+      ("power (W)", [("power_w", "-", "")], 1.0),
+      ("memory used (GB)", [("mem_used_bytes", "-", "")], 1e-9),
+      ("NVLink (GB/s)", [("nvlink_tx_gbps", "-", " tx"), ("nvlink_rx_gbps", "--", " rx")], 1.0),
+      ("PCIe (GB/s)", [("pcie_tx_gbps", "-", " tx"), ("pcie_rx_gbps", "--", " rx")], 1.0),
+      ("GPM SM / tensor (%)", [("gpm_sm_active_pct", "-", " SM"),
+                               ("gpm_tensor_active_pct", "--", " tensor")], 1.0)]),
+    ("host", "Hosts over time",
+     "one line per rank (the process's host); shaded: steps that compiled",
+     [("host CPU (%)", [("host_cpu_pct", "-", "")], 1.0),
+      ("process CPU (% of a core)", [("proc_cpu_pct", "-", "")], 1.0),
+      ("process RSS (GB)", [("rss_bytes", "-", "")], 1e-9),
+      ("load (1 min)", [("load1", "-", "")], 1.0)]),
+)
 
 
-def host(telemetry: dict[int, list[dict]], out_dir: Path,
-         compiled: set[int] = frozenset()) -> list[Figure]:
-    """Host CPU utilization, process CPU, resident memory and load over time, per rank."""
-    rows = [("host CPU (%)", [("host_cpu_pct", "-", "")], 1.0),
-            ("process CPU (% of a core)", [("proc_cpu_pct", "-", "")], 1.0),
-            ("process RSS (GB)", [("rss_bytes", "-", "")], 1e-9),
-            ("load (1 min)", [("load1", "-", "")], 1.0)]
-    return _time_panels(telemetry, rows, out_dir, "host", "Hosts over time",
-                        "one line per rank (the process's host); shaded: steps that compiled",
-                        compiled)
+def over_time(telemetry: dict[int, list[dict]], out_dir: Path,
+              compiled: set[int] = frozenset()) -> list[Figure]:
+    """The ``TIME_FIGURES``: GPU utilization, power, memory, NVLink and GPM activity, then host
+    CPU, process CPU, resident memory and load, over time per rank."""
+    return [fig for name, title, caption, rows in TIME_FIGURES
+            for fig in _time_panels(telemetry, rows, out_dir, name, title, caption, compiled)]
 
 
 def all_figures(metrics: list[dict], telemetry: dict[int, list[dict]], out_dir: Path) -> list[Figure]:
     """Every figure the data allows, in report order."""
     out_dir.mkdir(parents=True, exist_ok=True)
     compiled = {r["step"] for r in metrics if r.get("compiled")}
-    return [*training(metrics, out_dir), *expert_heatmaps(metrics, out_dir),
-            *load_balance(metrics, out_dir), *throughput(metrics, out_dir),
-            *devices(telemetry, out_dir, compiled), *host(telemetry, out_dir, compiled)]
+    return [*training(metrics, out_dir), *experts(metrics, out_dir), *throughput(metrics, out_dir),
+            *over_time(telemetry, out_dir, compiled)]

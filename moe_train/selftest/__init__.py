@@ -22,6 +22,10 @@ an fp32 reference on the same device (``moe_train.selftest.checks``).
 ``run`` returns the config the step is built from (every ``auto`` replaced by the chosen
 kernel), the log line that names every kernel and why, and the JSON record kept in
 ``<out>/kernels.json``.
+
+May import: ``moe_train.config``, ``moe_train.model`` and ``moe_train.moe`` (the routings it
+tests with come from ``moe_train.moe.routings``). Never the benchmarks: the trainer runs it
+before its first step.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Orders, as measured: grouped GEMM on a GPU with bf16/fp16 te, mgpu, ragged_dot, tiled (the
 portable loop last); on a GPU with fp32 ragged_dot, tiled; on CPU tiled, ragged_dot (tiled
 runs 18x the tokens/s of ragged_dot in ``make bench``). Attention: what
-``moe_train.attention.resolve`` picks for ``auto`` first (cuDNN on GPUs that take it, chunked
+``moe_train.model.attention.resolve`` picks for ``auto`` first (cuDNN on GPUs that take it, chunked
 above the measured crossover length), then the other implementations that can run here.
 fp8: Transformer Engine where it can run the recipe, then XLA's q/dq.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator
 
-from moe_train import precision
 from moe_train.config import Config, ConfigError, attention_dims, compute_dtype
+from moe_train.model import precision
 from moe_train.selftest import checks
 
 MAX_WIDTH = 256  # hidden / expert ffn of the grouped-GEMM problem (multiple of 64: mgpu)
@@ -79,7 +79,7 @@ def gemm_problem(cfg: Config, platform: str) -> checks.GemmProblem:
 
 def attention_candidates(cfg: Config, platform: str, seq_len: int) -> tuple[list[str], str]:
     """Attention implementations that can run here, ``auto``'s pick first, and why it leads."""
-    from moe_train import attention
+    from moe_train.model import attention
 
     m, dtype = cfg.model, compute_dtype(cfg.precision)
     d, j, _ = attention_dims(m)

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_train.moe.routings import MoEShape, assignments
+
 # Largest relative error accepted per compute dtype. fp32 allows TF32-class matmuls on GPUs;
 # bf16 (8 significant bits) rounds operands and the SwiGLU intermediate: a correct kernel
 # lands near 0.5%, a wrong expert, row or gradient near 100%.
@@ -103,14 +105,9 @@ def _normal(rng: np.random.Generator, shape, dtype=F32, scale=1.0) -> jax.Array:
 # ----------------------------------------------------------------------------- grouped GEMM
 
 @dataclasses.dataclass(frozen=True)
-class GemmProblem:
+class GemmProblem(MoEShape):
     """Routed rows for the experts' SwiGLU: T tokens to top-K of E experts."""
 
-    tokens: int
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
     dtype: str
     routing: str = "hot-empty"  # uniform | zipf | hot | empty | hot-empty
     tile_rows: int = 0  # of the tiled backend; 0 = the layer's default
@@ -120,8 +117,6 @@ class GemmProblem:
 def routing_ids(p: GemmProblem) -> np.ndarray:
     """Expert ids [T, K]. ``hot``: expert 0 in every top-k; ``empty``: the upper half of
     the experts get nothing; ``hot-empty``: both (expert 0 hot, the last expert empty)."""
-    from moe_train.bench.routing import assignments
-
     E, K, T = p.experts, p.top_k, p.tokens
     if p.routing in ("uniform", "zipf", "hot"):
         return assignments(T, E, K, p.routing, seed=p.seed)
@@ -259,7 +254,7 @@ def attention_operands(p: AttentionProblem) -> tuple[jax.Array, ...]:
 
 def check_attention(name: str, p: AttentionProblem, *, time_reps: int = 0) -> Result:
     """Attention ``name`` (forward, dq, dk, dv) against ``xla`` attention in fp32."""
-    from moe_train import attention
+    from moe_train.model import attention
 
     kind = "model.attention"
     try:
@@ -288,7 +283,7 @@ def fp8_probe(backend: str, recipe_name: str, history: int, margin: int) -> Call
     """(x [M, H], w [H, F]) -> y through ``precision.dot`` under fp8 with ``backend``."""
     import flax.linen as nn
 
-    from moe_train import precision
+    from moe_train.model import precision
 
     pol = precision.Policy(dtype=jnp.dtype(jnp.bfloat16), fp8=True, backend=backend,
                            recipe=precision.Recipe(current=recipe_name != "delayed", margin=margin),

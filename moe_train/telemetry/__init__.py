@@ -9,8 +9,11 @@ host (``telemetry.host``) always. Without NVML the first line says why
 
 Nothing here can fail the run: ``start`` returns a ``NullSampler`` when telemetry is off
 (interval <= 0) or cannot start, and an error inside the thread is logged once and ends
-sampling. ``moe_train.summary`` and ``moe_train.report`` read the files
+sampling. ``moe_train.telemetry.summary`` and ``moe_train.report`` read the files
 (``telemetry.files.load_run``).
+
+May import: ``topology`` (discovery, peaks, presets) and nvidia-ml-py where present. Never the
+training loop (the loop starts the sampler) or the report (which reads these files).
 """
 
 from __future__ import annotations

@@ -8,11 +8,13 @@ listed in ``problems``. Nothing here raises for bad content.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 
@@ -133,3 +135,21 @@ def samples(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def starts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ``start`` lines of one rank's telemetry (one per run or resume)."""
     return [r for r in records if r.get("kind") == "start"]
+
+
+def run_dir_main(prog: str, description: str | None, argv: list[str] | None,
+                 work: Callable[[Path], list[str] | None], help: str | None = None) -> int:
+    """``python -m <prog> RUN_DIR``: print ``work(RUN_DIR)``'s lines and exit 0; exit 1 when it
+    returns None, 2 (after a line on stderr) when RUN_DIR is not a directory."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("run_dir", type=Path, help=help)
+    run_dir = p.parse_args(argv).run_dir
+    if not run_dir.is_dir():
+        print(f"error: {run_dir} is not a directory", file=sys.stderr)
+        return 2
+    lines = work(run_dir)
+    if lines is None:
+        return 1
+    for line in lines:
+        print(line)
+    return 0

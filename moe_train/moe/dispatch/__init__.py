@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_train.jobplan import EPPlan
+from moe_train.parallel.jobplan import EPPlan
 
 
 class Context(NamedTuple):

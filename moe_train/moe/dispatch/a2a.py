@@ -4,7 +4,7 @@ Letter key: T this shard's tokens, H hidden, K top-k, L local experts, P EP size
 (source, destination) pair, R = P*C buffer rows, N = T*K assignments.
 
 The receive buffer is static: C slots per pair, a capacity bucket times the balanced load
-(``moe_train.jobplan.a2a_stage``). An exchange that does not fit reports ``overflow`` and
+(``moe_train.parallel.jobplan.a2a_stage``). An exchange that does not fit reports ``overflow`` and
 the step is rerun on a larger bucket; the worst-case bucket always fits.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_train import jobplan
 from moe_train.moe.dispatch import Arrived, Context, all_to_all, pack, pair_stats, unpack
 from moe_train.moe.permute import weighted_sum
-from moe_train.sharding import EP_AXES, EXPERT_X
+from moe_train.parallel import jobplan
+from moe_train.parallel.sharding import EP_AXES, EXPERT_X
 
 
 class A2A:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from moe_train.moe.dispatch import Arrived, Context
 from moe_train.moe.stats import exchange_stats
-from moe_train.sharding import EP_AXES
+from moe_train.parallel.sharding import EP_AXES
 
 
 class AllGather:

@@ -8,7 +8,7 @@ Stage 1 sends each token once to every domain holding one of its experts, with i
 ids and weights there; stage 2 fans the rows out inside the domain as ``a2a`` does. Combine
 runs in reverse: stage 2's rows are weighted and summed per stage-1 row in fp32, and those
 partial sums cross the slow links once per (token, domain). Slot sizes:
-``moe_train.jobplan.hierarchical_stages``.
+``moe_train.parallel.jobplan.hierarchical_stages``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_train import jobplan
 from moe_train.moe.dispatch import Arrived, Context, all_to_all, pack, pair_stats, unpack
 from moe_train.moe.permute import weighted_sum
-from moe_train.sharding import EXPERT, EXPERT_X
+from moe_train.parallel import jobplan
+from moe_train.parallel.sharding import EXPERT, EXPERT_X
 
 SLOW, FAST = EXPERT_X, EXPERT
 

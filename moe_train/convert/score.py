@@ -1,0 +1,120 @@
+"""``python -m moe_train.score CKPT --tokens IDS.npy [--logits LOGITS.npy]``: score token ids.
+
+CKPT is a converted checkpoint (``python -m moe_train.convert from-hf``), a run directory (its
+newest checkpoint) or one step's directory; IDS an integer array [B, S]. Prints the mean
+next-token cross-entropy over the B x (S - 1) predicted tokens and its perplexity, and writes
+the fp32 logits [B, S, V] when asked. Runs on whatever JAX has (CPU or GPU), on
+``--devices`` devices (default all): the rows are split over them when they divide B, and
+the weights are sharded as for training (``moe_train.parallel.sharding``). The MoE layers run dropless
+on each device (no expert parallelism); MTP modules do not run (they train, they do not score).
+
+Exit codes: 0, 2 (bad CKPT or IDS: one line), 5 (LOGITS cannot be written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moe_train.config import ConfigError
+from moe_train.convert import weights
+from moe_train.model.transformer import Transformer
+from moe_train.parallel import sharding
+from moe_train.train import signals
+
+
+def load_ids(path: str, vocab: int) -> np.ndarray:
+    """IDS as int32 [B, S]; ConfigError for another rank, dtype or an id outside the vocab."""
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--tokens {path}: cannot read a .npy array ({err})") from None
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[1] < 2:
+        raise ConfigError(f"--tokens {path}: expected integer ids [B, S] with S >= 2, got "
+                          f"{ids.dtype} {list(ids.shape)}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ConfigError(f"--tokens {path}: ids must be in [0, {vocab}) (the model's "
+                          f"vocabulary), got {ids.min()}..{ids.max()}")
+    return ids.astype(np.int32)
+
+
+def score(ckpt: str, ids: np.ndarray | None = None, *, tokens: str | None = None,
+          devices: int = 0) -> tuple[float, np.ndarray]:
+    """(mean next-token loss, fp32 logits [B, S, V]) of the weights at ``ckpt``."""
+    source = weights.locate(ckpt)
+    cfg = weights.config_of(source)
+    if ids is None:
+        ids = load_ids(tokens, cfg.model.vocab_size)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=ids.shape[1]))
+    devs = jax.devices()[:devices or None]
+    mesh = sharding.make_mesh(devs)
+    params, moe_state = weights.restore(source, cfg, mesh)
+    shd = sharding.Sharding.of(mesh, cfg.model)
+    rows = NamedSharding(mesh, P(sharding.TOKEN_AXES) if ids.shape[0] % mesh.size == 0 else P())
+    model = Transformer(cfg)
+
+    @jax.jit
+    def forward(params, moe_state, ids_BS):
+        logits_BSV, _ = model.apply({"params": params, "moe_state": moe_state}, ids_BS)
+        logp = jax.nn.log_softmax(logits_BSV[:, :-1], axis=-1)
+        nll = -jnp.take_along_axis(logp, ids_BS[:, 1:, None], axis=-1)
+        return jnp.mean(nll), logits_BSV
+
+    with shd.activate():
+        loss, logits = forward(params, moe_state, jax.device_put(ids, rows))
+    return float(loss), np.asarray(logits, np.float32)
+
+
+def weights_cli(argv: list[str] | None, *, prog: str, description: str, ckpt: tuple[str, str],
+                options: Callable[[argparse.ArgumentParser], None],
+                run: Callable[[argparse.Namespace], int]) -> int:
+    """A command over saved weights: positional ``ckpt`` (metavar, help), ``options``, then
+    ``--devices``; returns ``run(args)``, or EXIT_CONFIG after one line for a ConfigError."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("ckpt", metavar=ckpt[0], help=ckpt[1])
+    options(p)
+    p.add_argument("--devices", type=int, default=0, help="devices to use (default: all)")
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return signals.EXIT_CONFIG
+
+
+def main(argv: list[str] | None = None) -> int:
+    return weights_cli(argv, prog="python -m moe_train.score",
+                       description="Mean next-token loss and perplexity of token ids.",
+                       ckpt=("CKPT", "converted checkpoint, run directory or step"),
+                       options=_options, run=_run)
+
+
+def _options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", required=True, metavar="IDS.npy", help="int array [B, S]")
+    p.add_argument("--logits", metavar="LOGITS.npy", help="write fp32 logits [B, S, V] here")
+
+
+def _run(args: argparse.Namespace) -> int:
+    loss, logits = score(args.ckpt, tokens=args.tokens, devices=args.devices)
+    B, S = logits.shape[:2]
+    print(f"loss {loss:.6f}  perplexity {math.exp(loss):.4f}  ({B} x {S - 1} predicted tokens)")
+    if args.logits:
+        try:
+            np.save(Path(args.logits), logits)
+        except OSError as err:
+            print(f"error: cannot write {args.logits}: {err}", file=sys.stderr)
+            return signals.EXIT_OUTPUT
+    return signals.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Building blocks shared by the model's modules: weight use under FSDP, initialisers, RMSNorm,
+the dense SwiGLU MLP and the base of the attention layers.
+
+Letter key (the model's): B batch, S sequence, H hidden, F ffn width, N query heads, K
+key/value heads, D query/key head dim, J value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from moe_train.config import Config
+from moe_train.model import attention, precision, rope
+
+ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
+
+
+# FSDP-sharded weight axes -> the (unsharded) axis a weight has while in use
+IN_USE = {"embed": "activation_embed", "q_lora": "activation_latent",
+          "kv_lora": "activation_latent"}
+
+
+def gathered(w, axes: tuple[str, ...], dtype):
+    """A weight cast for use, constrained whole along its FSDP axes (``embed``, the MLA
+    latents): FSDP all-gathers the weight rather than letting the partitioner reshard
+    activations to match it."""
+    use_axes = tuple(IN_USE.get(a, a) for a in axes)
+    return nn.with_logical_constraint(w.astype(dtype), use_axes)
+
+
+def fan_in_init(fan_in_axes: tuple[int, ...] = (-2,), out_axes: tuple[int, ...] = (-1,),
+                batch_axes: tuple[int, ...] = ()):
+    """Truncated normal of variance 1 / fan-in (``fan_in_axes`` of the weight's shape)."""
+    return nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=fan_in_axes, out_axis=out_axes,
+        batch_axis=batch_axes)
+
+
+def weight(mod: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+           fan_in_axes: tuple[int, ...] = (0,)):
+    """A projection weight of ``mod`` with logical ``axes``; its output axes are those after
+    ``fan_in_axes`` (which lead). Master dtype ``model.param_dtype``."""
+    out_axes = tuple(range(len(fan_in_axes), len(shape)))
+    init = nn.with_logical_partitioning(fan_in_init(fan_in_axes, out_axes), axes)
+    return mod.param(name, init, shape, jnp.dtype(mod.cfg.model.param_dtype))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, returned in the input dtype."""
+
+    eps: float
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones,
+                                                                  (self.axis_name,)),
+                           (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale).astype(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP: (silu(x @ wi_0) * (x @ wi_1)) @ wo."""
+
+    ffn: int
+    cfg: Config
+
+    @nn.compact
+    def __call__(self, x_BSH):
+        m, pol = self.cfg.model, precision.policy(self.cfg)
+        dt = pol.dtype
+        up, down = ("embed", "mlp"), ("mlp", "embed")
+        wi_0 = weight(self, "wi_0", (m.hidden, self.ffn), up)
+        wi_1 = weight(self, "wi_1", (m.hidden, self.ffn), up)
+        wo = weight(self, "wo", (self.ffn, m.hidden), down)
+        h_BSF = (nn.silu(precision.dot(pol, "wi_0", x_BSH, gathered(wi_0, up, dt)))
+                 * precision.dot(pol, "wi_1", x_BSH, gathered(wi_1, up, dt)))
+        return precision.dot(pol, "wo", h_BSF, gathered(wo, down, dt))
+
+
+class CausalAttention(nn.Module):
+    """Base of the attention layers (GQA, MLA): [B, S, H] -> [B, S, H]. The subclass's ``qkv``
+    projects (and RoPEs at ``positions_BS``) the queries, keys and values; here they are
+    attended causally through ``moe_train.model.attention`` (``model.attention`` resolved for
+    this platform; with ``segment_ids_BS`` inside each packed document) and projected by ``o``."""
+
+    cfg: Config
+
+    @nn.compact
+    def __call__(self, x_BSH, segment_ids_BS=None, positions_BS=None):
+        m, pol = self.cfg.model, precision.policy(self.cfg)
+        q_BSND, k_BSKD, v_BSKJ = self.qkv(x_BSH, positions_BS)
+        D = q_BSND.shape[-1]
+        impl, _ = attention.resolve(m.attention, platform=jax.default_backend(), dtype=pol.dtype,
+                                    head_dim=D, v_head_dim=v_BSKJ.shape[-1],
+                                    seq_len=x_BSH.shape[1])
+        o_BSNJ = attention.attend(q_BSND, k_BSKD, v_BSKJ, implementation=impl,
+                                  segment_ids_BS=segment_ids_BS, block=m.attention_block,
+                                  scale=rope.softmax_scale_factor(self.cfg.rope) / math.sqrt(D))
+        o_axes = ("heads", "head_dim", "embed")
+        wo = weight(self, "o", (*o_BSNJ.shape[2:], m.hidden), o_axes, fan_in_axes=(0, 1))
+        return precision.dot(pol, "o", o_BSNJ, gathered(wo, o_axes, pol.dtype), n=2)
+
+    def qkv(self, x_BSH, positions_BS):
+        """(q [B, S, N, D], k [B, S, K, D], v [B, S, K, J]), RoPE applied."""
+        raise NotImplementedError

@@ -1,0 +1,15 @@
+"""Training: the state and its step, the loop around it, and everything a long job needs.
+
+* ``step``: train state, optimizer and the jitted train step; ``stepper``: the compiled step
+  per expert-parallel plan (capacity buckets, pipelined);
+* ``loop``: resume, step, evaluate, log, checkpoint, stop cleanly (``run``); ``cli``: the
+  command line of ``python -m moe_train``;
+* ``checkpoint``, ``manifest``, ``resume``: verified orbax checkpoints and which one to
+  resume from; ``runlock``: one trainer per run directory; ``guard``: non-finite steps;
+* ``signals``: exit codes and SIGTERM/SIGUSR2; ``distributed``, ``supervise``: multi-process
+  start-up and peer-failure supervision;
+* ``metrics``, ``tracking``: the per-step record, TensorBoard and W&B.
+
+May import anything of ``moe_train`` but ``bench``, ``study`` and ``gpucheck``; nothing of
+``slurm`` (the launcher starts the loop, never the other way round).
+"""

@@ -1,0 +1,394 @@
+"""The training loop: resume, step, log, checkpoint, stop cleanly on SIGTERM/SIGUSR2.
+
+Exit codes (``moe_train.train.signals``): 0 finished, or stopped by a signal after saving (rerun
+the same command to go on); 2 bad configuration or input, or the run directory is in use
+(nothing in the run directory is changed: every check runs, and the first step is traced,
+before ``config.json``, ``layout.json``, ``kernels.json`` or ``metrics.jsonl`` are written);
+3 training diverged (``train.on_nonfinite``; nothing past the last good checkpoint is saved);
+5 the run directory cannot be written (the previous checkpoint is intact).
+
+Order of a start: validate (devices, layout, EP plans, data and held-out data, kernels) ->
+lock the run directory (``moe_train.train.runlock``) -> choose the checkpoint to resume from
+(``moe_train.train.resume``: the newest that verifies) -> first step -> write the run's files.
+With ``train.eval_every`` the loop evaluates the held-out loss (``moe_train.eval``) every
+N steps and at the last, into that step's record (``eval_loss``, ``eval_ppl``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+from moe_train import eval as evaluate, selftest, telemetry
+from moe_train.config import Config, ConfigError, for_devices, save_json, to_dict
+from moe_train.convert import weights
+from moe_train.data import make_source
+from moe_train.model import flops, precision
+from moe_train.parallel import jobplan, layout, sharding
+from moe_train.telemetry import summary
+from moe_train.train import (
+    checkpoint,
+    distributed,
+    metrics,
+    resume,
+    runlock,
+    signals,
+    stepper,
+    tracking,
+)
+from moe_train.train.guard import Divergence, NonFiniteGuard
+from moe_train.train.signals import EXIT_DIVERGED, EXIT_OK, OutputError
+from moe_train.train.step import StepCounter, init_state
+from moe_train.train.stepper import BucketedStep, Confirmed
+
+EXIT_CONFIG = signals.EXIT_CONFIG
+Log = Callable[[str], None]
+
+
+def select_devices(cfg: Config) -> list[jax.Device]:
+    """The first ``parallel.devices`` devices of the job (all processes), in JAX's order."""
+    available = jax.devices()
+    n = cfg.parallel.devices or len(available)
+    if n > len(available):
+        raise ConfigError(f"parallel.devices={n} but only {len(available)} "
+                          f"{available[0].platform} device(s) are visible; choose 1..{len(available)}")
+    jobplan.check_batch(cfg.train.batch_size, n, cfg.train.micro_batches)
+    return available[:n]
+
+
+def mfu_peak(cfg: Config, device_kind: str) -> float | None:
+    """Peak FLOP/s per device for MFU (``summary.peak_for``: preset, else device kind)."""
+    return summary.peak_for(to_dict(cfg), device_kind)
+
+
+def global_batch(source, step: int, mesh):
+    """This step's batch as one global array (a packed batch: a dict of them); each process
+    supplies its own rows."""
+    local = source.batch(step, process_index=jax.process_index(), process_count=jax.process_count())
+    batch_sh = sharding.batch_sharding(mesh)
+    return jax.tree.map(lambda a: jax.make_array_from_process_local_data(batch_sh, a), local)
+
+
+def _lock(out_dir: Path, log: Log) -> runlock.RunLock | None:
+    """Process 0 locks the run directory; every process learns whether it could."""
+    lock, err = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = runlock.acquire(out_dir)
+        except (ConfigError, OutputError) as e:
+            err = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ok = multihost_utils.process_allgather(np.int32(err is None))
+        if err is None and not np.all(ok):
+            err = ConfigError(f"process 0 could not lock the run directory {out_dir} (see its log)")
+    if err is not None:
+        raise err
+    if lock is not None and lock.warning:
+        log(f"WARNING: {lock.warning}")
+    return lock
+
+
+def _write_run_files(cfg: Config, out_dir: Path, plan: layout.Layout, kernels: dict,
+                     log: Log) -> None:
+    """config.json, kernels.json, layout.json (process 0): after the first step traced."""
+    for line in plan.lines:
+        log(f"layout: {line}")
+    for line in plan.warnings:
+        log(f"WARNING: {line}")
+    if jax.process_index() != 0:
+        return
+    save_json(cfg, out_dir / "config.json")
+    selftest.write(out_dir, kernels)
+    p = plan.placement
+    (out_dir / "layout.json").write_text(json.dumps({
+        "mesh": dict(plan.mesh.shape), "ep_groups": p.ep_groups, "domains": p.domains,
+        "straddling": p.straddling, "notes": list(plan.lines), "warnings": list(plan.warnings),
+    }, indent=1) + "\n")
+
+
+def _remove_if_new(out_dir: Path, existed: bool) -> None:
+    """After an exit 2: a run directory this start created holds nothing worth keeping."""
+    if existed or jax.process_index() != 0:
+        return
+    leftovers = [p for p in out_dir.rglob("*") if p.is_file() and p.name != runlock.LOCK_NAME]
+    if not leftovers:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def run(cfg: Config, out_dir: Path, log: Log = print, resume_step: int | None = None) -> int:
+    """Train ``cfg`` into ``out_dir``; returns the process exit code."""
+    installed = signals.STOP.install()  # the CLI installed it already: then it restores it
+    try:
+        return _run(cfg, Path(out_dir), log, resume_step)
+    finally:
+        if installed:
+            signals.STOP.restore()
+
+
+def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
+    devices = select_devices(cfg)
+    job_cfg = for_devices(cfg, len(devices))  # train.micro_batch_size -> micro_batches here
+    plan = layout.build(job_cfg, devices)
+    stepper.ep_plans(job_cfg, plan.mesh)  # dispatcher and capacity buckets, before any write
+    t = cfg.train
+    # The data (and held-out data) before the kernel self-test: a DataError ends it sooner.
+    source = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
+                         batch_size=t.batch_size)
+    try:
+        evals = evaluate.InRun.of(cfg)
+        exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
+        log(kernel_line)
+        existed = out_dir.exists()
+        lock = _lock(out_dir, log)
+    except BaseException:
+        source.close()
+        raise
+    try:
+        ckpt = _checkpointer(out_dir, t)
+        try:
+            start = Start(exec_cfg, cfg, out_dir, plan, kernels, source, ckpt, log, evals)
+            return start.resume_and_train(resume_step)
+        finally:
+            _close(ckpt)
+    except ConfigError:
+        _remove_if_new(out_dir, existed)
+        raise
+    finally:
+        source.close()
+        if lock is not None:
+            lock.release()
+
+
+def _checkpointer(out_dir: Path, t) -> checkpoint.Checkpointer:
+    try:
+        return checkpoint.Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
+    except OSError as err:
+        raise signals.output_error(err, out_dir / "checkpoints") or err
+
+
+def _close(ckpt: checkpoint.Checkpointer) -> None:
+    try:
+        ckpt.close()
+    except Exception as err:  # an async save that failed: report what the file system said
+        raise signals.output_error(err, ckpt.directory) or err
+
+
+class Start:
+    """One start of a run: what it resumes from, its loop and how it ends."""
+
+    def __init__(self, cfg, configured, out_dir, plan, kernels, source, ckpt, log, evals=None):
+        self.cfg, self.configured, self.out_dir, self.plan = cfg, configured, out_dir, plan
+        self.kernels, self.source, self.ckpt, self.log = kernels, source, ckpt, log
+        self.evals = evals  # evaluate.InRun with train.eval_every, else None
+        self.mesh = plan.mesh
+        self.meta = {"config": to_dict(configured)}  # as configured: "auto" stays auto
+
+    def resume_and_train(self, resume_step: int | None) -> int:
+        log = self.log
+        log(precision.describe(self.cfg, self.mesh.devices.flat[0].platform))
+        state = init_state(self.cfg, self.mesh)
+        restored = resume.choose(self.ckpt, state, self.configured, resume_step, log)
+        if restored is not None:
+            state = restored
+            log(f"resumed from {self.ckpt.directory / str(int(state.step))} (step {int(state.step)})")
+        elif self.cfg.train.init_from:  # a new run: the given weights, the optimizer fresh
+            state = weights.start_from(self.cfg.train.init_from, state, self.cfg, self.mesh, log)
+        if signals.STOP.agreed() is not None:
+            log(f"stopped by signal {signals.name(signals.STOP.signum or 15)} during start-up, "
+                f"before step {int(state.step) + 1}; nothing was changed, rerun to continue")
+            return EXIT_OK
+        return Loop(self, state).run()
+
+    def save(self, step: int, state) -> None:
+        self._saving(self.ckpt.save, step, state, self.meta)
+
+    def wait(self) -> None:
+        self._saving(self.ckpt.wait)
+
+    def check_saves(self) -> None:
+        """A background save that failed ends the run now, not at the next save."""
+        self._saving(self.ckpt.check_for_errors)
+
+    def _saving(self, call: Callable[..., None], *args) -> None:
+        """``call(*args)`` on the checkpointer: a state with NaN/inf raises Divergence, a
+        failed save the OutputError of ``_save_failed``."""
+        try:
+            call(*args)
+        except checkpoint.NonFiniteState as err:
+            raise Divergence(str(err)) from None
+        except Exception as err:
+            raise self._save_failed(err) from None
+
+    def _save_failed(self, err: Exception) -> Exception:
+        """A failed save as an OutputError naming the checkpoint that is still intact."""
+        out = signals.output_error(err, self.ckpt.directory)
+        if out is None:
+            return err
+        self.ckpt.reload()
+        kept = self.ckpt.latest_step()
+        return OutputError(f"{out}; {'no checkpoint is complete' if kept is None else f'checkpoint {kept} is intact'}")
+
+    def last_good(self) -> str:
+        step = self.ckpt.latest_step()
+        if step is None:
+            return "no checkpoint was saved yet: a rerun starts from step 0"
+        return f"the last good checkpoint is step {step}: a rerun resumes there"
+
+
+class Loop:
+    """The steps of one start, from the resumed step to ``train.steps``."""
+
+    def __init__(self, start: Start, state):
+        self.s, self.state, self.cfg = start, state, start.cfg
+        self.first = int(state.step)
+        self.counter = StepCounter()
+        self.step_fn = BucketedStep(self.cfg, start.mesh, self.counter,
+                                    jax.tree.map(lambda x: x.sharding, state))
+        self.guard = NonFiniteGuard(self.cfg.train, start.log)
+        self.writer, self.sampler = None, telemetry.NullSampler()
+        self.tracker: tracking.Tracker | None = None  # TensorBoard / W&B, process 0
+        self.records: list[dict] = []
+        self.peak = mfu_peak(self.cfg, start.mesh.devices.flat[0].device_kind)
+        self.fpt = flops.train_flops_per_token(self.cfg)
+
+    def run(self) -> int:
+        s, t = self.s, self.cfg.train
+        if self.first >= t.steps:
+            s.log(f"nothing to do: {s.out_dir} is already at step {self.first} of {t.steps}")
+            return EXIT_OK
+        m = s.mesh
+        s.log(f"training {s.source.description} on {m.devices.size} {m.devices.flat[0].platform} "
+              f"device(s) (mesh {dict(m.shape)}, {jax.process_count()} process(es)), "
+              f"steps {self.first + 1}-{t.steps}, batch {t.batch_size}x{t.seq_len}")
+        if s.evals is not None:
+            s.log(s.evals.line())
+        # Sampling from the first step (compile included), written once that step ran.
+        self.sampler = telemetry.start(s.out_dir, t.telemetry_interval_s, log=s.log, hold=True,
+                                       devices=[d for d in m.devices.flat
+                                                if d.process_index == jax.process_index()])
+        try:
+            status = self._steps()
+        except Divergence as err:
+            s.log(f"error: {err}; {s.last_good()}")
+            return EXIT_DIVERGED
+        finally:
+            self._close()
+        s.log(metrics.summary(self.records, first_step=self.first,
+                              description=s.source.description, out_dir=s.out_dir, status=status))
+        _write_summary(s.out_dir, self.peak, s.log)
+        return EXIT_OK
+
+    def _steps(self) -> str:
+        """Dispatches each step before the one before it is confirmed (``BucketedStep``).
+        The loop waits for the step in flight (drains) only where it needs its state: the
+        first step (its compiled memory), a checkpoint, the last step and a stop signal, so
+        every save holds a confirmed state. Records are written as steps are confirmed. An
+        evaluation step (``train.eval_every``, and the last) drains too and evaluates the
+        confirmed state before its record is written."""
+        t, s = self.cfg.train, self.s
+        for step in range(self.first, t.steps):
+            n = step + 1
+            self.sampler.set_step(n)
+            batch = global_batch(s.source, step, s.mesh)
+            self.state, done = self.step_fn.submit(self.state, batch)
+            if done is not None:
+                self._record(n - 1, done, batch=None)
+            last, signum = n == t.steps, signals.STOP.agreed()
+            save = last or signum is not None or (t.checkpoint_every and n % t.checkpoint_every == 0)
+            evaluate_now = s.evals is not None and s.evals.due(n)
+            if save or step == self.first or evaluate_now:
+                self.state, done = self.step_fn.drain(self.state)
+                held_out = s.evals(self.cfg, s.mesh, self.state) if evaluate_now else None
+                self._record(n, done, batch, held_out)
+            if save:
+                s.save(n, self.state)
+            if signum is not None and not last:
+                s.wait()
+                return (f"stopped by signal {signals.name(signum)} after step {n}; "
+                        f"checkpoint saved, rerun the same command to continue")
+        s.wait()
+        return "finished"
+
+    def _record(self, n: int, done: Confirmed, batch, evaluation: dict | None = None) -> None:
+        """Step ``n`` is confirmed: its record (the first step's with the compiled memory of
+        ``batch``; an evaluation step's with ``evaluation``), the non-finite guard (raises
+        Divergence), metrics.jsonl and the log."""
+        t, s = self.cfg.train, self.s
+        rec = metrics.step_record(n, done.raw, step_time_s=done.seconds,
+                                  tokens=t.batch_size * t.seq_len, flops_per_token=self.fpt,
+                                  devices=s.mesh.devices.size, peak_flops=self.peak,
+                                  compilations=done.traces, mtp=self.cfg.model.mtp_depth > 0)
+        rec["compiled"] = done.compiled
+        rec.update(evaluation or {})
+        if n == self.first + 1:
+            self._first_step_done(batch, rec)
+        distributed.beat(n)  # the multi-process watchdog: this process progresses
+        rec.update(self.guard.check(n, done.raw))  # raises Divergence
+        s.check_saves()
+        self._write(rec)
+        if n % t.log_every == 0 or n == t.steps or evaluation:
+            s.log(metrics.progress_line(rec, t.steps, self.records))
+
+    def _first_step_done(self, batch, rec: dict) -> None:
+        """The step traced and ran once: its compile-time checks passed, so now write the
+        run's files, truncate metrics.jsonl to the resumed step and release telemetry."""
+        s = self.s
+        rec.update(_compiled_memory(self.step_fn, self.state, batch, s.log),
+                   selftest_s=s.kernels["selftest_s"])
+        try:
+            _write_run_files(s.configured, s.out_dir, s.plan, s.kernels, s.log)
+            self.writer = metrics.MetricsWriter(s.out_dir / "metrics.jsonl", self.first,
+                                                enabled=jax.process_index() == 0, log=s.log)
+        except OSError as err:
+            raise signals.output_error(err, s.out_dir) or err
+        if jax.process_index() == 0:  # never raises: a failure is one warning, tracking off
+            self.tracker = tracking.Tracker(s.out_dir, self.first, self.cfg.train,
+                                            config=s.meta["config"], log=s.log)
+        self.sampler.release()
+
+    def _write(self, rec: dict) -> None:
+        try:
+            self.writer.write(rec)
+        except OSError as err:
+            raise signals.output_error(err, self.writer.path) or err
+        if self.tracker is not None:
+            self.tracker.write(rec)
+        self.records.append(rec)
+
+    def _close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.tracker is not None:
+            self.tracker.close()
+        self.sampler.set_step(None)
+        self.sampler.stop()
+
+
+def _compiled_memory(step_fn: BucketedStep, state, batch, log: Log) -> dict:
+    """Log the compiled step's per-device memory and return it as metrics ({} if unknown)."""
+    t0 = time.perf_counter()
+    mem = step_fn.compiled_memory(state, batch)
+    if mem is None:
+        return {}
+    log(f"{mem.line()} [{time.perf_counter() - t0:.2f} s to read]")
+    return mem.metrics()
+
+
+def _write_summary(out_dir: Path, peak: float | None, log: Log) -> None:
+    """Once every process has stopped its sampler, process 0 writes ``summary.json``."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("moe_train: telemetry flushed")
+    if jax.process_index() == 0:
+        path = summary.write(out_dir, peak_flops=peak, process_count=jax.process_count(), log=log)
+        if path is not None:
+            log(f"Summary: {path}; report: python -m moe_train.report {out_dir}")

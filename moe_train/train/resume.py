@@ -1,0 +1,63 @@
+"""Which checkpoint a run resumes from: the newest one that reads and verifies.
+
+``choose`` tries the run's checkpoints newest first (``checkpoint.try_step``: the meta item
+reads, the config is compatible, the state reads and matches its manifest). Checkpoints newer
+than the one it resumes from could not be used: each is reported in one line and moved to
+``<out>/checkpoints-rejected/<step>-<UTC>/`` with a ``REASON`` file, never deleted, so it
+cannot be resumed from or be counted by pruning again. If checkpoints exist and none can be
+used, nothing is moved and the run exits 2 with the list: starting from scratch over them
+would be silent data loss.
+
+``--resume-step N`` resumes from step N only; checkpoints newer than N are moved aside as
+"newer than --resume-step" (the run continues from N and will write those steps again).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from moe_train.config import Config, ConfigError
+from moe_train.train.checkpoint import Checkpointer, try_step
+
+
+def _unusable(ckpt: Checkpointer, failures: list[tuple[int, str]]) -> ConfigError:
+    listed = "; ".join(f"step {s}: {why}" for s, why in failures)
+    return ConfigError(f"no checkpoint in {ckpt.directory} can be restored ({listed}); move "
+                       f"them away (or use another --out) to start from scratch, or "
+                       f"--resume-step N for one you trust")
+
+
+def _explicit(ckpt: Checkpointer, step: int, template: Any, cfg: Config,
+              log: Callable[[str], None]) -> Any:
+    steps = ckpt.all_steps()
+    if step not in steps:
+        raise ConfigError(f"--resume-step {step}: no such checkpoint in {ckpt.directory}; "
+                          f"saved steps: {', '.join(map(str, steps)) or 'none'}")
+    state, why = try_step(ckpt, step, template, cfg)
+    if state is None:
+        raise _unusable(ckpt, [(step, why)])
+    for newer in [s for s in steps if s > step]:
+        where = ckpt.move_aside(newer, f"newer than --resume-step {step}")
+        log(f"checkpoint {newer} is newer than --resume-step {step}: moved to {where}")
+    return state
+
+
+def choose(ckpt: Checkpointer, template: Any, cfg: Config, resume_step: int | None,
+           log: Callable[[str], None]) -> Any | None:
+    """The restored state to continue from, or None when the run has no checkpoint."""
+    if resume_step is not None:
+        return _explicit(ckpt, resume_step, template, cfg, log)
+    failures: list[tuple[int, str]] = []
+    for step in reversed(ckpt.all_steps()):
+        state, why = try_step(ckpt, step, template, cfg)
+        if state is None:
+            failures.append((step, why))
+            continue
+        for bad, reason in failures:
+            where = ckpt.move_aside(bad, reason)
+            log(f"WARNING: checkpoint {bad} cannot be used ({reason}); moved to {where}; "
+                f"resuming from step {step}")
+        return state
+    if failures:
+        raise _unusable(ckpt, failures)
+    return None

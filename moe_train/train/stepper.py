@@ -1,0 +1,195 @@
+"""The compiled train step per expert-parallel plan, with capacity buckets, pipelined.
+
+The ``a2a`` and ``hierarchical`` dispatchers' receive buffers are static. Instead of
+reserving the worst case (every token of a shard sent to one destination), a step runs with
+the smallest bucket (``moe.capacity_buckets`` x the balanced load) that has held recently;
+``jobplan.BucketPolicy`` decides. If an exchange overflows, the step returns its input state
+unchanged and runs again on the next bucket (each bucket compiles once); after
+``moe.bucket_step_down_after`` steps whose largest pair load (relative to the balanced load)
+would have fit the next smaller bucket, it steps down. The worst-case bucket can never
+overflow, so every step ends dropless, bitwise equal to the worst-case path.
+
+The host never waits for a step before the next one is queued: step n+1 is dispatched with
+step n's overflow flag as a device input (``hold``) and step n's flags are read after that
+(``BucketedStep.submit``); on overflow the held step n+1 is discarded and n reruns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from moe_train.config import Config
+from moe_train.parallel import jobplan, sharding
+from moe_train.parallel.jobplan import EPPlan
+from moe_train.train.step import (
+    CompiledMemory,
+    StepCounter,
+    TrainState,
+    compiled_memory,
+    make_train_step,
+)
+
+
+def ep_plans(cfg: Config, mesh: Mesh) -> list[EPPlan | None]:
+    """The plans a run may use, smallest buffers first; [None] on a single device."""
+    if mesh.devices.size == 1:
+        return [None]
+    ep, domains = sharding.ep_size(mesh), mesh.shape[sharding.EXPERT_X]
+    name = jobplan.dispatcher(cfg.moe.dispatcher, mesh.devices.size, ep, domains)
+    factors = jobplan.bucket_factors(name, cfg.moe.capacity_buckets)
+    return [EPPlan(name, ep, f, cfg.moe.chunks) for f in factors]
+
+
+class Confirmed(NamedTuple):
+    """A step whose overflow checks all passed: the state it returned is its committed update."""
+
+    raw: dict[str, Any]  # its metrics on the host, plus ep_bucket and ep_overflow_reruns
+    seconds: float  # from its dispatch (or the step before's confirmation, if later) to its own
+    traces: int  # StepCounter.traces once it (and any rerun of it) was dispatched
+    compiled: bool  # whether dispatching it or a rerun of it traced the step
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose overflow flag the host has not read yet."""
+
+    batch: Any  # kept for a rerun: the data loader is never asked for it again
+    raw: dict[str, Any]  # its metrics, on the device
+    bucket: int  # the bucket it ran on
+    t0: float  # when it was first dispatched
+    traces: int  # StepCounter.traces after its latest dispatch
+    traced: int  # traces its own dispatches caused
+
+
+class BucketedStep:
+    """Optimizer steps on the smallest capacity bucket that holds the routing, pipelined.
+
+    ``submit`` dispatches a step, then reads the flags of the step before it, so the host
+    never waits for a step before the next one is queued. The new step gets the earlier
+    one's overflow flag as its ``hold`` input (on the device, no host read): if the earlier
+    step overflowed, the new one returned its input state unchanged; its metrics are
+    dropped, the earlier step reruns on the next bucket and the new one is dispatched again.
+    Every committed update is therefore the same computation on the same state and batch as
+    in a synchronous loop, bitwise. The state is donated: each call takes the state the
+    previous call returned, and no earlier state may be read again.
+
+    At most one step is in flight between calls; ``drain`` confirms it. The bucket follows
+    ``jobplan.BucketPolicy``; a step-down applies one step later than in a synchronous
+    loop (the next step was already dispatched), which changes buffers, never results.
+    """
+
+    def __init__(self, cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState,
+                 make_step: Callable[..., Any] = make_train_step):
+        """``make_step(cfg, mesh, counter, state_sharding, plan)`` jits one bucket's step
+        (``train.make_train_step``; the compile benchmark passes its EP layer step)."""
+        self.cfg, self.mesh, self.counter, self.state_sharding = cfg, mesh, counter, state_sharding
+        self.make_step = make_step
+        self.plans = ep_plans(cfg, mesh)
+        self.policy = jobplan.BucketPolicy(
+            [None if p is None else p.capacity_factor for p in self.plans],
+            cfg.moe.bucket_step_down_after)
+        self._compiled: dict[int, Any] = {}
+        self._pending: _InFlight | None = None
+        self._confirmed_at = float("-inf")
+        # Made here, not in a step: its (tiny) compilation falls outside any timed step.
+        self._false = jax.jit(lambda: jnp.zeros((), jnp.bool_),
+                              out_shardings=sharding.replicated(mesh))()
+
+    @property
+    def bucket(self) -> int:
+        """Index into ``plans`` of the bucket the next dispatched step runs on."""
+        return self.policy.bucket
+
+    @property
+    def reruns(self) -> int:
+        """Steps rerun on a larger bucket because they overflowed, so far."""
+        return self.policy.reruns
+
+    def _fn(self, bucket: int):
+        if bucket not in self._compiled:
+            self._compiled[bucket] = self.make_step(self.cfg, self.mesh, self.counter,
+                                                    self.state_sharding, self.plans[bucket])
+        return self._compiled[bucket]
+
+    def _holds(self, bucket: int) -> bool:
+        """Whether the bucket's step can overflow, and so takes a ``hold`` input."""
+        plan = self.plans[bucket]
+        return plan is not None and plan.capacity_factor is not None
+
+    def compiled_memory(self, state: TrainState, batch) -> CompiledMemory | None:
+        """XLA's memory analysis of the current bucket's step (reuses its executable)."""
+        hold = (self._false,) if self._holds(self.bucket) else ()
+        return compiled_memory(self._fn(self.bucket), state, batch, *hold)
+
+    def label(self, bucket: int | None = None) -> str | float | None:
+        """The capacity factor of ``bucket`` (default: the current one), "worst" or None."""
+        plan = self.plans[self.bucket if bucket is None else bucket]
+        if plan is None or plan.dispatcher not in ("a2a", "hierarchical"):
+            return None
+        return "worst" if plan.capacity_factor is None else plan.capacity_factor
+
+    def submit(self, state: TrainState, batch) -> tuple[TrainState, Confirmed | None]:
+        """Dispatches the step of ``batch`` on ``state``, then confirms the step in flight
+        before it (rerunning it while it overflows). Returns the newest state, whose step is
+        in flight, and the confirmed earlier step, or None when none was in flight."""
+        prev = self._pending
+        hold = self._false if prev is None else prev.raw["overflow"]
+        state, self._pending = self._dispatch(state, batch, hold)
+        if prev is None:
+            return state, None
+        return self._confirm(state, prev, self._pending)
+
+    def drain(self, state: TrainState) -> tuple[TrainState, Confirmed | None]:
+        """Confirms the step in flight, if any. Afterwards nothing is in flight and the
+        returned state holds every committed update (safe to save or inspect)."""
+        if self._pending is None:
+            return state, None
+        return self._confirm(state, self._pending, None)
+
+    def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        """One step, confirmed before it returns: (state, host metrics)."""
+        if self._pending is not None:
+            raise RuntimeError("BucketedStep: a step is in flight; drain() it first")
+        state, _ = self.submit(state, batch)
+        state, done = self.drain(state)
+        return state, done.raw
+
+    def _dispatch(self, state: TrainState, batch, hold,
+                  again: _InFlight | None = None) -> tuple[TrainState, _InFlight]:
+        """Queues the step of ``batch`` on the current bucket (``again``: a step dispatched
+        before, whose start time and traces carry over)."""
+        bucket, before = self.policy.bucket, self.counter.traces
+        args = (state, batch, hold) if self._holds(bucket) else (state, batch)
+        t0 = time.perf_counter() if again is None else again.t0
+        state, raw = self._fn(bucket)(*args)
+        traced = self.counter.traces - before + (0 if again is None else again.traced)
+        return state, _InFlight(batch, raw, bucket, t0, self.counter.traces, traced)
+
+    def _read(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The host copy of a step's metrics: the only point where the host waits."""
+        return jax.device_get(raw)
+
+    def _confirm(self, state: TrainState, prev: _InFlight,
+                 nxt: _InFlight | None) -> tuple[TrainState, Confirmed]:
+        """Reads ``prev``'s flags. While it overflowed, ``nxt`` (held by that flag: it
+        changed nothing) is dropped, ``prev`` reruns on the next bucket and ``nxt`` is
+        dispatched again after it."""
+        raw = self._read(prev.raw)
+        while raw["overflow"]:
+            self.policy.overflowed()
+            state, prev = self._dispatch(state, prev.batch, self._false, again=prev)
+            if nxt is not None:
+                state, nxt = self._dispatch(state, nxt.batch, prev.raw["overflow"], again=nxt)
+            raw = self._read(prev.raw)
+        self._pending = nxt
+        now = time.perf_counter()
+        seconds, self._confirmed_at = now - max(prev.t0, self._confirmed_at), now
+        raw["ep_bucket"], raw["ep_overflow_reruns"] = self.label(prev.bucket), self.reruns
+        self.policy.finished(float(raw["max_pair_load"]))
+        return state, Confirmed(raw, seconds, prev.traces, prev.traced > 0)

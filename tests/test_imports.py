@@ -1,0 +1,151 @@
+"""The layout's import rules (README, Layout), checked on the source: every ``import`` statement
+of every module, also those inside functions, followed transitively (importing ``a.b.c`` runs
+``a/__init__`` and ``a/b/__init__`` too).
+
+- The training path (the loop and everything it runs) never imports the benchmarks.
+- The model and the MoE layer never import the loop, the launcher or the planners.
+- ``topology`` and the planners never import the loop.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("moe_train", "topology", "slurm", "containers")
+LOOP = ("moe_train.train",)
+BENCH = ("moe_train.bench", "moe_train.study")
+LAUNCHER = ("slurm",)
+PLANNERS = ("moe_train.memory", "topology.plan", "topology.cost", "topology.__main__")
+TRAINING_PATH = ("moe_train.train", "moe_train.selftest", "moe_train.model", "moe_train.moe",
+                 "moe_train.parallel", "moe_train.data", "moe_train.eval", "moe_train.config",
+                 "moe_train.telemetry", "moe_train.__main__")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
+def modules() -> dict[str, Path]:
+    """Every module of the kit's packages: dotted name -> file."""
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _targets(name: str, path: Path) -> set[str]:
+    """The kit's modules that ``name``'s import statements name (the nearest existing module)."""
+    known, out = modules(), set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            candidates = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for c in candidates:
+            while c and c not in known:
+                c = c.rpartition(".")[0]
+            if c:
+                out.add(c)
+    return out
+
+
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """Direct edges, each module also importing its parent packages."""
+    edges = {name: _targets(name, path) for name, path in modules().items()}
+    for name, deps in edges.items():
+        parts = name.split(".")
+        deps.update(".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in edges)
+        deps.discard(name)
+    return edges
+
+
+def reached(name: str) -> set[str]:
+    """Every module that importing ``name`` can import."""
+    seen, todo = set(), [name]
+    while todo:
+        for dep in graph()[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def violations(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    """'a -> b' for each module a under ``sources`` that reaches a module b under ``forbidden``."""
+    return sorted(f"{m} -> {d}" for m in graph() if _under(m, sources)
+                  for d in reached(m) if _under(d, forbidden))
+
+
+def test_the_graph_sees_the_packages():
+    assert {"moe_train.train.loop", "moe_train.model.transformer", "topology.plan"} <= set(graph())
+    assert "moe_train.model.transformer" in reached("moe_train.train.loop")
+
+
+def test_the_training_path_never_imports_the_benchmarks():
+    assert violations(TRAINING_PATH, BENCH) == []
+
+
+def test_model_and_moe_never_import_the_loop_launcher_or_planners():
+    assert violations(("moe_train.model", "moe_train.moe"), LOOP + LAUNCHER + PLANNERS) == []
+
+
+def test_topology_and_the_planners_never_import_the_loop():
+    assert violations(("topology",) + PLANNERS, LOOP) == []
+
+
+def test_a_forbidden_edge_is_found(monkeypatch):
+    """The check can fail: a lazy import inside a function counts."""
+    edges = {k: set(v) for k, v in graph().items()}
+    edges["moe_train.moe.router"].add("moe_train.train.loop")
+    monkeypatch.setattr(sys.modules[__name__], "graph", lambda: edges)
+    assert "moe_train.moe.router -> moe_train.train.loop" in violations(("moe_train.moe",), LOOP)
+
+
+def test_starting_the_loop_loads_no_benchmark_module():
+    code = ("import sys, moe_train.train.loop, moe_train.selftest; "
+            "print([m for m in sys.modules if m.startswith('moe_train.bench')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("module", ["moe_train.parallel.jobplan", "moe_train.config.checks",
+                                    "topology.cost", "moe_train.data.packing",
+                                    "moe_train.model.flops", "moe_train.moe.routings"])
+def test_a_low_level_module_imports_first(module):
+    """No package cycle breaks a fresh interpreter whose first import is this module."""
+    subprocess.run([sys.executable, "-c", f"import {module}"], check=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("package", sorted(p.parent.name for p in (ROOT / "moe_train").glob("*/__init__.py")))
+def test_each_subpackage_says_what_it_may_import(package):
+    doc = ast.get_docstring(ast.parse((ROOT / "moe_train" / package / "__init__.py").read_text()))
+    assert doc and "May import" in doc, f"moe_train/{package}/__init__.py"
+
+
+def test_no_module_is_over_400_lines():
+    long = {n: len(p.read_text().splitlines()) for n, p in modules().items()
+            if n.startswith("moe_train")}
+    assert {n: k for n, k in long.items() if k > 400} == {}
+
+
+def test_the_top_level_holds_entry_points_only():
+    top = sorted(p.name for p in (ROOT / "moe_train").glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "score.py", "study.py"]
