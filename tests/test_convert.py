@@ -137,6 +137,33 @@ def test_bf16_source_stays_bf16_and_round_trips_bitwise(tmp_path):
     assert set(index["weight_map"]) == set(t) and index["metadata"]["total_size"] > 0
 
 
+def test_fp32_weights_export_as_fp32_by_default(tmp_path):
+    t = mixtral_tensors()
+    from_hf(write_hf(tmp_path / "hf", MIXTRAL, t), tmp_path / "kit", log=lambda s: None)
+    to_hf(tmp_path / "kit", tmp_path / "back", log=lambda s: None)
+    assert_same_tensors(tmp_path / "back", t)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["torch_dtype"] == "float32"
+
+
+def test_a_bf16_export_of_fp32_weights_says_it_narrows_them(tmp_path):
+    from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), tmp_path / "kit",
+            log=lambda s: None)
+    lines = []
+    to_hf(tmp_path / "kit", tmp_path / "back", dtype="bf16", log=lines.append)
+    assert any("narrowed the stored float32 weights" in line for line in lines), lines
+    back = load_file(str(next((tmp_path / "back").glob("*.safetensors"))))
+    assert {a.dtype for a in back.values()} == {np.dtype(ml_dtypes.bfloat16)}
+
+
+def test_keeping_bf16_weights_as_stored_says_nothing_of_narrowing(tmp_path):
+    t = mixtral_tensors(dtype=ml_dtypes.bfloat16)
+    from_hf(write_hf(tmp_path / "hf", MIXTRAL, t), tmp_path / "kit", log=lambda s: None)
+    lines = []
+    to_hf(tmp_path / "kit", tmp_path / "back", log=lines.append)
+    assert not any("narrowed" in line for line in lines) and "as stored (bfloat16)" in lines[-1]
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
 def test_to_hf_splits_into_shards_of_the_limit(tmp_path):
     from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), tmp_path / "kit",
             log=lambda s: None)

@@ -5,7 +5,8 @@
   dequantized) -> ``OUT/preset.toml`` + ``OUT/weights/`` (orbax), streamed tensor by tensor.
 * ``to_hf.to_hf(CKPT, HF_OUT)``: a converted checkpoint, a run or one step -> config.json and
   sharded ``model-*.safetensors`` with ``model.safetensors.index.json`` that
-  ``transformers.AutoModelForCausalLM.from_pretrained`` loads, bf16 or fp32.
+  ``transformers.AutoModelForCausalLM.from_pretrained`` loads, every tensor in its stored
+  dtype (or all cast with ``--dtype bf16|fp32``).
 
 ``families`` maps the configs both ways, ``tensors`` the tensor names and layouts,
 ``hf_files`` reads and writes the files. Train from converted weights with

@@ -106,16 +106,19 @@ def stage(root: Path, saved_path: tuple[str, ...], path: Path) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
 
-def _tensors(source, cfg: Config, fam: Family, dtype,
-             scratch: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array) of every tensor, in the kit tree's order, then the MTP copies."""
+def _tensors(source, cfg: Config, fam: Family, dtype, scratch: Path,
+             stored: set[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) of every tensor, in the kit tree's order, then the MTP copies; cast
+    to ``dtype`` (None: as stored). ``stored`` collects the dtype names as stored."""
     leaf = _leaf_reader(source, cfg, scratch)
     copies = {source: None for _, source in extra_copies(cfg)}  # HF name -> its array
     for e in _ordered(entries(fam, cfg, looped_tree(cfg))):
         for name, array in zip(e.hf, e.to_hf(leaf(e.kit))):
+            stored.add(np.dtype(array.dtype).name)
+            array = array if dtype is None else array.astype(dtype)
             if name in copies:
-                copies[name] = array.astype(dtype)
-            yield name, array.astype(dtype)
+                copies[name] = array
+            yield name, array
     for name, source_name in extra_copies(cfg):
         yield name, copies[source_name]
 
@@ -131,20 +134,35 @@ def _ordered(ents):
     return sorted(ents, key=key)
 
 
-def to_hf(ckpt: str | Path, out: str | Path, dtype: str = "bf16",
+# config.json's torch_dtype for tensors kept as stored: the widest dtype among them
+WIDEST_FIRST = ("float32", "float16", "bfloat16")
+
+
+def to_hf(ckpt: str | Path, out: str | Path, dtype: str | None = None,
           log: Callable[[str], None] = print, shard_bytes: int = SHARD_BYTES) -> Path:
-    """Export the weights at ``ckpt`` into ``out`` (new or empty)."""
-    if dtype not in DTYPES:
+    """Export the weights at ``ckpt`` into ``out`` (new or empty). ``dtype`` None keeps every
+    tensor as stored (a run's ``model.param_dtype``, a converted source's own dtype), so the
+    export reproduces the kit's logits; ``bf16``/``fp32`` cast them all, and the log says
+    when that narrows a stored fp32 tensor."""
+    if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     source = weights.locate(ckpt)
     cfg = weights.config_of(source)
     fam = _family(source, cfg)
-    torch_name, np_dtype = DTYPES[dtype]
+    np_dtype = None if dtype is None else DTYPES[dtype][1]
+    stored: set[str] = set()
     with new_directory(Path(out), "HF_OUT") as tmp:
-        (tmp / "config.json").write_text(json.dumps(hf_config(fam, cfg, torch_name), indent=2) + "\n")
         scratch = tmp / ".stacked"  # a scanned run's stacked leaf, staged one at a time
-        index = write_shards(tmp, _tensors(source, cfg, fam, np_dtype, scratch), shard_bytes)
+        index = write_shards(tmp, _tensors(source, cfg, fam, np_dtype, scratch, stored),
+                             shard_bytes)
         shutil.rmtree(scratch, ignore_errors=True)
-    log(f"exported {len(index['weight_map'])} tensors ({fam.architecture}, {dtype}) to {out}")
+        torch_name = DTYPES[dtype][0] if dtype else next(
+            (d for d in WIDEST_FIRST if d in stored), "float32")
+        (tmp / "config.json").write_text(json.dumps(hf_config(fam, cfg, torch_name), indent=2) + "\n")
+    kept = f"as stored ({', '.join(sorted(stored))})" if dtype is None else dtype
+    log(f"exported {len(index['weight_map'])} tensors ({fam.architecture}, {kept}) to {out}")
+    if dtype == "bf16" and "float32" in stored:
+        log("note: --dtype bf16 narrowed the stored float32 weights: logits move by about 1e-2 "
+            "relative from the kit's (without --dtype every tensor keeps its stored dtype)")
     return out
 
