@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_train.gpucheck import Context, Section, failed, run_section, write
+from moe_train.gpucheck import Context, Section, budget_scale, failed, run_section, write
 
 SECTION_NAMES = ("env", "gemm_numerics", "gemm_speed", "attention", "fp8", "training", "ep",
                  "gpu_tests")
@@ -63,11 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     platform, count = jax.default_backend(), len(jax.devices())
     results = {"created_utc": stamp, "platform": platform, "device_kind": jax.devices()[0].device_kind,
                "devices": count, "sections": []}
-    t0 = time.perf_counter()
+    t0, scale = time.perf_counter(), budget_scale(platform)
     for sec in (s for s in sections() if s.name in args.only):
-        print(f"[gpu-check] {sec.name}: {sec.title} (budget {sec.budget_s:.0f} s)", flush=True)
+        print(f"[gpu-check] {sec.name}: {sec.title} (budget {sec.budget_s * scale:.0f} s)", flush=True)
         res = run_section(sec, lambda budget: Context(platform, count, out_dir,
-                                                      time.perf_counter() + budget))
+                                                      time.perf_counter() + budget * scale))
+        res["budget_s"] = sec.budget_s * scale
         results["sections"].append(res)
         results["wall_s"] = time.perf_counter() - t0
         write(out_dir, results, markdown(results))
