@@ -108,5 +108,6 @@ class CausalAttention(nn.Module):
         return precision.dot(pol, "o", o_BSNJ, gathered(wo, o_axes, pol.dtype), n=2)
 
     def qkv(self, x_BSH, positions_BS):
-        """(q [B, S, N, D], k [B, S, K, D], v [B, S, K, J]), RoPE applied."""
+        """(q [B, S, N, D], k [B, S, K, D], v [B, S, K, J]), RoPE applied: each subclass
+        (``transformer.Attention``, ``mla.MLA``) says how it projects them."""
         raise NotImplementedError
