@@ -16,6 +16,8 @@ STEPS ?=
 OUT ?= runs/smoke
 SET ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test / test-fast (auto: one per core; 0: one process, no xdist)
+TEST_WORKERS ?= auto
 # pip extras: a machine with an NVIDIA driver also gets JAX's CUDA build
 EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,report,gpu || echo test,cluster,report)
 
@@ -62,11 +64,15 @@ smoke-cluster: $(STAMP) ## one-node smoke job on cluster PRESET: preflight + a s
 golden: $(STAMP) ## rewrite slurm/golden/*.sbatch after an intended change to the job rendering
 	$(PY) -m slurm.examples --update-golden
 
-test: $(STAMP) ## run the whole test suite (GPU and Slurm tests skip where unavailable)
-	$(PY) -m pytest $(PYTEST_ARGS)
+# tests/conftest.py groups what must share a worker (process-spawning modules, module fixtures)
+XDIST_ARGS = $(if $(filter 0,$(TEST_WORKERS)),,-n "$$TEST_WORKERS" --dist loadgroup)
+export TEST_WORKERS
+
+test: $(STAMP) ## run the whole test suite over TEST_WORKERS workers (GPU and Slurm tests skip where unavailable)
+	$(PY) -m pytest $(XDIST_ARGS) $(PYTEST_ARGS)
 
 test-fast: $(STAMP) ## the test suite without tests marked slow
-	$(PY) -m pytest -m 'not slow' $(PYTEST_ARGS)
+	$(PY) -m pytest -m 'not slow' $(XDIST_ARGS) $(PYTEST_ARGS)
 
 bench: $(STAMP) ## CPU benchmarks (grouped GEMM, MoE layer, EP on 8 fake devices, compiles); runs/bench/<UTC>/
 	$(PY) -m moe_train.bench

@@ -1,7 +1,8 @@
-"""Shared test setup: fake CPU devices and a persistent compilation cache.
+"""Shared test setup: fake CPU devices, a persistent compilation cache, and the groups that
+let ``make test`` spread the suite over every core (pytest-xdist, ``--dist loadgroup``).
 
-Both are set before any test touches a JAX backend. The cache only skips recompiling the
-same programs (it is keyed on the compiled HLO); it never changes results.
+Devices and cache are set before any test touches a JAX backend. The cache only skips
+recompiling the same programs (it is keyed on the compiled HLO); it never changes results.
 """
 
 import os
@@ -9,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import pytest
 
 CACHE_DIR = Path(os.environ.get("MOE_TRAIN_TEST_JAX_CACHE",
                                 Path(tempfile.gettempdir()) / "moe_train_test_jax_cache"))
@@ -18,3 +20,34 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+# Modules whose tests start several processes (Slurm jobs on the local cluster's few cores,
+# jax.distributed peers): one worker runs them one after another, as a serial run would.
+PROCESS_MODULES = frozenset({"test_slurm_cluster", "test_slurm_submit", "test_multiprocess",
+                             "test_faults", "test_distributed"})
+SHARED_SCOPES = frozenset({"module", "package", "session"})
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-or-wider fixture of its own test module (a compiled run,
+    a converted checkpoint): split over two workers, each would build it once."""
+    path = item.nodeid.split("::", 1)[0]
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(d.scope in SHARED_SCOPES and d.baseid == path for ds in defs.values() for d in ds)
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The group ``item`` runs in under ``--dist loadgroup`` (None: any worker, test by test)."""
+    module = Path(item.nodeid.split("::", 1)[0]).stem
+    if module in PROCESS_MODULES:
+        return "processes"
+    return module if _shares_a_fixture(item) else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
