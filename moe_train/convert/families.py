@@ -9,8 +9,9 @@
 ``kit_tables(family, hf)`` turns a ``config.json`` into the kit's config sections, each value
 with the HF key it came from (``preset.toml`` shows them as comments); ``hf_config(family,
 cfg)`` is the inverse, for ``to-hf``. Anything the kit cannot run (another activation,
-attention biases, sliding windows, a RoPE type other than default/yarn, sparse-step layer
-patterns) is a ConfigError naming the key. The balance loss: Hugging Face's
+attention biases, sliding windows, a RoPE type other than default/yarn, dense layers that are
+not the first ones) is a ConfigError naming the key; ``moe_train.convert.fields`` lists every
+field of each family and how it is handled. The balance loss: Hugging Face's
 ``router_aux_loss_coef`` multiplies a loss top_k times the kit's (``moe.aux_loss_coef``), so the
 kit's coefficient is theirs times top_k, and back.
 """
@@ -21,6 +22,7 @@ import dataclasses
 from typing import Any
 
 from moe_train.config import Config, ConfigError
+from moe_train.convert import fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,36 +66,10 @@ def _rope(hf: dict) -> dict:
     return params
 
 
-def _require(hf: dict, key: str, ok, what: str) -> None:
-    if key in hf and hf[key] is not None and not ok(hf[key]):
-        raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported ({what})")
-
-
-def _check_supported(fam: Family, hf: dict) -> None:
-    _require(hf, "hidden_act", lambda v: v == "silu", "the kit's MLPs are SwiGLU: silu")
-    _require(hf, "attention_bias", lambda v: not v, "no attention biases")
-    if fam.name == "mixtral":
-        _require(hf, "sliding_window", lambda v: False, "full causal attention only: null")
-    _require(hf, "use_sliding_window", lambda v: not v, "full causal attention only: false")
-    _require(hf, "decoder_sparse_step", lambda v: v == 1, "every layer MoE: 1")
-    _require(hf, "mlp_only_layers", lambda v: not v, "every layer MoE: []")
-    _require(hf, "moe_layer_freq", lambda v: v == 1, "every layer after the dense ones MoE: 1")
-    _require(hf, "scoring_func", lambda v: v in ("sigmoid", "softmax"), "sigmoid or softmax")
-    rope = _rope(hf)
-    if rope["rope_type"] not in ("default", "yarn"):
-        raise ConfigError(f"config.json: rope type {rope['rope_type']!r} is not supported "
-                          "(default, yarn)")
-    q = hf.get("quantization_config")
-    if q and (q.get("quant_method") != "fp8" or list(q.get("weight_block_size") or [128, 128])
-              != [128, 128]):
-        raise ConfigError(f"config.json: quantization_config={q!r} is not supported (fp8 "
-                          "with 128x128 weight blocks)")
-
-
 def kit_tables(fam: Family, hf: dict, *, mtp: bool) -> tuple[dict, dict]:
     """(config sections {section: {key: value}}, {"section.key": "the HF key it came from"}).
     ``mtp``: the checkpoint holds DeepSeek-V3's MTP layer(s)."""
-    _check_supported(fam, hf)
+    fields.check(fam.name, hf)
     t: dict[str, dict[str, Any]] = {"model": {}, "moe": {}, "rope": {}, "train": {}}
     src: dict[str, str] = {}
 
@@ -174,6 +150,23 @@ def _qwen3(hf: dict, take, put, mtp: bool) -> None:
     put("moe.score_function", "softmax", "Qwen3MoeSparseMoeBlock: softmax")
     take("moe.normalize_top_k", "norm_topk_prob", bool, False)
     _balance(hf, put, int(hf["num_experts_per_tok"]))
+    dense = _qwen3_dense_layers(hf)
+    if dense:
+        put("model.first_dense_layers", dense, "mlp_only_layers, decoder_sparse_step")
+        take("model.dense_ffn", "intermediate_size", int)
+
+
+def _qwen3_dense_layers(hf: dict) -> int:
+    """How many first layers are dense: transformers makes layer i dense when it is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; the kit runs dense layers
+    first only (``model.first_dense_layers``)."""
+    step, only = int(hf.get("decoder_sparse_step") or 1), hf.get("mlp_only_layers") or []
+    dense = [i for i in range(int(hf["num_hidden_layers"])) if i in only or (i + 1) % step]
+    if dense != list(range(len(dense))):
+        raise ConfigError(f"config.json: mlp_only_layers={only!r} with decoder_sparse_step={step} "
+                          f"makes layers {dense} dense; the kit supports dense layers only as "
+                          "the first ones (mlp_only_layers=[0, ..., k-1], decoder_sparse_step=1)")
+    return len(dense)
 
 
 def _deepseek(hf: dict, take, put, mtp: bool) -> None:
@@ -212,15 +205,21 @@ def family_for(cfg: Config) -> Family:
         if e.shared_ffn not in (0, e.expert_ffn) and e.num_shared_experts:
             raise ConfigError(f"to-hf: moe.shared_ffn={e.shared_ffn} differs from moe.expert_ffn="
                               f"{e.expert_ffn}; deepseek_v3's shared experts have the routed width")
+        if e.score_function != "sigmoid":
+            raise ConfigError(f"to-hf: moe.score_function={e.score_function!r}: transformers' "
+                              "deepseek_v3 routes with sigmoid only")
         return FAMILIES["deepseek_v3"]
-    if m.mtp_depth or e.num_shared_experts or m.first_dense_layers or e.score_function != "softmax":
-        raise ConfigError("to-hf: a GQA model with shared experts, dense first layers, MTP or "
-                          "sigmoid routing matches no supported family (mixtral, qwen3_moe, "
-                          "deepseek_v3 needs model.attention_kind=mla)")
+    if m.mtp_depth or e.num_shared_experts or e.score_function != "softmax":
+        raise ConfigError("to-hf: a GQA model with shared experts, MTP or sigmoid routing "
+                          "matches no supported family (mixtral, qwen3_moe; deepseek_v3 needs "
+                          "model.attention_kind=mla)")
     if e.num_groups:
         raise ConfigError("to-hf: moe.num_groups (group-limited routing) needs deepseek_v3")
     if m.qk_norm:
         return FAMILIES["qwen3_moe"]
+    if m.first_dense_layers:
+        raise ConfigError("to-hf: mixtral has no dense layers; model.first_dense_layers needs "
+                          "model.qk_norm=true (qwen3_moe: mlp_only_layers) or deepseek_v3")
     if not e.normalize_top_k:
         raise ConfigError("to-hf: mixtral renormalises the top-k weights; set "
                           "model.qk_norm=true (qwen3_moe) or moe.normalize_top_k=true")
@@ -236,8 +235,10 @@ def hf_config(fam: Family, cfg: Config, dtype: str) -> dict:
         "num_attention_heads": m.num_heads, "rms_norm_eps": m.norm_eps,
         "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu",
         "max_position_embeddings": max(cfg.train.seq_len, 4096), "rope_theta": m.rope_theta,
-        "num_experts_per_tok": e.top_k, "attention_bias": False,
+        "num_experts_per_tok": e.top_k,
     }
+    if fam.name != "mixtral":  # Mixtral's config has no such field
+        hf["attention_bias"] = False
     if r.scaling == "yarn":
         hf["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": r.factor,
                               "original_max_position_embeddings": r.original_max_positions,
@@ -253,8 +254,11 @@ def hf_config(fam: Family, cfg: Config, dtype: str) -> dict:
                   sliding_window=None)
     elif fam.name == "qwen3_moe":
         hf.update(num_experts=e.num_experts, moe_intermediate_size=e.expert_ffn,
-                  norm_topk_prob=e.normalize_top_k, decoder_sparse_step=1, mlp_only_layers=[],
-                  use_sliding_window=False, head_dim=m.head_dim or m.hidden // m.num_heads)
+                  norm_topk_prob=e.normalize_top_k, decoder_sparse_step=1,
+                  mlp_only_layers=list(range(m.first_dense_layers)), use_sliding_window=False,
+                  head_dim=m.head_dim or m.hidden // m.num_heads)
+        if m.first_dense_layers:
+            hf["intermediate_size"] = m.dense_ffn
     else:
         hf.update(_deepseek_hf(cfg))
     return hf

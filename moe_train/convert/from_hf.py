@@ -42,6 +42,7 @@ import orbax.checkpoint as ocp
 from moe_train import config
 from moe_train.config import Config, ConfigError
 from moe_train.config.checks import first_few
+from moe_train.convert import fields
 from moe_train.convert.families import Family, family_of, kit_tables
 from moe_train.convert.hf_files import (
     FP8_DTYPES,
@@ -71,6 +72,7 @@ def plan(hf_dir: Path) -> tuple[Family, dict, Config, dict, HFCheckpoint, list[E
     entries), with every tensor checked for presence and shape; ConfigError otherwise."""
     hf = read_config(hf_dir)
     fam = family_of(hf)
+    fields.check(fam.name, hf)  # the config's errors before any file is opened
     quant = hf.get("quantization_config") or {}
     ckpt = HFCheckpoint(hf_dir, tuple(quant.get("weight_block_size") or (128, 128)))
     mtp_prefix = f"model.layers.{hf.get('num_hidden_layers')}."
