@@ -21,4 +21,10 @@ Slurm allocation shape (``--segment``); ``topology.plan`` and ``python -m topolo
 explain a placement with the cost model against a topology-blind one; ``python -m topology
 probe`` measures the all-to-all and writes a calibration file (``topology.calibration``);
 ``topology.xla_flags`` checks a preset's XLA_FLAGS against the installed XLA.
+
+``topology.steptime`` predicts a job's step time, tokens/s, model TFLOP/s and MFU per GPU
+(compute by kind, the all-to-alls with their chunked overlap, FSDP traffic, the optimizer)
+from the model config, the preset, the planned all-to-all and the efficiencies of
+``topology.compute`` (``compute.toml``: shipped defaults with sources; ``anchors.toml``: the
+published figures ``plan`` prints beside the prediction).
 """

@@ -43,7 +43,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel group size (default: the model's parallel.ep after --set)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="model config override, as for training; only parallel.ep is used here")
+                   help="model config override, as for training (batch, remat, precision, "
+                   "micro-batches, moe.chunks change the predicted step)")
     p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # make plan's STEPS
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default GPUs / ep)")
     p.add_argument("--tokens", type=int, default=None,
@@ -52,6 +53,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="place EP groups across NVLink domains instead of refusing")
     p.add_argument("--calibration", default=None,
                    help="calibration file from `python -m topology probe` (measured link numbers)")
+    p.add_argument("--compute", default=None,
+                   help="compute calibration file (default: topology/compute.toml)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -68,7 +71,8 @@ def _plan_run(args: argparse.Namespace) -> int:
             raise TopologyError(str(err)) from None
     result = plan.make_plan(args.preset, args.nodes, args.model, ep, dp=args.dp,
                             tokens=args.tokens, allow_straddle=args.allow_straddle,
-                            calibration=args.calibration)
+                            calibration=args.calibration, overrides=tuple(args.overrides),
+                            compute=args.compute)
     print(json.dumps(plan.plan_json(result)) if args.json else plan.render(result))
     return 0
 

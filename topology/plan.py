@@ -16,11 +16,18 @@ Figures are per GPU; "per layer" is one MoE layer of one training step, i.e. 4 a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from moe_train import config as model_config
-from topology import calibration as topology_calibration, cost, presets
+from topology import (
+    calibration as topology_calibration,
+    compute as compute_calibration,
+    cost,
+    presets,
+    steptime,
+)
 from topology.placement import (
     Allocation,
     Placement,
@@ -78,6 +85,8 @@ class Plan:
     allocation: Allocation  # what to ask Slurm for
     tokens_per_gpu: int  # T of the cost model
     tokens_from: str  # where T comes from, in words
+    step: steptime.StepTime | None  # predicted step of the planned side; None: fp32 compute
+    anchors: tuple[compute_calibration.Anchor, ...]  # published figures for this model and preset
     planned: Side  # placement on the allocation's domains
     naive: Side  # default order on racks filled in order
 
@@ -87,12 +96,17 @@ class Plan:
         return self.naive.layer.comm_s / self.planned.layer.comm_s
 
 
-def model_shape(name: str) -> ModelShape:
-    """The MoE shape of a model preset; TopologyError naming the presets if unknown."""
+def model_config_of(name: str, overrides: tuple[str, ...] = ()) -> model_config.Config:
+    """The model preset with ``--set`` overrides; PlanError naming the presets if unknown."""
     try:
-        cfg = model_config.load_preset(name)
+        return model_config.build(name, list(overrides))
     except model_config.ConfigError as e:
         raise PlanError(str(e).replace("unknown preset", "unknown model preset")) from None
+
+
+def model_shape(name: str, cfg: model_config.Config | None = None) -> ModelShape:
+    """The MoE shape of a model preset (or of ``cfg``, the preset with overrides)."""
+    cfg = cfg or model_config_of(name)
     m, moe, tr = cfg.model, cfg.moe, cfg.train
     return ModelShape(name=name, hidden=m.hidden, expert_ffn=moe.expert_ffn, top_k=moe.top_k,
                       num_experts=moe.num_experts,
@@ -132,16 +146,20 @@ def _side(cluster: Cluster, shape: ModelShape, p: Placement, T: int, hierarchica
 
 def make_plan(preset: str, nodes: int, model: str, ep: int, dp: int | None = None,
               tokens: int | None = None, allow_straddle: bool = False,
-              calibration: str | None = None) -> Plan:
+              calibration: str | None = None, overrides: tuple[str, ...] = (),
+              compute: str | None = None) -> Plan:
     """The plan; TopologyError (one line, naming valid choices) for anything that cannot fit.
 
     ``calibration``: a file from ``python -m topology probe`` whose measured link numbers
-    replace the preset's.
+    replace the preset's; ``compute``: a compute calibration (``topology.compute``; None: the
+    shipped defaults); ``overrides``: the model config's ``--set`` values.
     """
     cluster = presets.load(preset)
     if calibration:
         cluster = topology_calibration.apply(cluster, calibration)
-    shape = model_shape(model)
+    efficiency = compute_calibration.load(compute)
+    cfg = model_config_of(model, overrides)
+    shape = model_shape(model, cfg)
     if nodes < 1:
         raise PlanError(f"--nodes must be >= 1, got {nodes}")
     if ep < 1 or shape.num_experts % ep:
@@ -157,10 +175,22 @@ def make_plan(preset: str, nodes: int, model: str, ep: int, dp: int | None = Non
     how = ("hierarchical all-to-all (each token crosses the network once per remote domain)"
            if hier else "flat all-to-all" + ("" if planned.straddling else " inside each domain"))
     naive = naive_placement(devices, ep, dp, domains=naive_domains(cluster, nodes))
+    side = _side(cluster, shape, planned, T, hier, how)
     return Plan(cluster=cluster, model=shape, allocation=alloc, tokens_per_gpu=T,
-                tokens_from=tokens_from,
-                planned=_side(cluster, shape, planned, T, hier, how),
-                naive=_side(cluster, shape, naive, T, False, "flat all-to-all, default order"))
+                tokens_from=tokens_from, planned=side,
+                naive=_side(cluster, shape, naive, T, False, "flat all-to-all, default order"),
+                step=_step(cfg, cluster, efficiency, devices, planned, T, side),
+                anchors=tuple(compute_calibration.anchors(model, cluster.name)))
+
+
+def _step(cfg, cluster: Cluster, efficiency, devices: int, p: Placement, T: int,
+          side: Side) -> steptime.StepTime | None:
+    try:
+        cfg = model_config.for_devices(cfg, devices)
+    except model_config.ConfigError as e:
+        raise PlanError(str(e)) from None
+    job = steptime.Job(gpus=devices, ep=p.ep, dp=p.dp, tokens_per_gpu=T, a2a=side.layer.all_to_all)
+    return steptime.predict(cfg, cluster, efficiency, job)
 
 
 def _pair(plan: Plan, fn) -> dict[str, Any]:
@@ -195,6 +225,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "gemm_seconds": plan.planned.layer.gemm_s,
         "comm_fraction": _pair(plan, lambda s: s.layer.comm_fraction),
         "speedup": plan.speedup,
+        "step": steptime.as_json(plan.step) if plan.step else None,
+        "anchors": [dataclasses.asdict(a) for a in plan.anchors],
         "notes": p.notes + plan.naive.placement.notes,
         "units": "per GPU; a2a_seconds, bytes_* and gemm_seconds per MoE layer per step "
                  "(4 all-to-alls: dispatch and combine, forward and backward); *_per_step "
@@ -255,8 +287,44 @@ def render(plan: Plan) -> str:
         f"{n.notes[-1]}",
         f"cost per GPU, T={plan.tokens_per_gpu} tokens, {plan.cluster.name} preset bandwidths:",
         *_table(plan),
+        *_step_lines(plan),
     ]
     return "\n".join(lines)
+
+
+def _step_lines(plan: Plan) -> list[str]:
+    """The predicted step of the planned side, with the published figures beside it."""
+    st = plan.step
+    if st is None:
+        return ["predicted step: none for precision.compute=fp32 (no single matmul peak: TF32 "
+                "or FP32); --set precision.compute=bf16"]
+    i, c = st.inputs, st.compute_s
+    names = {"experts": "expert GEMMs", "attn_proj": "attention proj", "scores": "attention "
+             "scores", "heads": "heads", "other": "dense MLP/shared/router"}
+    hidden = "none hidden" if i["chunks"] == 1 else f"{i['chunks']} chunks under the GEMMs"
+    where = i["compute_file"]
+    if where == str(compute_calibration.DEFAULTS):
+        where = "topology/compute.toml, shipped defaults"
+    lines = [
+        f"predicted step per GPU (balanced routing; {i['compute']} matmuls, remat "
+        f"{i['remat']}, {i['micro_batches']} micro-batches; efficiencies: {where}):",
+        f"  compute     {sum(c.values()):9.3f} s  "
+        + ", ".join(f"{names[k]} {v:.3f}" for k, v in c.items()),
+        f"  all-to-all  {st.a2a_s:9.3f} s  {st.a2a_exposed_s:.3f} exposed ({hidden}; "
+        f"{i['a2a_per_moe_layer']} per MoE layer)",
+        f"  FSDP        {st.fsdp_s:9.3f} s  {st.fsdp_exposed_s:.3f} exposed (weights gathered "
+        f"per micro-batch; {i['efficiency']['collective_overlap']:.0%} overlappable)",
+        f"  optimizer   {st.optimizer_s:9.3f} s",
+        f"  step        {st.step_s:9.3f} s  {st.tokens_per_s:,.0f} tokens/s/GPU, "
+        f"{st.model_tflops:,.0f} model TFLOP/s/GPU, MFU {st.mfu:.1%} of the dense "
+        f"{i['compute']} peak {st.peak_tflops:,.0f} TFLOP/s",
+        f"  exposed communication: {st.comm_share:.1%} of the step",
+    ]
+    for a in plan.anchors:
+        lines.append(f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+                     f"{a.tflops_per_gpu:,.0f} TFLOP/s/GPU on {a.gpus} GPUs, {a.precision}"
+                     f"{', ' + a.layout if a.layout else ''} ({a.source}; forced balance)")
+    return lines
 
 
 def _count_domains(p: Placement) -> str:

@@ -75,6 +75,7 @@ class Cluster:
     peak_bf16_flops: float  # dense bf16 tensor-core peak per GPU, FLOP/s
     peak_fp8_flops: float  # dense fp8 tensor-core peak per GPU, FLOP/s
     gpu_memory_gib: float  # memory per GPU, GiB (the datasheet's GB as GiB; nominal on CPU)
+    hbm_bytes_per_s: float  # memory bandwidth per GPU, bytes/s (the datasheet's TB/s)
     env: Mapping[str, str]  # environment variables for jobs on this hardware (read-only)
     env_source: Mapping[str, str]  # variable name -> where its value comes from (read-only)
     slurm: SlurmOptions  # submission options
@@ -109,7 +110,7 @@ _SCALARS: dict[str, type] = {
     "domain_size": int, "nvlink_gbps_per_gpu": float, "nic_gbps_per_gpu": float,
     "latency_nvlink_us": float, "latency_network_us": float, "eta_nvlink": float,
     "eta_network": float, "peak_bf16_tflops": float, "peak_fp8_tflops": float,
-    "gpu_memory_gib": float,
+    "gpu_memory_gib": float, "hbm_tbps": float,
 }
 _TABLES = ("env", "env_source", "slurm", "container")
 _SLURM: dict[str, type] = {"exclusive": bool, "gpus_per_node": int, "ntasks_per_node": int,
@@ -203,7 +204,7 @@ def _build(name: str, data: Mapping[str, Any], where: str) -> Cluster:
         eta_nvlink=vals["eta_nvlink"], eta_network=vals["eta_network"],
         peak_bf16_flops=vals["peak_bf16_tflops"] * 1e12,
         peak_fp8_flops=vals["peak_fp8_tflops"] * 1e12,
-        gpu_memory_gib=vals["gpu_memory_gib"],
+        gpu_memory_gib=vals["gpu_memory_gib"], hbm_bytes_per_s=vals["hbm_tbps"] * 1e12,
         env=types.MappingProxyType(env), env_source=types.MappingProxyType(env_source),
         slurm=slurm, container_image=types.MappingProxyType(container),
     )
@@ -213,7 +214,7 @@ def _check_values(vals: dict, env: dict, env_source: dict, container: dict,
                   slurm: SlurmOptions, where: str) -> None:
     """Cross-field rules: ranges, architectures, env provenance, Slurm consistency."""
     for key in ("gpus_per_node", "domain_size", "nvlink_gbps_per_gpu", "nic_gbps_per_gpu",
-                "peak_bf16_tflops", "peak_fp8_tflops", "gpu_memory_gib"):
+                "peak_bf16_tflops", "peak_fp8_tflops", "gpu_memory_gib", "hbm_tbps"):
         if vals[key] <= 0:
             raise TopologyError(f"{where}: key {key!r} must be > 0, got {vals[key]}")
     for key in ("latency_nvlink_us", "latency_network_us"):

@@ -1,0 +1,143 @@
+"""The step-time prediction of ``make plan`` (``topology.steptime``, ``topology.compute``):
+the FLOP split adds up, each term moves the way its input says, the plan prints it with the
+published figure, and a bad compute file is one line, exit 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_train import config
+from moe_train.model import flops
+from topology import compute, presets, steptime
+from topology.plan import make_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+V3 = ("gb200-nvl72", 64, "deepseek-v3", 64)
+
+
+def plan(*overrides: str, job=V3, **kw):
+    return make_plan(*job, overrides=tuple(overrides), **kw)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "topology", "plan", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_flop_kinds_sum_to_the_model_flops():
+    for name in ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b", "tiny"):
+        cfg = config.load_preset(name)
+        kinds = steptime.flops_by_kind(cfg)
+        assert sum(kinds.values()) == pytest.approx(flops.train_flops_per_token(cfg), rel=1e-9)
+        assert min(kinds.values()) >= 0
+
+
+def test_the_step_is_the_sum_of_its_terms():
+    st = plan().step
+    parts = sum(st.compute_s.values()) + st.a2a_exposed_s + st.fsdp_exposed_s + st.optimizer_s
+    assert st.step_s == pytest.approx(parts)
+    assert st.tokens_per_s == pytest.approx(st.inputs["tokens_per_gpu"] / st.step_s)
+    assert st.mfu == pytest.approx(st.model_tflops / st.peak_tflops)
+
+
+def test_chunks_hide_all_to_all_under_the_expert_gemms():
+    one, four = plan().step, plan("moe.chunks=4").step
+    assert four.a2a_exposed_s < one.a2a_exposed_s == pytest.approx(one.a2a_s)
+    assert four.a2a_s >= one.a2a_s  # more, smaller collectives: more latency terms
+
+
+def test_fp8_matmuls_shorten_the_gemms_and_use_the_fp8_peak():
+    bf16, fp8 = plan().step, plan("precision.compute=fp8").step
+    assert fp8.compute_s["experts"] < bf16.compute_s["experts"]
+    assert fp8.compute_s["scores"] == pytest.approx(bf16.compute_s["scores"])  # stays bf16
+    assert (bf16.peak_tflops, fp8.peak_tflops) == (2500, 5000)
+
+
+def test_fsdp_traffic_grows_with_micro_batches():
+    few = plan("train.micro_batch_size=0", "train.micro_batches=4").step
+    many = plan("train.micro_batch_size=0", "train.micro_batches=8").step
+    assert many.fsdp_s == pytest.approx(2 * few.fsdp_s)
+
+
+def test_full_remat_recomputes_a_forward_and_its_all_to_alls():
+    none, full = plan("train.remat=none").step, plan("train.remat=full").step
+    assert full.compute_s["experts"] == pytest.approx(none.compute_s["experts"] * 4 / 3)
+    assert (none.inputs["a2a_per_moe_layer"], full.inputs["a2a_per_moe_layer"]) == (4, 6)
+
+
+def test_better_efficiency_is_a_shorter_step(tmp_path):
+    text = compute.DEFAULTS.read_text().replace("gemm_efficiency = 0.80",
+                                                "gemm_efficiency = 1.0")
+    (tmp_path / "c.toml").write_text(text)
+    one = ("train.micro_batch_size=0", "train.micro_batches=1")  # compute-bound: FSDP hides
+    assert plan(*one, compute=str(tmp_path / "c.toml")).step.step_s < plan(*one).step.step_s
+
+
+def test_fp32_compute_has_no_prediction():
+    assert plan("precision.compute=fp32").step is None
+
+
+def test_each_shipped_efficiency_says_where_it_came_from():
+    eff = compute.load()
+    assert set(eff.source) == set(compute.FIELDS) and all(eff.source.values())
+
+
+def test_json_carries_every_input_and_the_anchor():
+    r = cli("--preset", "gb200-nvl72", "--nodes", "64", "--model", "deepseek-v3", "--ep", "64",
+            "--json")
+    out = json.loads(r.stdout)
+    st = out["step"]
+    assert set(st["inputs"]["efficiency"]) == set(compute.FIELDS)
+    assert {"tokens_per_s", "model_tflops", "mfu", "peak_tflops", "comm_share"} <= set(st)
+    assert out["anchors"][0]["tflops_per_gpu"] == 1276
+
+
+def test_human_output_prints_the_prediction_beside_the_published_figure():
+    r = cli("--preset", "gb200-nvl72", "--nodes", "64", "--model", "deepseek-v3", "--ep", "64")
+    assert "model TFLOP/s/GPU, MFU" in r.stdout
+    assert "published: 4,912 tokens/s/GPU, 1,276" in r.stdout
+
+
+def test_set_overrides_reach_the_prediction():
+    r = cli("--preset", "gb200-nvl72", "--nodes", "64", "--model", "deepseek-v3", "--ep", "64",
+            "--set", "moe.chunks=4", "--json")
+    assert json.loads(r.stdout)["step"]["inputs"]["chunks"] == 4
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda t: t.replace("hbm_efficiency = 0.90", "hbm_efficiency = -0.9"),
+     "compute.hbm_efficiency must be a number in (0, 1]"),
+    (lambda t: t.replace("attention_efficiency = 0.40", ""),
+     "missing key compute.attention_efficiency"),
+    (lambda t: t.replace("[compute]\n", "[compute]\nflops_fudge = 2\n"),
+     "unknown key compute.flops_fudge"),
+    (lambda t: t.replace("gemm_efficiency = 0.80", 'gemm_efficiency = "fast"'), "gemm_efficiency"),
+    (lambda t: "[compute\n", "not valid TOML"),
+])
+def test_a_bad_compute_file_is_one_line_exit_2(tmp_path, edit, needle):
+    path = tmp_path / "c.toml"
+    path.write_text(edit(compute.DEFAULTS.read_text()))
+    r = cli("--preset", "h100-dgx", "--nodes", "1", "--model", "tiny", "--ep", "8",
+            "--compute", str(path))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and r.stdout == "" and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_every_preset_has_its_memory_bandwidth():
+    for name in presets.list_presets():
+        assert presets.load(name).hbm_bytes_per_s > 0
+
+
+def test_published_anchors_name_real_presets():
+    found = compute.anchors("deepseek-v3", "gb200-nvl72") + compute.anchors("qwen3-30b-a3b",
+                                                                             "h100-dgx")
+    assert len(found) == 2
+    for a in found:
+        assert a.preset in presets.list_presets() and a.model in config.list_presets()
+        assert dataclasses.asdict(a)["source"]

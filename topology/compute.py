@@ -1,0 +1,85 @@
+"""Compute calibration: how much of a GPU's peak each kind of work reaches, and the published
+throughput figures the step-time prediction is compared with.
+
+A compute file is TOML with a ``[compute]`` table of the fields of ``Compute`` (each a number
+in (0, 1]) and a ``[compute.source]`` table saying where each came from. The shipped defaults
+are ``topology/compute.toml``; ``python -m topology plan --compute FILE`` takes another (one
+``make gpu-check`` writes from its measurements). A missing, unknown, non-numeric or
+out-of-range field is a ``TopologyError`` naming the file and the key.
+
+``anchors(model, preset)``: the published figures (``topology/anchors.toml``) for a model
+preset on a cluster preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Mapping
+
+from topology.presets import TopologyError, read_toml
+
+DEFAULTS = Path(__file__).with_name("compute.toml")
+ANCHORS = Path(__file__).with_name("anchors.toml")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """Shares of the peaks reached, each in (0, 1]."""
+
+    gemm_efficiency: float  # dense bf16 GEMMs, of the bf16 peak
+    grouped_gemm_efficiency: float  # routed experts' grouped GEMMs, of the bf16 peak
+    fp8_gemm_efficiency: float  # fp8 GEMMs (dense and grouped), of the fp8 peak
+    attention_efficiency: float  # attention scores forward + backward, of the bf16 peak
+    hbm_efficiency: float  # optimizer / accumulation memory traffic, of HBM bandwidth
+    collective_overlap: float  # share of FSDP collective time hidden under compute
+    source: Mapping[str, str]  # field -> where its value comes from
+    path: str  # the file it was read from
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Compute) if f.name not in ("source", "path"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Anchor:
+    """One published training throughput."""
+
+    model: str  # model preset it corresponds to
+    preset: str  # cluster preset of the system
+    gpus: int  # GPUs of the published job
+    precision: str  # as published (FP8, MXFP8, BF16)
+    layout: str  # the published parallel layout ("" when not given)
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    source: str
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Compute:
+    """The compute calibration at ``path`` (None: the shipped defaults), checked."""
+    p = Path(path) if path is not None else DEFAULTS
+    if not p.is_file():
+        raise TopologyError(f"compute file {str(p)!r} does not exist")
+    table = read_toml(p, TopologyError).get("compute")
+    if not isinstance(table, dict):
+        raise TopologyError(f"{p}: no [compute] table (fields: {', '.join(FIELDS)})")
+    source = table.get("source", {})
+    values = {k: v for k, v in table.items() if k != "source"}
+    for key in sorted(set(values) - set(FIELDS)):
+        raise TopologyError(f"{p}: unknown key compute.{key}; valid keys: {', '.join(FIELDS)}")
+    for key in FIELDS:
+        value = values.get(key)
+        if value is None:
+            raise TopologyError(f"{p}: missing key compute.{key}; required keys: "
+                                f"{', '.join(FIELDS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise TopologyError(f"{p}: compute.{key} must be a number in (0, 1], got {value!r}")
+    if not isinstance(source, dict) or not all(isinstance(v, str) for v in source.values()):
+        raise TopologyError(f"{p}: [compute.source] must map each field to a string")
+    return Compute(**{k: float(values[k]) for k in FIELDS}, source=dict(source), path=str(p))
+
+
+def anchors(model: str, preset: str) -> list[Anchor]:
+    """The published figures for ``model`` on ``preset`` (possibly none)."""
+    rows = read_toml(ANCHORS, TopologyError).get("anchor", [])
+    return [Anchor(**r) for r in rows if r["model"] == model and r["preset"] == preset]

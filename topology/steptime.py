@@ -1,0 +1,218 @@
+"""Predicted step time, tokens/s, model TFLOP/s and MFU of a training job, per GPU.
+
+Inputs: the resolved model config (``moe_train.config``, after ``--set``), the cluster preset,
+the job's size and EP layout, one planned all-to-all (``topology.cost.Breakdown``) and a
+compute calibration (``topology.compute``). Every input and every term is in ``StepTime`` and
+``as_json``. Letters: T tokens per GPU per step, n micro-batches, c = ``moe.chunks``, P EP
+size, Q data-parallel (FSDP) size, N GPUs, b bytes per element of the matmul inputs.
+
+Model FLOPs per token are ``moe_train.model.flops`` (forward x 3), split into attention
+projections, attention scores, the routed experts' grouped GEMMs, the output heads and the
+rest (dense MLPs, shared experts, routers, MTP projections). ``train.remat`` adds the
+recomputed forward work (``RECOMPUTE``) to the hardware FLOPs, not to the model FLOPs.
+
+    compute  = sum over kinds of T * flops / (peak * efficiency)
+               (fp8: GEMMs at the fp8 peak x fp8_gemm_efficiency; attention scores stay bf16)
+    a2a      = MoE layers x a2as per layer x (n x c x latency + T's bytes / bandwidth)
+    exposed  = max(0, a2a - G) + min(a2a, G) / c     G: the grouped and shared-expert GEMMs
+               (chunk i's exchange runs under chunk i-1's GEMMs; c = 1 hides nothing)
+    fsdp     = n x (gathers x weights' b bytes + one reduce-scatter) x (S-1)/S / link
+               (non-expert weights over all N GPUs, expert weights over Q; the link is the
+               network when the group spans NVLink domains)
+    exposed  = (1 - overlap) x fsdp + max(0, overlap x fsdp - compute)
+    optimizer= params per GPU x (28 B AdamW + 12 B per extra micro-batch) / (HBM x eff)
+    step     = compute + exposed a2a + exposed fsdp + optimizer
+
+Throughput is T / step; model TFLOP/s is model FLOPs x T / step; MFU divides that by the
+dense peak of ``precision.compute`` (the trainer's definition: fp8 runs against the fp8
+peak). Routing is assumed balanced (the cost model's uniform routing). fp32 compute has no
+single peak (TF32 or FP32): no prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from moe_train.config import Config, moe_layer_count
+from moe_train.model import flops
+from topology import compute as compute_calibration, cost
+from topology.compute import Compute
+from topology.presets import Cluster
+
+ADAMW_BYTES = 28  # fp32 param, grad, m, v read; param, m, v written
+ACCUMULATE_BYTES = 12  # per extra micro-batch: read the sum and the new gradient, write the sum
+# train.remat -> (recompute factor per kind, all-to-alls per MoE layer, weight all-gathers per
+# micro-batch); 4/3 = one more forward on top of forward + backward.
+RECOMPUTE = {
+    "none": ({}, 4, 2),
+    "full": ({"attn_proj": 4 / 3, "scores": 4 / 3, "experts": 4 / 3, "other": 4 / 3}, 6, 3),
+    "matmuls": ({"scores": 4 / 3, "experts": 4 / 3}, 6, 3),
+    "moe": ({"attn_proj": 4 / 3, "scores": 4 / 3}, 4, 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """The job the prediction is for."""
+
+    gpus: int  # N
+    ep: int  # P
+    dp: int  # Q = N / P
+    tokens_per_gpu: int  # T per step
+    a2a: cost.Breakdown  # one planned dispatch (or combine) over T tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """One step on one GPU, in seconds, with what it is made of."""
+
+    flops_per_token: dict[str, float]  # model FLOPs (forward + backward) per kind
+    compute_s: dict[str, float]  # per kind, recomputation included
+    a2a_s: float  # all-to-all time, none hidden
+    a2a_exposed_s: float  # what the chunked overlap does not hide
+    fsdp_s: float  # FSDP all-gathers and reduce-scatters, none hidden
+    fsdp_exposed_s: float
+    optimizer_s: float
+    step_s: float
+    tokens_per_s: float  # per GPU
+    model_tflops: float  # per GPU
+    peak_tflops: float  # the dense peak MFU is taken against
+    mfu: float
+    inputs: dict[str, Any]  # everything the numbers came from
+
+    @property
+    def comm_exposed_s(self) -> float:
+        return self.a2a_exposed_s + self.fsdp_exposed_s
+
+    @property
+    def comm_share(self) -> float:
+        """Exposed communication over the step."""
+        return self.comm_exposed_s / self.step_s
+
+
+def flops_by_kind(cfg: Config) -> dict[str, float]:
+    """Model FLOPs per token, forward + backward, by kind (they sum to
+    ``flops.train_flops_per_token``)."""
+    m, e = cfg.model, cfg.moe
+    counts = flops.param_counts(cfg)
+    forward = flops.forward_flops_per_token(cfg)
+    moe_layers = m.num_layers - m.first_dense_layers
+    expert_blocks = moe_layers + (m.mtp_depth if moe_layers else 0)
+    kinds = {
+        "experts": 2.0 * e.top_k * 3 * m.hidden * e.expert_ffn * expert_blocks,
+        "scores": flops.attention_flops_per_token(cfg),
+        "heads": 2.0 * m.hidden * m.vocab_size * (1 + m.mtp_depth),
+        "attn_proj": 2.0 * flops.attention_params(m)[0] * (m.num_layers + m.mtp_depth),
+    }
+    kinds["other"] = forward - sum(kinds.values())
+    assert kinds["other"] > -1e-6 * forward, (counts, kinds)
+    return {k: 3.0 * max(v, 0.0) for k, v in kinds.items()}
+
+
+def _compute_s(cfg: Config, cluster: Cluster, eff: Compute, T: int) -> dict[str, float]:
+    recompute = RECOMPUTE[cfg.train.remat][0]
+    fp8 = cfg.precision.compute == "fp8"
+    gemm = (cluster.peak_fp8_flops * eff.fp8_gemm_efficiency if fp8
+            else cluster.peak_bf16_flops * eff.gemm_efficiency)
+    grouped = (cluster.peak_fp8_flops * eff.fp8_gemm_efficiency if fp8
+               else cluster.peak_bf16_flops * eff.grouped_gemm_efficiency)
+    rate = {"experts": grouped, "scores": cluster.peak_bf16_flops * eff.attention_efficiency,
+            "heads": gemm, "attn_proj": gemm, "other": gemm}
+    return {k: T * f * recompute.get(k, 1.0) / rate[k] for k, f in flops_by_kind(cfg).items()}
+
+
+def _shared_expert_s(cfg: Config, compute: dict[str, float]) -> float:
+    """The shared experts' part of ``other``: it overlaps the dispatch too."""
+    m, e = cfg.model, cfg.moe
+    per_token = 3 * 2.0 * 3 * m.hidden * e.num_shared_experts * (e.shared_ffn or e.expert_ffn)
+    per_token *= m.num_layers - m.first_dense_layers
+    other = flops_by_kind(cfg)["other"]
+    return compute["other"] * per_token / other if other else 0.0
+
+
+def _a2a(cfg: Config, job: Job, compute: dict[str, float]) -> tuple[float, float]:
+    """(all-to-all seconds, exposed seconds) per step."""
+    layers = moe_layer_count(cfg.model)
+    if job.ep <= 1 or not layers:
+        return 0.0, 0.0
+    per_layer = RECOMPUTE[cfg.train.remat][1]
+    n, c = cfg.train.micro_batches, cfg.moe.chunks
+    transfer = job.a2a.total_s - job.a2a.latency_s
+    total = layers * per_layer * (n * c * job.a2a.latency_s + transfer)
+    hide = compute["experts"] + _shared_expert_s(cfg, compute)
+    return total, max(0.0, total - hide) + min(total, hide) / c
+
+
+def _link(cluster: Cluster, span: int) -> float:
+    """Achieved bytes/s per GPU of a collective over ``span`` consecutive GPUs."""
+    if span > cluster.domain_size:
+        return cluster.eta_network * cluster.nic_gbps_per_gpu * cost.GB
+    return cluster.eta_nvlink * cluster.nvlink_gbps_per_gpu * cost.GB
+
+
+def weights(cfg: Config) -> tuple[float, float]:
+    """(non-expert, routed-expert) parameters, MTP included."""
+    c = flops.param_counts(cfg)
+    experts = c["routed_experts"] + c["mtp_routed_experts"]
+    return c["total_with_mtp"] - experts, experts
+
+
+def _fsdp_s(cfg: Config, cluster: Cluster, job: Job) -> float:
+    dense, experts = weights(cfg)
+    b = 4 if cfg.precision.compute == "fp32" else 2
+    moves = RECOMPUTE[cfg.train.remat][2] + 1  # the all-gathers, then one reduce-scatter
+    s = cfg.train.micro_batches * moves * b
+    t = dense * (job.gpus - 1) / job.gpus / _link(cluster, job.gpus) if job.gpus > 1 else 0.0
+    if job.dp > 1:
+        t += experts / job.ep * (job.dp - 1) / job.dp / _link(cluster, job.gpus)
+    return s * t
+
+
+def _optimizer_s(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> float:
+    dense, experts = weights(cfg)
+    per_gpu = dense / job.gpus + experts / job.gpus
+    traffic = ADAMW_BYTES + ACCUMULATE_BYTES * (cfg.train.micro_batches - 1)
+    return per_gpu * traffic / (cluster.hbm_bytes_per_s * eff.hbm_efficiency)
+
+
+def predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> StepTime | None:
+    """The step of ``cfg`` as ``job`` on ``cluster``; None for fp32 compute (no peak)."""
+    if cfg.precision.compute == "fp32":
+        return None
+    compute = _compute_s(cfg, cluster, eff, job.tokens_per_gpu)
+    busy = sum(compute.values())
+    a2a, a2a_exposed = _a2a(cfg, job, compute)
+    fsdp = _fsdp_s(cfg, cluster, job)
+    fsdp_exposed = (1 - eff.collective_overlap) * fsdp + max(0.0, eff.collective_overlap * fsdp
+                                                              - busy)
+    optimizer = _optimizer_s(cfg, cluster, eff, job)
+    step = busy + a2a_exposed + fsdp_exposed + optimizer
+    model_flops = flops.train_flops_per_token(cfg) * job.tokens_per_gpu
+    peak = cluster.peak_fp8_flops if cfg.precision.compute == "fp8" else cluster.peak_bf16_flops
+    inputs = {"gpus": job.gpus, "ep": job.ep, "dp": job.dp, "tokens_per_gpu": job.tokens_per_gpu,
+              "micro_batches": cfg.train.micro_batches, "chunks": cfg.moe.chunks,
+              "remat": cfg.train.remat, "compute": cfg.precision.compute,
+              "moe_layers": moe_layer_count(cfg.model),
+              "a2a_per_moe_layer": RECOMPUTE[cfg.train.remat][1],
+              "a2a_latency_s": job.a2a.latency_s,
+              "a2a_transfer_s": job.a2a.total_s - job.a2a.latency_s,
+              "params_non_expert": weights(cfg)[0], "params_expert": weights(cfg)[1],
+              "peak_bf16_tflops": cluster.peak_bf16_flops / 1e12,
+              "peak_fp8_tflops": cluster.peak_fp8_flops / 1e12,
+              "hbm_tbps": cluster.hbm_bytes_per_s / 1e12,
+              "compute_file": eff.path,
+              "efficiency": {k: getattr(eff, k) for k in compute_calibration.FIELDS},
+              "efficiency_source": dict(eff.source)}
+    return StepTime(flops_per_token=flops_by_kind(cfg), compute_s=compute, a2a_s=a2a,
+                    a2a_exposed_s=a2a_exposed, fsdp_s=fsdp, fsdp_exposed_s=fsdp_exposed,
+                    optimizer_s=optimizer, step_s=step,
+                    tokens_per_s=job.tokens_per_gpu / step, model_tflops=model_flops / step / 1e12,
+                    peak_tflops=peak / 1e12, mfu=model_flops / step / peak, inputs=inputs)
+
+
+def as_json(st: StepTime) -> dict[str, Any]:
+    """The prediction as plain JSON values (seconds per step per GPU)."""
+    out = dataclasses.asdict(st)
+    out["comm_exposed_s"], out["comm_share"] = st.comm_exposed_s, st.comm_share
+    return out
