@@ -52,6 +52,16 @@ def test_chunks_hide_all_to_all_under_the_expert_gemms():
     assert four.a2a_s >= one.a2a_s  # more, smaller collectives: more latency terms
 
 
+def test_fp8_dispatch_halves_the_forward_dispatch_bytes():
+    bf16, fp8 = plan("train.remat=none").step, plan("train.remat=none",
+                                                    "moe.dispatch_dtype=fp8").step
+    moved = bf16.inputs["a2a_transfer_s"] * bf16.inputs["moe_layers"]
+    saved = moved * (1 - steptime.fp8_row_ratio(7168))  # one of the four all-to-alls
+    assert bf16.a2a_s - fp8.a2a_s == pytest.approx(saved)
+    assert fp8.inputs["fp8_dispatches"] == 1
+    assert plan("train.remat=full", "moe.dispatch_dtype=fp8").step.inputs["fp8_dispatches"] == 2
+
+
 def test_fp8_matmuls_shorten_the_gemms_and_use_the_fp8_peak():
     bf16, fp8 = plan().step, plan("precision.compute=fp8").step
     assert fp8.compute_s["experts"] < bf16.compute_s["experts"]

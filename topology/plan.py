@@ -311,7 +311,8 @@ def _step_lines(plan: Plan) -> list[str]:
         f"  compute     {sum(c.values()):9.3f} s  "
         + ", ".join(f"{names[k]} {v:.3f}" for k, v in c.items()),
         f"  all-to-all  {st.a2a_s:9.3f} s  {st.a2a_exposed_s:.3f} exposed ({hidden}; "
-        f"{i['a2a_per_moe_layer']} per MoE layer)",
+        f"{i['a2a_per_moe_layer']} per MoE layer"
+        + (f", {i['fp8_dispatches']} of them fp8 dispatches)" if i["fp8_dispatches"] else ")"),
         f"  FSDP        {st.fsdp_s:9.3f} s  {st.fsdp_exposed_s:.3f} exposed (weights gathered "
         f"per micro-batch; {i['efficiency']['collective_overlap']:.0%} overlappable)",
         f"  optimizer   {st.optimizer_s:9.3f} s",

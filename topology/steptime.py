@@ -14,6 +14,8 @@ recomputed forward work (``RECOMPUTE``) to the hardware FLOPs, not to the model 
     compute  = sum over kinds of T * flops / (peak * efficiency)
                (fp8: GEMMs at the fp8 peak x fp8_gemm_efficiency; attention scores stay bf16)
     a2a      = MoE layers x a2as per layer x (n x c x latency + T's bytes / bandwidth)
+               (``moe.dispatch_dtype=fp8``: the forward dispatch, and its recomputation,
+               moves (H + 4) / 2H of the bf16 bytes)
     exposed  = max(0, a2a - G) + min(a2a, G) / c     G: the grouped and shared-expert GEMMs
                (chunk i's exchange runs under chunk i-1's GEMMs; c = 1 hides nothing)
     fsdp     = n x (gathers x weights' b bytes + one reduce-scatter) x (S-1)/S / link
@@ -138,10 +140,25 @@ def _a2a(cfg: Config, job: Job, compute: dict[str, float]) -> tuple[float, float
         return 0.0, 0.0
     per_layer = RECOMPUTE[cfg.train.remat][1]
     n, c = cfg.train.micro_batches, cfg.moe.chunks
-    transfer = job.a2a.total_s - job.a2a.latency_s
-    total = layers * per_layer * (n * c * job.a2a.latency_s + transfer)
+    transfer = job.a2a.total_s - job.a2a.latency_s  # of bf16 rows
+    fp8 = fp8_dispatches(cfg)
+    rows = per_layer - fp8 + fp8 * fp8_row_ratio(cfg.model.hidden)
+    total = layers * (per_layer * n * c * job.a2a.latency_s + rows * transfer)
     hide = compute["experts"] + _shared_expert_s(cfg, compute)
     return total, max(0.0, total - hide) + min(total, hide) / c
+
+
+def fp8_dispatches(cfg: Config) -> int:
+    """How many of a MoE layer's all-to-alls send fp8 rows: the forward dispatch, and its
+    recomputation under remat; combines and gradients stay bf16."""
+    if cfg.moe.dispatch_dtype != "fp8":
+        return 0
+    return 2 if RECOMPUTE[cfg.train.remat][1] > 4 else 1
+
+
+def fp8_row_ratio(hidden: int) -> float:
+    """Bytes of an fp8 row (one byte per element + a 4-byte scale) over a bf16 row's."""
+    return (hidden + 4) / (2 * hidden)
 
 
 def _link(cluster: Cluster, span: int) -> float:
@@ -192,6 +209,7 @@ def predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> StepTime |
     peak = cluster.peak_fp8_flops if cfg.precision.compute == "fp8" else cluster.peak_bf16_flops
     inputs = {"gpus": job.gpus, "ep": job.ep, "dp": job.dp, "tokens_per_gpu": job.tokens_per_gpu,
               "micro_batches": cfg.train.micro_batches, "chunks": cfg.moe.chunks,
+              "dispatch_dtype": cfg.moe.dispatch_dtype, "fp8_dispatches": fp8_dispatches(cfg),
               "remat": cfg.train.remat, "compute": cfg.precision.compute,
               "moe_layers": moe_layer_count(cfg.model),
               "a2a_per_moe_layer": RECOMPUTE[cfg.train.remat][1],

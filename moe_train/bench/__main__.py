@@ -4,10 +4,11 @@ Runs the benchmark sections and saves ``OUT/<UTC timestamp>/results.{json,md}`` 
 Markdown is also printed). CPU runs (the default) run each group of sections in a child
 process with the JAX CPU devices it needs (``SECTION_DEVICES``): the grouped GEMM and layer
 comparisons on one device, as a single-device run sees them (XLA:CPU configured with 8 fake
-devices runs the tiled backend's loops about 1.4x slower), the expert-parallel and compile
-sections on 8 fake devices; the attention kernels, the compile time of scanned vs looped
-layers and the loss's memory against vocab on one (``--quick`` leaves those three out unless
-``--only`` names them). ``--gpu`` runs the GPU section on the default JAX backend
+devices runs the tiled backend's loops about 1.4x slower), the expert-parallel, overlap
+(``moe.chunks``, fp8 dispatch) and compile sections on 8 fake devices; the attention kernels,
+the compile time of scanned vs looped layers and the loss's memory against vocab on one
+(``--quick`` leaves those three and the overlap section out unless ``--only`` names them).
+``--gpu`` runs the GPU section on the default JAX backend
 (``--tiny``: toy sizes, so the GPU code path also runs on CPU). The process owns its JAX
 setup (set before any device is touched): run it in its own process.
 """
@@ -24,9 +25,9 @@ from pathlib import Path
 
 import jax
 
-CPU_SECTIONS = ("gemm", "layer", "ep", "compiles", "attention", "scan", "loss")
+CPU_SECTIONS = ("gemm", "layer", "ep", "overlap", "compiles", "attention", "scan", "loss")
 QUICK_SECTIONS = ("gemm", "layer", "ep", "compiles")  # --quick without --only
-SECTION_DEVICES = {"gemm": 1, "layer": 1, "ep": 8, "compiles": 8,
+SECTION_DEVICES = {"gemm": 1, "layer": 1, "ep": 8, "overlap": 8, "compiles": 8,
                    "attention": 1, "scan": 1, "loss": 1}  # JAX CPU devices per section
 
 
@@ -67,9 +68,10 @@ def run_sections(args) -> tuple[dict, list[str]]:
                              f"{jax.default_backend()!r}); --gpu --tiny runs the code path on CPU")
         sec = gpu.run(gpu.TINY if args.tiny else gpu.FULL)
         return {"gpu": sec}, [report.gpu_md(sec)]
-    from moe_train.bench import attention, compiles, ep, gemm, layer, loss, scan
+    from moe_train.bench import attention, compiles, ep, gemm, layer, loss, overlap, scan
     modules = {"gemm": (gemm, report.gemm_md), "layer": (layer, report.layer_md),
-               "ep": (ep, None), "compiles": (compiles, report.compiles_md),
+               "ep": (ep, None), "overlap": (overlap, None),
+               "compiles": (compiles, report.compiles_md),
                "attention": (attention, None), "scan": (scan, None), "loss": (loss, None)}
     sections, parts = {}, []
     for name in args.sections:

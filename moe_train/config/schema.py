@@ -12,6 +12,7 @@ import dataclasses
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BACKENDS = ("auto", "tiled", "ragged_dot", "mgpu", "te")
 DISPATCHERS = ("auto", "allgather", "a2a", "hierarchical")  # moe.dispatcher
+DISPATCH_DTYPES = ("activation", "fp8")  # moe.dispatch_dtype
 DATA_SOURCES = ("synthetic", "tokens", "bytes", "prepared")
 TOKEN_DTYPES = ("uint16", "uint32")
 DTYPES = ("float32", "bfloat16")
@@ -83,6 +84,7 @@ class MoEConfig:
     bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate*sign(mean-load); 0 off
     dispatcher: str = "auto"  # expert-parallel token exchange: auto | allgather | a2a | hierarchical
     chunks: int = 1  # split each rank's tokens into N chunks to overlap dispatch with GEMMs
+    dispatch_dtype: str = "activation"  # rows sent to other devices: activation (their own dtype) | fp8 (e4m3 + a per-row scale: half of bf16's bytes; combine and gradients stay unquantized)
     capacity_buckets: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # exchange buffers x balanced load; then worst
     bucket_step_down_after: int = 20  # steps of lower load before using the next smaller bucket
     capacity_factor: float = 0.0  # > 0: the GShard-style baseline for studies: each expert takes at most factor x the balanced share of the batch's assignments and drops the rest (dropped_tokens counts them); 0: dropless (this kit's path)
@@ -201,6 +203,7 @@ class Config:
 # parallel.coordinator, train.wandb_project, train.init_from)
 CHOICES: dict[str, tuple[str, ...]] = {
     "moe.score_function": SCORE_FUNCTIONS, "moe.backend": BACKENDS, "moe.dispatcher": DISPATCHERS,
+    "moe.dispatch_dtype": DISPATCH_DTYPES,
     "data.source": DATA_SOURCES, "data.token_dtype": TOKEN_DTYPES, "model.param_dtype": DTYPES,
     "model.attention": ATTENTION, "model.attention_kind": ATTENTION_KINDS,
     "train.remat": REMAT_POLICIES,

@@ -207,3 +207,4 @@ class EPPlan:
     ep: int  # expert-parallel size P
     capacity_factor: float | None = None  # buffer slots per pair, x balanced load; None: worst
     chunks: int = 1  # dispatch the tokens in this many sequential chunks
+    dispatch_dtype: str = "activation"  # rows sent as: activation | fp8 (moe.dispatch_dtype)

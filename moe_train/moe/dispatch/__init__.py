@@ -12,7 +12,9 @@ here (``Arrived``: rows, their local expert ids, and combine weights when the we
 runs here), ``combine`` sends the experts' outputs back and returns ``(y_TH, exchange
 stats)``. One file per dispatcher: ``local`` (P = 1: no exchange), ``allgather``, ``a2a``
 (flat all-to-all in capacity-bucketed slots), ``hierarchical`` (two stages, each token
-crosses the slow links once per remote domain). Exchange stats (``moe_train.moe.stats``):
+crosses the slow links once per remote domain). ``fp8``: ``send_rows``, the row exchange
+each of them uses for the dispatched activations, optionally as e4m3 with per-row scales
+(``moe.dispatch_dtype``). Exchange stats (``moe_train.moe.stats``):
 ``overflow`` (a pair needed more than C slots: the step must be rerun on a larger bucket),
 ``recv_rows``/``recv_slots``, ``max_pair_load`` and ``slow_rows``.
 """

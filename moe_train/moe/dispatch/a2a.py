@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.moe.dispatch import Arrived, Context, all_to_all, pack, pair_stats, unpack
+from moe_train.moe.dispatch.fp8 import send_rows
 from moe_train.moe.permute import weighted_sum
 from moe_train.parallel import jobplan
 from moe_train.parallel.sharding import EP_AXES, EXPERT_X
@@ -33,8 +34,8 @@ class A2A:
         with jax.named_scope("pack"):
             sent = pack(x_TH, experts_TK // L, experts_TK % L, P, stage.slots, L)
         recv_counts = all_to_all(sent.counts, EP_AXES)  # the small exchange first
-        arrived = Arrived(all_to_all(sent.x_RH, EP_AXES), all_to_all(sent.ids_R, EP_AXES)[:, None],
-                          None, x_TH.dtype)
+        rows = send_rows(lambda r: all_to_all(r, EP_AXES), sent.x_RH, self.ctx.plan.dispatch_dtype)
+        arrived = Arrived(rows, all_to_all(sent.ids_R, EP_AXES)[:, None], None, x_TH.dtype)
         domain = jax.lax.axis_index(EXPERT_X)
         stats = pair_stats(recv_counts, stage.slots, stage.balanced)
         stats["slow_rows"] = jnp.sum(experts_TK // L // self.ctx.domain_size != domain

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.moe.dispatch import Arrived, Context
+from moe_train.moe.dispatch.fp8 import send_rows
 from moe_train.moe.stats import exchange_stats
 from moe_train.parallel.sharding import EP_AXES
 
@@ -24,7 +25,8 @@ class AllGather:
     def dispatch(self, x_TH, weights_TK, experts_TK):
         L = self.ctx.local_experts
         rank = jax.lax.axis_index(EP_AXES)
-        x_AH = jax.lax.all_gather(x_TH, EP_AXES, tiled=True)
+        x_AH = send_rows(lambda r: jax.lax.all_gather(r, EP_AXES, tiled=True), x_TH,
+                         self.ctx.plan.dispatch_dtype)
         e_AK = jax.lax.all_gather(experts_TK, EP_AXES, tiled=True)
         w_AK = jax.lax.all_gather(weights_TK, EP_AXES, tiled=True)
         mine_AK = e_AK // L == rank

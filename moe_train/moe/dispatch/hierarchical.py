@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.moe.dispatch import Arrived, Context, all_to_all, pack, pair_stats, unpack
+from moe_train.moe.dispatch.fp8 import send_rows
 from moe_train.moe.permute import weighted_sum
 from moe_train.parallel import jobplan
 from moe_train.parallel.sharding import EXPERT, EXPERT_X
@@ -58,13 +59,15 @@ class Hierarchical:
                 x_TH, weights_TK, experts_TK, one.slots)
         recv_counts1 = all_to_all(need_TG.sum(axis=0).astype(jnp.int32), SLOW)
         r_e = all_to_all(send_e, SLOW)
-        r_x, r_w = all_to_all(send_x, SLOW), all_to_all(send_w, SLOW)
+        fp8 = self.ctx.plan.dispatch_dtype
+        r_x = send_rows(lambda r: all_to_all(r, SLOW), send_x, fp8)
+        r_w = all_to_all(send_w, SLOW)
         dest2 = jnp.where(r_e >= 0, (r_e // L) % D, D)
         with jax.named_scope("pack"):
             sent2 = pack(r_x, dest2, r_e % L, D, two.slots, L)
         recv_counts2 = all_to_all(sent2.counts, FAST)
-        arrived = Arrived(all_to_all(sent2.x_RH, FAST), all_to_all(sent2.ids_R, FAST)[:, None],
-                          None, x_TH.dtype)
+        rows = send_rows(lambda r: all_to_all(r, FAST), sent2.x_RH, fp8)
+        arrived = Arrived(rows, all_to_all(sent2.ids_R, FAST)[:, None], None, x_TH.dtype)
         stats = pair_stats(recv_counts2, two.slots, two.balanced)
         first = pair_stats(recv_counts1, one.slots, one.balanced)
         domain = jax.lax.axis_index(SLOW)
