@@ -201,3 +201,33 @@ def test_router_logits_are_fp32():
     x = jnp.ones((4, 8), jnp.bfloat16)
     logits = jax.jit(router_logits)(x, jnp.ones((8, 2), jnp.bfloat16))
     assert logits.dtype == jnp.float32
+
+
+# ---------------------------------------------------------------- forced balance (benchmarks)
+
+def test_balanced_routing_gives_every_expert_the_same_load_and_distinct_experts():
+    from moe_train.moe.router import balanced_experts
+
+    e_TK = np.asarray(balanced_experts(48, 3, 8))
+    assert all(len(set(row)) == 3 for row in e_TK)
+    np.testing.assert_array_equal(np.bincount(e_TK.reshape(-1), minlength=8), [18] * 8)
+
+
+def test_balanced_routing_weights_are_the_routers_scores_and_carry_its_gradient():
+    logits = jax.random.normal(jax.random.key(0), (16, 8))
+    r = Routing(2, balanced=True)
+    w, e, scores = route(logits, r)
+    want = np.take_along_axis(np.asarray(scores), np.asarray(e), axis=1)
+    np.testing.assert_allclose(w, want / want.sum(1, keepdims=True), rtol=1e-6)
+    g = jax.grad(lambda lg: jnp.sum(route(lg, r)[0] * jnp.arange(2.0)))(logits)
+    assert float(jnp.abs(g).sum()) > 0
+
+
+def test_balanced_routing_never_overflows_the_balanced_bucket():
+    from test_ep import mesh_for, operands, run_ep
+
+    from moe_train.parallel.jobplan import EPPlan
+
+    _, stats, _ = run_ep(mesh_for(8, 8), EPPlan("a2a", 8, 1.0), operands(), balanced=True)
+    assert not bool(stats.overflow)
+    np.testing.assert_array_equal(stats.tokens_per_expert, stats.tokens_per_expert[0])

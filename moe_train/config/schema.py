@@ -13,6 +13,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BACKENDS = ("auto", "tiled", "ragged_dot", "mgpu", "te")
 DISPATCHERS = ("auto", "allgather", "a2a", "hierarchical")  # moe.dispatcher
 DISPATCH_DTYPES = ("activation", "fp8")  # moe.dispatch_dtype
+ROUTERS = ("learned", "balanced")  # moe.router
 DATA_SOURCES = ("synthetic", "tokens", "bytes", "prepared")
 TOKEN_DTYPES = ("uint16", "uint32")
 DTYPES = ("float32", "bfloat16")
@@ -72,6 +73,7 @@ class MoEConfig:
     num_shared_experts: int = 0  # always-on shared experts (DeepSeek); 0 disables
     shared_ffn: int = 0  # hidden width of each shared expert; 0 means expert_ffn
     score_function: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3)
+    router: str = "learned"  # learned (top-k of the scores) | balanced (BENCHMARKS ONLY: token t takes experts (t*K + j) mod E, so every expert gets the same load, as published forced-balance figures are measured; the weights are still the router's scores, but the model does not learn to route)
     normalize_top_k: bool = True  # renormalise the chosen weights to sum to 1
     num_groups: int = 0  # expert groups for group-limited routing; 0 disables
     group_top_k: int = 0  # groups each token may use when num_groups > 0
@@ -203,7 +205,7 @@ class Config:
 # parallel.coordinator, train.wandb_project, train.init_from)
 CHOICES: dict[str, tuple[str, ...]] = {
     "moe.score_function": SCORE_FUNCTIONS, "moe.backend": BACKENDS, "moe.dispatcher": DISPATCHERS,
-    "moe.dispatch_dtype": DISPATCH_DTYPES,
+    "moe.dispatch_dtype": DISPATCH_DTYPES, "moe.router": ROUTERS,
     "data.source": DATA_SOURCES, "data.token_dtype": TOKEN_DTYPES, "model.param_dtype": DTYPES,
     "model.attention": ATTENTION, "model.attention_kind": ATTENTION_KINDS,
     "train.remat": REMAT_POLICIES,

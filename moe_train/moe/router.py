@@ -30,12 +30,13 @@ class Routing:
     num_groups: int = 0  # group-limited routing over this many groups of experts; 0: off
     group_top_k: int = 0  # groups a token may choose experts from (with num_groups)
     routed_scaling: float = 1.0  # factor applied to the final combine weights
+    balanced: bool = False  # forced balance (benchmarks): token t takes experts (t*K + j) mod E
 
     @classmethod
     def of(cls, moe: Any) -> "Routing":
         """The routing of a ``moe_train.config.MoEConfig``."""
         return cls(moe.top_k, moe.score_function, moe.normalize_top_k, moe.num_groups,
-                   moe.group_top_k, moe.routed_scaling)
+                   moe.group_top_k, moe.routed_scaling, moe.router == "balanced")
 
 
 def router_logits(x_TH: jax.Array, gate_kernel_HE: jax.Array) -> jax.Array:
@@ -84,7 +85,8 @@ def route(logits_TE: jax.Array, routing: Routing, expert_bias: jax.Array | None 
 
     Returns:
       (weights_TK fp32, experts_TK int32, scores_TE fp32). Experts are ordered by decreasing
-      choice value; ties go to the lowest index (jax.lax.top_k).
+      choice value; ties go to the lowest index (jax.lax.top_k). ``routing.balanced`` ignores
+      the scores for choosing (``balanced_experts``) and the groups and bias with them.
     """
     r = routing
     top_k, num_groups, group_top_k = r.top_k, r.num_groups, r.group_top_k
@@ -102,12 +104,23 @@ def route(logits_TE: jax.Array, routing: Routing, expert_bias: jax.Array | None 
         if top_k > group_top_k * (E // num_groups):
             raise ValueError(f"top_k={top_k} exceeds the experts in {group_top_k} groups")
         choice_TE = _limit_groups(choice_TE, num_groups, group_top_k)
-    _, experts_TK = jax.lax.top_k(choice_TE, top_k)
-    experts_TK = experts_TK.astype(jnp.int32)
+    if r.balanced:  # + a zero computed from the logits: varies over the mesh axes as they do
+        zero_T1 = (jax.lax.stop_gradient(logits_TE[:, :1]) > jnp.inf).astype(jnp.int32)
+        experts_TK = balanced_experts(T, top_k, E) + zero_T1
+    else:
+        experts_TK = jax.lax.top_k(choice_TE, top_k)[1].astype(jnp.int32)
     weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
     if r.normalize_top_k:
         weights_TK = weights_TK / (weights_TK.sum(axis=-1, keepdims=True) + 1e-20)
     return weights_TK * r.routed_scaling, experts_TK, scores_TE
+
+
+def balanced_experts(T: int, top_k: int, num_experts: int) -> jax.Array:
+    """Forced-balance choice [T, K]: token t takes experts (t*K + j) mod E, j < K: distinct
+    experts per token, and every expert T*K/E tokens when E divides T*K (inside ``shard_map``
+    per shard, so also per EP pair)."""
+    t_T1, j_1K = jnp.arange(T, dtype=jnp.int32)[:, None], jnp.arange(top_k, dtype=jnp.int32)
+    return (t_T1 * top_k + j_1K) % num_experts
 
 
 def expert_counts(experts_TK: jax.Array, num_experts: int) -> jax.Array:

@@ -103,6 +103,9 @@ def _write_run_files(cfg: Config, out_dir: Path, plan: layout.Layout, kernels: d
         log(f"layout: {line}")
     for line in plan.warnings:
         log(f"WARNING: {line}")
+    if cfg.moe.router == "balanced":
+        log("WARNING: moe.router=balanced: forced-balance routing, for benchmarks only (the "
+            "experts are chosen by token position, not learned)")
     if jax.process_index() != 0:
         return
     save_json(cfg, out_dir / "config.json")
