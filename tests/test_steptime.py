@@ -52,6 +52,13 @@ def test_chunks_hide_all_to_all_under_the_expert_gemms():
     assert four.a2a_s >= one.a2a_s  # more, smaller collectives: more latency terms
 
 
+def test_the_planner_chooses_the_chunks_that_hide_the_all_to_all():
+    st = plan("train.micro_batch_size=0", "train.micro_batches=1").step
+    assert set(st.by_chunks) == set(steptime.CHUNK_CHOICES)
+    assert st.best_chunks > 1 and st.by_chunks[st.best_chunks] < st.by_chunks[1]
+    assert st.by_chunks[1] == pytest.approx(st.step_s)  # the preset's own moe.chunks=1
+
+
 def test_fp8_dispatch_halves_the_forward_dispatch_bytes():
     bf16, fp8 = plan("train.remat=none").step, plan("train.remat=none",
                                                     "moe.dispatch_dtype=fp8").step

@@ -320,6 +320,8 @@ def _step_lines(plan: Plan) -> list[str]:
         f"{st.model_tflops:,.0f} model TFLOP/s/GPU, MFU {st.mfu:.1%} of the dense "
         f"{i['compute']} peak {st.peak_tflops:,.0f} TFLOP/s",
         f"  exposed communication: {st.comm_share:.1%} of the step",
+        f"  moe.chunks: {st.best_chunks} is the planner's choice (step s by chunks: "
+        + ", ".join(f"{c}: {s:.3f}" for c, s in st.by_chunks.items()) + ")",
     ]
     for a in plan.anchors:
         lines.append(f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "

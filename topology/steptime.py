@@ -82,6 +82,8 @@ class StepTime:
     peak_tflops: float  # the dense peak MFU is taken against
     mfu: float
     inputs: dict[str, Any]  # everything the numbers came from
+    by_chunks: dict[int, float]  # predicted step seconds for each moe.chunks that fits
+    best_chunks: int  # the fewest chunks within 1% of the shortest of them
 
     @property
     def comm_exposed_s(self) -> float:
@@ -193,10 +195,24 @@ def _optimizer_s(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> float
     return per_gpu * traffic / (cluster.hbm_bytes_per_s * eff.hbm_efficiency)
 
 
+CHUNK_CHOICES = (1, 2, 4, 8)
+
+
 def predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> StepTime | None:
-    """The step of ``cfg`` as ``job`` on ``cluster``; None for fp32 compute (no peak)."""
+    """The step of ``cfg`` as ``job`` on ``cluster``, with the step for each ``moe.chunks``
+    that divides a micro-batch's tokens; None for fp32 compute (no peak)."""
     if cfg.precision.compute == "fp32":
         return None
+    rows = job.tokens_per_gpu // cfg.train.micro_batches
+    by = {c: _predict(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, chunks=c)),
+                      cluster, eff, job, {}, 0).step_s
+          for c in CHUNK_CHOICES if rows % c == 0}
+    best = min(c for c, s in by.items() if s <= 1.01 * min(by.values())) if by else 1
+    return _predict(cfg, cluster, eff, job, by, best)
+
+
+def _predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job, by_chunks: dict[int, float],
+             best_chunks: int) -> StepTime:
     compute = _compute_s(cfg, cluster, eff, job.tokens_per_gpu)
     busy = sum(compute.values())
     a2a, a2a_exposed = _a2a(cfg, job, compute)
@@ -226,7 +242,8 @@ def predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> StepTime |
                     a2a_exposed_s=a2a_exposed, fsdp_s=fsdp, fsdp_exposed_s=fsdp_exposed,
                     optimizer_s=optimizer, step_s=step,
                     tokens_per_s=job.tokens_per_gpu / step, model_tflops=model_flops / step / 1e12,
-                    peak_tflops=peak / 1e12, mfu=model_flops / step / peak, inputs=inputs)
+                    peak_tflops=peak / 1e12, mfu=model_flops / step / peak, inputs=inputs,
+                    by_chunks=by_chunks, best_chunks=best_chunks)
 
 
 def as_json(st: StepTime) -> dict[str, Any]:
