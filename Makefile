@@ -28,6 +28,9 @@ export MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT RUN
 RUN_ARGS := set -f; set --; for s in $$SET; do set -- "$$@" --set "$$s"; done; [ -z "$$STEPS" ] || set -- "$$@" --steps "$$STEPS"
 # --ep only when EP is given (command line or environment), so SET='parallel.ep=N' works alone
 EP_ARG = $(if $(EP),--ep "$$EP")
+# make plan: a compute calibration (make gpu-check writes one) instead of topology/compute.toml
+COMPUTE ?=
+export COMPUTE
 
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
@@ -90,8 +93,8 @@ CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check: ## what works on this GPU node and how fast (CPU: toy sizes); runs/gpucheck/<UTC>/
 	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(CHECK_PYTHON) -m moe_train.gpucheck
 
-plan: $(STAMP) ## EP placement, predicted all-to-all and "will it fit?" for MODEL on NODES of PRESET
-	$(RUN_ARGS); $(PY) -m topology plan --preset "$$PRESET" --nodes "$$NODES" --model "$$MODEL" $(EP_ARG) "$$@"
+plan: $(STAMP) ## EP placement, predicted all-to-all and step time (COMPUTE=file), "will it fit?" for MODEL on NODES of PRESET
+	$(RUN_ARGS); $(PY) -m topology plan --preset "$$PRESET" --nodes "$$NODES" --model "$$MODEL" $(EP_ARG) $(if $(COMPUTE),--compute "$$COMPUTE") "$$@"
 	@echo
 	$(RUN_ARGS); $(PY) -m moe_train.memory --model "$$MODEL" --cluster "$$PRESET" --nodes "$$NODES" $(EP_ARG) "$$@"
 

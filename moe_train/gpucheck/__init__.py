@@ -17,6 +17,9 @@ did. Each section and each of its rows is PASS, FAIL or SKIP with a reason and n
   6 training      30 steps of tiny (and a few of small on a GPU) per runnable backend
   7 ep            expert parallelism over the devices present
   8 gpu_tests     the test suite's GPU-marked tests
+  9 compute       a compute calibration for ``make plan`` from the measured numbers
+                  (``<out>/compute.toml``: the dense GEMM's share of the bf16 peak, the grouped
+                  GEMM's from the gemm_speed ratio; ``topology.compute``)
 
 On a machine without a GPU the same command runs the sections that can run there at toy
 sizes (a few minutes, under budgets ``CPU_BUDGET_SCALE`` times the GPU ones: 2-core machines
@@ -48,6 +51,8 @@ class Context:
     device_count: int
     out_dir: Path  # this run's directory (runs/gpucheck/<UTC>)
     deadline: float  # time.perf_counter() after which no new row starts
+    device_kind: str = ""  # jax.devices()[0].device_kind
+    earlier: tuple[dict[str, Any], ...] = ()  # the results of the sections run before this one
 
     @property
     def on_gpu(self) -> bool:

@@ -11,12 +11,12 @@ from pathlib import Path
 from moe_train.gpucheck import Context, Section, budget_scale, failed, run_section, write
 
 SECTION_NAMES = ("env", "gemm_numerics", "gemm_speed", "attention", "fp8", "training", "ep",
-                 "gpu_tests")
+                 "gpu_tests", "compute")
 
 
 def sections() -> list[Section]:
-    """The sections in order, with their time budgets on a GPU (480 s together)."""
-    from moe_train.gpucheck import kernels, runs
+    """The sections in order, with their time budgets on a GPU (495 s together)."""
+    from moe_train.gpucheck import calibrate, kernels, runs
 
     return [Section("env", "Environment", 10, kernels.environment),
             Section("gemm_numerics", "Grouped GEMM numerics (bf16 vs fp32 reference)", 60,
@@ -26,7 +26,8 @@ def sections() -> list[Section]:
             Section("fp8", "fp8 projections and loss band", 70, kernels.fp8),
             Section("training", "Training per backend", 130, runs.training),
             Section("ep", "Expert parallelism", 65, runs.expert_parallel),
-            Section("gpu_tests", "GPU-marked tests", 55, runs.gpu_tests)]
+            Section("gpu_tests", "GPU-marked tests", 55, runs.gpu_tests),
+            Section("compute", "Compute calibration for make plan", 15, calibrate.section)]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -66,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     t0, scale = time.perf_counter(), budget_scale(platform)
     for sec in (s for s in sections() if s.name in args.only):
         print(f"[gpu-check] {sec.name}: {sec.title} (budget {sec.budget_s * scale:.0f} s)", flush=True)
-        res = run_section(sec, lambda budget: Context(platform, count, out_dir,
-                                                      time.perf_counter() + budget * scale))
+        res = run_section(sec, lambda budget: Context(
+            platform, count, out_dir, time.perf_counter() + budget * scale,
+            results["device_kind"], tuple(results["sections"])))
         res["budget_s"] = sec.budget_s * scale
         results["sections"].append(res)
         results["wall_s"] = time.perf_counter() - t0
