@@ -127,9 +127,18 @@ def test_gpu_section_code_path_runs_tiny_on_cpu(tmp_path):
 def test_loss_section_shows_chunking_saves_memory_at_a_real_vocab():
     from moe_train.bench import loss
 
-    rows = {r["vocab"]: r for r in loss.run(loss.QUICK)["rows"]}
+    from moe_train.bench.report import targets
+
+    sec = loss.run(loss.QUICK)
+    rows = {r["vocab"]: r for r in sec["rows"]}
     assert rows[131072]["chunk"] < loss.QUICK.tokens  # really chunked there
     assert rows[131072]["chunked_temp_bytes"] < 0.5 * rows[131072]["whole_temp_bytes"]
+    assert rows[131072]["vs_first_vocab"] <= 1.3  # flat in the vocab
+    flat = [r for r in sec["plan_rows"] if r["equal_tokens"] and r["memory"] == "flash"]
+    assert flat and all(r["vs_first_seq"] == 1.0 for r in flat)
+    xla = [r for r in sec["plan_rows"] if r["memory"] == "scores"]
+    assert xla[-1]["vs_first_seq"] > 1.5  # [S, S] scores: grows with S at equal tokens
+    assert [t["met"] for t in targets({"loss": sec})] == [True, True]
 
 
 def test_moe_removed_ablation_skips_exactly_the_routed_experts():

@@ -1,7 +1,8 @@
 """Chunked LM loss (moe_train.model.loss): equal to the full-logits optax loss and its gradients,
-memory bounded by the chunk, sharding-neutral, and the default chunk rule.
+memory bounded by the chunk and flat in the vocab, sharding-neutral, and the default chunk
+and vocab tile rules.
 
-Letter key: T tokens, H hidden, V vocab, C tokens per chunk.
+Letter key: T tokens, H hidden, V vocab, C tokens per chunk, W vocab columns per tile.
 """
 
 import re
@@ -13,7 +14,14 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moe_train.model.loss import CHUNK_LOGITS_BYTES, MIN_CHUNK_TOKENS, default_chunk, lm_loss
+from moe_train.model.loss import (
+    CHUNK_LOGITS_BYTES,
+    MIN_CHUNK_TOKENS,
+    VOCAB_TILE,
+    default_chunk,
+    lm_loss,
+    vocab_tile,
+)
 
 T, H, V = 37, 16, 50
 F32_TOL = 1e-6  # relative to the largest entry
@@ -133,6 +141,48 @@ def test_bf16_inputs_within_bf16_rounding():
         _assert_close(g, r, 1e-2)
 
 
+# vocab tiles: 7 (8 tiles, the last overlapping by 6 columns), 16 (4, overlap 14), 25 (2,
+# dividing V), 49 (2, overlap 48), 64 (over V: one tile)
+@pytest.mark.parametrize("vocab_chunk", [7, 16, 25, 49, 64])
+def test_vocab_tiles_equal_full_logits(vocab_chunk):
+    """Every term through the tiles: weights, ignored labels (incl. labels in the overlap of
+    the last tile), z-loss, a logit scale, a tied (transposed) head, chunks not dividing T."""
+    x, head, labels = _inputs()
+    labels = labels.at[:4].set(jnp.array([V - 1, V - 7, 0, -1]))
+    w = jnp.where(jnp.arange(T) % 5 == 0, 0.0, 1.0).at[2].set(1.5)
+    embed_VH, scale = head.T, 0.7
+    kw = dict(logit_scale=scale, z_loss_coef=0.1, weights_T=w)
+    got = _value_and_grads(lambda x, e: lm_loss(x, e.T, labels, chunk=8,
+                                                vocab_chunk=vocab_chunk, **kw)[0], x, embed_VH)
+    w_ref = jnp.where(labels < 0, 0.0, w)
+    want = _value_and_grads(lambda x, e: _reference(x, e.T, jnp.maximum(labels, 0), scale, 0.1,
+                                                    w_ref), x, embed_VH)
+    _assert_same(got, want)
+
+
+def test_vocab_tiles_bf16_within_bf16_rounding():
+    x, head, labels = (a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a
+                       for a in _inputs(t=64, h=32, v=200))
+    loss, grads = _value_and_grads(
+        lambda x, h: lm_loss(x, h, labels, chunk=16, vocab_chunk=48)[0], x, head)
+    ref_loss, ref_grads = _value_and_grads(lambda x, h: _reference(x, h, labels),
+                                           x.astype(jnp.float32), head.astype(jnp.float32))
+    _assert_close(loss, ref_loss, 1e-5)
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == jnp.bfloat16
+        _assert_close(g, r, 1e-2)
+
+
+@pytest.mark.parametrize("v,limit,want", [(50, 0, 50), (VOCAB_TILE, 0, VOCAB_TILE),
+                                          (32000, 0, 2048), (2100, 0, 1152), (151936, 0, 2048),
+                                          (50, 16, 16), (50, 7, 7), (50, 25, 25)])
+def test_vocab_tile_rule(v, limit, want):
+    """All of V up to the limit; else balanced tiles rounded to 128 (2100: 2 x 1152, not
+    2048 + an almost empty second tile)."""
+    w = vocab_tile(v, limit)
+    assert w == want and -(-v // w) == -(-v // (limit or VOCAB_TILE))
+
+
 # --- memory: XLA's compiled temp buffers of forward + backward ---------------------------
 
 MEM_T, MEM_H, MEM_V, MEM_C = 4096, 64, 32768, 256
@@ -151,7 +201,8 @@ def _chunked(chunk):
 
 
 def test_chunked_temp_memory_far_below_full_logits():
-    """Measured on CPU (jax 0.10): full 1024 MiB, chunk of 256 tokens 42 MiB."""
+    """Measured on CPU (jax 0.10): full 1024 MiB, chunk of 256 tokens (tiles of [256, 2048])
+    3.2 MiB."""
     full = _grad_temp_bytes(_reference, MEM_T)
     chunked = _grad_temp_bytes(_chunked(MEM_C), MEM_T)
     assert full >= MEM_T * MEM_V * 4  # the reference really holds the [T, V] logits
@@ -159,18 +210,49 @@ def test_chunked_temp_memory_far_below_full_logits():
 
 
 def test_chunked_temp_memory_grows_only_by_token_rows():
-    """Doubling T at a fixed chunk adds O(T*H) (the chunked copies of x and dx: measured
-    2 MiB = 8 bytes per hidden unit per added token), not O(T*V) (512 MiB here)."""
+    """Doubling T at a fixed chunk adds O(T) (measured 0.05 MiB: per-token floats; the
+    chunks are reshapes of x and dx, not copies), not O(T*V) (512 MiB here)."""
     small = _grad_temp_bytes(_chunked(MEM_C), MEM_T)
     large = _grad_temp_bytes(_chunked(MEM_C), 2 * MEM_T)
     assert large - small <= MEM_T * (16 * MEM_H + 64)
 
 
 def test_default_chunk_temp_memory_near_its_budget():
-    """At 4x the tokens the logits alone take 2 GiB; the default chunk (2048 tokens at
-    V = 32768) keeps temp near one chunk's logits: measured 272 MiB (full: 4 GiB)."""
+    """At 4x the tokens the logits alone take 2 GiB; the default chunk and tile ([2048, 2048]
+    at V = 32768) keep temp near one tile's logits: measured 18.7 MiB (full: 4 GiB)."""
     t = 4 * MEM_T
     assert _grad_temp_bytes(_chunked(0), t) < 2 * CHUNK_LOGITS_BYTES + t * 32 * MEM_H
+
+
+def _temp_bytes(t, h, v, dtype=jnp.float32):
+    args = (jax.ShapeDtypeStruct((t, h), dtype), jax.ShapeDtypeStruct((h, v), dtype),
+            jax.ShapeDtypeStruct((t,), jnp.int32))
+    grad = jax.jit(jax.grad(lambda x, w, l: lm_loss(x, w, l)[0], argnums=(0, 1)))
+    return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_default_temp_memory_is_flat_in_vocab(dtype):
+    """At 16,384 tokens (one [T, 256] tile is the 16 MiB budget) the default chunks and tiles
+    keep temp memory beyond the parameter-sized [H, V] buffers flat from V = 256 to 131,072.
+    Measured on CPU (jax 0.10, H = 16): fp32 16.0 MiB at 256, 18.7 MiB from 4,096 on (the
+    head gradient is the scan carry, written in place into the output: no temp); bf16 26.0 ->
+    28.7 / 40.7 MiB at 32,768 / 131,072, i.e. two fp32 [H, V] buffers (the head gradient
+    and XLA:CPU's fp32 copy of the bf16 head) on top of the same flat 26-27 MiB."""
+    t, h = 16384, 16
+    params = 0 if dtype == jnp.float32 else 2 * 4 * h
+    base = _temp_bytes(t, h, 256, dtype)
+    for v in (32768, 131072):
+        assert _temp_bytes(t, h, v, dtype) - params * v <= 1.3 * base, v
+
+
+def test_temp_memory_past_two_tiles_does_not_depend_on_vocab():
+    """At a wider H the chunk's rows of x and dx and the tile's columns of the head and its
+    gradient ([C, H], [H, W]: 5 such buffers, 12 MiB at H = 512) come on top of the logits
+    once there are several tiles; they, too, stay the same for any vocab: measured 36.1 MiB
+    at V = 4,096, 32,768 and 131,072 (one tile at V = 256: 8.0 MiB)."""
+    t, h = 8192, 512
+    assert abs(_temp_bytes(t, h, 131072) - _temp_bytes(t, h, 4096)) <= 4096  # loop scalars
 
 
 # --- sharding ---------------------------------------------------------------------------
@@ -186,20 +268,24 @@ def _sharded_inputs(mesh, t=256):
             jax.device_put(head, NamedSharding(mesh, P())), jax.device_put(labels, tokens))
 
 
-def test_sharded_over_eight_devices_equals_unsharded():
+@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-tile", "vocab-tiles"])
+def test_sharded_over_eight_devices_equals_unsharded(vocab_chunk):
     mesh = _mesh()
     xs, hs, ls = _sharded_inputs(mesh)
     x, head, labels = (np.asarray(a) for a in (xs, hs, ls))
     fn = jax.jit(jax.value_and_grad(
-        lambda x, h, l: lm_loss(x, h, l, chunk=64, z_loss_coef=1e-3)[0], argnums=(0, 1)))
+        lambda x, h, l: lm_loss(x, h, l, chunk=64, z_loss_coef=1e-3, vocab_chunk=vocab_chunk)[0],
+        argnums=(0, 1)))
     _assert_same(fn(xs, hs, ls), fn(x, head, labels))
 
 
-def test_sharded_chunks_keep_tokens_on_their_device():
+@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-tile", "vocab-tiles"])
+def test_sharded_chunks_keep_tokens_on_their_device(vocab_chunk):
     """With the batch sharding the strided chunks need no all-gather, all-to-all or
     collective-permute: only reductions (the loss sums and the head gradient)."""
     mesh = _mesh()
-    fn = jax.jit(jax.grad(lambda x, h, l: lm_loss(x, h, l, chunk=64)[0], argnums=(0, 1)))
+    fn = jax.jit(jax.grad(lambda x, h, l: lm_loss(x, h, l, chunk=64, vocab_chunk=vocab_chunk)[0],
+                          argnums=(0, 1)))
     hlo = fn.lower(*_sharded_inputs(mesh)).compile().as_text()
     assert "all-reduce" in hlo  # the head gradient sums over the token shards
     assert not re.search(r"all-gather|all-to-all|collective-permute", hlo)
@@ -210,7 +296,7 @@ def test_inside_shard_map_equals_global():
     x, head, labels = _inputs(t=256)
 
     def per_device(x, h, l):
-        return jax.lax.pmean(lm_loss(x, h, l, chunk=8)[0], "data")
+        return jax.lax.pmean(lm_loss(x, h, l, chunk=8, vocab_chunk=16)[0], "data")
 
     sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P("data")),
                             out_specs=P())
@@ -225,9 +311,12 @@ def test_default_chunk_is_all_tokens_within_budget():
     assert default_chunk(MIN_CHUNK_TOKENS, 10 ** 7) == MIN_CHUNK_TOKENS
 
 
-@pytest.mark.parametrize("t,v,want", [(2 ** 16, 32768, 2048), (2 ** 16, 151936, 512),
-                                      (3 * 2 ** 14, 131072, 512)])
+@pytest.mark.parametrize("t,v,want", [(2 ** 16, 32768, 2048), (2 ** 16, 151936, 2048),
+                                      (3 * 2 ** 14, 131072, 2048), (2 ** 16, 1024, 4096),
+                                      (2 ** 16, 1000, 4096)])
 def test_default_chunk_is_a_power_of_two_divisor_within_budget(t, v, want):
+    """The budget is per tile of at most VOCAB_TILE columns: past that the chunk does not
+    shrink with V (151,936 and 131,072 included)."""
     assert default_chunk(t, v) == want
 
 

@@ -55,8 +55,11 @@ def planned(cfg):
     ["parallel.devices=1", *SHAPE, "model.scan_layers=false"],  # the Python loop of blocks
     # flash-style attention at 4x the length: no [S, S] scores
     ["parallel.devices=1", "model.attention=chunked", "train.batch_size=4", "train.seq_len=512"],
-    # a real vocab in 4 chunks of 128 tokens: one chunk's logits at a time
-    ["parallel.devices=1", "model.vocab_size=32768", "train.loss_chunk=128"],
+    # a real vocab in 4 chunks of 512 tokens by 16 tiles of 2048 columns: one tile's logits
+    # at a time (at the preset's 512 tokens XLA:CPU's peak is in the AdamW update instead,
+    # where it copies the old [V, H] embedding and head, the head's mu and nu: not modelled)
+    ["parallel.devices=1", "model.vocab_size=32768", "train.batch_size=16", "train.seq_len=128",
+     "train.loss_chunk=512"],
 ], ids=["1-device", "8-devices-ep8", "8-devices-ep2-fsdp4", "1-device-fp8", "8-devices-micro2",
         "1-device-looped", "chunked-attention", "chunked-loss"])
 def test_state_is_exact_and_total_close_to_xla(overrides):
@@ -133,11 +136,11 @@ def test_verdict_names_the_largest_item_and_a_change_that_fits():
 
 
 def test_micro_batches_split_activations_and_keep_a_gradient_sum():
-    # 4 sequences per GPU; a fixed loss chunk, whose logits do not split with the micro-batch
+    # 4 sequences per GPU; a fixed loss chunk, whose tile does not split with the micro-batch
     base = ["parallel.ep=8", "train.batch_size=256", "train.loss_chunk=1024", *BARE]
     one, four = (plan(config.build("mixtral-8x7b", [*base, f"train.micro_batches={n}"]),
                       "h100-dgx", 8, search=False).estimate.per_device for n in (1, 4))
-    chunk = 1024 * 32000 * (8 + 2)  # one chunk's fp32 logits and softmax, bf16 logits
+    chunk = 1024 * 2048 * (8 + 2)  # one [1024, 2048] tile's fp32 logits and softmax, bf16 logits
     assert four["activations"] - chunk == pytest.approx((one["activations"] - chunk) / 4, rel=0.01)
     assert four["moe_buffers"] < one["moe_buffers"] / 3
     assert four["grads"] == 2 * one["grads"] and four["params"] == one["params"]
@@ -236,6 +239,65 @@ def test_flash_attention_and_chunked_loss_drop_the_quadratic_and_vocab_terms():
                     8, ep=8, search=False).estimate.per_device["activations"]
     assert acts("model.attention=xla") > 2 * acts("model.attention=chunked")
     assert acts("train.loss_chunk=4096") > acts("train.loss_chunk=512")
+
+
+def _gpu_plan(*sets, model="mixtral-8x7b", cluster="h100-dgx", nodes=8, ep=8):
+    return plan(config.build(model, list(sets)), cluster, nodes, ep=ep, search=False).estimate
+
+
+# the same 8,192 tokens per GPU micro-batch at two sequence lengths: 2 sequences of 4,096 or one
+# of 8,192 (equal tokens per GPU per step too: 512 x 4,096 = 256 x 8,192 over 64 GPUs)
+SEQ_4K = ["train.micro_batch_size=2"]
+SEQ_8K = ["train.seq_len=8192", "train.batch_size=256", "train.micro_batch_size=1"]
+
+
+@pytest.mark.parametrize("model, cluster, nodes, ep, attention", [
+    ("mixtral-8x7b", "h100-dgx", 8, 8, "auto"),  # cuDNN
+    ("mixtral-8x7b", "h100-dgx", 8, 8, "chunked"),
+    ("mixtral-8x7b", "h100-dgx", 8, 8, "te"),
+    ("deepseek-v3", "gb200-nvl72", 32, 64, "auto"),  # MLA: chunked (v head dim != q/k)
+])
+def test_flash_attention_activations_are_linear_in_seq(model, cluster, nodes, ep, attention):
+    """Attention that never stores [S, S] (chunked, cuDNN, TE): at equal tokens per
+    micro-batch the activations do not depend on S (no S^2 term anywhere)."""
+    short, long = (_gpu_plan(f"model.attention={attention}", *sets, model=model,
+                             cluster=cluster, nodes=nodes, ep=ep) for sets in (SEQ_4K, SEQ_8K))
+    assert short.setup.attention == long.setup.attention == "flash"
+    assert short.setup.tokens == long.setup.tokens
+    assert long.per_device["activations"] == short.per_device["activations"]
+
+
+def test_xla_attention_still_counts_seq_squared():
+    """xla keeps [nh, S] fp32 logits, exp and probs plus the bf16 probs per token: 14 * nh * S
+    bytes per token, for the one block being recomputed under full remat, every layer's
+    under none."""
+    for remat, blocks in (("full", 1), ("none", 32)):
+        short, long = (_gpu_plan("model.attention=xla", f"train.remat={remat}", *sets)
+                       for sets in (SEQ_4K, SEQ_8K))
+        assert short.setup.attention == "scores"
+        growth = long.per_device["activations"] - short.per_device["activations"]
+        assert growth == blocks * long.setup.tokens * 32 * (8192 - 4096) * 14
+
+
+def test_cudnn_on_packed_documents_counts_its_mask():
+    """Segment ids make cuDNN's attention take a [B, 1, S, S] additive bias (bf16), kept for
+    the backward pass: S * 2 bytes per token for each block holding it; chunked takes the
+    segment ids block by block and stays linear."""
+    packed = ["data.source=prepared", "data.path=unused"]
+    short, long = (_gpu_plan(*packed, *sets) for sets in (SEQ_4K, SEQ_8K))
+    assert short.setup.attention == "mask"
+    growth = long.per_device["activations"] - short.per_device["activations"]
+    assert growth == long.setup.tokens * (8192 - 4096) * 2  # full remat: one block
+    chunked = [_gpu_plan(*packed, "model.attention=chunked", *sets) for sets in (SEQ_4K, SEQ_8K)]
+    assert chunked[0].setup.attention == "flash"
+    assert chunked[0].per_device["activations"] == chunked[1].per_device["activations"]
+
+
+def test_loss_item_is_one_tile_flat_in_vocab():
+    """The loss's logits are one [C, W] tile (moe_train.model.loss): past VOCAB_TILE columns a
+    larger vocab adds nothing to the activations."""
+    acts = [_gpu_plan(f"model.vocab_size={v}").per_device["activations"] for v in (32768, 131072)]
+    assert acts[0] == acts[1]
 
 
 def test_micro_batch_size_follows_the_job_size():

@@ -8,7 +8,8 @@ from moe_train.bench.common import fmt_ms, markdown_table
 from moe_train.bench.gemm import realistic
 
 TARGETS = {"padding": 1.1, "gemm_uniform": 1.3, "gemm_skewed": 1.6, "layer_dense": 1.5,
-           "layer_ragged": 5.0, "gpu_fraction": 0.6}
+           "layer_ragged": 5.0, "gpu_fraction": 0.6,
+           "loss_vocab": 1.3, "plan_seq": 1.05}  # memory ratios (the loss section)
 
 
 def _split_unavailable(rows: list[dict]) -> tuple[list[dict], str]:
@@ -155,6 +156,28 @@ def targets(sections: dict[str, Any]) -> list[dict[str, Any]]:
     lay = sections.get("layer")
     if lay:
         out += _layer_targets(lay["rows"])
+    if sections.get("loss"):
+        out += _memory_targets(sections["loss"])
+    return out
+
+
+def _memory_targets(sec: dict[str, Any]) -> list[dict]:
+    """Loss temp memory flat in V (up to 32,768) and planner activations flat in S at equal
+    tokens per micro-batch where the attention stores no [S, S] array (the loss section)."""
+    out = []
+    rows = [r for r in sec["rows"] if r["vs_first_vocab"] and r["vocab"] <= 32768]
+    if len(rows) > 1:
+        worst = max(rows, key=lambda r: (round(r["vs_first_vocab"], 6), r["vocab"]))
+        out.append(_t(f"loss compiled temp, V={worst['vocab']} / V={rows[0]['vocab']} at "
+                      f"T={sec['sizes']['tokens']}", worst["vs_first_vocab"], "<=",
+                      TARGETS["loss_vocab"]))
+    flat = [r for r in sec.get("plan_rows", []) if r["equal_tokens"] and r["memory"] == "flash"]
+    if flat:
+        worst = max(flat, key=lambda r: (round(r["vs_first_seq"], 6), r["seq_len"]))
+        first = sec["sizes"]["seq_lens"][0]
+        out.append(_t(f"planner activations, S={worst['seq_len']} / S={first} at equal tokens "
+                      f"per micro-batch ({worst['runs']})", worst["vs_first_seq"], "<=",
+                      TARGETS["plan_seq"]))
     return out
 
 

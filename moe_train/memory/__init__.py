@@ -28,23 +28,27 @@ Activations (token-proportional residuals kept for the backward pass), bytes per
         residual and fp32 norm intermediates; q, k, v, context; scores: nh*S*(12 + a') per
         token where the attention keeps [S, S] scores (model.attention=xla: masked logits,
         exp and probs in fp32 plus the compute-dtype probs for the PV matmul), nh*4 (one
-        fp32 logsumexp per head) for chunked, cuDNN and TE, which recompute their blocks.
-        ``auto`` is resolved as the trainer would on the cluster (job.attention_memory).
+        fp32 logsumexp per head) for chunked, cuDNN and TE, which recompute their blocks;
+        plus S*a for cuDNN on packed documents (data.source=prepared, data.packing): its
+        segment mask becomes a [B, 1, S, S] additive bias in the compute dtype, kept for the
+        backward pass. ``auto`` is resolved as the trainer would on the cluster
+        (job.attention_kind, job.attention_memory).
     MoE sub-layer        H*(a+8) + K*H*(a+4) + 12E + 4*shared_width*a (+ H*a under fp8:
                          the experts' quantized copy of the input; the router keeps the original)
         residual, fp32 norm/router inputs, the per-assignment expert outputs gathered for the
         fp32 combine, router scores, shared-expert SwiGLU
     dense sub-layer      H*(a+8) + 4*dense_ffn*a
     head (once)          H*(a+8) + 4               final norm, the logsumexp; plus, once per
-                         step (not per token), one cross-entropy chunk's logits C*V*(8 + a'):
-                         C = train.loss_chunk tokens per device (moe_train.model.loss)
+                         step (not per token), one cross-entropy tile's logits C*W*(8 + a'):
+                         C = train.loss_chunk tokens per device, W <= 2048 vocab
+                         columns (moe_train.model.loss.vocab_tile): flat in V past 2048
   kept per layer by ``train.remat`` (moe_train.model.remat):
     none     every sub-layer's residuals
     full     the block input H*a; plus one whole block (the one being recomputed)
     matmuls  block input + q, k, v and o-projection outputs + router logits (4E) + dense and
              shared SwiGLU matmul outputs; plus one whole block
     moe      block input + the MoE (or dense) sub-layer's residuals; plus one whole block
-  activations = T * (layers * kept + recomputed block + head) + C*V*(8 + a')
+  activations = T * (layers * kept + recomputed block + head) + C*W*(8 + a')
 
 MoE buffers (rows R of one MoE layer on one GPU; bucket factor f of moe.capacity_buckets,
 slots C = min(worst, 8*ceil(f * balanced / 8)) as moe_train.parallel.jobplan.bucket_slots):
@@ -76,7 +80,9 @@ remat is 1.25x the estimate on 1 device and 2.2x with EP 8 (where full remat com
 temp than none: 30.0 vs 21.7 MiB); under moe it is 0.76x..0.87x. Scanned layers keep the
 recomputation in the backward loop (XLA's peak under full remat 0.81x the estimate). The
 same band holds for chunked attention at 512 tokens and a 32,768-token vocab in loss chunks
-of 128 tokens. Under scan with weights used as stored (one device, compute dtype = param
+of 512 tokens (2,048 tokens a step). With that vocab at the preset's 512 tokens the estimate
+is 0.82x: XLA:CPU's peak is then in the AdamW update, which copies the old [V, H] embedding
+and head and the head's mu and nu (not modelled; the loss's own tile is 2 MiB there). Under scan with weights used as stored (one device, compute dtype = param
 dtype) three layers' weights are counted as copies: the scanned body's slices in the forward
 and backward passes and the layer gradient written into the stack.
 

@@ -43,8 +43,11 @@ class Setup:
     dispatcher: str  # local | allgather | a2a | hierarchical
     domains: int  # G: NVLink domains one EP group spans (mesh axis expert_x)
     domain_size: int  # D: devices of an EP group inside one domain (mesh axis expert)
-    attention: str = "scores"  # "scores" (xla: [nh, S] fp32 scores per token) | "flash" (O(S))
+    # "scores" (xla: [nh, S] fp32 scores per token) | "flash" (O(S)) | "mask" (cuDNN on packed
+    # documents: O(S) plus the token's row of the [S, S] additive mask)
+    attention: str = "scores"
     loss_chunk: int = 0  # tokens per device of one cross-entropy chunk (0: all of them)
+    loss_tile: int = 0  # vocab columns of one cross-entropy tile (0: the whole vocab)
 
     @property
     def a(self) -> int:
@@ -143,18 +146,22 @@ def _scores(cfg: Config, s: Setup) -> int:
     """Attention scores per token per layer. ``scores`` (xla): [heads, seq] logits, exp,
     probs in fp32, plus the probs cast to the compute dtype for the PV matmul when that is
     narrower. ``flash`` (chunked, cuDNN, TE): one fp32 logsumexp per head; the blocks' scores
-    are recomputed in the backward pass."""
-    if s.attention == "flash":
-        return cfg.model.num_heads * 4
+    are recomputed in the backward pass. ``mask`` (cuDNN on packed documents): that, plus the
+    token's row of the [B, 1, S, S] additive mask (compute dtype) kept for the backward."""
+    if s.attention in ("flash", "mask"):
+        mask = cfg.train.seq_len * s.a if s.attention == "mask" else 0
+        return cfg.model.num_heads * 4 + mask
     narrow = s.a if s.a < 4 else 0
     return cfg.model.num_heads * cfg.train.seq_len * (12 + narrow)
 
 
 def head_chunk_bytes(cfg: Config, s: Setup) -> int:
-    """Logits of one cross-entropy chunk (fp32 logits and softmax, compute-dtype logits):
-    they exist for one chunk of ``loss_chunk`` tokens at a time, forward and backward."""
+    """Logits of one cross-entropy tile (fp32 logits and softmax, compute-dtype logits): they
+    exist for one chunk of ``loss_chunk`` tokens by ``loss_tile`` vocab columns at a time,
+    forward and backward (``moe_train.model.loss``)."""
     narrow = s.a if s.a < 4 else 0
-    return min(s.loss_chunk or s.tokens, s.tokens) * cfg.model.vocab_size * (8 + narrow)
+    V = cfg.model.vocab_size
+    return min(s.loss_chunk or s.tokens, s.tokens) * min(s.loss_tile or V, V) * (8 + narrow)
 
 
 def _attention_elements(m) -> tuple[int, int]:

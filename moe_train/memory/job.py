@@ -58,23 +58,35 @@ def _backend(cfg: Config, cluster: Cluster) -> str:
     return "sorted"
 
 
-def attention_memory(cfg: Config, cluster: Cluster) -> str:
-    """"scores" where the job's attention keeps [S, S] scores (xla), else "flash".
-
-    ``auto`` as ``moe_train.model.attention.resolve`` picks it on the cluster's platform: on GPU
-    presets cuDNN where it takes the dtype and head dims (bf16/fp16, equal q/k and v head
-    dims that are multiples of 8 up to 256: every preset's GPU is Hopper or newer), else
-    chunked from ``CHUNKED_MIN_SEQ`` tokens on; on CPU presets chunked from that length."""
+def attention_kind(cfg: Config, cluster: Cluster) -> str:
+    """The attention implementation the job runs (xla, cudnn, chunked, te): ``auto`` as
+    ``moe_train.model.attention.resolve`` picks it on the cluster's platform: on GPU presets
+    cuDNN where it takes the dtype and head dims (bf16/fp16, equal q/k and v head dims that
+    are multiples of 8 up to 256: every preset's GPU is Hopper or newer), else chunked from
+    ``CHUNKED_MIN_SEQ`` tokens on; on CPU presets chunked from that length."""
     m, name = cfg.model, cfg.model.attention
     if name != "auto":
-        return "scores" if name == "xla" else "flash"
+        return name
     d, j, _ = attention_dims(m)  # MLA: cuDNN refuses v head dim != q/k head dim
     if (not cluster.nominal and cfg.precision.compute != "fp32" and d == j and d % 8 == 0
             and d <= 256):
-        return "flash"
+        return "cudnn"
     from moe_train.model.attention import CHUNKED_MIN_SEQ
 
-    return "flash" if cfg.train.seq_len >= CHUNKED_MIN_SEQ else "scores"
+    return "chunked" if cfg.train.seq_len >= CHUNKED_MIN_SEQ else "xla"
+
+
+def attention_memory(cfg: Config, cluster: Cluster) -> str:
+    """What the job's attention keeps per token (``estimate.Setup.attention``): "scores" for
+    xla ([nh, S] scores); "mask" for cuDNN on packed documents (data.source=prepared with
+    data.packing: ``moe_train.model.attention.fused`` turns the segment ids into a [B, 1, S, S]
+    mask, which jax makes an additive bias in the compute dtype and keeps for the backward
+    pass); else "flash" (chunked, cuDNN, TE: O(S), no [S, S] array)."""
+    kind = attention_kind(cfg, cluster)
+    if kind == "xla":
+        return "scores"
+    packed = cfg.data.source == "prepared" and cfg.data.packing
+    return "mask" if kind == "cudnn" and packed else "flash"
 
 
 def loss_chunk(cfg: Config, tokens: int) -> int:
@@ -84,6 +96,13 @@ def loss_chunk(cfg: Config, tokens: int) -> int:
     from moe_train.model.loss import default_chunk
 
     return default_chunk(tokens, cfg.model.vocab_size)
+
+
+def loss_tile(cfg: Config) -> int:
+    """Vocab columns of one cross-entropy tile (``moe_train.model.loss.vocab_tile``)."""
+    from moe_train.model.loss import vocab_tile
+
+    return vocab_tile(cfg.model.vocab_size)
 
 
 def check_placement(cfg: Config, cluster: Cluster, nodes: int, ep: int) -> None:
@@ -121,7 +140,7 @@ def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = Non
                  tile_rows=m if backend == "tiled" else 0,
                  dispatcher=_dispatcher(cfg, devices, ep, groups), domains=groups,
                  domain_size=ep // groups, attention=attention_memory(cfg, cluster),
-                 loss_chunk=loss_chunk(cfg, tokens))
+                 loss_chunk=loss_chunk(cfg, tokens), loss_tile=loss_tile(cfg))
 
 
 def with_remat(cfg: Config, remat: str) -> Config:

@@ -1,25 +1,30 @@
 """Chunked LM cross-entropy: the [T, V] logits never exist whole, forward or backward.
 
-Letter key for tensor names (as in ``moe_train.model.transformer``, plus the two chunk letters):
-  T tokens, H hidden, V vocab, C tokens per chunk, G number of chunks (T padded to G*C).
+Letter key for tensor names (as in ``moe_train.model.transformer``, plus the chunk letters):
+  T tokens, H hidden, V vocab, C tokens per chunk, G number of chunks (T padded to G*C),
+  W vocab columns per tile (``vocab_tile``).
 
 ``lm_loss`` equals ``optax.softmax_cross_entropy_with_integer_labels`` on the full fp32
 logits ``(x_TH @ head_HV) * logit_scale``, averaged over tokens, plus an optional z-loss
-term on the log-partition function. It loops (``jax.lax.map``) over chunks of C tokens; a
+term on the log-partition function. It loops (``jax.lax.scan``) over chunks of C tokens and,
+inside a chunk, over tiles of W vocab columns, combining the tiles' logsumexps; a
 ``jax.custom_vjp`` keeps only the per-token logsumexp (T floats) for the backward, which
-scans the chunks again, recomputes each chunk's logits and turns them straight into that
-chunk's ``dx`` and its share of ``dhead`` (accumulated in fp32). Peak memory is a few
-[C, V] fp32 buffers plus the O(T*H) inputs and gradients, whatever T.
+loops over the same chunks and tiles again, recomputes each tile's logits and turns them
+straight into that tile's share of the chunk's ``dx`` and of ``dhead`` (accumulated in
+fp32, in place). Peak memory is a few [C, W] fp32 buffers plus the O(T*H) inputs and
+gradients and the [H, V] fp32 head gradient, whatever T and V: the default C * W is a fixed
+budget (``CHUNK_LOGITS_BYTES``), so the vocab only adds parameter-sized buffers.
 
 Chunks are strided: token t goes to chunk ``t % G`` at row ``t // G``. With the tokens
 sharded in contiguous blocks over devices (the kit's batch sharding), every chunk takes the
 same rows from each device's block, so under ``jax.jit`` each device works on its own C/n
 tokens per step and no token moves. Two consequences of the partitioner seeing global
 shapes there: T and ``chunk`` count tokens over all n devices (pass ``chunk=n * c`` for c
-tokens per device), and the [H, V] head gradient is all-reduced once per chunk. Called per
-device inside ``shard_map`` over the token axes instead, T and ``chunk`` are per device and
-the head gradient is summed once, at the shard_map boundary (the loss is then the shard's
-mean: average it with ``pmean``, or re-weight by each shard's weight sum).
+tokens per device), and the head gradient is all-reduced tile by tile ([H, W] per tile of
+each chunk). Called per device inside ``shard_map`` over the token axes instead, T and
+``chunk`` are per device and the head gradient is summed once, at the shard_map boundary
+(the loss is then the shard's mean: average it with ``pmean``, or re-weight by each
+shard's weight sum).
 
 Labels outside [0, V) are ignored: such a token gets weight 0 (no loss, no z term, no
 gradient, not counted in the mean), like an ignore index. (optax instead wraps negative
@@ -34,28 +39,51 @@ import math
 import jax
 import jax.numpy as jnp
 
-CHUNK_LOGITS_BYTES = 256 << 20  # fp32 logits of one chunk (the backward holds a few such buffers)
-MIN_CHUNK_TOKENS = 512  # below this the chunk's matmul is bound by re-reading the head
+CHUNK_LOGITS_BYTES = 16 << 20  # fp32 logits of one tile (the backward holds a few such buffers)
+VOCAB_TILE = 2048  # most vocab columns of one tile: larger vocabularies are split
+MIN_CHUNK_TOKENS = 512  # below this the tile's matmul is bound by re-reading the head
 _ALIGN = 8
+_VOCAB_ALIGN = 128
+
+
+def vocab_tile(vocab: int, limit: int = 0) -> int:
+    """Vocab columns per tile: all ``vocab`` up to ``limit`` (0: ``VOCAB_TILE``), else the
+    fewest tiles of at most ``limit`` columns, balanced and rounded up to a multiple of 128
+    (of ``limit`` when that is smaller). The last tile ends at V and overlaps the one before
+    (its overlap is computed and masked): under 128 columns per tile at the default limit."""
+    limit = limit or VOCAB_TILE
+    if vocab < 1 or limit < 1:
+        raise ValueError(f"vocab_tile needs vocab, limit >= 1; got {vocab}, {limit}")
+    if vocab <= limit:
+        return vocab
+    align = min(_VOCAB_ALIGN, limit)
+    return min(limit, _cdiv(_cdiv(vocab, _cdiv(vocab, limit)), align) * align)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def default_chunk(num_tokens: int, vocab: int) -> int:
-    """Tokens per chunk: about ``CHUNK_LOGITS_BYTES`` of fp32 logits, never below
-    ``MIN_CHUNK_TOKENS``, and a size that divides ``num_tokens`` where possible.
+    """Tokens per chunk: about ``CHUNK_LOGITS_BYTES`` of fp32 logits per tile of
+    ``vocab_tile(vocab)`` columns, never below ``MIN_CHUNK_TOKENS``, and a size that divides
+    ``num_tokens`` where possible.
 
-    256 MiB keeps the loss's working set (logits, softmax and their cotangent of one chunk,
-    under 1 GiB) small next to an accelerator's memory at any vocab. Each chunk re-reads the
-    whole [H, V] head, so a [C, H] x [H, V] bf16 matmul does about C flops per byte of head
-    read: under ~512 tokens it is memory-bound on H100/H200-class GPUs (ridge 200-300), hence
-    the floor. All T tokens fit in one chunk when they are within budget (the whole-logits
-    computation of old). Otherwise the chunk is the largest power of two within budget that
-    divides T (T = batch * seq, a multiple of a large power of two, so no padding and an even
-    split over power-of-two device counts), unless that is over 8x smaller than the budget;
-    then T is split into equal chunks (a multiple of 8) and padded by less than one chunk.
+    A tile of [C, W] = [2048, 2048] (16 MiB) keeps the loss's working set (logits, softmax
+    and their cotangent of one tile) under 64 MiB at any vocab: only W, not V, sets the
+    chunk. Each chunk re-reads the whole [H, V] head and each tile re-reads the chunk's
+    [C, H] rows, so a [C, H] x [H, W] bf16 matmul does about C*W/(C+W) flops per byte read:
+    1024 at the square tile, far above the ridge of H100/H200-class GPUs (200-300); the floor
+    (which the defaults never reach) keeps C from dropping under ~512, where it would not be.
+    All T tokens fit in one chunk when they are within
+    budget. Otherwise the chunk is the largest power of two within budget that divides T
+    (T = batch * seq, a multiple of a large power of two, so no padding and an even split
+    over power-of-two device counts), unless that is over 8x smaller than the budget; then T
+    is split into equal chunks (a multiple of 8) and padded by less than one chunk.
     """
     if num_tokens < 1 or vocab < 1:
         raise ValueError(f"default_chunk needs num_tokens, vocab >= 1; got {num_tokens}, {vocab}")
-    budget = max(CHUNK_LOGITS_BYTES // (4 * vocab), MIN_CHUNK_TOKENS)
+    budget = max(CHUNK_LOGITS_BYTES // (4 * vocab_tile(vocab)), MIN_CHUNK_TOKENS)
     if num_tokens <= budget:
         return num_tokens
     pow2 = 1 << (budget.bit_length() - 1)
@@ -70,17 +98,19 @@ def default_chunk(num_tokens: int, vocab: int) -> int:
 def sharded_chunk(num_tokens: int, vocab: int, devices: int, per_device: int = 0) -> int:
     """``lm_loss``'s chunk for ``num_tokens`` split evenly over ``devices`` (batch-sharded):
     ``per_device`` tokens of each device per chunk (0: ``default_chunk`` of one device's
-    share), so one chunk's logits on each device stay within the budget whatever the job's
+    share), so one tile's logits on each device stay within the budget whatever the job's
     size. Chunks are strided over the tokens, so each takes the same rows of every device."""
     local = max(num_tokens // max(devices, 1), 1)
     return min(num_tokens, devices * (per_device or default_chunk(local, vocab)))
 
 
 def lm_loss(x_TH, head_HV, labels_T, *, chunk: int = 0, logit_scale: float = 1.0,
-            z_loss_coef: float = 0.0, weights_T=None) -> tuple[jax.Array, dict]:
+            z_loss_coef: float = 0.0, weights_T=None,
+            vocab_chunk: int = 0) -> tuple[jax.Array, dict]:
     """Mean token cross-entropy of logits = (x_TH @ head_HV) * logit_scale, computed in fp32
     (x and head may be bf16: the matmul accumulates in fp32 with preferred_element_type), in
-    chunks of `chunk` tokens (0 = default_chunk(T, V)). Returns (loss, aux) where loss =
+    chunks of `chunk` tokens (0 = default_chunk(T, V)) by tiles of ``vocab_tile(V,
+    vocab_chunk)`` vocab columns (0: up to ``VOCAB_TILE``). Returns (loss, aux) where loss =
     ce + z_loss_coef * mean(logsumexp^2) and aux = {"ce": ce, "logit_z": mean(logsumexp^2)}.
     weights_T: optional float mask/weights per token (e.g. 0 for padding); the mean is
     sum(w*ce)/max(sum(w), 1) — with None all ones. Both means use the same weights.
@@ -89,38 +119,54 @@ def lm_loss(x_TH, head_HV, labels_T, *, chunk: int = 0, logit_scale: float = 1.0
     take the logits' cotangent in the matmul dtype and accumulate in fp32, as autodiff of a
     bf16 matmul does. ``head_HV`` may be a transposed tied embedding (``embed_VH.T``): XLA
     folds the transpose into the matmuls' dimension numbers. Labels outside [0, V) are
-    ignored (weight 0), see the module docstring. ``chunk`` and ``logit_scale`` are static
-    Python numbers.
+    ignored (weight 0), see the module docstring. ``chunk``, ``vocab_chunk`` and
+    ``logit_scale`` are static Python numbers.
     """
     T, H = x_TH.shape
     V = head_HV.shape[1]
     if T < 1 or head_HV.shape[0] != H or labels_T.shape != (T,):
         raise ValueError(f"lm_loss shapes: x {x_TH.shape}, head {head_HV.shape}, "
                          f"labels {labels_T.shape}")
-    if chunk < 0:
-        raise ValueError(f"lm_loss chunk must be >= 0 (0 picks), got {chunk}")
+    if chunk < 0 or vocab_chunk < 0:
+        raise ValueError(f"lm_loss chunk and vocab_chunk must be >= 0 (0 picks), got "
+                         f"{chunk}, {vocab_chunk}")
     chunk = min(chunk or default_chunk(T, V), T)
     valid_T = (labels_T >= 0) & (labels_T < V)
     w_T = jnp.ones((T,), jnp.float32) if weights_T is None else weights_T.astype(jnp.float32)
     w_T = jax.lax.stop_gradient(jnp.where(valid_T, w_T, 0.0))
     labels_T = jnp.where(valid_T, labels_T, 0).astype(jnp.int32)
     operands = _same_variance(x_TH, head_HV, labels_T, w_T)
-    ce, logit_z = _ce_and_z(*operands, chunk, float(logit_scale))
+    ce, logit_z = _ce_and_z(*operands, chunk, vocab_tile(V, vocab_chunk), float(logit_scale))
     return ce + z_loss_coef * logit_z, {"ce": ce, "logit_z": logit_z}
 
 
 def _to_chunks(a_T, chunk: int):
-    """[T, ...] -> [G, C, ...], token t at [t % G, t // G]; padded at the end with zeros."""
+    """[T, ...] -> [C, G, ...], token t at [t // G, t % G] (chunk g is column g): a reshape,
+    no copy, unless T needs padding (at the end, with zeros) to G*C."""
     T = a_T.shape[0]
-    G = -(-T // chunk)
-    a_T = jnp.pad(a_T, [(0, G * chunk - T)] + [(0, 0)] * (a_T.ndim - 1))
-    return jnp.swapaxes(a_T.reshape(chunk, G, *a_T.shape[1:]), 0, 1)
+    G = _cdiv(T, chunk)
+    if G * chunk > T:
+        a_T = jnp.pad(a_T, [(0, G * chunk - T)] + [(0, 0)] * (a_T.ndim - 1))
+    return a_T.reshape(chunk, G, *a_T.shape[1:])
 
 
-def _from_chunks(a_GC, num_tokens: int):
-    """Inverse of ``_to_chunks``: [G, C, ...] -> [T, ...]."""
-    a = jnp.swapaxes(a_GC, 0, 1)
-    return a.reshape(-1, *a.shape[2:])[:num_tokens]
+def _chunk(a_CG, g):
+    """Chunk ``g`` of a ``_to_chunks`` array: [C, ...]."""
+    return jax.lax.dynamic_index_in_dim(a_CG, g, axis=1, keepdims=False)
+
+
+def _from_chunks(a_CG, num_tokens: int):
+    """Inverse of ``_to_chunks``: [C, G, ...] -> [T, ...]."""
+    return a_CG.reshape(-1, *a_CG.shape[2:])[:num_tokens]
+
+
+def _loop(step, carry, n: int):
+    """``jax.lax.scan`` of ``step(carry, i) -> (carry, out)`` over i = 0..n-1 (outputs
+    stacked on a leading axis); a direct call when n = 1."""
+    if n == 1:
+        carry, out = step(carry, jnp.int32(0))
+        return carry, jax.tree.map(lambda o: o[None], out)
+    return jax.lax.scan(step, carry, jnp.arange(n, dtype=jnp.int32))
 
 
 def _logits(x_CH, head_HV, scale: float):
@@ -133,55 +179,108 @@ def _operands(x_TH, head_HV):
     return x_TH.astype(dt), head_HV.astype(dt)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ce_and_z(x_TH, head_HV, labels_T, w_T, chunk: int, scale: float):
-    return _ce_and_z_fwd(x_TH, head_HV, labels_T, w_T, chunk, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ce_and_z(x_TH, head_HV, labels_T, w_T, chunk: int, width: int, scale: float):
+    return _ce_and_z_fwd(x_TH, head_HV, labels_T, w_T, chunk, width, scale)[0]
 
 
-def _ce_and_z_fwd(x_TH, head_HV, labels_T, w_T, chunk: int, scale: float):
+def _tiles(x_CH, head_HV, width: int, scale: float, body, carry):
+    """``body(carry, tile) -> carry`` over the vocab tiles of one chunk. A tile is
+    ``(logits_CW, start, first, fresh_W, head_HW)``: the fp32 logits of W = ``width`` vocab
+    columns from ``start``, of which those from ``first`` on (``fresh_W``) are new: the last
+    tile ends at V and overlaps the one before when W does not divide V; the overlap counts
+    once, in the earlier tile."""
+    V = head_HV.shape[1]
+
+    def step(carry, v):
+        first = v * width
+        start = jnp.minimum(first, V - width)
+        head_HW = jax.lax.dynamic_slice_in_dim(head_HV, start, width, axis=1)
+        fresh_W = start + jnp.arange(width, dtype=jnp.int32) >= first
+        tile = (_logits(x_CH, head_HW, scale), start, first, fresh_W, head_HW)
+        return body(carry, tile), None
+
+    return _loop(step, carry, _cdiv(V, width))[0]
+
+
+def _chunk_lse_and_picked(x_CH, labels_C, head_HV, width: int, scale: float):
+    """(logsumexp over the vocab, the label's logit) of one chunk's tokens, tile by tile."""
+    def body(carry, tile):
+        lse_C, picked_C = carry
+        logits_CW, start, first, fresh_W, _ = tile
+        logits_CW = jnp.where(fresh_W, logits_CW, -jnp.inf)
+        lse_C = jnp.logaddexp(lse_C, jax.nn.logsumexp(logits_CW, axis=-1))
+        col_C = jnp.clip(labels_C - start, 0, width - 1)
+        hit_C = jnp.take_along_axis(logits_CW, col_C[:, None], axis=-1)[:, 0]
+        here_C = (labels_C >= first) & (labels_C < start + width)
+        return lse_C, picked_C + jnp.where(here_C, hit_C, 0.0)
+
+    zero_C = _zeros_varying_like(labels_C.shape, x_CH, head_HV)
+    return _tiles(x_CH, head_HV, width, scale, body, (zero_C - jnp.inf, zero_C))
+
+
+def _ce_and_z_fwd(x_TH, head_HV, labels_T, w_T, chunk: int, width: int, scale: float):
     x_mm, head = _operands(x_TH, head_HV)
-
-    def per_chunk(inputs):
-        x_CH, labels_C = inputs
-        logits_CV = _logits(x_CH, head, scale)
-        picked_C = jnp.take_along_axis(logits_CV, labels_C[:, None], axis=-1)[:, 0]
-        return jax.nn.logsumexp(logits_CV, axis=-1), picked_C
-
     T = x_TH.shape[0]
-    lse_GC, picked_GC = jax.lax.map(per_chunk, (_to_chunks(x_mm, chunk),
-                                                _to_chunks(labels_T, chunk)))
-    lse_T, picked_T = _from_chunks(lse_GC, T), _from_chunks(picked_GC, T)
+    x_CGH, labels_CG = _to_chunks(x_mm, chunk), _to_chunks(labels_T, chunk)
+
+    def per_chunk(_, g):
+        return None, _chunk_lse_and_picked(_chunk(x_CGH, g), _chunk(labels_CG, g), head,
+                                           width, scale)
+
+    _, out_GC = _loop(per_chunk, None, x_CGH.shape[1])
+    lse_T, picked_T = (_from_chunks(a_GC.T, T) for a_GC in out_GC)
     denom = jnp.maximum(jnp.sum(w_T), 1.0)
     ce = jnp.sum(w_T * (lse_T - picked_T)) / denom
     logit_z = jnp.sum(w_T * lse_T ** 2) / denom
     return (ce, logit_z), (x_TH, head_HV, labels_T, w_T / denom, lse_T)
 
 
-def _ce_and_z_bwd(chunk: int, scale: float, residuals, cotangents):
+def _tile_grads(inputs, head_dtype, width: int, scale: float, g_ce, g_z):
+    """``body`` of ``_tiles`` for the backward pass: one tile's logits cotangent, added to the
+    chunk's dx (carried in fp32) and, in place, to the tile's columns of dhead (fp32)."""
+    labels_C, coef_C, lse_C, x_CH = inputs
+
+    def body(carry, tile):
+        dhead_HV, dx_CH = carry
+        logits_CW, start, _, fresh_W, head_HW = tile
+        p_CW = jnp.exp(logits_CW - lse_C[:, None])
+        onehot_CW = (labels_C - start)[:, None] == jnp.arange(width, dtype=jnp.int32)
+        # d/dlogits of coef * (g_ce * (lse - logit[label]) + g_z * lse^2)
+        dlogits_CW = coef_C[:, None] * (p_CW * (g_ce + 2.0 * g_z * lse_C[:, None])
+                                        - jnp.where(onehot_CW, g_ce, 0.0))
+        dlogits_CW = (jnp.where(fresh_W, dlogits_CW, 0.0) * scale).astype(head_dtype)
+        dx_CH = dx_CH + jax.lax.dot_general(dlogits_CW, head_HW, (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+        dhead_HW = jax.lax.dynamic_slice_in_dim(dhead_HV, start, width, axis=1)
+        dhead_HW = dhead_HW + jax.lax.dot_general(x_CH, dlogits_CW, (((0,), (0,)), ((), ())),
+                                                  preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(dhead_HV, dhead_HW, start, axis=1), dx_CH
+
+    return body
+
+
+def _ce_and_z_bwd(chunk: int, width: int, scale: float, residuals, cotangents):
     x_in, head_in, labels_T, coef_T, lse_T = residuals
     g_ce, g_z = cotangents
     x_TH, head = _operands(x_in, head_in)
-    x_GCH, labels_GC, coef_GC, lse_GC = (_to_chunks(a, chunk)
+    x_CGH, labels_CG, coef_CG, lse_CG = (_to_chunks(a, chunk)
                                          for a in (x_TH, labels_T, coef_T, lse_T))
 
-    def body(dhead_HV, inputs):
-        x_CH, labels_C, coef_C, lse_C = inputs
-        logits_CV = _logits(x_CH, head, scale)
-        p_CV = jnp.exp(logits_CV - lse_C[:, None])
-        onehot_CV = labels_C[:, None] == jnp.arange(logits_CV.shape[1], dtype=jnp.int32)
-        # d/dlogits of coef * (g_ce * (lse - logit[label]) + g_z * lse^2)
-        dlogits_CV = coef_C[:, None] * (p_CV * (g_ce + 2.0 * g_z * lse_C[:, None])
-                                        - jnp.where(onehot_CV, g_ce, 0.0))
-        dlogits_CV = (dlogits_CV * scale).astype(head.dtype)
-        dx_CH = jax.lax.dot_general(dlogits_CV, head, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-        dhead_HV = dhead_HV + jax.lax.dot_general(x_CH, dlogits_CV, (((0,), (0,)), ((), ())),
-                                                  preferred_element_type=jnp.float32)
-        return dhead_HV, dx_CH.astype(x_in.dtype)
+    def per_chunk(carry, g):
+        dhead_HV, dx_CGH = carry
+        x_CH = _chunk(x_CGH, g)
+        inputs = (_chunk(labels_CG, g), _chunk(coef_CG, g), _chunk(lse_CG, g), x_CH)
+        body = _tile_grads(inputs, head.dtype, width, scale, g_ce, g_z)
+        dx0 = _zeros_varying_like(x_CH.shape, x_CH, head, g_ce, g_z)
+        dhead_HV, dx_CH = _tiles(x_CH, head, width, scale, body, (dhead_HV, dx0))
+        dx_CH = dx_CH.astype(x_in.dtype)
+        return (dhead_HV, jax.lax.dynamic_update_index_in_dim(dx_CGH, dx_CH, g, axis=1)), None
 
     dhead0 = _zeros_varying_like(head.shape, x_TH, head, g_ce, g_z)
-    dhead_HV, dx_GCH = jax.lax.scan(body, dhead0, (x_GCH, labels_GC, coef_GC, lse_GC))
-    return (_from_chunks(dx_GCH, x_TH.shape[0]), dhead_HV.astype(head_in.dtype), None, None)
+    dx0 = jnp.zeros(x_CGH.shape, x_in.dtype) + _empty_sum(x_TH, head, g_ce, g_z).astype(x_in.dtype)
+    (dhead_HV, dx_CGH), _ = _loop(per_chunk, (dhead0, dx0), x_CGH.shape[1])
+    return (_from_chunks(dx_CGH, x_TH.shape[0]), dhead_HV.astype(head_in.dtype), None, None)
 
 
 def _empty_sum(*arrays):
