@@ -65,8 +65,10 @@ def load(path: str | os.PathLike[str] | None = None) -> Compute:
         raise TopologyError(f"{p}: no [compute] table (fields: {', '.join(FIELDS)})")
     source = table.get("source", {})
     values = {k: v for k, v in table.items() if k != "source"}
-    for key in sorted(set(values) - set(FIELDS)):
-        raise TopologyError(f"{p}: unknown key compute.{key}; valid keys: {', '.join(FIELDS)}")
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise TopologyError(f"{p}: unknown key compute.{unknown[0]}; valid keys: "
+                            f"{', '.join(FIELDS)}")
     for key in FIELDS:
         value = values.get(key)
         if value is None:
