@@ -12,6 +12,8 @@ import pytest
 from moe_train import config
 from moe_train.memory import GIB, ITEMS, PlanError, Verdict, check_fits, plan
 from moe_train.memory.__main__ import main
+from moe_train.memory.estimate import ALL_ITEMS, STEP_WEIGHTS
+from moe_train.model import flops
 from moe_train.parallel import layout, sharding
 from moe_train.train import step as train
 from moe_train.train.stepper import ep_plans
@@ -60,14 +62,55 @@ def planned(cfg):
     # where it copies the old [V, H] embedding and head, the head's mu and nu: not modelled)
     ["parallel.devices=1", "model.vocab_size=32768", "train.batch_size=16", "train.seq_len=128",
      "train.loss_chunk=512"],
+    # parallel.weight_gather=step: the fp32 copy gathered over data once per step and its
+    # gradient, whole, before the reduction (compiled only: bf16 step-mode steps on 8 fake
+    # devices can stall in XLA:CPU's collectives when run; XLA:CPU's bf16 is emulated anyway)
+    ["parallel.devices=8", "parallel.ep=2", *SHAPE, "precision.compute=fp32",
+     "parallel.weight_gather=step"],
+    ["parallel.devices=8", "parallel.ep=2", *SHAPE, "precision.compute=fp32",
+     "parallel.weight_gather=step", "train.micro_batches=2"],
 ], ids=["1-device", "8-devices-ep8", "8-devices-ep2-fsdp4", "1-device-fp8", "8-devices-micro2",
-        "1-device-looped", "chunked-attention", "chunked-loss"])
+        "1-device-looped", "chunked-attention", "chunked-loss", "8-devices-ep2-step",
+        "8-devices-ep2-step-micro2"])
 def test_state_is_exact_and_total_close_to_xla(overrides):
     cfg = config.build("tiny", overrides)
     xla, est = xla_memory(cfg), planned(cfg).estimate.per_device
     state = est["params"] + est["optimizer"] + est["other"]
     assert abs(state - xla.argument) <= 64, (state, xla.argument)  # counters' padding aside
     assert LOW <= est["total"] / xla.peak <= HIGH, (est["total"], xla.peak)
+
+
+def test_step_gather_holds_a_compute_dtype_copy_and_its_gradient():
+    """deepseek-v3 on 64 GB200 trays, EP 64 x FSDP 4: weight_gather=step holds every weight's
+    bf16 copy split over its EP group only (routed experts / 64, other matrices / 64; the
+    router in fp32) and, per micro-batch, the gradient with respect to it before it is
+    reduced over data (a second copy's bytes); the per-layer gathers shrink to the in-group
+    ones, whose gradients stay bf16."""
+    cfg = config.build("deepseek-v3", ["train.micro_batch_size=0", "train.micro_batches=20"])
+    mb, step = (plan(config.build("deepseek-v3", ["train.micro_batch_size=0",
+                                                  "train.micro_batches=20", *sets]),
+                     "gb200-nvl72", 64, ep=64, search=False).estimate.per_device
+                for sets in ([], ["parallel.weight_gather=step"]))
+    c = flops.param_counts(cfg)
+    experts = c["routed_experts"] + c["mtp_routed_experts"]
+    router = (58 + 1) * 7168 * 256  # 58 MoE layers and the MTP block's, fp32
+    other = c["total_with_mtp"] - experts - c["norms"] - router  # norm scales: no copy
+    copy = experts // 64 * 2 + other // 64 * 2 + router // 64 * 4
+    assert step[STEP_WEIGHTS] == copy and mb[STEP_WEIGHTS] == 0
+    assert copy == pytest.approx((experts + other + router) / 64 * 2, rel=1e-3)
+    assert step["grads"] - mb["grads"] == copy  # its largest array's fp32 cast fits in freed memory
+    assert 0 < mb["precision_copies"] - step["precision_copies"] < copy / 10
+    assert copy < step["total"] - mb["total"] < 2 * copy
+    assert step["total"] == sum(step[k] for k in ALL_ITEMS)
+
+
+def test_step_gather_is_free_where_the_copy_is_the_master():
+    """EP over every device (no FSDP) in fp32: the copy has the master's dtype and
+    placement, so it is the master itself and the plan does not change."""
+    base = ["parallel.devices=8", "parallel.ep=8", *SHAPE]
+    mb, step = (planned(config.build("tiny", [*base, *sets])).estimate.per_device
+                for sets in ([], ["parallel.weight_gather=step"]))
+    assert step == mb and step[STEP_WEIGHTS] == 0
 
 
 def test_estimate_follows_precision_compute_and_fp8_saves_nothing():
@@ -196,7 +239,7 @@ def test_cli_json(capsys):
     assert set(out["per_device_bytes"]) >= {"params", "grads", "optimizer", "activations",
                                             "moe_buffers", "total"}
     assert out["device_bytes"] == 80 * GIB and out["fits"] is True
-    assert out["per_device_bytes"]["total"] == sum(out["per_device_bytes"][k] for k in ITEMS)
+    assert out["per_device_bytes"]["total"] == sum(out["per_device_bytes"][k] for k in ALL_ITEMS)
 
 
 def test_cli_text_and_check_exit(capsys):
@@ -220,6 +263,13 @@ def test_cli_errors_are_one_line_exit_2(capsys, args, match):
     assert re.search(match, err), err
 
 
+def test_cli_text_lists_the_step_copy(capsys):
+    assert main(["--model", "mixtral-8x7b", "--cluster", "h100-dgx", "--nodes", "8", "--ep", "8",
+                 "--set", "parallel.weight_gather=step"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[0] == STEP_WEIGHTS)
+    assert float(line.split()[1]) > 0 and "once per step" in line
+
+
 def test_plan_error_is_a_config_error():
     with pytest.raises(PlanError, match="train.batch_size=8 is not divisible by 16 devices"):
         plan(config.build("tiny"), "cpu-local", 2, ep=1)
@@ -231,6 +281,16 @@ def test_plan_error_is_a_config_error():
 ])
 def test_readme_cluster_examples_fit_with_the_preset_defaults(model, cluster, nodes, ep):
     assert plan(config.build(model), cluster, nodes, ep=ep, search=False).verdict.fits
+
+
+# README, "Predicted step time": the 64-node job at the comm-share target
+README_FAST = ("parallel.weight_gather=step", "train.micro_batch_size=0", "train.micro_batches=30",
+               "moe.chunks=4", "moe.dispatch_dtype=fp8")
+
+
+def test_readme_fast_deepseek_job_fits():
+    pl = plan(config.build("deepseek-v3", README_FAST), "gb200-nvl72", 64, ep=64, search=False)
+    assert pl.verdict.fits and pl.estimate.per_device[STEP_WEIGHTS] > 0
 
 
 def test_flash_attention_and_chunked_loss_drop_the_quadratic_and_vocab_terms():

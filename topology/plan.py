@@ -44,6 +44,8 @@ from topology.presets import Cluster, TopologyError
 
 BYTES_PER_ELEM = 2  # bf16 activations in the all-to-all
 MAX_GROUPS_SHOWN = 8  # human output lists this many EP groups, then a count
+# parallel.weight_gather -> how the FSDP line says the weights travel
+GATHERED = {"micro_batch": "per micro-batch", "step": "once per step, gradients per micro-batch"}
 
 
 class PlanError(TopologyError):
@@ -314,7 +316,8 @@ def _step_lines(plan: Plan) -> list[str]:
         f"{i['a2a_per_moe_layer']} per MoE layer"
         + (f", {i['fp8_dispatches']} of them fp8 dispatches)" if i["fp8_dispatches"] else ")"),
         f"  FSDP        {st.fsdp_s:9.3f} s  {st.fsdp_exposed_s:.3f} exposed (weights gathered "
-        f"per micro-batch; {i['efficiency']['collective_overlap']:.0%} overlappable)",
+        f"{GATHERED[i['weight_gather']]}; {i['efficiency']['collective_overlap']:.0%} "
+        "overlappable)",
         f"  optimizer   {st.optimizer_s:9.3f} s",
         f"  step        {st.step_s:9.3f} s  {st.tokens_per_s:,.0f} tokens/s/GPU, "
         f"{st.model_tflops:,.0f} model TFLOP/s/GPU, MFU {st.mfu:.1%} of the dense "
@@ -322,6 +325,9 @@ def _step_lines(plan: Plan) -> list[str]:
         f"  exposed communication: {st.comm_share:.1%} of the step",
         f"  moe.chunks: {st.best_chunks} is the planner's choice (step s by chunks: "
         + ", ".join(f"{c}: {s:.3f}" for c, s in st.by_chunks.items()) + ")",
+        "  parallel.weight_gather: step s by mode: "
+        + ", ".join(f"{g}: {s:.3f}" for g, s in st.by_gather.items())
+        + " (step holds each weight's EP-group shard in the compute dtype; see the memory plan)",
     ]
     for a in plan.anchors:
         lines.append(f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "

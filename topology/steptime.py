@@ -20,7 +20,9 @@ recomputed forward work (``RECOMPUTE``) to the hardware FLOPs, not to the model 
                (chunk i's exchange runs under chunk i-1's GEMMs; c = 1 hides nothing)
     fsdp     = n x (gathers x weights' b bytes + one reduce-scatter) x (S-1)/S / link
                (non-expert weights over all N GPUs, expert weights over Q; the link is the
-               network when the group spans NVLink domains)
+               network when the group spans NVLink domains); ``parallel.weight_gather=step``
+               gathers over Q once per step and moves only gradients (fp32) across groups
+               per micro-batch (``_fsdp_step_s``)
     exposed  = (1 - overlap) x fsdp + max(0, overlap x fsdp - compute)
     optimizer= params per GPU x (28 B AdamW + 12 B per extra micro-batch) / (HBM x eff)
     step     = compute + exposed a2a + exposed fsdp + optimizer
@@ -36,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from moe_train.config import Config, moe_layer_count
+from moe_train.config import WEIGHT_GATHERS, Config, moe_layer_count
 from moe_train.model import flops
 from topology import compute as compute_calibration, cost
 from topology.compute import Compute
@@ -84,6 +86,7 @@ class StepTime:
     inputs: dict[str, Any]  # everything the numbers came from
     by_chunks: dict[int, float]  # predicted step seconds for each moe.chunks that fits
     best_chunks: int  # the fewest chunks within 1% of the shortest of them
+    by_gather: dict[str, float]  # predicted step seconds for each parallel.weight_gather
 
     @property
     def comm_exposed_s(self) -> float:
@@ -177,6 +180,8 @@ def weights(cfg: Config) -> tuple[float, float]:
 
 
 def _fsdp_s(cfg: Config, cluster: Cluster, job: Job) -> float:
+    if cfg.parallel.weight_gather == "step":
+        return _fsdp_step_s(cfg, cluster, job)
     dense, experts = weights(cfg)
     b = 4 if cfg.precision.compute == "fp32" else 2
     moves = RECOMPUTE[cfg.train.remat][2] + 1  # the all-gathers, then one reduce-scatter
@@ -185,6 +190,23 @@ def _fsdp_s(cfg: Config, cluster: Cluster, job: Job) -> float:
     if job.dp > 1:
         t += experts / job.ep * (job.dp - 1) / job.dp / _link(cluster, job.gpus)
     return s * t
+
+
+def _fsdp_step_s(cfg: Config, cluster: Cluster, job: Job) -> float:
+    """``parallel.weight_gather=step`` (``moe_train.train.gather``): once per step the EP
+    group's shard of every weight comes over ``data`` (b bytes); per micro-batch the
+    non-expert weights are gathered inside the EP group per use and their fp32 gradient is
+    reduce-scattered there, then all-reduced over ``data`` on the group's shard; the expert
+    weights' fp32 gradient is reduce-scattered over ``data``."""
+    dense, experts = weights(cfg)
+    b = 4 if cfg.precision.compute == "fp32" else 2
+    P, Q, n = job.ep, job.dp, cfg.train.micro_batches
+    group, across = _link(cluster, P), _link(cluster, job.gpus)
+    cross = (Q - 1) / Q
+    once = b * (dense + experts) / P * cross / across
+    inside = (RECOMPUTE[cfg.train.remat][2] * b + 4) * dense * (P - 1) / P / group
+    reduce = 4 * (2 * dense + experts) / P * cross / across
+    return once + n * (inside + reduce)
 
 
 def _optimizer_s(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> float:
@@ -207,7 +229,10 @@ def predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> StepTime |
                       cluster, eff, job, {}, 0).step_s
           for c in CHUNK_CHOICES if rows % c == 0}
     best = min(c for c, s in by.items() if s <= 1.01 * min(by.values())) if by else 1
-    return _predict(cfg, cluster, eff, job, by, best)
+    gathers = {g: _predict(dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, weight_gather=g)), cluster, eff, job, {},
+        0).step_s for g in WEIGHT_GATHERS}
+    return dataclasses.replace(_predict(cfg, cluster, eff, job, by, best), by_gather=gathers)
 
 
 def _predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job, by_chunks: dict[int, float],
@@ -226,6 +251,7 @@ def _predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job, by_chunks: d
               "micro_batches": cfg.train.micro_batches, "chunks": cfg.moe.chunks,
               "dispatch_dtype": cfg.moe.dispatch_dtype, "fp8_dispatches": fp8_dispatches(cfg),
               "remat": cfg.train.remat, "compute": cfg.precision.compute,
+              "weight_gather": cfg.parallel.weight_gather,
               "moe_layers": moe_layer_count(cfg.model),
               "a2a_per_moe_layer": RECOMPUTE[cfg.train.remat][1],
               "a2a_latency_s": job.a2a.latency_s,
@@ -242,7 +268,7 @@ def _predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job, by_chunks: d
                     optimizer_s=optimizer, step_s=step,
                     tokens_per_s=job.tokens_per_gpu / step, model_tflops=model_flops / step / 1e12,
                     peak_tflops=peak / 1e12, mfu=model_flops / step / peak, inputs=inputs,
-                    by_chunks=by_chunks, best_chunks=best_chunks)
+                    by_chunks=by_chunks, best_chunks=best_chunks, by_gather={})
 
 
 def as_json(st: StepTime) -> dict[str, Any]:

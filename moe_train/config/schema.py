@@ -23,6 +23,7 @@ FP8_BACKENDS = ("auto", "xla", "te")  # precision.fp8_backend
 # Keys that moved to another section: --set or a preset naming the old one is told where.
 MOVED = {"model.dtype": ("precision.compute", COMPUTE)}
 REMAT_POLICIES = ("none", "full", "matmuls", "moe")  # moe_train.model.remat documents each
+WEIGHT_GATHERS = ("micro_batch", "step")  # moe_train.train.gather documents both
 ATTENTION = ("auto", "xla", "cudnn", "chunked", "te")  # model.attention (moe_train.model.attention)
 ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 ROPE_LAYOUTS = ("half", "interleaved")  # rope.layout (moe_train.model.rope)
@@ -152,6 +153,7 @@ class ParallelConfig:
     devices: int = 0  # devices in the mesh; 0 means all; on CPU, that many fake host devices
     ep: int = 1  # expert-parallel size: experts are split over groups of this many devices
     dp: int = 0  # data-parallel (FSDP) size; 0 means devices // ep
+    weight_gather: str = "micro_batch"  # FSDP gathers over data: micro_batch (per micro-batch, least memory) | step (once per step)
     domain_size: int = 0  # force fast-link domains of this many devices (fake domains on CPU); 0: discover them
     cluster: str = ""  # cluster preset name or site .toml: peak FLOP/s for MFU, topology checks; "": none
     allow_straddle: bool = False  # allow EP groups across NVLink domains when they cannot fit inside one
@@ -208,7 +210,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "moe.dispatch_dtype": DISPATCH_DTYPES, "moe.router": ROUTERS,
     "data.source": DATA_SOURCES, "data.token_dtype": TOKEN_DTYPES, "model.param_dtype": DTYPES,
     "model.attention": ATTENTION, "model.attention_kind": ATTENTION_KINDS,
-    "train.remat": REMAT_POLICIES,
+    "train.remat": REMAT_POLICIES, "parallel.weight_gather": WEIGHT_GATHERS,
     "train.on_nonfinite": ON_NONFINITE, "precision.compute": COMPUTE,
     "precision.fp8_recipe": FP8_RECIPES, "precision.fp8_backend": FP8_BACKENDS,
     "rope.layout": ROPE_LAYOUTS, "rope.scaling": ROPE_SCALINGS,

@@ -70,6 +70,12 @@ H*E*4 (dp > 1) + shared 3H*width*a, dense 3H*dense_ffn*a. Kept for every layer u
 the MoE/dense ones under moe (attention re-gathered), two layers under full/matmuls; plus the
 lm_head copy H*V*a and one layer's unsharded fp32 weight gradients before reduce-scatter.
 
+Step weights (``parallel.weight_gather=step``, ``moe_train.memory.step_gather``): the
+compute-dtype copy of every weight gathered over ``data`` once per step and held for it
+(routed / P * a + other / P * a where the EP group splits the width, else other * a), with
+the router in fp32; grads then add one micro-batch's gradient of that copy. Precision copies
+count only what each use still gathers inside the EP group. 0 in ``micro_batch`` mode.
+
 Validation (tests/test_memory.py; tiny preset, 3 layers, 16 x 128 tokens, XLA:CPU):
 the state equals XLA's compiled argument size to within 52 bytes (step counters) on 1 device,
 on 8 devices with EP 8 and with EP 2 x FSDP 4. For remat none the total is 1.08x..1.17x
@@ -96,12 +102,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_train.config import Config
-from moe_train.memory.estimate import ITEMS, Estimate, Setup, estimate
+from moe_train.memory.estimate import ALL_ITEMS, ITEMS, Estimate, Setup, estimate
 from moe_train.memory.job import PlanError, setup_for
 from moe_train.memory.verdict import GIB, Alternative, Budget, Verdict, budget, judge
 from topology.presets import Cluster, load
 
-__all__ = ["ITEMS", "GIB", "Alternative", "Budget", "Estimate", "Plan", "PlanError", "Setup",
+__all__ = ["ALL_ITEMS", "ITEMS", "GIB", "Alternative", "Budget", "Estimate", "Plan", "PlanError", "Setup",
            "Verdict", "check_fits", "plan"]
 
 

@@ -14,7 +14,7 @@ import sys
 
 from moe_train import config
 from moe_train.config import ConfigError
-from moe_train.memory import GIB, ITEMS, Plan, plan
+from moe_train.memory import ALL_ITEMS, GIB, Plan, plan
 from topology.presets import TopologyError, list_presets, load
 
 EXIT_USAGE, EXIT_DOES_NOT_FIT = 2, 1
@@ -60,18 +60,24 @@ def _notes(pl: Plan) -> dict[str, str]:
     """One note per item, saying what it is made of."""
     s, est = pl.estimate.setup, pl.estimate
     name, unit = _unit(est.per_device["total"])
+    step = est.per_device["step_weights"] > 0
     buckets = ", ".join(f"{k}{'x' if k != 'worst' else ''} {v / unit:.2f}"
                         for k, v in est.moe_buffers_by_bucket.items())
     return {
         "params": f"{_count(est.params_total)} parameters: routed experts / {s.ep * s.dp} "
                   f"(EP {s.ep} x FSDP {s.dp}), other matrices / {s.devices}, norms replicated",
-        "grads": "as the parameters (reduce-scattered)",
+        "grads": ("as the parameters (reduce-scattered)" if not step else
+                  "as the parameters, plus a micro-batch's gradient of the step's copy"),
         "optimizer": "AdamW mu and nu",
         "activations": f"remat {s.remat}, {s.tokens} tokens per GPU",
         "moe_buffers": f"bucket {est.bucket}{'x' if est.bucket != 'worst' else ''} "
                        f"({s.dispatcher}, {s.backend}); by bucket: {buckets}",
-        "precision_copies": f"{s.compute} weights gathered over FSDP",
+        "precision_copies": (f"{s.compute} weights gathered per use inside the EP group"
+                             if step else f"{s.compute} weights gathered over FSDP"),
         "other": "expert bias, batch, counters",
+        "step_weights": (f"{s.compute} copy of the weights gathered once per step "
+                         f"(parallel.weight_gather=step)" if step else
+                         "none (parallel.weight_gather=micro_batch)"),
     }
 
 
@@ -85,7 +91,7 @@ def render(pl: Plan, model: str) -> str:
     name, unit = _unit(v.total_bytes)
     num = lambda b: f"{b / unit:10.2f}"  # noqa: E731
     lines = [head, f"  {'per GPU':<18}{name:>10}"]
-    lines += [f"  {k:<18}{num(pl.estimate.per_device[k])}   {notes[k]}" for k in ITEMS]
+    lines += [f"  {k:<18}{num(pl.estimate.per_device[k])}   {notes[k]}" for k in ALL_ITEMS]
     lines.append(f"  {'total':<18}{num(v.total_bytes)}   usable {v.usable_bytes / unit:.2f} of "
                  f"{v.device_bytes / unit:g} ({b.reserve})")
     lines.append(f"verdict: {v.message}")

@@ -10,11 +10,17 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from moe_train.config import Config, for_devices, head_dim
+from moe_train.memory import step_gather
 from moe_train.model import flops
 from moe_train.parallel import jobplan
 
 ITEMS = ("params", "grads", "optimizer", "activations", "moe_buffers", "precision_copies",
          "other")
+# parallel.weight_gather=step's compute-dtype copy of the weights, held for the whole step
+# (0 in micro_batch mode). Kept out of ITEMS, whose every entry the CLI's text report lists
+# with a note of its own; ALL_ITEMS is every key of Estimate.per_device but "total".
+STEP_WEIGHTS = "step_weights"
+ALL_ITEMS = ITEMS + (STEP_WEIGHTS,)
 PARAM_BYTES = {"float32": 4, "bfloat16": 2}  # model.param_dtype
 # precision.compute -> bytes of activations and weight copies. fp8 computes in bf16: XLA's
 # quantize-dequantize keeps bf16 values (on GPU the fused fp8 GEMMs read fp8 operands, but the
@@ -60,7 +66,7 @@ class Estimate:
     """Per-device bytes of one training step."""
 
     setup: Setup  # what it is for
-    per_device: Mapping[str, int]  # ITEMS and "total" -> bytes
+    per_device: Mapping[str, int]  # ALL_ITEMS and "total" -> bytes
     moe_buffers_by_bucket: Mapping[str, int]  # capacity bucket ("1.0", ..., "worst") -> bytes
     bucket: str  # the bucket whose MoE buffers are in the total (largest finite one)
     params_total: int  # parameters of the whole model
@@ -138,6 +144,15 @@ def state_bytes(cfg: Config, s: Setup) -> dict[str, int]:
     # gradient accumulation carries the running sum beside each micro-batch's gradients
     grads = params * (2 if cfg.train.micro_batches > 1 else 1)
     return dict(params=params, grads=grads, optimizer=2 * params, other=other)
+
+
+def step_copy_bytes(cfg: Config, s: Setup) -> int:
+    """Per-device bytes of ``parallel.weight_gather=step``'s copy of the weights (0 in
+    ``micro_batch`` mode; ``moe_train.memory.step_gather``)."""
+    router = _layer_kinds(cfg)[1] * cfg.model.hidden * cfg.moe.num_experts  # MTP's too
+    return step_gather.copy_bytes(cfg, s.devices, s.ep, s.dp, s.a,
+                                  PARAM_BYTES[cfg.model.param_dtype], param_split(cfg, s.devices),
+                                  router, flops.param_counts(cfg)["norms"])
 
 
 # ----------------------------------------------------------------------------- per token
@@ -276,15 +291,29 @@ def moe_buffer_bytes(cfg: Config, s: Setup, factor: float | None) -> int:
     return layers * kept + transient
 
 
-def _weight_copies(cfg: Config, s: Setup) -> dict[str, int]:
-    """Bytes of one layer's weights as used (gathered over FSDP, cast to compute dtype)."""
+def _weight_copies(cfg: Config, s: Setup, experts: bool = True) -> dict[str, int]:
+    """Bytes of one layer's weights as used (gathered over FSDP, cast to compute dtype);
+    without the routed experts' unless ``experts``."""
     m, e, a = cfg.model, cfg.moe, s.a
     H = m.hidden
     shared = e.num_shared_experts * (e.shared_ffn or e.expert_ffn)
     gate = H * e.num_experts * 4 if s.devices > 1 else 0  # the fp32 router, all-gathered
+    routed = (e.num_experts // s.ep) * 3 * H * e.expert_ffn * a if experts else 0
     return dict(attention=flops.attention_params(m)[0] * a,
-                moe=(e.num_experts // s.ep) * 3 * H * e.expert_ffn * a + gate + 3 * H * shared * a,
+                moe=routed + gate + 3 * H * shared * a,
                 dense=3 * H * m.dense_ffn * a, head=H * m.vocab_size * a)
+
+
+def _step_copies(cfg: Config, s: Setup) -> dict[str, int]:
+    """``_weight_copies`` under ``parallel.weight_gather=step``: only what each use still
+    gathers inside the EP group (the held copy keeps the other matrices and the router split
+    over it); the experts are used as held, except fp8's per-layer quantized copy."""
+    if not step_gather.in_group(cfg, s.devices, s.ep):
+        w = dict.fromkeys(("attention", "moe", "dense", "head"), 0)
+        if s.compute == "fp8":
+            w["moe"] = _weight_copies(cfg, s)["moe"]
+        return w
+    return _weight_copies(cfg, s, experts=s.compute == "fp8")
 
 
 def _layer_weights(w: dict[str, int], n_dense: int, n_moe: int) -> int:
@@ -306,7 +335,8 @@ def precision_copy_bytes(cfg: Config, s: Setup) -> int:
     if s.devices == 1 and s.a == PARAM_BYTES[cfg.model.param_dtype] and s.compute != "fp8":
         scan = 3 if cfg.model.scan_layers else 0
         return scan * _layer_weights(_weight_copies(cfg, s), n_dense, n_moe)
-    w = _weight_copies(cfg, s)
+    step = step_gather.active(cfg, s.dp, s.a, PARAM_BYTES[cfg.model.param_dtype])
+    w = _step_copies(cfg, s) if step else _weight_copies(cfg, s)
     layer = _layer_weights(w, n_dense, n_moe)
     if s.remat == "none":
         kept = n_moe * (w["attention"] + w["moe"]) + n_dense * (w["attention"] + w["dense"])
@@ -314,7 +344,8 @@ def precision_copy_bytes(cfg: Config, s: Setup) -> int:
         kept = n_moe * w["moe"] + n_dense * w["dense"] + 2 * w["attention"]
     else:  # re-gathered in the backward pass: one layer plus the one being recomputed
         kept = 2 * layer
-    grads = layer * 4 // s.a if s.devices > 1 else 0
+    # step: the gradient of an in-group gather stays in the compute dtype (cast after it)
+    grads = (layer if step else layer * 4 // s.a) if s.devices > 1 else 0
     return kept + w["head"] + grads
 
 
@@ -328,7 +359,33 @@ def estimate(cfg: Config, s: Setup) -> Estimate:
     by_bucket = {("worst" if f is None else f"{f:g}"): moe_buffer_bytes(cfg, s, f) for f in factors}
     bucket = "worst" if len(factors) == 1 else f"{factors[-2]:g}"
     per["moe_buffers"] = by_bucket[bucket]
-    per = {k: per[k] for k in ITEMS}
+    per[STEP_WEIGHTS] = step_copy_bytes(cfg, s)
+    per["grads"] += _step_grad_bytes(cfg, s, per)
+    per = {k: per[k] for k in ALL_ITEMS}
     per["total"] = sum(per.values())
     return Estimate(setup=s, per_device=per, moe_buffers_by_bucket=by_bucket, bucket=bucket,
                     params_total=flops.param_counts(cfg)["total_with_mtp"])
+
+
+def _step_grad_bytes(cfg: Config, s: Setup, per: Mapping[str, int]) -> int:
+    """A micro-batch's gradient with respect to the step's copy before its reduction: the
+    copy's bytes again (scanned layers: the backward loop writes it whole; looped layers:
+    each layer's is reduced as it comes, the largest layer's share), plus the largest
+    array's fp32 cast where it exceeds what the backward pass has freed by then."""
+    copy = per[STEP_WEIGHTS]
+    if not copy:
+        return 0
+    if not cfg.model.scan_layers:
+        copy = min(copy, _copy_layer_bytes(cfg, s))
+    cast = step_gather.largest_cast(cfg, s.devices, s.ep, s.a)
+    return copy + max(0, cast - per["activations"] - per["moe_buffers"] - per["precision_copies"])
+
+
+def _copy_layer_bytes(cfg: Config, s: Setup) -> int:
+    """The largest layer's share of the step's copy (or the output head's)."""
+    n_dense, n_moe = _layer_kinds(cfg)
+    w, shared = _weight_copies(cfg, s), _weight_copies(cfg, s, experts=False)["moe"]
+    ways = s.ep if step_gather.in_group(cfg, s.devices, s.ep) else 1
+    moe = w["moe"] - shared + (w["attention"] + shared) // ways if n_moe else 0  # + router
+    dense = (w["attention"] + w["dense"]) // ways if n_dense else 0
+    return max(moe, dense, w["head"] // ways)

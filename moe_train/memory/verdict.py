@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from moe_train.config import REMAT_POLICIES, Config
 from moe_train.memory import job
-from moe_train.memory.estimate import ITEMS, Estimate, estimate
+from moe_train.memory.estimate import ALL_ITEMS, Estimate, estimate
 from moe_train.parallel import jobplan
 from topology.presets import Cluster
 
@@ -60,7 +60,7 @@ class Verdict:
     usable_bytes: int  # budget after the reserve
     device_bytes: int  # the GPU's memory
     spare_bytes: int  # usable - total (negative when it does not fit)
-    largest: str  # the largest item of ITEMS
+    largest: str  # the largest item of ALL_ITEMS
     largest_bytes: int  # its bytes
     change: str | None  # the cheapest available change that fits; None if it fits or none does
     alternatives: tuple[Alternative, ...]  # everything tried, in order of cost
@@ -165,7 +165,7 @@ def judge(cfg: Config, est: Estimate, bud: Budget, cluster: Cluster, nodes: int,
     """The verdict for ``est`` against ``bud``; alternatives only when it does not fit."""
     per = est.per_device
     total, usable = per["total"], bud.usable_bytes
-    largest = max(ITEMS, key=lambda k: per[k])
+    largest = max(ALL_ITEMS, key=lambda k: per[k])
     worst = total - per["moe_buffers"] + est.moe_buffers_by_bucket["worst"]
     fits = total <= usable
     base = total - per["moe_buffers"]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moe_train.config import Config
+from moe_train.config import Config, compute_dtype
 from moe_train.data import packing
 from moe_train.model import loss, mtp, remat
 from moe_train.model.precision import FP8_COLLECTION
@@ -32,6 +32,7 @@ from moe_train.model.transformer import GROUPS, LAYER_NAME, Transformer
 from moe_train.moe import stats as moe_stats
 from moe_train.parallel import sharding
 from moe_train.parallel.jobplan import EPPlan
+from moe_train.train.gather import StepGather
 
 
 @flax.struct.dataclass
@@ -122,10 +123,16 @@ def optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
+def boxed_params(cfg: Config):
+    """The parameters' shapes, dtypes and logical axis names (``nn.LogicallyPartitioned``
+    leaves), without computing them."""
+    tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
+    return jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens)["params"], jax.random.key(0))
+
+
 def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState:
     """Parameters and their Adam moments FSDP/EP-sharded by the logical rules; rest replicated."""
-    tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
-    boxed = jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens)["params"], jax.random.key(0))
+    boxed = boxed_params(cfg)
     shd = sharding.Sharding.of(mesh, cfg.model)
     param_sh, rep = shd.params(boxed), shd.replicated
     opt_sh = optax.tree_map_params(optimizer(cfg), lambda _, sh: sh, abstract.opt_state, param_sh,
@@ -233,13 +240,24 @@ def micro_batches(batch_BS, n: int, mesh: Mesh):
     return jax.tree.map(split, batch_BS)
 
 
-def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh: Mesh):
+def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh: Mesh,
+               step_gather: StepGather | None = None):
     """``loss_grads`` over the batch as ``n`` micro-batches run in turn (gradient
     accumulation): ((mean total loss, aux), (mean gradients, fp8 state)). Only one
     micro-batch's activations are live at a time. The fp8 scaling state passes from each
     micro-batch to the next (each quantizes with the amax history so far); the expert bias
     stays fixed within the step. With load-balance losses each micro-batch balances its own
-    tokens, so n > 1 is not bitwise the same step as n = 1."""
+    tokens, so n > 1 is not bitwise the same step as n = 1. ``step_gather``
+    (``parallel.weight_gather=step``): the micro-batches run on one gathered copy of the
+    weights (``moe_train.train.gather``)."""
+    master = params
+    if step_gather is not None:
+        params, of_copy = step_gather.gather(master), loss_grads
+
+        def loss_grads(p, fp8, moe, mb_BS):
+            out, (grads, fp8) = of_copy(p, fp8, moe, mb_BS)
+            return out, (step_gather.reduced(grads, master), fp8)
+
     if n == 1:
         return loss_grads(params, fp8_state, moe_state, batch_BS)
 
@@ -248,7 +266,7 @@ def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh:
         (total, aux), (grads, fp8) = loss_grads(params, fp8, moe_state, mb_BS)
         return (jax.tree.map(jnp.add, grads_sum, grads), fp8), (total, aux)
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(jnp.zeros_like, master)
     (grads, fp8), (total_n, aux_n) = jax.lax.scan(body, (zeros, fp8_state),
                                                   micro_batches(batch_BS, n, mesh))
     aux = {k: v.mean(0) for k, v in aux_n.items() if k != "stats"}
@@ -302,7 +320,7 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
 
         (total, aux), (grads, fp8_state) = accumulate(
             loss_grads, state.params, state.fp8_state, state.moe_state, batch_BS,
-            cfg.train.micro_batches, mesh)
+            cfg.train.micro_batches, mesh, step_gather)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         moe = moe_stats.metrics(aux["stats"], cfg.moe.num_experts)
@@ -323,6 +341,9 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
         return new, metrics
 
     can_overflow = ep_plan is not None and ep_plan.capacity_factor is not None
+    step_gather = (StepGather.of(boxed_params(cfg), state_sharding.params,
+                                 compute_dtype(cfg.precision))
+                   if cfg.parallel.weight_gather == "step" else None)
     options = remat.compiler_options(cfg.train.remat, mesh.devices.flat[0].platform)
     shd = sharding.Sharding.of(mesh, cfg.model)
     return shd.wrap(jax.jit(step, donate_argnums=0,
