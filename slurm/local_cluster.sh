@@ -7,8 +7,9 @@
 #   slurm/local_cluster.sh stop     stop the daemons this script started (by PID); packages stay
 #   slurm/local_cluster.sh status   exit 0 when sinfo answers and the node can run jobs
 #
-# State (config copies, spool, logs, PID files) lives in SLURM_LOCAL_DIR (default
-# /tmp/moe-train-slurm). Debian's Slurm reads /etc/slurm/slurm.conf and /etc/slurm/slurmdbd.conf,
+# State (config copies, spool, logs, PID files, the accounting database) lives in SLURM_LOCAL_DIR
+# (default /tmp/moe-train-slurm): slurmctld's job counter and sacct's records live and go
+# together, so a fresh state never reuses a job ID that an older record in sacct still holds. Debian's Slurm reads /etc/slurm/slurm.conf and /etc/slurm/slurmdbd.conf,
 # so `start` writes those two files too: only run it on a CI or development machine.
 # SLURM_LOCAL_TIMEOUT (seconds, default 60) bounds every wait.
 set -euo pipefail
@@ -24,6 +25,7 @@ MARKER="# written by moe-train slurm/local_cluster.sh"
 DB_NAME=slurm_acct_db
 DB_USER=slurm
 MYSQL_SOCKET=/run/mysqld/mysqld.sock
+DB_DIR="$STATE/mysql"
 # start order; stop goes backwards
 DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)
 
@@ -266,12 +268,15 @@ mysql_cmd() { mariadb --protocol=socket -S "$MYSQL_SOCKET" -u root "$@"; }
 
 start_mariadb() {
     if ! running mariadbd; then
-        if [[ ! -d /var/lib/mysql/mysql ]]; then
-            say "initialising MariaDB's data directory"
-            mariadb-install-db --user=mysql --datadir=/var/lib/mysql >>"$STATE/log/mariadb.log" 2>&1
+        if [[ ! -d $DB_DIR/mysql ]]; then
+            say "initialising MariaDB's data directory $DB_DIR"
+            install -d -o mysql -g mysql -m 700 "$DB_DIR"
+            mariadb-install-db --user=mysql --datadir="$DB_DIR" >>"$STATE/log/mariadb.log" 2>&1 \
+                || { log_tail "$STATE/log/mariadb.log"; die "mariadb-install-db failed"; }
         fi
         launch mariadbd "$STATE/log/mariadb.out" \
-            mariadbd --user=mysql --socket="$MYSQL_SOCKET" --log-error="$STATE/log/mariadb.log"
+            mariadbd --user=mysql --datadir="$DB_DIR" --socket="$MYSQL_SOCKET" \
+            --log-error="$STATE/log/mariadb.log"
     fi
     wait_for "MariaDB" mariadbd "$STATE/log/mariadb.out $STATE/log/mariadb.log" \
         mariadb-admin --protocol=socket -S "$MYSQL_SOCKET" -u root ping

@@ -70,7 +70,13 @@ def check_ep(ep):
             assert 0 < r["fill"] <= 1, r
             assert not r["overflow"]
             assert positive(r["fwd_bytes_per_device"]["total"])
-    assert {r["routing"] for r in rows} >= {"uniform", "zipf"}
+    assert {r["routing"] for r in rows} >= {"uniform", "zipf", "balanced"}
+    # forced balance: every expert and every EP pair the same load; dropless timed beside it
+    assert ep["realized_skew"]["balanced"]["expert_max_over_mean"] == 1.0
+    assert all(b["pair_load_bound"] == 1.0 for b in ep["buckets"] if b["routing"] == "balanced")
+    beside = ep["beside_balanced"]
+    assert {(r["dispatcher"], r["routing"]) for r in beside} >= {("a2a", "uniform"), ("a2a", "zipf")}
+    assert all(positive(r["over_balanced"]) for r in beside)
     buckets = ep["buckets"]
     assert {b["dispatcher"] for b in buckets} == {"a2a", "hierarchical"}
     for b in buckets:

@@ -15,6 +15,9 @@ a draw without replacement from ``p_e ~ pref`` (the Gumbel-top-k trick); ``unifo
 hottest experts on EP rank 0 (the adversarial placement). The logits are made exactly by
 the gate kernel: ``x = x0 + (logits - x0 @ gate) @ pinv(gate)`` gives ``x @ gate = logits``
 for random ``x0`` and a random full-column-rank gate (needs H >= E). No expert_bias is used.
+``balanced`` is the forced-balance router of ``moe.router=balanced`` (benchmarks only: token t
+of each device takes experts (t*K + j) mod E, whatever its scores) on the ``uniform`` tokens:
+the load published forced-balance tables are measured at, timed beside the dropless rows.
 
 Capacity buckets follow the trainer's ``moe_train.parallel.jobplan.BucketPolicy``: over ``steps``
 routing batches the step starts at the smallest bucket (the factors of
@@ -39,14 +42,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moe_train.bench.common import collective_bytes, compile_jit, fmt_ms, time_compiled
 from moe_train.bench.ep_buckets import (
+    BALANCED,
     NUM_DEVICES,
     TARGET_RATIO,
     BucketRows,
     factor_label,
     host_stats,
     log,
+    router,
 )
-from moe_train.bench.ep_report import markdown, skew_summary
+from moe_train.bench.ep_report import beside_balanced, markdown, skew_summary
 from moe_train.config import MoEConfig
 from moe_train.moe import Routing, dropless_moe, ep_moe
 from moe_train.moe.routings import (
@@ -109,19 +114,20 @@ class Sizes(MoEShape):
 # One mesh in `make bench` (each bucket of each dispatcher is a compilation; the 10-minute
 # budget of 2 cores); EP8_D2 and EP4_DP2 are kept for runs that can afford them.
 FULL = Sizes(tokens=2048, hidden=128, ffn=256, experts=32, top_k=4, steps=2, min_reps=3,
-             target_s=1.0, meshes=(EP8_D4,), routings=("uniform", "zipf"),
-             bucket_routings=("uniform", "zipf", "zipf-sorted"), chunk_rows=False)
+             target_s=1.0, meshes=(EP8_D4,), routings=("uniform", "zipf", BALANCED),
+             bucket_routings=("uniform", "zipf", "zipf-sorted", BALANCED), chunk_rows=False)
 # quick: every dispatcher once, fewer buckets (each bucket is a compilation, ~4 s on 2 cores)
 QUICK = Sizes(tokens=256, hidden=32, ffn=64, experts=16, top_k=2, steps=2, min_reps=3,
-              target_s=0.1, meshes=(EP8_D4,), routings=("uniform", "zipf"),
-              bucket_routings=("uniform", "zipf"), buckets=(2.0,), chunk_rows=False)
+              target_s=0.1, meshes=(EP8_D4,), routings=("uniform", "zipf", BALANCED),
+              bucket_routings=("uniform", "zipf", BALANCED), buckets=(2.0,), chunk_rows=False)
 
 
 # ----------------------------------------------------------------------------- operands
 
 def tokens(s: Sizes, gate_HE: np.ndarray, routing: str, step: int) -> np.ndarray:
     """x [T, H] whose router logits x @ gate are log p + Gumbel noise (see module doc)."""
-    logits = gumbel_logits(s.tokens, s.experts, routing, seed=step)  # same noise per routing
+    pref = "uniform" if routing == BALANCED else routing
+    logits = gumbel_logits(s.tokens, s.experts, pref, seed=step)  # same noise per routing
     return tokens_for_logits(logits, gate_HE, seed=step)
 
 
@@ -131,20 +137,20 @@ def _loss(y_TH, stats):
     return jnp.mean(jnp.sum(jnp.square(y_TH.astype(jnp.float32)), axis=-1)) + 0.01 * stats.aux_loss
 
 
-def ep_step(plan: EPPlan, top_k: int):
+def ep_step(plan: EPPlan, routing: Routing):
     def loss(x, gate, w0, w1, wo):
-        y, stats = ep_moe(x, gate, w0, w1, wo, Routing(top_k), plan=plan, backend=BACKEND)
+        y, stats = ep_moe(x, gate, w0, w1, wo, routing, plan=plan, backend=BACKEND)
         return _loss(y, stats), stats
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
 
-def ep_forward(plan: EPPlan, top_k: int):
-    return jax.jit(lambda *ops: ep_moe(*ops, Routing(top_k), plan=plan, backend=BACKEND))
+def ep_forward(plan: EPPlan, routing: Routing):
+    return jax.jit(lambda *ops: ep_moe(*ops, routing, plan=plan, backend=BACKEND))
 
 
-def dense_step(top_k: int):
+def dense_step(routing: Routing):
     def loss(x, gate, w0, w1, wo):
-        y, stats = dropless_moe(x, gate, w0, w1, wo, Routing(top_k), backend=BACKEND)
+        y, stats = dropless_moe(x, gate, w0, w1, wo, routing, backend=BACKEND)
         return _loss(y, stats), stats
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
@@ -189,44 +195,47 @@ class EPBench(BucketRows):
         return sharding.make_mesh(self.devices, (mc.dp, mc.domains, mc.domain_size))
 
     # compiled steps -----------------------------------------------------------
-    def step_fn(self, mc: MeshCfg, mesh, plan: EPPlan, args) -> Callable:
-        """The compiled fwd+bwd step of a (mesh, plan), compiled once and cached."""
-        key = (mc, plan)
+    def step_fn(self, mc: MeshCfg, mesh, plan: EPPlan, args, routing: str) -> Callable:
+        """The compiled fwd+bwd step of a (mesh, plan, router), compiled once and cached."""
+        r = router(self.s.top_k, routing)
+        key = (mc, plan, r)
         if key not in self._compiled:
             with jax.set_mesh(mesh):
-                fn, _, secs = compile_jit(ep_step(plan, self.s.top_k), *args)
+                fn, _, secs = compile_jit(ep_step(plan, r), *args)
             self._compiled[key] = fn
             self.compile_s[f"{mc.label} {plan.dispatcher} {factor_label(plan.capacity_factor)} "
-                           f"chunks={plan.chunks}"] = secs
+                           f"chunks={plan.chunks}{' balanced' if r.balanced else ''}"] = secs
         return self._compiled[key]
 
-    def precompile(self, mc: MeshCfg, mesh, plans: list[EPPlan], args) -> None:
+    def precompile(self, mc: MeshCfg, mesh, plans: list[EPPlan], args, routing: str) -> None:
         """Compile plans not compiled yet, two at a time (XLA compiles outside the GIL).
 
         The stepper emulation touches most buckets of a dispatcher anyway; compiling them
         side by side halves the compile-bound part of this section on 2 cores. Compile
         seconds of such plans are measured while another compile runs.
         """
-        todo = [p for p in dict.fromkeys(plans) if (mc, p) not in self._compiled]
+        r = router(self.s.top_k, routing)
+        todo = [p for p in dict.fromkeys(plans) if (mc, p, r) not in self._compiled]
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as ex:
-            list(ex.map(lambda p: self.step_fn(mc, mesh, p, args), todo))
+            list(ex.map(lambda p: self.step_fn(mc, mesh, p, args, routing), todo))
 
-    def fwd_bytes(self, mc, mesh, plan, args) -> dict[str, Any]:
+    def fwd_bytes(self, mc, mesh, plan, args, routing: str) -> dict[str, Any]:
         """Collective bytes per device of the forward pass (from its lowered HLO)."""
-        key = (mc, plan)
+        r = router(self.s.top_k, routing)
+        key = (mc, plan, r)
         if key not in self._bytes:
             with jax.set_mesh(mesh):
-                hlo = ep_forward(plan, self.s.top_k).lower(*args).as_text(dialect="hlo")
+                hlo = ep_forward(plan, r).lower(*args).as_text(dialect="hlo")
             self._bytes[key] = collective_bytes(hlo, mc.domain_of)
         return self._bytes[key]
 
-    def run(self, mc, mesh, plan, args):
+    def run(self, mc, mesh, plan, args, routing: str):
         with jax.set_mesh(mesh):
-            return self.step_fn(mc, mesh, plan, args)(*args)
+            return self.step_fn(mc, mesh, plan, args, routing)(*args)
 
     def time_row(self, mc, mesh, plan, routing, args) -> dict[str, Any]:
         """One timed EP row: fwd+bwd time, exchange stats and bytes moved."""
-        fn = self.step_fn(mc, mesh, plan, args)
+        fn = self.step_fn(mc, mesh, plan, args, routing)
         with jax.set_mesh(mesh):
             timing, out = time_compiled(fn, args, min_reps=self.s.min_reps,
                                         target_s=self.s.target_s)
@@ -241,7 +250,7 @@ class EPBench(BucketRows):
             "recv_rows": float(st["recv_rows"]), "recv_slots": float(st["recv_slots"]),
             "fill": float(st["recv_rows"] / st["recv_slots"]),
             "max_pair_load": float(st["max_pair_load"]), "overflow": bool(st["overflow"]),
-            "fwd_bytes_per_device": self.fwd_bytes(mc, mesh, plan, args),
+            "fwd_bytes_per_device": self.fwd_bytes(mc, mesh, plan, args, routing),
             # slow_rows is summed over all shards, one way; x2: dispatch and combine
             "slow_link_bytes_per_device": float(st["slow_rows"]) / n * H * item * 2,
         }
@@ -251,12 +260,14 @@ class EPBench(BucketRows):
         """Single-device dropless_moe rows (the reference) per timed routing."""
         rows = []
         dev = self.devices[0]
-        fn = None
+        fns: dict[Routing, Callable] = {}
         for routing in self.s.routings:
             args = [jax.device_put(a, dev) for a in (self.x(routing, 0), *self.weights.values())]
-            if fn is None:
-                fn, _, secs = compile_jit(dense_step(self.s.top_k), *args)
-                self.compile_s["dense"] = secs
+            r = router(self.s.top_k, routing)
+            if r not in fns:
+                fns[r], _, secs = compile_jit(dense_step(r), *args)
+                self.compile_s["dense" + (" balanced" if r.balanced else "")] = secs
+            fn = fns[r]
             timing, out = time_compiled(fn, args, min_reps=self.s.min_reps, target_s=self.s.target_s)
             loads = host_stats(out)["tokens_per_expert"].astype(float)
             rows.append({"kind": "dense", "mesh": "1 device", "dispatcher": "dense (dropless_moe)",
@@ -288,5 +299,6 @@ def run(s: Sizes) -> dict[str, Any]:
         "realized_skew": skew, "timing": timing, "buckets": buckets,
         "compile_s": bench.compile_s, "wall_s": time.perf_counter() - t0,
     }
+    section["beside_balanced"] = beside_balanced(section)
     section["markdown"] = markdown(section)
     return section

@@ -26,6 +26,12 @@ if TYPE_CHECKING:  # ep.py imports this module
 
 NUM_DEVICES = 8
 TARGET_RATIO = 1.3  # the issue: mean receive buffer <= 1.3x the rows actually received
+BALANCED = "balanced"  # the forced-balance routing (moe.router=balanced), on uniform tokens
+
+
+def router(top_k: int, routing: str) -> Routing:
+    """The router of a bench routing: forced balance for ``balanced``, else top-k of the scores."""
+    return Routing(top_k, balanced=routing == BALANCED)
 
 
 def log(msg: str) -> None:
@@ -55,7 +61,7 @@ class BucketRows:
             args = self.placed(mc, mesh, routing, step)
             while True:
                 plan = EPPlan(dispatcher, mc.ep, policy.factor, chunks)
-                st = host_stats(self.run(mc, mesh, plan, args))
+                st = host_stats(self.run(mc, mesh, plan, args, routing))
                 if not st["overflow"]:
                     break
                 try:
@@ -75,17 +81,20 @@ class BucketRows:
         out = []
         for step in range(self.s.steps):
             st = host_stats(self.run(mc, mesh, EPPlan(dispatcher, mc.ep, None),
-                                     self.placed(mc, mesh, routing, step)))
+                                     self.placed(mc, mesh, routing, step), routing))
             out.append({"factor": None, "recv_rows": float(st["recv_rows"]),
                         "recv_slots": float(st["recv_slots"])})
         return out
 
     def experts(self, routing: str, step: int) -> np.ndarray:
-        """experts_TK of a batch, routed on one device as ep_moe routes it (softmax top-k)."""
+        """experts_TK of a batch, routed as ep_moe routes it (softmax top-k; forced balance
+        per device's tokens)."""
         key = ("experts", routing, step)
         if key not in self._x:
-            fn = jax.jit(lambda x, g: route(router_logits(x, g), Routing(self.s.top_k))[1])
-            self._x[key] = np.asarray(fn(self.x(routing, step), self.weights["gate"]))
+            r = router(self.s.top_k, routing)
+            fn = jax.jit(lambda x, g: route(router_logits(x, g), r)[1])
+            x = self.x(routing, step).reshape(NUM_DEVICES, -1, self.s.hidden)  # one per device
+            self._x[key] = np.concatenate([np.asarray(fn(xd, self.weights["gate"])) for xd in x])
         return self._x[key]
 
     def stage1(self, mc: MeshCfg, routing: str, step: int, factor: float | None) -> tuple[int, int]:
@@ -119,7 +128,7 @@ class BucketRows:
                 t0 = time.perf_counter()
                 if routing == self.s.bucket_routings[0]:  # every bucket, side by side
                     self.precompile(mc, mesh, [EPPlan(dispatcher, mc.ep, f) for f in self.factors],
-                                    args0)
+                                    args0, routing)
                 emu = self.stepper(mc, mesh, dispatcher, routing)
                 worst = self.worst_fill(mc, mesh, dispatcher, routing)
                 if routing == "uniform":

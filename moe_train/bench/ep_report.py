@@ -36,6 +36,39 @@ def skew_summary(s, dense_rows: list[dict]) -> dict[str, dict]:
 
 
 
+def beside_balanced(sec: dict[str, Any]) -> list[dict]:
+    """Per mesh and dispatcher, each dropless routing's time over forced balance's (the
+    first timed row of each: the bucket that held, or allgather's one row)."""
+    first: dict[tuple, dict] = {}
+    for r in sec["timing"]:
+        first.setdefault((r["mesh"], r["dispatcher"], r["routing"]), r)
+    out = []
+    for (mesh, disp, routing), r in first.items():
+        base = first.get((mesh, disp, "balanced"))
+        if base is None or routing == "balanced":
+            continue
+        out.append({"mesh": mesh, "dispatcher": disp, "routing": routing,
+                    "bucket": r.get("bucket"), "balanced_bucket": base.get("bucket"),
+                    "over_balanced": r["time"]["median_s"] / base["time"]["median_s"]})
+    return out
+
+
+def _balanced_lines(sec: dict[str, Any]) -> list[str]:
+    rows = beside_balanced(sec)
+    if not rows:
+        return []
+    table = markdown_table(
+        ["mesh", "dispatcher", "routing", "bucket", "balanced bucket", "time / balanced"],
+        [[r["mesh"], r["dispatcher"], r["routing"], r["bucket"] or "", r["balanced_bucket"] or "",
+          f"{r['over_balanced']:.2f}x"] for r in rows])
+    return ["", "### Dropless beside forced balance", "",
+            "`balanced` is `moe.router=balanced` (benchmarks only): every device's token t takes "
+            "experts (t*K + j) mod E, so every expert and every (source, destination) pair gets "
+            "the same load, as published forced-balance tables are measured. Each dropless "
+            "routing's median time over the balanced row's, same mesh and dispatcher:", "",
+            table]
+
+
 def _timing_table(sec: dict[str, Any]) -> str:
     """The forward+backward time and bytes-moved table."""
     header = ["mesh", "dispatcher", "routing", "bucket", "chunks", "median ms", "min-max ms",
@@ -91,6 +124,8 @@ def markdown(sec: dict[str, Any]) -> str:
              f"over experts (fixed permutation)"
              + ("; `zipf-sorted` (bucket table only): the same with the hottest experts on EP "
                 "rank 0" if "zipf-sorted" in s["bucket_routings"] else "")
+             + ("; `balanced`: forced balance (`moe.router=balanced`) on the uniform tokens"
+                if "balanced" in s["routings"] else "")
              + ". Realized on batch 0:"]
     for routing, sk in sec["realized_skew"].items():
         lines.append(f"- {routing}: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}"
@@ -128,6 +163,7 @@ def markdown(sec: dict[str, Any]) -> str:
         + (f" ({', '.join(b['mesh'] + ' ' + b['dispatcher'] + ' ' + b['routing'] for b in met)})" if met else "")
         + ". Where the pair-load lower bound exceeds the target, no bucket of a dense "
         "all_to_all can meet it; that needs ragged (per-pair sized) exchanges."]
+    lines += _balanced_lines(sec)
     if any(r["chunks"] > 1 for r in sec["timing"]):
         lines += ["", "chunks=2 rows: timing only. On CPU fake devices the collectives are memory "
                   "copies that cannot overlap the expert GEMMs, so chunking only adds work here; "
