@@ -153,11 +153,11 @@ def trainer_args(req: "Request", cluster: presets.Cluster, cfg: config.Config, e
     return tuple(args)
 
 
-CHUNKS_KEY = "moe.chunks"
+CHUNKS_KEY = "moe.overlap_chunks"
 
 
 def planned_chunks(req: "Request", cfg: config.Config) -> tuple[str | None, str | None]:
-    """(``moe.chunks=N`` to add, the note saying so): the step-time planner's choice of
+    """(``moe.overlap_chunks=N`` to add, the note saying so): the step-time planner's choice of
     overlap chunks for this job (``topology.steptime``: the fewest chunks within 1% of the
     shortest predicted step), where the user did not ``--set`` it. (None, None) when the
     user chose, or nothing can be predicted (fp32 compute, a nominal CPU preset)."""
@@ -171,7 +171,7 @@ def planned_chunks(req: "Request", cfg: config.Config) -> tuple[str | None, str 
                                    overrides=tuple(req.sets)).step
     except (presets.TopologyError, config.ConfigError, ValueError):
         return None, None  # the launcher's own checks already passed; predict nothing
-    if step is None or step.best_chunks == cfg.moe.chunks:
+    if step is None or step.best_chunks == cfg.moe.overlap_chunks:
         return None, None
     by = ", ".join(f"{c}: {s:.3f}" for c, s in step.by_chunks.items())
     return (f"{CHUNKS_KEY}={step.best_chunks}",

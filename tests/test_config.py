@@ -106,6 +106,15 @@ def test_model_dtype_in_a_preset_table_is_refused_too():
         config.apply_tables(config.Config(), {"model": {"dtype": "bfloat16"}})
 
 
+def test_moe_chunks_is_now_overlap_chunks():
+    with pytest.raises(ConfigError, match="moe.chunks is now moe.overlap_chunks; set that"):
+        config.build("tiny", ["moe.chunks=4"])
+
+
+def test_a_stored_config_with_moe_chunks_reads_as_overlap_chunks():
+    assert config.from_dict({"moe": {"chunks": 4}}).moe.overlap_chunks == 4
+
+
 def test_bad_precision_lists_choices():
     with pytest.raises(ConfigError, match="precision.compute='fp16' is not valid; choose one of: "
                                           "fp32, bf16, fp8"):
@@ -199,7 +208,7 @@ BAD = [
     "model.attention_block=-1", "model.first_dense_layers=-1",
     "moe.bias_update_rate=-0.1", "moe.bias_update_rate=nan", "moe.aux_loss_coef=-1",
     "moe.seq_aux_loss_coef=inf", "moe.z_loss_coef=-0.001", "moe.routed_scaling=0",
-    "moe.chunks=0", "moe.tile_rows=-1", "moe.bucket_step_down_after=0", "moe.num_groups=-1",
+    "moe.overlap_chunks=0", "moe.tile_rows=-1", "moe.bucket_step_down_after=0", "moe.num_groups=-1",
     "data.seed=-1",
     "parallel.devices=-1", "parallel.ep=0", "parallel.dp=-1", "parallel.domain_size=-1",
     "parallel.num_processes=-1", "parallel.process_id=-2", "parallel.init_timeout_s=0",

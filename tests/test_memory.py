@@ -285,7 +285,7 @@ def test_readme_cluster_examples_fit_with_the_preset_defaults(model, cluster, no
 
 # README, "Predicted step time": the 64-node job at the comm-share target
 README_FAST = ("parallel.weight_gather=step", "train.micro_batch_size=0", "train.micro_batches=30",
-               "moe.chunks=4", "moe.dispatch_dtype=fp8")
+               "moe.overlap_chunks=4", "moe.dispatch_dtype=fp8")
 
 
 def test_readme_fast_deepseek_job_fits():

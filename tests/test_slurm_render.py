@@ -223,20 +223,20 @@ def test_overlap_chunks_default_to_the_planners_choice(capsys, tmp_path):
     best = make_plan("h100-dgx", 8, "mixtral-8x7b", 8).step.best_chunks
     assert best > 1  # the planner hides part of the exchange on this job
     code, out, err = dry(capsys, tmp_path, *MIXTRAL_8)
-    assert code == 0 and f"overlap: moe.chunks={best}, the planner's choice" in out + err
-    assert f"--set moe.chunks={best} --set parallel.ep=8" in out
+    assert code == 0 and f"overlap: moe.overlap_chunks={best}, the planner's choice" in out + err
+    assert f"--set moe.overlap_chunks={best} --set parallel.ep=8" in out
 
 
 def test_a_users_overlap_chunks_stay(capsys, tmp_path):
-    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8, "--set", "moe.chunks=2")
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8, "--set", "moe.overlap_chunks=2")
     assert code == 0 and "overlap:" not in out + err
-    assert out.count("moe.chunks=") == 1 and "--set moe.chunks=2" in out
+    assert out.count("moe.overlap_chunks=") == 1 and "--set moe.overlap_chunks=2" in out
 
 
 def test_no_overlap_choice_without_a_prediction(capsys, tmp_path):
     code, out, err = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny",
                          "--nodes", "1", "--ep", "8")
-    assert code == 0 and "overlap:" not in out + err and "moe.chunks" not in out
+    assert code == 0 and "overlap:" not in out + err and "moe.overlap_chunks" not in out
 
 
 @pytest.mark.parametrize("args,message", REFUSALS, ids=[m[:40] for _, m in REFUSALS])

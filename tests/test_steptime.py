@@ -47,7 +47,7 @@ def test_the_step_is_the_sum_of_its_terms():
 
 
 def test_chunks_hide_all_to_all_under_the_expert_gemms():
-    one, four = plan().step, plan("moe.chunks=4").step
+    one, four = plan().step, plan("moe.overlap_chunks=4").step
     assert four.a2a_exposed_s < one.a2a_exposed_s == pytest.approx(one.a2a_s)
     assert four.a2a_s >= one.a2a_s  # more, smaller collectives: more latency terms
 
@@ -56,7 +56,7 @@ def test_the_planner_chooses_the_chunks_that_hide_the_all_to_all():
     st = plan("train.micro_batch_size=0", "train.micro_batches=1").step
     assert set(st.by_chunks) == set(steptime.CHUNK_CHOICES)
     assert st.best_chunks > 1 and st.by_chunks[st.best_chunks] < st.by_chunks[1]
-    assert st.by_chunks[1] == pytest.approx(st.step_s)  # the preset's own moe.chunks=1
+    assert st.by_chunks[1] == pytest.approx(st.step_s)  # the preset's own moe.overlap_chunks=1
 
 
 def test_fp8_dispatch_halves_the_forward_dispatch_bytes():
@@ -85,7 +85,7 @@ def test_fsdp_traffic_grows_with_micro_batches():
 # The README's DeepSeek-V3 job: weights gathered once per step, 30 micro-batches (the
 # memory planner's fit), the exchange in 4 chunks, fp8 dispatch
 V3_FAST = ("parallel.weight_gather=step", "train.micro_batch_size=0", "train.micro_batches=30",
-           "moe.chunks=4", "moe.dispatch_dtype=fp8")
+           "moe.overlap_chunks=4", "moe.dispatch_dtype=fp8")
 
 
 def test_gathering_once_per_step_moves_less_than_per_micro_batch():
@@ -163,8 +163,8 @@ def test_human_output_prints_the_prediction_beside_the_published_figure():
 
 def test_set_overrides_reach_the_prediction():
     r = cli("--preset", "gb200-nvl72", "--nodes", "64", "--model", "deepseek-v3", "--ep", "64",
-            "--set", "moe.chunks=4", "--json")
-    assert json.loads(r.stdout)["step"]["inputs"]["chunks"] == 4
+            "--set", "moe.overlap_chunks=4", "--json")
+    assert json.loads(r.stdout)["step"]["inputs"]["overlap_chunks"] == 4
 
 
 @pytest.mark.parametrize("edit,needle", [

@@ -44,7 +44,7 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel group size (default: the model's parallel.ep after --set)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="model config override, as for training (batch, remat, precision, "
-                   "micro-batches, moe.chunks change the predicted step)")
+                   "micro-batches, moe.overlap_chunks change the predicted step)")
     p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # make plan's STEPS
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default GPUs / ep)")
     p.add_argument("--tokens", type=int, default=None,

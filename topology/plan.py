@@ -303,7 +303,8 @@ def _step_lines(plan: Plan) -> list[str]:
     i, c = st.inputs, st.compute_s
     names = {"experts": "expert GEMMs", "attn_proj": "attention proj", "scores": "attention "
              "scores", "heads": "heads", "other": "dense MLP/shared/router"}
-    hidden = "none hidden" if i["chunks"] == 1 else f"{i['chunks']} chunks under the GEMMs"
+    k = i["overlap_chunks"]
+    hidden = "none hidden" if k == 1 else f"{k} chunks under the GEMMs"
     where = i["compute_file"]
     if where == str(compute_calibration.DEFAULTS):
         where = "topology/compute.toml, shipped defaults"
@@ -323,7 +324,7 @@ def _step_lines(plan: Plan) -> list[str]:
         f"{st.model_tflops:,.0f} model TFLOP/s/GPU, MFU {st.mfu:.1%} of the dense "
         f"{i['compute']} peak {st.peak_tflops:,.0f} TFLOP/s",
         f"  exposed communication: {st.comm_share:.1%} of the step",
-        f"  moe.chunks: {st.best_chunks} is the planner's choice (step s by chunks: "
+        f"  moe.overlap_chunks: {st.best_chunks} is the planner's choice (step s by chunks: "
         + ", ".join(f"{c}: {s:.3f}" for c, s in st.by_chunks.items()) + ")",
         "  parallel.weight_gather: step s by mode: "
         + ", ".join(f"{g}: {s:.3f}" for g, s in st.by_gather.items())

@@ -3,7 +3,7 @@
 Inputs: the resolved model config (``moe_train.config``, after ``--set``), the cluster preset,
 the job's size and EP layout, one planned all-to-all (``topology.cost.Breakdown``) and a
 compute calibration (``topology.compute``). Every input and every term is in ``StepTime`` and
-``as_json``. Letters: T tokens per GPU per step, n micro-batches, c = ``moe.chunks``, P EP
+``as_json``. Letters: T tokens per GPU per step, n micro-batches, c = ``moe.overlap_chunks``, P EP
 size, Q data-parallel (FSDP) size, N GPUs, b bytes per element of the matmul inputs.
 
 Model FLOPs per token are ``moe_train.model.flops`` (forward x 3), split into attention
@@ -84,7 +84,7 @@ class StepTime:
     peak_tflops: float  # the dense peak MFU is taken against
     mfu: float
     inputs: dict[str, Any]  # everything the numbers came from
-    by_chunks: dict[int, float]  # predicted step seconds for each moe.chunks that fits
+    by_chunks: dict[int, float]  # predicted step seconds for each moe.overlap_chunks that fits
     best_chunks: int  # the fewest chunks within 1% of the shortest of them
     by_gather: dict[str, float]  # predicted step seconds for each parallel.weight_gather
 
@@ -143,7 +143,7 @@ def _a2a(cfg: Config, job: Job, compute: dict[str, float]) -> tuple[float, float
     if job.ep <= 1 or not layers:
         return 0.0, 0.0
     per_layer = RECOMPUTE[cfg.train.remat][1]
-    n, c = cfg.train.micro_batches, cfg.moe.chunks
+    n, c = cfg.train.micro_batches, cfg.moe.overlap_chunks
     transfer = job.a2a.total_s - job.a2a.latency_s  # of bf16 rows
     fp8 = fp8_dispatches(cfg)
     rows = per_layer - fp8 + fp8 * fp8_row_ratio(cfg.model.hidden)
@@ -220,12 +220,12 @@ CHUNK_CHOICES = (1, 2, 4, 8)
 
 
 def predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> StepTime | None:
-    """The step of ``cfg`` as ``job`` on ``cluster``, with the step for each ``moe.chunks``
+    """The step of ``cfg`` as ``job`` on ``cluster``, with the step for each ``moe.overlap_chunks``
     that divides a micro-batch's tokens; None for fp32 compute (no peak)."""
     if cfg.precision.compute == "fp32":
         return None
     rows = job.tokens_per_gpu // cfg.train.micro_batches
-    by = {c: _predict(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, chunks=c)),
+    by = {c: _predict(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, overlap_chunks=c)),
                       cluster, eff, job, {}, 0).step_s
           for c in CHUNK_CHOICES if rows % c == 0}
     best = min(c for c, s in by.items() if s <= 1.01 * min(by.values())) if by else 1
@@ -248,7 +248,7 @@ def _predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job, by_chunks: d
     model_flops = flops.train_flops_per_token(cfg) * job.tokens_per_gpu
     peak = cluster.peak_fp8_flops if cfg.precision.compute == "fp8" else cluster.peak_bf16_flops
     inputs = {"gpus": job.gpus, "ep": job.ep, "dp": job.dp, "tokens_per_gpu": job.tokens_per_gpu,
-              "micro_batches": cfg.train.micro_batches, "chunks": cfg.moe.chunks,
+              "micro_batches": cfg.train.micro_batches, "overlap_chunks": cfg.moe.overlap_chunks,
               "dispatch_dtype": cfg.moe.dispatch_dtype, "fp8_dispatches": fp8_dispatches(cfg),
               "remat": cfg.train.remat, "compute": cfg.precision.compute,
               "weight_gather": cfg.parallel.weight_gather,

@@ -5,8 +5,8 @@ Markdown is also printed). CPU runs (the default) run each group of sections in 
 process with the JAX CPU devices it needs (``SECTION_DEVICES``): the grouped GEMM and layer
 comparisons on one device, as a single-device run sees them (XLA:CPU configured with 8 fake
 devices runs the tiled backend's loops about 1.4x slower), the expert-parallel, overlap
-(``moe.chunks``, fp8 dispatch) and compile sections on 8 fake devices; the attention kernels,
-the compile time of scanned vs looped layers and the loss's memory against vocab on one
+(``moe.overlap_chunks``, fp8 dispatch) and compile sections on 8 fake devices; the attention
+kernels, the compile time of scanned vs looped layers and the loss's memory against vocab on one
 (``--quick`` leaves those three and the overlap section out unless ``--only`` names them).
 ``--gpu`` runs the GPU section on the default JAX backend
 (``--tiny``: toy sizes, so the GPU code path also runs on CPU). The process owns its JAX

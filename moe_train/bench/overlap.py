@@ -1,4 +1,4 @@
-"""The chunked overlap (``moe.chunks``) and fp8 dispatch (``moe.dispatch_dtype``) of the EP
+"""The chunked overlap (``moe.overlap_chunks``) and fp8 dispatch (``moe.dispatch_dtype``) of the EP
 layer on 8 fake CPU devices: same results, time and bytes.
 
 Shape key: T tokens (global), H hidden, F expert width, E experts, K top-k.

@@ -37,6 +37,7 @@ from moe_train.config.schema import (  # noqa: F401 (API: the sections, choices,
     FP8_BACKENDS,
     FP8_RECIPES,
     MOVED,
+    RENAMED,
     ON_NONFINITE,
     REMAT_POLICIES,
     ROPE_LAYOUTS,
@@ -123,6 +124,8 @@ def _section_update(section: Any, name: str, values: dict[str, Any], parse: bool
             new, choices = MOVED[f"{name}.{key}"]
             raise ConfigError(f"{name}.{key} moved to {new}; set {new}=<{' | '.join(choices)}> "
                               f"instead (e.g. {new}={choices[1]})")
+        if f"{name}.{key}" in RENAMED:
+            raise ConfigError(f"{name}.{key} is now {RENAMED[f'{name}.{key}']}; set that instead")
         if key not in valid:
             raise ConfigError(f"unknown key {name}.{key}; valid keys in [{name}]: {', '.join(valid)}")
         typ = hints[key]
@@ -253,6 +256,12 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def from_dict(d: dict[str, Any]) -> Config:
+    """A stored config (``to_dict``'s), read under today's key names (``RENAMED``)."""
+    d = {name: dict(values) if isinstance(values, dict) else values for name, values in d.items()}
+    for old, new in RENAMED.items():
+        (sec, key), (_, new_key) = old.split("."), new.split(".")
+        if isinstance(d.get(sec), dict) and key in d[sec]:
+            d[sec].setdefault(new_key, d[sec].pop(key))
     return apply_tables(Config(), d)
 
 

@@ -79,7 +79,7 @@ RANGES: dict[str, Range] = {
     "moe.num_shared_experts": _int(0), "moe.shared_ffn": _int(0), "moe.num_groups": _int(0),
     "moe.group_top_k": _int(0), "moe.routed_scaling": _positive(), "moe.tile_rows": _int(0),
     "moe.aux_loss_coef": _nonneg(), "moe.seq_aux_loss_coef": _nonneg(),
-    "moe.z_loss_coef": _nonneg(), "moe.bias_update_rate": _nonneg(), "moe.chunks": _int(1),
+    "moe.z_loss_coef": _nonneg(), "moe.bias_update_rate": _nonneg(), "moe.overlap_chunks": _int(1),
     "moe.bucket_step_down_after": _int(1), "moe.capacity_factor": _nonneg(),
     "data.seed": _int(0),
     "optim.lr": _positive(), "optim.min_lr_ratio": Range(float, 0.0, 1.0),

@@ -22,6 +22,9 @@ FP8_RECIPES = ("delayed", "current", "mxfp8")  # mxfp8: Transformer Engine on Bl
 FP8_BACKENDS = ("auto", "xla", "te")  # precision.fp8_backend
 # Keys that moved to another section: --set or a preset naming the old one is told where.
 MOVED = {"model.dtype": ("precision.compute", COMPUTE)}
+# Keys renamed in place: --set or a preset naming the old one is told the new name; a stored
+# config (a checkpoint's metadata) written under the old name reads as the new one.
+RENAMED = {"moe.chunks": "moe.overlap_chunks"}
 REMAT_POLICIES = ("none", "full", "matmuls", "moe")  # moe_train.model.remat documents each
 WEIGHT_GATHERS = ("micro_batch", "step")  # moe_train.train.gather documents both
 ATTENTION = ("auto", "xla", "cudnn", "chunked", "te")  # model.attention (moe_train.model.attention)
@@ -86,7 +89,7 @@ class MoEConfig:
     z_loss_coef: float = 0.001  # router z-loss (mean squared logsumexp of logits); 0 disables
     bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate*sign(mean-load); 0 off
     dispatcher: str = "auto"  # expert-parallel token exchange: auto | allgather | a2a | hierarchical
-    chunks: int = 1  # split each rank's tokens into N chunks to overlap dispatch with GEMMs
+    overlap_chunks: int = 1  # split each rank's tokens into N chunks to overlap dispatch with GEMMs
     dispatch_dtype: str = "activation"  # rows sent to other devices: activation (their own dtype) | fp8 (e4m3 + a per-row scale: half of bf16's bytes; combine and gradients stay unquantized)
     capacity_buckets: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # exchange buffers x balanced load; then worst
     bucket_step_down_after: int = 20  # steps of lower load before using the next smaller bucket

@@ -43,7 +43,7 @@ def ep_plans(cfg: Config, mesh: Mesh) -> list[EPPlan | None]:
     ep, domains = sharding.ep_size(mesh), mesh.shape[sharding.EXPERT_X]
     name = jobplan.dispatcher(cfg.moe.dispatcher, mesh.devices.size, ep, domains)
     factors = jobplan.bucket_factors(name, cfg.moe.capacity_buckets)
-    return [EPPlan(name, ep, f, cfg.moe.chunks, cfg.moe.dispatch_dtype) for f in factors]
+    return [EPPlan(name, ep, f, cfg.moe.overlap_chunks, cfg.moe.dispatch_dtype) for f in factors]
 
 
 class Confirmed(NamedTuple):
