@@ -151,29 +151,3 @@ def trainer_args(req: "Request", cluster: presets.Cluster, cfg: config.Config, e
                  *trainer_cluster_overrides(req.preset, req.allow_straddle)]:
         args += ["--set", item]
     return tuple(args)
-
-
-CHUNKS_KEY = "moe.overlap_chunks"
-
-
-def planned_chunks(req: "Request", cfg: config.Config) -> tuple[str | None, str | None]:
-    """(``moe.overlap_chunks=N`` to add, the note saying so): the step-time planner's choice of
-    overlap chunks for this job (``topology.steptime``: the fewest chunks within 1% of the
-    shortest predicted step), where the user did not ``--set`` it. (None, None) when the
-    user chose, or nothing can be predicted (fp32 compute, a nominal CPU preset)."""
-    from topology import plan as topo_plan
-
-    if any(item.partition("=")[0].strip() == CHUNKS_KEY for item in req.sets):
-        return None, None
-    try:
-        step = topo_plan.make_plan(req.preset, req.nodes, req.model, cfg.parallel.ep,
-                                   allow_straddle=req.allow_straddle,
-                                   overrides=tuple(req.sets)).step
-    except (presets.TopologyError, config.ConfigError, ValueError):
-        return None, None  # the launcher's own checks already passed; predict nothing
-    if step is None or step.best_chunks == cfg.moe.overlap_chunks:
-        return None, None
-    by = ", ".join(f"{c}: {s:.3f}" for c, s in step.by_chunks.items())
-    return (f"{CHUNKS_KEY}={step.best_chunks}",
-            f"overlap: {CHUNKS_KEY}={step.best_chunks}, the planner's choice (predicted step s "
-            f"by chunks: {by}); --set {CHUNKS_KEY}=N to choose")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_train import config
-from slurm import layout, site as site_mod
+from slurm import choices, layout, site as site_mod
 from topology import presets
 
 CONTAINER_NAME = "moe-train"  # Pyxis --container-name; job-scoped, so one fixed name suffices
@@ -168,9 +168,8 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
     if len(job_name) > 200:
         raise LaunchError(f"job name is {len(job_name)} characters long; use at most 200")
     cfg, ep = layout.model_config(req, cluster)
-    chunks, chunk_note = layout.planned_chunks(req, cfg)
-    if chunks:  # the planner's overlap: rendered as the launcher's --set, validated as any
-        req = dataclasses.replace(req, sets=(*req.sets, chunks))
+    req, chosen = choices.planned(req, cluster, cfg)  # rendered as the launcher's --set
+    if chosen:
         cfg, ep = layout.model_config(req, cluster)
     segment, notes = layout.placement(req, cluster, ep, cfg)
     run_dir = _run_dir(req, job_name, now, container=_uses_container(req, cluster))
@@ -184,8 +183,7 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
                           f"{cluster.slurm.ntasks_per_node} does not divide its "
                           f"{cluster.gpus_per_node} devices per node")
     notes.insert(1, _memory(req, cluster, cfg))
-    if chunk_note:
-        notes.insert(2, chunk_note)
+    notes[2:2] = chosen
     return JobSpec(
         cluster=cluster.name, job_name=job_name, nodes=req.nodes,
         ntasks_per_node=cluster.slurm.ntasks_per_node,

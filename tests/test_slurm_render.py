@@ -220,7 +220,8 @@ MIXTRAL_8 = ("--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", 
 def test_overlap_chunks_default_to_the_planners_choice(capsys, tmp_path):
     from topology.plan import make_plan
 
-    best = make_plan("h100-dgx", 8, "mixtral-8x7b", 8).step.best_chunks
+    best = make_plan("h100-dgx", 8, "mixtral-8x7b", 8,
+                     overrides=("parallel.weight_gather=step",)).step.best_chunks
     assert best > 1  # the planner hides part of the exchange on this job
     code, out, err = dry(capsys, tmp_path, *MIXTRAL_8)
     assert code == 0 and f"overlap: moe.overlap_chunks={best}, the planner's choice" in out + err
@@ -233,10 +234,44 @@ def test_a_users_overlap_chunks_stay(capsys, tmp_path):
     assert out.count("moe.overlap_chunks=") == 1 and "--set moe.overlap_chunks=2" in out
 
 
+def test_weight_gather_defaults_to_the_faster_mode_that_fits(capsys, tmp_path):
+    from topology.plan import make_plan
+
+    by = make_plan("h100-dgx", 8, "mixtral-8x7b", 8).step.by_gather
+    assert by["step"] < 0.99 * by["micro_batch"]  # gathering once per step is predicted faster
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8)
+    assert code == 0 and "fsdp: parallel.weight_gather=step, the planner's choice" in out + err
+    assert "--set parallel.weight_gather=step --set moe.overlap_chunks=" in out
+
+
+def test_the_memory_line_counts_the_chosen_weight_gather(capsys, tmp_path):
+    from moe_train import config, memory
+
+    cfg = config.build("mixtral-8x7b", ["parallel.ep=8", "parallel.weight_gather=step"])
+    total = memory.check_fits(cfg, "h100-dgx", 8).total_bytes / 1024**3
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8)
+    assert code == 0 and f"({total:.1f} GiB of" in out + err
+
+
+def test_a_users_weight_gather_stays(capsys, tmp_path):
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8,
+                         "--set", "parallel.weight_gather=micro_batch")
+    assert code == 0 and "fsdp:" not in out + err
+    assert out.count("parallel.weight_gather=") == 1
+
+
+def test_weight_gather_stays_where_the_faster_mode_does_not_fit(capsys, tmp_path):
+    code, out, err = dry(capsys, tmp_path, "--preset", "gb200-nvl72", "--model", "deepseek-v3",
+                         "--nodes", "32", "--ep", "64")
+    assert code == 0 and "fsdp: parallel.weight_gather=micro_batch kept: step" in out + err
+    assert "parallel.weight_gather" not in script_of(out)
+
+
 def test_no_overlap_choice_without_a_prediction(capsys, tmp_path):
     code, out, err = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny",
                          "--nodes", "1", "--ep", "8")
     assert code == 0 and "overlap:" not in out + err and "moe.overlap_chunks" not in out
+    assert "fsdp:" not in out + err and "weight_gather" not in out
 
 
 @pytest.mark.parametrize("args,message", REFUSALS, ids=[m[:40] for _, m in REFUSALS])

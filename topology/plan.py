@@ -328,7 +328,8 @@ def _step_lines(plan: Plan) -> list[str]:
         + ", ".join(f"{c}: {s:.3f}" for c, s in st.by_chunks.items()) + ")",
         "  parallel.weight_gather: step s by mode: "
         + ", ".join(f"{g}: {s:.3f}" for g, s in st.by_gather.items())
-        + " (step holds each weight's EP-group shard in the compute dtype; see the memory plan)",
+        + " (step holds each weight's EP-group shard in the compute dtype; make submit takes "
+        "the fastest mode that fits the memory plan)",
     ]
     for a in plan.anchors:
         lines.append(f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
