@@ -65,24 +65,36 @@ def step(plan: EPPlan, top_k: int):
 
 
 def _rel(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(b)), 1e-30))
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def dispatcher_rows(s: Sizes, dispatcher: str, ops) -> list[dict[str, Any]]:
-    G, D = MESHES[dispatcher]
-    mesh = sharding.make_mesh(jax.devices("cpu")[:NUM_DEVICES], (NUM_DEVICES // (G * D), G, D))
-    plans = {v: EPPlan(dispatcher, G * D, None, v[0], v[1]) for v in VARIANTS}
+def dispatcher_rows(s: Sizes, dispatcher: str, ops, devices=None,
+                    domains: tuple[int, int] | None = None, variants=VARIANTS,
+                    profile_dir=None) -> list[dict[str, Any]]:
+    """One row per (chunks, dispatch dtype) of ``variants``, the first being the reference:
+    ``dispatcher`` over ``devices`` (default: 8 CPU devices) as G domains x D devices
+    (``domains``, default ``MESHES[dispatcher]``), EP G x D. With ``profile_dir``, a profiler
+    trace of the reference and of the fastest variant goes there (``profile``)."""
+    devices = jax.devices("cpu")[:NUM_DEVICES] if devices is None else devices
+    G, D = domains or MESHES[dispatcher]
+    mesh = sharding.make_mesh(devices, (len(devices) // (G * D), G, D))
+    plans = {v: EPPlan(dispatcher, G * D, None, v[0], v[1]) for v in variants}
     with jax.set_mesh(mesh):
-        fns = {v: (step(p, s.top_k), ops) for v, p in plans.items()}
+        fns = {str(v): (step(p, s.top_k), ops) for v, p in plans.items()}
         outputs: dict = {}
-        timing = time_rounds({str(v): f for v, f in fns.items()}, min_reps=s.min_reps,
+        timing = time_rounds(fns, min_reps=s.min_reps,
                              target_s=s.target_s, outputs=outputs)
         hlo = {v: jax.jit(lambda *o, p=p: ep_moe(*o, Routing(s.top_k), plan=p)[0])
                .lower(*ops).as_text(dialect="hlo") for v, p in plans.items()}
-    (_, y_ref), g_ref = outputs[str(VARIANTS[0])]
-    base_s = timing[str(VARIANTS[0])]["median_s"]
+        if profile_dir is not None:
+            fastest = min(variants, key=lambda v: timing[str(v)]["median_s"])
+            profile({str(v): fns[str(v)] for v in dict.fromkeys((variants[0], fastest))},
+                    profile_dir)
+    (_, y_ref), g_ref = outputs[str(variants[0])]
+    base_s = timing[str(variants[0])]["median_s"]
     rows = []
-    for v in VARIANTS:
+    for v in variants:
         (_, y), g = outputs[str(v)]
         moved = collective_bytes(hlo[v], lambda d: (d // D) % G)
         rows.append({"dispatcher": dispatcher, "mesh": f"G{G}xD{D}", "chunks": v[0],
@@ -93,6 +105,17 @@ def dispatcher_rows(s: Sizes, dispatcher: str, ops) -> list[dict[str, Any]]:
                      "fwd_bytes_per_device": moved["total"],
                      "fwd_cross_domain_bytes": moved["cross_domain"]})
     return rows
+
+
+def profile(fns: dict[str, tuple[Any, Any]], out_dir, reps: int = 3) -> None:
+    """A ``jax.profiler`` trace of ``reps`` calls of each compiled (fn, args), each call under
+    a trace annotation named ``moe.overlap_chunks/<variant>`` (TensorBoard's profile plugin
+    or Perfetto show each exchange beside or under the GEMMs)."""
+    with jax.profiler.trace(str(out_dir)):
+        for name, (fn, args) in fns.items():
+            for _ in range(reps):
+                with jax.profiler.TraceAnnotation(f"moe.overlap_chunks/{name}"):
+                    jax.block_until_ready(fn(*args))
 
 
 def run(s: Sizes) -> dict[str, Any]:

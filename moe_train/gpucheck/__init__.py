@@ -16,8 +16,10 @@ did. Each section and each of its rows is PASS, FAIL or SKIP with a reason and n
                   HLO, and a short training run's loss against bf16
   6 training      30 steps of tiny (and a few of small on a GPU) per runnable backend
   7 ep            expert parallelism over the devices present
-  8 gpu_tests     the test suite's GPU-marked tests
-  9 compute       a compute calibration for ``make plan`` from the measured numbers
+  8 overlap       the EP layer with moe.overlap_chunks 1/2/4 and fp8 dispatch: equal results,
+                  time, and a profiler trace (``<out>/overlap_trace/``)
+  9 gpu_tests     the test suite's GPU-marked tests
+ 10 compute       a compute calibration for ``make plan`` from the measured numbers
                   (``<out>/compute.toml``: the dense GEMM's share of the bf16 peak, the grouped
                   GEMM's from the gemm_speed ratio; ``topology.compute``)
 

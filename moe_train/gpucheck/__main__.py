@@ -11,12 +11,12 @@ from pathlib import Path
 from moe_train.gpucheck import Context, Section, budget_scale, failed, run_section, write
 
 SECTION_NAMES = ("env", "gemm_numerics", "gemm_speed", "attention", "fp8", "training", "ep",
-                 "gpu_tests", "compute")
+                 "overlap", "gpu_tests", "compute")
 
 
 def sections() -> list[Section]:
-    """The sections in order, with their time budgets on a GPU (495 s together)."""
-    from moe_train.gpucheck import calibrate, kernels, runs
+    """The sections in order, with their time budgets on a GPU (555 s together)."""
+    from moe_train.gpucheck import calibrate, kernels, overlap, runs
 
     return [Section("env", "Environment", 10, kernels.environment),
             Section("gemm_numerics", "Grouped GEMM numerics (bf16 vs fp32 reference)", 60,
@@ -26,6 +26,8 @@ def sections() -> list[Section]:
             Section("fp8", "fp8 projections and loss band", 70, kernels.fp8),
             Section("training", "Training per backend", 130, runs.training),
             Section("ep", "Expert parallelism", 65, runs.expert_parallel),
+            Section("overlap", "Overlap chunks and fp8 dispatch, with a profile", 60,
+                    overlap.section),
             Section("gpu_tests", "GPU-marked tests", 55, runs.gpu_tests),
             Section("compute", "Compute calibration for make plan", 15, calibrate.section)]
 
