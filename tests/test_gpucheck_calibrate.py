@@ -3,6 +3,8 @@ the measured fields replaced and the rest the shipped defaults (no GPU needed to
 
 import time
 
+import pytest
+
 from moe_train.gpucheck import Context, calibrate
 from topology import compute
 
@@ -43,3 +45,42 @@ def test_without_a_gpu_peak_the_section_is_skipped_with_the_reason(tmp_path):
     out = calibrate.section(ctx)
     assert out["status"] == "SKIP" and "no dense bf16 peak" in out["reason"]
     assert not (tmp_path / "compute.toml").exists()
+
+
+ATTN = {"name": "attention", "problem": {"batch": 1, "seq_len": 256, "heads": 4, "kv_heads": 2,
+                                         "head_dim": 32, "v_head_dim": 32, "dtype": "float32"},
+        "rows": [{"implementation": "xla", "status": "PASS", "time_ms": 1.0},
+                 {"implementation": "chunked", "status": "PASS", "time_ms": 2.0}]}
+FP8 = {"name": "fp8", "rows": [
+    {"backend": "xla", "shape": [64, 128, 128], "time_ms": 1.0, "status": "PASS",
+     "fp8_gemm_calls": ["__cublas$lt$matmul$f8"]},
+    {"backend": "te", "shape": [64, 128, 128], "time_ms": 0.5, "status": "PASS",
+     "fp8_gemm_calls": []},  # no fp8 GEMM: not an fp8 rate
+    {"run": "fp8 vs bf16 loss, tiny, 50 steps", "status": "PASS"}]}
+
+
+def test_attention_is_timed_on_the_implementation_auto_picks():
+    # on CPU at S 256 auto picks chunked; the planner's model FLOPs 3 B S^2 N (Dqk + Dv)
+    rate, what = calibrate.attention_rate((ATTN,), "cpu")
+    assert rate == pytest.approx(3 * 256**2 * 4 * 64 / 2e-3) and what.startswith("chunked")
+
+
+def test_fp8_takes_the_fastest_row_with_fp8_gemms():
+    rate, what = calibrate.fp8_rate((FP8,))
+    assert rate == pytest.approx(6 * 64 * 128 * 128 / 1e-3) and what.startswith("xla")
+
+
+def test_attention_and_fp8_shares_of_their_peaks_are_measured(tmp_path):
+    ctx = Context("gpu", 1, tmp_path, time.perf_counter() + 10, "NVIDIA H100 80GB HBM3",
+                  (ATTN, FP8))
+    measured, why = {}, {}
+    calibrate._measured_rates(ctx, 989e12, measured, why)
+    assert measured["fp8_gemm_efficiency"] == pytest.approx(6 * 64 * 128 * 128 / 1e-3 / 1979e12)
+    assert set(measured) == {"attention_efficiency", "fp8_gemm_efficiency"}
+    assert why["attention_efficiency"].startswith("gpu-check: ")
+
+
+def test_without_timed_rows_the_shares_keep_their_defaults(tmp_path):
+    untimed = {**ATTN, "rows": [{"implementation": "chunked", "status": "FAIL"}]}
+    assert calibrate.attention_rate((untimed,), "cpu") is None
+    assert calibrate.fp8_rate(({"name": "fp8", "rows": []},)) is None

@@ -3,15 +3,21 @@
 On a GPU with a known dense peak (``topology.peaks``) it times a square bf16 matmul (the
 practical GEMM rate: ``gemm_efficiency`` = achieved / peak) and takes the best grouped-GEMM
 backend's forward+backward ratio to a dense GEMM chain under uniform routing from the
-gemm_speed section (``grouped_gemm_efficiency`` = gemm_efficiency / ratio). The other fields
-keep the shipped defaults (``topology/compute.toml``), and ``[compute.source]`` says which is
-which. The file is ``<out>/compute.toml``; ``make plan ... SET=...`` reads it with
+gemm_speed section (``grouped_gemm_efficiency`` = gemm_efficiency / ratio). From the
+attention section, the implementation ``model.attention=auto`` picks here: the model FLOPs of
+its causal QK^T and AV as the planner counts them (3 x B S^2 N (Dqk + Dv) forward+backward:
+the mask halves 2 x 2 S^2 N D) over its forward+backward time, of the bf16 peak
+(``attention_efficiency``). From the fp8 section, the fastest fp8
+projection whose HLO has fp8 GEMMs: 3 x 2 M H F over its time, of the fp8 peak
+(``fp8_gemm_efficiency``). The other fields keep the shipped defaults
+(``topology/compute.toml``), and ``[compute.source]`` says which is which. The file is ``<out>/compute.toml``; ``make plan ... SET=...`` reads it with
 ``python -m topology plan --compute FILE``. Elsewhere (CPU, an unknown GPU) the section is
 SKIP: no peak to divide by.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +60,46 @@ def grouped_ratio(earlier: tuple[dict[str, Any], ...]) -> tuple[float, str] | No
     return None
 
 
+def _section(earlier: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
+    return next((sec for sec in earlier if sec.get("name") == name), {})
+
+
+def attention_rate(earlier: tuple[dict[str, Any], ...],
+                   platform: str) -> tuple[float, str] | None:
+    """(model FLOP/s, what ran) of the attention row of the implementation ``auto`` picks on
+    ``platform`` for the section's problem; None when it did not pass or was not timed."""
+    from moe_train.model import attention
+
+    sec = _section(earlier, "attention")
+    p = sec.get("problem")
+    if not p:
+        return None
+    name, _ = attention.resolve("auto", platform=platform, dtype=p["dtype"],
+                                head_dim=p["head_dim"], v_head_dim=p["v_head_dim"],
+                                seq_len=p["seq_len"])
+    row = next((r for r in sec.get("rows", []) if r.get("implementation") == name
+                and r.get("status") == PASS and r.get("time_ms")), None)
+    if row is None:
+        return None
+    # forward: B S^2 N (Dqk + Dv) (QK^T and AV, halved by the causal mask); x3 with backward
+    flops = 3.0 * p["batch"] * p["seq_len"] ** 2 * p["heads"] * (p["head_dim"] + p["v_head_dim"])
+    return flops / (row["time_ms"] / 1e3), (f"{name} causal attention fwd+bwd, S {p['seq_len']}, "
+                                            f"{p['heads']} heads of {p['head_dim']}, {p['dtype']}")
+
+
+def fp8_rate(earlier: tuple[dict[str, Any], ...]) -> tuple[float, str] | None:
+    """(FLOP/s, what ran) of the fastest passing fp8 projection with fp8 GEMMs in its HLO."""
+    rows = [r for r in _section(earlier, "fp8").get("rows", [])
+            if r.get("status") == PASS and r.get("fp8_gemm_calls") and r.get("time_ms")
+            and r.get("shape")]
+    if not rows:
+        return None
+    best = min(rows, key=lambda r: r["time_ms"] / math.prod(r["shape"]))
+    M, H, F = best["shape"]
+    return (6.0 * M * H * F / (best["time_ms"] / 1e3),
+            f"{best['backend']} fp8 projection fwd+bwd, {M}x{H}x{F}")
+
+
 def file_text(measured: dict[str, float], why: dict[str, str], base: compute.Compute) -> str:
     """A compute file: ``measured`` fields (with ``why``) over ``base``'s values."""
     lines = ["# Written by make gpu-check from its measurements; other fields are the shipped "
@@ -65,6 +111,24 @@ def file_text(measured: dict[str, float], why: dict[str, str], base: compute.Com
         text = why.get(k) or f"shipped default ({base.source.get(k, '')})"
         lines.append(f'{k} = "{text.replace(chr(34), chr(39))}"')
     return "\n".join(lines) + "\n"
+
+
+def _measured_rates(ctx: Context, peak: float, measured: dict[str, float],
+                    why: dict[str, str]) -> None:
+    """The attention and fp8 shares from the earlier sections' timings, where they ran."""
+    found = attention_rate(ctx.earlier, ctx.platform)
+    if found:
+        rate, what = found
+        measured["attention_efficiency"] = rate / peak
+        why["attention_efficiency"] = (f"gpu-check: {what} at {rate / 1e12:.0f} model TFLOP/s "
+                                       f"of {peak / 1e12:.0f}")
+    fp8_peak = peaks.peak_flops(ctx.device_kind, "fp8")
+    found = fp8_rate(ctx.earlier) if fp8_peak else None
+    if found:
+        rate, what = found
+        measured["fp8_gemm_efficiency"] = rate / fp8_peak
+        why["fp8_gemm_efficiency"] = (f"gpu-check: {what} at {rate / 1e12:.0f} of "
+                                      f"{fp8_peak / 1e12:.0f} TFLOP/s fp8")
 
 
 def section(ctx: Context) -> dict[str, Any]:
@@ -83,6 +147,7 @@ def section(ctx: Context) -> dict[str, Any]:
         measured["grouped_gemm_efficiency"] = measured["gemm_efficiency"] / ratio
         why["grouped_gemm_efficiency"] = (f"gpu-check: {backend} grouped GEMM fwd+bwd at "
                                           f"{ratio:.2f}x a dense GEMM chain (uniform routing)")
+    _measured_rates(ctx, peak, measured, why)
     path = Path(ctx.out_dir) / "compute.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(file_text(measured, why, compute.load()))
