@@ -113,13 +113,22 @@ def assert_close_to_scale(actual, desired, rel: float) -> None:
     np.testing.assert_allclose(actual, desired, rtol=rel, atol=rel * np.abs(desired).max())
 
 
-@pytest.mark.parametrize("dispatcher", ["allgather", "a2a"])
-def test_chunked_dispatch_equals_unchunked(dispatcher):
-    mesh, ops = mesh_for(4, 4), operands(2)
-    y1, _, g1 = run_ep(mesh, EPPlan(dispatcher, 4, None, 1), ops)
-    y2, _, g2 = run_ep(mesh, EPPlan(dispatcher, 4, None, 2), ops)
-    np.testing.assert_allclose(y2, y1, rtol=1e-6, atol=1e-6)
-    for a, b in zip(g2, g1):  # chunks sum the gradients in another order: fp32 rounding
+CHUNK_CASES = [  # ep (= devices), inner (domain), dispatcher: every dispatcher at EP 2, 4, 8
+    (ep, inner, d) for d, inners in (("allgather", (2, 4, 8)), ("a2a", (2, 4, 8)),
+                                     ("hierarchical", (1, 2, 2)))
+    for ep, inner in zip((2, 4, 8), inners)]
+
+
+@pytest.mark.parametrize("ep,inner,dispatcher", CHUNK_CASES,
+                         ids=[f"{d}-ep{ep}-domain{i}" for ep, i, d in CHUNK_CASES])
+def test_chunked_dispatch_equals_unchunked(ep, inner, dispatcher):
+    """moe.overlap_chunks=4: the layer's output and every gradient equal chunks=1 (chunks 2:
+    tests/test_overlap.py, and the bench's overlap section for every dispatcher)."""
+    mesh, ops = mesh_for(ep, ep, inner), operands(2)
+    y1, _, g1 = run_ep(mesh, EPPlan(dispatcher, ep, None, 1), ops)
+    y, _, g = run_ep(mesh, EPPlan(dispatcher, ep, None, 4), ops)
+    np.testing.assert_allclose(y, y1, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g, g1):  # chunks sum the gradients in another order: fp32 rounding
         assert_close_to_scale(a, b, 1e-6)
 
 
