@@ -34,8 +34,9 @@ GiB = 1024**3
 
 
 def planned(req: "Request", cluster: presets.Cluster,
-            cfg: config.Config) -> tuple["Request", list[str]]:
-    """(``req`` with the planner's choices appended to its ``--set`` items, their notes)."""
+            cfg: config.Config) -> tuple["Request", config.Config, list[str]]:
+    """(``req`` with the planner's choices appended to its ``--set`` items, its config, the
+    notes)."""
     notes = []
     for choose in (_gather, _chunks):
         item, note = choose(req, cluster, cfg)
@@ -44,7 +45,7 @@ def planned(req: "Request", cluster: presets.Cluster,
         if item:
             req = dataclasses.replace(req, sets=(*req.sets, item))
             cfg, _ = layout.model_config(req, cluster)
-    return req, notes
+    return req, cfg, notes
 
 
 def _user_set(req: "Request", key: str) -> bool:

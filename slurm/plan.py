@@ -168,9 +168,7 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
     if len(job_name) > 200:
         raise LaunchError(f"job name is {len(job_name)} characters long; use at most 200")
     cfg, ep = layout.model_config(req, cluster)
-    req, chosen = choices.planned(req, cluster, cfg)  # rendered as the launcher's --set
-    if chosen:
-        cfg, ep = layout.model_config(req, cluster)
+    req, cfg, chosen = choices.planned(req, cluster, cfg)  # rendered as the launcher's --set
     segment, notes = layout.placement(req, cluster, ep, cfg)
     run_dir = _run_dir(req, job_name, now, container=_uses_container(req, cluster))
     container = _container(req, site, cluster, run_dir)
