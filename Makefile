@@ -33,9 +33,16 @@ COMPUTE ?=
 export COMPUTE
 
 comma := ,
+space := $(subst ,, )
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+# EXTRAS=...,compile (make compile: XLA:GPU without a GPU) puts the CUDA PJRT plugin pinned in
+# requirements.lock into $(XLA_GPU), not site-packages, where every jax process on a machine
+# without CUDA would print its CUDA errors (moe_train/compile/plugin.py); pip gets the rest
+XLA_GPU := $(VENV)/xla-gpu
+PIP_EXTRAS := $(subst $(space),$(comma),$(filter-out compile,$(subst $(comma),$(space),$(EXTRAS))))
+XLA_GPU_INSTALL = $(PY) -m pip install -q --no-deps --upgrade -c requirements.lock --target $(XLA_GPU) jax-cuda12-plugin jax-cuda12-pjrt && touch $(XLA_GPU)/.installed
 
-.PHONY: help venv smoke train submit smoke-cluster golden test test-fast bench bench-gpu gpu-check study plan probe report \
+.PHONY: help venv smoke train submit smoke-cluster golden test test-fast bench bench-gpu gpu-check study plan compile probe report \
 	cluster-up cluster-down \
 	container container-import preflight clean
 
@@ -46,7 +53,8 @@ help: ## list the targets
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c requirements.lock -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q -c requirements.lock -e '.[$(PIP_EXTRAS)]'
+	$(if $(filter compile,$(subst $(comma),$(space),$(EXTRAS))),$(XLA_GPU_INSTALL))
 	@touch $@
 
 venv: $(STAMP) ## create .venv (re-created only when dependency files change)
@@ -97,6 +105,12 @@ plan: $(STAMP) ## EP placement, predicted all-to-all and step time (COMPUTE=file
 	$(RUN_ARGS); $(PY) -m topology plan --preset "$$PRESET" --nodes "$$NODES" --model "$$MODEL" $(EP_ARG) $(if $(COMPUTE),--compute "$$COMPUTE") "$$@"
 	@echo
 	$(RUN_ARGS); $(PY) -m moe_train.memory --model "$$MODEL" --cluster "$$PRESET" --nodes "$$NODES" $(EP_ARG) "$$@"
+
+$(XLA_GPU)/.installed: requirements.lock | $(STAMP)
+	$(XLA_GPU_INSTALL)
+
+compile: $(STAMP) $(XLA_GPU)/.installed ## compile MODEL's train step on NODES of PRESET with XLA:GPU, no GPU needed: memory per bucket vs the planner, kernels, collectives; runs/compile/<UTC>/
+	$(RUN_ARGS); $(PY) -m moe_train.compile --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) "$$@"
 
 probe: $(STAMP) ## time all-to-alls on this machine's devices; writes runs/probe/<PRESET>.toml
 	$(PY) -m topology probe --preset "$$PRESET" --out "runs/probe/$$(basename -- "$$PRESET" .toml).toml"

@@ -106,8 +106,35 @@ def test_hlo_reader_names_fp8_gemm_custom_calls():
     hlo = ('%c = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[64,64]{1,0} %a, f8e4m3fn[64,64]{1,0} %b), '
            'custom_call_target="__cublas$lt$matmul$f8"\n'
            '%d = f32[8,8]{1,0} dot(f32[8,4]{1,0} %x, f32[4,8]{1,0} %y), lhs_contracting_dims={1}')
-    got = hlo_gemms(hlo)
+    got = hlo_gemms(hlo + "\n" + hlo.splitlines()[0].replace("%c =", "%c2 ="))
     assert got["fp8_gemm_calls"] == ["__cublas$lt$matmul$f8"] and got["dots"] == {"f32": 1}
+    assert got["fp8_gemms"] == 2  # every call counted
+
+
+def test_hlo_reader_counts_dots_on_two_fp8_operands_as_fp8_gemms():
+    # as XLA:GPU (jax 0.11.2, H200) prints a Triton GEMM fusion's computation
+    hlo = ("%p0 = f8e4m3fn[64,64]{1,0} parameter(0)\n%p1 = f8e5m2[64,64]{1,0} parameter(1)\n"
+           "%b = bf16[64,64]{1,0} parameter(2)\n"
+           "ROOT %d = f32[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}\n"
+           "%e = bf16[64,64]{1,0} dot(%b, %b), lhs_contracting_dims={1}")
+    got = hlo_gemms(hlo)
+    assert got["fp8_dots"] == 1 and got["dots"] == {"f32": 1, "bf16": 1}
+
+
+def test_fp8_projection_runs_its_three_matmuls_on_fp8_operands():
+    import jax
+    import jax.numpy as jnp
+
+    from moe_train.selftest import checks
+
+    probe = checks.fp8_probe("xla", "delayed", 16, 0)
+    x = jnp.ones((32, 64), jnp.bfloat16)
+
+    def fwd_bwd(x, w, dy):
+        y, vjp = jax.vjp(probe, x, w)
+        return y, vjp(dy)
+    hlo = jax.jit(fwd_bwd).lower(x, x.T, x @ x.T).as_text(dialect="hlo")
+    assert hlo_gemms(hlo)["fp8_dots"] == 3
 
 
 def test_hlo_reader_finds_no_fp8_gemm_in_a_bf16_matmul():
@@ -117,3 +144,14 @@ def test_hlo_reader_finds_no_fp8_gemm_in_a_bf16_matmul():
     a = jnp.zeros((16, 16), jnp.bfloat16)
     text = jax.jit(lambda x, y: x @ y).lower(a, a).compile().as_text()
     assert hlo_gemms(text)["fp8_gemm_calls"] == []
+
+
+def test_compile_section_maps_every_gpu_kind_to_a_shipped_target():
+    from moe_train.gpucheck import compiled
+    from topology import targets
+
+    assert compiled.target_for("NVIDIA H200") == "h200-sxm"
+    assert compiled.target_for("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert compiled.target_for("NVIDIA GB200") == "gb200"
+    assert compiled.target_for("cpu") is None
+    assert {name for _, name in compiled.TARGETS} <= set(targets.list_targets())

@@ -8,18 +8,25 @@ import pytest
 from moe_train.gpucheck import Context, calibrate
 from topology import compute
 
+F = 8.66e12  # useful FLOPs of one row (Mixtral experts, T 4096, fwd+bwd)
 SPEED = {"name": "gemm_speed", "rows": [
-    {"backend": "tiled", "mode": "fwd+bwd", "routing": "uniform", "ratio": 1.6, "status": "PASS"},
-    {"backend": "mgpu", "mode": "fwd+bwd", "routing": "uniform", "ratio": 1.2, "status": "PASS"},
-    {"backend": "te", "mode": "fwd+bwd", "routing": "uniform", "ratio": 0.9, "status": "SKIP"},
-    {"backend": "mgpu", "mode": "fwd", "routing": "uniform", "ratio": 1.0, "status": "PASS"},
-    {"backend": "mgpu", "mode": "fwd+bwd", "routing": "one-hot", "ratio": 1.1, "status": "PASS"},
+    {"backend": "tiled", "mode": "fwd+bwd", "routing": "uniform", "time_ms": 35.0, "useful_flops": F,
+     "status": "PASS"},
+    {"backend": "mgpu", "mode": "fwd+bwd", "routing": "uniform", "time_ms": 16.0, "useful_flops": F,
+     "status": "PASS"},
+    {"backend": "te", "mode": "fwd+bwd", "routing": "uniform", "time_ms": 9.0, "useful_flops": F,
+     "status": "SKIP"},
+    {"backend": "mgpu", "mode": "fwd", "routing": "uniform", "time_ms": 5.0, "useful_flops": F,
+     "status": "PASS"},
+    {"backend": "mgpu", "mode": "fwd+bwd", "routing": "hot", "time_ms": 10.0, "useful_flops": F,
+     "status": "PASS"},
 ]}
 
 
-def test_the_best_passing_uniform_forward_backward_ratio_is_taken():
-    assert calibrate.grouped_ratio(({"name": "env"}, SPEED)) == (1.2, "mgpu")
-    assert calibrate.grouped_ratio(({"name": "env"},)) is None
+def test_the_fastest_passing_uniform_forward_backward_row_gives_the_grouped_rate():
+    rate, what = calibrate.grouped_rate(({"name": "env"}, SPEED))
+    assert rate == pytest.approx(F / 16e-3) and what.startswith("mgpu")
+    assert calibrate.grouped_rate(({"name": "env"},)) is None
 
 
 def test_the_written_file_reads_back_with_the_measured_fields(tmp_path):

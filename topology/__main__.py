@@ -22,17 +22,10 @@ import os
 import sys
 from typing import Callable
 
+from moe_train.config.cli import OneLineParser
 from topology.presets import TopologyError
 
 EXIT_USAGE = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad argument is one ``error:`` line, exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
@@ -134,8 +127,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m topology", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    parser = OneLineParser(prog="python -m topology", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
     for name, (help_text, add_args, _) in COMMANDS.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))
     return parser

@@ -80,6 +80,7 @@ class Cluster:
     env_source: Mapping[str, str]  # variable name -> where its value comes from (read-only)
     slurm: SlurmOptions  # submission options
     container_image: Mapping[str, str]  # cpu arch -> image tag (read-only)
+    gpu: str = ""  # its XLA:GPU target config (topology/targets/<gpu>.txtpb); "" for none
 
     @property
     def nodes_per_domain(self) -> int:
@@ -113,6 +114,7 @@ _SCALARS: dict[str, type] = {
     "gpu_memory_gib": float, "hbm_tbps": float,
 }
 _TABLES = ("env", "env_source", "slurm", "container")
+_OPTIONAL: dict[str, type] = {"gpu": str}  # keys a preset may leave out
 _SLURM: dict[str, type] = {"exclusive": bool, "gpus_per_node": int, "ntasks_per_node": int,
                            "segment": bool, "signal": str}
 
@@ -149,11 +151,12 @@ def read_toml(path: str | os.PathLike[str], error: type[Exception], what: str = 
         raise error(f"{what}{path}: {err.strerror or err}") from None
 
 
-def _check_keys(data: Mapping[str, Any], valid: Mapping[str, type] | tuple, where: str) -> None:
+def _check_keys(data: Mapping[str, Any], valid: Mapping[str, type] | tuple, where: str,
+                optional: Mapping[str, type] | tuple = ()) -> None:
     """Unknown and missing keys, each reported with the valid ones."""
-    names = sorted(valid)
+    names = sorted([*valid, *optional])
     for key in data:
-        if key not in valid:
+        if key not in valid and key not in optional:
             raise TopologyError(f"{where}: unknown key {key!r}; valid keys: {', '.join(names)}")
     for key in valid:
         if key not in data:
@@ -182,8 +185,9 @@ def _str_table(data: Any, key: str, where: str) -> dict[str, str]:
 
 def _build(name: str, data: Mapping[str, Any], where: str) -> Cluster:
     """Check a parsed file and turn it into a Cluster."""
-    _check_keys(data, {**_SCALARS, **dict.fromkeys(_TABLES, dict)}, where)
+    _check_keys(data, {**_SCALARS, **dict.fromkeys(_TABLES, dict)}, where, _OPTIONAL)
     vals = {k: _check_type(k, data[k], t, where) for k, t in _SCALARS.items()}
+    gpu = _check_gpu(_check_type("gpu", data.get("gpu", ""), str, where), where)
     env = _str_table(data["env"], "env", where)
     env_source = _str_table(data["env_source"], "env_source", where)
     container = _str_table(data["container"], "container", where)
@@ -206,8 +210,18 @@ def _build(name: str, data: Mapping[str, Any], where: str) -> Cluster:
         peak_fp8_flops=vals["peak_fp8_tflops"] * 1e12,
         gpu_memory_gib=vals["gpu_memory_gib"], hbm_bytes_per_s=vals["hbm_tbps"] * 1e12,
         env=types.MappingProxyType(env), env_source=types.MappingProxyType(env_source),
-        slurm=slurm, container_image=types.MappingProxyType(container),
+        slurm=slurm, container_image=types.MappingProxyType(container), gpu=gpu,
     )
+
+
+def _check_gpu(gpu: str, where: str) -> str:
+    """A ``gpu`` key must name a shipped XLA:GPU target config (``topology.targets``)."""
+    from topology.targets import list_targets  # it imports this module
+
+    if gpu and gpu not in list_targets():
+        raise TopologyError(f"{where}: gpu {gpu!r} has no XLA:GPU target config; valid: "
+                            f"{', '.join(list_targets())}")
+    return gpu
 
 
 def _check_values(vals: dict, env: dict, env_source: dict, container: dict,

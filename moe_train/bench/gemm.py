@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from moe_train.bench import experts as X
 from moe_train.bench.common import compile_jit, min_time, ratio_stats, time_rounds
-from moe_train.moe.gemm import default_block_rows
+from moe_train.moe.gemm import default_block_rows, ragged_dot_expansion_bytes
 from moe_train.moe.routings import assignments
 from moe_train.moe.tiled import block_sizes
 
@@ -73,16 +73,21 @@ def log(msg: str) -> None:
 def cost_factor(candidate: str, case: X.Case) -> float:
     """Rough time of a candidate relative to the dense reference, for the skip rule.
 
-    XLA's ragged_dot computes every expert on every row on CPU (about E times dense).
+    XLA's ragged_dot computes every expert on every row (about E times dense) on CPU and on
+    GPU alike: XLA:GPU (jax 0.11.2, seen on an H200) expands it into a dense dot over a
+    zero-masked [rows, E x H] operand.
     """
     E, K = case.num_experts, case.experts_TK.shape[1]
-    on_gpu = jax.default_backend() == "gpu"
-    return {"ragged_dot": 1.0 if on_gpu else float(E), "dense-all": E / K,
+    return {"ragged_dot": float(E), "dense-all": E / K,
             "capacity": case.capacity_factor}.get(candidate, 1.0)
 
 
 def activation_bytes(candidate: str, case: X.Case) -> float:
-    """Rough peak activation bytes of forward+backward (rows x (2F + 2H) x 3 fp32 arrays)."""
+    """Rough peak activation bytes of forward+backward (rows x (2F + 2H) x 3 fp32 arrays;
+    ragged_dot: its masked [rows, E, H or F] expansions, in the operands' dtype)."""
+    if candidate == "ragged_dot":
+        return ragged_dot_expansion_bytes(case.assignments, case.num_experts, case.hidden,
+                                          case.ffn, case.dtype)
     rows = {"dense-all": case.num_experts * case.tokens,
             "capacity": case.assignments * case.capacity_factor}.get(candidate, case.assignments)
     return rows * (2 * case.ffn + 2 * case.hidden) * 4 * 3
@@ -166,7 +171,13 @@ def group_rows(cases: dict[str, X.Case], mode: str, candidates, s: Sizes) -> lis
             skipped.append({"experts": base.num_experts, "mode": mode, "backend": cand,
                             "skipped": reason})
             continue
-        ents, lays, secs = _prepare(cand, cases, mode, w)
+        try:
+            ents, lays, secs = _prepare(cand, cases, mode, w)
+        except jax.errors.JaxRuntimeError as err:  # e.g. RESOURCE_EXHAUSTED while compiling
+            skipped.append({"experts": base.num_experts, "mode": mode, "backend": cand,
+                            "skipped": f"failed to compile: {str(err).splitlines()[0][:300]}",
+                            "error": True})
+            continue
         for routing in ents:
             key = (cand, routing if cand != "dense-all" else "-")
             entries[key], layouts[key] = ents[routing], (lays[routing], secs)

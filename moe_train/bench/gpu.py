@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from moe_train.bench import experts as X, gemm
 from moe_train.bench.common import compile_jit, time_rounds
-from moe_train.bench.layer import dense_fn, layer_fn, layer_row, operands, unavailable
+from moe_train.bench.layer import dense_fn, layer_fn, layer_row, operands, too_big, unavailable
 from moe_train.moe.routings import MoEShape, assignments
 
 TITLE = "GPU: MoE layer TFLOP/s against dense bf16"
@@ -88,7 +88,7 @@ def layer_rows(model: Model, s: Sizes, deadline: float) -> list[dict]:
     dense, _, secs = compile_jit(dense_fn(), *dense_ops, dy_n)
     fns, compile_s, rows = {"dense": (dense, (*dense_ops, dy_n))}, {"dense": secs}, []
     for kind in BACKENDS:
-        reason = unavailable(kind, shape, dtype)
+        reason = unavailable(kind, shape, dtype) or too_big(kind, shape, dtype)
         if reason is None and time.perf_counter() > deadline:
             reason = "over the run's time budget"
         if reason:

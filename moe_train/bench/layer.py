@@ -35,7 +35,7 @@ from moe_train.bench import experts as X
 from moe_train.bench.common import compile_jit, min_time, ratio_stats, summarize, time_rounds
 from moe_train.model.transformer import MoEBlock
 from moe_train.moe import MoEStats, Routing, capacity_moe, dropless_moe, swiglu_mlp
-from moe_train.moe.gemm import resolve_backend
+from moe_train.moe.gemm import ragged_dot_expansion_bytes, resolve_backend
 from moe_train.moe.routings import MoEShape
 from moe_train.moe.stats import exchange_stats
 from moe_train.parallel import sharding
@@ -118,9 +118,24 @@ def dense_fn():
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
 
+RAGGED_DOT_MAX_BYTES = 32 * 2**30  # ragged_dot's dense expansion is not timed beyond this
+
+
 def unavailable(kind: str, shape: MoEShape, dtype) -> str | None:
     """Why grouped-GEMM backend ``kind`` cannot run this shape here (None: it can)."""
     return X.unavailable(kind, dtype, shape.hidden, shape.ffn)
+
+
+def too_big(kind: str, shape: MoEShape, dtype) -> str | None:
+    """Why ``kind`` is not run at this shape for its memory (None: it fits)."""
+    if kind != "ragged_dot":
+        return None
+    need = ragged_dot_expansion_bytes(shape.tokens * shape.top_k, shape.experts, shape.hidden,
+                                      shape.ffn, dtype)
+    if need <= RAGGED_DOT_MAX_BYTES:
+        return None
+    return (f"XLA runs ragged_dot as a dense dot over all {shape.experts} experts: "
+            f"~{need / 2**30:.0f} GiB of masked operands")
 
 
 def _skip(kind: str, shape: MoEShape, dense_s: float, s: Sizes) -> str | None:
@@ -129,10 +144,14 @@ def _skip(kind: str, shape: MoEShape, dense_s: float, s: Sizes) -> str | None:
     reason = unavailable(kind, shape, s.dtype)
     if reason:
         return reason
-    on_gpu = jax.default_backend() == "gpu"
-    est = (1 if kind != "ragged_dot" or on_gpu else shape.experts) * dense_s * (s.min_reps + 1)
+    if kind != "ragged_dot":
+        return None
+    reason = too_big(kind, shape, s.dtype)
+    if reason:
+        return reason
+    est = shape.experts * dense_s * (s.min_reps + 1)
     if est > s.budget_s:
-        return f"estimated {est:.0f} s to time (~E x dense on CPU), over the {s.budget_s:.0f} s budget"
+        return f"estimated {est:.0f} s to time (~E x dense), over the {s.budget_s:.0f} s budget"
     return None
 
 

@@ -14,32 +14,18 @@ import sys
 
 from moe_train import config
 from moe_train.config import ConfigError
+from moe_train.config.cli import OneLineParser, job_arguments
 from moe_train.memory import ALL_ITEMS, GIB, Plan, plan
 from topology.presets import TopologyError, list_presets, load
 
 EXIT_USAGE, EXIT_DOES_NOT_FIT = 2, 1
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad argument is one ``error:`` line, exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m moe_train.memory", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True,
-                   help=f"model preset: {', '.join(config.list_presets())}")
-    p.add_argument("--cluster", required=True,
-                   help=f"cluster preset ({', '.join(list_presets())}) or a site .toml path")
-    p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default parallel.ep)")
+    p = OneLineParser(prog="python -m moe_train.memory", description=__doc__.splitlines()[0])
+    job_arguments(p, "--cluster", f"cluster preset ({', '.join(list_presets())}) or a site .toml path")
     p.add_argument("--devices", type=int, default=None,
                    help="GPUs in the job when not whole nodes (e.g. 1)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set train.remat=full (repeatable)")
     p.add_argument("--reserve-gib", type=float, default=None,
                    help="GiB per GPU kept free (default: the preset's XLA memory fraction)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -9,12 +9,15 @@ optimizer state, the router (logits, softmax/sigmoid, top-k) and every loss stay
 embedding and the LM head stay bf16.
 
 Two fp8 backends:
-  xla  quantize-dequantize (q/dq) around ``lax.dot_general`` with ``jnp.float8_*`` types. On
-       CPU this emulates fp8 numerics in bf16. XLA:GPU rewrites "convert to fp8, multiply by
-       a scalar, dot" into a cuBLASLt fp8 GEMM, so the dense projections run as fp8 GEMMs.
-       The routed experts are quantized around the grouped GEMM (the expert input rows, the
-       three expert weights with one scale each over all experts, and the cotangent of the
-       experts' combined output); the grouped GEMM itself runs in bf16 on q/dq values.
+  xla  the dense projections are ``fp8_matmul``: ``lax.dot_general`` on fp8 operands with
+       fp32 accumulation, the per-tensor scales applied to the output, in the forward and
+       both backward matmuls. XLA:GPU compiles these to fp8 GEMMs (Triton fusions with f8
+       operands in jax 0.11.2; it no longer rewrites "dequantize, then a bf16 dot" into a
+       cuBLASLt fp8 GEMM, seen on an H200); XLA:CPU computes them exactly from the fp8
+       values. The routed experts are quantized around the grouped GEMM (q/dq of the expert
+       input rows, the three expert weights with one scale each over all experts, and the
+       cotangent of the experts' combined output); the grouped GEMM itself runs in bf16 on
+       the q/dq values.
   te   Transformer Engine's ``make_dot_general_cls`` for the dense projections
        (``moe_train.model.precision_te``); the experts use the xla q/dq.
 
@@ -91,13 +94,22 @@ def update_meta(x, meta: dict, q_dtype, recipe: Recipe) -> dict:
     return {"scale": scale, "amax_history": jnp.roll(history_A, 1).at[0].set(amax)}
 
 
+def to_fp8(x, scale, q_dtype):
+    """``x / scale`` in ``q_dtype``, saturating at its largest finite value."""
+    s = scale.astype(x.dtype)
+    top = jnp.asarray(fp8_max(q_dtype), x.dtype)
+    return jnp.clip(x / s, -top, top).astype(q_dtype)
+
+
 def qdq(x, scale, q_dtype):
-    """Quantize ``x / scale`` to ``q_dtype`` (saturating) and dequantize back to x's dtype."""
+    """Quantize ``x / scale`` to ``q_dtype`` (saturating) and dequantize back to x's dtype.
+
+    The fp8 values pass an optimization barrier: XLA:GPU (``xla_allow_excess_precision``)
+    otherwise removes the convert pair and the rounding with it (seen in jax 0.11.2's
+    optimized HLO: no f8 type left), so "fp8" would silently compute in bf16."""
     with jax.named_scope(f"qdq_{jnp.dtype(q_dtype).name}"):
-        s = scale.astype(x.dtype)
-        top = jnp.asarray(fp8_max(q_dtype), x.dtype)
-        q = jnp.clip(x / s, -top, top).astype(q_dtype)
-        return q.astype(x.dtype) * s
+        q = jax.lax.optimization_barrier(to_fp8(x, scale, q_dtype))
+        return q.astype(x.dtype) * scale.astype(x.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -207,18 +219,56 @@ def quantize_cotangent(mod: nn.Module, name: str, y, pol: Policy):
 
 
 class Fp8Dot(nn.Module):
-    """``x`` contracted with ``w`` over x's last ``n`` and w's first ``n`` axes, all three
-    matmul tensors fp8 q/dq'd: state ``input``, ``kernel`` (e4m3) and ``output_grad`` (e5m2)."""
+    """``x`` contracted with ``w`` over x's last ``n`` and w's first ``n`` axes as fp8 GEMMs
+    (``fp8_matmul``): state ``input``, ``kernel`` (e4m3) and ``output_grad`` (e5m2)."""
 
     pol: Policy
     n: int = 1
 
     @nn.compact
     def __call__(self, x, w):
-        x_q = quantize_operand(self, "input", x, self.pol)
-        w_q = quantize_operand(self, "kernel", w, self.pol)
-        y = jax.lax.dot_general(x_q, w_q, _dims(x.ndim, self.n))
-        return quantize_cotangent(self, "output_grad", y, self.pol)
+        metas = [_meta(self, name, self.pol) for name in ("input", "kernel", "output_grad")]
+        with jax.named_scope("fp8_matmul"):
+            return fp8_matmul(x, w, *metas, self.n, self.pol.recipe)
+
+
+def _quantized(x, meta: dict, q_dtype, recipe: Recipe):
+    new = update_meta(x, meta, q_dtype, recipe)
+    return to_fp8(x, new["scale"], q_dtype), new
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def fp8_matmul(x, w, meta_x: dict, meta_w: dict, meta_g: dict, n: int, recipe: Recipe):
+    """``x . w`` with both operands in e4m3 and the output's cotangent in e5m2: every one of
+    the three matmuls takes fp8 operands (XLA:GPU emits fp8 GEMMs for them; a dequantize
+    before a bf16 dot stays a bf16 GEMM there), accumulates in fp32 and applies the two
+    per-tensor scales to its output. The metas' "gradients" are their new states."""
+    return _fp8_matmul_fwd(x, w, meta_x, meta_w, meta_g, n, recipe)[0]
+
+
+def _fp8_matmul_fwd(x, w, meta_x, meta_w, meta_g, n, recipe):
+    qx, new_x = _quantized(x, meta_x, E4M3, recipe)
+    qw, new_w = _quantized(w, meta_w, E4M3, recipe)
+    y = jax.lax.dot_general(qx, qw, _dims(x.ndim, n), preferred_element_type=jnp.float32)
+    y = (y * (new_x["scale"] * new_w["scale"])).astype(x.dtype)
+    w_dtype = jnp.zeros((0,), w.dtype)  # carries w's dtype for its gradient
+    return y, (qx, qw, new_x, new_w, meta_g, w_dtype)
+
+
+def _fp8_matmul_bwd(n, recipe, res, g_y):
+    qx, qw, new_x, new_w, meta_g, w_dtype = res
+    qg, new_g = _quantized(g_y, meta_g, E5M2, recipe)
+    batch = qx.ndim - n  # x = [batch..., k...], w = [k..., out...], g = [batch..., out...]
+    dx = jax.lax.dot_general(qg, qw, ((tuple(range(batch, g_y.ndim)), tuple(range(n, qw.ndim))),
+                                      ((), ())), preferred_element_type=jnp.float32)
+    dw = jax.lax.dot_general(qx, qg, ((tuple(range(batch)), tuple(range(batch))), ((), ())),
+                             preferred_element_type=jnp.float32)
+    s_g = new_g["scale"]
+    return ((dx * (s_g * new_w["scale"])).astype(g_y.dtype),
+            (dw * (new_x["scale"] * s_g)).astype(w_dtype.dtype), new_x, new_w, new_g)
+
+
+fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
 def _dims(x_ndim: int, n: int):

@@ -10,7 +10,10 @@ with operands in x's dtype, fp32 accumulation and the SwiGLU product in fp32.
 - tiled: portable (moe_train.moe.tiled); rows in a tile-padded layout, a loop over the
   experts that have rows and, inside, over blocks of their rows, each block one fused
   SwiGLU; hand-written VJP. Only used rows run; no weight gather. The CPU default.
-- ragged_dot: jax.lax.ragged_dot on sorted rows (XLA; may run densely on some platforms).
+- ragged_dot: jax.lax.ragged_dot on sorted rows. XLA lowers it to a dense dot over a
+  zero-masked [rows, E x H] operand on CPU and, in jax 0.11.2, on GPU too (seen on an H200:
+  DeepSeek-V3's 256 experts asked for a 112 GiB operand): E times the FLOPs and
+  ``ragged_dot_expansion_bytes`` of memory. Never chosen by ``auto``; explicit use only.
 - mgpu: JAX's Pallas Mosaic-GPU Hopper kernels with a custom VJP (bf16/fp16, sm_90).
   blackwell_ragged_dot_mgpu is not used: it needs the row count to be a multiple of its
   tile and has no weight-gradient kernel (the Hopper transposed kernel uses wgmma).
@@ -24,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_train.moe.tiled import block_sizes, tiled_swiglu
+from moe_train.moe.tiled import block_sizes, tiled_swiglu, vary, varying_axes
 
 BACKENDS = ("auto", "tiled", "ragged_dot", "mgpu", "te")
 CPU_MAX_BLOCK_ROWS = 256
@@ -95,8 +98,8 @@ def resolve_backend(name: str, dtype=None, *, hidden: int | None = None,
     """Map a backend name to a concrete backend that can run here.
 
     "auto": CPU (or any non-GPU) -> tiled; GPU with bf16/fp16 -> te if Transformer Engine
-    imports, else mgpu when it fits (Hopper, H and F multiples of 64), else ragged_dot;
-    GPU with fp32 -> ragged_dot.
+    imports, else mgpu when it fits (Hopper, H and F multiples of 64), else tiled;
+    GPU with fp32 -> tiled (ragged_dot runs densely: see the module docstring).
     Unknown names raise ValueError; a named backend that cannot run raises
     BackendUnavailable naming the ones that can.
     """
@@ -106,17 +109,23 @@ def resolve_backend(name: str, dtype=None, *, hidden: int | None = None,
         if not _on_gpu():
             return "tiled"
         if dtype is not None and jnp.dtype(dtype) not in _HALF:
-            return "ragged_dot"
+            return "tiled"
         for candidate in ("te", "mgpu"):
             if _unavailable_reason(candidate, dtype, hidden, ffn) is None:
                 return candidate
-        return "ragged_dot"
+        return "tiled"
     reason = _unavailable_reason(name, dtype, hidden, ffn)
     if reason is not None:
         raise BackendUnavailable(
             f"MoE backend {name!r} is unavailable: {reason}. "
             f"Available here: {available_backends(dtype, hidden, ffn)}")
     return name
+
+
+def ragged_dot_expansion_bytes(rows: int, experts: int, hidden: int, ffn: int, dtype) -> int:
+    """Bytes of the zero-masked operands XLA builds for the ragged_dot backend's SwiGLU
+    forward and backward ([rows, E, H] and [rows, E, F], twice each)."""
+    return rows * experts * (2 * hidden + 2 * ffn) * jnp.dtype(dtype).itemsize
 
 
 # ----------------------------------------------------------------------------- tiled
@@ -160,13 +169,21 @@ def _mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E, transpose_rhs=False):
                       max_concurrent_steps=4, grid_block_n=1, transpose_rhs=transpose_rhs)
 
 
+def _typed_like(out, *operands):
+    """``out`` typed as varying along the mesh axes its operands vary along: a Pallas call's
+    result inside ``shard_map`` does not carry them, and a custom VJP's gradient must have
+    its primal operand's type (a no-op outside shard_map)."""
+    return vary(out, varying_axes(*operands))
+
+
 @jax.custom_vjp
 def _mgpu_gmm(lhs_NK, rhs_EKF, group_sizes_E):
-    return _mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E)
+    return _typed_like(_mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E), lhs_NK, rhs_EKF)
 
 
 def _mgpu_gmm_fwd(lhs_NK, rhs_EKF, group_sizes_E):
-    return _mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E), (lhs_NK, rhs_EKF, group_sizes_E)
+    y_NF = _typed_like(_mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E), lhs_NK, rhs_EKF)
+    return y_NF, (lhs_NK, rhs_EKF, group_sizes_E)
 
 
 def _mgpu_gmm_bwd(res, dy_NF):
@@ -181,7 +198,8 @@ def _mgpu_gmm_bwd(res, dy_NF):
                                    block_m=_mgpu_blocks(K), block_n=_mgpu_blocks(F),
                                    block_k=_MGPU_ALIGN, max_concurrent_steps=4,
                                    grid_block_n=1)
-    return dx_NK, dw_EKF.astype(rhs_EKF.dtype), None
+    return (_typed_like(dx_NK, lhs_NK), _typed_like(dw_EKF.astype(rhs_EKF.dtype), rhs_EKF),
+            None)
 
 
 _mgpu_gmm.defvjp(_mgpu_gmm_fwd, _mgpu_gmm_bwd)
@@ -191,14 +209,23 @@ _GMM = {"ragged_dot": _ragged_dot, "mgpu": _mgpu_gmm, "te": _te_gmm}
 
 def sorted_swiglu(x_NH: jax.Array, group_sizes_E: jax.Array, wi_0_EHF: jax.Array,
                   wi_1_EHF: jax.Array, wo_EFH: jax.Array, backend: str) -> jax.Array:
-    """SwiGLU experts on rows sorted by expert with `group_sizes_E` rows each -> [N, H]."""
+    """SwiGLU experts on rows sorted by expert with `group_sizes_E` rows each -> [N, H].
+
+    Inside ``shard_map`` every operand is first typed as varying along every mesh axis any
+    of them varies along (``tiled.vary``): a custom VJP (mgpu, te) must return gradients of
+    its operands' own types, and the transpose of that cast sums the weight gradients over
+    the token axes the weights do not vary along. (Without it mgpu's backward failed to
+    trace at EP > 1: "Custom VJP bwd rule must produce an output with the same type".)"""
     gmm = _GMM[backend]
     dtype = x_NH.dtype
-    group_sizes_E = group_sizes_E.astype(jnp.int32)
-    a0_NF = gmm(x_NH, wi_0_EHF.astype(dtype), group_sizes_E).astype(jnp.float32)
-    a1_NF = gmm(x_NH, wi_1_EHF.astype(dtype), group_sizes_E).astype(jnp.float32)
+    ops = (x_NH, wi_0_EHF.astype(dtype), wi_1_EHF.astype(dtype), wo_EFH.astype(dtype),
+           group_sizes_E.astype(jnp.int32))
+    axes = varying_axes(*ops)
+    x_NH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E = (vary(a, axes) for a in ops)
+    a0_NF = gmm(x_NH, w0_EHF, group_sizes_E).astype(jnp.float32)
+    a1_NF = gmm(x_NH, w1_EHF, group_sizes_E).astype(jnp.float32)
     h_NF = (jax.nn.silu(a0_NF) * a1_NF).astype(dtype)
-    return gmm(h_NF, wo_EFH.astype(dtype), group_sizes_E).astype(dtype)
+    return gmm(h_NF, wo_EFH, group_sizes_E).astype(dtype)
 
 
 def grouped_swiglu(x_RH: jax.Array, plan, wi_0_EHF: jax.Array, wi_1_EHF: jax.Array,

@@ -89,7 +89,7 @@ def for_experts(group_sizes_E, tile_rows: int, expert, carry):
     return lax.fori_loop(0, jnp.sum(used.astype(jnp.int32)), step, carry)
 
 
-def _varying_axes(*arrays) -> tuple:
+def varying_axes(*arrays) -> tuple:
     """Mesh axes along which any of ``arrays`` varies inside ``shard_map`` (else ())."""
     axes = frozenset()
     for a in arrays:
@@ -98,13 +98,13 @@ def _varying_axes(*arrays) -> tuple:
     return tuple(sorted(axes))
 
 
-def _vary(a, axes: tuple):
+def vary(a, axes: tuple):
     """``a`` typed as varying along ``axes`` (a no-op outside shard_map).
 
     Called on the operands before the custom VJP, so that JAX's transpose of this cast
     sums the weight gradients over the axes the weights do not vary along (the token axes).
     """
-    missing = tuple(ax for ax in axes if ax not in _varying_axes(a))
+    missing = tuple(ax for ax in axes if ax not in varying_axes(a))
     return lax.pcast(a, missing, to="varying") if missing else a
 
 
@@ -162,7 +162,7 @@ def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows,
 
         return for_blocks(start, rows, sizes, block, carry)
 
-    axes = _varying_axes(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E)
+    axes = varying_axes(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E)
     init = (_zeros((R, H), x_RH.dtype, axes), _zeros((R, F2) if save_a else (), F32, axes))
     y, a = for_experts(group_sizes_E, tile_rows, expert, init)
     return y, a if save_a else None
@@ -175,7 +175,7 @@ def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_ro
     F2 = 2 * F
     dtype = x_RH.dtype
     sizes = block_sizes(tile_rows, block_rows)
-    axes = _varying_axes(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH)
+    axes = varying_axes(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH)
 
     def expert(e, start, rows, carry):
         dx, dw0_all, dw1_all, dwo_all = carry
@@ -238,8 +238,8 @@ def tiled_swiglu(x_RH: jax.Array, group_sizes_E: jax.Array, wi_0_EHF: jax.Array,
     block_rows = min(block_rows, x_RH.shape[0])
     ops = (x_RH, wi_0_EHF.astype(dtype), wi_1_EHF.astype(dtype), wo_EFH.astype(dtype),
            group_sizes_E.astype(jnp.int32))
-    axes = _varying_axes(*ops)
-    return _tiled(*(_vary(a, axes) for a in ops), tile_rows, block_rows)
+    axes = varying_axes(*ops)
+    return _tiled(*(vary(a, axes) for a in ops), tile_rows, block_rows)
 
 
 def executed_rows(group_sizes_E, tile_rows: int):

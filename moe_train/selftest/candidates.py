@@ -1,8 +1,10 @@
 """Which kernels a run may use here, fastest first, and the small problem each is checked on.
 
-Orders, as measured: grouped GEMM on a GPU with bf16/fp16 te, mgpu, ragged_dot, tiled (the
-portable loop last); on a GPU with fp32 ragged_dot, tiled; on CPU tiled, ragged_dot (tiled
-runs 18x the tokens/s of ragged_dot in ``make bench``). Attention: what
+Orders, as measured: grouped GEMM on a GPU with bf16/fp16 te, mgpu, tiled, ragged_dot; on a
+GPU with fp32 tiled, ragged_dot; on CPU tiled, ragged_dot (tiled runs 18x the tokens/s of
+ragged_dot in ``make bench``). ragged_dot comes last everywhere: XLA runs it as a dense dot
+over every expert on CPU and on GPU (an H200's gpu-check: DeepSeek-V3's experts asked for a
+112 GiB masked operand), E times the FLOPs. Attention: what
 ``moe_train.model.attention.resolve`` picks for ``auto`` first (cuDNN on GPUs that take it, chunked
 above the measured crossover length), then the other implementations that can run here.
 fp8: Transformer Engine where it can run the recipe, then XLA's q/dq.
@@ -25,7 +27,7 @@ MAX_WIDTH = 256  # hidden / expert ffn of the grouped-GEMM problem (multiple of 
 MAX_EXPERTS = 8
 TOKENS = {"gpu": 256, "cpu": 64}  # tokens of the grouped-GEMM problem
 SEQ = {"gpu": 256, "cpu": 64}  # sequence length of the attention problem
-GEMM_ORDER = {"half": ("te", "mgpu", "ragged_dot", "tiled"), "fp32": ("ragged_dot", "tiled"),
+GEMM_ORDER = {"half": ("te", "mgpu", "tiled", "ragged_dot"), "fp32": ("tiled", "ragged_dot"),
               "cpu": ("tiled", "ragged_dot")}
 ATTENTION_ORDER = ("cudnn", "te", "chunked", "xla")
 

@@ -330,6 +330,9 @@ class Loop:
                                   devices=s.mesh.devices.size, peak_flops=self.peak,
                                   compilations=done.traces, mtp=self.cfg.model.mtp_depth > 0)
         rec["compiled"] = done.compiled
+        peak_bytes = metrics.device_peak_bytes(jax.local_devices())
+        if peak_bytes is not None:  # a GPU's allocator: the real peak, beside compiled_peak_bytes
+            rec["device_peak_bytes"] = peak_bytes
         rec.update(evaluation or {})
         if n == self.first + 1:
             self._first_step_done(batch, rec)

@@ -28,6 +28,14 @@ def load_stats(tokens_per_expert_LE: np.ndarray) -> dict[str, Any]:
             "max_over_mean_load": float(ratio.max())}
 
 
+def device_peak_bytes(devices) -> int | None:
+    """The most memory any of ``devices`` has held since the process started (its allocator's
+    ``peak_bytes_in_use``: on a GPU; None where the platform keeps no such count, e.g. CPU)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peaks = [int(p) for p in peaks if p is not None]
+    return max(peaks) if peaks else None
+
+
 def step_record(step: int, raw: dict[str, Any], *, step_time_s: float, tokens: int,
                 flops_per_token: float, devices: int, peak_flops: float | None,
                 compilations: int, mtp: bool = False) -> dict[str, Any]:

@@ -74,20 +74,24 @@ class CompiledMemory:
                 f"{self.argument / gib:.2f}, temp {self.temp / gib:.2f}, outputs not aliased "
                 f"{(self.output - self.alias) / gib:.2f})")
 
+    @classmethod
+    def of(cls, compiled) -> "CompiledMemory | None":
+        """From a compiled executable's ``memory_analysis()`` (None where it has none)."""
+        stats = compiled.memory_analysis()
+        if stats is None:
+            return None
+        return cls(argument=int(stats.argument_size_in_bytes),
+                   output=int(stats.output_size_in_bytes), alias=int(stats.alias_size_in_bytes),
+                   temp=int(stats.temp_size_in_bytes),
+                   code=int(stats.generated_code_size_in_bytes))
+
 
 def compiled_memory(jitted, *args) -> CompiledMemory | None:
     """XLA's memory analysis of ``jitted`` for ``args`` (None where the backend has none).
 
     After ``jitted(*args)`` has run once this reuses its executable: no retrace, no compile.
     """
-    stats = jitted.lower(*args).compile().memory_analysis()
-    if stats is None:
-        return None
-    return CompiledMemory(argument=int(stats.argument_size_in_bytes),
-                          output=int(stats.output_size_in_bytes),
-                          alias=int(stats.alias_size_in_bytes),
-                          temp=int(stats.temp_size_in_bytes),
-                          code=int(stats.generated_code_size_in_bytes))
+    return CompiledMemory.of(jitted.lower(*args).compile())
 
 
 @dataclasses.dataclass
@@ -125,9 +129,13 @@ def optimizer(cfg: Config) -> optax.GradientTransformation:
 
 def boxed_params(cfg: Config):
     """The parameters' shapes, dtypes and logical axis names (``nn.LogicallyPartitioned``
-    leaves), without computing them."""
-    tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
-    return jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens)["params"], jax.random.key(0))
+    leaves), without computing them (nothing runs eagerly: ``moe_train.compile`` traces on
+    simulated devices, where eager work cannot run)."""
+    def init():
+        tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
+        return Transformer(cfg).init(jax.random.key(0), tokens)["params"]
+
+    return jax.eval_shape(init)
 
 
 def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState:
@@ -135,20 +143,21 @@ def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState
     boxed = boxed_params(cfg)
     shd = sharding.Sharding.of(mesh, cfg.model)
     param_sh, rep = shd.params(boxed), shd.replicated
-    opt_sh = optax.tree_map_params(optimizer(cfg), lambda _, sh: sh, abstract.opt_state, param_sh,
+    tx = optimizer(cfg)  # its state's structure, from an abstract init (its counters are arrays)
+    opt_sh = optax.tree_map_params(lambda params: jax.eval_shape(tx.init, params),
+                                   lambda _, sh: sh, abstract.opt_state, param_sh,
                                    transform_non_params=lambda _: rep)
     return TrainState(step=rep, params=param_sh, opt_state=opt_sh,
                       moe_state=jax.tree.map(lambda _: rep, abstract.moe_state),
                       fp8_state=jax.tree.map(lambda _: rep, abstract.fp8_state))
 
 
-def init_state(cfg: Config, mesh: Mesh) -> TrainState:
-    """Initialise parameters directly into their shardings on ``mesh``."""
+def _state_maker(cfg: Config):
+    """``make(key) -> TrainState``: the initial state (parameters from ``key``)."""
     model, tx = Transformer(cfg), optimizer(cfg)
-    tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
 
     def make(key):
-        variables = model.init(key, tokens)
+        variables = model.init(key, jnp.zeros((1, cfg.train.seq_len), jnp.int32))
         unknown = set(variables) - {"params", "moe_state", FP8_COLLECTION}
         if unknown:  # e.g. a Transformer Engine release that keeps state elsewhere
             raise RuntimeError(f"the model created variable collections the train state does "
@@ -158,10 +167,28 @@ def init_state(cfg: Config, mesh: Mesh) -> TrainState:
                           opt_state=tx.init(params), moe_state=variables.get("moe_state", {}),
                           fp8_state=nn.unbox(variables.get(FP8_COLLECTION, {})))
 
+    return make
+
+
+def _init_key(cfg: Config):
     # The "rbg" generator compiles the initialisers ~3x faster than threefry on XLA:CPU.
-    key = jax.random.key(cfg.train.seed, impl="rbg")
+    return jax.random.key(cfg.train.seed, impl="rbg")
+
+
+def init_state(cfg: Config, mesh: Mesh) -> TrainState:
+    """Initialise parameters directly into their shardings on ``mesh``."""
+    make, key = _state_maker(cfg), _init_key(cfg)
     abstract = jax.eval_shape(make, key)
     return jax.jit(make, out_shardings=state_shardings(cfg, mesh, abstract))(key)
+
+
+def abstract_state(cfg: Config, mesh: Mesh) -> TrainState:
+    """The state ``init_state`` makes, as ``jax.ShapeDtypeStruct`` leaves with their shardings
+    on ``mesh``; nothing is computed (the deviceless compile's train-state argument)."""
+    abstract = jax.eval_shape(_state_maker(cfg), jax.eval_shape(lambda: _init_key(cfg)))
+    shardings = state_shardings(cfg, mesh, abstract)
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        abstract, shardings)
 
 
 def _loss_fn(params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Config,

@@ -1,0 +1,21 @@
+"""Compile the real training job for its GPU on a machine without one (``make compile``).
+
+``python -m moe_train.compile --preset CLUSTER --model MODEL --nodes N [--ep N] [--set k=v ...]
+[--layers N] [--json] [--out DIR]`` builds the job as ``make submit`` would (``job``), makes
+the cluster preset's GPUs as simulated devices from its XLA:GPU target config
+(``topology.targets``, through the CUDA PJRT plugin: ``plugin``), chooses the kernels the
+trainer would run there (``kernels``, traced as on that GPU: ``facts``), and compiles the
+trainer's own train step with XLA:GPU once per capacity bucket the stepper can choose
+(``lower``). It reports per bucket XLA's per-GPU memory beside the memory planner's, the
+verdict against the usable memory, the compile time, the kernels in the optimized HLO and
+every collective (``hlo``, ``report``), and writes ``runs/compile/<UTC>/``.
+
+Bad input (flags, presets, keys, EP sizes, a preset without a target config, a missing
+plugin) is one ``error:`` line on stderr, exit 2.
+
+May import: ``moe_train.config``, ``moe_train.memory``, ``moe_train.model``, ``moe_train.moe``,
+``moe_train.parallel``, ``moe_train.selftest`` (kernel candidates), ``moe_train.train`` (the
+step, the stepper's EP plans), ``moe_train.data`` (the batch form), ``topology`` (presets,
+targets, placement) and ``slurm`` (the launcher's config and planner choices). Nothing imports
+it but its entry point.
+"""

@@ -1,0 +1,73 @@
+"""``python -m moe_train.compile``: compile the job's train step for its GPU without one.
+
+Exit codes: 0 compiled (whether or not it fits: the table says), 2 bad input or no plugin
+(one ``error:`` line on stderr naming the valid choices or how to install it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from moe_train.config.cli import EXIT_USAGE, OneLineParser, job_arguments
+from moe_train.compile import plugin
+from topology import presets
+
+
+
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m moe_train.compile", description=__doc__.splitlines()[0])
+    job_arguments(p, "--preset",
+                  f"cluster preset ({', '.join(presets.list_presets())}) or a site .toml")
+    p.add_argument("--steps", type=int, default=None,
+                   help="train.steps, as for make submit (changes only the LR schedule)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="compile at reduced depth: model.num_layers=N (said in the output)")
+    p.add_argument("--out", default="runs/compile", help="parent of the <UTC> run directory")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    return p
+
+
+def _error(message: object) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:  # the preset's XLA_FLAGS go to XLA before jax starts: read the preset first
+        cluster = presets.load(args.preset)
+    except presets.TopologyError as err:
+        return _error(err)
+    with plugin.quiet():
+        return _compile(args, cluster)
+
+
+def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
+    missing = plugin.enable(cluster.env.get("XLA_FLAGS", ""))  # before anything imports jax
+    from moe_train.compile import job as job_mod
+
+    try:
+        job = job_mod.configure(args.model, args.preset, args.nodes, args.ep,
+                                tuple(args.overrides), args.layers, args.steps)
+    except job_mod.ERRORS as err:
+        return _error(err)
+    if missing:
+        return _error(missing)
+    from moe_train.compile import run
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    try:
+        result, out_dir = run.compile_job(job, Path(args.out) / stamp)
+    except job_mod.ERRORS as err:
+        return _error(err)
+    print(json.dumps(result, indent=1) if args.json else
+          f"{run.render(result)}\nwritten: {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Simulated GPUs, the trainer's mesh on them, and each capacity bucket's step compiled by
+XLA:GPU.
+
+Devices: ``jax.experimental.topologies.get_topology_desc(name, "cuda", target_config=...,
+topology="1x<nodes>x<gpus per node>")`` (compile-only devices; ``plugin.enable`` ran first).
+The mesh is the trainer's (``moe_train.parallel.layout.build``) on the NVLink domains the
+launcher's allocation gets (``topology.placement``: ``parallel.domain_size`` devices each).
+The step is the trainer's (``moe_train.train.step.make_train_step``) for every EP plan the
+stepper can run (``moe_train.train.stepper.ep_plans``: one per capacity bucket), with the
+micro-batches the loop uses (``config.for_devices``). Everything before ``lower()`` is
+abstract (``jax.ShapeDtypeStruct`` arguments with their shardings, ``step.abstract_state``)
+and traced as on the target GPU (``facts.as_target``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from moe_train.compile import facts
+from moe_train.compile.job import Job
+from moe_train.config import Config, ConfigError, for_devices
+from moe_train.data import packing
+from moe_train.parallel import layout, sharding
+from moe_train.parallel.jobplan import EPPlan
+from moe_train.train import stepper
+from moe_train.train.step import CompiledMemory, StepCounter, abstract_state, make_train_step
+from topology import placement
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One capacity bucket's step, compiled."""
+
+    bucket: str  # "1", "1.25", ..., "worst" (the memory planner's keys)
+    plan: EPPlan | None  # its EP plan (None on one device)
+    memory: CompiledMemory  # XLA's per-GPU memory analysis
+    trace_s: float  # trace and lower (StableHLO), seconds
+    compile_s: float  # XLA:GPU's compile, seconds
+    hlo: str  # the optimized, scheduled HLO (compiled.as_text())
+
+
+def simulated_devices(job: Job) -> list[Any]:
+    """``job.devices`` compile-only devices of the target GPU, ``gpus_per_node`` per host."""
+    from jax.experimental import topologies
+
+    topo = f"1x{job.nodes}x{job.cluster.gpus_per_node}"
+    return list(topologies.get_topology_desc(job.target.name, "cuda",
+                                             target_config=job.target.text,
+                                             topology=topo).devices)
+
+
+def mesh_config(job: Job, cfg: Config) -> Config:
+    """``cfg`` on the job's devices: the loop's micro-batches, and ``parallel.domain_size``
+    from the domains the launcher's allocation gets."""
+    cfg = for_devices(cfg, job.devices)
+    alloc = placement.allocation(job.cluster, job.nodes, cfg.parallel.ep,
+                                 num_experts=cfg.moe.num_experts,
+                                 allow_straddle=cfg.parallel.allow_straddle)
+    sizes = {len(d) for d in placement.synth_domains(job.cluster, alloc)}
+    if len(sizes) != 1:
+        raise ConfigError(f"the {job.nodes} nodes fill NVLink domains unevenly "
+                          f"({sorted(sizes)} GPUs); compile a node count that fills whole domains")
+    par = dataclasses.replace(cfg.parallel, domain_size=sizes.pop())
+    return dataclasses.replace(cfg, parallel=par)
+
+
+def batch_arg(cfg: Config, mesh) -> Any:
+    """The step's batch, abstract: int32 [B, S+1] (with segment ids when packed)."""
+    spec = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32,
+                                sharding=sharding.batch_sharding(mesh))
+    packed = cfg.data.source == "prepared" and cfg.data.packing
+    return packing.make(spec, spec if packed else None)
+
+
+def compile_one(cfg: Config, mesh, plan: EPPlan | None, target, devices) -> Compiled:
+    t0 = time.perf_counter()
+    with facts.as_target(target, devices):
+        state = abstract_state(cfg, mesh)
+        state_sharding = jax.tree.map(lambda a: a.sharding, state)
+        step = make_train_step(cfg, mesh, StepCounter(), state_sharding, plan)
+        hold = plan is not None and plan.capacity_factor is not None
+        args = (state, batch_arg(cfg, mesh)) + (
+            (jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding.replicated(mesh)),)
+            if hold else ())
+        with step.sharding.activate():
+            lowered = step.jitted.trace(*args).lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    factor = None if plan is None else plan.capacity_factor
+    return Compiled(bucket="worst" if factor is None else f"{factor:g}", plan=plan,
+                    memory=CompiledMemory.of(compiled), trace_s=t1 - t0, compile_s=t2 - t1,
+                    hlo=compiled.as_text())
+
+
+def compile_buckets(job: Job, cfg: Config, devices: Sequence[Any]) -> Iterator[Compiled]:
+    """The step of every capacity bucket of ``cfg`` (kernels concrete) on ``devices``."""
+    mesh = layout.build(cfg, devices).mesh
+    for plan in stepper.ep_plans(cfg, mesh):
+        yield compile_one(cfg, mesh, plan, job.target, devices)

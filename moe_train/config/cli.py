@@ -1,0 +1,35 @@
+"""What the kit's command-line entry points share: a parser whose errors are one line.
+
+``python -m moe_train.memory``, ``python -m moe_train.compile`` and ``python -m topology`` take
+a model, a cluster preset, nodes, an EP size and ``--set`` overrides; a bad argument is one
+``error:`` line on stderr and exit 2 (the kit's rule for bad input), never argparse's usage
+block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_USAGE = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one ``error:`` line, exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def job_arguments(p: argparse.ArgumentParser, cluster_flag: str, cluster_help: str) -> None:
+    """--model, the cluster flag, --nodes, --ep and --set, as every job command takes them."""
+    from moe_train import config
+
+    p.add_argument("--model", required=True,
+                   help=f"model preset: {', '.join(config.list_presets())}")
+    p.add_argument(cluster_flag, required=True, help=cluster_help)
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default parallel.ep)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.remat=full (repeatable)")

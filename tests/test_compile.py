@@ -1,0 +1,267 @@
+"""``python -m moe_train.compile``: the trainer's step compiled by XLA:GPU for simulated H100 and
+B200 GPUs (the CUDA PJRT plugin, no GPU), its memory beside the planner's, the HLO inventory,
+the target configs, and bad input as one ``error:`` line with exit code 2.
+
+The compiles run the entry point in a subprocess (the plugin is loaded only there); they skip
+with the reason where the plugin is not installed (``make venv EXTRAS=...,compile``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from moe_train import config
+from moe_train.compile import facts, hlo, plugin, report
+from moe_train.parallel import layout
+from moe_train.train import step
+from topology import presets, targets
+from topology.presets import TopologyError
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = plugin.version_problem(plugin.search_path())
+needs_plugin = pytest.mark.skipif(PLUGIN is not None, reason=f"no CUDA PJRT plugin: {PLUGIN}")
+# bf16 compute: the GPU kernels (cuDNN attention, Triton GEMMs); one capacity bucket + worst
+TINY = ("--model", "tiny", "--nodes", "1", "--ep", "8", "--set", "precision.compute=bf16",
+        "--set", "moe.capacity_buckets=1", "--json")
+
+
+def compile_cli(*args: str, env: dict | None = None, timeout: int = 600):
+    return subprocess.run([sys.executable, "-m", "moe_train.compile", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def one_line_error(proc, *needles: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """tiny compiled for 8 simulated H100s and (at --layers 1) 8 simulated B200s, EP 8."""
+    out = {}
+    for preset, extra in (("h100-dgx", ()), ("b200-hgx", ("--layers", "1"))):
+        parent = tmp_path_factory.mktemp(preset)
+        proc = compile_cli("--preset", preset, *TINY, *extra, "--out", str(parent))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (run_dir,) = parent.iterdir()
+        out[preset] = (json.loads(proc.stdout), run_dir)
+    return out
+
+
+# ----------------------------------------------------------------------------- compiles
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,sm,gpu", [("h100-dgx", "sm_90", "NVIDIA H100 80GB HBM3"),
+                                           ("b200-hgx", "sm_100", "NVIDIA B200")])
+def test_the_step_compiles_for_the_presets_gpu(compiled, preset, sm, gpu):
+    r, run_dir = compiled[preset]
+    assert (r["sm"], r["gpu"], r["devices"], r["ep"], r["dispatcher"]) == (sm, gpu, 8, 8, "a2a")
+    assert [b["bucket"] for b in r["buckets"]] == ["1", "worst"]
+    files = {p.name for p in run_dir.iterdir()}
+    assert files == {"step-1.hlo", "step-worst.hlo", "memory.txt", "result.json"}
+    assert json.loads((run_dir / "result.json").read_text()) == r
+    for b in r["buckets"]:
+        assert b["compile_s"] > 0 and b["fits"] and b["hlo"] in files
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["h100-dgx", "b200-hgx"])
+def test_memory_is_positive_and_consistent_with_the_planner(compiled, preset):
+    r, _ = compiled[preset]
+    items = r["planner_items"]
+    state = items["params"] + items["optimizer"] + items["other"]
+    for b in r["buckets"]:
+        m = b["memory"]
+        assert min(m["argument"], m["output"], m["alias"], m["temp"]) > 0
+        assert m["peak"] == m["argument"] + m["temp"] + m["output"] - m["alias"] + m["code"]
+        assert m["alias"] <= min(m["output"], m["argument"])  # the donated state, written over
+        assert abs(m["argument"] - state) <= 64, (m["argument"], state)  # the state is exact
+        assert b["xla_over_planner"] == round(m["peak"] / b["planner"]["total"], 3)
+        assert 0.5 < b["xla_over_planner"] < 2.0
+    one, worst = r["buckets"]
+    assert worst["memory"]["temp"] > one["memory"]["temp"]  # the worst case's larger buffers
+    assert worst["planner"]["moe_buffers"] > one["planner"]["moe_buffers"]
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_kernels_and_collectives_of_the_compiled_hlo(compiled):
+    for preset in ("h100-dgx", "b200-hgx"):
+        r, run_dir = compiled[preset]
+        chosen = {k["key"]: k for k in r["kernels"]}
+        assert chosen["model.attention"]["compiled"] == "cudnn"
+        gemm = chosen["moe.backend"]  # Mosaic GPU: Hopper only; traced inside shard_map (EP 8)
+        assert (gemm["trainer"] == "mgpu") == (preset == "h100-dgx")
+        assert gemm["compiled"] == gemm["trainer"], gemm["note"]
+        for b in r["buckets"]:
+            text = (run_dir / b["hlo"]).read_text()
+            assert hlo.inventory(text) == {"kernels": b["kernels"], "collectives": b["collectives"]}
+            k, a2a = b["kernels"], b["collectives"]["all-to-all"]
+            assert k["cudnn"] >= 2 and k["triton_gemm"] > 0  # attention fwd + bwd; GEMMs
+            assert (k["mosaic_gpu"] > 0) == (preset == "h100-dgx")  # mgpu's grouped GEMMs
+            assert k["cudnn"] == len(re.findall(r'custom_call_target="__cudnn\$', text))
+            # counted another way: every instance completes in a -done or a sync op
+            done = len(re.findall(r" all-to-all-done\(", text))
+            sync = len(re.findall(r" all-to-all\(", text))
+            assert a2a["count"] == done + sync > 0 and a2a["async"] > 0
+            assert a2a["async"] + a2a["sync"] == a2a["count"]
+            assert a2a["bytes"] > 0 and "all-reduce" in b["collectives"]
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_reduced_depth_is_stated_and_the_table_renders(compiled):
+    r, _ = compiled["b200-hgx"]
+    assert (r["num_layers"], r["reduced_depth"]) == (1, True)
+    assert "(--layers: reduced depth)" in report.render(r)
+    table = report.render(compiled["h100-dgx"][0])
+    assert "2 layers;" in table and "--layers" not in table
+    rows = [line.split() for line in table.splitlines() if line.startswith(("1x", "worst"))]
+    assert [row[0] for row in rows] == ["1x", "worst"] and all(row[7] == "fits" for row in rows)
+    assert "all-to-all" in table and "kernel: model.attention=cudnn" in table
+
+
+# ----------------------------------------------------------------------------- HLO parser
+
+SNIPPET = """HloModule m, is_scheduled=true
+
+%fused_dot (p0: f8e4m3fn[4,8], p1: f8e4m3fn[8,2]) -> f32[4,2] {
+  %p0 = f8e4m3fn[4,8]{1,0} parameter(0)
+  %p1 = f8e4m3fn[8,2]{1,0} parameter(1)
+  ROOT %d = f32[4,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (t: (s32[], bf16[16,4])) -> (s32[], bf16[16,4]) {
+  %t = (s32[], bf16[16,4]{1,0}) parameter(0)
+  %x = bf16[16,4]{1,0} get-tuple-element(%t), index=1
+  %a2a-start = ((bf16[16,4]{1,0}), bf16[16,4]{1,0}) all-to-all-start(%x), dimensions={0}
+  %a2a-done = bf16[16,4]{1,0} all-to-all-done(%a2a-start)
+  ROOT %r = (s32[], bf16[16,4]) tuple(%i, %a2a-done)
+}
+
+ENTRY %main (a: f8e4m3fn[4,8], b: f8e4m3fn[8,2], c: f32[64]) -> f32[4,2] {
+  %g = f32[4,2]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %w = (s32[], bf16[16,4]) while(%init), condition=%cond, body=%body
+  %ar-start = f32[64]{0} all-reduce-start(%c), backend_config={"collective_backend_config":{"is_sync":true}}
+  %ar-done = f32[64]{0} all-reduce-done(%ar-start)
+  %ag = f32[512]{0} all-gather(%c), dimensions={0}
+  %mm = f32[4,2]{1,0} custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8"
+  %mg = f32[4,2]{1,0} custom-call(%a), custom_call_target="mosaic_gpu_v2"
+  ROOT %s = f32[4,2]{1,0} custom-call(%g), custom_call_target="__cub$DeviceRadixSort"
+}
+"""
+
+
+def test_the_parser_classifies_kernels_and_collectives():
+    inv = hlo.inventory(SNIPPET)
+    k = inv["kernels"]
+    assert (k["triton_gemm"], k["cublaslt"], k["fp8_gemm"], k["mosaic_gpu"]) == (1, 1, 2, 1)
+    assert k["custom_call:__cub$DeviceRadixSort"] == 1 and k["cudnn"] == 0
+    c = inv["collectives"]
+    assert c["all-to-all"] == {"count": 1, "async": 1, "sync": 0, "in_loops": 1, "bytes": 128}
+    assert c["all-reduce"] == {"count": 1, "async": 0, "sync": 1, "in_loops": 0, "bytes": 256}
+    assert c["all-gather"] == {"count": 1, "async": 0, "sync": 1, "in_loops": 0, "bytes": 2048}
+
+
+def test_shape_bytes():
+    assert hlo.shape_bytes("((bf16[8,2]{1,0}), f32[3]{0}, f8e5m2[10], pred[], s32[])") == 32 + 12 + 10 + 1 + 4
+    assert hlo.shape_bytes("token[]") == 0
+
+
+# ----------------------------------------------------------------------------- targets, state
+
+@pytest.mark.parametrize("name", [n for n in presets.list_presets() if presets.load(n).gpu])
+def test_every_gpu_preset_has_a_target_config(name):
+    cluster = presets.load(name)
+    t = targets.load(cluster.gpu)
+    assert t.sm == ("sm_100" if cluster.name.startswith(("b200", "gb200")) else "sm_90")
+    assert abs(t.memory_bytes / 2**30 - cluster.gpu_memory_gib) / cluster.gpu_memory_gib < 0.02
+    assert "Source: openxla/xla xla/backends/gpu/target_config/specs/" in t.text
+    assert t.cudnn_version == 91000
+
+
+def test_a_gpu_without_a_target_config_is_refused(tmp_path):
+    text = (presets.PRESET_DIR / "h100-dgx.toml").read_text().replace('"h100-sxm"', '"a100"')
+    (tmp_path / "site.toml").write_text(text)
+    with pytest.raises(TopologyError, match="gpu 'a100' has no XLA:GPU target config; valid: b200"):
+        presets.load(tmp_path / "site.toml")
+    with pytest.raises(TopologyError, match="valid targets: b200, gb200, h100-sxm, h200-sxm"):
+        targets.load("a100")
+
+
+def test_the_trace_sees_the_target_gpu_and_then_this_machine_again():
+    from moe_train.model import attention
+    from moe_train.model.attention import fused
+
+    dims = dict(dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=512)
+    before = (jax.default_backend(), jax.devices(), fused.gpu_facts())
+    with facts.as_target(targets.load("h100-sxm"), jax.devices()[:2]):
+        assert jax.default_backend() == "gpu" and len(jax.devices()) == 2
+        assert fused.gpu_facts()["cc"] == 9.0 and fused.gpu_facts()["cudnn"] == 91000
+        assert attention.resolve("auto", platform=jax.default_backend(), **dims)[0] == "cudnn"
+    assert (jax.default_backend(), jax.devices(), fused.gpu_facts()) == before
+    assert attention.resolve("auto", platform=jax.default_backend(), **dims)[0] == "chunked"
+
+
+def test_abstract_state_is_init_states_shapes_and_shardings():
+    cfg = config.build("tiny", ["parallel.ep=8"])
+    mesh = layout.build(config.for_devices(cfg, 8), jax.devices()[:8]).mesh
+    real, abstract = step.init_state(cfg, mesh), step.abstract_state(cfg, mesh)
+    got = jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), abstract)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), real) == got
+    assert not any(isinstance(a, jax.Array) for a in jax.tree.leaves(abstract))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("args,needles", [
+    (("--preset", "h100-dgx", "--model", "tiny"), ("--nodes",)),
+    (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "two"), ("--nodes", "two")),
+    (("--preset", "dgx-h100", "--model", "tiny", "--nodes", "1"),
+     ("unknown cluster preset 'dgx-h100'", "h100-dgx")),
+    (("--preset", "cpu-local", "--model", "tiny", "--nodes", "1"),
+     ("names no GPU", "h100-dgx", "h100-sxm")),
+    (("--preset", "h100-dgx", "--model", "tinyy", "--nodes", "1"), ("tinyy", "tiny")),
+    (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--ep", "3"), ("ep 3", "valid ep")),
+    (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--set", "moe.topk=2"),
+     ("moe.topk", "top_k")),
+    (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--layers", "0"), ("--layers",)),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needles):
+    one_line_error(compile_cli(*args), *needles)
+
+
+def test_a_missing_plugin_says_how_to_install_it(tmp_path):
+    """The plugin's import fails (a sitecustomize hides its modules): one line, exit 2."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'jax_cuda12_plugin' or name.startswith('jax_plugins.xla_cuda12'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, _Hide())\n")
+    proc = compile_cli("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1",
+                       env={"PYTHONPATH": str(tmp_path)})
+    one_line_error(proc, "CUDA PJRT plugin", "EXTRAS=", "compile")
+
+
+def test_the_version_check_names_the_package(tmp_path):
+    problem = plugin.version_problem([str(tmp_path)])
+    assert problem is not None and "jax-cuda12-plugin is not installed" in problem
+    assert "make venv EXTRAS=...,compile" in problem and "pip install -e '.[compile]'" in problem
