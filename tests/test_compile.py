@@ -265,3 +265,38 @@ def test_the_version_check_names_the_package(tmp_path):
     problem = plugin.version_problem([str(tmp_path)])
     assert problem is not None and "jax-cuda12-plugin is not installed" in problem
     assert "make venv EXTRAS=...,compile" in problem and "pip install -e '.[compile]'" in problem
+
+
+FP8_PROBE = """
+from moe_train.compile import plugin
+assert plugin.enable() is None
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from moe_train.gpucheck.kernels import hlo_gemms
+from moe_train.model import precision
+from topology import targets
+t = targets.load("h100-sxm")
+mesh = Mesh(topologies.get_topology_desc(t.name, "cuda", target_config=t.text,
+                                         topology="1x1x1").devices, ("x",))
+S = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+one = jnp.ones((), jnp.float32)
+qdq = jax.jit(lambda x: precision.qdq(x, one, precision.E4M3)).trace(S(256, 256))
+meta, recipe = precision.init_meta(4), precision.Recipe(False, 0)
+def fwd_bwd(x, w, g):
+    y, vjp = jax.vjp(lambda a, b: precision.fp8_matmul(a, b, meta, meta, meta, 1, recipe), x, w)
+    return y, vjp(g)[:2]
+mm = jax.jit(fwd_bwd).trace(S(256, 512), S(512, 384), S(256, 384))
+print("f8e4m3fn" in qdq.lower().compile().as_text(),
+      hlo_gemms(mm.lower().compile().as_text())["fp8_gemms"])
+"""
+
+
+@needs_plugin
+def test_xla_gpu_keeps_the_fp8_rounding_and_runs_fp8_gemms():
+    # on XLA:GPU a bare convert pair to fp8 and back was removed (no rounding: bf16 numerics),
+    # and a dequantize before a bf16 dot stayed a bf16 GEMM (seen on an H200, jax 0.11.2)
+    proc = subprocess.run([sys.executable, "-c", FP8_PROBE], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "3"]
