@@ -18,6 +18,12 @@ collective-permute): each instance once, ``async`` when it runs as a ``-start``/
 its result per GPU (all-gather: the gathered array, reduce-scatter: the shard), summed over
 the instances in the text; ``in_loops`` counts those inside a loop body, which run once per
 iteration (XLA:GPU's text carries no trip counts).
+
+Overlap (``overlap``): the scheduled text lists each computation's instructions in the order
+they run, so the kernels between an async collective's start and its done are the work the
+GPU can do while it is in flight. Per collective kind: the async pairs, those with at least
+one GEMM kernel (Triton GEMM, cuBLAS, cuBLASLt, Mosaic GPU) inside, and the GEMM and other
+kernels inside them, summed.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY )?%(\S+) \(.*\) -> .*\{$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
 _GEMM_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion")
+GEMM_KERNELS = ("triton_gemm", "cublas", "cublaslt", "mosaic_gpu")
 
 
 @dataclass(frozen=True)
@@ -166,3 +173,38 @@ def inventory(text: str) -> dict:
     fields = ("count", "async", "sync", "in_loops", "bytes")
     return {"kernels": dict(kernels),
             "collectives": {k: {f: colls[k][f] for f in fields} for k in COLLECTIVES if k in colls}}
+
+
+def _start_of(ins: Instr, comps: dict[str, list[Instr]]) -> str | None:
+    """The collective kind an async start instruction begins (None: not one)."""
+    if ins.op.endswith("-start") and ins.op[:-6] in COLLECTIVES:
+        return None if '"is_sync":true' in ins.rest else ins.op[:-6]
+    if ins.op == "async-start":
+        ops = [i.op for i in comps.get(ins.attr(r"calls=%([^\s,]+)") or "", [])
+               if i.op in COLLECTIVES]
+        return ops[-1] if ops and '"is_sync":true' not in ins.rest else None
+    return None
+
+
+def overlap(text: str) -> dict:
+    """``{kind: {"pairs", "with_gemm", "gemm_kernels", "other_kernels"}}``: what the schedule
+    places between each async collective's start and done (see the module docstring)."""
+    comps, entry = parse(text)
+    out: dict[str, Counter] = defaultdict(Counter)
+    for name in _executed(comps, entry):
+        open_: dict[str, tuple[str, Counter]] = {}  # start name -> (kind, kernels inside)
+        for ins in comps[name]:
+            done = ins.operands[0] if ins.op.endswith("-done") and ins.operands else None
+            if done in open_:
+                kind, inside = open_.pop(done)
+                gemms = sum(inside[k] for k in GEMM_KERNELS)
+                out[kind].update(pairs=1, with_gemm=int(gemms > 0), gemm_kernels=gemms,
+                                 other_kernels=sum(inside.values()) - gemms)
+                continue
+            for _, inside in open_.values():
+                inside.update(k for k in _kernel(ins, comps) if k != "fp8_gemm")
+            kind = _start_of(ins, comps)
+            if kind:
+                open_[ins.name] = (kind, Counter())
+    fields = ("pairs", "with_gemm", "gemm_kernels", "other_kernels")
+    return {k: {f: out[k][f] for f in fields} for k in COLLECTIVES if k in out}

@@ -40,7 +40,7 @@ def bucket_record(job: Job, c: Compiled) -> dict:
             "planner": {"moe_buffers": job.plan.estimate.moe_buffers_by_bucket[c.bucket],
                         "total": planned},
             "xla_over_planner": round(mem.peak / planned, 3), "hlo": f"step-{c.bucket}.hlo",
-            **hlo.inventory(c.hlo)}
+            **hlo.inventory(c.hlo), "overlap": hlo.overlap(c.hlo)}
 
 
 def result(job: Job, kernels: list[Kernel], records: list[dict], jax_version: str) -> dict:
@@ -94,6 +94,11 @@ def _inventory(rec: dict) -> list[str]:
     for kind, c in rec["collectives"].items():
         lines.append(f"  {kind:<20}{c['count']:5d}  {c['async']:4d} async {c['sync']:4d} sync  "
                      f"{c['in_loops']:4d} in loops  {c['bytes'] / 2**20:12.2f} MiB")
+    lines.append(f"overlap at bucket {rec['bucket']} (kernels the schedule places between each "
+                 f"async start and its done):")
+    for kind, o in rec.get("overlap", {}).items():
+        lines.append(f"  {kind:<20}{o['pairs']:5d} async  {o['with_gemm']:4d} with a GEMM inside  "
+                     f"{o['gemm_kernels']:5d} GEMM + {o['other_kernels']:5d} other kernels inside")
     return lines or ["collectives: none"]
 
 
