@@ -83,9 +83,10 @@ def test_state_is_exact_and_total_close_to_xla(overrides):
 def test_step_gather_holds_a_compute_dtype_copy_and_its_gradient():
     """deepseek-v3 on 64 GB200 trays, EP 64 x FSDP 4: weight_gather=step holds every weight's
     bf16 copy split over its EP group only (routed experts / 64, other matrices / 64; the
-    router in fp32) and, per micro-batch, the gradient with respect to it before it is
-    reduced over data (a second copy's bytes); the per-layer gathers shrink to the in-group
-    ones, whose gradients stay bf16."""
+    router in fp32) and, per micro-batch, the gradient with respect to it, reduced over data
+    layer by layer inside the backward loop (XLA:GPU): the reduced bf16 shards (copy / 4) in
+    place of the fp32 micro-batch gradient, plus one layer's share in flight; the per-layer
+    gathers shrink to the in-group ones, whose gradients stay bf16."""
     cfg = config.build("deepseek-v3", ["train.micro_batch_size=0", "train.micro_batches=20"])
     mb, step = (plan(config.build("deepseek-v3", ["train.micro_batch_size=0",
                                                   "train.micro_batches=20", *sets]),
@@ -98,9 +99,10 @@ def test_step_gather_holds_a_compute_dtype_copy_and_its_gradient():
     copy = experts // 64 * 2 + other // 64 * 2 + router // 64 * 4
     assert step[STEP_WEIGHTS] == copy and mb[STEP_WEIGHTS] == 0
     assert copy == pytest.approx((experts + other + router) / 64 * 2, rel=1e-3)
-    assert step["grads"] - mb["grads"] == copy  # its largest array's fp32 cast fits in freed memory
+    reduced = copy // 4 - step["params"]  # bf16 shards in place of an fp32 gradient
+    assert reduced < step["grads"] - mb["grads"] < reduced + copy // 50  # + one of 61 layers
     assert 0 < mb["precision_copies"] - step["precision_copies"] < copy / 10
-    assert copy < step["total"] - mb["total"] < 2 * copy
+    assert copy / 4 < step["total"] - mb["total"] < copy
     assert step["total"] == sum(step[k] for k in ALL_ITEMS)
 
 
@@ -190,7 +192,7 @@ def test_micro_batches_split_activations_and_keep_a_gradient_sum():
 
 
 def test_verdict_offers_micro_batches_before_changing_the_batch():
-    v = check_fits(config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=512", *BARE,
+    v = check_fits(config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=1024", *BARE,
                                                  "train.remat=full"]),
                    presets.load("h100-dgx"), 8)
     changes = [a.change for a in v.alternatives]

@@ -262,7 +262,7 @@ def test_a_users_weight_gather_stays(capsys, tmp_path):
 
 def test_weight_gather_stays_where_the_faster_mode_does_not_fit(capsys, tmp_path):
     code, out, err = dry(capsys, tmp_path, "--preset", "gb200-nvl72", "--model", "deepseek-v3",
-                         "--nodes", "32", "--ep", "64")
+                         "--nodes", "32", "--ep", "32", "--set", "train.micro_batch_size=2")
     assert code == 0 and "fsdp: parallel.weight_gather=micro_batch kept: step" in out + err
     assert "parallel.weight_gather" not in script_of(out)
 

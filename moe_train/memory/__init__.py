@@ -59,8 +59,10 @@ slots C = min(worst, 8*ceil(f * balanced / 8)) as moe_train.parallel.jobplan.buc
     hierarchical   stage 1 G*C1 rows over the slow links, stage 2 R = D*C2 inside the domain
     tiled backend  R rounded up to tiles: (ceil(R/m) + L) * m
   per layer: R * (F*c + 2*H*a) + exchange rows * H*a, with c = 8 (tiled: its VJP keeps
-  x @ [wi_0|wi_1] in fp32) or 16 + a (sorted rows: a0, a1, silu(a0)*a1 in fp32, h);
-  kept for every MoE layer (+1 in flight) under none/moe, for two layers under full/matmuls;
+  x @ [wi_0|wi_1] in fp32) or 16 + a (sorted rows: a0, a1, silu(a0)*a1 in fp32, h) or, on
+  GPU presets, 3a (XLA:GPU fuses the fp32 casts: a0, a1, h in the compute dtype);
+  kept for every MoE layer (+1 in flight) under none/moe, for two layers under full/matmuls
+  (one on GPU presets: XLA:GPU fuses the gradients' elementwise steps into their GEMMs);
   plus one layer's send buffers. The total uses the largest finite bucket; the smallest and
   the worst case (no bucket) are reported beside it.
 
@@ -75,6 +77,14 @@ compute-dtype copy of every weight gathered over ``data`` once per step and held
 (routed / P * a + other / P * a where the EP group splits the width, else other * a), with
 the router in fp32; grads then add one micro-batch's gradient of that copy. Precision copies
 count only what each use still gathers inside the EP group. 0 in ``micro_batch`` mode.
+
+GPU presets (``Setup.platform`` "gpu": the estimate models XLA:GPU, checked against
+``python -m moe_train.compile``, which compiles the job for the preset's GPU): besides the
+3a rows above, step mode's gradient is reduced layer by layer inside the backward loop
+(grads: the reduced shards, copy / dp, in place of the fp32 micro-batch gradient, plus one
+layer's share in flight), and the whole-vocabulary buffers at the end of the backward pass
+are counted in the precision copies: the embedding's gathered copy and the gradients of
+the head and the embedding, V*H*a each (untied).
 
 Validation (tests/test_memory.py; tiny preset, 3 layers, 16 x 128 tokens, XLA:CPU):
 the state equals XLA's compiled argument size to within 52 bytes (step counters) on 1 device,

@@ -30,8 +30,11 @@ FP8_SITES = {"attention": 12, "dense": 9, "moe": 5}  # quantized tensors per sub
 # Bytes kept per dispatched row per unit of expert_ffn F, by backend (compute itemsize a):
 # tiled: its hand-written VJP keeps a = x @ [wi_0|wi_1] [R, 2F] in fp32 (moe_train.moe.tiled);
 # sorted: autodiff through gemm.sorted_swiglu keeps a0, a1 and silu(a0) * a1 in fp32 and h in
-# the compute dtype (JAX's unfused residuals are 20 + a; XLA fusion can bring them to 8 + a).
-ROW_F_BYTES = {"tiled": lambda a: 8, "sorted": lambda a: 16 + a}
+# the compute dtype (JAX's unfused residuals are 20 + a); "sorted@gpu": XLA:GPU fuses the
+# fp32 casts into their consumers and keeps a0, a1 and h in the compute dtype (3a; compiled
+# for H100: the recomputed layer's [R, F] buffers are those three, tests/test_compile.py).
+ROW_F_BYTES = {"tiled": lambda a: 8, "sorted": lambda a: 16 + a, "sorted@gpu": lambda a: 3 * a}
+PLATFORMS = ("cpu", "gpu")  # Setup.platform: the compiler the job's step meets
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,18 @@ class Setup:
     attention: str = "scores"
     loss_chunk: int = 0  # tokens per device of one cross-entropy chunk (0: all of them)
     loss_tile: int = 0  # vocab columns of one cross-entropy tile (0: the whole vocab)
+    # "gpu" (a GPU preset: XLA:GPU, which fuses casts into their consumers and reduces a
+    # scanned backward loop's weight gradients layer by layer) or "cpu" (XLA:CPU)
+    platform: str = "cpu"
 
     @property
     def a(self) -> int:
         """Bytes per element of activations and weight copies."""
         return COMPUTE_BYTES[self.compute]
+
+    @property
+    def gpu(self) -> bool:
+        return self.platform == "gpu"
 
 
 @dataclass(frozen=True)
@@ -246,7 +256,8 @@ def moe_layer_bytes(cfg: Config, s: Setup, factor: float | None) -> tuple[int, i
     """(residual bytes of one MoE layer's dispatched rows, transient send buffers)."""
     H, F, a = cfg.model.hidden, cfg.moe.expert_ffn, s.a
     rows, exchange = moe_rows(cfg, s, factor)
-    kept = rows * (F * ROW_F_BYTES[s.backend](a) + 2 * H * a) + exchange * H * a
+    per_f = ROW_F_BYTES[f"{s.backend}@gpu" if s.gpu and s.backend == "sorted" else s.backend]
+    kept = rows * (F * per_f(a) + 2 * H * a) + exchange * H * a
     return kept, exchange * H * a
 
 
@@ -282,12 +293,14 @@ def activation_bytes(cfg: Config, s: Setup) -> int:
 
 def moe_buffer_bytes(cfg: Config, s: Setup, factor: float | None) -> int:
     """Dispatched-row residuals: every MoE layer's (``none``, ``moe``) or two layers' (the
-    recomputed one and its gradients: ``full``, ``matmuls``), plus one layer's send buffers."""
+    recomputed one and its gradients: ``full``, ``matmuls``; on GPU the recomputed one: XLA:GPU
+    fuses the gradients' elementwise steps into the GEMMs that consume them), plus one
+    layer's send buffers."""
     _, n_moe = _layer_kinds(cfg)
     if n_moe == 0:
         return 0
     kept, transient = moe_layer_bytes(cfg, s, factor)
-    layers = n_moe + 1 if s.remat in ("none", "moe") else 2
+    layers = n_moe + 1 if s.remat in ("none", "moe") else (1 if s.gpu else 2)
     return layers * kept + transient
 
 
@@ -346,7 +359,19 @@ def precision_copy_bytes(cfg: Config, s: Setup) -> int:
         kept = 2 * layer
     # step: the gradient of an in-group gather stays in the compute dtype (cast after it)
     grads = (layer if step else layer * 4 // s.a) if s.devices > 1 else 0
-    return kept + w["head"] + grads
+    return kept + w["head"] + grads + (_vocab_bytes(cfg, s, w["head"]) if s.gpu else 0)
+
+
+def _vocab_bytes(cfg: Config, s: Setup, head_copy: int) -> int:
+    """XLA:GPU's whole-vocabulary buffers beside the head's copy: the embedding's gathered
+    copy (as the head's; none when tied) and the gradients of the head (the loss's [H, V]
+    accumulator) and of the embedding (the lookup's scatter-add), in the compute dtype, all
+    live when the backward pass leaves the output head (compiled for H100: 4 [V, H] buffers
+    at Qwen3's peak)."""
+    whole = cfg.model.hidden * cfg.model.vocab_size * s.a
+    if cfg.model.tie_embeddings:
+        return whole
+    return head_copy + 2 * whole
 
 
 def estimate(cfg: Config, s: Setup) -> Estimate:
@@ -371,10 +396,16 @@ def _step_grad_bytes(cfg: Config, s: Setup, per: Mapping[str, int]) -> int:
     """A micro-batch's gradient with respect to the step's copy before its reduction: the
     copy's bytes again (scanned layers: the backward loop writes it whole; looped layers:
     each layer's is reduced as it comes, the largest layer's share), plus the largest
-    array's fp32 cast where it exceeds what the backward pass has freed by then."""
+    array's fp32 cast where it exceeds what the backward pass has freed by then. On GPU
+    XLA:GPU reduces each layer's gradient inside the backward loop even when scanned: the
+    reduced shards (the copy / dp, in place of an fp32 micro-batch gradient beside the
+    running sum) and the largest layer's share in flight."""
     copy = per[STEP_WEIGHTS]
     if not copy:
         return 0
+    if s.gpu:  # XLA:GPU reduces each layer's gradient in the backward loop, as it comes
+        fp32_grads = per["params"] if cfg.train.micro_batches > 1 else 0  # replaced by them
+        return copy // s.dp + _copy_layer_bytes(cfg, s) - fp32_grads
     if not cfg.model.scan_layers:
         copy = min(copy, _copy_layer_bytes(cfg, s))
     cast = step_gather.largest_cast(cfg, s.devices, s.ep, s.a)

@@ -140,7 +140,8 @@ def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = Non
                  tile_rows=m if backend == "tiled" else 0,
                  dispatcher=_dispatcher(cfg, devices, ep, groups), domains=groups,
                  domain_size=ep // groups, attention=attention_memory(cfg, cluster),
-                 loss_chunk=loss_chunk(cfg, tokens), loss_tile=loss_tile(cfg))
+                 loss_chunk=loss_chunk(cfg, tokens), loss_tile=loss_tile(cfg),
+                 platform="cpu" if cluster.nominal else "gpu")
 
 
 def with_remat(cfg: Config, remat: str) -> Config:

@@ -9,11 +9,14 @@ logits ``(x_TH @ head_HV) * logit_scale``, averaged over tokens, plus an optiona
 term on the log-partition function. It loops (``jax.lax.scan``) over chunks of C tokens and,
 inside a chunk, over tiles of W vocab columns, combining the tiles' logsumexps; a
 ``jax.custom_vjp`` keeps only the per-token logsumexp (T floats) for the backward, which
-loops over the same chunks and tiles again, recomputes each tile's logits and turns them
-straight into that tile's share of the chunk's ``dx`` and of ``dhead`` (accumulated in
-fp32, in place). Peak memory is a few [C, W] fp32 buffers plus the O(T*H) inputs and
-gradients and the [H, V] fp32 head gradient, whatever T and V: the default C * W is a fixed
-budget (``CHUNK_LOGITS_BYTES``), so the vocab only adds parameter-sized buffers.
+loops over the same tiles and chunks again (tiles outside), recomputes each tile's logits
+and turns them straight into the chunk's share of ``dx`` (carried in fp32) and of the tile's
+``dhead`` columns (summed over the chunks in fp32, then added once into the [H, V] gradient,
+carried in the head's dtype). Peak memory is a few [C, W] fp32 buffers, one [H, W] fp32
+tile gradient, the O(T*H) inputs and gradients and the [H, V] head gradient in the head's
+dtype, whatever T and V: the default C * W is a fixed budget (``CHUNK_LOGITS_BYTES``), so the vocab only adds
+parameter-sized buffers. (With chunks outside, the [H, V] gradient was an fp32 loop carry:
+XLA:GPU's while-loop double buffering held three copies of it, 3.7 GiB for Qwen3's head.)
 
 Chunks are strided: token t goes to chunk ``t % G`` at row ``t // G``. With the tokens
 sharded in contiguous blocks over devices (the kit's batch sharding), every chunk takes the
@@ -186,7 +189,7 @@ def _ce_and_z(x_TH, head_HV, labels_T, w_T, chunk: int, width: int, scale: float
 
 def _tiles(x_CH, head_HV, width: int, scale: float, body, carry):
     """``body(carry, tile) -> carry`` over the vocab tiles of one chunk. A tile is
-    ``(logits_CW, start, first, fresh_W, head_HW)``: the fp32 logits of W = ``width`` vocab
+    ``(logits_CW, start, first, fresh_W)``: the fp32 logits of W = ``width`` vocab
     columns from ``start``, of which those from ``first`` on (``fresh_W``) are new: the last
     tile ends at V and overlaps the one before when W does not divide V; the overlap counts
     once, in the earlier tile."""
@@ -197,7 +200,7 @@ def _tiles(x_CH, head_HV, width: int, scale: float, body, carry):
         start = jnp.minimum(first, V - width)
         head_HW = jax.lax.dynamic_slice_in_dim(head_HV, start, width, axis=1)
         fresh_W = start + jnp.arange(width, dtype=jnp.int32) >= first
-        tile = (_logits(x_CH, head_HW, scale), start, first, fresh_W, head_HW)
+        tile = (_logits(x_CH, head_HW, scale), start, first, fresh_W)
         return body(carry, tile), None
 
     return _loop(step, carry, _cdiv(V, width))[0]
@@ -207,7 +210,7 @@ def _chunk_lse_and_picked(x_CH, labels_C, head_HV, width: int, scale: float):
     """(logsumexp over the vocab, the label's logit) of one chunk's tokens, tile by tile."""
     def body(carry, tile):
         lse_C, picked_C = carry
-        logits_CW, start, first, fresh_W, _ = tile
+        logits_CW, start, first, fresh_W = tile
         logits_CW = jnp.where(fresh_W, logits_CW, -jnp.inf)
         lse_C = jnp.logaddexp(lse_C, jax.nn.logsumexp(logits_CW, axis=-1))
         col_C = jnp.clip(labels_C - start, 0, width - 1)
@@ -236,51 +239,58 @@ def _ce_and_z_fwd(x_TH, head_HV, labels_T, w_T, chunk: int, width: int, scale: f
     return (ce, logit_z), (x_TH, head_HV, labels_T, w_T / denom, lse_T)
 
 
-def _tile_grads(inputs, head_dtype, width: int, scale: float, g_ce, g_z):
-    """``body`` of ``_tiles`` for the backward pass: one tile's logits cotangent, added to the
-    chunk's dx (carried in fp32) and, in place, to the tile's columns of dhead (fp32)."""
-    labels_C, coef_C, lse_C, x_CH = inputs
-
-    def body(carry, tile):
-        dhead_HV, dx_CH = carry
-        logits_CW, start, _, fresh_W, head_HW = tile
-        p_CW = jnp.exp(logits_CW - lse_C[:, None])
-        onehot_CW = (labels_C - start)[:, None] == jnp.arange(width, dtype=jnp.int32)
-        # d/dlogits of coef * (g_ce * (lse - logit[label]) + g_z * lse^2)
-        dlogits_CW = coef_C[:, None] * (p_CW * (g_ce + 2.0 * g_z * lse_C[:, None])
-                                        - jnp.where(onehot_CW, g_ce, 0.0))
-        dlogits_CW = (jnp.where(fresh_W, dlogits_CW, 0.0) * scale).astype(head_dtype)
-        dx_CH = dx_CH + jax.lax.dot_general(dlogits_CW, head_HW, (((1,), (1,)), ((), ())),
-                                            preferred_element_type=jnp.float32)
-        dhead_HW = jax.lax.dynamic_slice_in_dim(dhead_HV, start, width, axis=1)
-        dhead_HW = dhead_HW + jax.lax.dot_general(x_CH, dlogits_CW, (((0,), (0,)), ((), ())),
-                                                  preferred_element_type=jnp.float32)
-        return jax.lax.dynamic_update_slice_in_dim(dhead_HV, dhead_HW, start, axis=1), dx_CH
-
-    return body
+def _dlogits(inputs, logits_CW, start, fresh_W, head_dtype, width: int, scale: float, g_ce, g_z):
+    """One tile's logits cotangent, in the matmul dtype: d/dlogits of coef * (g_ce * (lse -
+    logit[label]) + g_z * lse^2), zero on the tile's columns that an earlier tile owns."""
+    labels_C, coef_C, lse_C = inputs
+    p_CW = jnp.exp(logits_CW - lse_C[:, None])
+    onehot_CW = (labels_C - start)[:, None] == jnp.arange(width, dtype=jnp.int32)
+    dlogits_CW = coef_C[:, None] * (p_CW * (g_ce + 2.0 * g_z * lse_C[:, None])
+                                    - jnp.where(onehot_CW, g_ce, 0.0))
+    return (jnp.where(fresh_W, dlogits_CW, 0.0) * scale).astype(head_dtype)
 
 
 def _ce_and_z_bwd(chunk: int, width: int, scale: float, residuals, cotangents):
+    """Vocab tiles outside, chunks inside: each tile's [H, W] head gradient is summed over
+    the chunks in fp32, then added once into the [H, V] gradient, which is carried in the
+    head's dtype (not in fp32 through every chunk); ``dx`` is carried in fp32 across tiles."""
     x_in, head_in, labels_T, coef_T, lse_T = residuals
     g_ce, g_z = cotangents
     x_TH, head = _operands(x_in, head_in)
     x_CGH, labels_CG, coef_CG, lse_CG = (_to_chunks(a, chunk)
                                          for a in (x_TH, labels_T, coef_T, lse_T))
+    H, V = head.shape
 
-    def per_chunk(carry, g):
-        dhead_HV, dx_CGH = carry
-        x_CH = _chunk(x_CGH, g)
-        inputs = (_chunk(labels_CG, g), _chunk(coef_CG, g), _chunk(lse_CG, g), x_CH)
-        body = _tile_grads(inputs, head.dtype, width, scale, g_ce, g_z)
-        dx0 = _zeros_varying_like(x_CH.shape, x_CH, head, g_ce, g_z)
-        dhead_HV, dx_CH = _tiles(x_CH, head, width, scale, body, (dhead_HV, dx0))
-        dx_CH = dx_CH.astype(x_in.dtype)
-        return (dhead_HV, jax.lax.dynamic_update_index_in_dim(dx_CGH, dx_CH, g, axis=1)), None
+    def per_tile(carry, v):
+        dx_CGH, dhead_HV = carry
+        first = v * width
+        start = jnp.minimum(first, V - width)
+        head_HW = jax.lax.dynamic_slice_in_dim(head, start, width, axis=1)
+        fresh_W = start + jnp.arange(width, dtype=jnp.int32) >= first
 
-    dhead0 = _zeros_varying_like(head.shape, x_TH, head, g_ce, g_z)
-    dx0 = jnp.zeros(x_CGH.shape, x_in.dtype) + _empty_sum(x_TH, head, g_ce, g_z).astype(x_in.dtype)
-    (dhead_HV, dx_CGH), _ = _loop(per_chunk, (dhead0, dx0), x_CGH.shape[1])
-    return (_from_chunks(dx_CGH, x_TH.shape[0]), dhead_HV.astype(head_in.dtype), None, None)
+        def per_chunk(carry, g):
+            dhead_HW, dx_CGH = carry
+            x_CH = _chunk(x_CGH, g)
+            inputs = (_chunk(labels_CG, g), _chunk(coef_CG, g), _chunk(lse_CG, g))
+            dlogits_CW = _dlogits(inputs, _logits(x_CH, head_HW, scale), start, fresh_W,
+                                  head.dtype, width, scale, g_ce, g_z)
+            dx_CH = _chunk(dx_CGH, g) + jax.lax.dot_general(
+                dlogits_CW, head_HW, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            dhead_HW = dhead_HW + jax.lax.dot_general(x_CH, dlogits_CW, (((0,), (0,)), ((), ())),
+                                                      preferred_element_type=jnp.float32)
+            return (dhead_HW, jax.lax.dynamic_update_index_in_dim(dx_CGH, dx_CH, g, axis=1)), None
+
+        dhead0 = _zeros_varying_like((H, width), x_TH, head, g_ce, g_z)
+        (dhead_HW, dx_CGH), _ = _loop(per_chunk, (dhead0, dx_CGH), x_CGH.shape[1])
+        # added, not written: the last tile overlaps the one before (zeros on its columns)
+        old_HW = jax.lax.dynamic_slice_in_dim(dhead_HV, start, width, axis=1)
+        new_HW = (old_HW + dhead_HW).astype(dhead_HV.dtype)
+        return (dx_CGH, jax.lax.dynamic_update_slice_in_dim(dhead_HV, new_HW, start, axis=1)), None
+
+    dx0 = _zeros_varying_like(x_CGH.shape, x_TH, head, g_ce, g_z)
+    dhead0 = _zeros_varying_like(head.shape, x_TH, head, g_ce, g_z).astype(head_in.dtype)
+    (dx_CGH, dhead_HV), _ = _loop(per_tile, (dx0, dhead0), _cdiv(V, width))
+    return (_from_chunks(dx_CGH, x_TH.shape[0]).astype(x_in.dtype), dhead_HV, None, None)
 
 
 def _empty_sum(*arrays):
