@@ -3,6 +3,7 @@ bad weights or data exit 2 with one line. Prepared corpora are built with a smal
 (the helpers of tests/test_prepare.py)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,25 @@ def test_data_without_a_val_split_exits_2_with_one_line(trained, corpus, data, m
 def test_a_directory_without_weights_exits_2(corpus):
     proc = cli(corpus, "--data", corpus / "prep")
     assert proc.returncode == 2 and "no weights here" in proc.stderr
+
+
+def unverified_copy(trained: Path, tmp_path: Path) -> Path:
+    """The run with its newest checkpoint's manifest deleted."""
+    out = Path(shutil.copytree(trained, tmp_path / "run"))
+    shutil.rmtree(out / "checkpoints" / "2" / "manifest")
+    return out
+
+
+def test_a_checkpoint_without_a_manifest_exits_2_naming_the_file(trained, corpus, tmp_path):
+    out = unverified_copy(trained, tmp_path)
+    proc = cli(out, "--data", corpus / "prep", "--devices", "1")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"error: {out / 'checkpoints' / '2' / 'manifest' / 'metadata'} is missing" in proc.stderr
+
+
+def test_trust_unverified_evaluates_it_as_it_is(trained, corpus, tmp_path):
+    out = unverified_copy(trained, tmp_path)
+    got = evaluate_weights(str(out), str(corpus / "prep"), devices=1, batch_size=8,
+                           trust_unverified=True)
+    want = evaluate_weights(str(trained), str(corpus / "prep"), devices=1, batch_size=8)
+    assert got["eval_loss"] == want["eval_loss"]

@@ -178,6 +178,9 @@ DAMAGE = {
     "garbage meta": lambda d: (d / "meta" / "metadata").write_text("garbage{"),
     "emptied step directory": lambda d: [shutil.rmtree(p) if p.is_dir() else p.unlink()
                                          for p in list(d.iterdir())],
+    "manifest deleted (unverified)": lambda d: shutil.rmtree(d / "manifest"),
+    "step 2's arrays under this manifest": lambda d: (
+        shutil.rmtree(d / "state"), shutil.copytree(d.parent / "2" / "state", d / "state")),
 }
 
 

@@ -112,3 +112,41 @@ def test_init_from_weights_of_another_shape_exits_2_naming_the_tensor(trained, t
                                           r"needs \(256, 32\)"):
         run(cfg, tmp_path / "c", log=lambda s: None)
     assert not (tmp_path / "c").exists() or EXIT_CONFIG == 2
+
+
+def _npz(path: Path) -> None:
+    with path.open("wb") as f:
+        np.savez(f, ids=ids())
+
+
+MALFORMED = {
+    "no rows [0, 32]": lambda p: np.save(p, np.zeros((0, 32), np.int32)),
+    "one token per row": lambda p: np.save(p, np.zeros((2, 1), np.int32)),
+    "rank 3": lambda p: np.save(p, np.zeros((2, 3, 4), np.int32)),
+    "bool ids": lambda p: np.save(p, np.ones((2, 5), bool)),
+    "an empty file": lambda p: p.write_bytes(b""),
+    "a truncated .npy": lambda p: (np.save(p, ids()), p.write_bytes(p.read_bytes()[:140])),
+    "text, not .npy": lambda p: p.write_text("1 2 3\n"),
+    "an .npz archive": _npz,
+    "a directory": lambda p: p.mkdir(),
+}
+
+
+@pytest.mark.parametrize("make", MALFORMED, ids=list(MALFORMED))
+def test_a_malformed_tokens_file_exits_2_with_one_line(trained, tmp_path, capsys, make):
+    from moe_train.convert.score import main
+
+    MALFORMED[make](tmp_path / "ids.npy")
+    code = main([str(trained), "--tokens", str(tmp_path / "ids.npy"), "--devices", "1"])
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG and err.count("\n") == 1 and err.startswith(
+        f"error: --tokens {tmp_path / 'ids.npy'}: "), err
+
+
+@pytest.mark.parametrize("devices", ["-1", "99"])
+def test_a_device_count_this_machine_lacks_exits_2(trained, tmp_path, capsys, devices):
+    from moe_train.convert.score import main
+
+    np.save(tmp_path / "ids.npy", ids())
+    code = main([str(trained), "--tokens", str(tmp_path / "ids.npy"), "--devices", devices])
+    assert code == EXIT_CONFIG and capsys.readouterr().err.startswith(f"error: --devices {devices}:")

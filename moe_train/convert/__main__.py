@@ -2,8 +2,9 @@
 
 Exit codes as the trainer's (``moe_train.train.signals``): 0 done; 2 bad input (an unsupported
 architecture or feature, a missing tensor, a shape that does not match the config, an OUT
-that is not empty, an input file that cannot be read), one line naming the key, tensor or
-file, nothing left in OUT; 5 the output cannot be written; 1 a bug (traceback).
+that is not empty, an input file that cannot be read, a run's checkpoint that is damaged or
+has no manifest: ``to-hf --trust-unverified`` reads the latter), one line naming the key,
+tensor or file, nothing left in OUT; 5 the output cannot be written; 1 a bug (traceback).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
                    help="cast every tensor to this dtype (default: keep each as stored: the "
                         "run's model.param_dtype, a converted source's own; bf16 narrows an "
                         "fp32 run, whose logits then move by about 1e-2 relative)")
+    b.add_argument("--trust-unverified", action="store_true",
+                   help="export a run's checkpoint that has no manifest (unverified: saved "
+                        "before manifests existed); refused otherwise")
     return p
 
 
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from moe_train.convert.to_hf import to_hf
 
-            to_hf(args.ckpt, args.out, dtype=args.dtype)
+            to_hf(args.ckpt, args.out, dtype=args.dtype, trust_unverified=args.trust_unverified)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return signals.EXIT_CONFIG

@@ -7,6 +7,9 @@ the fp32 logits [B, S, V] when asked. Runs on whatever JAX has (CPU or GPU), on
 ``--devices`` devices (default all): the rows are split over them when they divide B, and
 the weights are sharded as for training (``moe_train.parallel.sharding``). The MoE layers run dropless
 on each device (no expert parallelism); MTP modules do not run (they train, they do not score).
+A run's step is verified against its manifest before it is used (``weights.restore``); one
+without a manifest is refused unless ``--trust-unverified`` (also ``python -m moe_train.eval``'s:
+``weights_cli`` is both commands' command line).
 
 Exit codes: 0, 2 (bad CKPT or IDS: one line), 5 (LOGITS cannot be written).
 """
@@ -33,31 +36,47 @@ from moe_train.train import signals
 
 
 def load_ids(path: str, vocab: int) -> np.ndarray:
-    """IDS as int32 [B, S]; ConfigError for another rank, dtype or an id outside the vocab."""
+    """IDS as int32 [B, S]; ConfigError for a file that is not one .npy array (empty,
+    truncated, pickled, an .npz), another rank or dtype, no rows, or an id outside the vocab."""
     try:
         ids = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"--tokens {path}: cannot read a .npy array ({err})") from None
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[1] < 2:
-        raise ConfigError(f"--tokens {path}: expected integer ids [B, S] with S >= 2, got "
-                          f"{ids.dtype} {list(ids.shape)}")
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+    except (OSError, ValueError, EOFError) as err:
+        why = " ".join(str(err).split()) or "the file is empty or truncated"
+        why = "no .npy header" if "pickled" in why else why  # numpy's guess for any other file
+        raise ConfigError(f"--tokens {path}: cannot read a .npy array ({why})") from None
+    if not isinstance(ids, np.ndarray):
+        ids.close()
+        raise ConfigError(f"--tokens {path}: expected one .npy array, got an .npz archive")
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[0] < 1 \
+            or ids.shape[1] < 2:
+        raise ConfigError(f"--tokens {path}: expected integer ids [B, S] with B >= 1 and S >= 2, "
+                          f"got {ids.dtype} {list(ids.shape)}")
+    if ids.min() < 0 or ids.max() >= vocab:
         raise ConfigError(f"--tokens {path}: ids must be in [0, {vocab}) (the model's "
                           f"vocabulary), got {ids.min()}..{ids.max()}")
     return ids.astype(np.int32)
 
 
+def pick_devices(n: int) -> list[jax.Device]:
+    """The first ``n`` devices (0: all); ConfigError for a count this machine does not have."""
+    available = jax.devices()
+    if not 0 <= n <= len(available):
+        raise ConfigError(f"--devices {n}: choose 1..{len(available)} (0 or none: all "
+                          f"{len(available)} {available[0].platform} device(s))")
+    return available[:n or None]
+
+
 def score(ckpt: str, ids: np.ndarray | None = None, *, tokens: str | None = None,
-          devices: int = 0) -> tuple[float, np.ndarray]:
-    """(mean next-token loss, fp32 logits [B, S, V]) of the weights at ``ckpt``."""
+          devices: int = 0, trust_unverified: bool = False) -> tuple[float, np.ndarray]:
+    """(mean next-token loss, fp32 logits [B, S, V]) of the weights at ``ckpt`` (a step
+    without a manifest is refused unless ``trust_unverified``)."""
     source = weights.locate(ckpt)
     cfg = weights.config_of(source)
     if ids is None:
         ids = load_ids(tokens, cfg.model.vocab_size)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=ids.shape[1]))
-    devs = jax.devices()[:devices or None]
-    mesh = sharding.make_mesh(devs)
-    params, moe_state = weights.restore(source, cfg, mesh)
+    mesh = sharding.make_mesh(pick_devices(devices))
+    params, moe_state = weights.restore(source, cfg, mesh, trust_unverified)
     shd = sharding.Sharding.of(mesh, cfg.model)
     rows = NamedSharding(mesh, P(sharding.TOKEN_AXES) if ids.shape[0] % mesh.size == 0 else P())
     model = Transformer(cfg)
@@ -83,6 +102,9 @@ def weights_cli(argv: list[str] | None, *, prog: str, description: str, ckpt: tu
     p.add_argument("ckpt", metavar=ckpt[0], help=ckpt[1])
     options(p)
     p.add_argument("--devices", type=int, default=0, help="devices to use (default: all)")
+    p.add_argument("--trust-unverified", action="store_true",
+                   help="read a run's checkpoint that has no manifest (unverified: saved "
+                        "before manifests existed); refused otherwise")
     args = p.parse_args(argv)
     try:
         return run(args)
@@ -104,7 +126,8 @@ def _options(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    loss, logits = score(args.ckpt, tokens=args.tokens, devices=args.devices)
+    loss, logits = score(args.ckpt, tokens=args.tokens, devices=args.devices,
+                         trust_unverified=args.trust_unverified)
     B, S = logits.shape[:2]
     print(f"loss {loss:.6f}  perplexity {math.exp(loss):.4f}  ({B} x {S - 1} predicted tokens)")
     if args.logits:

@@ -7,6 +7,10 @@ carry the copies of the embedding and head the released files have. The kit's le
 one at a time (orbax partial restores), so the process holds about one leaf plus one shard; a
 scanned run's stacked leaves (every layer's copy of a weight) are first staged, one stored
 chunk at a time, in a memory-mapped file (``stage``), so there it holds about one chunk.
+A run's step is verified as every checkpoint reader verifies one (``weights.read_manifest``):
+refused without a manifest unless ``trust_unverified``, and each leaf, once read (or staged),
+checked against it (``manifest.verify_leaf``) before it is written: a damaged step stops the
+export with ConfigError naming the file, and nothing is left in HF_OUT.
 Written under a ``.HF_OUT.partial-<pid>`` sibling and renamed at the end.
 """
 
@@ -30,6 +34,7 @@ from moe_train.convert.families import FAMILIES, Family, family_for, hf_config
 from moe_train.convert.from_hf import looped_tree
 from moe_train.convert.hf_files import new_directory, write_shards
 from moe_train.convert.tensors import entries, extra_copies
+from moe_train.train import checkpoint, manifest
 
 DTYPES = {"bf16": ("bfloat16", ml_dtypes.bfloat16), "fp32": ("float32", np.float32)}
 SHARD_BYTES = 5 << 30  # transformers' default max_shard_size
@@ -42,10 +47,11 @@ def _family(source: weights.Source, cfg: Config) -> Family:
     return family_for(cfg)
 
 
-def _leaf_reader(source: weights.Source, cfg: Config,
-                 scratch: Path) -> Callable[[tuple[str, ...]], np.ndarray]:
+def _leaf_reader(source: weights.Source, cfg: Config, scratch: Path,
+                 saved: dict | None) -> Callable[[tuple[str, ...]], np.ndarray]:
     """A function from a looped-layout kit path to that leaf's host array (a scanned run's
-    stacked leaves are staged, one at a time, in a memory-mapped file under ``scratch``)."""
+    stacked leaves are staged, one at a time, in a memory-mapped file under ``scratch``),
+    each checked against the step's manifest ``saved`` (None: not checked)."""
     converted = source.kind == "converted"
     root = (source.path / (weights.WEIGHTS if converted else "state")).absolute()
     scanned = source.kind == "step" and cfg.model.scan_layers
@@ -67,9 +73,18 @@ def _leaf_reader(source: weights.Source, cfg: Config,
             out = out[key]
         return np.asarray(out)
 
+    def verified(saved_path: tuple[str, ...], read_it: Callable[[], np.ndarray]) -> np.ndarray:
+        def checked():
+            array = read_it()
+            if saved is not None:
+                manifest.verify_leaf(saved, "/".join(saved_path), array, str(source.path))
+            return array
+        # an OSError goes on to the CLI, which tells a read from a write (the staging file)
+        return checkpoint.refuse_damage(checked, source.path, keep=(ConfigError, OSError))
+
     def leaf(kit: tuple[str, ...]) -> np.ndarray:
         if not scanned or not kit[1].startswith("layer_"):
-            return read(kit)
+            return verified(kit, lambda: read(kit))
         i = int(kit[1][len("layer_"):])  # looped name -> (group, row) of the scanned tree
         dense = i < cfg.model.first_dense_layers
         group, row = ("dense_layers", i) if dense else ("moe_layers", i - cfg.model.first_dense_layers)
@@ -78,7 +93,7 @@ def _leaf_reader(source: weights.Source, cfg: Config,
             stacked.clear()
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir(parents=True)
-            stacked[key] = stage(root, key, scratch / "leaf.bin")
+            stacked[key] = verified(key, lambda: stage(root, key, scratch / "leaf.bin"))
         return stacked[key][row]
 
     return leaf
@@ -106,11 +121,11 @@ def stage(root: Path, saved_path: tuple[str, ...], path: Path) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
 
-def _tensors(source, cfg: Config, fam: Family, dtype, scratch: Path,
-             stored: set[str]) -> Iterator[tuple[str, np.ndarray]]:
+def _tensors(source, cfg: Config, fam: Family, dtype, scratch: Path, stored: set[str],
+             saved: dict | None) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) of every tensor, in the kit tree's order, then the MTP copies; cast
     to ``dtype`` (None: as stored). ``stored`` collects the dtype names as stored."""
-    leaf = _leaf_reader(source, cfg, scratch)
+    leaf = _leaf_reader(source, cfg, scratch, saved)
     copies = {source: None for _, source in extra_copies(cfg)}  # HF name -> its array
     for e in _ordered(entries(fam, cfg, looped_tree(cfg))):
         for name, array in zip(e.hf, e.to_hf(leaf(e.kit))):
@@ -139,22 +154,26 @@ WIDEST_FIRST = ("float32", "float16", "bfloat16")
 
 
 def to_hf(ckpt: str | Path, out: str | Path, dtype: str | None = None,
-          log: Callable[[str], None] = print, shard_bytes: int = SHARD_BYTES) -> Path:
+          log: Callable[[str], None] = print, shard_bytes: int = SHARD_BYTES,
+          trust_unverified: bool = False) -> Path:
     """Export the weights at ``ckpt`` into ``out`` (new or empty). ``dtype`` None keeps every
     tensor as stored (a run's ``model.param_dtype``, a converted source's own dtype), so the
     export reproduces the kit's logits; ``bf16``/``fp32`` cast them all, and the log says
-    when that narrows a stored fp32 tensor."""
+    when that narrows a stored fp32 tensor. A step without a manifest is refused unless
+    ``trust_unverified``."""
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     source = weights.locate(ckpt)
     cfg = weights.config_of(source)
+    saved = weights.read_manifest(source, trust_unverified)
     fam = _family(source, cfg)
     np_dtype = None if dtype is None else DTYPES[dtype][1]
     stored: set[str] = set()
     with new_directory(Path(out), "HF_OUT") as tmp:
         scratch = tmp / ".stacked"  # a scanned run's stacked leaf, staged one at a time
-        index = write_shards(tmp, _tensors(source, cfg, fam, np_dtype, scratch, stored),
-                             shard_bytes)
+        with checkpoint.quiet_reads(weights.to_stderr, str(source.path)):
+            index = write_shards(tmp, _tensors(source, cfg, fam, np_dtype, scratch, stored,
+                                               saved), shard_bytes)
         shutil.rmtree(scratch, ignore_errors=True)
         torch_name = DTYPES[dtype][0] if dtype else next(
             (d for d in WIDEST_FIRST if d in stored), "float32")

@@ -7,12 +7,19 @@
   "moe_state"}`` in the looped layer layout, in the source's dtype, one per part (``model``:
   embedding, final norm, head; ``layer_{i}``; ``mtp_{k}``), so that converting holds one
   layer at a time;
-* a run directory (``--out`` of a training run): its newest checkpoint that verifies;
+* a run directory (``--out`` of a training run): its newest checkpoint;
 * one step of a run (``RUN/checkpoints/<step>``).
 
 ``restore(source, cfg, mesh)`` reads the parameters and the expert bias (never the optimizer
 state) onto ``mesh`` in ``cfg``'s layout, dtype and shardings, converting the layer layout
 where it differs. ``config_of(source)`` is the config the weights were made with.
+
+A step is read as every checkpoint reader reads one (``moe_train.train.checkpoint``): its
+manifest first (a step without one is refused unless ``trust_unverified``), then the arrays,
+as stored, checked against it before they are cast or converted. A damaged, unverified or
+mismatching step raises ConfigError, one line naming the file (``score``, ``eval``,
+``train.init_from`` and ``to-hf`` exit 2 with it). Converted checkpoints carry no manifest
+(``from-hf`` writes none) and are read as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -35,7 +43,7 @@ from moe_train import config
 from moe_train.config import Config, ConfigError
 from moe_train.model.transformer import Transformer, is_scanned, to_looped, to_scanned
 from moe_train.parallel import sharding
-from moe_train.train import checkpoint
+from moe_train.train import checkpoint, manifest
 
 PRESET, WEIGHTS = "preset.toml", "weights"
 
@@ -70,8 +78,10 @@ def config_of(source: Source) -> Config:
     if source.kind == "converted":
         cfg = config.load_preset(str(source.path / PRESET))
     else:
-        meta = json.loads((source.path / "meta" / "metadata").read_text())
-        cfg = config.from_dict(meta["config"])
+        meta_file = source.path / "meta" / "metadata"
+        meta = checkpoint.refuse_damage(lambda: json.loads(meta_file.read_text())["config"],
+                                        meta_file)
+        cfg = config.from_dict(meta)
     config.validate(cfg)
     return cfg
 
@@ -89,11 +99,37 @@ def _abstract(cfg: Config, mesh: Mesh):
     return params, moe_state
 
 
-def restore(source: Source, cfg: Config, mesh: Mesh) -> tuple[Any, Any]:
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def read_manifest(source: Source, trust_unverified: bool, log=to_stderr) -> dict | None:
+    """A step's manifest (ConfigError naming the file when it has none, unless trusted: then
+    None and a warning); None for converted weights."""
+    if source.kind != "step":
+        return None
+    saved = checkpoint.refuse_damage(
+        lambda: checkpoint.read_manifest(source.path, trust_unverified), source.path)
+    if saved is None:
+        log(f"WARNING: {source.path / checkpoint.MANIFEST_FILE} is missing: reading the "
+            f"checkpoint unverified (--trust-unverified)")
+    return saved
+
+
+def restore(source: Source, cfg: Config, mesh: Mesh, trust_unverified: bool = False,
+            log=to_stderr) -> tuple[Any, Any]:
     """(params, moe_state) of ``source`` as ``cfg`` wants them on ``mesh``: read straight into
-    their shardings (each process reads its shards), cast to ``cfg``'s dtypes, the layer
-    layout converted on the devices where it differs. ConfigError naming the first tensor
-    whose shape differs (another model) or that is missing."""
+    their shardings (each process reads its shards), verified against the step's manifest,
+    cast to ``cfg``'s dtypes, the layer layout converted on the devices where it differs.
+    ConfigError naming the file for an unverified, damaged or mismatching step, or the first
+    tensor whose shape differs (another model) or that is missing."""
+    saved_manifest = read_manifest(source, trust_unverified, log)
+    with checkpoint.quiet_reads(log, str(source.path)):
+        return checkpoint.refuse_damage(
+            lambda: _restore(source, cfg, mesh, saved_manifest), source.path)
+
+
+def _restore(source: Source, cfg: Config, mesh: Mesh, saved_manifest: dict | None):
     params, moe_state = _abstract(cfg, mesh)
     target = {"params": params, "moe_state": moe_state}
     m = types.SimpleNamespace(num_layers=cfg.model.num_layers,
@@ -108,7 +144,11 @@ def restore(source: Source, cfg: Config, mesh: Mesh) -> tuple[Any, Any]:
         restored = _merge([_restore_item(source, source.path / WEIGHTS / name, item)
                            for name, item in parts(saved).items()])
     else:
-        restored = _restore_item(source, source.path / "state", saved)
+        restored = _restore_item(source, source.path / "state", saved, as_stored=True)
+        if saved_manifest is not None:
+            manifest.verify(saved_manifest, restored, str(source.path), partial=True)
+        restored = jax.tree.map(lambda x, want: x if x.dtype == want.dtype
+                                else x.astype(want.dtype), restored, saved)
     if saved_scanned != want_scanned:
         convert = to_scanned if want_scanned else to_looped
         shardings = jax.tree.map(lambda x: x.sharding, target)
@@ -141,12 +181,17 @@ def _merge(trees: list[dict]) -> dict:
     return out
 
 
-def _restore_item(source: Source, path: Path, saved: dict) -> dict:
-    """``saved``'s leaves from the orbax checkpoint at ``path`` into their shardings."""
+def _restore_item(source: Source, path: Path, saved: dict, as_stored: bool = False) -> dict:
+    """``saved``'s leaves from the orbax checkpoint at ``path`` into their shardings, in
+    ``saved``'s dtypes (``as_stored``: in the checkpoint's own, to verify them first)."""
     saved = {k: v for k, v in saved.items() if v}  # orbax keeps no empty collection
-    _check_shapes(path, saved, source)
-    args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype,
-                                                       global_shape=x.shape), saved)
+    have = _check_shapes(path, saved, source)
+
+    def restore_args(key, x):
+        dtype = have[jax.tree_util.keystr(key)].dtype if as_stored else x.dtype
+        return ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=dtype, global_shape=x.shape)
+
+    args = jax.tree_util.tree_map_with_path(restore_args, saved)
     with quiet_orbax():
         restored = ocp.PyTreeCheckpointer().restore(
             path.absolute(), args=ocp.args.PyTreeRestore(item=saved, restore_args=args,
@@ -172,9 +217,10 @@ def quiet_orbax():
         log.removeFilter(quiet)
 
 
-def _check_shapes(path: Path, saved: dict, source: Source) -> None:
+def _check_shapes(path: Path, saved: dict, source: Source) -> dict:
     """Every tensor ``saved`` names is in the checkpoint at ``path`` with that shape (orbax
-    would pad or cut a different one to the requested shape)."""
+    would pad or cut a different one to the requested shape); returns the checkpoint's
+    metadata by key path (``shape``, ``dtype``)."""
     with quiet_orbax():
         meta = ocp.PyTreeCheckpointer().metadata(path.absolute())
     tree = getattr(meta, "item_metadata", None) or getattr(meta, "tree", None) or meta
@@ -188,6 +234,7 @@ def _check_shapes(path: Path, saved: dict, source: Source) -> None:
         if tuple(got.shape) != tuple(want.shape):
             raise ConfigError(f"{source.path}: tensor {name} has shape {tuple(got.shape)}, "
                               f"this model needs {tuple(want.shape)}")
+    return have
 
 
 def _plain(tree):
@@ -199,8 +246,9 @@ def _plain(tree):
 
 def start_from(path: str, state, cfg: Config, mesh: Mesh, log=print):
     """``state`` (a freshly initialised train state) with the parameters and expert bias of
-    the weights at ``path`` (``train.init_from``): step 0 and a fresh optimizer state."""
+    the weights at ``path`` (``train.init_from``; a step must verify): step 0 and a fresh
+    optimizer state."""
     source = locate(path)
-    params, moe_state = restore(source, cfg, mesh)
+    params, moe_state = restore(source, cfg, mesh, log=log)
     log(f"initialised from {source.path} ({source.kind} weights): fresh optimizer, step 0")
     return state.replace(params=params, moe_state=moe_state)

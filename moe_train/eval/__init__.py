@@ -177,16 +177,18 @@ def eval_config(saved: Config, data_dir: str, *, devices: int, batch_size: int,
 
 
 def evaluate_weights(path: str, data_dir: str, *, devices: int = 0, batch_size: int = 0,
-                     tokens: int = 0) -> dict:
-    """{"eval_loss", "eval_ppl", "eval_tokens", "data"} of the weights at ``path``."""
+                     tokens: int = 0, trust_unverified: bool = False) -> dict:
+    """{"eval_loss", "eval_ppl", "eval_tokens", "data"} of the weights at ``path`` (a step
+    without a manifest is refused unless ``trust_unverified``)."""
     from moe_train.convert import weights
+    from moe_train.convert.score import pick_devices
     from moe_train.data.heldout import eval_batches
 
     source = weights.locate(path)
-    devs = jax.devices()[:devices or None]
+    devs = pick_devices(devices)
     cfg = eval_config(weights.config_of(source), data_dir, devices=len(devs),
                       batch_size=batch_size, tokens=tokens)
     batches, description = eval_batches(cfg)  # a DataError (ConfigError) before any restore
     mesh = sharding.make_mesh(devs)
-    params, moe_state = weights.restore(source, cfg, mesh)
+    params, moe_state = weights.restore(source, cfg, mesh, trust_unverified)
     return {**evaluate(cfg, mesh, params, moe_state, batches), "data": description}

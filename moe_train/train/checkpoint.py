@@ -8,10 +8,18 @@ start; ``latest_step`` only ever names finished checkpoints.
 
 Every checkpoint carries a third item, ``manifest`` (``moe_train.train.manifest``): each array's
 shape, dtype, checksums and finiteness, computed on the devices at save. A state with a NaN
-or inf is never saved (``NonFiniteState``). ``restore`` verifies the arrays it read against
-the manifest; ``choose`` walks the checkpoints newest first and resumes from the newest one
-that reads and verifies, moving the ones that do not to ``<out>/checkpoints-rejected/``
-(never deleted). Checkpoints written before manifests existed restore unverified.
+or inf is never saved (``NonFiniteState``).
+
+``read_manifest`` is where every reader of a checkpoint's arrays starts (resume here;
+``train.init_from``, ``score``, ``eval`` and ``to-hf`` through ``moe_train.convert.weights``
+and ``to_hf``): a checkpoint without a manifest is ``Unverified`` (saved before manifests
+existed, or damaged) and refused unless the reader was told to trust it; the arrays read are
+checked against the manifest (``manifest.verify``) before any value is used. ``restore``
+verifies the whole state; ``resume.choose`` resumes from the newest checkpoint that reads and
+verifies, moving newer ones (unverified ones too) to ``<out>/checkpoints-rejected/`` (never
+deleted); readers that cannot fall back stop with ``refuse_damage``'s ConfigError naming the
+file. ``quiet_reads`` keeps what the storage libraries print while a damaged checkpoint is
+read ("Exception ignored in ...") off the console, counted in one line.
 
 A checkpoint keeps the layer layout it was written with (``model.scan_layers``: stacked
 ``dense_layers``/``moe_layers`` groups, or looped ``layer_{i}`` blocks; checkpoints from before
@@ -22,9 +30,13 @@ the run continues as if it had never switched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import gc
+import json
 import shutil
+import sys
 import types
 from pathlib import Path
 from typing import Any, Callable
@@ -103,6 +115,50 @@ class NonFiniteState(Exception):
     """The state to save holds NaN/inf (the step's guard should have stopped first)."""
 
 
+class Unverified(CorruptCheckpoint):
+    """A checkpoint without a manifest: its arrays cannot be verified."""
+
+
+MANIFEST_FILE = Path("manifest") / "metadata"  # the manifest item, as Orbax's JsonSave writes it
+
+
+def read_manifest(step_dir: Path, trust_unverified: bool = False) -> dict[str, Any] | None:
+    """The manifest of the checkpoint at ``step_dir`` (``RUN/checkpoints/<step>``). Without one
+    the checkpoint is unverified: Unverified naming the file, or None when trusted. A
+    manifest that cannot be read is CorruptCheckpoint."""
+    path = Path(step_dir) / MANIFEST_FILE
+    if not path.is_file():
+        if trust_unverified:
+            return None
+        raise Unverified(f"{path} is missing: the checkpoint's arrays cannot be verified "
+                         f"(saved before manifests existed, or damaged)")
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpoint(f"{path}: cannot read the manifest ({err})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("arrays"), dict):
+        raise CorruptCheckpoint(f"{path}: not a checkpoint manifest")
+    return saved
+
+
+@contextlib.contextmanager
+def quiet_reads(log: Callable[[str], None], what: str):
+    """While reading ``what``, the exceptions Python would print as "Exception ignored in ..."
+    (storage libraries abandoning the reads of a damaged file) are counted, not printed, and
+    summarized in one ``log`` line."""
+    ignored: list[str] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda u: ignored.append(type(u.exc_value).__name__)
+    try:
+        yield
+    finally:
+        gc.collect()  # abandoned reads are finalized here, while they are still counted
+        sys.unraisablehook = previous
+        if ignored:
+            log(f"note: reading {what}: {len(ignored)} exception(s) ignored by the storage "
+                f"libraries ({', '.join(sorted(set(ignored)))}), not shown")
+
+
 # What reading a damaged checkpoint raises: Orbax, JSON, a missing file, and TensorStore's
 # read errors (Orbax re-raises those as a bare Exception). Running out of memory is not damage.
 READ_ERRORS = (CorruptCheckpoint, OSError, ValueError, KeyError, TypeError, AttributeError)
@@ -143,25 +199,23 @@ class Checkpointer:
     def read_meta(self, step: int) -> dict[str, Any]:
         return self._read(step, "meta", ocp.args.JsonRestore())
 
-    def read_manifest(self, step: int) -> dict[str, Any] | None:
-        """The step's manifest; None for a checkpoint saved before manifests existed."""
-        if not (self.directory / str(step) / "manifest").exists():
-            return None
-        return self._read(step, "manifest", ocp.args.JsonRestore())
+    def read_manifest(self, step: int, trust_unverified: bool = False) -> dict[str, Any] | None:
+        """The step's manifest (``read_manifest``)."""
+        return read_manifest(self.directory / str(step), trust_unverified)
 
-    def restore(self, step: int, template: Any) -> Any:
+    def restore(self, step: int, template: Any, trust_unverified: bool = False) -> Any:
         """Restore the state at ``step`` with the shapes, dtypes and shardings of ``template``,
         converting a checkpoint written in the other layer layout. Raises CorruptCheckpoint
-        when the arrays read do not match the step's manifest."""
+        when the step has no manifest (unless trusted) or the arrays read do not match it."""
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
+        saved_manifest = self.read_manifest(step, trust_unverified)
         saved_cfg = self.read_meta(step)["config"]
-        saved_manifest = self.read_manifest(step)
         scanned = is_scanned(template.params)
         if _saved_scanned(saved_cfg) == scanned:
             restored = self._restore_state(step, abstract, saved_cfg)
             if saved_manifest is not None:
-                manifest.verify(saved_manifest, restored, step)
+                manifest.verify(saved_manifest, restored, f"checkpoint {step}")
             return restored
         m = types.SimpleNamespace(**{k: saved_cfg["model"][k]  # structural: this run's too
                                      for k in ("num_layers", "first_dense_layers")})
@@ -171,7 +225,7 @@ class Checkpointer:
             saved, convert = to_scanned(abstract, m, stack=stack_abstract), to_looped
         restored = self._restore_state(step, saved, saved_cfg)
         if saved_manifest is not None:
-            manifest.verify(saved_manifest, restored, step)
+            manifest.verify(saved_manifest, restored, f"checkpoint {step}")
         shardings = jax.tree.map(lambda x: x.sharding, template)
         return jax.jit(lambda t: convert(t, m), out_shardings=shardings)(restored)
 
@@ -254,14 +308,31 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:200]}"
 
 
-def try_step(ckpt: Checkpointer, step: int, template: Any, cfg: Config) -> tuple[Any, str | None]:
-    """(restored state, None), or (None, why it cannot be used) for a damaged checkpoint. A
-    checkpoint of another model raises ConfigError (that is a mistake, not damage)."""
-    saved_cfg, why = _unless_damaged(lambda: ckpt.read_meta(step)["config"])
-    if why is not None:
-        return None, why
-    check_compatible(saved_cfg, cfg, ckpt.directory)
-    return _unless_damaged(lambda: ckpt.restore(step, template))
+def try_step(ckpt: Checkpointer, step: int, template: Any, cfg: Config,
+             log: Callable[[str], None], trust_unverified: bool = False) -> tuple[Any, str | None]:
+    """(restored state, None), or (None, why it cannot be used) for a damaged or unverified
+    checkpoint. A checkpoint of another model raises ConfigError (a mistake, not damage)."""
+    with quiet_reads(log, f"checkpoint {step}"):
+        saved_cfg, why = _unless_damaged(lambda: ckpt.read_meta(step)["config"])
+        if why is not None:
+            return None, why
+        check_compatible(saved_cfg, cfg, ckpt.directory)
+        return _unless_damaged(lambda: ckpt.restore(step, template, trust_unverified))
+
+
+def refuse_damage(read: Callable[[], Any], where: Path, keep: tuple = (ConfigError,)) -> Any:
+    """``read()`` for a reader that cannot fall back: a damaged or unverified checkpoint
+    (``is_damage``) raises ConfigError, one line naming ``where`` or the file; errors of the
+    types in ``keep`` pass unchanged."""
+    try:
+        return read()
+    except keep:
+        raise
+    except Exception as err:
+        if not is_damage(err):
+            raise
+        why = _reason(err)
+        raise ConfigError(why if isinstance(err, CorruptCheckpoint) else f"{where}: {why}") from None
 
 
 def _unless_damaged(read: Callable[[], Any]) -> tuple[Any, str | None]:

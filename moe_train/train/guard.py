@@ -14,13 +14,20 @@ given, i.e. the previous update's result. Here the host decides, by ``train.on_n
 
 A finite-gradient update that makes the parameters non-finite (an overflowing learning
 rate) cannot be rolled back without a second copy of the state, so it stops the run in both
-modes at the next step, and is never saved (a save right after it is refused).
+modes at the next step, and is never saved (a save right after it is refused). At the first
+step of a start, non-finite parameters were never updated here: the message says the initial
+weights are non-finite (``train.init_from`` weights holding NaN, say), not the learning rate.
+
+Every divergence message ends with ``origin``: the checkpoint this start resumed from and
+the newer ones that failed verification on the way (or the ``train.init_from`` weights).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Callable
+
+from moe_train.train.resume import Resumed
 
 
 class Divergence(Exception):
@@ -34,15 +41,30 @@ def _what(raw: dict[str, Any]) -> str:
     return f"gradient norm is {norm} (loss {loss:.4g})"
 
 
+def origin(resumed: Resumed | None, init_from: str) -> str:
+    """Where this start's weights came from, for the divergence message ("" when fresh)."""
+    if resumed is None:
+        return f"the run started from train.init_from={init_from}" if init_from else ""
+    parts = [f"this start resumed from {resumed.directory}"
+             + (" (unverified: it has no manifest)" if resumed.unverified else "")]
+    parts += [f"checkpoint {r.step} failed verification at this start ({r.reason}) and was "
+              f"moved to {r.moved_to}" for r in resumed.rejected]
+    return "; ".join(parts)
+
+
 class NonFiniteGuard:
     """Counts skipped steps and raises Divergence when the run must stop."""
 
-    def __init__(self, train_cfg, log: Callable[[str], None]):
+    def __init__(self, train_cfg, log: Callable[[str], None], first: int = 0):
         self.mode, self.limit, self.log = train_cfg.on_nonfinite, train_cfg.max_nonfinite_skips, log
+        self.first = first  # the step this start began after: its weights were not updated here
         self.in_a_row, self.total = 0, 0
 
     def check(self, step: int, raw: dict[str, Any]) -> dict[str, Any]:
         """Fields for the step's record; raises Divergence when the run must stop."""
+        if not bool(raw["params_finite"]) and step == self.first + 1:
+            raise Divergence(f"step {step}: the initial weights are non-finite (NaN or inf "
+                             f"before any update of this start); nothing was trained or saved")
         if not bool(raw["params_finite"]):
             raise Divergence(f"step {step}: the parameters are non-finite after the update of "
                              f"step {step - 1}, whose loss and gradients were finite (learning "

@@ -32,17 +32,9 @@ from moe_train.data import make_source
 from moe_train.model import flops, precision
 from moe_train.parallel import jobplan, layout, sharding
 from moe_train.telemetry import summary
-from moe_train.train import (
-    checkpoint,
-    distributed,
-    metrics,
-    resume,
-    runlock,
-    signals,
-    stepper,
-    tracking,
-)
-from moe_train.train.guard import Divergence, NonFiniteGuard
+from moe_train.train import (checkpoint, distributed, metrics, resume, runlock, signals, stepper,
+                             tracking)
+from moe_train.train.guard import Divergence, NonFiniteGuard, origin
 from moe_train.train.signals import EXIT_DIVERGED, EXIT_OK, OutputError
 from moe_train.train.step import StepCounter, init_state
 from moe_train.train.stepper import BucketedStep, Confirmed
@@ -193,17 +185,19 @@ class Start:
         self.evals = evals  # evaluate.InRun with train.eval_every, else None
         self.mesh = plan.mesh
         self.meta = {"config": to_dict(configured)}  # as configured: "auto" stays auto
+        self.origin = ""  # where this start's weights came from (guard.origin)
 
     def resume_and_train(self, resume_step: int | None) -> int:
         log = self.log
         log(precision.describe(self.cfg, self.mesh.devices.flat[0].platform))
         state = init_state(self.cfg, self.mesh)
-        restored = resume.choose(self.ckpt, state, self.configured, resume_step, log)
-        if restored is not None:
-            state = restored
-            log(f"resumed from {self.ckpt.directory / str(int(state.step))} (step {int(state.step)})")
+        resumed = resume.choose(self.ckpt, state, self.configured, resume_step, log)
+        if resumed is not None:
+            state = resumed.state
+            log(f"resumed from {resumed.directory} (step {int(state.step)})")
         elif self.cfg.train.init_from:  # a new run: the given weights, the optimizer fresh
             state = weights.start_from(self.cfg.train.init_from, state, self.cfg, self.mesh, log)
+        self.origin = origin(resumed, self.cfg.train.init_from)
         if signals.STOP.agreed() is not None:
             log(f"stopped by signal {signals.name(signals.STOP.signum or 15)} during start-up, "
                 f"before step {int(state.step) + 1}; nothing was changed, rerun to continue")
@@ -240,10 +234,11 @@ class Start:
         return OutputError(f"{out}; {'no checkpoint is complete' if kept is None else f'checkpoint {kept} is intact'}")
 
     def last_good(self) -> str:
+        """Where the weights came from and where a rerun resumes (the divergence message)."""
         step = self.ckpt.latest_step()
-        if step is None:
-            return "no checkpoint was saved yet: a rerun starts from step 0"
-        return f"the last good checkpoint is step {step}: a rerun resumes there"
+        rerun = ("no checkpoint was saved yet: a rerun starts from step 0" if step is None
+                 else f"the last good checkpoint is step {step}: a rerun resumes there")
+        return "; ".join(x for x in (self.origin, rerun) if x)
 
 
 class Loop:
@@ -255,7 +250,7 @@ class Loop:
         self.counter = StepCounter()
         self.step_fn = BucketedStep(self.cfg, start.mesh, self.counter,
                                     jax.tree.map(lambda x: x.sharding, state))
-        self.guard = NonFiniteGuard(self.cfg.train, start.log)
+        self.guard = NonFiniteGuard(self.cfg.train, start.log, first=self.first)
         self.writer, self.sampler = None, telemetry.NullSampler()
         self.tracker: tracking.Tracker | None = None  # TensorBoard / W&B, process 0
         self.records: list[dict] = []

@@ -16,8 +16,11 @@ checkpoint written on 8 devices verifies when it is restored onto 2. A random ch
 any byte changes ``sum`` with probability 1 - 2**-32.
 
 The manifest is saved as one more item of the same Orbax checkpoint, so it is committed
-atomically with the state. ``verify`` compares a restored state with it and names the
-arrays that differ.
+atomically with the state. ``verify`` compares a restored tree with it and names the
+arrays that differ: the whole state (resume) or the part a reader read (``partial``: the
+weights' params and expert bias); ``verify_leaf`` checks one host array (``to-hf`` reads
+leaf by leaf), in blocks of ``BLOCK`` elements so that a large memory-mapped leaf is never
+copied whole. Both compute the same sums (``_leaf_sums``, with the block's offset).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 from moe_train.config.checks import first_few
 
 VERSION = 1
+BLOCK = 1 << 24  # elements per block when checking one host array (64 MiB as uint32)
 
 
 class CorruptCheckpoint(Exception):
@@ -48,10 +52,11 @@ def _bits_u32(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
-def _leaf_sums(x: jax.Array) -> jax.Array:
-    """[sum, weighted, finite] of one array as uint32[3]."""
+def _leaf_sums(x: jax.Array, offset: Any = 0) -> jax.Array:
+    """[sum, weighted, finite] of one array as uint32[3]; ``offset``: the row-major index of
+    its first element when ``x`` is one block of a larger array."""
     bits = _bits_u32(x).reshape(-1)
-    weight = jnp.arange(1, bits.size + 1, dtype=jnp.uint32)
+    weight = jnp.arange(1, bits.size + 1, dtype=jnp.uint32) + jnp.uint32(offset)
     finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
     return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32),
                       finite.astype(jnp.uint32)])
@@ -60,6 +65,9 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
 @jax.jit
 def _all_sums(leaves: list[jax.Array]) -> list[jax.Array]:
     return [_leaf_sums(x) for x in leaves]
+
+
+_block_sums = jax.jit(_leaf_sums)
 
 
 def _key(k: Any) -> str:
@@ -93,6 +101,19 @@ def non_finite(manifest: dict[str, Any]) -> list[str]:
     return [name for name, a in manifest["arrays"].items() if not a["finite"]]
 
 
+def leaf_entry(x: np.ndarray, block: int = BLOCK) -> dict[str, Any]:
+    """The manifest entry of one host array (a memory map too), summed in blocks of ``block``
+    elements in row-major order: exactly ``fingerprint``'s sums (both are modulo 2**32)."""
+    flat = np.asarray(x).reshape(-1)
+    total, weighted, finite = 0, 0, True
+    for start in range(0, flat.size, block):
+        s = np.asarray(_block_sums(flat[start:start + block], np.uint32(start % 2**32)))
+        total, weighted = (total + int(s[0])) % 2**32, (weighted + int(s[1])) % 2**32
+        finite = finite and bool(s[2])
+    return {"shape": list(x.shape), "dtype": str(x.dtype), "sum": total, "weighted": weighted,
+            "finite": finite}
+
+
 def differences(saved: dict[str, Any], restored: dict[str, Any]) -> list[str]:
     """What differs between a saved manifest and a restored state's, one phrase per array."""
     want, got = saved["arrays"], restored["arrays"]
@@ -109,13 +130,29 @@ def differences(saved: dict[str, Any], restored: dict[str, Any]) -> list[str]:
     return sorted(out)
 
 
-def verify(saved: dict[str, Any], tree: Any, step: int) -> None:
-    """Raise CorruptCheckpoint when ``tree`` (as restored) does not match ``saved``."""
+def _compare(saved: dict[str, Any], got: dict[str, Any], where: str, partial: bool) -> None:
+    """Raise CorruptCheckpoint naming ``where`` when ``got`` does not match ``saved`` (with
+    ``partial``, only the arrays ``got`` holds are compared)."""
     if saved.get("version") != VERSION:
-        raise CorruptCheckpoint(f"checkpoint {step}: manifest version {saved.get('version')!r} "
+        raise CorruptCheckpoint(f"{where}: manifest version {saved.get('version')!r} "
                                 f"is not {VERSION}")
-    diffs = differences(saved, fingerprint(tree))
+    if partial:
+        saved = {**saved, "arrays": {k: v for k, v in saved["arrays"].items()
+                                     if k in got["arrays"]}}
+    diffs = differences(saved, got)
     if diffs:
         shown = first_few(diffs, 3, "; ", " (+{} more)")
-        raise CorruptCheckpoint(f"checkpoint {step}: {len(diffs)} of {len(saved['arrays'])} "
-                                f"arrays do not match the manifest: {shown}")
+        count = f"{len(diffs)} of {len(got['arrays'])} arrays read do" if len(got["arrays"]) > 1 \
+            else "the array read does"
+        raise CorruptCheckpoint(f"{where}: {count} not match the manifest: {shown}")
+
+
+def verify(saved: dict[str, Any], tree: Any, where: str, partial: bool = False) -> None:
+    """Raise CorruptCheckpoint when ``tree`` (as restored) does not match ``saved``; with
+    ``partial`` ``tree`` holds some of the saved arrays (each must match), else all."""
+    _compare(saved, fingerprint(tree), where, partial)
+
+
+def verify_leaf(saved: dict[str, Any], name: str, x: np.ndarray, where: str) -> None:
+    """Raise CorruptCheckpoint when the host array ``x`` read as ``name`` does not match."""
+    _compare(saved, {"version": VERSION, "arrays": {name: leaf_entry(x)}}, where, partial=True)
