@@ -362,6 +362,47 @@ def test_a_shard_that_is_not_a_file_is_named(tmp_path):
         from_hf(hf, tmp_path / "kit", log=lambda s: None)
 
 
+# ---------------------------------------------------------------- non-finite weights
+
+def test_a_nan_expert_weight_is_named_with_its_file(tmp_path):
+    t = mixtral_tensors()
+    t["model.layers.1.block_sparse_moe.experts.3.w2.weight"][2, 5] = np.nan
+    convert_error(tmp_path, MIXTRAL, t, r"model-00001-of-00001\.safetensors: tensor "
+                  r"model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight has 1 of 128 "
+                  r"values non-finite \(NaN or inf\)")
+
+
+def test_an_infinite_bf16_head_weight_is_named(tmp_path):
+    t = mixtral_tensors(dtype=ml_dtypes.bfloat16)
+    t["lm_head.weight"][0, :3] = np.inf
+    convert_error(tmp_path, MIXTRAL, t, r"tensor lm_head\.weight has 3 of 800 values non-finite")
+
+
+def test_an_infinite_fp8_block_scale_names_the_weight_it_scales(tmp_path):
+    t = deepseek_tensors()
+    t["model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"][0, 0] = np.inf
+    convert_error(tmp_path, DEEPSEEK, t,
+                  r"tensor model\.layers\.1\.mlp\.experts\.0\.down_proj\.weight has .* non-finite")
+
+
+def test_a_float64_weight_beyond_float32_is_refused_as_out_of_range(tmp_path):
+    t = {k: v.astype(np.float64) for k, v in mixtral_tensors().items()}
+    t["model.norm.weight"][0] = 1e300
+    convert_error(tmp_path, MIXTRAL, t,
+                  r"tensor model\.norm\.weight has 1 of 16 values beyond the range of float32")
+
+
+def test_cli_refuses_a_nan_weight_with_one_line_exit_2(tmp_path):
+    t = mixtral_tensors()
+    t["model.layers.0.self_attn.q_proj.weight"][0, 0] = np.nan
+    hf = write_hf(tmp_path / "hf", MIXTRAL, t)
+    proc = subprocess.run([sys.executable, "-m", "moe_train.convert", "from-hf", str(hf),
+                           str(tmp_path / "kit")], capture_output=True, text=True, cwd=ROOT)
+    assert (proc.returncode, len(proc.stderr.strip().splitlines())) == (2, 1), proc.stderr
+    assert proc.stderr.startswith(f"error: {hf}/model-00001-of-00001.safetensors: tensor "
+                                  "model.layers.0.self_attn.q_proj.weight has 1 of")
+
+
 @pytest.mark.parametrize("name,writing", [
     ("kit", True), ("kit/weights/model/x", True), (".kit.partial-123/config.json", True),
     ("hf/model.safetensors", False), ("kit2/x", False)])

@@ -99,6 +99,84 @@ def test_report_of_an_almost_empty_directory(tmp_path):
     assert report_main([str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.parametrize("content", [{}, {"notes.txt": "mine"}])
+def test_report_of_a_directory_that_is_no_run_exits_2_with_one_line(tmp_path, capsys, content):
+    for name, text in content.items():
+        (tmp_path / name).write_text(text)
+    assert report_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path} is not a run directory: it holds none of config.json, "
+                   "metrics.jsonl, telemetry, summary.json, layout.json, kernels.json, "
+                   "checkpoints; give a training run's --out"]
+
+
+def test_report_of_a_directory_that_is_no_run_writes_nothing(tmp_path):
+    report_main([str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
+
+
+def _odd_metrics_line(smoke, tmp_path, edit) -> tuple:
+    """A copy of the smoke run whose fourth metrics line is ``edit(record)``; (report, page)."""
+    run_dir = tmp_path / "odd"
+    shutil.copytree(smoke, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines[3] = edit(json.loads(lines[3]))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    rep = report.build(run_dir)
+    return rep, rep.html_path.read_text()
+
+
+@pytest.mark.parametrize("edit", [
+    lambda r: json.dumps({**r, "tokens_per_expert": "many"}),
+    lambda r: json.dumps({**r, "tokens_per_expert": [[1, 2], [3]]}),
+    lambda r: json.dumps({**r, "tokens_per_expert": [[1, "2"], [3, 4]]}),
+    lambda r: json.dumps({**r, "tokens_per_s": "fast"}),
+    lambda r: json.dumps({**r, "step_time_s": 10 ** 30}),
+    lambda r: json.dumps({**r, "compiled": "yes"}),
+    lambda r: json.dumps({**r, "step": 4.0}),
+    lambda r: json.dumps(r)[:-20],
+], ids=["string-loads", "ragged-loads", "string-load", "string-rate", "huge-int", "string-flag",
+        "float-step", "truncated"])
+def test_an_odd_metrics_line_is_counted_and_skipped(smoke, tmp_path, edit):
+    rep, page = _odd_metrics_line(smoke, tmp_path, edit)
+    assert rep.skipped_lines == 1 and "<b id=skipped-lines>1</b>" in page
+
+
+def test_the_records_around_an_odd_line_are_still_drawn(smoke, tmp_path):
+    rep, _ = _odd_metrics_line(smoke, tmp_path,
+                               lambda r: json.dumps({**r, "tokens_per_expert": "many"}))
+    assert {f.name for f in rep.figures} == FIGURES
+
+
+@pytest.mark.parametrize("line", [
+    {"kind": "sample", "time": 5.0, "steps": 7},
+    {"kind": "start", "time": 5.0, "rank": 0, "process_count": 2 ** 21},  # ranks listed below it
+    {"kind": "sample", "time": "later"},
+], ids=["steps-not-a-list", "process-count-beyond-2**20", "string-time"])
+def test_an_odd_telemetry_line_is_counted_and_skipped(smoke, tmp_path, line):
+    run_dir = tmp_path / "odd"
+    shutil.copytree(smoke, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    with (run_dir / "telemetry" / "rank0.jsonl").open("a") as f:
+        f.write(json.dumps(line) + "\n")
+    assert report.build(run_dir).skipped_lines == 1
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda c: {**c, "train": None}, "config.json: [train] is None, not a table"),
+    (lambda c: {**c, "train": {**c["train"], "batch_size": "8"}},
+     "config.json: train.batch_size is &#x27;8&#x27;, not int"),
+    (lambda c: {**c, "parallel": {**c["parallel"], "cluster": ["h100-dgx"]}},
+     "config.json: parallel.cluster is [&#x27;h100-dgx&#x27;], not str"),
+], ids=["section-not-a-table", "string-batch-size", "list-cluster"])
+def test_an_odd_config_is_named_on_the_page_and_not_used(smoke, tmp_path, edit, problem):
+    run_dir = tmp_path / "odd"
+    shutil.copytree(smoke, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps(edit(config)))
+    page = report.build(run_dir).html_path.read_text()
+    assert problem in page and "config.json is missing or unreadable" in page
+
+
 @pytest.mark.skipif(browser.find_browser() is None,
                     reason="no chromium on PATH (Debian: apt-get install chromium)")
 def test_report_renders_in_headless_chromium(smoke):

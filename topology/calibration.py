@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from topology.presets import Cluster, TopologyError, read_toml
+from topology.presets import Cluster, TopologyError, check_number, read_toml
 
 LINKS = ("nvlink", "network")
 
@@ -100,10 +100,15 @@ def read(path: str | os.PathLike[str]) -> dict:
         raise TopologyError(f"{p}: no [calibration] table (write one with `python -m topology probe`)")
     if table.get("link") not in LINKS:
         raise TopologyError(f"{p}: calibration.link must be one of {', '.join(LINKS)}")
-    for key in ("latency_us", "gbps_per_gpu"):
-        value = table.get(key)
-        if not isinstance(value, (int, float)) or value < 0 or (key == "gbps_per_gpu" and value == 0):
-            raise TopologyError(f"{p}: calibration.{key} must be a positive number, got {value!r}")
+    check_number(table.get("latency_us"), "calibration.latency_us", str(p), lo_open=False)
+    check_number(table.get("gbps_per_gpu"), "calibration.gbps_per_gpu", str(p))
+    samples = table.get("samples", [])
+    if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
+        raise TopologyError(f"{p}: calibration.samples must be an array of tables")
+    for i, s in enumerate(samples):
+        check_number(s.get("bytes_per_device"), f"calibration.samples[{i}].bytes_per_device",
+                     str(p))
+        check_number(s.get("seconds"), f"calibration.samples[{i}].seconds", str(p), lo_open=False)
     return table
 
 

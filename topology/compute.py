@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from topology.presets import TopologyError, read_toml
+from topology.presets import TopologyError, check_number, read_toml
 
 DEFAULTS = Path(__file__).with_name("compute.toml")
 ANCHORS = Path(__file__).with_name("anchors.toml")
@@ -74,8 +74,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Compute:
         if value is None:
             raise TopologyError(f"{p}: missing key compute.{key}; required keys: "
                                 f"{', '.join(FIELDS)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise TopologyError(f"{p}: compute.{key} must be a number in (0, 1], got {value!r}")
+        check_number(value, f"compute.{key}", str(p), hi=1.0)
     if not isinstance(source, dict) or not all(isinstance(v, str) for v in source.values()):
         raise TopologyError(f"{p}: [compute.source] must map each field to a string")
     return Compute(**{k: float(values[k]) for k in FIELDS}, source=dict(source), path=str(p))
@@ -84,4 +83,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Compute:
 def anchors(model: str, preset: str) -> list[Anchor]:
     """The published figures for ``model`` on ``preset`` (possibly none)."""
     rows = read_toml(ANCHORS, TopologyError).get("anchor", [])
+    for i, r in enumerate(rows):
+        for key in ("gpus", "tokens_per_s_per_gpu", "tflops_per_gpu"):
+            check_number(r.get(key), f"anchor[{i}].{key}", str(ANCHORS))
     return [Anchor(**r) for r in rows if r["model"] == model and r["preset"] == preset]

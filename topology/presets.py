@@ -16,6 +16,7 @@ sources; a ``topology probe`` measurement on the real cluster should override th
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 import types
@@ -173,6 +174,27 @@ def _check_type(key: str, value: Any, want: type, where: str) -> Any:
     return value
 
 
+def check_number(value: Any, name: str, where: str, lo: float = 0.0, hi: float = math.inf,
+                 lo_open: bool = True) -> Any:
+    """``value`` when it is a finite number (not a bool) above ``lo`` (or equal to it unless
+    ``lo_open``) and at most ``hi``; else a TopologyError "<where>: <name> must be ...". Every
+    number a topology file holds passes here: a NaN or inf compares false either way and would
+    slip past a plain bound."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TopologyError(f"{where}: {name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise TopologyError(f"{where}: {name} must be finite, got {value!r}")
+    if (value <= lo if lo_open else value < lo) or value > hi:
+        if hi < math.inf:
+            wanted = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        elif lo == 0 and lo_open:
+            wanted = "a positive number"
+        else:
+            wanted = f"a number {'>' if lo_open else '>='} {lo:g}"
+        raise TopologyError(f"{where}: {name} must be {wanted}, got {value!r}")
+    return value
+
+
 def _str_table(data: Any, key: str, where: str) -> dict[str, str]:
     """A TOML table whose values are all strings."""
     if not isinstance(data, dict):
@@ -229,14 +251,11 @@ def _check_values(vals: dict, env: dict, env_source: dict, container: dict,
     """Cross-field rules: ranges, architectures, env provenance, Slurm consistency."""
     for key in ("gpus_per_node", "domain_size", "nvlink_gbps_per_gpu", "nic_gbps_per_gpu",
                 "peak_bf16_tflops", "peak_fp8_tflops", "gpu_memory_gib", "hbm_tbps"):
-        if vals[key] <= 0:
-            raise TopologyError(f"{where}: key {key!r} must be > 0, got {vals[key]}")
+        check_number(vals[key], f"key {key!r}", where)
     for key in ("latency_nvlink_us", "latency_network_us"):
-        if vals[key] < 0:
-            raise TopologyError(f"{where}: key {key!r} must be >= 0, got {vals[key]}")
+        check_number(vals[key], f"key {key!r}", where, lo_open=False)
     for key in ("eta_nvlink", "eta_network"):
-        if not 0 < vals[key] <= 1:
-            raise TopologyError(f"{where}: key {key!r} must be in (0, 1], got {vals[key]}")
+        check_number(vals[key], f"key {key!r}", where, hi=1.0)
     if vals["cpu_arch"] not in CPU_ARCHS:
         raise TopologyError(f"{where}: cpu_arch {vals['cpu_arch']!r} is not one of "
                             f"{', '.join(CPU_ARCHS)}")
@@ -253,6 +272,7 @@ def _check_values(vals: dict, env: dict, env_source: dict, container: dict,
     if vals["cpu_arch"] not in container:
         raise TopologyError(f"{where}: [container] has no image for cpu_arch "
                             f"{vals['cpu_arch']!r}")
+    check_number(slurm.ntasks_per_node, "slurm.ntasks_per_node", where)
     if slurm.gpus_per_node != vals["gpus_per_node"]:
         raise TopologyError(f"{where}: slurm.gpus_per_node {slurm.gpus_per_node} differs from "
                             f"gpus_per_node {vals['gpus_per_node']}")

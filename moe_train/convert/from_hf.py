@@ -11,7 +11,9 @@ the expert bias is fp32.
 Several processes (``workers``) may split the layers between them; each holds about one layer.
 
 Streaming: every tensor's presence and shape are checked from the shard headers before
-anything is read. Then, layer by layer, each kit leaf is assembled in a memory-mapped file (a
+anything is read; every value is checked finite as its tensor is read (a NaN or inf, as stored
+or after narrowing, is a ConfigError naming the tensor and its file). Then, layer by layer,
+each kit leaf is assembled in a memory-mapped file (a
 stacked expert leaf one expert at a time) and orbax writes the layer from those files: orbax
 holds what it writes in memory until the save ends, so the process holds about one layer,
 not the model (``tests/test_convert.py`` measures it). Everything is written
@@ -112,15 +114,32 @@ def _dtype_of(ckpt: HFCheckpoint, e: Entry):
     return np.dtype({"F32": np.float32, "F16": np.float32, "F64": np.float32}.get(stored, np.float32))
 
 
+def _read(ckpt: HFCheckpoint, name: str, dtype: np.dtype) -> np.ndarray:
+    """HF tensor ``name`` in ``dtype``; ConfigError naming it and its file when a value is NaN
+    or inf, as stored (or dequantized) or after narrowing to ``dtype``. One pass over the
+    tensor, while it is in memory anyway."""
+    source = ckpt.tensor(name)
+    with np.errstate(over="ignore"):  # an overflow is reported below, as an error
+        x = source.astype(dtype)
+    bad = x.size - int(np.count_nonzero(np.isfinite(x)))
+    if bad:
+        what = ("non-finite (NaN or inf)" if not np.isfinite(source).all()
+                else f"beyond the range of {dtype.name}")
+        raise ConfigError(f"{ckpt.files[name]}: tensor {name} has {bad:,} of {x.size:,} values "
+                          f"{what}; the weights are damaged, refusing to convert them")
+    return x
+
+
 def _assemble(ckpt: HFCheckpoint, e: Entry, path: Path) -> np.ndarray:
-    """Leaf ``e`` in a memory-mapped file at ``path``, one HF tensor in memory at a time."""
+    """Leaf ``e`` in a memory-mapped file at ``path``, one HF tensor in memory at a time,
+    every value checked finite (``_read``)."""
     dtype = _dtype_of(ckpt, e)
     out = np.memmap(path, dtype=dtype, mode="w+", shape=e.shape)  # raw: .npy has no bf16
     if e.kind == "experts":
         for i, name in enumerate(e.hf):
-            out[i] = ckpt.tensor(name).T.astype(dtype)
+            out[i] = _read(ckpt, name, dtype).T
     else:
-        out[...] = e.to_kit([ckpt.tensor(n) for n in e.hf]).astype(dtype)
+        out[...] = e.to_kit([_read(ckpt, n, dtype) for n in e.hf]).astype(dtype, copy=False)
     out.flush()
     return np.memmap(path, dtype=dtype, mode="r", shape=e.shape)
 

@@ -42,8 +42,10 @@ output DIR:
                            (int64 document starts, then the shard's token count)
   manifest.json            written last: tokenizer, EOS, vocabulary, dtype, inputs, rules and
                            per-shard sha256; read it with moe_train.data.prepared.open_split
-  A rerun of the same command keeps complete shards and does the rest; a rerun with other
-  inputs or options exits 2.
+  A rerun of the same command keeps complete shards and does the rest; on a finished DIR it
+  verifies every shard's sha256 and rebuilds the ones that fail; a rerun with other inputs or
+  options exits 2. Readers verify each shard the first time they open it and record the
+  result in DIR/verified.json (by size and mtime), so later opens pay a stat.
 """
 
 

@@ -9,12 +9,18 @@ The run, in order:
 3. Claim ``--out DIR``: write ``DIR/prepare.json`` (everything that decides the output bytes:
    tokenizer hash, EOS, input hashes, options). A rerun with the same job resumes; any
    difference is refused, so outputs of two jobs never mix.
-4. Tokenize: documents are read in input order, routed to ``train`` or ``val`` by their index
-   (``moe_train.data.split``), encoded by ``--workers`` processes in batches whose results are
-   consumed in submission order, and appended with an EOS to the split's shards
-   (``moe_train.data.shards``). Shards already complete from an earlier run are kept untouched
-   and their documents are not tokenized again.
+4. Tokenize (``moe_train.data.tokenize_pass``): documents are read in input order, routed to
+   ``train`` or ``val`` by their index (``moe_train.data.split``), encoded by ``--workers``
+   processes in batches whose results are consumed in submission order, and appended with an
+   EOS to the split's shards (``moe_train.data.shards``). Shards already complete from an
+   earlier run are kept untouched and their documents are not tokenized again.
 5. Write ``DIR/manifest.json`` last, atomically: its presence means the directory is complete.
+
+A finished directory (its manifest present) is verified instead: every shard's sha256 is
+recomputed against the manifest (``moe_train.data.verify``, which records the result for the
+runs that open it). All match: nothing to do. A shard that fails (changed in place, truncated,
+missing) is rebuilt from its own documents, which the manifest counts, and verified again; the
+other shards are not touched.
 
 The output depends only on the inputs and the options that ``prepare.json`` records, never on
 ``--workers``, timing, or whether the run was interrupted and resumed: the same job gives the
@@ -23,14 +29,12 @@ same bytes.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-
-import numpy as np
 
 from moe_train.data import (
     DataError,
@@ -38,13 +42,14 @@ from moe_train.data import (
     shards,
     split as split_mod,
     tokenizer as tok_mod,
+    verify,
 )
 from moe_train.data.prepared import FORMAT, FORMAT_VERSION
 from moe_train.data.progress import Progress
+from moe_train.data.tokenize_pass import SPLITS, tokenize
 from moe_train.data.workers import Workers
 from moe_train.train.signals import OutputError
 
-SPLITS = ("train", "val")
 # 2**28 tokens: 512 MiB per uint16 shard (1 GiB at uint32). A trillion-token corpus is a few
 # thousand files, while an interrupted run loses under a minute of tokenizing per split at
 # typical multi-worker rates; a shard still fits easily in page cache and on any filesystem.
@@ -52,9 +57,8 @@ DEFAULT_SHARD_TOKENS = 1 << 28
 # Hold out 1% by default: an evaluation set that was never trained on costs little, and
 # choosing it later means preparing again. --val-fraction 0 trains on everything.
 DEFAULT_VAL_FRACTION = 0.01
-BATCH_DOCS = 256  # documents per encode task, or ...
-BATCH_CHARS = 1 << 20  # ... this many characters, whichever comes first
 JOB_FILE, MANIFEST = "prepare.json", "manifest.json"
+REBUILD_LIMIT = 1 << 62  # a rebuilt shard is one shard, whatever it holds (never split)
 
 
 def default_workers() -> int:
@@ -125,13 +129,15 @@ class Summary:
     dtype: str
     seconds: float = 0.0
     tokenized: int = 0  # tokens encoded by this run
-    already: bool = False  # the directory was complete: nothing to do
+    already: bool = False  # the directory was complete and every shard verified: nothing to do
+    repaired: list[str] = dataclasses.field(default_factory=list)  # shard files rebuilt, why
 
     def lines(self) -> list[str]:
         rate = self.tokenized / self.seconds if self.seconds > 0 else 0.0
-        head = (f"{self.out}: already prepared" if self.already else
-                f"prepared {self.out} in {self.seconds:.1f} s ({rate:,.0f} tokens/s)")
-        rows = [head]
+        done = "repaired" if self.repaired else "prepared"
+        head = (f"{self.out}: already prepared, every shard verified" if self.already else
+                f"{done} {self.out} in {self.seconds:.1f} s ({rate:,.0f} tokens/s)")
+        rows = [head] + [f"  rebuilt {r}" for r in self.repaired]
         for name, c in self.splits.items():
             kept = f", {c.kept_shards} kept from an earlier run" if c.kept_shards else ""
             rows.append(f"  {name}: {c.documents:,} documents, {c.tokens:,} tokens "
@@ -192,24 +198,20 @@ def claim(out: Path, job: dict) -> None:
         raise OutputError(f"--out {out}: cannot write ({err.strerror or err})") from None
 
 
-def _complete(out: Path) -> dict | None:
-    """The manifest of a finished directory whose shards are all intact, else None (and a stale
-    manifest is removed, so that nothing claims completeness while shards are rewritten).
-    Called after :func:`claim`, so a manifest found here was written by this same job."""
+def _verified(out: Path) -> tuple[dict, list[verify.Bad]] | None:
+    """(the manifest of a finished directory, its shard files that fail verification: every
+    sha256 recomputed), or None when there is no manifest. One that cannot be read is removed,
+    so that nothing claims completeness while shards are rewritten. Called after
+    :func:`claim`, so a manifest found here was written by this same job."""
     path = out / MANIFEST
     if not path.is_file():
         return None
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-        dtype = np.dtype(manifest["dtype"])
-        intact = all(shards.is_complete(out / name, s["name"], dtype)
-                     for name in SPLITS for s in manifest["splits"][name]["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        intact = False
-    if intact:
-        return manifest
-    path.unlink()
-    return None
+        return manifest, verify.check(out, manifest, SPLITS, trust_cache=False)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        path.unlink()
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,67 +231,6 @@ def _check_all(workers: Workers, files, opts: Options, stream) -> list[inputs_mo
     finally:
         progress.close()
     return checked
-
-
-class _Tokenize:
-    """Pass 2: routes documents to splits, batches them to the workers, writes results in order."""
-
-    def __init__(self, workers: Workers, rule: split_mod.ValRule, writers: dict,
-                 skip: dict[str, int], progress: Progress):
-        self.workers, self.rule, self.writers, self.skip = workers, rule, writers, skip
-        self.progress = progress
-        self.index = 0  # documents seen, over all inputs
-        self.seen = dict.fromkeys(SPLITS, 0)  # documents seen per split
-        self.docs = self.tokens = 0  # documents and tokens written by this run
-        self.done_bytes = 0
-        self._texts: list[str] = []
-        self._routes: list[str] = []
-        self._chars = 0
-        self._pending: collections.deque = collections.deque()
-
-    def feed(self, doc: str) -> None:
-        """Document ``self.index``: skipped if it is in a kept shard, else queued."""
-        name = "val" if self.rule.is_val(self.index) else "train"
-        self.index += 1
-        self.seen[name] += 1
-        if self.seen[name] <= self.skip[name]:
-            return
-        self._texts.append(doc)
-        self._routes.append(name)
-        self._chars += len(doc)
-        if len(self._texts) >= BATCH_DOCS or self._chars >= BATCH_CHARS:
-            self.submit()
-            self.drain(2 * self.workers.n)
-
-    def submit(self) -> None:
-        if self._texts:
-            self._pending.append((self.workers.encode(self._texts), self._routes))
-            self._texts, self._routes, self._chars = [], [], 0
-
-    def drain(self, keep: int = 0) -> None:
-        """Write finished batches, oldest first, until at most ``keep`` are in flight."""
-        while len(self._pending) > keep:
-            future, routes = self._pending.popleft()
-            flat, lengths = future.result()
-            ends = np.cumsum(lengths)
-            for route, end, n in zip(routes, ends, lengths):
-                self.writers[route].add(flat[end - n:end])
-            self.docs += len(routes)
-            self.tokens += int(ends[-1])
-
-    def read(self, f: inputs_mod.Input, expected: int, opts: Options) -> None:
-        """All documents of input ``f`` (which the check counted as ``expected``)."""
-        reader = inputs_mod.Reader(f, split_on=opts.split_on, text_field=opts.text_field)
-        count = 0
-        for doc in reader.documents():
-            count += 1
-            self.feed(doc)
-            if count % BATCH_DOCS == 0:
-                self.progress.update(self.docs, self.tokens, self.done_bytes + reader.consumed)
-        if count != expected:
-            raise DataError(f"{f.shown}: changed while being prepared ({expected:,} documents "
-                            f"when checked, {count:,} now); run prepare again")
-        self.done_bytes += f.size
 
 
 def manifest(opts: Options, tok: tok_mod.TokenizerInfo, files, checked, rule,
@@ -353,34 +294,41 @@ def _run(opts: Options, tok: tok_mod.TokenizerInfo, files, workers: Workers, str
     checked = _check_all(workers, files, opts, stream)
     rule = opts.val_rule().with_count(sum(c.documents for c in checked))
     claim(opts.out, job_record(opts, tok, files, checked, rule))
-    done = _complete(opts.out)
-    if done is not None:
-        return _summary(opts.out, done, already=True)
+    found = _verified(opts.out)
+    if found is not None:
+        if not found[1]:
+            return _summary(opts.out, found[0], already=True)
+        return _repair(opts, tok, (files, checked, rule), workers, *found, stream)
     kept = {name: shards.finished(opts.out / name, tok.dtype) for name in SPLITS}
     writers = {name: shards.ShardWriter(opts.out / name, tok.dtype, opts.shard_tokens,
                                         first=len(kept[name])) for name in SPLITS}
-    for name in SPLITS:
-        (opts.out / name).mkdir(exist_ok=True)
-    progress = Progress("tokenize", sum(f.size for f in files), stream)
-    job = _Tokenize(workers, rule, writers, {n: sum(r.documents for r in kept[n]) for n in SPLITS},
-                    progress)
-    try:
-        for f, c in zip(files, checked):
-            job.read(f, c.documents, opts)
-        job.submit()
-        job.drain()
-        for w in writers.values():
-            w.close_shard()
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
-    finally:
-        progress.close()
+    targets = {name: [(sum(r.documents for r in kept[name]), math.inf, writers[name])]
+               for name in SPLITS}
+    job, seconds = tokenize(opts, (files, checked, rule), workers, targets, stream)
     records = {name: kept[name] + writers[name].records for name in SPLITS}
     man = manifest(opts, tok, files, checked, rule, records)
     shards.atomic_write(opts.out / MANIFEST, _dump(man))
-    summary = _summary(opts.out, man, seconds=progress.elapsed, tokenized=job.tokens)
+    summary = _summary(opts.out, man, seconds=seconds, tokenized=job.tokens)
     for name in SPLITS:
         summary.splits[name].kept_shards = len(kept[name])
+    return summary
+
+
+def _repair(opts: Options, tok: tok_mod.TokenizerInfo, inputs: tuple, workers: Workers,
+            man: dict, bad: list[verify.Bad], stream) -> Summary:
+    """Rebuild the shards of a finished directory that failed verification, each from its own
+    documents (the manifest counts them), and verify them against the manifest again."""
+    targets: dict[str, list] = {name: [] for name in SPLITS}
+    for name, k in sorted({(b.split, b.shard) for b in bad}):
+        entries = man["splits"][name]["files"]
+        first = sum(e["documents"] for e in entries[:k])
+        writer = shards.ShardWriter(opts.out / name, tok.dtype, REBUILD_LIMIT, first=k)
+        targets[name].append((first, first + entries[k]["documents"], writer))
+    job, seconds = tokenize(opts, inputs, workers, targets, stream)
+    still = verify.check(opts.out, man, SPLITS)
+    if still:
+        raise DataError(f"{verify.describe(still)} after rebuilding it (another tokenizer "
+                        f"library version?); prepare into a new --out")
+    summary = _summary(opts.out, man, seconds=seconds, tokenized=job.tokens)
+    summary.repaired = [f"{b.path.relative_to(opts.out)}: {b.why}" for b in bad]
     return summary

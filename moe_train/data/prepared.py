@@ -8,14 +8,15 @@
     split.document(d)          # the ids of document d, ending with EOS
     split.shards               # one read-only np.memmap per shard file
 
-Opening checks the manifest against the files (every shard present, its size and index agree
-with the manifest); ``verify=True`` also recomputes every shard's sha256. Problems are one-line
-:class:`~moe_train.data.DataError` messages.
+Opening checks the manifest against the files: every shard present, its size, index and
+sha256 agree with the manifest. The sha256 is computed the first time a file is opened and
+remembered next to the corpus by size, mtime and inode (``moe_train.data.verify``), so later
+opens pay a ``stat``; ``verify=True`` hashes regardless, ``verify=False`` checks sizes only.
+Problems are one-line :class:`~moe_train.data.DataError` messages naming the file.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from moe_train.data import DataError
 from moe_train.data import shards as shards_mod
+from moe_train.data import verify as verify_mod
 
 FORMAT = "moe_train.prepared"
 FORMAT_VERSION = 1
@@ -111,8 +113,8 @@ def read_manifest(root: str | Path) -> dict:
     return manifest
 
 
-def _open_shard(root: Path, entry: dict, dtype: np.dtype, verify: bool):
-    """(memmap of the shard's tokens, its index) after checking both against ``entry``."""
+def _open_shard(root: Path, entry: dict, dtype: np.dtype):
+    """(memmap of the shard's tokens, its index) after checking their sizes against ``entry``."""
     bin_path, idx_path = root / entry["bin"], root / entry["idx"]
     idx = shards_mod.load_index(idx_path)
     if idx is None:
@@ -122,25 +124,30 @@ def _open_shard(root: Path, entry: dict, dtype: np.dtype, verify: bool):
             or idx.size - 1 != entry["documents"]):
         raise DataError(f"{bin_path}: does not match the manifest ({entry['tokens']:,} tokens, "
                         f"{entry['documents']:,} documents expected); prepare the corpus again")
-    if verify:
-        for path, want in ((bin_path, entry["sha256"]), (idx_path, entry["idx_sha256"])):
-            with open(path, "rb") as f:
-                if hashlib.file_digest(f, "sha256").hexdigest() != want:
-                    raise DataError(f"{path}: sha256 differs from the manifest (corrupted or "
-                                    f"overwritten); prepare the corpus again")
     return np.memmap(bin_path, dtype=dtype, mode="r"), idx
 
 
-def open_split(root: str | Path, name: str = "train", *, verify: bool = False) -> Split:
-    """Split ``name`` of the prepared corpus in ``root`` (memory-mapped, read-only)."""
+def open_split(root: str | Path, name: str = "train", *,
+               verify: bool | str = "cached") -> Split:
+    """Split ``name`` of the prepared corpus in ``root`` (memory-mapped, read-only), every
+    shard checked against the manifest: ``verify="cached"`` (the default) its sha256 unless
+    ``moe_train.data.verify``'s cache holds the file at this size, mtime and inode, ``True`` its
+    sha256 always, ``False`` its size only. A shard that fails is a DataError naming it."""
     root = Path(root)
     manifest = read_manifest(root)
     if name not in manifest["splits"]:
         raise DataError(f"{root}: no split {name!r} (splits: {', '.join(manifest['splits'])})")
+    if verify not in (True, False, "cached"):
+        raise ValueError(f"verify must be True, False or 'cached', not {verify!r}")
+    if verify:
+        bad = verify_mod.check(root, manifest, [name], trust_cache=verify == "cached")
+        if bad:
+            raise DataError(f"{verify_mod.describe(bad)}; rerun the python -m "
+                            f"moe_train.data prepare command of {root} to rebuild it")
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
     parts, starts, offset = [], [], 0
     for entry in manifest["splits"][name]["files"]:
-        tokens, idx = _open_shard(root, entry, dtype, verify)
+        tokens, idx = _open_shard(root, entry, dtype)
         parts.append(tokens)
         starts.append(idx[:-1] + offset)
         offset += int(idx[-1])

@@ -20,6 +20,7 @@ import hashlib
 import io
 import os
 import re
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -62,10 +63,12 @@ def fsync_dir(path: Path, *, tolerant: bool = False) -> None:
             raise
 
 
-def atomic_write(path: Path, data: bytes, *, tolerant: bool = False) -> None:
+def atomic_write(path: Path, data: bytes, *, tolerant: bool = False, unique: bool = False) -> None:
     """Write ``data`` to ``path`` through ``path.tmp``: fsync, rename, fsync the folder
-    (``tolerant``: see ``fsync_dir``)."""
-    tmp = path.with_name(path.name + TMP)
+    (``tolerant``: see ``fsync_dir``). ``unique``: the temporary name also holds the pid and a
+    random part, for a file that several processes may write at once."""
+    part = f".{os.getpid()}-{secrets.token_hex(4)}" if unique else ""
+    tmp = path.with_name(path.name + part + TMP)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -77,7 +80,8 @@ def atomic_write(path: Path, data: bytes, *, tolerant: bool = False) -> None:
     fsync_dir(path.parent, tolerant=tolerant)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, hex."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -116,7 +120,8 @@ def complete_record(split_dir: Path, name: str, dtype: np.dtype) -> ShardRecord 
         return None
     bin_path, idx_path = split_dir / f"{name}.bin", split_dir / f"{name}.idx.npy"
     idx = load_index(idx_path)
-    return ShardRecord(name, int(idx.size - 1), int(idx[-1]), _sha256(bin_path), _sha256(idx_path))
+    return ShardRecord(name, int(idx.size - 1), int(idx[-1]), file_sha256(bin_path),
+                       file_sha256(idx_path))
 
 
 def finished(split_dir: Path, dtype: np.dtype) -> list[ShardRecord]:
