@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from moe_train.config import Config, for_devices, head_dim
-from moe_train.memory import step_gather
+from moe_train.memory import rows, step_gather
 from moe_train.model import flops
 from moe_train.parallel import jobplan
 
@@ -27,13 +27,6 @@ PARAM_BYTES = {"float32": 4, "bfloat16": 2}  # model.param_dtype
 # tensors kept for the backward pass stay bf16), so fp8 saves no memory here.
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 FP8_SITES = {"attention": 12, "dense": 9, "moe": 5}  # quantized tensors per sub-layer (3 per dot)
-# Bytes kept per dispatched row per unit of expert_ffn F, by backend (compute itemsize a):
-# tiled: its hand-written VJP keeps a = x @ [wi_0|wi_1] [R, 2F] in fp32 (moe_train.moe.tiled);
-# sorted: autodiff through gemm.sorted_swiglu keeps a0, a1 and silu(a0) * a1 in fp32 and h in
-# the compute dtype (JAX's unfused residuals are 20 + a); "sorted@gpu": XLA:GPU fuses the
-# fp32 casts into their consumers and keeps a0, a1 and h in the compute dtype (3a; compiled
-# for H100: the recomputed layer's [R, F] buffers are those three, tests/test_compile.py).
-ROW_F_BYTES = {"tiled": lambda a: 8, "sorted": lambda a: 16 + a, "sorted@gpu": lambda a: 3 * a}
 PLATFORMS = ("cpu", "gpu")  # Setup.platform: the compiler the job's step meets
 
 
@@ -80,20 +73,6 @@ class Estimate:
     moe_buffers_by_bucket: Mapping[str, int]  # capacity bucket ("1.0", ..., "worst") -> bytes
     bucket: str  # the bucket whose MoE buffers are in the total (largest finite one)
     params_total: int  # parameters of the whole model
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def tile_rows(cfg: Config, assignments: int, local_experts: int, nominal: bool) -> int:
-    """m of the tiled backend: ``moe.tile_rows`` or the layer's own default for the platform
-    (imported on demand: the tiled backend is the CPU path, where JAX is at hand)."""
-    if cfg.moe.tile_rows:
-        return cfg.moe.tile_rows
-    from moe_train.moe.layer import default_tile_rows
-
-    return default_tile_rows(assignments, local_experts, "cpu" if nominal else "gpu")
 
 
 # ----------------------------------------------------------------------------- state
@@ -228,39 +207,6 @@ def token_bytes(cfg: Config, s: Setup) -> dict[str, int]:
     )
 
 
-# ----------------------------------------------------------------------------- MoE rows
-
-def moe_rows(cfg: Config, s: Setup, factor: float | None) -> tuple[int, int]:
-    """(expert GEMM rows, exchange buffer rows) of one MoE layer on one device."""
-    T, K, E = s.tokens, cfg.moe.top_k, cfg.moe.num_experts
-    L, P = E // s.ep, s.ep
-    if s.dispatcher == "local":
-        rows, exchange = T * K, 0
-    elif s.dispatcher == "allgather":
-        rows, exchange = P * T * K, P * T
-    elif s.dispatcher == "a2a":
-        stage = jobplan.a2a_stage(T, K, L, P, factor)
-        rows = stage.peers * stage.slots
-        exchange = 2 * rows
-    else:  # hierarchical: stage 1 over the slow links, stage 2 inside the domain
-        one, two = jobplan.hierarchical_stages(T, K, L, s.domains, s.domain_size, factor)
-        r1, rows = one.peers * one.slots, two.peers * two.slots
-        exchange = 2 * r1 + 2 * rows
-    if s.backend != "tiled":
-        return rows, exchange
-    # tile-padded static layout (permute.tiled_padding), one extra group on the EP paths
-    return (_cdiv(rows, s.tile_rows) + L) * s.tile_rows, exchange
-
-
-def moe_layer_bytes(cfg: Config, s: Setup, factor: float | None) -> tuple[int, int]:
-    """(residual bytes of one MoE layer's dispatched rows, transient send buffers)."""
-    H, F, a = cfg.model.hidden, cfg.moe.expert_ffn, s.a
-    rows, exchange = moe_rows(cfg, s, factor)
-    per_f = ROW_F_BYTES[f"{s.backend}@gpu" if s.gpu and s.backend == "sorted" else s.backend]
-    kept = rows * (F * per_f(a) + 2 * H * a) + exchange * H * a
-    return kept, exchange * H * a
-
-
 # ----------------------------------------------------------------------------- aggregate
 
 def _layer_kinds(cfg: Config) -> tuple[int, int]:
@@ -289,19 +235,6 @@ def activation_bytes(cfg: Config, s: Setup) -> int:
     per_token = (n_moe * saved["moe"] + n_dense * saved["dense"] + working
                  + (1 + cfg.model.mtp_depth) * t["head"] + cfg.model.mtp_depth * t["mtp_input"])
     return s.tokens * per_token + head_chunk_bytes(cfg, s)
-
-
-def moe_buffer_bytes(cfg: Config, s: Setup, factor: float | None) -> int:
-    """Dispatched-row residuals: every MoE layer's (``none``, ``moe``) or two layers' (the
-    recomputed one and its gradients: ``full``, ``matmuls``; on GPU the recomputed one: XLA:GPU
-    fuses the gradients' elementwise steps into the GEMMs that consume them), plus one
-    layer's send buffers."""
-    _, n_moe = _layer_kinds(cfg)
-    if n_moe == 0:
-        return 0
-    kept, transient = moe_layer_bytes(cfg, s, factor)
-    layers = n_moe + 1 if s.remat in ("none", "moe") else (1 if s.gpu else 2)
-    return layers * kept + transient
 
 
 def _weight_copies(cfg: Config, s: Setup, experts: bool = True) -> dict[str, int]:
@@ -381,7 +314,7 @@ def estimate(cfg: Config, s: Setup) -> Estimate:
     per["activations"] = activation_bytes(cfg, s)
     per["precision_copies"] = precision_copy_bytes(cfg, s)
     factors = jobplan.bucket_factors(s.dispatcher, cfg.moe.capacity_buckets)
-    by_bucket = {("worst" if f is None else f"{f:g}"): moe_buffer_bytes(cfg, s, f) for f in factors}
+    by_bucket = {("worst" if f is None else f"{f:g}"): rows.moe_buffer_bytes(cfg, s, f, _layer_kinds(cfg)[1]) for f in factors}
     bucket = "worst" if len(factors) == 1 else f"{factors[-2]:g}"
     per["moe_buffers"] = by_bucket[bucket]
     per[STEP_WEIGHTS] = step_copy_bytes(cfg, s)

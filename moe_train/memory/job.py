@@ -14,7 +14,8 @@ import contextlib
 import dataclasses
 
 from moe_train.config import Config, ConfigError, attention_dims, for_devices
-from moe_train.memory.estimate import Setup, tile_rows
+from moe_train.memory.estimate import Setup
+from moe_train.memory.rows import tile_rows
 from moe_train.parallel import jobplan
 from topology.placement import PlacementError, allocation
 from topology.presets import Cluster
