@@ -2,11 +2,14 @@
 
 Real runs write real orbax checkpoints here; the faults are done to their files: the manifest
 deleted (an unverified checkpoint), another step's state put under a step's manifest (every
-array readable, none the one saved), a directory renamed, NaN written into converted weights.
-Resume falls back past them; ``train.init_from``, ``score``, ``eval`` and ``to-hf`` refuse
-them with exit 2 and one line naming the file, unless ``--trust-unverified``.
+array readable, none the one saved), a directory renamed, NaN written into a step. Converted
+weights (the real ``from-hf`` of a safetensors file) are damaged alike: a bit flipped in a
+part's data file, a part's manifest deleted. Resume falls back past them; ``train.init_from``,
+``score``, ``eval`` and ``to-hf`` refuse them with exit 2 and one line naming the file, unless
+``--trust-unverified``.
 """
 
+import re
 import shutil
 import subprocess
 import sys
@@ -135,25 +138,87 @@ def test_init_from_verifies_the_weights_as_stored_then_casts_them(six_steps, tmp
     assert run(cfg, tmp_path / "new", **QUIET) == EXIT_OK
 
 
-def test_non_finite_initial_weights_are_named_as_the_cause(tmp_path):
-    from test_convert import MIXTRAL, mixtral_tensors, write_hf
-
-    from moe_train.convert.from_hf import from_hf
-
-    kit = tmp_path / "kit"
-    from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), kit, log=lambda s: None)
-    part = (kit / "weights" / "layer_0").absolute()
-    tree = ocp.PyTreeCheckpointer().restore(part)
-    tree["params"]["layer_0"]["attn"]["q"] = np.full_like(tree["params"]["layer_0"]["attn"]["q"],
-                                                          np.nan)
-    ocp.PyTreeCheckpointer().save(part, tree, force=True)  # converted before NaN was refused
-    cfg = config.build(str(kit / "preset.toml"), [
-        "train.steps=2", "train.batch_size=2", "train.seq_len=16", "parallel.devices=1",
-        f"train.init_from={kit}", "data.source=synthetic", "train.telemetry_interval_s=0"])
+def test_non_finite_initial_weights_are_named_as_the_cause(copy):
+    """NaN can reach a start only unverified: ``--resume-step`` of a step without a manifest
+    (``train.init_from`` refuses such weights, and a manifest records non-finite arrays)."""
+    state = (step_dir(copy, 6) / "state").absolute()
+    tree = ocp.PyTreeCheckpointer().restore(state)
+    tree["params"]["embed"] = np.full_like(tree["params"]["embed"], np.nan)
+    ocp.PyTreeCheckpointer().save(state, tree, force=True)
+    drop_manifest(copy, 6)
     lines = []
-    assert run(cfg, tmp_path / "run", log=lines.append) == EXIT_DIVERGED
-    assert any(line.startswith("error: step 1: the initial weights are non-finite")
-               and f"train.init_from={kit}" in line for line in lines)
+    assert run(tiny(steps=8), copy, log=lines.append, resume_step=6) == EXIT_DIVERGED
+    assert any(line.startswith("error: step 7: the initial weights are non-finite")
+               and f"resumed from {step_dir(copy, 6)} (unverified" in line for line in lines)
+
+
+# --------------------------------------------------------------------------- converted weights
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """A Mixtral converted by the real from-hf from a safetensors file, with its manifests."""
+    from test_convert import convert_mixtral
+
+    return convert_mixtral(tmp_path_factory.mktemp("converted"))
+
+
+@pytest.fixture
+def kit(converted, tmp_path) -> Path:
+    return Path(shutil.copytree(converted, tmp_path / "kit"))
+
+
+def init_from(kit: Path, out: Path) -> int:
+    cfg = config.build(str(kit / "preset.toml"), [
+        "train.steps=1", "train.batch_size=2", "train.seq_len=16", "parallel.devices=1",
+        f"train.init_from={kit}", "data.source=synthetic", "train.telemetry_interval_s=0"])
+    return run(cfg, out, **QUIET)
+
+
+def test_init_from_refuses_damaged_converted_weights_naming_the_part(kit, tmp_path):
+    from test_convert import damage
+
+    part = re.escape(str(damage(kit)))
+    with pytest.raises(ConfigError, match=rf"^{part}: .* do not match the manifest: "
+                                          r"params/layer_1/\S+ checksum differs"):
+        init_from(kit, tmp_path / "new")
+
+
+def test_init_from_refuses_converted_weights_without_a_manifest_saying_convert_again(kit, tmp_path):
+    from test_convert import drop_manifest
+
+    missing = re.escape(str(drop_manifest(kit)))
+    with pytest.raises(ConfigError, match=rf"^{missing} is missing: .*; convert it again with "
+                                          r"python -m moe_train.convert from-hf"):
+        init_from(kit, tmp_path / "new")
+
+
+def test_to_hf_of_damaged_converted_weights_exits_2_and_writes_nothing(kit, tmp_path):
+    from test_convert import damage
+
+    damage(kit)
+    proc = cli("moe_train.convert", "to-hf", kit, tmp_path / "hf")
+    assert proc.returncode == EXIT_CONFIG and str(kit) in one_error_line(proc)
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial-*"))
+
+
+def test_to_hf_refuses_converted_weights_without_a_manifest(kit, tmp_path):
+    from test_convert import drop_manifest
+
+    missing = re.escape(str(drop_manifest(kit, "model")))
+    with pytest.raises(ConfigError, match=rf"^{missing} is missing"):
+        to_hf(kit, tmp_path / "hf", log=lambda s: None)
+
+
+def test_to_hf_trust_unverified_exports_converted_weights_as_verified(kit, converted, tmp_path):
+    from test_convert import drop_manifest
+
+    drop_manifest(kit)
+    to_hf(kit, tmp_path / "trusted", log=lambda s: None, trust_unverified=True)
+    to_hf(converted, tmp_path / "verified", log=lambda s: None)
+    files = sorted(p.name for p in (tmp_path / "verified").glob("*.safetensors"))
+    assert files and all((tmp_path / "trusted" / f).read_bytes() == (tmp_path / "verified" / f)
+                         .read_bytes() for f in files)
 
 
 # --------------------------------------------------------------------------- score, to-hf

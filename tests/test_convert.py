@@ -4,10 +4,12 @@ and without an index, fp8 block-scale dequantization, DeepSeek-V3's MTP layer, t
 trip, bounded memory, and every error (exit 2 naming the key or tensor, nothing left in OUT)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -184,6 +186,48 @@ def test_two_worker_processes_write_the_same_weights(tmp_path):
                                       converted_leaf(tmp_path / "one", *path))
     assert sorted(p.name for p in (tmp_path / "two" / "weights").iterdir()) == [
         "layer_0", "layer_1", "model"]
+    assert all((tmp_path / "two" / f).read_text() == (tmp_path / "one" / f).read_text()
+               for f in (f"weights/{part}/manifest/metadata" for part in ("layer_0", "model")))
+
+
+# ---------------------------------------------------------------- manifests
+
+def convert_mixtral(root: Path) -> Path:
+    """A Mixtral converted by from-hf from a safetensors file written here: ``root/kit``."""
+    return from_hf(write_hf(root / "hf", MIXTRAL, mixtral_tensors()), root / "kit",
+                   log=lambda s: None)
+
+
+def damage(kit: Path, part: str = "layer_1") -> Path:
+    """One bit flipped in the middle of the part's largest data file (array values); the part."""
+    f = max((p for p in (kit / "weights" / part).rglob("*") if p.is_file()),
+            key=lambda p: p.stat().st_size)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+    return kit / "weights" / part
+
+
+def drop_manifest(kit: Path, part: str = "layer_1") -> Path:
+    """The part's manifest deleted, as a from-hf before manifests left it; the missing file."""
+    shutil.rmtree(kit / "weights" / part / "manifest")
+    return kit / "weights" / part / "manifest" / "metadata"
+
+
+def test_each_part_carries_the_trainers_manifest_of_what_was_written(tmp_path):
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from moe_train.train import manifest
+
+    kit = convert_mixtral(tmp_path)
+    parts = ("model", "layer_0", "layer_1")
+    written = {part: ocp.PyTreeCheckpointer().restore((kit / "weights" / part).absolute())
+               for part in parts}
+    saved = {part: json.loads((kit / "weights" / part / "manifest" / "metadata").read_text())
+             for part in parts}
+    assert saved == {part: manifest.fingerprint(jax.tree.map(jnp.asarray, tree))
+                     for part, tree in written.items()}
 
 
 # ---------------------------------------------------------------- DeepSeek-V3: fp8 and MTP

@@ -1,8 +1,11 @@
 """``python -m moe_train.score`` and ``train.init_from`` on the kit's own runs: a run directory, one
 step and a converted checkpoint all load; scores equal a direct forward pass; a run started
-from weights takes them (fresh optimizer, step 0) and resumes itself later."""
+from weights takes them (fresh optimizer, step 0) and resumes itself later. Converted weights
+(the real ``from-hf`` of a safetensors file) are verified against their manifests: they score
+as read unverified, and damaged or manifest-less ones exit 2 with one line naming the file."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +153,57 @@ def test_a_device_count_this_machine_lacks_exits_2(trained, tmp_path, capsys, de
     np.save(tmp_path / "ids.npy", ids())
     code = main([str(trained), "--tokens", str(tmp_path / "ids.npy"), "--devices", devices])
     assert code == EXIT_CONFIG and capsys.readouterr().err.startswith(f"error: --devices {devices}:")
+
+
+# --------------------------------------------------------------------------- converted weights
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """A Mixtral converted by the real from-hf from a safetensors file (vocabulary 50)."""
+    from test_convert import convert_mixtral
+
+    return convert_mixtral(tmp_path_factory.mktemp("converted"))
+
+
+@pytest.fixture
+def kit(converted, tmp_path) -> Path:
+    return Path(shutil.copytree(converted, tmp_path / "kit"))
+
+
+def small_ids(tmp_path: Path) -> Path:
+    np.save(tmp_path / "ids.npy", ids() % 50)
+    return tmp_path / "ids.npy"
+
+
+def score_cli(kit: Path, tokens: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moe_train.score", str(kit), "--tokens",
+                           str(tokens), "--devices", "1"], capture_output=True, text=True,
+                          cwd=ROOT)
+
+
+def test_verified_converted_weights_score_as_unverified_ones(converted, kit):
+    from test_convert import drop_manifest
+
+    for part in ("model", "layer_0", "layer_1"):
+        drop_manifest(kit, part)
+    assert score(str(converted), ids() % 50, devices=1)[0] == \
+        score(str(kit), ids() % 50, devices=1, trust_unverified=True)[0]
+
+
+def test_score_of_damaged_converted_weights_exits_2_naming_the_part(kit, tmp_path):
+    from test_convert import damage
+
+    part = damage(kit)
+    proc = score_cli(kit, small_ids(tmp_path))
+    assert proc.returncode == EXIT_CONFIG and proc.stderr.count("\n") == 1 and \
+        proc.stderr.startswith(f"error: {part}: "), proc.stderr
+
+
+def test_score_of_converted_weights_without_a_manifest_exits_2_naming_the_file(kit, tmp_path):
+    from test_convert import drop_manifest
+
+    missing = drop_manifest(kit)
+    proc = score_cli(kit, small_ids(tmp_path))
+    assert proc.returncode == EXIT_CONFIG and proc.stderr.count("\n") == 1 and \
+        proc.stderr.startswith(f"error: {missing} is missing"), proc.stderr

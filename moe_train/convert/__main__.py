@@ -2,8 +2,9 @@
 
 Exit codes as the trainer's (``moe_train.train.signals``): 0 done; 2 bad input (an unsupported
 architecture or feature, a missing tensor, a shape that does not match the config, an OUT
-that is not empty, an input file that cannot be read, a run's checkpoint that is damaged or
-has no manifest: ``to-hf --trust-unverified`` reads the latter), one line naming the key,
+that is not empty, an input file that cannot be read, a non-finite weight, a checkpoint or
+converted weights that are damaged or have no manifest: ``to-hf --trust-unverified`` reads the
+latter), one line naming the key,
 tensor or file, nothing left in OUT; 5 the output cannot be written; 1 a bug (traceback).
 """
 

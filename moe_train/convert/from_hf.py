@@ -3,10 +3,11 @@
 ``OUT/preset.toml`` is the kit's config of the model (each value with the ``config.json`` key
 it came from), ``OUT/weights/<part>/`` orbax checkpoints ``{"params", "moe_state"}`` in the
 looped layer layout, one per layer (``moe_train.convert.weights`` reads them into any layout and
-device count), and
-``OUT/convert.json`` what it was made from. Weights keep the source's dtype (bf16 or fp32;
-fp8 is dequantized with its block scales to bf16, as DeepSeek's own fp8-to-bf16 script does);
-the expert bias is fp32.
+device count), each with its manifest (``<part>/manifest/metadata``: every array's shape, dtype,
+checksums and finiteness, ``moe_train.train.manifest``, as a run's checkpoint has; every reader
+verifies the weights against it), and ``OUT/convert.json`` what it was made from. Weights keep
+the source's dtype (bf16 or fp32; fp8 is dequantized with its block scales to bf16, as
+DeepSeek's own fp8-to-bf16 script does); the expert bias is fp32.
 
 Several processes (``workers``) may split the layers between them; each holds about one layer.
 
@@ -56,6 +57,7 @@ from moe_train.convert.hf_files import (
 from moe_train.convert.tensors import Entry, entries, extra_copies
 from moe_train.convert.weights import PRESET, WEIGHTS, part_of
 from moe_train.model.transformer import Transformer
+from moe_train.train import checkpoint, manifest
 
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|" + re.escape(SCALE_SUFFIX) + r")$")
 SECTIONS = ("model", "moe", "rope", "train")
@@ -193,15 +195,25 @@ def convert_parts(hf_dir: str, tmp: str, names: list[str]) -> None:
     arrays.mkdir()
     try:
         for part in names:
-            leaves = [(e.kit, _assemble(ckpt, e, arrays / f"{i}.bin"))
-                      for i, e in enumerate(groups[part])]
-            ocp.PyTreeCheckpointer().save((Path(tmp) / WEIGHTS / part).absolute(), _nest(leaves))
-            del leaves
+            tree = _nest([(e.kit, _assemble(ckpt, e, arrays / f"{i}.bin"))
+                          for i, e in enumerate(groups[part])])
+            _save(Path(tmp) / WEIGHTS / part, tree)
+            del tree
             for f in arrays.iterdir():
                 f.unlink()
             _return_freed_memory()
     finally:
         shutil.rmtree(arrays, ignore_errors=True)
+
+
+def _save(directory: Path, tree: dict) -> None:
+    """``tree`` (host arrays) as the orbax checkpoint ``directory``, with its manifest in
+    ``directory/manifest/metadata``, where a run's step keeps its own (``read_manifest``)."""
+    saved = manifest.host_fingerprint(tree)  # of the arrays orbax is given: what it writes
+    ocp.PyTreeCheckpointer().save(directory.absolute(), tree)
+    path = directory / checkpoint.MANIFEST_FILE
+    path.parent.mkdir()
+    path.write_text(json.dumps(saved))
 
 
 def _return_freed_memory() -> None:

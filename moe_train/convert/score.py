@@ -7,7 +7,7 @@ the fp32 logits [B, S, V] when asked. Runs on whatever JAX has (CPU or GPU), on
 ``--devices`` devices (default all): the rows are split over them when they divide B, and
 the weights are sharded as for training (``moe_train.parallel.sharding``). The MoE layers run dropless
 on each device (no expert parallelism); MTP modules do not run (they train, they do not score).
-A run's step is verified against its manifest before it is used (``weights.restore``); one
+A run's step (or converted weights) is verified against its manifest before it is used (``weights.restore``); one
 without a manifest is refused unless ``--trust-unverified`` (also ``python -m moe_train.eval``'s:
 ``weights_cli`` is both commands' command line).
 

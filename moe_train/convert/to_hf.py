@@ -7,7 +7,7 @@ carry the copies of the embedding and head the released files have. The kit's le
 one at a time (orbax partial restores), so the process holds about one leaf plus one shard; a
 scanned run's stacked leaves (every layer's copy of a weight) are first staged, one stored
 chunk at a time, in a memory-mapped file (``stage``), so there it holds about one chunk.
-A run's step is verified as every checkpoint reader verifies one (``weights.read_manifest``):
+A run's step (or converted weights) is verified as every checkpoint reader verifies one (``weights.read_manifest``):
 refused without a manifest unless ``trust_unverified``, and each leaf, once read (or staged),
 checked against it (``manifest.verify_leaf``) before it is written: a damaged step stops the
 export with ConfigError naming the file, and nothing is left in HF_OUT.

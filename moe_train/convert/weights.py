@@ -6,7 +6,8 @@
   (the model's config) and ``OUT/weights/<part>/``, orbax checkpoints ``{"params",
   "moe_state"}`` in the looped layer layout, in the source's dtype, one per part (``model``:
   embedding, final norm, head; ``layer_{i}``; ``mtp_{k}``), so that converting holds one
-  layer at a time;
+  layer at a time, each with its manifest in ``<part>/manifest/metadata`` (as a run's step
+  has it, ``moe_train.train.manifest``);
 * a run directory (``--out`` of a training run): its newest checkpoint;
 * one step of a run (``RUN/checkpoints/<step>``).
 
@@ -14,12 +15,12 @@
 state) onto ``mesh`` in ``cfg``'s layout, dtype and shardings, converting the layer layout
 where it differs. ``config_of(source)`` is the config the weights were made with.
 
-A step is read as every checkpoint reader reads one (``moe_train.train.checkpoint``): its
-manifest first (a step without one is refused unless ``trust_unverified``), then the arrays,
-as stored, checked against it before they are cast or converted. A damaged, unverified or
-mismatching step raises ConfigError, one line naming the file (``score``, ``eval``,
-``train.init_from`` and ``to-hf`` exit 2 with it). Converted checkpoints carry no manifest
-(``from-hf`` writes none) and are read as they are.
+Weights are read as every checkpoint reader reads them (``moe_train.train.checkpoint``): the
+manifest first (a step's, or every part's of a converted checkpoint; without one they are
+refused unless ``trust_unverified``: converted by a ``from-hf`` that wrote none, or damaged),
+then the arrays, as stored, checked against it before they are cast or converted. Damaged,
+unverified or mismatching weights raise ConfigError, one line naming the file (``score``,
+``eval``, ``train.init_from`` and ``to-hf`` exit 2 with it).
 """
 
 from __future__ import annotations
@@ -103,25 +104,51 @@ def to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+def _directories(source: Source) -> list[Path]:
+    """The directories whose manifests cover ``source``: the step, or each converted part."""
+    if source.kind == "step":
+        return [source.path]
+    return sorted(d for d in (source.path / WEIGHTS).iterdir() if d.is_dir())
+
+
+def _manifest_of(directory: Path, source: Source, trust_unverified: bool) -> dict | None:
+    """``checkpoint.read_manifest`` of one directory; a converted part without one says how
+    to get one."""
+    try:
+        return checkpoint.read_manifest(directory, trust_unverified)
+    except checkpoint.Unverified as err:
+        if source.kind == "converted":
+            raise checkpoint.Unverified(
+                f"{err}; convert it again with python -m moe_train.convert from-hf HF_DIR OUT "
+                f"(score, eval and to-hf read it as it is with --trust-unverified)") from None
+        raise
+
+
 def read_manifest(source: Source, trust_unverified: bool, log=to_stderr) -> dict | None:
-    """A step's manifest (ConfigError naming the file when it has none, unless trusted: then
-    None and a warning); None for converted weights."""
-    if source.kind != "step":
+    """The manifest of the weights: a step's, or a converted checkpoint's parts' together.
+    ConfigError naming the file when one is missing, unless trusted: then None (the weights
+    are read unverified) and a warning."""
+    found = {d: checkpoint.refuse_damage(lambda d=d: _manifest_of(d, source, trust_unverified), d)
+             for d in _directories(source)}
+    missing = [d for d, saved in found.items() if saved is None]
+    if missing:
+        log(f"WARNING: {missing[0] / checkpoint.MANIFEST_FILE} is missing: reading "
+            f"{source.path} unverified (--trust-unverified)")
         return None
-    saved = checkpoint.refuse_damage(
-        lambda: checkpoint.read_manifest(source.path, trust_unverified), source.path)
-    if saved is None:
-        log(f"WARNING: {source.path / checkpoint.MANIFEST_FILE} is missing: reading the "
-            f"checkpoint unverified (--trust-unverified)")
-    return saved
+    if source.kind == "step":
+        return found[source.path]
+    version = next((m.get("version") for m in found.values()
+                    if m.get("version") != manifest.VERSION), manifest.VERSION)
+    return {"version": version, "arrays": {name: entry for m in found.values()
+                                           for name, entry in m["arrays"].items()}}
 
 
 def restore(source: Source, cfg: Config, mesh: Mesh, trust_unverified: bool = False,
             log=to_stderr) -> tuple[Any, Any]:
     """(params, moe_state) of ``source`` as ``cfg`` wants them on ``mesh``: read straight into
-    their shardings (each process reads its shards), verified against the step's manifest,
-    cast to ``cfg``'s dtypes, the layer layout converted on the devices where it differs.
-    ConfigError naming the file for an unverified, damaged or mismatching step, or the first
+    their shardings (each process reads its shards), verified against the manifest, cast to
+    ``cfg``'s dtypes, the layer layout converted on the devices where it differs.
+    ConfigError naming the file for unverified, damaged or mismatching weights, or the first
     tensor whose shape differs (another model) or that is missing."""
     saved_manifest = read_manifest(source, trust_unverified, log)
     with checkpoint.quiet_reads(log, str(source.path)):
@@ -140,20 +167,31 @@ def _restore(source: Source, cfg: Config, mesh: Mesh, saved_manifest: dict | Non
     if saved_scanned != want_scanned:
         saved = (to_looped(target, m, take=checkpoint.take_abstract) if want_scanned
                  else to_scanned(target, m, stack=checkpoint.stack_abstract))
-    if source.kind == "converted":
-        restored = _merge([_restore_item(source, source.path / WEIGHTS / name, item)
-                           for name, item in parts(saved).items()])
-    else:
-        restored = _restore_item(source, source.path / "state", saved, as_stored=True)
-        if saved_manifest is not None:
-            manifest.verify(saved_manifest, restored, str(source.path), partial=True)
-        restored = jax.tree.map(lambda x, want: x if x.dtype == want.dtype
-                                else x.astype(want.dtype), restored, saved)
+    items = ({source.path / WEIGHTS / name: item for name, item in parts(saved).items()}
+             if source.kind == "converted" else {source.path / "state": saved})
+    restored = _merge([_read_verified(source, path, item, saved_manifest)
+                       for path, item in items.items()])
     if saved_scanned != want_scanned:
         convert = to_scanned if want_scanned else to_looped
         shardings = jax.tree.map(lambda x: x.sharding, target)
         restored = jax.jit(lambda t: convert(t, m), out_shardings=shardings)(restored)
     return restored["params"], restored["moe_state"]
+
+
+def _read_verified(source: Source, path: Path, item: dict, saved_manifest: dict | None) -> dict:
+    """``item``'s arrays from the orbax checkpoint at ``path``, read as stored, checked against
+    ``saved_manifest`` (None: not checked), then cast to ``item``'s dtypes (a converted
+    checkpoint part by part); damage names the converted part, or the step."""
+    where = path if source.kind == "converted" else source.path
+
+    def read():
+        restored = _restore_item(source, path, item)
+        if saved_manifest is not None:
+            manifest.verify(saved_manifest, restored, str(where), partial=True)
+        return jax.tree.map(lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype),
+                            restored, item)
+
+    return checkpoint.refuse_damage(read, where)
 
 
 def part_of(top: str) -> str:
@@ -181,15 +219,15 @@ def _merge(trees: list[dict]) -> dict:
     return out
 
 
-def _restore_item(source: Source, path: Path, saved: dict, as_stored: bool = False) -> dict:
-    """``saved``'s leaves from the orbax checkpoint at ``path`` into their shardings, in
-    ``saved``'s dtypes (``as_stored``: in the checkpoint's own, to verify them first)."""
+def _restore_item(source: Source, path: Path, saved: dict) -> dict:
+    """``saved``'s leaves from the orbax checkpoint at ``path`` into their shardings, in the
+    checkpoint's own dtypes (to verify them before they are cast)."""
     saved = {k: v for k, v in saved.items() if v}  # orbax keeps no empty collection
     have = _check_shapes(path, saved, source)
 
     def restore_args(key, x):
-        dtype = have[jax.tree_util.keystr(key)].dtype if as_stored else x.dtype
-        return ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=dtype, global_shape=x.shape)
+        stored = have[jax.tree_util.keystr(key)].dtype
+        return ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=stored, global_shape=x.shape)
 
     args = jax.tree_util.tree_map_with_path(restore_args, saved)
     with quiet_orbax():

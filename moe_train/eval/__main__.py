@@ -8,8 +8,9 @@ document unless the weights' config says ``data.packing=false``), so the printed
 ``eval_loss`` of a run's checkpoint equals the ``eval_loss`` its run logged at that step (same
 ``--tokens`` and batch). The model runs without expert parallelism on ``--devices`` devices
 (rows split over them); an fp8-trained model is evaluated in bf16 (fp8 scales are training
-state). Prints one line, or JSON with ``--json``. A run's step is verified against its manifest
-first; one without a manifest is refused unless ``--trust-unverified``.
+state). Prints one line, or JSON with ``--json``. A run's step (or converted weights) is
+verified against its manifest first; one without a manifest is refused unless
+``--trust-unverified``.
 
 Exit codes: 0; 2 bad weights, data or options (one line).
 """

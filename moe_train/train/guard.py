@@ -16,7 +16,7 @@ A finite-gradient update that makes the parameters non-finite (an overflowing le
 rate) cannot be rolled back without a second copy of the state, so it stops the run in both
 modes at the next step, and is never saved (a save right after it is refused). At the first
 step of a start, non-finite parameters were never updated here: the message says the initial
-weights are non-finite (``train.init_from`` weights holding NaN, say), not the learning rate.
+weights are non-finite (a ``--resume-step`` of an unverified step holding NaN, say), not the learning rate.
 
 Every divergence message ends with ``origin``: the checkpoint this start resumed from and
 the newer ones that failed verification on the way (or the ``train.init_from`` weights).

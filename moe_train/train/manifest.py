@@ -21,6 +21,9 @@ arrays that differ: the whole state (resume) or the part a reader read (``partia
 weights' params and expert bias); ``verify_leaf`` checks one host array (``to-hf`` reads
 leaf by leaf), in blocks of ``BLOCK`` elements so that a large memory-mapped leaf is never
 copied whole. Both compute the same sums (``_leaf_sums``, with the block's offset).
+
+``from-hf`` writes the same manifest for each part of a converted checkpoint
+(``host_fingerprint``, from the host arrays it saves); its readers verify it as above.
 """
 
 from __future__ import annotations
@@ -112,6 +115,13 @@ def leaf_entry(x: np.ndarray, block: int = BLOCK) -> dict[str, Any]:
         finite = finite and bool(s[2])
     return {"shape": list(x.shape), "dtype": str(x.dtype), "sum": total, "weighted": weighted,
             "finite": finite}
+
+
+def host_fingerprint(tree: Any) -> dict[str, Any]:
+    """The manifest of a tree of host arrays (memory maps too: ``from-hf`` writes its parts
+    from them), leaf by leaf with ``leaf_entry``: what ``fingerprint`` gives on devices."""
+    names, leaves = _paths(tree)
+    return {"version": VERSION, "arrays": {n: leaf_entry(x) for n, x in zip(names, leaves)}}
 
 
 def differences(saved: dict[str, Any], restored: dict[str, Any]) -> list[str]:
