@@ -30,7 +30,9 @@ RUN_ARGS := set -f; set --; for s in $$SET; do set -- "$$@" --set "$$s"; done; [
 EP_ARG = $(if $(EP),--ep "$$EP")
 # make plan: a compute calibration (make gpu-check writes one) instead of topology/compute.toml
 COMPUTE ?=
-export COMPUTE
+# make submit: 0 skips the XLA:GPU preflight compile (where the compile extra is installed)
+COMPILE ?= 1
+export COMPUTE COMPILE
 
 comma := ,
 space := $(subst ,, )
@@ -66,8 +68,8 @@ smoke: $(STAMP) ## train the tiny preset on this machine (CPU or GPU) and print 
 train: $(STAMP) ## train MODEL into OUT on this machine (resumes if OUT holds a checkpoint)
 	$(RUN_ARGS); $(PY) -m moe_train --preset "$$MODEL" --out "$$OUT" "$$@"
 
-submit: $(STAMP) ## run MODEL on NODES of cluster PRESET under Slurm (DRY_RUN=1 prints the job, WAIT=1 follows it)
-	$(RUN_ARGS); $(PY) -m slurm.submit --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(filter command line environment,$(origin OUT)),--out "$$OUT") $(if $(IMAGE),--image "$$IMAGE") $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) "$$@"
+submit: $(STAMP) ## run MODEL on NODES of cluster PRESET under Slurm (DRY_RUN=1 prints the job, WAIT=1 follows it, COMPILE=0 skips the XLA:GPU preflight compile)
+	$(RUN_ARGS); MOE_TRAIN_COMPILE="$$COMPILE" $(PY) -m slurm.submit --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(filter command line environment,$(origin OUT)),--out "$$OUT") $(if $(IMAGE),--image "$$IMAGE") $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) "$$@"
 
 smoke-cluster: $(STAMP) ## one-node smoke job on cluster PRESET: preflight + a short tiny run, followed
 	$(PY) -m slurm.submit --preset "$$PRESET" --smoke --wait $(if $(IMAGE),--image "$$IMAGE")

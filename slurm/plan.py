@@ -182,6 +182,11 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
                           f"{cluster.gpus_per_node} devices per node")
     notes.insert(1, _memory(req, cluster, cfg))
     notes[2:2] = chosen
+    from slurm import compiled  # imports this module
+
+    note = compiled.preflight(req, cluster, cfg)
+    if note:
+        notes.insert(2 + len(chosen), note)
     return JobSpec(
         cluster=cluster.name, job_name=job_name, nodes=req.nodes,
         ntasks_per_node=cluster.slurm.ntasks_per_node,

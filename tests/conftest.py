@@ -16,6 +16,9 @@ CACHE_DIR = Path(os.environ.get("MOE_TRAIN_TEST_JAX_CACHE",
                                 Path(tempfile.gettempdir()) / "moe_train_test_jax_cache"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# the launcher's XLA:GPU preflight compile (slurm/compiled.py) takes minutes per job: off for
+# the suite, on in tests/test_submit_compile.py
+os.environ.setdefault("MOE_TRAIN_COMPILE", "0")
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

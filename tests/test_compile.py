@@ -157,6 +157,72 @@ def test_the_planner_is_within_15_percent_of_xla_gpu(tmp_path, mode):
     assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
 
 
+# every GPU code path beyond the fixture's (a2a, cuDNN attention, mgpu on H100 / tiled on
+# B200), one capacity bucket each: (model, nodes, EP, --set items)
+PATHS = {
+    "allgather+fp8+chunked": ("tiny", 1, 8, ("moe.dispatcher=allgather", "precision.compute=fp8",
+                                             "model.attention=chunked")),
+    "hierarchical+fp8-dispatch": ("tiny", 2, 16, (
+        "moe.num_experts=16", "moe.dispatcher=hierarchical", "moe.dispatch_dtype=fp8",
+        "precision.compute=bf16", "train.batch_size=16")),
+    "mla+mtp": ("deepseek-v3-tiny", 1, 8, ("precision.compute=bf16",)),
+}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    """Each of ``PATHS`` compiled for 8/16 simulated H100s and B200s: (result, run dir)."""
+    out = {}
+    for preset in ("h100-dgx", "b200-hgx"):
+        for name, (model, nodes, ep, sets) in PATHS.items():
+            parent = tmp_path_factory.mktemp(f"{preset}-{name}")
+            proc = compile_cli("--preset", preset, "--model", model, "--nodes", str(nodes),
+                               "--ep", str(ep), *[x for s in sets for x in ("--set", s)],
+                               "--set", "moe.capacity_buckets=1", "--bucket", "worst",
+                               "--json", "--out", str(parent))
+            assert proc.returncode == 0, (preset, name, proc.stderr[-3000:])
+            (run_dir,) = parent.iterdir()
+            out[preset, name] = (json.loads(proc.stdout), run_dir)
+    return out
+
+
+def _kernel(result, key):
+    return next(k for k in result["kernels"] if k["key"] == key)
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["h100-dgx", "b200-hgx"])
+def test_allgather_fp8_compute_and_chunked_attention_compile(paths, preset):
+    r, _ = paths[preset, "allgather+fp8+chunked"]
+    assert r["dispatcher"] == "allgather" and r["buckets"][0]["kernels"]["fp8_gemm"] > 0
+    assert _kernel(r, "model.attention")["compiled"] == "chunked"
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["h100-dgx", "b200-hgx"])
+def test_hierarchical_dispatch_compiles_with_fp8_all_to_alls(paths, preset):
+    r, run_dir = paths[preset, "hierarchical+fp8-dispatch"]
+    text = (run_dir / r["buckets"][0]["hlo"]).read_text()
+    assert r["dispatcher"] == "hierarchical" and r["devices"] == 16
+    # the e4m3 rows cross as bytes (moe_train.moe.dispatch.fp8): u8 all-to-alls
+    assert re.search(r"u8\[\d+,\d+\]\{1,0\}\) all-to-all-start\(", text)
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["h100-dgx", "b200-hgx"])
+def test_mla_and_mtp_compile(paths, preset):
+    """deepseek-v3-tiny (MLA, a multi-token-prediction module, a shared expert). Deviceless
+    XLA:GPU finds no Triton tiling for one of its small matmuls (no autotuner): compiled with
+    Triton GEMM fusions off, and the record says so."""
+    r, _ = paths[preset, "mla+mtp"]
+    (b,) = r["buckets"]
+    assert r["model"] == "deepseek-v3-tiny" and b["memory"]["peak"] > 0
+    assert b["note"] == "" or "xla_gpu_enable_triton_gemm=false" in b["note"]
+
+
 # ----------------------------------------------------------------------------- HLO parser
 
 SNIPPET = """HloModule m, is_scheduled=true
@@ -304,6 +370,13 @@ def test_abstract_state_is_init_states_shapes_and_shardings():
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needles):
     one_line_error(compile_cli(*args), *needles)
+
+
+@needs_plugin
+def test_a_bucket_the_job_does_not_have_is_one_line_naming_them(tmp_path):
+    proc = compile_cli("--preset", "h100-dgx", *TINY[:6], "--bucket", "7", "--set",
+                       "moe.capacity_buckets=1", "--out", str(tmp_path))
+    one_line_error(proc, "--bucket '7'", "valid: 1, worst, planned")
 
 
 def test_a_missing_plugin_says_how_to_install_it(tmp_path):

@@ -26,6 +26,9 @@ def parser() -> argparse.ArgumentParser:
                    help="train.steps, as for make submit (changes only the LR schedule)")
     p.add_argument("--layers", type=int, default=None,
                    help="compile at reduced depth: model.num_layers=N (said in the output)")
+    p.add_argument("--bucket", default="",
+                   help="compile only this capacity bucket (1, 1.25, ..., worst; planned: the "
+                        "one the memory planner judges the job by); default: every bucket")
     p.add_argument("--out", default="runs/compile", help="parent of the <UTC> run directory")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
@@ -61,7 +64,7 @@ def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
 
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     try:
-        result, out_dir = run.compile_job(job, Path(args.out) / stamp)
+        result, out_dir = run.compile_job(job, Path(args.out) / stamp, args.bucket)
     except job_mod.ERRORS as err:
         return _error(err)
     print(json.dumps(result, indent=1) if args.json else

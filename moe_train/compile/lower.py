@@ -15,6 +15,7 @@ and traced as on the target GPU (``facts.as_target``).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Any, Iterator, Sequence
 
@@ -42,6 +43,14 @@ class Compiled:
     trace_s: float  # trace and lower (StableHLO), seconds
     compile_s: float  # XLA:GPU's compile, seconds
     hlo: str  # the optimized, scheduled HLO (compiled.as_text())
+    note: str = ""  # how the compile deviated from the preset's settings ("" where it did not)
+
+
+# XLA:GPU without a GPU does not autotune: its default Triton GEMM tiling can fail on small
+# matmuls (seen: MLA's query projection of deepseek-v3-tiny, a bf16 [64, 32] dot, jax 0.10.2),
+# where a GPU's autotuner would drop that tiling and pick another
+TILE_FAILURE = "Couldn't find output tile sizes"
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 
 
 def simulated_devices(job: Job) -> list[Any]:
@@ -90,16 +99,45 @@ def compile_one(cfg: Config, mesh, plan: EPPlan | None, target, devices) -> Comp
         with step.sharding.activate():
             lowered = step.jitted.trace(*args).lower()
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled, note = xla_compile(lowered)
     t2 = time.perf_counter()
-    factor = None if plan is None else plan.capacity_factor
-    return Compiled(bucket="worst" if factor is None else f"{factor:g}", plan=plan,
+    return Compiled(bucket=bucket_name(plan), plan=plan,
                     memory=CompiledMemory.of(compiled), trace_s=t1 - t0, compile_s=t2 - t1,
-                    hlo=compiled.as_text())
+                    hlo=compiled.as_text(), note=note)
 
 
-def compile_buckets(job: Job, cfg: Config, devices: Sequence[Any]) -> Iterator[Compiled]:
-    """The step of every capacity bucket of ``cfg`` (kernels concrete) on ``devices``."""
+def xla_compile(lowered) -> tuple[Any, str]:
+    """XLA:GPU's compile of ``lowered``; where the deviceless Triton GEMM tiling fails
+    (``TILE_FAILURE``), compiled again with Triton GEMM fusions off (cuBLAS for every
+    matmul), said in the note."""
+    try:
+        return lowered.compile(), ""
+    except jax.errors.JaxRuntimeError as err:
+        if TILE_FAILURE not in str(err):
+            raise
+        found = re.search(r"%[\w.]+ = \w+\[[\d,]*\]", str(err))
+        matmul = found.group(0) if found else "a matmul"
+        return lowered.compile(NO_TRITON_GEMM), (
+            f"compiled with xla_gpu_enable_triton_gemm=false: deviceless XLA:GPU found no "
+            f"Triton tiling for {matmul} (a GPU's autotuner picks another)")
+
+
+def bucket_name(plan: EPPlan | None) -> str:
+    """The memory planner's key of ``plan``'s capacity bucket ("1", "1.25", ..., "worst")."""
+    factor = None if plan is None else plan.capacity_factor
+    return "worst" if factor is None else f"{factor:g}"
+
+
+def compile_buckets(job: Job, cfg: Config, devices: Sequence[Any],
+                    only: str = "") -> Iterator[Compiled]:
+    """The step of every capacity bucket of ``cfg`` (kernels concrete) on ``devices``, or of
+    bucket ``only``; ConfigError naming the buckets when ``only`` is none of them."""
     mesh = layout.build(cfg, devices).mesh
-    for plan in stepper.ep_plans(cfg, mesh):
-        yield compile_one(cfg, mesh, plan, job.target, devices)
+    plans = stepper.ep_plans(cfg, mesh)
+    names = [bucket_name(p) for p in plans]
+    if only and only not in names:
+        raise ConfigError(f"--bucket {only!r} is not a capacity bucket of this job; valid: "
+                          f"{', '.join(names)}, planned")
+    for plan, name in zip(plans, names):
+        if not only or name == only:
+            yield compile_one(cfg, mesh, plan, job.target, devices)

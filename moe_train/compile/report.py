@@ -40,6 +40,7 @@ def bucket_record(job: Job, c: Compiled) -> dict:
             "planner": {"moe_buffers": job.plan.estimate.moe_buffers_by_bucket[c.bucket],
                         "total": planned},
             "xla_over_planner": round(mem.peak / planned, 3), "hlo": f"step-{c.bucket}.hlo",
+            "note": c.note,
             **hlo.inventory(c.hlo), "overlap": hlo.overlap(c.hlo)}
 
 
@@ -119,8 +120,9 @@ def render(r: dict) -> str:
                      f"{num(m['output'] - m['alias'])}{num(m['peak'])} {num(b['planner']['total'])}"
                      f"{b['xla_over_planner']:8.2f}  {'fits' if b['fits'] else 'DOES NOT FIT':<13}"
                      f"{b['trace_s']:8.1f}{b['compile_s']:10.1f}")
+    notes = [f"note at bucket {b['bucket']}: {b['note']}" for b in r["buckets"] if b.get("note")]
     judged = next((b for b in r["buckets"] if b["bucket"] == r["planner_bucket"]), r["buckets"][-1])
-    return "\n".join(lines + _inventory(judged))
+    return "\n".join(lines + notes + _inventory(judged))
 
 
 def _memory_text(r: dict) -> str:

@@ -18,13 +18,15 @@ from moe_train.compile.report import render
 __all__ = ["compile_job", "render"]
 
 
-def compile_job(job: Job, out_dir: Path) -> tuple[dict, Path]:
-    """Compile every bucket of ``job``; (the result dict, the directory written)."""
+def compile_job(job: Job, out_dir: Path, bucket: str = "") -> tuple[dict, Path]:
+    """Compile every bucket of ``job`` (or only ``bucket``: "planned" is the memory planner's);
+    (the result dict, the directory written)."""
     devices = lower.simulated_devices(job)
     cfg = lower.mesh_config(job, job.cfg)
     cfg, chosen = kernels.choose(cfg, job.target, devices)
     compiled, records = [], []
-    for c in lower.compile_buckets(job, cfg, devices):
+    only = job.plan.estimate.bucket if bucket == "planned" else bucket
+    for c in lower.compile_buckets(job, cfg, devices, only):
         compiled.append(c)
         records.append(report.bucket_record(job, c))
         print(f"compiled bucket {c.bucket}: peak {report.size(c.memory.peak)} per GPU, "
