@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_train.moe.dispatch import Arrived, Context, all_to_all, pack, pair_stats, unpack
+from moe_train.moe.dispatch import (Arrived, Context, all_to_all, gather_rows, pack, pair_stats,
+                                    unpack)
 from moe_train.moe.dispatch.fp8 import send_rows
 from moe_train.moe.permute import weighted_sum
 from moe_train.parallel import jobplan
@@ -42,8 +43,7 @@ class Hierarchical:
         ok_TG = need_TG & (pos_TG < C1)
         slot = jnp.where(ok_TG, jnp.arange(G) * C1 + pos_TG, G * C1).reshape(-1)
         in_dom_TGK = dom_TK[:, None, :] == jnp.arange(G)[None, :, None]
-        send_x = jnp.zeros((G * C1, x_TH.shape[1]), x_TH.dtype).at[slot].set(
-            jnp.repeat(x_TH, G, axis=0), mode="drop")
+        send_x = gather_rows(x_TH, slot, G, G * C1)
         send_e = jnp.full((G * C1, K), -1, jnp.int32).at[slot].set(
             jnp.where(in_dom_TGK, experts_TK[:, None, :], -1).reshape(T * G, K), mode="drop")
         send_w = jnp.zeros((G * C1, K), jnp.float32).at[slot].set(
