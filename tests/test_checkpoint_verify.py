@@ -155,17 +155,7 @@ def test_non_finite_initial_weights_are_named_as_the_cause(copy):
 # --------------------------------------------------------------------------- converted weights
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    """A Mixtral converted by the real from-hf from a safetensors file, with its manifests."""
-    from test_convert import convert_mixtral
-
-    return convert_mixtral(tmp_path_factory.mktemp("converted"))
-
-
-@pytest.fixture
-def kit(converted, tmp_path) -> Path:
-    return Path(shutil.copytree(converted, tmp_path / "kit"))
+from test_score import converted, kit  # noqa: E402,F401  (fixtures: a converted Mixtral, a copy)
 
 
 def init_from(kit: Path, out: Path) -> int:

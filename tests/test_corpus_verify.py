@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from test_prepare import DOCS, ROOT, bpe, flip_byte, run, write_txt  # noqa: F401  (bpe: a fixture)
+from test_faults import _read_only
 
 from moe_train.data import DataError, prepared, verify
 
@@ -89,14 +90,6 @@ def test_a_malformed_record_file_is_ignored_and_rewritten(corpus):
     prepared.open_split(corpus, "val")
     assert set(records(corpus)) == {"val/shard_00000.bin", "val/shard_00000.idx.npy"}
 
-
-def _read_only(path: Path) -> bool:
-    """Make ``path`` unwritable even for root (chattr +i); False where that is impossible."""
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-        return True
-    return shutil.which("chattr") is not None and subprocess.run(
-        ["chattr", "+i", str(path)], capture_output=True).returncode == 0
 
 
 @pytest.fixture
