@@ -27,7 +27,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # Modules whose tests start several processes (Slurm jobs on the local cluster's few cores,
 # jax.distributed peers): one worker runs them one after another, as a serial run would.
 PROCESS_MODULES = frozenset({"test_slurm_cluster", "test_slurm_submit", "test_multiprocess",
-                             "test_faults", "test_distributed"})
+                             "test_faults", "test_distributed", "test_interrupt"})
 SHARED_SCOPES = frozenset({"module", "package", "session"})
 
 

@@ -89,6 +89,7 @@ RANGES: dict[str, Range] = {
     "optim.eps": _positive(), "optim.grad_clip": _nonneg(),
     "train.steps": _int(1), "train.batch_size": _int(1), "train.seq_len": _int(1),
     "train.seed": _int(0), "train.checkpoint_every": _int(0), "train.keep_checkpoints": _int(1),
+    "train.checkpoint_minutes": _nonneg(),
     "train.log_every": _int(1), "train.telemetry_interval_s": _nonneg(),
     "train.eval_every": _int(0), "train.eval_tokens": _int(0),
     "train.micro_batches": _int(1), "train.micro_batch_size": _int(0), "train.loss_chunk": _int(0),

@@ -130,7 +130,8 @@ class TrainConfig:
     batch_size: int = 8  # global batch in sequences
     seq_len: int = 64  # tokens per sequence
     seed: int = 0  # parameter initialisation seed
-    checkpoint_every: int = 0  # save every N steps; 0 saves only at the end and on signals
+    checkpoint_every: int = 0  # save every N steps; 0: off (saves still happen at the end, on signals and by checkpoint_minutes)
+    checkpoint_minutes: float = 30.0  # also save once this much wall time passed since the last save (or the start), agreed by every process; 0: off
     keep_checkpoints: int = 3  # keep the last N checkpoints
     async_checkpoint: bool = True  # write periodic checkpoints in the background
     log_every: int = 1  # print a progress line every N steps

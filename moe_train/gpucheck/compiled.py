@@ -25,7 +25,7 @@ from moe_train.gpucheck import FAIL, PASS, Context, skip
 
 JOB = ("mixtral-8x7b", ["model.num_layers=1", "train.batch_size=2", "train.micro_batch_size=1",
                         "parallel.devices=1", "train.skip_selftest=true", "train.log_every=1000",
-                        "train.checkpoint_every=0"])
+                        "train.checkpoint_every=0", "train.checkpoint_minutes=0"])
 STEPS = 3
 MEM_RTOL = 0.10  # deviceless vs on-device compile, each memory field
 CHILD_MEM_FRACTION = "0.7"  # of the GPU, for the trainer run (its state is ~27 GB)

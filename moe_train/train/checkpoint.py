@@ -10,6 +10,9 @@ Every checkpoint carries a third item, ``manifest`` (``moe_train.train.manifest`
 shape, dtype, checksums and finiteness, computed on the devices at save. A state with a NaN
 or inf is never saved (``NonFiniteState``).
 
+When to save is ``Schedule`` (steps, wall time); ``open_for``/``close`` give the run's
+checkpointer and report a directory that cannot be written as ``signals.OutputError``.
+
 ``read_manifest`` is where every reader of a checkpoint's arrays starts (resume here;
 ``train.init_from``, ``score``, ``eval`` and ``to-hf`` through ``moe_train.convert.weights``
 and ``to_hf``): a checkpoint without a manifest is ``Unverified`` (saved before manifests
@@ -37,6 +40,7 @@ import gc
 import json
 import shutil
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any, Callable
@@ -47,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moe_train.config import Config, ConfigError, to_dict
 from moe_train.model.transformer import is_scanned, to_looped, to_scanned
-from moe_train.train import manifest
+from moe_train.train import manifest, signals
 from moe_train.train.manifest import CorruptCheckpoint
 
 # Config fields that change the shapes or meaning of the saved state.
@@ -289,6 +293,51 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self._mngr.close()
+
+
+def open_for(out_dir: Path, t: Any) -> Checkpointer:
+    """The run's checkpointer (``t``: its ``train`` config); OutputError when the directory
+    cannot be created."""
+    try:
+        return Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
+    except OSError as err:
+        raise signals.output_error(err, Path(out_dir) / "checkpoints") or err
+
+
+def close(ckpt: Checkpointer) -> None:
+    """Wait for the last save and close: an async save that failed raises what the file
+    system said (OutputError)."""
+    try:
+        ckpt.close()
+    except Exception as err:
+        raise signals.output_error(err, ckpt.directory) or err
+
+
+class Schedule:
+    """When the loop saves, besides the last step and a stop signal: every
+    ``train.checkpoint_every`` steps, and once ``train.checkpoint_minutes`` of wall time passed
+    since the last save (or the start). The timer is this process's own: the loop agrees on
+    it across processes (``signals.StopFlag.agree``)."""
+
+    def __init__(self, t: Any):
+        self.every, self.seconds = t.checkpoint_every, 60.0 * t.checkpoint_minutes
+        self._since = time.monotonic()
+        self._last: tuple[int, float] | None = None  # (step, monotonic time) of the last save
+
+    def step_due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def timer_due(self) -> bool:
+        return self.seconds > 0 and time.monotonic() - self._since >= self.seconds
+
+    def saved(self, step: int) -> None:
+        """A save of ``step`` started now: the timer starts again."""
+        self._since = time.monotonic()
+        self._last = (step, self._since)
+
+    def last_saved(self) -> tuple[int, float] | None:
+        """(step, seconds ago) of this start's last save; None before the first."""
+        return None if self._last is None else (self._last[0], time.monotonic() - self._last[1])
 
 
 def _sync(name: str) -> None:

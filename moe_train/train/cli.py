@@ -4,8 +4,11 @@ Configuration errors are caught before anything compiles or is written: one line
 naming the problem and the valid choices, exit code 2, no traceback.
 
 Exit codes: ``moe_train.train.signals`` (0 done or stopped by SIGTERM/SIGUSR2, 1 bug, 2 config,
-3 diverged, 4 multi-process failure, 5 the run directory cannot be written). SIGTERM/SIGUSR2
-are caught first thing, before JAX is imported, so a signal during start-up still ends cleanly.
+3 diverged, 4 multi-process failure, 5 the run directory cannot be written, 130 interrupted by
+Ctrl-C). SIGTERM/SIGUSR2/SIGINT are caught first thing, before JAX is imported, so a signal
+during start-up still ends cleanly. Ctrl-C (SIGINT) stops like SIGTERM, after saving, and
+prints the command that resumes the run (this one, without ``--resume-step``) last; a second
+Ctrl-C ends the run at once, without saving (one line; the last complete checkpoint is kept).
 
 Multi-process: start one command per process with the same ``--coordinator HOST:PORT`` and
 ``--num-processes N`` and its own ``--process-id``, or run under ``srun`` (detected). Only
@@ -21,6 +24,8 @@ import argparse
 import dataclasses
 import logging
 import os
+import shlex
+import shutil
 import sys
 import threading
 import traceback
@@ -164,21 +169,25 @@ class _DropClosedLoop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before anything slow: SIGTERM during start-up ends the run cleanly. The handlers it
-    # replaced come back on return (submitit's USR2 handler requeues the job after us).
-    installed = signals.STOP.install()
+    # Before anything slow: SIGTERM or Ctrl-C during start-up ends the run cleanly. The
+    # handlers it replaced come back on return (submitit's USR2 handler requeues the job after
+    # us). A supervised child leaves a second Ctrl-C to its supervisor (``supervise``).
+    installed = signals.STOP.install(abort_on_second=not supervise.is_child())
     try:
         return _main(sys.argv[1:] if argv is None else list(argv))
     finally:
         if installed:
             signals.STOP.restore()
+            signals.STOP.resume = ""
 
 
 def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if supervise.is_child():
+        signals.STOP.resume = resume_text(argv, multi=True)
         supervise.child_ready()
         return _train(args)
+    signals.STOP.resume = resume_text(argv, multi=False)
     try:
         cfg = resolve(args)
         source, kwargs = distributed.plan(cfg.parallel, os.environ)
@@ -187,10 +196,37 @@ def _main(argv: list[str]) -> int:
         return signals.EXIT_CONFIG
     if source == "single":
         return _train(args, cfg)
+    signals.STOP.resume = resume_text(argv, multi=True)
     return supervise.run(argv, supervise.Job(
         process_id=kwargs["process_id"], num_processes=kwargs["num_processes"],
         coordinator=kwargs.get("coordinator_address", ""),
         heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s, out_dir=args.out))
+
+
+def rerun_command(argv: list[str]) -> str:
+    """The command that resumes this run: this one without ``--resume-step`` (a rerun resumes
+    from the newest checkpoint), as a shell would take it."""
+    kept, skip = [], False
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if skip or (len(flag) > 2 and "--resume-step".startswith(flag)):  # argparse: prefixes
+            skip = not skip and "=" not in arg
+            continue
+        kept.append(arg)
+    return shlex.join([_python(), "-m", "moe_train", *kept])
+
+
+def resume_text(argv: list[str], multi: bool) -> str:
+    """How to resume (``signals.resume_hint``): "run: <command>"; every process's, if several."""
+    command = rerun_command(argv)
+    return f"rerun every process's command (this one's: {command})" if multi else f"run: {command}"
+
+
+def _python() -> str:
+    """``python`` where that is this interpreter (on PATH), else this interpreter's path."""
+    found = shutil.which("python")
+    same = found is not None and os.path.abspath(found) == os.path.abspath(sys.executable)
+    return "python" if same else sys.executable
 
 
 def _train(args: argparse.Namespace, cfg: config.Config | None = None) -> int:

@@ -1,7 +1,8 @@
-"""The training loop: resume, step, log, checkpoint, stop cleanly on SIGTERM/SIGUSR2.
+"""The training loop: resume, step, log, checkpoint, stop cleanly on SIGTERM/SIGUSR2/SIGINT.
 
 Exit codes (``moe_train.train.signals``): 0 finished, or stopped by a signal after saving (rerun
-the same command to go on); 2 bad configuration or input, or the run directory is in use
+the same command to go on; 130 for SIGINT, the command printed last); 2 bad configuration or
+input, or the run directory is in use
 (nothing in the run directory is changed: every check runs, and the first step is traced,
 before ``config.json``, ``layout.json``, ``kernels.json`` or ``metrics.jsonl`` are written);
 3 training diverged (``train.on_nonfinite``; nothing past the last good checkpoint is saved);
@@ -11,7 +12,8 @@ Order of a start: validate (devices, layout, EP plans, data and held-out data, k
 lock the run directory (``moe_train.train.runlock``) -> choose the checkpoint to resume from
 (``moe_train.train.resume``: the newest that verifies) -> first step -> write the run's files.
 With ``train.eval_every`` the loop evaluates the held-out loss (``moe_train.eval``) every
-N steps and at the last, into that step's record (``eval_loss``, ``eval_ppl``).
+N steps and at the last, into that step's record (``eval_loss``, ``eval_ppl``). It saves at the
+last step, on a stop signal and as ``checkpoint.Schedule`` says (steps, wall time).
 """
 
 from __future__ import annotations
@@ -141,18 +143,22 @@ def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
         evals = evaluate.InRun.of(cfg)
         exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
         log(kernel_line)
+        stopped = _stopped_in_start_up(log, "after the kernel self-test")
         existed = out_dir.exists()
-        lock = _lock(out_dir, log)
+        lock = _lock(out_dir, log) if stopped is None else None
     except BaseException:
         source.close()
         raise
+    if stopped is not None:
+        source.close()
+        return stopped
     try:
-        ckpt = _checkpointer(out_dir, t)
+        ckpt = checkpoint.open_for(out_dir, t)
         try:
             start = Start(exec_cfg, cfg, out_dir, plan, kernels, source, ckpt, log, evals)
             return start.resume_and_train(resume_step)
         finally:
-            _close(ckpt)
+            checkpoint.close(ckpt)
     except ConfigError:
         _remove_if_new(out_dir, existed)
         raise
@@ -162,18 +168,14 @@ def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
             lock.release()
 
 
-def _checkpointer(out_dir: Path, t) -> checkpoint.Checkpointer:
-    try:
-        return checkpoint.Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
-    except OSError as err:
-        raise signals.output_error(err, out_dir / "checkpoints") or err
-
-
-def _close(ckpt: checkpoint.Checkpointer) -> None:
-    try:
-        ckpt.close()
-    except Exception as err:  # an async save that failed: report what the file system said
-        raise signals.output_error(err, ckpt.directory) or err
+def _stopped_in_start_up(log: Log, where: str) -> int | None:
+    """The exit code when any process got a stop signal during start-up (else None)."""
+    signum = signals.STOP.agreed()
+    if signum is None:
+        return None
+    log(f"stopped by signal {signals.name(signum)} during start-up, {where}; nothing was "
+        f"changed; {signals.resume_hint()}")
+    return signals.exit_code(signum)
 
 
 class Start:
@@ -198,11 +200,8 @@ class Start:
         elif self.cfg.train.init_from:  # a new run: the given weights, the optimizer fresh
             state = weights.start_from(self.cfg.train.init_from, state, self.cfg, self.mesh, log)
         self.origin = origin(resumed, self.cfg.train.init_from)
-        if signals.STOP.agreed() is not None:
-            log(f"stopped by signal {signals.name(signals.STOP.signum or 15)} during start-up, "
-                f"before step {int(state.step) + 1}; nothing was changed, rerun to continue")
-            return EXIT_OK
-        return Loop(self, state).run()
+        stopped = _stopped_in_start_up(log, f"before step {int(state.step) + 1}")
+        return Loop(self, state).run() if stopped is None else stopped
 
     def save(self, step: int, state) -> None:
         self._saving(self.ckpt.save, step, state, self.meta)
@@ -256,6 +255,8 @@ class Loop:
         self.records: list[dict] = []
         self.peak = mfu_peak(self.cfg, start.mesh.devices.flat[0].device_kind)
         self.fpt = flops.train_flops_per_token(self.cfg)
+        self.saves = checkpoint.Schedule(self.cfg.train)  # its timer starts now
+        self.stopped_by: int | None = None  # the agreed stop signal, when one ended the loop
 
     def run(self) -> int:
         s, t = self.s, self.cfg.train
@@ -279,16 +280,19 @@ class Loop:
             return EXIT_DIVERGED
         finally:
             self._close()
-        s.log(metrics.summary(self.records, first_step=self.first,
-                              description=s.source.description, out_dir=s.out_dir, status=status))
+        s.log(metrics.summary(self.records, first_step=self.first, description=s.source.description,
+                              out_dir=s.out_dir, status=status, checkpoint=self.saves.last_saved()))
         _write_summary(s.out_dir, self.peak, s.log)
-        return EXIT_OK
+        if self.stopped_by is not None:
+            s.log(signals.resume_hint())
+        return signals.exit_code(self.stopped_by)
 
     def _steps(self) -> str:
         """Dispatches each step before the one before it is confirmed (``BucketedStep``).
         The loop waits for the step in flight (drains) only where it needs its state: the
         first step (its compiled memory), a checkpoint, the last step and a stop signal, so
-        every save holds a confirmed state. Records are written as steps are confirmed. An
+        every save holds a confirmed state; every process agrees on the stop flag and the
+        save timer (one gather a step). Records are written as steps are confirmed. An
         evaluation step (``train.eval_every``, and the last) drains too and evaluates the
         confirmed state before its record is written."""
         t, s = self.cfg.train, self.s
@@ -299,8 +303,8 @@ class Loop:
             self.state, done = self.step_fn.submit(self.state, batch)
             if done is not None:
                 self._record(n - 1, done, batch=None)
-            last, signum = n == t.steps, signals.STOP.agreed()
-            save = last or signum is not None or (t.checkpoint_every and n % t.checkpoint_every == 0)
+            last, (signum, timed) = n == t.steps, signals.STOP.agree(self.saves.timer_due())
+            save = last or signum is not None or timed or self.saves.step_due(n)
             evaluate_now = s.evals is not None and s.evals.due(n)
             if save or step == self.first or evaluate_now:
                 self.state, done = self.step_fn.drain(self.state)
@@ -308,10 +312,11 @@ class Loop:
                 self._record(n, done, batch, held_out)
             if save:
                 s.save(n, self.state)
+                self.saves.saved(n)
             if signum is not None and not last:
                 s.wait()
-                return (f"stopped by signal {signals.name(signum)} after step {n}; "
-                        f"checkpoint saved, rerun the same command to continue")
+                self.stopped_by, name = signum, signals.name(signum)
+                return f"stopped by signal {name} after step {n}; checkpoint {n} saved"
         s.wait()
         return "finished"
 

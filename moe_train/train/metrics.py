@@ -173,10 +173,13 @@ def _step_of(line: bytes) -> int | None:
 
 
 def summary(records: list[dict[str, Any]], *, first_step: int, description: str,
-            out_dir: Path, status: str) -> str:
-    """One paragraph on the run: loss change, throughput after compilation, balance."""
+            out_dir: Path, status: str, checkpoint: tuple[int, float] | None = None) -> str:
+    """One paragraph on the run: loss change, throughput after compilation, balance, and
+    ``checkpoint``: (step, seconds ago) of the last checkpoint this start saved."""
     if not records:
         return f"No steps ran ({status}). Run directory: {out_dir}."
+    saved = ("" if checkpoint is None else
+             f" (the last: step {checkpoint[0]}, saved {format_duration(checkpoint[1])} ago)")
     first, last = records[0], records[-1]
     steady = records[1:] or records
     tok_s = float(np.median([r["tokens_per_s"] for r in steady]))
@@ -196,4 +199,4 @@ def summary(records: list[dict[str, Any]], *, first_step: int, description: str,
             f"{sum(r['dropped_tokens'] for r in records)} tokens dropped; "
             f"the step compiled {last['compilations']} time(s). "
             f"Metrics: {out_dir / 'metrics.jsonl'}; config: {out_dir / 'config.json'}; "
-            f"checkpoints: {out_dir / 'checkpoints'}.")
+            f"checkpoints: {out_dir / 'checkpoints'}{saved}.")

@@ -1,5 +1,5 @@
-"""Exit codes of ``python -m moe_train``, the stop flag set by SIGTERM/SIGUSR2, and which errors are
-the file system refusing a write (``output_error``: exit 5).
+"""Exit codes of ``python -m moe_train``, the stop flag set by SIGTERM/SIGUSR2/SIGINT, and which
+errors are the file system refusing a write (``output_error``: exit 5).
 
 Every way a run ends has its own code (the README's exit-code table lists the same):
 
@@ -13,61 +13,126 @@ Every way a run ends has its own code (the README's exit-code table lists the sa
 4     multi-process failure: a peer died, hung, or could not connect
 5     the run directory cannot be written (permissions, full disk, file size limit); the
       previous checkpoint is intact, a partial one is removed at the next start
+130   interrupted (Ctrl-C, SIGINT): stopped like SIGTERM, after saving, the command that
+      resumes printed last; or a second Ctrl-C: ended at once without saving (one line)
 ====  ==================================================================================
 
 The stop flag is installed as early as possible (first thing in the CLI), so a signal that
 arrives while the run starts (imports, compile, restore) also ends it cleanly: the trainer
-checks the flag before its first step and after every step.
+checks the flag after the kernel self-test, before its first step and after every step.
+
+A second SIGINT ends the process at once (``os._exit(130)``), even inside a long compile or
+device wait: a thread counts the SIGINTs as they arrive (``signal.set_wakeup_fd``), not when
+the main thread runs Python's handler. Nothing is left corrupt: a checkpoint is written to a
+temporary directory and renamed once complete (``moe_train.train.checkpoint``), and
+``metrics.jsonl`` drops a torn last line at the next start. SIGINT that was ignored when the
+flag was installed (a background job of a script) stays ignored.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
+from typing import Callable
 
 EXIT_OK, EXIT_BUG, EXIT_CONFIG, EXIT_DIVERGED, EXIT_DISTRIBUTED, EXIT_OUTPUT = 0, 1, 2, 3, 4, 5
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
+HINT = ("interrupted (Ctrl-C): stopping cleanly, the current step finishes and is saved; "
+        "Ctrl-C again ends at once without saving\n")
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGUSR2; the loop finishes the current step, saves and exits 0."""
+    """Set by SIGTERM/SIGUSR2/SIGINT; the loop finishes the current step, saves and exits 0
+    (130 for SIGINT). A second SIGINT ends the process at once (see the module doc)."""
 
     def __init__(self):
         self.signum: int | None = None
+        self.resume = ""  # how to resume, set by the CLI: "run: <command>"; "": the same command
+        self.before_abort: list[Callable[[], None]] = []  # run before a second SIGINT ends us
         self._previous: dict = {}
+        self._wakeup: tuple[int, int] | None = None  # (the wakeup fd replaced, our pipe's end)
 
-    def install(self) -> bool:
+    def install(self, abort_on_second: bool = True) -> bool:
         """Catch the stop signals (main thread only). True when this call installed them (and
-        cleared the flag): that caller restores them; False when they were already in place."""
+        cleared the flag): that caller restores them; False when they were already in place.
+        ``abort_on_second``: a second SIGINT ends the process (not in a supervised child: its
+        supervisor counts them, and a terminal's Ctrl-C reaches both)."""
         if self._previous:
             return False
         self.signum = None
         for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            if sig != signal.SIGINT or signal.getsignal(sig) is not signal.SIG_IGN:
+                self._previous[sig] = signal.signal(sig, self._handle)
         # Past ``ulimit -f`` a write fails with EFBIG (exit 5) instead of killing the process.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        if abort_on_second and signal.SIGINT in self._previous:
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._wakeup = (signal.set_wakeup_fd(write, warn_on_full_buffer=False), write)
+            threading.Thread(target=self._count_interrupts, args=(read,), daemon=True,
+                             name="moe-train-interrupts").start()
         return True
 
     def _handle(self, signum, frame) -> None:
         self.signum = signum
+
+    def _count_interrupts(self, read: int) -> None:
+        """The first SIGINT: say what happens; the second: ``abort``. Ends when ``restore``
+        closes the pipe."""
+        seen = 0
+        try:
+            while chunk := os.read(read, 64):  # one byte per signal caught, its number
+                before, seen = seen, seen + chunk.count(signal.SIGINT)
+                if seen >= 2:
+                    self.abort()
+                if seen and not before:
+                    _say(1, HINT)
+        finally:
+            os.close(read)
+
+    def abort(self) -> None:
+        """End the process now, without saving: ``before_abort``, one line, exit 130."""
+        for hook in list(self.before_abort):
+            try:
+                hook()
+            except Exception:
+                pass
+        _say(2, f"error: interrupted twice (Ctrl-C): ended at once, without saving (complete "
+                f"checkpoints are kept, a partial one is removed at the next start); "
+                f"{resume_hint()}\n")
+        os._exit(EXIT_INTERRUPTED)
 
     def restore(self) -> None:
         """Put back the handlers ``install`` replaced (e.g. submitit's USR2 requeue)."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if self._wakeup is not None:
+            previous, write = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # the counting thread reads the end of the pipe and stops
+            self._wakeup = None
 
-    def agreed(self) -> int | None:
-        """The stop signal if any process got one. Processes must stop after the same step
-        (a checkpoint is a collective), so a multi-process run agrees every step."""
+    def agree(self, save_due: bool = False) -> tuple[int | None, bool]:
+        """(The stop signal if any process got one, whether any process's checkpoint timer is
+        due). Processes must stop, and save, after the same step (a checkpoint is a
+        collective), so a multi-process run agrees on both every step, in one gather."""
         import jax
 
         if jax.process_count() == 1:
-            return self.signum
+            return self.signum, save_due
         import numpy as np
         from jax.experimental import multihost_utils
 
-        signums = multihost_utils.process_allgather(np.int32(self.signum or 0))
-        return int(np.max(signums)) or None
+        mine = np.array([self.signum or 0, int(save_due)], np.int32)
+        got = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2).max(axis=0)
+        return int(got[0]) or None, bool(got[1])
+
+    def agreed(self) -> int | None:
+        """The stop signal if any process got one (``agree``)."""
+        return self.agree()[0]
 
 
 STOP = StopFlag()  # the process's flag: the CLI installs it first thing, the trainer reads it
@@ -75,6 +140,24 @@ STOP = StopFlag()  # the process's flag: the CLI installs it first thing, the tr
 
 def name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+def exit_code(signum: int | None) -> int:
+    """How a run that a stop signal (or nothing: None) ended exits: 130 for SIGINT, else 0."""
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_OK
+
+
+def resume_hint() -> str:
+    """The line that says how to resume, e.g. "to resume, run: python -m moe_train ..."."""
+    return f"to resume, {STOP.resume or 'rerun the same command'}"
+
+
+def _say(fd: int, text: str) -> None:
+    """Write to stdout (1) or stderr (2) without Python's buffers (any thread, any time)."""
+    try:
+        os.write(fd, text.encode())
+    except OSError:
+        pass
 
 
 class OutputError(Exception):

@@ -23,17 +23,20 @@ collectives instead of ending. Neither is robust; a parent process is.
 
 How it works. In multi-process mode (``distributed.plan`` is not "single") the CLI runs
 ``python -m moe_train`` with the same arguments as a child (``MARKER`` set in its environment)
-and only supervises it: SIGTERM/SIGUSR2 are forwarded (blocked in the child until its stop
-flag is installed, so an early signal is never fatal), SIGINT is left to the child (a
-terminal's Ctrl-C reaches both), the child is killed when the supervisor dies
-(``PR_SET_PDEATHSIG`` on Linux, and the child polls its parent). Its stdout passes through
-line by line. Its stderr passes through too, except runtime noise: C++ log records
-(``E0101 12:00:00.000 123 file.cc:1] ...`` and their continuation lines), Python logging and
-thread tracebacks ("ERROR:absl:", "Exception in thread", an unprefixed "Traceback") and fatal
-dumps. Those are held back ``HOLD_S`` seconds; if the child is still fine by then they are
-passed through (late), if it fails they go to ``OUT/logs/process-<I>.stderr.log`` instead.
+and only supervises it: SIGTERM/SIGUSR2/SIGINT are forwarded (blocked in the child until its
+stop flag is installed, so an early signal is never fatal), the child is killed when the
+supervisor dies (``PR_SET_PDEATHSIG`` on Linux, and the child polls its parent). A terminal's
+Ctrl-C, or Slurm signalling every process of the step, reaches the child twice (directly and
+forwarded), so the child takes every SIGINT as one stop request; the supervisor counts them
+(``signals.StopFlag``): at the second it kills the child and exits 130 with one line.
+Its stdout passes through line by line. Its stderr passes through too, except runtime noise:
+C++ log records (``E0101 12:00:00.000 123 file.cc:1] ...`` and their continuation lines),
+Python logging and thread tracebacks ("ERROR:absl:", "Exception in thread", an unprefixed
+"Traceback") and fatal dumps. Those are held back ``HOLD_S`` seconds; if the child is still
+fine by then they are passed through (late), if it fails they go to
+``OUT/logs/process-<I>.stderr.log`` instead.
 
-How the child ends: 0/1/2/3/5 pass through unchanged (1 is a bug: its traceback was shown),
+How the child ends: 0/1/2/3/5/130 pass through unchanged (1 is a bug: its traceback was shown),
 unless a fatal C++ record was seen; 4 (the child already printed its one line) passes through;
 a fatal C++ record or a death by any signal becomes 4 and one line naming the peer or the
 coordinator. Single-process runs do not start a supervisor.
@@ -55,7 +58,7 @@ from moe_train.train import signals
 
 MARKER = "MOE_TRAIN_SUPERVISED"  # set in the child's environment: "run the trainer here"
 HOLD_S = 5.0  # runtime noise waits this long on stderr before it is shown (or filed away)
-FORWARDED = signals.STOP_SIGNALS  # SIGTERM, SIGUSR2
+FORWARDED = signals.STOP_SIGNALS  # SIGTERM, SIGUSR2, SIGINT
 _GLOG = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
 _FATAL_STARTS = ("*** Check failure stack trace", "Fatal Python error", "*** SIG",
                  "*** Begin stack trace", "terminate called")
@@ -280,13 +283,14 @@ def run(argv: list[str], job: Job, command: list[str] | None = None) -> int:
                              preexec_fn=lambda: _in_child(parent))
     pending = signals.STOP.signum  # a stop signal that came before the child existed
     previous = {sig: signal.signal(sig, lambda signum, frame: _forward(child, signum))
-                for sig in FORWARDED}
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the child too
+                for sig in FORWARDED if signal.getsignal(sig) is not signal.SIG_IGN}
+    signals.STOP.before_abort.append(child.kill)  # a second Ctrl-C: the child goes first
     if pending:
         _forward(child, pending)
     try:
         return _supervise(child, job)
     finally:  # e.g. submitit's USR2 handler, which requeues the job once we return
+        signals.STOP.before_abort.remove(child.kill)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
