@@ -56,7 +56,7 @@ def _cfg(s: Sizes, layers: int, scan: bool) -> config.Config:
 def compile_cell(cfg: config.Config) -> dict[str, Any]:
     """Lower and compile ``cfg``'s train step from abstract inputs; seconds and HLO size."""
     mesh = sharding.make_mesh(jax.devices()[:1])
-    rules = sharding.logical_rules(cfg.model.hidden, mesh.size)
+    rules = sharding.logical_rules(cfg, mesh.shape)
     with sharding.activate(mesh, rules):
         abstract = jax.eval_shape(lambda: train.init_state(cfg, mesh))
         shardings = train.state_shardings(cfg, mesh, abstract)

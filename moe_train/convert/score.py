@@ -77,7 +77,7 @@ def score(ckpt: str, ids: np.ndarray | None = None, *, tokens: str | None = None
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=ids.shape[1]))
     mesh = sharding.make_mesh(pick_devices(devices))
     params, moe_state = weights.restore(source, cfg, mesh, trust_unverified)
-    shd = sharding.Sharding.of(mesh, cfg.model)
+    shd = sharding.Sharding.of(mesh, cfg)
     rows = NamedSharding(mesh, P(sharding.TOKEN_AXES) if ids.shape[0] % mesh.size == 0 else P())
     model = Transformer(cfg)
 

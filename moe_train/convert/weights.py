@@ -91,7 +91,7 @@ def _abstract(cfg: Config, mesh: Mesh):
     """Abstract (params, moe_state) of ``cfg`` with their shardings on ``mesh``."""
     tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
     boxed = jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens), jax.random.key(0))
-    shd = sharding.Sharding.of(mesh, cfg.model)
+    shd = sharding.Sharding.of(mesh, cfg)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nn.unbox(boxed["params"]), shd.params(boxed["params"]))
     moe_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,

@@ -81,7 +81,7 @@ def compiled(cfg: Config, mesh: Mesh):
     from moe_train.train.stepper import ep_plans  # imports the train step
 
     model = Transformer(cfg, ep_plans(cfg, mesh)[-1])
-    shd = sharding.Sharding.of(mesh, cfg.model)
+    shd = sharding.Sharding.of(mesh, cfg)
     n = cfg.train.micro_batches
 
     def fn(params, fp8_state, moe_state, batch):

@@ -6,6 +6,7 @@ Nothing here imports JAX: the planner runs anywhere the config loads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -77,32 +78,35 @@ class Estimate:
 
 # ----------------------------------------------------------------------------- state
 
-def param_split(cfg: Config, devices: int = 1) -> tuple[int, int, int]:
-    """(routed expert, FSDP-sharded, replicated) parameter counts on ``devices``, MTP
-    modules included.
-
-    ``moe_train.parallel.sharding.LOGICAL_RULES``: routed experts ``[E, H, F]`` take the EP axes for
-    ``expert`` and ``data`` for ``embed``, so they split over every device; every other matrix
-    has an ``embed`` axis split over every device, except MLA's up-projections from a latent
-    whose width the devices do not divide (``sharding.logical_rules``): those and the norm
-    scales are replicated.
-    """
-    c = flops.param_counts(cfg)
-    routed = c["routed_experts"] + c["mtp_routed_experts"]
-    rep = c["norms"] + _replicated_latent_weights(cfg, devices)
-    return routed, c["total_with_mtp"] - routed - rep, rep
+def param_split(cfg: Config, s: Setup) -> tuple[int, int, int]:
+    """(routed expert, FSDP-sharded, replicated) parameter counts of the job ``s``, MTP
+    modules included: replicated are the norm scales and, on more than one device, any weight
+    the sharding rules leave whole (``weight_shards``)."""
+    routed = rep = total = 0
+    for n, _, ways, kind in weight_shards(cfg, s):
+        total += n
+        routed += n if kind == "expert" else 0
+        rep += n if kind == "norm" or (kind == "other" and ways == 1 and s.devices > 1) else 0
+    return routed, total - routed - rep, rep
 
 
-def _replicated_latent_weights(cfg: Config, devices: int) -> int:
-    """Weights of MLA's q_b and kv_b where ``devices`` does not divide their latent width."""
-    m = cfg.model
-    if m.attention_kind != "mla":
-        return 0
-    N, layers = m.num_heads, m.num_layers + m.mtp_depth
-    q_b = m.q_lora_rank * N * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-    kv_b = m.kv_lora_rank * N * (m.qk_nope_head_dim + m.v_head_dim)
-    return layers * ((q_b if m.q_lora_rank % devices else 0)
-                     + (kv_b if m.kv_lora_rank % devices else 0))
+def weight_shards(cfg: Config, s: Setup) -> list[tuple[int, int, int, str]]:
+    """(parameters, bytes each, devices splitting them, kind: expert | norm | other) of each
+    kind of weight (``moe_train.parallel.sharding.weights``) on the job's mesh, split by the
+    trainer's own rules (``sharding.logical_rules``). Norm scales and the router are fp32
+    whatever ``model.param_dtype``."""
+    from moe_train.parallel import sharding  # imports JAX: flax resolves the rules
+
+    sizes = {sharding.DATA: s.dp, sharding.EXPERT_X: s.domains, sharding.EXPERT: s.domain_size}
+    rules, pb = sharding.logical_rules(cfg, sizes), PARAM_BYTES[cfg.model.param_dtype]
+    out = []
+    for count, axes in sharding.weights(cfg.model, cfg.moe):
+        names = tuple(name for name, _ in axes)
+        kind = "expert" if "expert" in names else "norm" if len(axes) == 1 else "other"
+        size = 4 if kind == "norm" or "expert_gate" in names else pb
+        n = count * math.prod(width for _, width in axes)
+        out.append((n, size, sharding.split_ways(names, rules, sizes), kind))
+    return out
 
 
 def fp8_state_bytes(cfg: Config, s: Setup) -> int:
@@ -122,10 +126,7 @@ def fp8_state_bytes(cfg: Config, s: Setup) -> int:
 
 def state_bytes(cfg: Config, s: Setup) -> dict[str, int]:
     """params, grads, optimizer and other (MoE bias and fp8 state, batch, counters) per device."""
-    pb = PARAM_BYTES[cfg.model.param_dtype]
-    expert, fsdp, rep = param_split(cfg, s.devices)
-    fsdp_ways = s.devices if cfg.model.hidden % s.devices == 0 else s.dp  # sharding.logical_rules
-    params = (expert // (s.ep * s.dp) + fsdp // fsdp_ways + rep) * pb
+    params = sum(n * size // ways for n, size, ways, _ in weight_shards(cfg, s))
     _, n_moe = _layer_kinds(cfg)
     seqs = cfg.train.batch_size // s.devices
     other = (n_moe * cfg.moe.num_experts * 4 + seqs * (cfg.train.seq_len + 1) * 4 + 64
@@ -139,9 +140,10 @@ def step_copy_bytes(cfg: Config, s: Setup) -> int:
     """Per-device bytes of ``parallel.weight_gather=step``'s copy of the weights (0 in
     ``micro_batch`` mode; ``moe_train.memory.step_gather``)."""
     router = _layer_kinds(cfg)[1] * cfg.model.hidden * cfg.moe.num_experts  # MTP's too
+    norms = sum(n for n, _, _, kind in weight_shards(cfg, s) if kind == "norm")  # MTP's too
     return step_gather.copy_bytes(cfg, s.devices, s.ep, s.dp, s.a,
-                                  PARAM_BYTES[cfg.model.param_dtype], param_split(cfg, s.devices),
-                                  router, flops.param_counts(cfg)["norms"])
+                                  PARAM_BYTES[cfg.model.param_dtype], param_split(cfg, s),
+                                  router, norms)
 
 
 # ----------------------------------------------------------------------------- per token

@@ -7,6 +7,7 @@ key/value heads, D query/key head dim, J value head dim.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -20,16 +21,46 @@ ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
 
 
 # FSDP-sharded weight axes -> the (unsharded) axis a weight has while in use
+# (every axis moe_train.parallel.sharding may split; the router is gathered by the MoE layer)
 IN_USE = {"embed": "activation_embed", "q_lora": "activation_latent",
-          "kv_lora": "activation_latent"}
+          "kv_lora": "activation_latent", "kv_lora_rope": "activation_latent",
+          "heads": "activation_heads", "kv_heads": "activation_kv_heads", "mlp": "activation_mlp",
+          "vocab": "activation_vocab", "mtp_concat": "activation_mtp_concat"}
 
 
 def gathered(w, axes: tuple[str, ...], dtype):
     """A weight cast for use, constrained whole along its FSDP axes (``embed``, the MLA
     latents): FSDP all-gathers the weight rather than letting the partitioner reshard
-    activations to match it."""
+    activations to match it. The cast runs on the shard, so the all-gather moves the compute
+    dtype (XLA:GPU otherwise gathered fp32 master weights, the embedding and head among them:
+    half the FSDP bytes and whole-vocabulary fp32 buffers); the gradient is cast back before
+    its reduction, which sums in the master dtype (``_cast_gather``)."""
     use_axes = tuple(IN_USE.get(a, a) for a in axes)
-    return nn.with_logical_constraint(w.astype(dtype), use_axes)
+    rules = nn.get_logical_axis_rules()
+    if not rules or jnp.dtype(dtype) == w.dtype:
+        return nn.with_logical_constraint(w.astype(dtype), use_axes)
+    return _cast_gather(w, jnp.dtype(dtype), w.dtype, axes, use_axes, tuple(rules))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _cast_gather(w, dtype, master, axes, use_axes, rules):
+    """``w`` (dtype ``master``) cast to ``dtype`` on its shard (``axes``), then whole along
+    ``use_axes``."""
+    shard = nn.with_logical_constraint(w.astype(dtype), axes, rules=rules)
+    return nn.with_logical_constraint(shard, use_axes, rules=rules)
+
+
+def _cast_gather_fwd(w, dtype, master, axes, use_axes, rules):
+    return _cast_gather(w, dtype, master, axes, use_axes, rules), None
+
+
+def _cast_gather_bwd(dtype, master, axes, use_axes, rules, _, g):
+    """The cotangent in the master dtype before it is reduced onto the shard."""
+    g = nn.with_logical_constraint(g.astype(master), use_axes, rules=rules)
+    return (nn.with_logical_constraint(g, axes, rules=rules),)
+
+
+_cast_gather.defvjp(_cast_gather_fwd, _cast_gather_bwd)
 
 
 def fan_in_init(fan_in_axes: tuple[int, ...] = (-2,), out_axes: tuple[int, ...] = (-1,),

@@ -21,10 +21,11 @@ Hugging Face bridge only reshapes and transposes. The RoPE pairs follow ``rope.l
 released DeepSeek-V3 weights need ``interleaved`` (``moe_train.model.rope`` says why).
 
 Every projection goes through ``precision.dot`` like the other dense projections, so fp8 and
-FSDP treat them alike; the latent axes (``q_lora``, ``kv_lora``) are FSDP-sharded over every
-device where the device count divides them (``moe_train.parallel.sharding.logical_rules``). The value
-head dim differs from the query/key head dim, which the xla and chunked kernels take and
-cuDNN's (``jax.nn.dot_product_attention``) refuses (``moe_train.model.attention.resolve`` says so).
+FSDP treat them alike; the latent axes (``q_lora``, ``kv_lora``; ``kv_lora_rope``: kv_a's output,
+the latent then the RoPE key) are FSDP-sharded over the mesh axes that divide them, the heads
+over those left (``moe_train.parallel.sharding.logical_rules``). The value head dim differs
+from the query/key head dim, which the xla and chunked kernels take and cuDNN's
+(``jax.nn.dot_product_attention``) refuses (``moe_train.model.attention.resolve`` says so).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class MLA(CausalAttention):
         m, pol = self.cfg.model, precision.policy(self.cfg)
         N, U, I, J = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         q_BSND = self._queries(x_BSH, N, U + I)
-        kv_axes = ("embed", "kv_lora")
+        kv_axes = ("embed", "kv_lora_rope")
         kv_a = weight(self, "kv_a", (m.hidden, m.kv_lora_rank + I), kv_axes)
         c_BSZ, k_rope_BSI = jnp.split(
             precision.dot(pol, "kv_a", x_BSH, gathered(kv_a, kv_axes, pol.dtype)),

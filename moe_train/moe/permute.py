@@ -105,10 +105,21 @@ def tile_experts(padded_start_E: jax.Array, num_tiles: int, tile_rows: int) -> j
     return jnp.clip(owner_B, 0, E - 1).astype(jnp.int32)
 
 
+def take_rows(x_TH: jax.Array, index_R: jax.Array, valid_R: jax.Array) -> jax.Array:
+    """``x_TH[index_R]`` [R, H] with zero rows where ``valid_R`` is False: a gather from
+    ``x_TH`` with one zero row appended, which the invalid rows read. A gather followed by a
+    select would hold an [R, H] select forward and another of the cotangent backward;
+    XLA:GPU fused those of several overlap chunks into one multi-output kernel whose outputs
+    were all live at once (deepseek-v3's MTP block: 16 of 448 MiB, ``make compile``). Here the
+    backward pass is one scatter-add into [T + 1, H]."""
+    T = x_TH.shape[0]
+    padded = jnp.concatenate([x_TH, jnp.zeros((1, *x_TH.shape[1:]), x_TH.dtype)])
+    return padded[jnp.where(valid_R, index_R, T)]
+
+
 def permute(x_TH: jax.Array, plan: Dispatch) -> jax.Array:
     """Gather token rows into dispatch order [R, H]; padding rows are zero."""
-    x_RH = x_TH[plan.token_R]
-    return jnp.where(plan.valid_R[:, None], x_RH, jnp.zeros((), x_TH.dtype))
+    return take_rows(x_TH, plan.token_R, plan.valid_R)
 
 
 def weighted_sum(y_NH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array:

@@ -1,28 +1,37 @@
 """Device mesh and the one table that maps logical axis names to mesh axes.
 
-Mesh axes, outermost first: ``data`` (data parallel; expert weights and their optimizer
-state are FSDP-sharded over it, the other weights over every device where the width allows), ``expert_x`` (expert
-parallel across fast-link domains) and
+Mesh axes, outermost first: ``data`` (data parallel; every weight and its optimizer state is
+FSDP-sharded), ``expert_x`` (expert parallel across fast-link domains) and
 ``expert`` (expert parallel inside one domain). An EP group is ``expert_x * expert``
 consecutive devices of the device order the caller passes: ``moe_train.parallel.layout`` orders
 them with the topology module, so EP groups stay inside NVLink domains.
 
 Model code names axes logically (``embed``, ``expert``, ``activation_batch``, ...);
-``LOGICAL_RULES`` is the only place that says which mesh axes each one is split over.
+``logical_rules`` is the only place that says which mesh axes each one is split over, for a
+model and the sizes of its mesh: every weight axis takes the largest group of mesh axes whose
+size divides every width it has (``weights`` lists them), in the order of ``SPLIT_ORDER``, each
+mesh axis serving one dimension of a tensor. Where the device count divides the model width
+that is ``LOGICAL_RULES``: expert weights [expert, embed, mlp] over (EP axes, data), every
+other weight along ``embed`` (or an MLA latent) over every device. Where it does not, the
+other dimensions take the mesh axes ``embed`` leaves, so a weight stays whole on every device
+only where no mesh axis divides the widths of its axes (``head_dim`` and ``norm`` aside: never
+split).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Sequence
+import itertools
+import math
+from typing import Mapping, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moe_train.config import ParallelConfig
+from moe_train.config import Config, ModelConfig, MoEConfig, ParallelConfig, head_dim
 from moe_train.parallel import jobplan
 
 DATA = "data"  # data parallel (FSDP for the weights)
@@ -32,55 +41,115 @@ MESH_AXES = (DATA, EXPERT_X, EXPERT)
 TOKEN_AXES = MESH_AXES  # a batch is split over every device
 EP_AXES = (EXPERT_X, EXPERT)
 
-# logical axis -> mesh axes (None: replicated)
-LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+# The same on every mesh: activations and weights in use (``moe_train.model.layers.IN_USE``:
+# a weight gathered for its matmul) split along the batch only; routed experts over EP.
+FIXED_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_batch", TOKEN_AXES),
     ("activation_seq", None),
     ("activation_embed", None),
-    # The leading axis of scanned layer groups' variables [layers, ...] (moe_train.model.transformer):
-    # each device holds every layer's shard; the other dims follow the rules below as unstacked.
-    ("layers", None),
-    # Rules apply in order and a mesh axis serves one dimension of a tensor: expert weights
-    # [expert, embed, mlp] take the EP axes for `expert` first, so their width falls back to
-    # `data`; every other weight (attention, dense MLP, embeddings, router) is FSDP-sharded
-    # along its width over every device, so an EP group does not hold copies of them.
-    ("expert", EP_AXES),
-    ("embed", TOKEN_AXES),
-    ("embed", "data"),
-    ("vocab", None),
-    ("heads", None),
-    ("kv_heads", None),
-    ("head_dim", None),
-    ("mlp", None),
-    ("norm", None),
-    ("expert_gate", None),
-    ("mtp_concat", None),  # the [embedding; hidden] input rows of an MTP module's eh_proj
-    # MLA's latent widths: FSDP over every device where the count divides them
-    # (``logical_rules``), else whole on each device like the activations' own copies
-    ("q_lora", None),
-    ("kv_lora", None),
     ("activation_latent", None),
+    ("activation_heads", None),
+    ("activation_kv_heads", None),
+    ("activation_mlp", None),
+    ("activation_vocab", None),
+    ("activation_mtp_concat", None),
+    # The leading axis of scanned layer groups' variables [layers, ...] (model.transformer):
+    # each device holds every layer's shard; the other dims follow the rules as unstacked.
+    ("layers", None),
+    ("expert", EP_AXES),  # routed experts [expert, embed, mlp]: E over the EP group, first
 )
-# The same, for a width that the device count does not divide: every weight's width over data.
-DATA_FSDP_RULES = tuple(r for r in LOGICAL_RULES if r != ("embed", TOKEN_AXES))
+# Weight axes split by their widths, in this order: MLA's latents (``kv_lora_rope``: kv_a's
+# output, the latent and the RoPE key), the model width, then the rest.
+SPLIT_ORDER = ("q_lora", "kv_lora", "kv_lora_rope", "embed", "heads", "kv_heads", "mlp", "vocab",
+               "mtp_concat", "expert_gate")
+WHOLE = ("head_dim", "norm")  # never split (head_dim also names the qk-norm scales)
+# The table where the device count divides every width: expert weights take the EP axes for
+# `expert`, so their width falls back to `data`; every other weight's width over every device.
+LOGICAL_RULES = (*FIXED_RULES, ("embed", TOKEN_AXES), ("embed", DATA),
+                 *((name, None) for name in SPLIT_ORDER + WHOLE if name != "embed"))
 
 
-def latent_widths(m) -> dict[str, int]:
-    """The MLA latent axes of model config ``m`` and their widths ({} for GQA)."""
+Axes = tuple[tuple[str, int], ...]  # a weight's (logical axis, width) per dimension
+
+
+def weights(m: ModelConfig, e: MoEConfig | None = None) -> list[tuple[int, Axes]]:
+    """Every weight of model ``m`` (with MoE section ``e``; None: without the MoE layers'),
+    MTP modules included, as (how many, ((logical axis, width), ...)): a scanned group's
+    stacked [layers, ...] weight counts once per layer, its ``layers`` axis left out."""
+    H = m.hidden
+    dense, moe = m.first_dense_layers, m.num_layers - m.first_dense_layers
+    dense, moe = (dense, moe + m.mtp_depth) if moe else (dense + m.mtp_depth, 0)
+    blocks, norm = dense + moe, (("norm", H),)
+    out = [(1, (("vocab", m.vocab_size), ("embed", H))), (1 + 2 * blocks + 3 * m.mtp_depth, norm),
+           (0 if m.tie_embeddings else 1, (("embed", H), ("vocab", m.vocab_size))),
+           (m.mtp_depth, (("mtp_concat", 2 * H), ("embed", H)))]
+    out += [(blocks * n, w) for n, w in _attention(m)]
+    mlp = (("embed", H), ("mlp", m.dense_ffn))
+    out += [(2 * dense, mlp), (dense, mlp[::-1])]
+    if e is not None and moe:
+        expert = (("expert", e.num_experts), ("embed", H), ("mlp", e.expert_ffn))
+        shared = (("embed", H), ("mlp", e.num_shared_experts * (e.shared_ffn or e.expert_ffn)))
+        out += [(moe, (("embed", H), ("expert_gate", e.num_experts))), (2 * moe, expert),
+                (moe, (expert[0], expert[2], expert[1]))]
+        out += [(2 * moe, shared), (moe, shared[::-1])] if e.num_shared_experts else []
+    return [(n, w) for n, w in out if n]
+
+
+def _attention(m: ModelConfig) -> list[tuple[int, Axes]]:
+    """One block's attention weights, as ``weights`` lists them."""
+    H, N = m.hidden, m.num_heads
     if m.attention_kind != "mla":
-        return {}
-    return {"kv_lora": m.kv_lora_rank, **({"q_lora": m.q_lora_rank} if m.q_lora_rank else {})}
+        D, K = head_dim(m), m.num_kv_heads
+        kv = (("embed", H), ("kv_heads", K), ("head_dim", D))
+        return [(1, (("embed", H), ("heads", N), ("head_dim", D))), (2, kv),
+                (1, (("heads", N), ("head_dim", D), ("embed", H))),
+                (2 if m.qk_norm else 0, (("head_dim", D),))]
+    W, Z, U, I, J = (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim,
+                     m.v_head_dim)
+    q = ([(1, (("embed", H), ("q_lora", W))), (1, (("norm", W),)),
+          (1, (("q_lora", W), ("heads", N), ("head_dim", U + I)))] if W
+         else [(1, (("embed", H), ("heads", N), ("head_dim", U + I)))])
+    return q + [(1, (("embed", H), ("kv_lora_rope", Z + I))), (1, (("norm", Z),)),
+                (1, (("kv_lora", Z), ("heads", N), ("head_dim", U + J))),
+                (1, (("heads", N), ("head_dim", J), ("embed", H)))]
 
 
-def logical_rules(hidden: int, num_devices: int, latents: dict[str, int] | None = None):
-    """The rules for a model of width ``hidden`` on ``num_devices``: non-expert weights are
-    sharded over every device when that divides the width, else over ``data`` only; an MLA
-    latent axis (``latents``: name -> width) over every device where that divides it, else
-    not at all."""
-    rules = LOGICAL_RULES if hidden % num_devices == 0 else DATA_FSDP_RULES
-    split = tuple((name, TOKEN_AXES) for name, width in sorted((latents or {}).items())
-                  if width % num_devices == 0)
-    return split + rules if split else rules
+def _groups(sizes: Mapping[str, int]) -> list[str | tuple[str, ...]]:
+    """Every group of mesh axes (in mesh order), the largest first (more axes first among
+    equals, so every device reads as TOKEN_AXES): one axis as its name."""
+    subsets = [c for k in range(len(MESH_AXES), 0, -1)
+               for c in itertools.combinations(MESH_AXES, k)]
+    subsets.sort(key=lambda c: -math.prod(sizes[a] for a in c))  # stable: more axes first
+    return [c if len(c) > 1 else c[0] for c in subsets]
+
+
+def logical_rules(cfg: Config | ModelConfig, sizes: Mapping[str, int]):
+    """The rules for model ``cfg`` (a ``Config``; its ``model`` alone leaves the MoE layers'
+    widths out) on a mesh of these axis ``sizes`` (``mesh.shape``): each weight axis of
+    ``SPLIT_ORDER`` over every group of mesh axes whose size divides all its widths, largest
+    first; flax takes, for each dimension of a tensor, the first group none of whose axes
+    another dimension already holds."""
+    m, e = (cfg.model, cfg.moe) if isinstance(cfg, Config) else (cfg, None)
+    widths: dict[str, set[int]] = {}
+    for _, axes in weights(m, e):
+        for name, width in axes:
+            widths.setdefault(name, set()).add(width)
+    split = tuple((name, g) for name in SPLIT_ORDER if name in widths for g in _groups(sizes)
+                  if all(w % mesh_size(g, sizes) == 0 for w in widths[name]))
+    return FIXED_RULES + split + tuple((name, None) for name in SPLIT_ORDER + WHOLE)
+
+
+def mesh_size(axes: str | tuple[str, ...] | None, sizes: Mapping[str, int]) -> int:
+    """Devices one entry of a PartitionSpec splits a dimension over."""
+    if axes is None:
+        return 1
+    return math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def split_ways(names: Sequence[str | None], rules, sizes: Mapping[str, int]) -> int:
+    """Shards a tensor with these logical axis ``names`` has under ``rules`` on a mesh of these
+    axis ``sizes``: its bytes per device are its bytes over this."""
+    return math.prod(mesh_size(a, sizes) for a in nn.logical_to_mesh_axes(names, rules))
 
 
 def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int,
@@ -141,12 +210,12 @@ class Sharding:
     """A run's mesh and the logical-axis rules chosen for it, built once (``of``)."""
 
     mesh: Mesh  # axes MESH_AXES; EP groups are consecutive devices (moe_train.parallel.layout)
-    rules: tuple  # LOGICAL_RULES, or DATA_FSDP_RULES for a width the devices do not divide
+    rules: tuple  # logical_rules for the model on this mesh's axis sizes
 
     @classmethod
-    def of(cls, mesh: Mesh, m) -> "Sharding":
-        """For model config ``m`` (``cfg.model``) on ``mesh``."""
-        return cls(mesh, logical_rules(m.hidden, mesh.size, latent_widths(m)))
+    def of(cls, mesh: Mesh, cfg: Config | ModelConfig) -> "Sharding":
+        """For the run's config ``cfg`` on ``mesh`` (``cfg.model`` alone: ``logical_rules``)."""
+        return cls(mesh, logical_rules(cfg, dict(mesh.shape)))
 
     def activate(self) -> contextlib.ExitStack:
         """The context in which traced model code resolves logical names on this mesh."""

@@ -141,7 +141,7 @@ def boxed_params(cfg: Config):
 def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState:
     """Parameters and their Adam moments FSDP/EP-sharded by the logical rules; rest replicated."""
     boxed = boxed_params(cfg)
-    shd = sharding.Sharding.of(mesh, cfg.model)
+    shd = sharding.Sharding.of(mesh, cfg)
     param_sh, rep = shd.params(boxed), shd.replicated
     tx = optimizer(cfg)  # its state's structure, from an abstract init (its counters are arrays)
     opt_sh = optax.tree_map_params(lambda params: jax.eval_shape(tx.init, params),
@@ -372,7 +372,7 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
                                  compute_dtype(cfg.precision))
                    if cfg.parallel.weight_gather == "step" else None)
     options = remat.compiler_options(cfg.train.remat, mesh.devices.flat[0].platform)
-    shd = sharding.Sharding.of(mesh, cfg.model)
+    shd = sharding.Sharding.of(mesh, cfg)
     return shd.wrap(jax.jit(step, donate_argnums=0,
                             in_shardings=(state_sharding, shd.batch)
                             + ((shd.replicated,) if can_overflow else ()),

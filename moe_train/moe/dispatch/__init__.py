@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_train.moe.permute import take_rows
 from moe_train.parallel.jobplan import EPPlan
 
 
@@ -83,15 +84,14 @@ def pack(x_XH, dest_XJ, local_XJ, n_dest: int, C: int, L: int) -> Packed:
 
 def gather_rows(x_XH, slot_N, per_row: int, R: int):
     """[R, H] send buffer: slot r holds ``x_XH[n // per_row]`` for the assignment n whose
-    ``slot_N[n]`` is r, zero where none is. A gather from the rows, not a scatter into a
-    zero-filled [R, H] buffer: XLA:GPU hoisted those zero buffers out of the layer and
-    micro-batch loops and held dozens at once (deepseek-v3 at 4 layers, EP 64: 40 buffers of
-    448 MiB at its peak; ``make compile``)."""
+    ``slot_N[n]`` is r, zero where none is (``take_rows``). A gather from the rows, not a
+    scatter into a zero-filled [R, H] buffer: XLA:GPU hoisted those zero buffers out of the
+    layer and micro-batch loops and held dozens at once (deepseek-v3 at 4 layers, EP 64: 40
+    buffers of 448 MiB at its peak; ``make compile``)."""
     N = slot_N.shape[0]
     src_R = jnp.full((R,), N, jnp.int32).at[slot_N].set(jnp.arange(N, dtype=jnp.int32),
                                                         mode="drop")
-    rows_RH = x_XH[jnp.minimum(src_R, N - 1) // per_row]
-    return jnp.where((src_R < N)[:, None], rows_RH, jnp.zeros((), x_XH.dtype))
+    return take_rows(x_XH, src_R // per_row, src_R < N)
 
 
 def unpack(y_RH, slot_N):
