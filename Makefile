@@ -68,8 +68,8 @@ smoke: $(STAMP) ## train the tiny preset on this machine (CPU or GPU) and print 
 train: $(STAMP) ## train MODEL into OUT on this machine (resumes if OUT holds a checkpoint)
 	$(RUN_ARGS); $(PY) -m moe_train --preset "$$MODEL" --out "$$OUT" "$$@"
 
-submit: $(STAMP) ## run MODEL on NODES of cluster PRESET under Slurm (DRY_RUN=1 prints the job, WAIT=1 follows it, COMPILE=0 skips the XLA:GPU preflight compile)
-	$(RUN_ARGS); MOE_TRAIN_COMPILE="$$COMPILE" $(PY) -m slurm.submit --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(filter command line environment,$(origin OUT)),--out "$$OUT") $(if $(IMAGE),--image "$$IMAGE") $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) "$$@"
+submit: $(STAMP) ## run MODEL on NODES of cluster PRESET under Slurm (DRY_RUN=1 prints the job, WAIT=1 follows it, COMPILE=0 skips the XLA:GPU preflight compile, COMPUTE=file as make plan)
+	$(RUN_ARGS); MOE_TRAIN_COMPILE="$$COMPILE" $(PY) -m slurm.submit --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(filter command line environment,$(origin OUT)),--out "$$OUT") $(if $(IMAGE),--image "$$IMAGE") $(if $(COMPUTE),--compute "$$COMPUTE") $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) "$$@"
 
 smoke-cluster: $(STAMP) ## one-node smoke job on cluster PRESET: preflight + a short tiny run, followed
 	$(PY) -m slurm.submit --preset "$$PRESET" --smoke --wait $(if $(IMAGE),--image "$$IMAGE")
@@ -103,10 +103,8 @@ CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check: ## what works on this GPU node and how fast (CPU: toy sizes); runs/gpucheck/<UTC>/
 	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(CHECK_PYTHON) -m moe_train.gpucheck
 
-plan: $(STAMP) ## EP placement, predicted all-to-all and step time (COMPUTE=file), "will it fit?" for MODEL on NODES of PRESET
-	$(RUN_ARGS); $(PY) -m topology plan --preset "$$PRESET" --nodes "$$NODES" --model "$$MODEL" $(EP_ARG) $(if $(COMPUTE),--compute "$$COMPUTE") "$$@"
-	@echo
-	$(RUN_ARGS); $(PY) -m moe_train.memory --model "$$MODEL" --cluster "$$PRESET" --nodes "$$NODES" $(EP_ARG) "$$@"
+plan: $(STAMP) ## the job make submit runs for MODEL on NODES of PRESET: memory verdict first (exit 2: does not fit), the planner's choices and what it timed, placement, step time (COMPUTE=file), memory
+	$(RUN_ARGS); $(PY) -m slurm.show --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(COMPUTE),--compute "$$COMPUTE") "$$@"
 
 $(XLA_GPU)/.installed: requirements.lock | $(STAMP)
 	$(XLA_GPU_INSTALL)

@@ -3,7 +3,8 @@
 ``plan(request, site)`` checks everything that can be checked before submitting: the cluster
 preset, the model config with the user's ``--set`` overrides (``moe_train.config.build``), the
 EP size against the GPUs and the experts, the ``--segment`` choice (``topology.placement``),
-the container image, and every free-text value that will reach the batch script. Any problem
+the container image, and every free-text value that will reach the batch script (the part
+that needs no site file or image, ``slurm.decide``, is also what ``make plan`` shows). Any problem
 raises ``LaunchError`` with one line naming it and the valid choices; the CLI prints it and
 exits 2 with nothing submitted.
 
@@ -20,10 +21,14 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moe_train import config
-from slurm import choices, layout, site as site_mod
+from slurm import layout, site as site_mod
 from topology import presets
+
+if TYPE_CHECKING:
+    from slurm.decide import Decision
 
 CONTAINER_NAME = "moe-train"  # Pyxis --container-name; job-scoped, so one fixed name suffices
 SMOKE_MODEL, SMOKE_STEPS = "tiny", 20
@@ -61,6 +66,7 @@ class Request:
     smoke: bool = False  # the single-node smoke job: preflight + a short tiny-model run
     dry_run: bool = False  # only render: the preset's base image may stand in for the kit image
     ignore_memory: bool = False  # submit even when the memory planner says it will not fit
+    compute: str = ""  # compute calibration the planner's choices use; "": topology/compute.toml
 
 
 @dataclass(frozen=True)
@@ -160,27 +166,21 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
     ``host_python`` starts Python on the host (quoted shell words), ``kit_root`` is this
     checkout (the working directory of host runs), ``now`` a UTC stamp for default run dirs.
     """
-    cluster = load_cluster(req.preset)
-    req = _smoke(req, cluster) if req.smoke else req
-    if req.nodes < 1:
-        raise LaunchError(f"--nodes must be at least 1, got {req.nodes}")
+    from slurm.decide import decide  # imports this module
+
+    d = decide(req)
+    req, cluster, cfg = d.req, d.cluster, d.cfg
     job_name = check_text("job name", req.job_name or f"moe-{req.model}")
     if len(job_name) > 200:
         raise LaunchError(f"job name is {len(job_name)} characters long; use at most 200")
-    cfg, ep = layout.model_config(req, cluster)
-    req, cfg, chosen = choices.planned(req, cluster, cfg)  # rendered as the launcher's --set
-    segment, notes = layout.placement(req, cluster, ep, cfg)
+    notes = list(d.placement)
     run_dir = _run_dir(req, job_name, now, container=_uses_container(req, cluster))
     container = _container(req, site, cluster, run_dir)
     if container is not None and not (req.image or site.image):
         notes.append(f"warning: rendered with {cluster.name}'s base image {cluster.image}, which "
                      f"lacks moe-train; a real submission needs --image (make container)")
-    per_task, rest = divmod(cluster.gpus_per_node, cluster.slurm.ntasks_per_node)
-    if rest or not per_task:
-        raise LaunchError(f"cluster preset {cluster.name}: slurm.ntasks_per_node "
-                          f"{cluster.slurm.ntasks_per_node} does not divide its "
-                          f"{cluster.gpus_per_node} devices per node")
-    notes.insert(1, _memory(req, cluster, cfg))
+    chosen = [c.note for c in d.choices if c.note]
+    notes.insert(1, _memory(req, cluster, d))
     notes[2:2] = chosen
     from slurm import compiled  # imports this module
 
@@ -191,7 +191,7 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
         cluster=cluster.name, job_name=job_name, nodes=req.nodes,
         ntasks_per_node=cluster.slurm.ntasks_per_node,
         gpus_per_node=None if cluster.nominal else cluster.slurm.gpus_per_node,
-        segment=segment if cluster.slurm.segment else None, exclusive=cluster.slurm.exclusive,
+        segment=d.segment if cluster.slurm.segment else None, exclusive=cluster.slurm.exclusive,
         time_min=parse_time(req.time or site.time or DEFAULT_TIME),
         signal_delay_s=signal_delay(cluster),
         partition=check_text("partition", req.partition or site.partition, _NAME_OR_EMPTY),
@@ -204,32 +204,26 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
         python=host_python if container is None else check_text(
             "container_python", site.container_python, _PYTHON, "a command name or path"),
         chdir="" if container is not None else str(kit_root),
-        trainer_args=layout.trainer_args(req, cluster, cfg, ep, run_dir, per_task),
-        steps=cfg.train.steps, devices_per_task=per_task, max_requeues=site.max_requeues,
+        trainer_args=layout.trainer_args(req, cluster, cfg, d.ep, run_dir, d.per_task),
+        steps=cfg.train.steps, devices_per_task=d.per_task, max_requeues=site.max_requeues,
         preflight=_preflight(req, cluster, container, site),
         notes=tuple(notes),
     )
 
 
-def _memory(req: Request, cluster: presets.Cluster, cfg) -> str:
+def _memory(req: Request, cluster: presets.Cluster, d: "Decision") -> str:
     """The memory planner's verdict as a note; a job that will not fit is refused unless
     ``--ignore-memory`` (a dry run only warns, so every preset still renders)."""
-    from moe_train import memory
-
-    try:
-        verdict = memory.check_fits(cfg, cluster, req.nodes)
-    except memory.PlanError as err:  # sizes the trainer would refuse too (e.g. width vs dp)
-        raise LaunchError(str(err)) from None
+    verdict = d.memory.verdict
     if verdict.fits:
         return f"memory: {verdict.message}"
     if req.dry_run or req.ignore_memory:
         return f"warning: memory: {verdict.message}"
     raise LaunchError(f"memory: {verdict.message}; pass --ignore-memory to submit anyway "
-                      f"(details: python -m moe_train.memory --model {req.model} "
-                      f"--cluster {cluster.name} --nodes {req.nodes} --ep {cfg.parallel.ep})")
+                      f"(details: make plan with the same PRESET, MODEL, NODES, EP and SET)")
 
 
-def _smoke(req: Request, cluster: presets.Cluster) -> Request:
+def smoke_request(req: Request, cluster: presets.Cluster) -> Request:
     """The smoke job: one node, the tiny model, a few steps, EP over the node's devices."""
     tiny = config.build(SMOKE_MODEL)
     ep = req.ep or math.gcd(cluster.gpus_per_node, tiny.moe.num_experts)

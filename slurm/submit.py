@@ -51,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-container", action="store_true", help="run on the host's Python")
     p.add_argument("--smoke", action="store_true",
                    help="single-node smoke job: preflight + a short tiny-model run")
+    p.add_argument("--compute", default="", help="compute calibration the planner's choices use "
+                   "(make gpu-check writes one; default: topology/compute.toml), as make plan's")
     p.add_argument("--ignore-memory", action="store_true",
                    help="submit even if the memory planner says the job will not fit")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
@@ -71,7 +73,8 @@ def request(args: argparse.Namespace) -> plan.Request:
         steps=args.steps, sets=tuple(args.sets), out=args.out, ep=args.ep, time=args.time,
         partition=args.partition, account=args.account, qos=args.qos, job_name=args.job_name,
         image=args.image, allow_straddle=args.allow_straddle, no_container=args.no_container,
-        smoke=args.smoke, dry_run=args.dry_run, ignore_memory=args.ignore_memory)
+        smoke=args.smoke, dry_run=args.dry_run, ignore_memory=args.ignore_memory,
+        compute=args.compute)
 
 
 # flags that set a trainer key, as config.build(flags=) takes them

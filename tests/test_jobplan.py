@@ -171,15 +171,23 @@ def test_width_not_divisible_by_dp_lists_valid_sizes():
 
 
 def test_batch_not_divisible_by_the_devices_lists_device_counts():
-    with pytest.raises(ConfigError, match=r"^train.batch_size=6 is not divisible by 4 devices; use a "
-                                          r"multiple of 4 or parallel.devices in \[1, 2, 3\]$"):
+    with pytest.raises(ConfigError, match=r"^train.batch_size=6 is not divisible by 4 devices; "
+                                          r"nearest that are: 4 or 8 \(or parallel.devices in "
+                                          r"\[1, 2, 3\]\)$"):
         jobplan.check_batch(6, 4)
+
+
+def test_batch_not_divisible_names_the_tokens_per_step_of_the_nearest_sizes():
+    with pytest.raises(ConfigError, match=r"nearest that are: 14336 \(58.7M tokens per step\) "
+                                          r"or 16384 \(67.1M tokens per step\)"):
+        jobplan.check_batch(15360, 2048, seq_len=4096)
 
 
 def test_micro_batches_not_dividing_the_rows_per_device_list_choices():
     with pytest.raises(ConfigError, match=r"^train.micro_batches=3 does not divide the 4 sequences "
                                           r"per device \(train.batch_size=8 over 2 devices\); "
-                                          r"choose one of \[1, 2, 4\]$"):
+                                          r"choose one of \[1, 2, 4\] or "
+                                          r"train.batch_size=6 or 12$"):
         jobplan.check_batch(8, 2, 3)
 
 

@@ -267,8 +267,9 @@ def _table(plan: Plan) -> list[str]:
     return out
 
 
-def render(plan: Plan) -> str:
-    """The plan for humans."""
+def render(plan: Plan, timed: bool = True) -> str:
+    """The plan for humans; ``timed``: with the step for each ``moe.overlap_chunks`` and
+    ``parallel.weight_gather`` (``make plan`` shows those as its alternatives instead)."""
     p, a, m = plan.planned.placement, plan.allocation, plan.model
     n = plan.naive.placement
     seg = f" --segment={a.segment}" if a.segment else ""
@@ -289,12 +290,12 @@ def render(plan: Plan) -> str:
         f"{n.notes[-1]}",
         f"cost per GPU, T={plan.tokens_per_gpu} tokens, {plan.cluster.name} preset bandwidths:",
         *_table(plan),
-        *_step_lines(plan),
+        *_step_lines(plan, timed),
     ]
     return "\n".join(lines)
 
 
-def _step_lines(plan: Plan) -> list[str]:
+def _step_lines(plan: Plan, timed: bool = True) -> list[str]:
     """The predicted step of the planned side, with the published figures beside it."""
     st = plan.step
     if st is None:
@@ -324,13 +325,15 @@ def _step_lines(plan: Plan) -> list[str]:
         f"{st.model_tflops:,.0f} model TFLOP/s/GPU, MFU {st.mfu:.1%} of the dense "
         f"{i['compute']} peak {st.peak_tflops:,.0f} TFLOP/s",
         f"  exposed communication: {st.comm_share:.1%} of the step",
+    ]
+    lines += [
         f"  moe.overlap_chunks: {st.best_chunks} is the planner's choice (step s by chunks: "
         + ", ".join(f"{c}: {s:.3f}" for c, s in st.by_chunks.items()) + ")",
         "  parallel.weight_gather: step s by mode: "
         + ", ".join(f"{g}: {s:.3f}" for g, s in st.by_gather.items())
         + " (step holds each weight's EP-group shard in the compute dtype; make submit takes "
         "the fastest mode that fits the memory plan)",
-    ]
+    ] if timed else []
     for a in plan.anchors:
         lines.append(f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
                      f"{a.tflops_per_gpu:,.0f} TFLOP/s/GPU on {a.gpus} GPUs, {a.precision}"

@@ -185,18 +185,39 @@ def check_width(hidden: int, dp: int) -> None:
                           f"{divisors_text(hidden)}")
 
 
-def check_batch(batch: int, devices: int, micro_batches: int = 1) -> None:
+def nearest_batches(batch: int, multiple: int) -> list[int]:
+    """The multiples of ``multiple`` nearest ``batch``: the one below it (when positive) and
+    the one above it."""
+    below = batch // multiple * multiple
+    return [b for b in (below, below + multiple) if b > 0]
+
+
+def batches_text(batch: int, multiple: int, seq_len: int = 0) -> str:
+    """``nearest_batches`` for messages, each with the tokens per step it gives (``seq_len``
+    tokens per sequence; 0: sizes only)."""
+    def tokens(b: int) -> str:
+        n = b * seq_len
+        return f" ({n / 1e6:.1f}M tokens per step)" if n >= 1e6 else f" ({n:,} tokens per step)"
+
+    return " or ".join(f"{b}{tokens(b) if seq_len else ''}"
+                       for b in nearest_batches(batch, multiple))
+
+
+def check_batch(batch: int, devices: int, micro_batches: int = 1, seq_len: int = 0) -> None:
     """ConfigError unless ``train.batch_size`` splits over the ``devices`` and then into
-    ``train.micro_batches`` micro-batches on each."""
+    ``train.micro_batches`` micro-batches on each; the message names the nearest batch sizes
+    that do (with their tokens per step when ``seq_len`` is given)."""
     if batch % devices:
         fits = [d for d in some_divisors(batch, 64) if d <= devices]
-        raise ConfigError(f"train.batch_size={batch} is not divisible by {devices} devices; use "
-                          f"a multiple of {devices} or parallel.devices in {fits}")
+        raise ConfigError(f"train.batch_size={batch} is not divisible by {devices} devices; "
+                          f"nearest that are: {batches_text(batch, devices, seq_len)} (or "
+                          f"parallel.devices in {fits})")
     per = batch // devices
     if per % micro_batches:
         raise ConfigError(f"train.micro_batches={micro_batches} does not divide the {per} "
                           f"sequences per device (train.batch_size={batch} over {devices} "
-                          f"devices); choose one of [{divisors_text(per)}]")
+                          f"devices); choose one of [{divisors_text(per)}] or train.batch_size="
+                          f"{batches_text(batch, devices * micro_batches, seq_len)}")
 
 
 @dataclasses.dataclass(frozen=True)

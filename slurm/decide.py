@@ -1,0 +1,119 @@
+"""What a request becomes before anything Slurm- or image-specific: the job ``make plan`` shows
+and ``make submit`` runs, built once (``decide``) for both.
+
+The trainer's config (``slurm.layout.model_config``: the model preset, the user's ``--set``
+items, ``--ep``, ``--steps``), the batch against the job's GPUs and micro-batches
+(``moe_train.parallel.jobplan.check_batch``: a batch that does not split names the nearest
+sizes that do, with their tokens per step), the planner's choices (``slurm.choices``), the
+placement (``--segment``) and the memory plan (``moe_train.memory``). No site file, no image,
+no Slurm: ``slurm.plan.plan`` adds those to make the JobSpec, ``slurm.show`` prints this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from moe_train import config
+from moe_train.parallel import jobplan
+from slurm import choices, layout
+from slurm.plan import LaunchError, Request, check_text, load_cluster, smoke_request
+from topology import presets
+
+if TYPE_CHECKING:
+    from moe_train.memory import Plan as MemoryPlan
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``decide`` made of a request: the job both ``make plan`` and ``make submit`` show."""
+
+    cluster: presets.Cluster  # the cluster preset
+    req: Request  # the request (the smoke job's, for --smoke) with the planner's --set items
+    cfg: config.Config  # the trainer's config, the planner's choices applied
+    ep: int  # expert-parallel size
+    choices: tuple[choices.Choice, ...]  # parallel.weight_gather, moe.overlap_chunks: who chose
+    segment: int | None  # the --segment the placement asks for (None: none)
+    placement: tuple[str, ...]  # placement notes (its reason; a straddle warning)
+    memory: MemoryPlan  # the job's memory plan: estimate, budget, verdict
+    per_task: int  # devices each task drives
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.verdict.fits
+
+
+def decide(req: Request) -> Decision:
+    """Everything about the job that needs neither a site file nor an image: the config, the
+    planner's choices, the placement and the memory plan; LaunchError for a job the trainer
+    would refuse (a batch that does not split over the GPUs names the nearest sizes that do)."""
+    from moe_train import memory
+
+    cluster = load_cluster(req.preset)
+    req = smoke_request(req, cluster) if req.smoke else req
+    if req.nodes < 1:
+        raise LaunchError(f"--nodes must be at least 1, got {req.nodes}")
+    if req.compute:
+        _check_compute(req.compute)
+    cfg, ep = _model_config(req, cluster)
+    req, cfg, chosen = choices.decided(req, cluster, cfg)  # rendered as the launcher's --set
+    segment, notes = layout.placement(req, cluster, ep, cfg)
+    per_task, rest = divmod(cluster.gpus_per_node, cluster.slurm.ntasks_per_node)
+    if rest or not per_task:
+        raise LaunchError(f"cluster preset {cluster.name}: slurm.ntasks_per_node "
+                          f"{cluster.slurm.ntasks_per_node} does not divide its "
+                          f"{cluster.gpus_per_node} devices per node")
+    try:
+        mem = memory.plan(cfg, cluster, req.nodes)
+    except memory.PlanError as err:  # sizes the trainer would refuse too (e.g. width vs dp)
+        raise LaunchError(str(err)) from None
+    return Decision(cluster=cluster, req=req, cfg=cfg, ep=ep, choices=chosen, segment=segment,
+                    placement=tuple(notes), memory=mem, per_task=per_task)
+
+
+def _check_compute(path: str) -> None:
+    from topology import compute
+
+    try:
+        compute.load(check_text("compute calibration", path))
+    except presets.TopologyError as err:
+        raise LaunchError(str(err)) from None
+
+
+def _model_config(req: Request, cluster: presets.Cluster) -> tuple[config.Config, int]:
+    """``layout.model_config``, then the batch against the GPUs and micro-batches
+    (``jobplan.check_batch``, whose message names the nearest batch sizes that split)."""
+    gpus = req.nodes * cluster.gpus_per_node
+    try:
+        cfg, ep = layout.model_config(req, cluster)
+    except LaunchError:
+        bare = _bare_config(req)  # the layout's refusal may be the batch: name the sizes
+        if bare is not None and not jobplan.ep_fault(gpus, bare.parallel.ep, bare.moe.num_experts):
+            _check_batch(bare, gpus)
+        raise
+    _check_batch(cfg, gpus)
+    return cfg, ep
+
+
+def _bare_config(req: Request) -> config.Config | None:
+    """The model preset with the user's --set items and --ep, or None where it does not build."""
+    ep = [] if req.ep is None else [f"parallel.ep={req.ep}"]
+    try:
+        return config.build(req.model, [*req.sets, *ep])
+    except config.ConfigError:
+        return None
+
+
+def _check_batch(cfg: config.Config, gpus: int) -> None:
+    """LaunchError unless the batch splits over the ``gpus`` and then into micro-batches."""
+    t = cfg.train
+    if t.batch_size % gpus:
+        raise LaunchError(f"train.batch_size={t.batch_size} is not divisible by the job's {gpus} "
+                          f"GPUs; nearest that are: "
+                          f"{jobplan.batches_text(t.batch_size, gpus, t.seq_len)} "
+                          f"(--set train.batch_size=N)")
+    try:
+        jobplan.check_batch(t.batch_size, gpus, t.micro_batches, seq_len=t.seq_len)
+        config.for_devices(cfg, gpus)  # train.micro_batch_size against the sequences per GPU
+    except config.ConfigError as err:
+        raise LaunchError(str(err)) from None
