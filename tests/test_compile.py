@@ -265,35 +265,6 @@ def test_the_parser_classifies_kernels_and_collectives():
     assert c["all-gather"] == {"count": 1, "async": 0, "sync": 1, "in_loops": 0, "bytes": 2048}
 
 
-OVERLAP = """HloModule m, is_scheduled=true
-
-%fused_dot (p0: bf16[4,8], p1: bf16[8,2]) -> f32[4,2] {
-  %p0 = bf16[4,8]{1,0} parameter(0)
-  %p1 = bf16[8,2]{1,0} parameter(1)
-  ROOT %d = f32[4,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-ENTRY %main (a: bf16[4,8], b: bf16[8,2], x: bf16[16,4]) -> f32[4,2] {
-  %s1 = ((bf16[16,4]{1,0}), bf16[16,4]{1,0}) all-to-all-start(%x), dimensions={0}
-  %g1 = f32[4,2]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
-  %e1 = f32[4,2]{1,0} fusion(%g1), kind=kLoop, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton"}}
-  %d1 = bf16[16,4]{1,0} all-to-all-done(%s1)
-  %s2 = ((bf16[16,4]{1,0}), bf16[16,4]{1,0}) all-to-all-start(%d1), dimensions={0}
-  %d2 = bf16[16,4]{1,0} all-to-all-done(%s2)
-  %s3 = f32[64]{0} all-reduce-start(%c), backend_config={"collective_backend_config":{"is_sync":true}}
-  %m3 = f32[4,2]{1,0} custom-call(%a), custom_call_target="mosaic_gpu_v2"
-  %d3 = f32[64]{0} all-reduce-done(%s3)
-  ROOT %r = f32[4,2]{1,0} custom-call(%a, %b), custom_call_target="__cublas$gemm"
-}
-"""
-
-
-def test_overlap_counts_the_kernels_between_each_async_start_and_done():
-    # a2a 1 hides a Triton GEMM and a Triton fusion, a2a 2 nothing; the sync all-reduce is no pair
-    assert hlo.overlap(OVERLAP) == {"all-to-all": {"pairs": 2, "with_gemm": 1, "gemm_kernels": 1,
-                                                   "other_kernels": 1}}
-
-
 @needs_plugin
 @pytest.mark.slow
 def test_overlap_has_one_pair_per_async_collective(compiled):

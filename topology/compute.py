@@ -14,6 +14,7 @@ preset on a cluster preset.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Mapping
@@ -34,11 +35,25 @@ class Compute:
     attention_efficiency: float  # attention scores forward + backward, of the bf16 peak
     hbm_efficiency: float  # optimizer / accumulation memory traffic, of HBM bandwidth
     collective_overlap: float  # share of FSDP collective time hidden under compute
+    a2a_hidden_1chunk: float  # share of the all-to-all (up to the expert GEMMs' time) hidden, 1 chunk
+    a2a_hidden_4chunks: float  # the same with moe.overlap_chunks=4 (a2a_hidden interpolates)
     source: Mapping[str, str]  # field -> where its value comes from
     path: str  # the file it was read from
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Compute) if f.name not in ("source", "path"))
+
+
+def a2a_hidden(eff: Compute, chunks: int) -> float:
+    """Share of the all-to-all time (up to the expert GEMMs' time) hidden with ``chunks``
+    overlap chunks: through the two measured shares, the exposed part falling as a power of
+    the chunks (1 - h(c) = (1 - h1) * ((1 - h4) / (1 - h1)) ** log4(c); 4 chunks and beyond
+    extrapolate the same curve)."""
+    h1, h4 = eff.a2a_hidden_1chunk, eff.a2a_hidden_4chunks
+    if h1 >= 1.0:
+        return 1.0
+    ratio = max(1.0 - h4, 1e-9) / (1.0 - h1)
+    return 1.0 - (1.0 - h1) * ratio ** (math.log(chunks) / math.log(4))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,10 @@ recomputed forward work (``RECOMPUTE``) to the hardware FLOPs, not to the model 
     a2a      = MoE layers x a2as per layer x (n x c x latency + T's bytes / bandwidth)
                (``moe.dispatch_dtype=fp8``: the forward dispatch, and its recomputation,
                moves (H + 4) / 2H of the bf16 bytes)
-    exposed  = max(0, a2a - G) + min(a2a, G) / c     G: the grouped and shared-expert GEMMs
-               (chunk i's exchange runs under chunk i-1's GEMMs; c = 1 hides nothing)
+    exposed  = a2a - min(a2a, G) x h(c)     G: the grouped and shared-expert GEMMs
+               (h: ``topology.compute.a2a_hidden``, the share XLA:GPU's schedule hides with c
+               chunks, measured by ``make compile``: chunk i's exchange under chunk i-1's
+               GEMMs, and the backward's weight-gradient GEMMs under its exchanges)
     fsdp     = n x (gathers x weights' b bytes + one reduce-scatter) x (S-1)/S / link
                (non-expert weights over all N GPUs, expert weights over Q; the link is the
                network when the group spans NVLink domains); ``parallel.weight_gather=step``
@@ -137,7 +139,7 @@ def _shared_expert_s(cfg: Config, compute: dict[str, float]) -> float:
     return compute["other"] * per_token / other if other else 0.0
 
 
-def _a2a(cfg: Config, job: Job, compute: dict[str, float]) -> tuple[float, float]:
+def _a2a(cfg: Config, job: Job, compute: dict[str, float], eff: Compute) -> tuple[float, float]:
     """(all-to-all seconds, exposed seconds) per step."""
     layers = moe_layer_count(cfg.model)
     if job.ep <= 1 or not layers:
@@ -149,7 +151,7 @@ def _a2a(cfg: Config, job: Job, compute: dict[str, float]) -> tuple[float, float
     rows = per_layer - fp8 + fp8 * fp8_row_ratio(cfg.model.hidden)
     total = layers * (per_layer * n * c * job.a2a.latency_s + rows * transfer)
     hide = compute["experts"] + _shared_expert_s(cfg, compute)
-    return total, max(0.0, total - hide) + min(total, hide) / c
+    return total, total - min(total, hide) * compute_calibration.a2a_hidden(eff, c)
 
 
 def fp8_dispatches(cfg: Config) -> int:
@@ -165,7 +167,7 @@ def fp8_row_ratio(hidden: int) -> float:
     return (hidden + 4) / (2 * hidden)
 
 
-def _link(cluster: Cluster, span: int) -> float:
+def link_bytes_per_s(cluster: Cluster, span: int) -> float:
     """Achieved bytes/s per GPU of a collective over ``span`` consecutive GPUs."""
     if span > cluster.domain_size:
         return cluster.eta_network * cluster.nic_gbps_per_gpu * cost.GB
@@ -186,9 +188,10 @@ def _fsdp_s(cfg: Config, cluster: Cluster, job: Job) -> float:
     b = 4 if cfg.precision.compute == "fp32" else 2
     moves = RECOMPUTE[cfg.train.remat][2] + 1  # the all-gathers, then one reduce-scatter
     s = cfg.train.micro_batches * moves * b
-    t = dense * (job.gpus - 1) / job.gpus / _link(cluster, job.gpus) if job.gpus > 1 else 0.0
+    link = link_bytes_per_s(cluster, job.gpus)
+    t = dense * (job.gpus - 1) / job.gpus / link if job.gpus > 1 else 0.0
     if job.dp > 1:
-        t += experts / job.ep * (job.dp - 1) / job.dp / _link(cluster, job.gpus)
+        t += experts / job.ep * (job.dp - 1) / job.dp / link
     return s * t
 
 
@@ -201,7 +204,7 @@ def _fsdp_step_s(cfg: Config, cluster: Cluster, job: Job) -> float:
     dense, experts = weights(cfg)
     b = 4 if cfg.precision.compute == "fp32" else 2
     P, Q, n = job.ep, job.dp, cfg.train.micro_batches
-    group, across = _link(cluster, P), _link(cluster, job.gpus)
+    group, across = link_bytes_per_s(cluster, P), link_bytes_per_s(cluster, job.gpus)
     cross = (Q - 1) / Q
     once = b * (dense + experts) / P * cross / across
     inside = (RECOMPUTE[cfg.train.remat][2] * b + 4) * dense * (P - 1) / P / group
@@ -239,7 +242,7 @@ def _predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job, by_chunks: d
              best_chunks: int) -> StepTime:
     compute = _compute_s(cfg, cluster, eff, job.tokens_per_gpu)
     busy = sum(compute.values())
-    a2a, a2a_exposed = _a2a(cfg, job, compute)
+    a2a, a2a_exposed = _a2a(cfg, job, compute, eff)
     fsdp = _fsdp_s(cfg, cluster, job)
     fsdp_exposed = (1 - eff.collective_overlap) * fsdp + max(0.0, eff.collective_overlap * fsdp
                                                               - busy)

@@ -19,11 +19,7 @@ its result per GPU (all-gather: the gathered array, reduce-scatter: the shard), 
 the instances in the text; ``in_loops`` counts those inside a loop body, which run once per
 iteration (XLA:GPU's text carries no trip counts).
 
-Overlap (``overlap``): the scheduled text lists each computation's instructions in the order
-they run, so the kernels between an async collective's start and its done are the work the
-GPU can do while it is in flight. Per collective kind: the async pairs, those with at least
-one GEMM kernel (Triton GEMM, cuBLAS, cuBLASLt, Mosaic GPU) inside, and the GEMM and other
-kernels inside them, summed.
+Overlap (what runs between an async start and its done): ``moe_train.compile.overlap``.
 """
 
 from __future__ import annotations
@@ -39,7 +35,7 @@ KERNELS = ("triton_gemm", "triton_fusion", "cublas", "cublaslt", "cudnn", "fp8_g
            "mosaic_gpu", "pallas_triton")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY )?%(\S+) \(.*\) -> .*\{$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
 _GEMM_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion")
@@ -65,7 +61,7 @@ class Instr:
 def shape_bytes(shape: str) -> int:
     """Bytes of every array in a shape (a tuple's elements summed); f8 types are 1 byte."""
     total = 0
-    for dtype, dims in _ARRAY.findall(shape):
+    for dtype, dims in ARRAY.findall(shape):
         size = 1 if dtype.startswith("f8") else _BYTES.get(dtype)
         if size is not None:
             total += size * math.prod(int(d) for d in dims.split(",") if d)
@@ -113,7 +109,7 @@ def _is_fp8_dot(comps: dict[str, list[Instr]], fused: str | None) -> bool:
                for i in body)
 
 
-def _kernel(ins: Instr, comps: dict[str, list[Instr]]) -> list[str]:
+def kernel_classes(ins: Instr, comps: dict[str, list[Instr]]) -> list[str]:
     """The kernel classes one instruction counts in ("" when none)."""
     if ins.op == "fusion":
         kind = ins.attr(r'"kind":"([^"]+)"') or ""
@@ -164,7 +160,7 @@ def inventory(text: str) -> dict:
     for name, looped in _executed(comps, entry).items():
         by_name = {i.name: i for i in comps[name]}
         for ins in comps[name]:
-            kernels.update(_kernel(ins, comps))
+            kernels.update(kernel_classes(ins, comps))
             found = None if name in wrapped else _collective(ins, by_name, comps)
             if found:
                 kind, is_async = found
@@ -175,7 +171,7 @@ def inventory(text: str) -> dict:
             "collectives": {k: {f: colls[k][f] for f in fields} for k in COLLECTIVES if k in colls}}
 
 
-def _start_of(ins: Instr, comps: dict[str, list[Instr]]) -> str | None:
+def start_kind(ins: Instr, comps: dict[str, list[Instr]]) -> str | None:
     """The collective kind an async start instruction begins (None: not one)."""
     if ins.op.endswith("-start") and ins.op[:-6] in COLLECTIVES:
         return None if '"is_sync":true' in ins.rest else ins.op[:-6]
@@ -185,26 +181,3 @@ def _start_of(ins: Instr, comps: dict[str, list[Instr]]) -> str | None:
         return ops[-1] if ops and '"is_sync":true' not in ins.rest else None
     return None
 
-
-def overlap(text: str) -> dict:
-    """``{kind: {"pairs", "with_gemm", "gemm_kernels", "other_kernels"}}``: what the schedule
-    places between each async collective's start and done (see the module docstring)."""
-    comps, entry = parse(text)
-    out: dict[str, Counter] = defaultdict(Counter)
-    for name in _executed(comps, entry):
-        open_: dict[str, tuple[str, Counter]] = {}  # start name -> (kind, kernels inside)
-        for ins in comps[name]:
-            done = ins.operands[0] if ins.op.endswith("-done") and ins.operands else None
-            if done in open_:
-                kind, inside = open_.pop(done)
-                gemms = sum(inside[k] for k in GEMM_KERNELS)
-                out[kind].update(pairs=1, with_gemm=int(gemms > 0), gemm_kernels=gemms,
-                                 other_kernels=sum(inside.values()) - gemms)
-                continue
-            for _, inside in open_.values():
-                inside.update(k for k in _kernel(ins, comps) if k != "fp8_gemm")
-            kind = _start_of(ins, comps)
-            if kind:
-                open_[ins.name] = (kind, Counter())
-    fields = ("pairs", "with_gemm", "gemm_kernels", "other_kernels")
-    return {k: {f: out[k][f] for f in fields} for k in COLLECTIVES if k in out}

@@ -19,6 +19,7 @@ from slurm import choices, layout as launch_layout
 from slurm.plan import LaunchError, Request
 from topology import presets, targets
 from topology.presets import Cluster, TopologyError
+from topology.steptime import StepTime
 from topology.targets import Target
 
 ERRORS = (ConfigError, TopologyError, LaunchError)  # bad input: one line, exit 2
@@ -36,6 +37,7 @@ class Job:
     cfg: Config  # the trainer's config (kernel keys as configured, e.g. auto)
     notes: tuple[str, ...]  # the launcher's planner choices, as make submit prints them
     plan: memory.Plan  # the memory planner's estimate and budget
+    step: StepTime | None  # the step-time model's prediction of it (None: nothing predicted)
 
     @property
     def devices(self) -> int:
@@ -72,7 +74,15 @@ def configure(model: str, preset: str, nodes: int, ep: int | None = None,
     req, cfg, notes = choices.planned(req, cluster, cfg)
     plan = memory.plan(cfg, cluster, nodes)
     return Job(model=model, cluster=cluster, target=target, nodes=nodes, layers=layers,
-               cfg=cfg, notes=tuple(notes), plan=plan)
+               cfg=cfg, notes=tuple(notes), plan=plan, step=_predicted(req, cfg))
+
+
+def _predicted(req: Request, cfg: Config) -> StepTime | None:
+    """The step-time model's prediction of the job as configured (with the choices)."""
+    try:
+        return choices.prediction(req, cfg).step
+    except (TopologyError, ConfigError, ValueError):
+        return None
 
 
 def planner_total(job: Job, bucket: str) -> int:

@@ -19,11 +19,12 @@ import dataclasses
 import json
 from pathlib import Path
 
-from moe_train.compile import hlo
+from moe_train.compile import hlo, overlap
 from moe_train.compile.job import Job, planner_total
 from moe_train.compile.kernels import Kernel
 from moe_train.compile.lower import Compiled
 from moe_train.memory import ALL_ITEMS, GIB
+from topology.steptime import link_bytes_per_s
 
 NAMES = {"triton_gemm": "Triton GEMM", "triton_fusion": "Triton other", "cublas": "cuBLAS",
          "cublaslt": "cuBLASLt", "cudnn": "cuDNN", "fp8_gemm": "fp8 GEMM",
@@ -34,6 +35,7 @@ def bucket_record(job: Job, c: Compiled) -> dict:
     """One bucket: XLA's memory, the verdict, the planner beside it, kernels, collectives."""
     usable, mem = job.plan.budget.usable_bytes, c.memory
     planned = planner_total(job, c.bucket)
+    windows = overlap.windows(c.hlo)
     return {"bucket": c.bucket, "dispatcher": None if c.plan is None else c.plan.dispatcher,
             "trace_s": round(c.trace_s, 2), "compile_s": round(c.compile_s, 2),
             "memory": {**dataclasses.asdict(mem), "peak": mem.peak}, "fits": mem.peak <= usable,
@@ -41,7 +43,33 @@ def bucket_record(job: Job, c: Compiled) -> dict:
                         "total": planned},
             "xla_over_planner": round(mem.peak / planned, 3), "hlo": f"step-{c.bucket}.hlo",
             "note": c.note,
-            **hlo.inventory(c.hlo), "overlap": hlo.overlap(c.hlo)}
+            **hlo.inventory(c.hlo), "overlap": overlap.summary(windows),
+            "hidden": schedule_vs_model(job, windows)}
+
+
+def schedule_vs_model(job: Job, windows: list[overlap.Window]) -> dict:
+    """Per step, at the step-time model's rates: each collective kind's transfer seconds and
+    the most the GEMMs the schedule placed in its windows can hide (``overlap.hidden``),
+    beside the share the model assumes hidden; {} where the model predicts nothing."""
+    st = job.step
+    if st is None:
+        return {}
+    eff, inp = st.inputs["efficiency"], st.inputs
+    fp8 = inp["compute"] == "fp8"
+    gemm = (inp["peak_fp8_tflops"] * eff["fp8_gemm_efficiency"] if fp8
+            else inp["peak_bf16_tflops"] * eff["grouped_gemm_efficiency"]) * 1e12
+    model = {"all-to-all": 1 - st.a2a_exposed_s / st.a2a_s if st.a2a_s else None,
+             "fsdp": 1 - st.fsdp_exposed_s / st.fsdp_s if st.fsdp_s else None}
+    spans = {"all-to-all": job.cfg.parallel.ep, "all-gather": job.devices,
+             "reduce-scatter": job.devices}
+    out = {}
+    for kind, span in spans.items():
+        h = overlap.hidden(windows, kind, link_bytes_per_s(job.cluster, span), gemm)
+        if h["comm_s"]:
+            out[kind] = {**{k: round(v, 6) for k, v in h.items()},
+                         "share": round(h["hidden_s"] / h["comm_s"], 3),
+                         "model_share": model["all-to-all" if kind == "all-to-all" else "fsdp"]}
+    return out
 
 
 def result(job: Job, kernels: list[Kernel], records: list[dict], jax_version: str) -> dict:
@@ -100,7 +128,21 @@ def _inventory(rec: dict) -> list[str]:
     for kind, o in rec.get("overlap", {}).items():
         lines.append(f"  {kind:<20}{o['pairs']:5d} async  {o['with_gemm']:4d} with a GEMM inside  "
                      f"{o['gemm_kernels']:5d} GEMM + {o['other_kernels']:5d} other kernels inside")
-    return lines or ["collectives: none"]
+    return lines + _hidden_lines(rec)
+
+
+def _hidden_lines(rec: dict) -> list[str]:
+    """What the schedule can hide per step, beside what the step-time model assumes."""
+    rows = rec.get("hidden") or {}
+    if not rows:
+        return []
+    lines = [f"hidden per step at bucket {rec['bucket']} (the step-time model's link and GEMM "
+             f"rates; at most min(transfer, GEMMs inside) per window):"]
+    for kind, h in rows.items():
+        model = "-" if h["model_share"] is None else f"{h['model_share']:.0%}"
+        lines.append(f"  {kind:<20}{h['hidden_s'] * 1e3:10.1f} of {h['comm_s'] * 1e3:10.1f} ms "
+                     f"({h['share']:.0%}); the step-time model assumes {model}")
+    return lines
 
 
 def render(r: dict) -> str:

@@ -1,0 +1,159 @@
+"""The overlap the schedule really has: what XLA:GPU places between each async collective's
+start and its done, in kernels, GEMM FLOPs and seconds.
+
+The scheduled text lists each computation's instructions in the order they run, so the
+kernels between an async collective's start and its done (in the same computation) are the
+work the GPU can do while it is in flight: a *window*. Each window counts the GEMM kernels
+(Triton GEMM, cuBLAS, cuBLASLt, Mosaic GPU) and other kernels inside it, the GEMMs' FLOPs and
+the collective's bytes (its result per GPU), and how many times it runs per step: the product
+of the known trip counts (``known_trip_count``) of the loops around it (1 where XLA gives
+none).
+
+FLOPs: a dot (in a GEMM fusion's body) is 2 x its result's elements x its contracted size;
+a cuBLAS call the same from its ``lhs_contracting_dimensions``; a Mosaic GPU grouped GEMM
+(the experts) 2 x R x a x b from its row operand [R, .] and its [L, a, b] weight (or weight
+gradient): nominal FLOPs at the bucket's padded rows, an upper bound of the work done.
+
+``hidden``: at the preset's rates (the all-to-all link of the step-time model,
+``topology.steptime.link_bytes_per_s``, and the grouped-GEMM rate, peak x
+``grouped_gemm_efficiency``), each window hides at most min(its transfer, its GEMMs), summed
+over every run; beside the collective's whole transfer time. The step-time model assumes the
+chunked overlap hides (c - 1) / c of the all-to-all time under the expert GEMMs
+(``topology.steptime._a2a``); ``report`` prints both.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+from moe_train.compile.hlo import (ARRAY, COLLECTIVES, GEMM_KERNELS, Instr, kernel_classes,
+                                   parse, shape_bytes, start_kind)
+
+_CONSTRAINTS = r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}"  # shapes with {layouts}
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclass(frozen=True)
+class Window:
+    """One async collective: what runs while it is in flight."""
+
+    kind: str  # collective kind (all-to-all, all-gather, ...)
+    bytes: int  # its result per GPU
+    gemm_kernels: int  # GEMM kernels inside
+    other_kernels: int  # other kernels inside
+    gemm_flops: float  # the GEMM kernels' FLOPs
+    runs: int  # times per step (loop trip counts)
+
+
+def _dims(shape: str) -> list[list[int]]:
+    return [[int(d) for d in dims.split(",") if d] for _, dims in ARRAY.findall(shape)]
+
+
+def runs_per_step(comps: dict[str, list[Instr]], entry: str) -> dict[str, int]:
+    """Computations that run as code of their own -> times per step (a loop body: its trip
+    count times its caller's; computations reached twice add up)."""
+    out: dict[str, int] = defaultdict(int)
+    todo = [(entry, 1)]
+    while todo:
+        name, times = todo.pop()
+        out[name] += times
+        for ins in comps.get(name, []):
+            if ins.op == "fusion":
+                continue  # a kernel: its body is not separate code
+            trip = int(m.group(1)) if (m := _TRIP.search(ins.rest)) else 1
+            for key in ("body", "condition", "calls", "branch_computations"):
+                for callee in re.findall(rf"{key}=\{{?((?:%[^\s,}}]+,?\s*)+)", ins.rest):
+                    for c in re.findall(r"%([^\s,}]+)", callee):
+                        if c in comps:
+                            todo.append((c, times * (trip if key in ("body", "condition")
+                                                     else 1)))
+    return dict(out)
+
+
+def _dot_flops(ins: Instr, shapes: dict[str, str], dims_key: str) -> float:
+    out = _dims(ins.shape)
+    lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+    if not out or not lhs:
+        return 0.0
+    contract = [int(d) for d in re.findall(r"\d+", ins.attr(dims_key) or "")]
+    return 2.0 * math.prod(out[0]) * math.prod(lhs[0][d] for d in contract if d < len(lhs[0]))
+
+
+def _grouped_flops(ins: Instr) -> float:
+    """2 x R x a x b of a grouped GEMM: rows [R, .] and a [L, a, b] weight among its shapes."""
+    shapes = _dims(ins.shape) + _dims(ins.attr(_CONSTRAINTS) or "")
+    weights = [s for s in shapes if len(s) == 3]
+    rows = [s[0] for s in shapes if len(s) == 2]
+    return 2.0 * max(rows) * weights[0][1] * weights[0][2] if weights and rows else 0.0
+
+
+def gemm_flops(ins: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]) -> float:
+    """FLOPs of one GEMM kernel (0 for any other instruction)."""
+    kinds = kernel_classes(ins, comps)
+    if "triton_gemm" in kinds:
+        body = comps.get(ins.attr(r"calls=%([^\s,]+)") or "", [])
+        inner = {i.name: i.shape for i in body}
+        return sum(_dot_flops(i, inner, r"lhs_contracting_dims=\{([\d,]*)\}")
+                   for i in body if i.op == "dot")
+    if "cublas" in kinds or "cublaslt" in kinds:
+        return _dot_flops(ins, shapes, r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+    if "mosaic_gpu" in kinds:
+        return _grouped_flops(ins)
+    return 0.0
+
+
+def windows(text: str) -> list[Window]:
+    """Every async collective of one compiled module's scheduled text."""
+    comps, entry = parse(text)
+    found = []
+    for name, runs in runs_per_step(comps, entry).items():
+        shapes = {i.name: i.shape for i in comps[name]}
+        open_: dict[str, list] = {}  # start name -> [kind, gemm, other, flops]
+        for ins in comps[name]:
+            done = ins.operands[0] if ins.op.endswith("-done") and ins.operands else None
+            if done in open_:
+                kind, gemm, other, flops = open_.pop(done)
+                found.append(Window(kind, shape_bytes(ins.shape), gemm, other, flops, runs))
+                continue
+            kinds = [k for k in kernel_classes(ins, comps) if k != "fp8_gemm"]
+            if kinds:
+                is_gemm = any(k in GEMM_KERNELS for k in kinds)
+                flops = gemm_flops(ins, comps, shapes) if is_gemm else 0.0
+                for w in open_.values():
+                    w[1 if is_gemm else 2] += len(kinds)
+                    w[3] += flops
+            kind = start_kind(ins, comps)
+            if kind:
+                open_[ins.name] = [kind, 0, 0, 0.0]
+    return found
+
+
+def summary(found: list[Window]) -> dict:
+    """``{kind: {pairs, with_gemm, gemm_kernels, other_kernels, bytes, bytes_with_gemm,
+    gemm_flops}}``: instances in the text (the first four) and per step (the rest)."""
+    out: dict[str, dict] = {}
+    for kind in COLLECTIVES:
+        ws = [w for w in found if w.kind == kind]
+        if ws:
+            out[kind] = {
+                "pairs": len(ws), "with_gemm": sum(w.gemm_kernels > 0 for w in ws),
+                "gemm_kernels": sum(w.gemm_kernels for w in ws),
+                "other_kernels": sum(w.other_kernels for w in ws),
+                "bytes": sum(w.bytes * w.runs for w in ws),
+                "bytes_with_gemm": sum(w.bytes * w.runs for w in ws if w.gemm_kernels),
+                "gemm_flops": sum(w.gemm_flops * w.runs for w in ws)}
+    return out
+
+
+def hidden(found: list[Window], kind: str, link_bytes_per_s: float,
+           gemm_flops_per_s: float) -> dict:
+    """``{"comm_s", "hidden_s"}`` of one collective kind per step at these rates: its whole
+    transfer time, and the most the GEMMs in its windows can hide of it."""
+    ws = [w for w in found if w.kind == kind]
+    comm = sum(w.bytes / link_bytes_per_s * w.runs for w in ws)
+    hide = sum(min(w.bytes / link_bytes_per_s, w.gemm_flops / gemm_flops_per_s) * w.runs
+               for w in ws)
+    return {"comm_s": comm, "hidden_s": hide}
