@@ -155,3 +155,11 @@ def test_compile_section_maps_every_gpu_kind_to_a_shipped_target():
     assert compiled.target_for("NVIDIA GB200") == "gb200"
     assert compiled.target_for("cpu") is None
     assert {name for _, name in compiled.TARGETS} <= set(targets.list_targets())
+
+
+@pytest.mark.parametrize("section", ["training", "expert_parallel"])
+def test_trainer_runs_skip_with_the_reason_on_a_tpu(tmp_path, section):
+    from moe_train.gpucheck import runs
+    ctx = gpucheck.Context("tpu", 1, tmp_path, float("inf"), "TPU v5 lite")
+    got = getattr(runs, section)(ctx)
+    assert got["status"] == "SKIP" and "one process at a time" in got["reason"]

@@ -164,3 +164,14 @@ def test_trainer_skip_selftest_trains_with_the_explicit_kernel(tmp_path, broken_
 def test_explicit_backend_that_cannot_run_here_names_the_choices(tmp_path):
     with pytest.raises(ConfigError, match="moe.backend=mgpu cannot run here.*auto, tiled, ragged_dot"):
         run(tiny("moe.backend=mgpu"), tmp_path, log=lambda s: None)
+
+
+def test_float32_is_held_to_its_own_bound_off_a_tpu():
+    assert checks.tolerance("float32") == checks.TOLERANCE["float32"]
+
+
+def test_a_tpu_at_default_precision_holds_float32_to_the_bf16_bound(monkeypatch):
+    monkeypatch.setattr(checks.jax, "default_backend", lambda: "tpu")
+    assert checks.tolerance("float32") == checks.TOLERANCE["bfloat16"]
+    with checks.jax.default_matmul_precision("highest"):
+        assert checks.tolerance("float32") == checks.TOLERANCE["float32"]

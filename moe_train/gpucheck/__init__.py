@@ -60,6 +60,15 @@ class Context:
     def on_gpu(self) -> bool:
         return self.platform == "gpu"
 
+    @property
+    def child_blocked(self) -> str:
+        """Why a trainer run in a child process cannot use this device now ('' when it can):
+        a TPU admits one process at a time, and this one holds it."""
+        if self.platform != "tpu":
+            return ""
+        return ("a TPU admits one process at a time and this check holds it: run "
+                "`python -m moe_train --preset tiny` on its own")
+
     def left(self) -> float:
         return self.deadline - time.perf_counter()
 

@@ -242,7 +242,8 @@ def _fp8_row(ctx: Context, backend: str) -> dict[str, Any]:
                                        f"{found['fp8_dots']} on fp8 operands, custom calls "
                                        f"{found['custom_calls']}")
     elif not ctx.on_gpu:
-        row["note"] = "CPU: fp8 numerics emulated (q/dq around bf16/fp32 dots), no fp8 GEMMs"
+        row["note"] = (f"{ctx.platform}: fp8 numerics emulated (q/dq around bf16/fp32 dots), "
+                       "no fp8 GEMMs")
     return row
 
 

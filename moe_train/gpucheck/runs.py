@@ -110,7 +110,7 @@ def _preset_runs(ctx: Context, preset: str, n_steps: int, compute: str) -> list[
         # (gemm_numerics checked every backend at larger sizes already)
         run = trainer(ctx, f"{preset}-{b}", preset, n_steps, [
             f"moe.backend={b}", f"precision.compute={compute}", "parallel.devices=1",
-            "train.log_every=1000", "train.checkpoint_every=0",
+            "train.log_every=1000", "train.checkpoint_every=0", "train.checkpoint_minutes=0",
             *(["train.skip_selftest=true"] if i else [])])
         rows.append(_run_row(ctx, run, n_steps, b, preset))
         if rows[-1]["status"] == PASS:
@@ -128,6 +128,8 @@ def _preset_runs(ctx: Context, preset: str, n_steps: int, compute: str) -> list[
 def training(ctx: Context) -> dict[str, Any]:
     """tiny (30 steps; 6 on CPU) and, on a GPU, small (5 steps) per runnable backend."""
     compute = "bf16" if ctx.on_gpu else "fp32"
+    if ctx.child_blocked:
+        return skip(ctx.child_blocked)
     rows = _preset_runs(ctx, "tiny", steps(ctx, "tiny"), compute)
     if ctx.on_gpu:
         rows += _preset_runs(ctx, "small", steps(ctx, "small"), compute)
@@ -139,6 +141,8 @@ def training(ctx: Context) -> dict[str, Any]:
 
 def expert_parallel(ctx: Context) -> dict[str, Any]:
     """tiny with EP over n devices against one device: equal losses (fp32)."""
+    if ctx.child_blocked:
+        return skip(ctx.child_blocked)
     if ctx.on_gpu and ctx.device_count < 2:
         return skip(f"one GPU here ({ctx.device_count}): expert parallelism needs two or more")
     n = min(ctx.device_count, 8) if ctx.on_gpu else 4  # CPU: fake devices
@@ -196,6 +200,8 @@ FP8_STEP_RTOL, FP8_TAIL_RTOL = 0.03, 0.01
 def fp8_loss_band(ctx: Context) -> list[dict[str, Any]]:
     """tiny in bf16 and in fp8 (fp8 backend auto): per-step and last-ten loss gaps."""
     n = steps(ctx, "band")
+    if ctx.child_blocked:
+        return [{"run": "tiny bf16 and fp8 loss band", "status": SKIP, "reason": ctx.child_blocked}]
     base = ["parallel.devices=1", "train.log_every=1000", "optim.decay_steps=45",
             "precision.amax_history=64"]
     runs = {}
