@@ -105,21 +105,63 @@ def tile_experts(padded_start_E: jax.Array, num_tiles: int, tile_rows: int) -> j
     return jnp.clip(owner_B, 0, E - 1).astype(jnp.int32)
 
 
-def take_rows(x_TH: jax.Array, index_R: jax.Array, valid_R: jax.Array) -> jax.Array:
+def take_rows(x_TH: jax.Array, index_R: jax.Array, valid_R: jax.Array,
+              readers_TK: jax.Array | None = None) -> jax.Array:
     """``x_TH[index_R]`` [R, H] with zero rows where ``valid_R`` is False: a gather from
     ``x_TH`` with one zero row appended, which the invalid rows read. A gather followed by a
     select would hold an [R, H] select forward and another of the cotangent backward;
     XLA:GPU fused those of several overlap chunks into one multi-output kernel whose outputs
-    were all live at once (deepseek-v3's MTP block: 16 of 448 MiB, ``make compile``). Here the
-    backward pass is one scatter-add into [T + 1, H]."""
-    T = x_TH.shape[0]
+    were all live at once (deepseek-v3's MTP block: 16 of 448 MiB, ``make compile``).
+
+    ``readers_TK``: the rows that read each source row (row ``r`` with ``valid_R[r]`` and
+    ``index_R[r] == t`` is one of ``readers_TK[t]``; entries >= R stand for none), so the
+    backward pass is a gather of the cotangent too, summed over K in fp32. Without it the
+    backward is autodiff's scatter-add into a zero-filled [T, H] buffer: XLA:GPU hoisted
+    those out of deepseek-v3's MTP block, 15 of 0.82 GiB live at once (``make compile
+    --peak``)."""
+    if readers_TK is None:
+        return _gather_padded(x_TH, jnp.where(valid_R, index_R, x_TH.shape[0]))
+    return _take_rows(x_TH, index_R, valid_R, readers_TK)
+
+
+def _gather_padded(x_TH: jax.Array, index_R: jax.Array) -> jax.Array:
+    """Rows ``index_R`` of ``x_TH`` with a zero row appended (index T: the zero row)."""
     padded = jnp.concatenate([x_TH, jnp.zeros((1, *x_TH.shape[1:]), x_TH.dtype)])
-    return padded[jnp.where(valid_R, index_R, T)]
+    return padded[index_R]
+
+
+@jax.custom_vjp
+def _take_rows(x_TH, index_R, valid_R, readers_TK):
+    return _gather_padded(x_TH, jnp.where(valid_R, index_R, x_TH.shape[0]))
+
+
+def _take_rows_fwd(x_TH, index_R, valid_R, readers_TK):
+    return _take_rows(x_TH, index_R, valid_R, readers_TK), readers_TK
+
+
+def _take_rows_bwd(readers_TK, g_RH):
+    R, dtype = g_RH.shape[0], g_RH.dtype  # the cotangent has x's dtype, as the rows had
+    picked_TKH = _gather_padded(g_RH, jnp.where(readers_TK < R, readers_TK, R))
+    dx_TH = picked_TKH.astype(jnp.float32).sum(axis=1).astype(dtype)
+    return dx_TH, None, None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def readers_of(slot_N: jax.Array, rows: int) -> jax.Array:
+    """[rows, 1]: the one n whose ``slot_N[n]`` is each row (``len(slot_N)`` where none is):
+    the readers of a gather by ``slot_N`` (``take_rows``)."""
+    N = slot_N.shape[0]
+    return jnp.full((rows,), N, jnp.int32).at[slot_N].set(
+        jnp.arange(N, dtype=jnp.int32), mode="drop")[:, None]
 
 
 def permute(x_TH: jax.Array, plan: Dispatch) -> jax.Array:
-    """Gather token rows into dispatch order [R, H]; padding rows are zero."""
-    return take_rows(x_TH, plan.token_R, plan.valid_R)
+    """Gather token rows into dispatch order [R, H]; padding rows are zero. Backward: the
+    cotangent's rows of each token's K assignments, gathered and summed."""
+    T, H = x_TH.shape
+    return take_rows(x_TH, plan.token_R, plan.valid_R, plan.row_N.reshape(T, -1))
 
 
 def weighted_sum(y_NH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array:
@@ -133,7 +175,8 @@ def unpermute(y_RH: jax.Array, plan: Dispatch, weights_TK: jax.Array | None = No
               out_dtype=None) -> jax.Array:
     """Back to assignment order: y[t] = sum_k weights[t, k] * y_R[row of (t, k)] (fp32 sums);
     without weights, the row of every assignment n [N, H] as it is."""
-    y_NH = y_RH[plan.row_N]
+    N, R = plan.row_N.shape[0], y_RH.shape[0]
+    y_NH = take_rows(y_RH, plan.row_N, jnp.ones((N,), bool), readers_of(plan.row_N, R))
     if weights_TK is None:
         return y_NH
     return weighted_sum(y_NH, weights_TK, out_dtype or y_RH.dtype)

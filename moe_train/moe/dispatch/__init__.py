@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_train.moe.permute import take_rows
+from moe_train.moe.permute import readers_of, take_rows
 from moe_train.parallel.jobplan import EPPlan
 
 
@@ -89,15 +89,15 @@ def gather_rows(x_XH, slot_N, per_row: int, R: int):
     layer and micro-batch loops and held dozens at once (deepseek-v3 at 4 layers, EP 64: 40
     buffers of 448 MiB at its peak; ``make compile``)."""
     N = slot_N.shape[0]
-    src_R = jnp.full((R,), N, jnp.int32).at[slot_N].set(jnp.arange(N, dtype=jnp.int32),
-                                                        mode="drop")
-    return take_rows(x_XH, src_R // per_row, src_R < N)
+    src_R = readers_of(slot_N, R)[:, 0]
+    return take_rows(x_XH, src_R // per_row, src_R < N, slot_N.reshape(-1, per_row))
 
 
 def unpack(y_RH, slot_N):
-    """Row of every assignment from the returned buffer (zero where it was not sent)."""
+    """Row of every assignment from the returned buffer (zero where it was not sent); the
+    backward gathers too (``take_rows``)."""
     R = y_RH.shape[0]
-    return jnp.where((slot_N < R)[:, None], y_RH[jnp.minimum(slot_N, R - 1)], 0)
+    return take_rows(y_RH, slot_N, slot_N < R, readers_of(slot_N, R))
 
 
 def pair_stats(recv_counts, C: int, balanced: float) -> dict:
