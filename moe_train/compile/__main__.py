@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket", default="",
                    help="compile only this capacity bucket (1, 1.25, ..., worst; planned: the "
                         "one the memory planner judges the job by); default: every bucket")
+    p.add_argument("--peak", action="store_true",
+                   help="dump XLA's buffer assignment and print what fills each bucket's peak "
+                        "(by source scope); the dump stays in the run directory (xla/)")
     p.add_argument("--out", default="runs/compile", help="parent of the <UTC> run directory")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
@@ -64,7 +67,7 @@ def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
 
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     try:
-        result, out_dir = run.compile_job(job, Path(args.out) / stamp, args.bucket)
+        result, out_dir = run.compile_job(job, Path(args.out) / stamp, args.bucket, args.peak)
     except job_mod.ERRORS as err:
         return _error(err)
     print(json.dumps(result, indent=1) if args.json else

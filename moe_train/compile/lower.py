@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from moe_train.compile import facts
+from moe_train.compile import facts, peak
 from moe_train.compile.job import Job
 from moe_train.config import Config, ConfigError, for_devices
 from moe_train.data import packing
@@ -44,6 +45,7 @@ class Compiled:
     compile_s: float  # XLA:GPU's compile, seconds
     hlo: str  # the optimized, scheduled HLO (compiled.as_text())
     note: str = ""  # how the compile deviated from the preset's settings ("" where it did not)
+    peak: dict | None = None  # what fills the peak (peak.Peak.record), where it was dumped
 
 
 # XLA:GPU without a GPU does not autotune: its default Triton GEMM tiling can fail on small
@@ -86,7 +88,10 @@ def batch_arg(cfg: Config, mesh) -> Any:
     return packing.make(spec, spec if packed else None)
 
 
-def compile_one(cfg: Config, mesh, plan: EPPlan | None, target, devices) -> Compiled:
+def compile_one(cfg: Config, mesh, plan: EPPlan | None, target, devices,
+                dump_dir: Path | None = None) -> Compiled:
+    """One bucket's step; with ``dump_dir``, XLA dumps it there and the Compiled carries what
+    fills its peak (``peak.read``; the dump is pruned to the files that explain it)."""
     t0 = time.perf_counter()
     with facts.as_target(target, devices):
         state = abstract_state(cfg, mesh)
@@ -99,25 +104,28 @@ def compile_one(cfg: Config, mesh, plan: EPPlan | None, target, devices) -> Comp
         with step.sharding.activate():
             lowered = step.jitted.trace(*args).lower()
     t1 = time.perf_counter()
-    compiled, note = xla_compile(lowered)
+    compiled, note = xla_compile(lowered, peak.dump_options(dump_dir) if dump_dir else None)
     t2 = time.perf_counter()
+    live = peak.read(dump_dir) if dump_dir else None
+    if dump_dir:
+        peak.prune(dump_dir)
     return Compiled(bucket=bucket_name(plan), plan=plan,
                     memory=CompiledMemory.of(compiled), trace_s=t1 - t0, compile_s=t2 - t1,
-                    hlo=compiled.as_text(), note=note)
+                    hlo=compiled.as_text(), note=note, peak=live.record() if live else None)
 
 
-def xla_compile(lowered) -> tuple[Any, str]:
-    """XLA:GPU's compile of ``lowered``; where the deviceless Triton GEMM tiling fails
-    (``TILE_FAILURE``), compiled again with Triton GEMM fusions off (cuBLAS for every
-    matmul), said in the note."""
+def xla_compile(lowered, options: dict | None = None) -> tuple[Any, str]:
+    """XLA:GPU's compile of ``lowered`` (``options``: XLA debug options, e.g. a dump); where
+    the deviceless Triton GEMM tiling fails (``TILE_FAILURE``), compiled again with Triton
+    GEMM fusions off (cuBLAS for every matmul), said in the note."""
     try:
-        return lowered.compile(), ""
+        return lowered.compile(options or None), ""
     except jax.errors.JaxRuntimeError as err:
         if TILE_FAILURE not in str(err):
             raise
         found = re.search(r"%[\w.]+ = \w+\[[\d,]*\]", str(err))
         matmul = found.group(0) if found else "a matmul"
-        return lowered.compile(NO_TRITON_GEMM), (
+        return lowered.compile({**(options or {}), **NO_TRITON_GEMM}), (
             f"compiled with xla_gpu_enable_triton_gemm=false: deviceless XLA:GPU found no "
             f"Triton tiling for {matmul} (a GPU's autotuner picks another)")
 
@@ -128,10 +136,11 @@ def bucket_name(plan: EPPlan | None) -> str:
     return "worst" if factor is None else f"{factor:g}"
 
 
-def compile_buckets(job: Job, cfg: Config, devices: Sequence[Any],
-                    only: str = "") -> Iterator[Compiled]:
+def compile_buckets(job: Job, cfg: Config, devices: Sequence[Any], only: str = "",
+                    dump_root: Path | None = None) -> Iterator[Compiled]:
     """The step of every capacity bucket of ``cfg`` (kernels concrete) on ``devices``, or of
-    bucket ``only``; ConfigError naming the buckets when ``only`` is none of them."""
+    bucket ``only``; ConfigError naming the buckets when ``only`` is none of them. With
+    ``dump_root``, each bucket's XLA dump goes to ``dump_root/xla-<bucket>``."""
     mesh = layout.build(cfg, devices).mesh
     plans = stepper.ep_plans(cfg, mesh)
     names = [bucket_name(p) for p in plans]
@@ -140,4 +149,5 @@ def compile_buckets(job: Job, cfg: Config, devices: Sequence[Any],
                           f"{', '.join(names)}, planned")
     for plan, name in zip(plans, names):
         if not only or name == only:
-            yield compile_one(cfg, mesh, plan, job.target, devices)
+            dump = dump_root / f"xla-{name}" if dump_root else None
+            yield compile_one(cfg, mesh, plan, job.target, devices, dump)

@@ -19,7 +19,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from moe_train.compile import hlo, overlap
+from moe_train.compile import hlo, overlap, peak
 from moe_train.compile.job import Job, planner_total
 from moe_train.compile.kernels import Kernel
 from moe_train.compile.lower import Compiled
@@ -44,7 +44,8 @@ def bucket_record(job: Job, c: Compiled) -> dict:
             "xla_over_planner": round(mem.peak / planned, 3), "hlo": f"step-{c.bucket}.hlo",
             "note": c.note,
             **hlo.inventory(c.hlo), "overlap": overlap.summary(windows),
-            "hidden": schedule_vs_model(job, windows)}
+            "hidden": schedule_vs_model(job, windows),
+            **({"peak_live": c.peak} if c.peak else {})}
 
 
 def schedule_vs_model(job: Job, windows: list[overlap.Window]) -> dict:
@@ -128,7 +129,7 @@ def _inventory(rec: dict) -> list[str]:
     for kind, o in rec.get("overlap", {}).items():
         lines.append(f"  {kind:<20}{o['pairs']:5d} async  {o['with_gemm']:4d} with a GEMM inside  "
                      f"{o['gemm_kernels']:5d} GEMM + {o['other_kernels']:5d} other kernels inside")
-    return lines + _hidden_lines(rec)
+    return lines + _hidden_lines(rec) + peak.lines(rec.get("peak_live") or {})
 
 
 def _hidden_lines(rec: dict) -> list[str]:
@@ -182,7 +183,7 @@ def _memory_text(r: dict) -> str:
 
 def write(out_dir: Path, r: dict, compiled: list[Compiled]) -> Path:
     """``out_dir``: each bucket's scheduled HLO, memory.txt, result.json."""
-    out_dir.mkdir(parents=True, exist_ok=False)
+    out_dir.mkdir(parents=True, exist_ok=(out_dir / "xla").is_dir())  # the dumps went first
     for c in compiled:
         (out_dir / f"step-{c.bucket}.hlo").write_text(c.hlo)
     (out_dir / "memory.txt").write_text(_memory_text(r))

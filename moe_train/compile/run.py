@@ -18,15 +18,17 @@ from moe_train.compile.report import render
 __all__ = ["compile_job", "render"]
 
 
-def compile_job(job: Job, out_dir: Path, bucket: str = "") -> tuple[dict, Path]:
+def compile_job(job: Job, out_dir: Path, bucket: str = "",
+                dump: bool = False) -> tuple[dict, Path]:
     """Compile every bucket of ``job`` (or only ``bucket``: "planned" is the memory planner's);
-    (the result dict, the directory written)."""
+    (the result dict, the directory written). ``dump``: XLA dumps each bucket under
+    ``out_dir/xla/`` and the result says what fills its peak (``peak``)."""
     devices = lower.simulated_devices(job)
     cfg = lower.mesh_config(job, job.cfg)
     cfg, chosen = kernels.choose(cfg, job.target, devices)
     compiled, records = [], []
     only = job.plan.estimate.bucket if bucket == "planned" else bucket
-    for c in lower.compile_buckets(job, cfg, devices, only):
+    for c in lower.compile_buckets(job, cfg, devices, only, out_dir / "xla" if dump else None):
         compiled.append(c)
         records.append(report.bucket_record(job, c))
         print(f"compiled bucket {c.bucket}: peak {report.size(c.memory.peak)} per GPU, "
