@@ -1,20 +1,17 @@
-"""What the step-time planner chooses for a job the user left open, as the launcher's own
-``--set`` items, each with a note saying so (``make submit`` prints the notes; the job script
+"""What the planner chooses for a job the user left open, as the launcher's own ``--set`` items
+(and ``--ep``), each with a note saying so (``make submit`` prints the notes; the job script
 carries the items like any ``--set``, so the trainer validates them again).
 
-Two keys, in this order, each only where the user did not ``--set`` it:
+The job is the fastest one that fits of the planner's search (``slurm.search``): EP size,
+``parallel.weight_gather``, micro-batches, ``train.remat``, ``moe.overlap_chunks``,
+``moe.dispatch_dtype`` and, only where nothing fits otherwise, ``moe.capacity_buckets``. A key
+the user set (``--set``; ``--ep`` for EP) is kept and named as the user's; one the search left
+as the model preset has it is the preset's. Nothing is chosen where nothing can be predicted
+(fp32 compute, a nominal CPU preset), nor where no job fits (the memory verdict then names
+the cheapest change).
 
-- ``parallel.weight_gather``: the mode of the shortest predicted step (``topology.steptime``:
-  ``step`` gathers the weights once per step instead of once per micro-batch), only when it
-  beats the current mode by more than 1% and the memory planner says the job still fits
-  (``step`` holds a compute-dtype copy of the weights; otherwise the note says what it would
-  need and the mode stays);
-- ``moe.overlap_chunks``: the fewest chunks within 1% of the shortest predicted step, for the
-  weight gathering chosen above.
-
-Nothing is chosen where nothing can be predicted (fp32 compute, a nominal CPU preset).
-``decided`` says, for both keys, the job's value and who chose it (``make plan`` shows it);
-``planned`` is its notes only (``make submit``).
+``decided`` says, for every key, the job's value and who chose it (``make plan`` shows it);
+``planned`` is its notes only (``make submit``, ``make compile``).
 """
 
 from __future__ import annotations
@@ -24,27 +21,29 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moe_train import config
-from slurm import layout
+from slurm import layout, search
+from slurm.search import (BUCKETS_KEY, CHUNKS_KEY, DISPATCH_KEY, EP_KEY, GATHER_KEY,
+                          MICRO_BATCHES_KEY, MICRO_SIZE_KEY, REMAT_KEY)
 from topology import presets
 
 if TYPE_CHECKING:
     from slurm.plan import Request
     from topology.plan import Plan
-    from topology.steptime import StepTime
 
-GATHER_KEY = "parallel.weight_gather"
-CHUNKS_KEY = "moe.overlap_chunks"
-GiB = 1024**3
 USER, PLANNER, PRESET = "user", "planner", "preset"  # Choice.source
+# each key the planner decides, in the order shown, and the word its note starts with
+PREFIX = {EP_KEY: "ep", GATHER_KEY: "fsdp", MICRO_BATCHES_KEY: "micro-batches",
+          MICRO_SIZE_KEY: "micro-batches", REMAT_KEY: "remat", CHUNKS_KEY: "overlap",
+          DISPATCH_KEY: "dispatch", BUCKETS_KEY: "buckets"}
 
 
 @dataclass(frozen=True)
 class Choice:
     """One key the planner decides, as the job has it."""
 
-    key: str  # GATHER_KEY or CHUNKS_KEY
+    key: str  # one of PREFIX's keys (micro-batches: the key the user or the model preset uses)
     value: str  # the job's value
-    source: str  # USER: a --set item; PLANNER: the launcher's --set item; PRESET: left as it was
+    source: str  # USER: a --set item (--ep); PLANNER: the launcher's item; PRESET: left as it was
     note: str | None  # the line make submit prints about it; None: nothing to say
 
     @property
@@ -52,37 +51,95 @@ class Choice:
         return f"{self.key}={self.value}"
 
 
-def _value(cfg: config.Config, key: str) -> str:
-    return str(cfg.parallel.weight_gather if key == GATHER_KEY else cfg.moe.overlap_chunks)
+@dataclass(frozen=True)
+class Decided:
+    """The job with the planner's choices applied."""
+
+    req: "Request"  # the request with the planner's --set items (and its EP as --ep)
+    cfg: config.Config  # its config
+    choices: tuple[Choice, ...]  # one per key, in PREFIX's order
+    found: search.Found | None  # the search (None: nothing predicted)
+    note: str | None  # what the search found, in one line (None: nothing searched)
 
 
-def decided(req: "Request", cluster: presets.Cluster,
-            cfg: config.Config) -> tuple["Request", config.Config, tuple[Choice, ...]]:
-    """(``req`` with the planner's choices appended to its ``--set`` items, its config, one
-    Choice per key in the order above)."""
-    out = []
-    for key, choose in ((GATHER_KEY, _gather), (CHUNKS_KEY, _chunks)):
-        if _user_set(req, key):
-            out.append(Choice(key, _value(cfg, key), USER, None))
-            continue
-        item, note = choose(req, cluster, cfg)
-        if item:
-            req = dataclasses.replace(req, sets=(*req.sets, item))
-            cfg, _ = layout.model_config(req, cluster)
-        out.append(Choice(key, _value(cfg, key), PLANNER if item else PRESET, note))
-    return req, cfg, tuple(out)
+def value_of(cfg: config.Config, key: str) -> str:
+    """The config's value of one of the planner's keys, as a --set value."""
+    section, name = key.split(".")
+    value = getattr(getattr(cfg, section), name)
+    return search.buckets_text(value) if key == BUCKETS_KEY else str(value)
+
+
+def decided(req: "Request", cluster: presets.Cluster, cfg: config.Config,
+            top: int = 1) -> Decided:
+    """The fastest job of the search that fits (``top``: how many the search ranks)."""
+    found = search.search(req, cluster, cfg, top)
+    best = found.ranked[0] if found and found.ranked else None
+    fixed = search.user_keys(req)
+    job_req, job_cfg = req, cfg
+    if best and best.changes:
+        ep = best.settings.ep if best.settings.ep != cfg.parallel.ep else req.ep
+        items = tuple(c for c in best.changes if not c.startswith(EP_KEY + "="))
+        job_req = dataclasses.replace(req, sets=(*req.sets, *items), ep=ep)
+        job_cfg, _ = layout.model_config(job_req, cluster)
+    chosen = tuple(_choice(key, cfg, job_cfg, fixed, best) for key in _keys(cfg, fixed))
+    return Decided(job_req, job_cfg, chosen, found, summary(found))
+
+
+def _choice(key: str, base: config.Config, cfg: config.Config, fixed: frozenset[str],
+            best: search.Candidate | None) -> Choice:
+    """``key`` as the job ``cfg`` has it, against the model preset's ``base``."""
+    value, was = value_of(cfg, key), value_of(base, key)
+    if key in fixed:
+        return Choice(key, value, USER, None)
+    if best is None or f"{key}={value}" not in best.changes:
+        return Choice(key, value, PRESET, None)
+    how = f"--ep {was}" if key == EP_KEY else f"--set {key}={was}"
+    count = (f" ({best.settings.micro_batches} micro-batches per step)"
+             if key in (MICRO_BATCHES_KEY, MICRO_SIZE_KEY) else "")
+    return Choice(key, value, PLANNER, f"{PREFIX[key]}: {key}={value}{count}, the planner's "
+                                       f"choice (the model preset's: {was}; {how} to keep it)")
+
+
+def _keys(cfg: config.Config, fixed: frozenset[str]) -> list[str]:
+    micro = search.micro_key(cfg, fixed)
+    return [k for k in PREFIX if k not in (MICRO_BATCHES_KEY, MICRO_SIZE_KEY) or k == micro]
 
 
 def planned(req: "Request", cluster: presets.Cluster,
             cfg: config.Config) -> tuple["Request", config.Config, list[str]]:
-    """(``req`` with the planner's choices appended to its ``--set`` items, its config, the
-    notes)."""
-    req, cfg, chosen = decided(req, cluster, cfg)
-    return req, cfg, [c.note for c in chosen if c.note]
+    """(``req`` with the planner's choices, its config, the notes: what the search found,
+    then one per key the planner chose)."""
+    d = decided(req, cluster, cfg)
+    return d.req, d.cfg, [n for n in (d.note, *(c.note for c in d.choices)) if n]
 
 
-def _user_set(req: "Request", key: str) -> bool:
-    return any(item.partition("=")[0].strip() == key for item in req.sets)
+def _secs(s: float) -> str:
+    return f"{s:.1f} s" if s >= 10 else f"{s:.3g} s"
+
+
+def summary(found: search.Found | None) -> str | None:
+    """One line: how many jobs were searched, the fastest that fits against the preset's."""
+    if found is None:
+        return None
+    plans = f"{found.judged} memory plan{'' if found.judged == 1 else 's'}"
+    head = (f"search: {found.timed:,} job{'' if found.timed == 1 else 's'} timed, {plans}; "
+            + (f"kept as set: {', '.join(found.fixed)}; " if found.fixed else ""))
+    preset = (f"the model preset's settings predict {_secs(found.base_step_s)}"
+              f"{'' if found.base_fits else ' and do not fit'}")
+    if not found.ranked:
+        return head + f"none fits ({preset})"
+    st = found.ranked[0].step
+    text = (head + f"the fastest that fits predicts {_secs(st.step_s)} per step, "
+            f"{st.tokens_per_s:,.0f} tokens/s/GPU, MFU {st.mfu:.1%} ({preset})")
+    if found.opt_in is not None:
+        job, best = found.opt_in, found.ranked[0]
+        extra = [c for c in job.changes if c not in best.changes]
+        risk = (f" (a step overflowing {job.settings.buckets[-1]:g}x then runs out of memory)"
+                if job.settings.buckets != best.settings.buckets else "")
+        text += (f"; opting in, {' '.join(job.changes)}{risk} predicts {_secs(job.step.step_s)} "
+                 f"({', '.join(c.partition('=')[0] for c in extra) or 'no new key'} not "
+                 f"searched unless set: --set them to use it)")
+    return text + "; make plan TOP=5 (--top 5) lists the runners-up"
 
 
 def prediction(req: "Request", cfg: config.Config) -> "Plan":
@@ -93,54 +150,3 @@ def prediction(req: "Request", cfg: config.Config) -> "Plan":
     return topo_plan.make_plan(req.preset, req.nodes, req.model, cfg.parallel.ep,
                                allow_straddle=req.allow_straddle, overrides=tuple(req.sets),
                                compute=req.compute or None)
-
-
-def _step(req: "Request", cfg: config.Config) -> "StepTime | None":
-    """The predicted step of this job as the user's ``--set`` items make it, or None."""
-    try:
-        return prediction(req, cfg).step
-    except (presets.TopologyError, config.ConfigError, ValueError):
-        return None  # the launcher's own checks already passed; predict nothing
-
-
-def _seconds(by: dict) -> str:
-    return ", ".join(f"{k}: {s:.3f}" for k, s in by.items())
-
-
-def _gather(req: "Request", cluster: presets.Cluster,
-            cfg: config.Config) -> tuple[str | None, str | None]:
-    """(``parallel.weight_gather=MODE`` to add or None, the note or None)."""
-    from moe_train import memory
-
-    step = _step(req, cfg)
-    if step is None or not step.by_gather:
-        return None, None
-    now = cfg.parallel.weight_gather
-    best = min(step.by_gather, key=step.by_gather.get)
-    if best == now or step.by_gather[best] > 0.99 * step.by_gather[now]:
-        return None, None
-    chosen = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
-                                                                  weight_gather=best))
-    try:
-        verdict = memory.check_fits(chosen, cluster, req.nodes)
-    except memory.PlanError:
-        return None, None
-    used = f"{verdict.total_bytes / GiB:.1f} of {verdict.usable_bytes / GiB:.1f} GiB"
-    by = _seconds(step.by_gather)
-    if not verdict.fits:
-        return None, (f"fsdp: {GATHER_KEY}={now} kept: {best} predicts a shorter step "
-                      f"(s by mode: {by}) but needs {used} per GPU")
-    return (f"{GATHER_KEY}={best}",
-            f"fsdp: {GATHER_KEY}={best}, the planner's choice (predicted step s by mode: {by}; "
-            f"memory {used} per GPU); --set {GATHER_KEY}={now} to choose")
-
-
-def _chunks(req: "Request", cluster: presets.Cluster,
-            cfg: config.Config) -> tuple[str | None, str | None]:
-    """(``moe.overlap_chunks=N`` to add or None, the note or None)."""
-    step = _step(req, cfg)
-    if step is None or step.best_chunks == cfg.moe.overlap_chunks:
-        return None, None
-    item = f"{CHUNKS_KEY}={step.best_chunks}"
-    return item, (f"overlap: {item}, the planner's choice (predicted step s by chunks: "
-                  f"{_seconds(step.by_chunks)}); --set {CHUNKS_KEY}=N to choose")

@@ -4,8 +4,9 @@ and ``make submit`` runs, built once (``decide``) for both.
 The trainer's config (``slurm.layout.model_config``: the model preset, the user's ``--set``
 items, ``--ep``, ``--steps``), the batch against the job's GPUs and micro-batches
 (``moe_train.parallel.jobplan.check_batch``: a batch that does not split names the nearest
-sizes that do, with their tokens per step), the planner's choices (``slurm.choices``), the
-placement (``--segment``) and the memory plan (``moe_train.memory``). No site file, no image,
+sizes that do, with their tokens per step), the planner's choices (``slurm.choices``: the
+fastest job of its search, ``slurm.search``, that fits), the placement (``--segment``) and
+the memory plan (``moe_train.memory``). No site file, no image,
 no Slurm: ``slurm.plan.plan`` adds those to make the JobSpec, ``slurm.show`` prints this.
 """
 
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from moe_train import config
 from moe_train.parallel import jobplan
-from slurm import choices, layout
+from slurm import choices, layout, search
 from slurm.plan import LaunchError, Request, check_text, load_cluster, smoke_request
 from topology import presets
 
@@ -31,8 +32,10 @@ class Decision:
     cluster: presets.Cluster  # the cluster preset
     req: Request  # the request (the smoke job's, for --smoke) with the planner's --set items
     cfg: config.Config  # the trainer's config, the planner's choices applied
-    ep: int  # expert-parallel size
-    choices: tuple[choices.Choice, ...]  # parallel.weight_gather, moe.overlap_chunks: who chose
+    ep: int  # expert-parallel size (the planner's where the user left it open)
+    choices: tuple[choices.Choice, ...]  # each key the planner decides: value and who chose
+    found: search.Found | None  # the planner's search (None: nothing predicted)
+    search_note: str | None  # what the search found, in one line (make submit prints it)
     segment: int | None  # the --segment the placement asks for (None: none)
     placement: tuple[str, ...]  # placement notes (its reason; a straddle warning)
     memory: MemoryPlan  # the job's memory plan: estimate, budget, verdict
@@ -43,10 +46,11 @@ class Decision:
         return self.memory.verdict.fits
 
 
-def decide(req: Request) -> Decision:
+def decide(req: Request, top: int = 1) -> Decision:
     """Everything about the job that needs neither a site file nor an image: the config, the
-    planner's choices, the placement and the memory plan; LaunchError for a job the trainer
-    would refuse (a batch that does not split over the GPUs names the nearest sizes that do)."""
+    planner's choices (``top``: how many jobs its search ranks, ``Decision.found``), the
+    placement and the memory plan; LaunchError for a job the trainer would refuse (a batch
+    that does not split over the GPUs names the nearest sizes that do)."""
     from moe_train import memory
 
     cluster = load_cluster(req.preset)
@@ -55,8 +59,9 @@ def decide(req: Request) -> Decision:
         raise LaunchError(f"--nodes must be at least 1, got {req.nodes}")
     if req.compute:
         _check_compute(req.compute)
-    cfg, ep = _model_config(req, cluster)
-    req, cfg, chosen = choices.decided(req, cluster, cfg)  # rendered as the launcher's --set
+    cfg, _ = _model_config(req, cluster)
+    chosen = choices.decided(req, cluster, cfg, top)  # rendered as the launcher's --set
+    req, cfg, ep = chosen.req, chosen.cfg, chosen.cfg.parallel.ep
     segment, notes = layout.placement(req, cluster, ep, cfg)
     per_task, rest = divmod(cluster.gpus_per_node, cluster.slurm.ntasks_per_node)
     if rest or not per_task:
@@ -67,7 +72,8 @@ def decide(req: Request) -> Decision:
         mem = memory.plan(cfg, cluster, req.nodes)
     except memory.PlanError as err:  # sizes the trainer would refuse too (e.g. width vs dp)
         raise LaunchError(str(err)) from None
-    return Decision(cluster=cluster, req=req, cfg=cfg, ep=ep, choices=chosen, segment=segment,
+    return Decision(cluster=cluster, req=req, cfg=cfg, ep=ep, choices=chosen.choices,
+                    found=chosen.found, search_note=chosen.note, segment=segment,
                     placement=tuple(notes), memory=mem, per_task=per_task)
 
 

@@ -179,7 +179,7 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
     if container is not None and not (req.image or site.image):
         notes.append(f"warning: rendered with {cluster.name}'s base image {cluster.image}, which "
                      f"lacks moe-train; a real submission needs --image (make container)")
-    chosen = [c.note for c in d.choices if c.note]
+    chosen = [n for n in (d.search_note, *(c.note for c in d.choices)) if n]
     notes.insert(1, _memory(req, cluster, d))
     notes[2:2] = chosen
     from slurm import compiled  # imports this module

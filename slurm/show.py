@@ -1,19 +1,26 @@
 """``make plan``: the job ``make submit`` would run, with its memory verdict first.
 
 ``python -m slurm.show --preset CLUSTER --model MODEL --nodes N [--ep N] [--set K=V ...]
-[--steps N] [--compute FILE] [--allow-straddle] [--json]`` builds the job as the launcher does
-(``slurm.decide``: the trainer's config, the planner's choices of ``parallel.weight_gather``
-and ``moe.overlap_chunks``, the placement, the memory plan), without a site file, an image
-or Slurm, and prints, in this order:
+[--steps N] [--compute FILE] [--allow-straddle] [--top N] [--json]`` builds the job as the
+launcher does (``slurm.decide``: the trainer's config, the planner's choices, which are the
+fastest job of its search that fits, ``slurm.search``; the placement, the memory plan),
+without a site file, an image or Slurm, and prints, in this order:
 
 1. the memory verdict; a job that does not fit names the cheapest change that fits and
    every change tried (``moe_train.memory.verdict``);
 2. the trainer command each task runs, with the ``--set`` items the job script carries;
-3. each choice and who made it: yours (a ``--set``/``SET=`` item, kept as given), the
-   planner's (its note, as ``make submit`` prints it) or the model preset's;
-4. what the planner timed: every weight-gather mode (step time and memory per GPU) and
-   every chunk count (step time), the job's own marked;
+3. what the search found (jobs timed, memory plans made, the fastest that fits against the
+   model preset's settings), then each choice and who made it: yours (a ``--set``/``SET=``
+   item or ``--ep``, kept as given), the planner's (its note, as ``make submit`` prints it)
+   or the model preset's;
+4. what the planner timed around the job: every weight-gather mode (step time and memory per
+   GPU) and every chunk count (step time), the job's own marked;
 5. the placement and predicted step in detail (``topology.plan``), then the memory per item.
+
+``--top N`` prints instead the verdict of the job and the N fastest jobs of the search that
+fit, as a table (the first is the job ``make submit`` runs): predicted step, tokens/s/GPU,
+model TFLOP/s/GPU, MFU, exposed communication, memory per GPU and the settings that differ
+from the model preset's, then the published figures for the model and preset.
 
 Exit 0 when the job fits; 2 when it does not (``make submit`` refuses it, exit 2: its verdict
 is the first line) and for bad input (one ``error:`` line before anything else, naming the
@@ -34,7 +41,7 @@ from pathlib import Path
 
 from moe_train import config
 from moe_train.config.cli import OneLineParser
-from slurm import choices, layout
+from slurm import choices, layout, search
 from slurm.decide import Decision, decide
 from slurm.plan import LaunchError, Request
 from topology import plan as topo_plan
@@ -43,7 +50,7 @@ from topology.presets import TopologyError
 EXIT_USAGE = EXIT_DOES_NOT_FIT = 2  # make submit's refusals, a job that will not fit among them
 GIB = 2**30
 OUT = "OUT"  # stands in for the run directory make submit picks
-PREFIX = {choices.GATHER_KEY: "fsdp", choices.CHUNKS_KEY: "overlap"}  # as the choices' notes
+PREFIX = choices.PREFIX  # each key's first word, as the choices' notes
 
 
 @dataclass(frozen=True)
@@ -67,9 +74,10 @@ class Shown:
     trainer: tuple[str, ...]  # python -m moe_train arguments of each task (run dir: OUT)
 
 
-def show(req: Request) -> Shown:
-    """The job for ``req``; LaunchError / TopologyError for a job the launcher refuses."""
-    d = decide(req)
+def show(req: Request, top: int = 1) -> Shown:
+    """The job for ``req`` (``top``: how many jobs the search ranks); LaunchError /
+    TopologyError for a job the launcher refuses."""
+    d = decide(req, top)
     try:
         topo = choices.prediction(d.req, d.cfg)
     except config.ConfigError as err:
@@ -113,21 +121,24 @@ def _verdict_lines(d: Decision) -> list[str]:
     return lines
 
 
-def _choice_line(c: choices.Choice, step) -> str:
+def _choice_line(c: choices.Choice, d: Decision, step) -> str:
     """What the job has for ``c.key`` and who chose it."""
     if c.note:
         return c.note
     head = f"{PREFIX[c.key]}: {c.item}"
     if c.source == choices.USER:
-        best = None if step is None else (min(step.by_gather, key=step.by_gather.get)
-                                          if c.key == choices.GATHER_KEY else step.best_chunks)
-        return head + ", yours (--set), kept" + (f"; the step-time model favours {best}"
+        best = None
+        if step is not None and c.key in (choices.GATHER_KEY, choices.CHUNKS_KEY):
+            best = (min(step.by_gather, key=step.by_gather.get)
+                    if c.key == choices.GATHER_KEY else step.best_chunks)
+        flag = "--ep or --set" if c.key == choices.EP_KEY else "--set"
+        return head + f", yours ({flag}), kept" + (f"; the step-time model favours {best}"
                                                   if best is not None else "")
-    if step is None:
+    if d.found is None:
         return head + ", the model preset's (nothing predicted for this job)"
-    if c.key == choices.GATHER_KEY:
-        return head + ", the model preset's (no other mode predicts a step over 1% shorter)"
-    return head + ", the model preset's and the planner's choice"
+    if not d.found.ranked:
+        return head + ", the model preset's (no job searched fits)"
+    return head + ", the model preset's, kept by the search"
 
 
 def _timed_lines(timed: tuple[Timed, ...]) -> list[str]:
@@ -155,7 +166,8 @@ def render(s: Shown) -> str:
         f"  python -m moe_train {shlex.join(s.trainer)}",
         *d.placement,
         "choices (SET= keys stay yours; the planner decides the others):",
-        *[f"  {_choice_line(c, st)}" for c in d.choices],
+        *([f"  {d.search_note}"] if d.search_note else []),
+        *[f"  {_choice_line(c, d, st)}" for c in d.choices],
         *_timed_lines(s.timed),
         ("predicted: " + (f"{st.step_s:.3f} s per step, {st.tokens_per_s:,.0f} tokens/s/GPU, MFU "
                           f"{st.mfu:.1%}, exposed communication {st.comm_share:.1%}"
@@ -174,6 +186,50 @@ def _memory_render(d: Decision) -> str:
     return memory_render(d.memory, d.req.model)
 
 
+def _settings_text(c: search.Candidate) -> str:
+    return " ".join(c.changes) or "(the model preset's)"
+
+
+def top_rows(s: Shown) -> list[dict]:
+    """The ranked jobs of the search, fastest first, as plain values."""
+    found = s.decision.found
+    return [{"step_s": c.step.step_s, "tokens_per_s_per_gpu": c.step.tokens_per_s,
+             "model_tflops_per_gpu": c.step.model_tflops, "mfu": c.step.mfu,
+             "exposed_comm_share": c.step.comm_share, "total_bytes": c.total_bytes,
+             "usable_bytes": c.usable_bytes, "changes": list(c.changes)}
+            for c in (found.ranked if found else ())]
+
+
+def render_top(s: Shown) -> str:
+    """The job's verdict, then the search's fastest jobs that fit as a table."""
+    d = s.decision
+    gpus = d.req.nodes * d.cluster.gpus_per_node
+    found = d.found
+    lines = _verdict_lines(d)
+    if found is None:
+        return "\n".join(lines + [f"search: nothing predicted for {d.req.model} on "
+                                   f"{d.cluster.name} (fp32 compute or a CPU preset)"])
+    lines += [d.search_note or "",
+              f"the fastest jobs that fit, {d.req.model} on {d.req.nodes} {d.cluster.name} "
+              f"nodes ({gpus} GPUs); row 1 is the job make submit runs (SET= keys and EP= are "
+              f"kept as given):",
+              f"  {'#':>2} {'step s':>8} {'tokens/s/GPU':>13} {'TFLOP/s/GPU':>12} {'MFU':>6} "
+              f"{'exposed':>8} {'memory GiB':>13}  settings the planner changes"]
+    if not found.ranked:
+        return "\n".join(lines[:-2] + ["no job searched fits: the memory verdict above names "
+                                        "the cheapest change"])
+    for n, c in enumerate(found.ranked, 1):
+        st = c.step
+        mem = f"{c.total_bytes / GIB:.1f}/{c.usable_bytes / GIB:.1f}"
+        lines.append(f"  {n:>2} {st.step_s:>8.2f} {st.tokens_per_s:>13,.0f} "
+                     f"{st.model_tflops:>12,.0f} {st.mfu:>6.1%} {st.comm_share:>8.1%} "
+                     f"{mem:>13}  {_settings_text(c)}")
+    lines += [f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {a.tflops_per_gpu:,.0f} "
+              f"TFLOP/s/GPU on {a.gpus} GPUs, {a.precision}{', ' + a.layout if a.layout else ''}"
+              f" ({a.source})" for a in s.topology.anchors]
+    return "\n".join(lines)
+
+
 def to_json(s: Shown) -> dict:
     """The job as one JSON object."""
     from moe_train.memory.__main__ import to_json as memory_json
@@ -188,6 +244,9 @@ def to_json(s: Shown) -> dict:
         "placement": list(d.placement),
         "topology": topo_plan.plan_json(s.topology),
         "memory": memory_json(d.memory, d.req.model),
+        "search": None if d.found is None else {
+            "note": d.search_note, "timed": d.found.timed, "judged": d.found.judged,
+            "fixed": list(d.found.fixed), "ranked": top_rows(s)},
     }
 
 
@@ -205,6 +264,9 @@ def parser() -> argparse.ArgumentParser:
                    "topology/compute.toml); the planner's choices use it too")
     p.add_argument("--allow-straddle", action="store_true",
                    help="accept EP groups that cross NVLink domains (prints the predicted cost)")
+    p.add_argument("--top", type=int, default=0, metavar="N",
+                   help="print the N fastest jobs of the planner's search that fit, as a table "
+                   "(the first is the job make submit runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -224,12 +286,16 @@ def request(args: argparse.Namespace) -> Request:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        shown = show(request(args))
+        if args.top < 0:
+            raise LaunchError(f"--top must be at least 1, got {args.top}")
+        shown = show(request(args), max(args.top, 1))
     except (LaunchError, TopologyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    text = (json.dumps(to_json(shown), indent=1) if args.json
+            else render_top(shown) if args.top else render(shown))
     try:
-        print(json.dumps(to_json(shown), indent=1) if args.json else render(shown), flush=True)
+        print(text, flush=True)
     except BrokenPipeError:  # `make plan | head`: stop quietly, as shell tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if shown.decision.fits else EXIT_DOES_NOT_FIT

@@ -15,12 +15,15 @@ import pytest
 from slurm import show, submit
 
 ROOT = Path(__file__).resolve().parent.parent
-READMES = (ROOT / "README.md", ROOT / "slurm" / "README.md")
+READMES = (ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 FLAGS = {"PRESET": "--preset", "MODEL": "--model", "NODES": "--nodes", "EP": "--ep",
          "STEPS": "--steps"}
 NO_FIT = ["--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8",
           "--set", "train.remat=none", "--set", "train.micro_batch_size=0"]
 BIG_BATCH = ["--preset", "h100-dgx", "--model", "deepseek-v3", "--nodes", "256", "--ep", "64"]
+# jobs whose every key the planner searches (issue #33's done-when jobs: no SET)
+V3_GB200 = ["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "64", "--ep", "64"]
+V3_H100 = ["--preset", "h100-dgx", "--model", "deepseek-v3", "--nodes", "128"]
 
 
 def readme_examples() -> list[list[str]]:
@@ -56,11 +59,14 @@ def site(tmp_path_factory) -> str:
     return str(path)
 
 
+JOBS = [*readme_examples(), V3_GB200, V3_H100]  # the READMEs' and the searched ones
+
+
 @pytest.fixture(scope="module")
 def examples(site, tmp_path_factory) -> dict[str, tuple[dict, list[str]]]:
-    """README command -> (make plan's JSON, the --set items of make submit's dry-run job)."""
+    """Command of JOBS -> (make plan's JSON, the --set items of make submit's dry-run job)."""
     jobs = {}
-    for args in readme_examples():
+    for args in JOBS:
         plan = json.loads(run(show.main, [*args, "--json"])[1])
         out_dir = str(tmp_path_factory.mktemp("run"))
         code, text, err = run(submit.main, [*args, "--dry-run", "--site", site, "--out", out_dir])
@@ -74,19 +80,31 @@ def test_the_readmes_have_plan_and_submit_examples():
     assert len(readme_examples()) >= 5
 
 
-@pytest.mark.parametrize("args", [shlex.join(a) for a in readme_examples()])
+@pytest.mark.parametrize("args", [shlex.join(a) for a in JOBS])
 def test_plan_shows_the_set_items_of_the_submitted_job(examples, args):
     plan, rendered = examples[args]
     assert set_items(plan["job"]["trainer_args"]) == rendered
 
 
-@pytest.mark.parametrize("args", [shlex.join(a) for a in readme_examples()])
+@pytest.mark.parametrize("args", [shlex.join(a) for a in JOBS])
 def test_each_choice_the_plan_shows_is_the_submitted_value(examples, args):
     plan, rendered = examples[args]
     keyed = {item.split("=", 1)[0]: item for item in rendered}
     for c in plan["choices"]:
-        expected = None if c["source"] == "preset" else f"{c['key']}={c['value']}"
+        always = c["key"] == "parallel.ep"  # the launcher always writes the job's EP
+        expected = None if c["source"] == "preset" and not always else f"{c['key']}={c['value']}"
         assert keyed.get(c["key"]) == expected
+
+
+def test_the_gb200_deepseek_plan_without_set_is_the_fast_job(examples):
+    plan, _ = examples[shlex.join(V3_GB200)]
+    assert plan["fits"] and plan["topology"]["step"]["comm_share"] <= 0.20
+
+
+def test_the_plans_top_row_is_the_submitted_job(examples):
+    plan, rendered = examples[shlex.join(V3_H100)]
+    changes = plan["search"]["ranked"][0]["changes"]
+    assert changes and set(changes) <= set(rendered)  # the launcher writes parallel.ep too
 
 
 def test_a_plan_that_does_not_fit_says_so_on_its_first_line():

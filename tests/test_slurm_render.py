@@ -237,18 +237,20 @@ def test_a_users_overlap_chunks_stay(capsys, tmp_path):
 def test_weight_gather_defaults_to_the_faster_mode_that_fits(capsys, tmp_path):
     from topology.plan import make_plan
 
-    by = make_plan("h100-dgx", 8, "mixtral-8x7b", 8).step.by_gather
+    micro = "train.micro_batch_size=4"  # kept as set: the choice left is the gather mode
+    by = make_plan("h100-dgx", 8, "mixtral-8x7b", 8, overrides=(micro,)).step.by_gather
     assert by["step"] < 0.99 * by["micro_batch"]  # gathering once per step is predicted faster
-    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8)
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8, "--set", micro)
     assert code == 0 and "fsdp: parallel.weight_gather=step, the planner's choice" in out + err
-    assert "--set parallel.weight_gather=step --set moe.overlap_chunks=" in out
+    assert "--set parallel.weight_gather=step " in out
 
 
-def test_the_memory_line_counts_the_chosen_weight_gather(capsys, tmp_path):
-    from moe_train import config, memory
+def test_the_memory_line_counts_the_chosen_job(capsys, tmp_path):
+    from moe_train import memory
+    from slurm.decide import decide
 
-    cfg = config.build("mixtral-8x7b", ["parallel.ep=8", "parallel.weight_gather=step"])
-    total = memory.check_fits(cfg, "h100-dgx", 8).total_bytes / 1024**3
+    req = plan.Request(preset="h100-dgx", model="mixtral-8x7b", nodes=8, ep=8)
+    total = memory.check_fits(decide(req).cfg, "h100-dgx", 8).total_bytes / 1024**3
     code, out, err = dry(capsys, tmp_path, *MIXTRAL_8)
     assert code == 0 and f"({total:.1f} GiB of" in out + err
 
@@ -261,9 +263,17 @@ def test_a_users_weight_gather_stays(capsys, tmp_path):
 
 
 def test_weight_gather_stays_where_the_faster_mode_does_not_fit(capsys, tmp_path):
+    from moe_train import config, memory
+    from topology.plan import make_plan
+
+    sets = ("train.micro_batch_size=2", "train.remat=full", "parallel.weight_gather=step")
+    by = make_plan("gb200-nvl72", 32, "deepseek-v3", 32, overrides=sets).step.by_gather
+    step_cfg = config.build("deepseek-v3", [*sets, "parallel.ep=32"])
+    assert by["step"] < by["micro_batch"]
+    assert not memory.check_fits(step_cfg, "gb200-nvl72", 32).fits
     code, out, err = dry(capsys, tmp_path, "--preset", "gb200-nvl72", "--model", "deepseek-v3",
-                         "--nodes", "32", "--ep", "32", "--set", "train.micro_batch_size=2")
-    assert code == 0 and "fsdp: parallel.weight_gather=micro_batch kept: step" in out + err
+                         "--nodes", "32", "--ep", "32", "--set", sets[0], "--set", sets[1])
+    assert code == 0 and "fsdp:" not in out + err
     assert "parallel.weight_gather" not in script_of(out)
 
 

@@ -191,8 +191,18 @@ def _step(cfg, cluster: Cluster, efficiency, devices: int, p: Placement, T: int,
         cfg = model_config.for_devices(cfg, devices)
     except model_config.ConfigError as e:
         raise PlanError(str(e)) from None
-    job = steptime.Job(gpus=devices, ep=p.ep, dp=p.dp, tokens_per_gpu=T, a2a=side.layer.all_to_all)
-    return steptime.predict(cfg, cluster, efficiency, job)
+    return steptime.predict(cfg, cluster, efficiency, _job(devices, p, T, side))
+
+
+def _job(devices: int, p: Placement, T: int, side: Side) -> steptime.Job:
+    return steptime.Job(gpus=devices, ep=p.ep, dp=p.dp, tokens_per_gpu=T, a2a=side.layer.all_to_all)
+
+
+def step_job(plan: Plan) -> steptime.Job:
+    """The step-time model's job of the planned side: any config with the plan's EP size and
+    batch predicts on it (``steptime.predict``; ``slurm.search`` times its variants so)."""
+    p = plan.planned.placement
+    return _job(len(p.order), p, plan.tokens_per_gpu, plan.planned)
 
 
 def _pair(plan: Plan, fn) -> dict[str, Any]:
