@@ -13,7 +13,11 @@ NODES ?= 1
 # expert-parallel size; unset: the model's parallel.ep (SET may give it; both disagreeing: error)
 EP ?=
 STEPS ?=
-OUT ?= runs/smoke
+# run directory; unset: make smoke -> runs/smoke, make train -> runs/<MODEL> (a preset's name,
+# or a .toml file's name without .toml), make submit -> the planner's runs/slurm/<job>-<UTC>
+OUT ?=
+# make probe: devices to time (default: all; on CPU, that many fake host devices)
+DEVICES ?=
 SET ?=
 PYTEST_ARGS ?=
 # pytest-xdist workers for make test / test-fast (auto: one per core; 0: one process, no xdist)
@@ -23,16 +27,22 @@ EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,rep
 
 # User values reach recipes only as environment variables, quoted there ("$$OUT"), never
 # pasted into a command line by make: SET='x; touch /tmp/y' stays one odd --set value.
-export MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT RUN
+export MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT RUN DEVICES
 # "$@" = --steps/--set arguments from STEPS and SET (split on spaces, no globbing)
 RUN_ARGS := set -f; set --; for s in $$SET; do set -- "$$@" --set "$$s"; done; [ -z "$$STEPS" ] || set -- "$$@" --steps "$$STEPS"
+# Recipes are quiet (@): $(RUN_CMD) CMD ARGS... prints the one command it runs, shell-quoted, then runs it
+RUN_CMD := run() { local line; printf -v line '%q ' "$$@"; printf '%s\n' "$${line% }"; "$$@"; }; run
 # --ep only when EP is given (command line or environment), so SET='parallel.ep=N' works alone
 EP_ARG = $(if $(EP),--ep "$$EP")
 # make plan: a compute calibration (make gpu-check writes one) instead of topology/compute.toml
 COMPUTE ?=
+# make plan: list the N fastest jobs that fit (unset: the one make submit runs)
+TOP ?=
+# make compile: 1 dumps XLA's buffer assignment and prints what fills each bucket's peak
+PEAK ?=
 # make submit: 0 skips the XLA:GPU preflight compile (where the compile extra is installed)
 COMPILE ?= 1
-export COMPUTE COMPILE
+export COMPUTE COMPILE TOP
 
 comma := ,
 space := $(subst ,, )
@@ -50,89 +60,91 @@ XLA_GPU_INSTALL = $(PY) -m pip install -q --no-deps --upgrade -c requirements.lo
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-17s %s\n", $$1, $$2}'
-	@echo "variables: MODEL=$(MODEL) PRESET=$(PRESET) NODES=$(NODES) EP=$(or $(EP),<model's parallel.ep>) OUT=$(OUT) STEPS=<n> SET='k=v ...' EXTRAS=$(EXTRAS) PYTHON=$(PYTHON)"
+	@echo "variables: MODEL=$(MODEL) PRESET=$(PRESET) NODES=$(NODES) EP=$(or $(EP),<model's parallel.ep>) OUT=$(or $(OUT),<runs/smoke | runs/MODEL>) STEPS=<n> SET='k=v ...' DEVICES=<n> EXTRAS=$(EXTRAS) PYTHON=$(PYTHON)"
 
 $(STAMP): pyproject.toml requirements.lock
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c requirements.lock -e '.[$(PIP_EXTRAS)]'
-	$(if $(filter compile,$(subst $(comma),$(space),$(EXTRAS))),$(XLA_GPU_INSTALL))
+	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@echo "installing the kit's dependencies into $(VENV) (extras $(PIP_EXTRAS)); the first time fills about 1.1 GB (32 s from a local mirror; longer where packages download), pip prints nothing until it is done"
+	@$(PY) -m pip install -q --upgrade pip
+# (PYTHONWARNINGS hides setuptools' generic note on every editable install, not about this project)
+	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -c requirements.lock -e '.[$(PIP_EXTRAS)]'
+	@$(if $(filter compile,$(subst $(comma),$(space),$(EXTRAS))),$(XLA_GPU_INSTALL))
 	@touch $@
 
 venv: $(STAMP) ## create .venv (re-created only when dependency files change)
 
-smoke: $(STAMP) ## train the tiny preset on this machine (CPU or GPU) and print a summary
-	rm -rf -- "$$OUT"
-	$(RUN_ARGS); $(PY) -m moe_train --preset tiny --out "$$OUT" "$$@"
+smoke: $(STAMP) ## train the tiny preset from scratch into OUT (default runs/smoke; replaces a previous run there, refuses anything else) and print a summary
+	@$(RUN_ARGS); $(RUN_CMD) $(PY) -m moe_train --preset tiny --out "$${OUT:-runs/smoke}" --fresh "$$@"
 
-train: $(STAMP) ## train MODEL into OUT on this machine (resumes if OUT holds a checkpoint)
-	$(RUN_ARGS); $(PY) -m moe_train --preset "$$MODEL" --out "$$OUT" "$$@"
+train: $(STAMP) ## train MODEL into OUT (default runs/<MODEL>) on this machine (resumes if OUT holds a checkpoint)
+	@$(RUN_ARGS); m="$$(basename -- "$$MODEL")"; $(RUN_CMD) $(PY) -m moe_train --preset "$$MODEL" --out "$${OUT:-runs/$${m%.toml}}" "$$@"
 
 submit: $(STAMP) ## run MODEL on NODES of cluster PRESET under Slurm (DRY_RUN=1 prints the job, WAIT=1 follows it, COMPILE=0 skips the XLA:GPU preflight compile, COMPUTE=file as make plan)
-	$(RUN_ARGS); MOE_TRAIN_COMPILE="$$COMPILE" $(PY) -m slurm.submit --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(filter command line environment,$(origin OUT)),--out "$$OUT") $(if $(IMAGE),--image "$$IMAGE") $(if $(COMPUTE),--compute "$$COMPUTE") $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) "$$@"
+	@$(RUN_ARGS); export MOE_TRAIN_COMPILE="$$COMPILE"; $(RUN_CMD) $(PY) -m slurm.submit --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(OUT),--out "$$OUT") $(if $(IMAGE),--image "$$IMAGE") $(if $(COMPUTE),--compute "$$COMPUTE") $(if $(DRY_RUN),--dry-run) $(if $(WAIT),--wait) "$$@"
 
 smoke-cluster: $(STAMP) ## one-node smoke job on cluster PRESET: preflight + a short tiny run, followed
-	$(PY) -m slurm.submit --preset "$$PRESET" --smoke --wait $(if $(IMAGE),--image "$$IMAGE")
+	@$(RUN_CMD) $(PY) -m slurm.submit --preset "$$PRESET" --smoke --wait $(if $(IMAGE),--image "$$IMAGE")
 
 golden: $(STAMP) ## rewrite slurm/golden/*.sbatch after an intended change to the job rendering
-	$(PY) -m slurm.examples --update-golden
+	@$(RUN_CMD) $(PY) -m slurm.examples --update-golden
 
 # tests/conftest.py groups what must share a worker (process-spawning modules, module fixtures)
 XDIST_ARGS = $(if $(filter 0,$(TEST_WORKERS)),,-n "$$TEST_WORKERS" --dist loadgroup)
 export TEST_WORKERS
 
 test: $(STAMP) ## run the whole test suite over TEST_WORKERS workers (GPU and Slurm tests skip where unavailable)
-	$(PY) -m pytest $(XDIST_ARGS) $(PYTEST_ARGS)
+	@$(RUN_CMD) $(PY) -m pytest $(XDIST_ARGS) $(PYTEST_ARGS)
 
 test-fast: $(STAMP) ## the test suite without tests marked slow
-	$(PY) -m pytest -m 'not slow' $(XDIST_ARGS) $(PYTEST_ARGS)
+	@$(RUN_CMD) $(PY) -m pytest -m 'not slow' $(XDIST_ARGS) $(PYTEST_ARGS)
 
 bench: $(STAMP) ## CPU benchmarks (grouped GEMM, MoE layer, EP on 8 fake devices, compiles); runs/bench/<UTC>/
-	$(PY) -m moe_train.bench
+	@$(RUN_CMD) $(PY) -m moe_train.bench
 
 study: $(STAMP) ## dropless MoE vs capacity-factor drops, dense same-active/same-total, aux-free; 3 seeds, ~16 min CPU; runs/study/<UTC>/
-	$(PY) -m moe_train.study
+	@$(RUN_CMD) $(PY) -m moe_train.study
 
 bench-gpu: $(STAMP) ## GPU benchmark: Mixtral/DeepSeek experts in bf16 per backend vs a dense GEMM; runs/bench/<UTC>/
-	$(PY) -m moe_train.bench --gpu
+	@$(RUN_CMD) $(PY) -m moe_train.bench --gpu
 
 # gpu-check runs with the Python that has jax already (the container's, or .venv's if it exists):
 # no virtualenv is created, nothing is installed
 CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
 gpu-check: ## what works on this GPU node and how fast (CPU: toy sizes); runs/gpucheck/<UTC>/
-	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(CHECK_PYTHON) -m moe_train.gpucheck
+	@export PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"; $(RUN_CMD) $(CHECK_PYTHON) -m moe_train.gpucheck
 
-plan: $(STAMP) ## the job make submit runs for MODEL on NODES of PRESET: memory verdict first (exit 2: does not fit), the planner's choices and what it timed, placement, step time (COMPUTE=file), memory
-	$(RUN_ARGS); $(PY) -m slurm.show --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(COMPUTE),--compute "$$COMPUTE") "$$@"
+plan: $(STAMP) ## the job make submit runs for MODEL on NODES of PRESET (the fastest that fits, TOP=N lists N): memory verdict first (exit 2: does not fit), the planner's choices, placement, step time (COMPUTE=file), memory
+	@$(RUN_ARGS); $(RUN_CMD) $(PY) -m slurm.show --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(COMPUTE),--compute "$$COMPUTE") $(if $(TOP),--top "$$TOP") "$$@"
 
 $(XLA_GPU)/.installed: requirements.lock | $(STAMP)
-	$(XLA_GPU_INSTALL)
+	@echo "installing XLA:GPU's compiler into $(XLA_GPU)"
+	@$(XLA_GPU_INSTALL)
 
-compile: $(STAMP) $(XLA_GPU)/.installed ## compile MODEL's train step on NODES of PRESET with XLA:GPU, no GPU needed: memory per bucket vs the planner, kernels, collectives; runs/compile/<UTC>/
-	$(RUN_ARGS); $(PY) -m moe_train.compile --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) "$$@"
+compile: $(STAMP) $(XLA_GPU)/.installed ## compile MODEL's train step on NODES of PRESET with XLA:GPU, no GPU needed: memory per bucket vs the planner, kernels, collectives (PEAK=1: what fills the peak); runs/compile/<UTC>/
+	@$(RUN_ARGS); $(RUN_CMD) $(PY) -m moe_train.compile --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(PEAK),--peak) "$$@"
 
-probe: $(STAMP) ## time all-to-alls on this machine's devices; writes runs/probe/<PRESET>.toml
-	$(PY) -m topology probe --preset "$$PRESET" --out "runs/probe/$$(basename -- "$$PRESET" .toml).toml"
+probe: $(STAMP) ## time all-to-alls on DEVICES of this machine's devices (default all; on CPU, DEVICES fake ones, e.g. DEVICES=8); writes runs/probe/<PRESET>.toml
+	@$(RUN_CMD) $(PY) -m topology probe --preset "$$PRESET" --out "runs/probe/$$(basename -- "$$PRESET" .toml).toml" $(if $(DEVICES),--devices "$$DEVICES")
 
 report: $(STAMP) ## write RUN/report.html (+ RUN/report/*.png) from a run's metrics and telemetry
 	@test -n "$$RUN" || { echo "usage: make report RUN=<run dir>" >&2; exit 2; }
-	$(PY) -m moe_train.report "$$RUN"
+	@$(RUN_CMD) $(PY) -m moe_train.report "$$RUN"
 
 cluster-up: ## start a local Slurm cluster (slurmctld, slurmd, slurmdbd, MariaDB, munge; root)
-	bash slurm/local_cluster.sh start
+	@$(RUN_CMD) bash slurm/local_cluster.sh start
 
 cluster-down: ## stop the daemons cluster-up started
-	bash slurm/local_cluster.sh stop
+	@$(RUN_CMD) bash slurm/local_cluster.sh stop
 
 container: ## build the kit image for ARCH (amd64|arm64) with TOOL (docker|podman) and make a .sqsh
-	containers/build.sh $(if $(ARCH),--arch "$$ARCH") $(if $(TOOL),--tool "$$TOOL") $(if $(CONTAINER_OUT),--out "$$CONTAINER_OUT")
+	@$(RUN_CMD) containers/build.sh $(if $(ARCH),--arch "$$ARCH") $(if $(TOOL),--tool "$$TOOL") $(if $(CONTAINER_OUT),--out "$$CONTAINER_OUT")
 
 container-import: ## IMAGE=<registry image> -> runs/containers/<name>.sqsh with enroot import
-	containers/import.sh "$$IMAGE" $(if $(ARCH),--arch "$$ARCH")
+	@$(RUN_CMD) containers/import.sh "$$IMAGE" $(if $(ARCH),--arch "$$ARCH")
 
 preflight: $(STAMP) ## check this node (inside the container): GPUs, TE, NCCL, IMEX, NVML
-	$(PY) -m containers.preflight --preset "$$PRESET"
+	@$(RUN_CMD) $(PY) -m containers.preflight --preset "$$PRESET"
 
 clean: ## remove the virtualenv and run outputs
-	rm -rf $(VENV) runs .pytest_cache
+	@$(RUN_CMD) rm -rf -- $(VENV) runs .pytest_cache

@@ -14,10 +14,13 @@ local executor on this machine (it says so); GPU presets need a Slurm cluster.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import shlex
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,11 +95,43 @@ def check_twice(args: argparse.Namespace) -> None:
 
 
 def build(args: argparse.Namespace) -> plan.JobSpec:
-    """The validated job; LaunchError / SiteError for bad input."""
+    """The validated job; LaunchError / SiteError for bad input. With ``--dry-run`` an
+    ``--image`` file that does not exist yet is fine (``_missing_image``)."""
     site = site_mod.load(site_mod.find(args.site))
     now = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    return plan.plan(request(args), site, host_python=shlex.quote(sys.executable),
-                     kit_root=KIT_ROOT, now=now)
+    req = request(args)
+    missing = _missing_image(req)
+    if missing is None:
+        return plan.plan(req, site, host_python=shlex.quote(sys.executable), kit_root=KIT_ROOT,
+                         now=now)
+    # Planned with an empty stand-in file of the same name, which the job then names as given:
+    # every other check (name, path characters, preset) runs as for an existing image.
+    with tempfile.TemporaryDirectory() as tmp:
+        stand_in = Path(tmp) / missing.name
+        stand_in.touch()
+        spec = plan.plan(dataclasses.replace(req, image=str(stand_in)), site,
+                         host_python=shlex.quote(sys.executable), kit_root=KIT_ROOT, now=now)
+    if spec.container is None:
+        return spec
+    if re.search(r"[\s,]", str(missing)):
+        raise plan.LaunchError(f"image path {str(missing)!r} contains a space or ','; Pyxis "
+                               f"cannot take it")
+    note = (f"warning: image file {req.image!r} does not exist yet: the job below names it; "
+            f"build it with `make container` (or import one with `make container-import`) "
+            f"before submitting")
+    return dataclasses.replace(spec, container=dataclasses.replace(spec.container,
+                                                                  image=str(missing)),
+                               notes=(*spec.notes, note))
+
+
+def _missing_image(req: plan.Request) -> Path | None:
+    """A dry run's ``--image`` that names a .sqsh file not there yet: its absolute path."""
+    ref = req.image
+    if not (req.dry_run and ref) or not (ref.startswith(("/", "./", "../", "~"))
+                                         or ref.endswith(".sqsh")):
+        return None
+    path = Path(ref).expanduser()
+    return None if path.exists() else path.absolute()
 
 
 def dry_run_text(spec: plan.JobSpec, script: str) -> str:

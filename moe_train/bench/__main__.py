@@ -61,6 +61,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def run_sections(args) -> tuple[dict, list[str]]:
     """Run the chosen sections; returns (JSON sections, Markdown parts)."""
     from moe_train.bench import report
+    from moe_train.train import progress
     if args.gpu:
         from moe_train.bench import gpu
         if jax.default_backend() != "gpu" and not args.tiny:
@@ -76,7 +77,10 @@ def run_sections(args) -> tuple[dict, list[str]]:
     sections, parts = {}, []
     for name in args.sections:
         module, md = modules[name]
-        sec = module.run(module.QUICK if args.quick else module.FULL)
+        # a line when it starts, every 10 s while it runs, and its time when done
+        with progress.Waiting(lambda line: print(line, flush=True),
+                              f"running benchmark section {name}", after_s=0):
+            sec = module.run(module.QUICK if args.quick else module.FULL)
         parts.append(sec.pop("markdown") if md is None else md(sec))
         sections[name] = sec
     return sections, parts

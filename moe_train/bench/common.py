@@ -24,6 +24,11 @@ import jax
 import numpy as np
 
 
+def row_done(section: str, text: str) -> None:
+    """One line as a benchmark row finishes (the full table comes at the end)."""
+    print(f"  {section}: {text}", flush=True)
+
+
 # ----------------------------------------------------------------------------- timing
 
 def time_compiled(fn: Callable, args: Sequence, *, min_reps: int = 3, max_reps: int = 10,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_train.bench.common import collective_bytes, markdown_table, mib, time_rounds
+from moe_train.bench.common import collective_bytes, markdown_table, mib, row_done, time_rounds
 from moe_train.moe import Routing, ep_moe
 from moe_train.parallel import sharding
 from moe_train.parallel.jobplan import EPPlan
@@ -118,16 +118,26 @@ def profile(fns: dict[str, tuple[Any, Any]], out_dir, reps: int = 3) -> None:
                     jax.block_until_ready(fn(*args))
 
 
+HEADER = ["dispatcher", "mesh", "chunks", "dispatch", "fwd+bwd ms", "x chunks=1", "max |dy|",
+          "max |dgrad|", "fwd exchange MiB/device", "cross-domain MiB"]
+
+
+def cells(r: dict[str, Any]) -> list[Any]:
+    """One row of the section's table."""
+    return [r["dispatcher"], r["mesh"], r["chunks"], r["dispatch_dtype"],
+            f"{r['time']['median_s'] * 1e3:.2f}", f"{r['time_ratio']:.2f}",
+            f"{r['y_rel_diff']:.1e}", f"{r['grad_rel_diff']:.1e}",
+            mib(r["fwd_bytes_per_device"]), mib(r["fwd_cross_domain_bytes"])]
+
+
 def run(s: Sizes) -> dict[str, Any]:
     ops = operands(s)
-    rows = [r for d in MESHES for r in dispatcher_rows(s, d, ops)]
-    table = markdown_table(
-        ["dispatcher", "mesh", "chunks", "dispatch", "fwd+bwd ms", "x chunks=1", "max |dy|",
-         "max |dgrad|", "fwd exchange MiB/device", "cross-domain MiB"],
-        [[r["dispatcher"], r["mesh"], r["chunks"], r["dispatch_dtype"],
-          f"{r['time']['median_s'] * 1e3:.2f}", f"{r['time_ratio']:.2f}",
-          f"{r['y_rel_diff']:.1e}", f"{r['grad_rel_diff']:.1e}",
-          mib(r["fwd_bytes_per_device"]), mib(r["fwd_cross_domain_bytes"])] for r in rows])
+    rows = []
+    for dispatcher in MESHES:  # each row printed as its dispatcher's rows finish
+        rows += dispatcher_rows(s, dispatcher, ops)
+        for r in rows[-len(VARIANTS):]:
+            row_done("overlap", ", ".join(f"{h} {c}" for h, c in zip(HEADER, cells(r))))
+    table = markdown_table(HEADER, [cells(r) for r in rows])
     md = (f"## {TITLE}\n\nT={s.tokens} tokens, H={s.hidden}, F={s.ffn}, E={s.experts}, "
           f"top-{s.top_k}, fp32 activations; differences are relative to the tensor's largest "
           f"magnitude, against chunks=1 in the activations' dtype. Chunked exchanges equal the "

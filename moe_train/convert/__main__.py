@@ -34,8 +34,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("out", metavar="HF_OUT", help="new (or empty) output directory")
     b.add_argument("--dtype", default=None, choices=("bf16", "fp32"),
                    help="cast every tensor to this dtype (default: keep each as stored: the "
-                        "run's model.param_dtype, a converted source's own; bf16 narrows an "
-                        "fp32 run, whose logits then move by about 1e-2 relative)")
+                        "run's model.param_dtype, a converted source's own; bf16 rounds an "
+                        "fp32 run's weights: per token, logits move by about 3e-3 of the "
+                        "token's largest logit (median; 6e-3 worst) on the test models, more "
+                        "where a token's expert choice flips)")
     b.add_argument("--trust-unverified", action="store_true",
                    help="export a run's checkpoint that has no manifest (unverified: saved "
                         "before manifests existed); refused otherwise")

@@ -56,9 +56,14 @@ def parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="tokenize text into train/val token shards",
                           description="Tokenize a text corpus into train/val token shards.",
                           epilog=POLICIES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    prep.add_argument("--tokenizer", required=True, metavar="TOK",
-                      help="Hugging Face tokenizer.json (or a directory holding one), or a "
-                           "SentencePiece .model; read locally")
+    which = prep.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tokenizer", metavar="TOK",
+                       help="Hugging Face tokenizer.json, or a directory holding one (a "
+                            "Hugging Face checkpoint's), or a SentencePiece .model; read locally")
+    which.add_argument("--train-tokenizer", type=int, metavar="N", default=0,
+                       help="no tokenizer yet: train a byte-level BPE of N tokens (e.g. 8192) "
+                            "on the inputs with Hugging Face tokenizers, saved as "
+                            "DIR/tokenizer.json")
     prep.add_argument("--input", dest="inputs", required=True, nargs="+", action="extend",
                       metavar="FILE_OR_GLOB",
                       help="input files or globs (quote globs to keep them from the shell)")
@@ -89,10 +94,10 @@ def parser() -> argparse.ArgumentParser:
 
 def options(args: argparse.Namespace) -> prepare.Options:
     return prepare.Options(
-        tokenizer=args.tokenizer, inputs=tuple(args.inputs), out=args.out,
+        tokenizer=args.tokenizer or "", inputs=tuple(args.inputs), out=args.out,
         text_field=args.text_field, split_on=args.split_on, val_fraction=args.val_fraction,
         val_docs=args.val_docs, workers=args.workers, shard_tokens=args.shard_tokens,
-        seed=args.seed, eos_id=args.eos_id)
+        seed=args.seed, eos_id=args.eos_id, train_tokenizer=args.train_tokenizer)
 
 
 class _Terminated(Exception):

@@ -42,6 +42,7 @@ from moe_train.data import (
     shards,
     split as split_mod,
     tokenizer as tok_mod,
+    train_tokenizer,
     verify,
 )
 from moe_train.data.prepared import FORMAT, FORMAT_VERSION
@@ -82,6 +83,7 @@ class Options:
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     seed: int = 0
     eos_id: int | None = None
+    train_tokenizer: int = 0  # > 0: train a BPE of this size into out/tokenizer.json
 
     def checked(self) -> Options:
         """These options with defaults filled in; a :class:`DataError` for a bad value."""
@@ -100,6 +102,8 @@ class Options:
                                  ("--eos-id", self.eos_id, 0)):
             if value is not None and value < low:
                 raise DataError(f"{flag} {value} must be at least {low}")
+        if self.train_tokenizer:
+            train_tokenizer.check_size(self.train_tokenizer)
         if not self.text_field:
             raise DataError("--text-field is empty; name the field that holds the text")
         return dataclasses.replace(self, val_fraction=fraction, out=Path(self.out),
@@ -127,6 +131,8 @@ class Summary:
     out: Path
     splits: dict[str, SplitCounts]
     dtype: str
+    vocab_size: int = 0  # the tokenizer's (highest id + 1): model.vocab_size of a run on it
+    tokenizer: str = ""
     seconds: float = 0.0
     tokenized: int = 0  # tokens encoded by this run
     already: bool = False  # the directory was complete and every shard verified: nothing to do
@@ -142,6 +148,9 @@ class Summary:
             kept = f", {c.kept_shards} kept from an earlier run" if c.kept_shards else ""
             rows.append(f"  {name}: {c.documents:,} documents, {c.tokens:,} tokens "
                         f"({self.dtype}), {c.shards} shard{'s' * (c.shards != 1)}{kept}")
+        rows.append(f"  vocabulary: {self.vocab_size:,} tokens ({self.tokenizer}); a run with "
+                    f"--set data.source=prepared --set data.path={self.out} takes "
+                    f"model.vocab_size={self.vocab_size} from its {MANIFEST}")
         return rows
 
 
@@ -151,7 +160,9 @@ class Summary:
 
 def job_record(opts: Options, tok: tok_mod.TokenizerInfo, files, checked, rule) -> dict:
     """Everything that decides the output bytes; a rerun must match it exactly."""
+    trained = {train_tokenizer.JOB_KEY: opts.train_tokenizer} if opts.train_tokenizer else {}
     return {
+        **trained,
         "format_version": FORMAT_VERSION,
         "tokenizer": {"kind": tok.spec.kind, "sha256": tok.sha256,
                       "config_sha256": tok.config_sha256, "library": tok.library,
@@ -170,8 +181,9 @@ def _dump(obj: dict) -> bytes:
     return (json.dumps(obj, indent=2) + "\n").encode("utf-8")
 
 
-def claim(out: Path, job: dict) -> None:
-    """Make ``out`` this job's directory, or refuse one that holds another job's output."""
+def claim(out: Path, job: dict, allowed: tuple[str, ...] = ()) -> None:
+    """Make ``out`` this job's directory, or refuse one that holds another job's output
+    (files named in ``allowed``, e.g. the tokenizer this job trained there, may be in it)."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file; expected a directory (new, empty, or an "
                         f"earlier run of the same prepare)")
@@ -188,7 +200,7 @@ def claim(out: Path, job: dict) -> None:
                             f"({', '.join(keys) or 'format'} differ); use another --out, or "
                             f"delete it to start over")
         return
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and any(p.name not in allowed for p in out.iterdir()):
         raise DataError(f"--out {out} is not empty and has no {JOB_FILE}; use a new or "
                         f"empty directory")
     try:
@@ -266,15 +278,20 @@ def manifest(opts: Options, tok: tok_mod.TokenizerInfo, files, checked, rule,
 def _summary(out: Path, man: dict, **kw) -> Summary:
     splits = {name: SplitCounts(s["documents"], s["tokens"], s["shards"])
               for name, s in man["splits"].items()}
-    return Summary(out, splits, man["dtype"], **kw)
+    return Summary(out, splits, man["dtype"], vocab_size=man["vocab_size"],
+                   tokenizer=man["tokenizer"]["path"], **kw)
 
 
 def run(opts: Options, *, log: Callable[[str], None] = print, stream=None) -> Summary:
     """Prepare ``opts.out``; print the summary through ``log`` and return it. Problems with
     the inputs or options are :class:`DataError`; unwritable output is :class:`OutputError`."""
     opts = opts.checked()
-    tok = tok_mod.load(opts.tokenizer, opts.eos_id)
     files = inputs_mod.expand(opts.inputs)
+    if opts.train_tokenizer:
+        path = train_tokenizer.ensure(opts.out, files, opts.train_tokenizer, log=log,
+                                      split_on=opts.split_on, text_field=opts.text_field)
+        opts = dataclasses.replace(opts, tokenizer=str(path))
+    tok = tok_mod.load(opts.tokenizer, opts.eos_id)
     workers = Workers(opts.workers, tok)
     failed = True
     try:
@@ -293,7 +310,8 @@ def run(opts: Options, *, log: Callable[[str], None] = print, stream=None) -> Su
 def _run(opts: Options, tok: tok_mod.TokenizerInfo, files, workers: Workers, stream) -> Summary:
     checked = _check_all(workers, files, opts, stream)
     rule = opts.val_rule().with_count(sum(c.documents for c in checked))
-    claim(opts.out, job_record(opts, tok, files, checked, rule))
+    claim(opts.out, job_record(opts, tok, files, checked, rule),
+          allowed=(train_tokenizer.FILE,) if opts.train_tokenizer else ())
     found = _verified(opts.out)
     if found is not None:
         if not found[1]:

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import shlex
-import shutil
 import sys
 import threading
 import traceback
 from pathlib import Path
 
-from moe_train import config
-from moe_train.train import distributed, signals, supervise
+from moe_train import config, python_command
+from moe_train.train import distributed, rundir, signals, supervise
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,6 +52,10 @@ def parser() -> argparse.ArgumentParser:
                    help="processes in the job (parallel.num_processes)")
     p.add_argument("--process-id", type=int, metavar="I",
                    help="this process's rank, 0..N-1 (parallel.process_id)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start at step 0: first empty --out if it holds a previous run of this "
+                        "kit (only the trainer's own files; anything else exits 2, nothing "
+                        "removed); single-process runs")
     p.add_argument("--resume-step", type=int, metavar="N",
                    help="resume from checkpoint N instead of the newest verified one")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -66,9 +70,30 @@ FLAG_KEYS = {"steps": "train.steps", "devices": "parallel.devices",
 
 
 def resolve(args: argparse.Namespace) -> config.Config:
+    """The run's config. On a prepared corpus (``data.source=prepared``) ``model.vocab_size``
+    is the corpus's (its ``manifest.json``) unless ``--set model.vocab_size=N`` gives it
+    (a vocabulary smaller than the corpus's still exits 2, when the data opens)."""
     flags = {f"--{name.replace('_', '-')}": (key, str(getattr(args, name)))
              for name, key in FLAG_KEYS.items() if getattr(args, name) is not None}
-    return config.build(args.preset, list(args.overrides), flags=flags)
+    cfg = config.build(args.preset, list(args.overrides), flags=flags)
+    vocab = prepared_vocab(cfg, args.overrides)
+    if vocab is None or vocab == cfg.model.vocab_size:
+        return cfg
+    return config.build(args.preset, [*args.overrides, f"model.vocab_size={vocab}"], flags=flags)
+
+
+def prepared_vocab(cfg: config.Config, overrides: list[str]) -> int | None:
+    """The vocabulary of ``cfg``'s prepared corpus, when the command line does not set
+    ``model.vocab_size`` (None: not a prepared corpus, set, or no readable manifest: the
+    data source then reports the problem)."""
+    if cfg.data.source != "prepared" or any(
+            item.partition("=")[0].strip() == "model.vocab_size" for item in overrides):
+        return None
+    try:
+        vocab = json.loads((Path(cfg.data.path) / "manifest.json").read_text())["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
 def _per_process_devices(cfg: config.Config, args: argparse.Namespace,
@@ -191,6 +216,8 @@ def _main(argv: list[str]) -> int:
     try:
         cfg = resolve(args)
         source, kwargs = distributed.plan(cfg.parallel, os.environ)
+        if args.fresh:
+            _fresh(args, source)
     except config.ConfigError as err:
         _error(err, distributed.ProcessInfo())
         return signals.EXIT_CONFIG
@@ -203,13 +230,26 @@ def _main(argv: list[str]) -> int:
         heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s, out_dir=args.out))
 
 
+def _fresh(args: argparse.Namespace, source: str) -> None:
+    """``--fresh``: empty a previous run of this kit in ``--out`` (``rundir.start_fresh``)."""
+    if args.resume_step is not None or source != "single":
+        raise config.ConfigError("--fresh starts a single-process run at step 0; drop "
+                                 + ("--resume-step" if args.resume_step is not None else
+                                    "--fresh (or empty --out yourself) for a multi-process run"))
+    if rundir.start_fresh(args.out):
+        print(f"--fresh: removed the previous run in {args.out}", flush=True)
+
+
 def rerun_command(argv: list[str]) -> str:
     """The command that resumes this run: this one without ``--resume-step`` (a rerun resumes
-    from the newest checkpoint), as a shell would take it."""
+    from the newest checkpoint) or ``--fresh`` (which would start over), as a shell would
+    take it."""
     kept, skip = [], False
     for arg in argv:
         flag = arg.split("=", 1)[0]
-        if skip or (len(flag) > 2 and "--resume-step".startswith(flag)):  # argparse: prefixes
+        if len(flag) > 2 and "--fresh".startswith(arg):  # argparse takes prefixes
+            continue
+        if skip or (len(flag) > 2 and "--resume-step".startswith(flag)):
             skip = not skip and "=" not in arg
             continue
         kept.append(arg)
@@ -223,10 +263,8 @@ def resume_text(argv: list[str], multi: bool) -> str:
 
 
 def _python() -> str:
-    """``python`` where that is this interpreter (on PATH), else this interpreter's path."""
-    found = shutil.which("python")
-    same = found is not None and os.path.abspath(found) == os.path.abspath(sys.executable)
-    return "python" if same else sys.executable
+    """This interpreter as a command that works as printed (``moe_train.python_command``)."""
+    return python_command()
 
 
 def _train(args: argparse.Namespace, cfg: config.Config | None = None) -> int:
@@ -238,6 +276,10 @@ def _train(args: argparse.Namespace, cfg: config.Config | None = None) -> int:
 
         info = distributed.initialize(cfg.parallel)
         cfg, local_devices = _per_process_devices(cfg, args, info)
+        if prepared_vocab(cfg, args.overrides) is not None:
+            _logger(info)(f"model.vocab_size={cfg.model.vocab_size}: the vocabulary of the "
+                          f"prepared corpus {cfg.data.path} (its manifest.json; --set "
+                          f"model.vocab_size=N sets another)")
         if local_devices:
             jax.config.update("jax_num_cpu_devices", local_devices)
         _quiet_libraries()

@@ -2,24 +2,25 @@
 
 Exit codes (``moe_train.train.signals``): 0 finished, or stopped by a signal after saving (rerun
 the same command to go on; 130 for SIGINT, the command printed last); 2 bad configuration or
-input, or the run directory is in use
-(nothing in the run directory is changed: every check runs, and the first step is traced,
-before ``config.json``, ``layout.json``, ``kernels.json`` or ``metrics.jsonl`` are written);
-3 training diverged (``train.on_nonfinite``; nothing past the last good checkpoint is saved);
-5 the run directory cannot be written (the previous checkpoint is intact).
+input, or the run directory is in use (nothing in the run directory is changed: every check
+runs, and the first step is traced, before ``config.json``, ``layout.json``, ``kernels.json``
+or ``metrics.jsonl`` are written); 3 training diverged (``train.on_nonfinite``; nothing past
+the last good checkpoint is saved); 5 the run directory cannot be written (the previous
+checkpoint is intact).
 
-Order of a start: validate (devices, layout, EP plans, data and held-out data, kernels) ->
-lock the run directory (``moe_train.train.runlock``) -> choose the checkpoint to resume from
-(``moe_train.train.resume``: the newest that verifies) -> first step -> write the run's files.
-With ``train.eval_every`` the loop evaluates the held-out loss (``moe_train.eval``) every
-N steps and at the last, into that step's record (``eval_loss``, ``eval_ppl``). It saves at the
-last step, on a stop signal and as ``checkpoint.Schedule`` says (steps, wall time).
+Order of a start: refuse an incompatible checkpoint (``rundir``) -> validate (devices, layout,
+EP plans, data and held-out data, kernels) -> lock the run directory (``runlock``) -> choose
+the checkpoint to resume from (``resume``: the newest that verifies) -> first step -> write
+the run's files. With ``train.eval_every`` the loop evaluates the held-out loss every N steps
+and at the last, into that step's record (``eval_loss``, ``eval_ppl``). It saves at the last
+step, on a stop signal and as ``checkpoint.Schedule`` says (steps, wall time). Every wait
+prints a line (``progress``).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import shlex
 import time
 from pathlib import Path
 from typing import Callable
@@ -27,21 +28,20 @@ from typing import Callable
 import jax
 import numpy as np
 
-from moe_train import eval as evaluate, selftest, telemetry
+from moe_train import eval as evaluate, python_command, selftest, telemetry
 from moe_train.config import Config, ConfigError, for_devices, save_json, to_dict
 from moe_train.convert import weights
 from moe_train.data import make_source
 from moe_train.model import flops, precision
 from moe_train.parallel import jobplan, layout, sharding
 from moe_train.telemetry import summary
-from moe_train.train import (checkpoint, distributed, metrics, resume, runlock, signals, stepper,
-                             tracking)
+from moe_train.train import (checkpoint, distributed, metrics, progress, resume, rundir, runlock,
+                             signals, stepper, tracking)
 from moe_train.train.guard import Divergence, NonFiniteGuard, origin
-from moe_train.train.signals import EXIT_DIVERGED, EXIT_OK, OutputError
+from moe_train.train.signals import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, OutputError  # noqa: F401
 from moe_train.train.step import StepCounter, init_state
 from moe_train.train.stepper import BucketedStep, Confirmed
 
-EXIT_CONFIG = signals.EXIT_CONFIG
 Log = Callable[[str], None]
 
 
@@ -54,11 +54,6 @@ def select_devices(cfg: Config) -> list[jax.Device]:
                           f"{available[0].platform} device(s) are visible; choose 1..{len(available)}")
     jobplan.check_batch(cfg.train.batch_size, n, cfg.train.micro_batches)
     return available[:n]
-
-
-def mfu_peak(cfg: Config, device_kind: str) -> float | None:
-    """Peak FLOP/s per device for MFU (``summary.peak_for``: preset, else device kind)."""
-    return summary.peak_for(to_dict(cfg), device_kind)
 
 
 def global_batch(source, step: int, mesh):
@@ -111,15 +106,6 @@ def _write_run_files(cfg: Config, out_dir: Path, plan: layout.Layout, kernels: d
     }, indent=1) + "\n")
 
 
-def _remove_if_new(out_dir: Path, existed: bool) -> None:
-    """After an exit 2: a run directory this start created holds nothing worth keeping."""
-    if existed or jax.process_index() != 0:
-        return
-    leftovers = [p for p in out_dir.rglob("*") if p.is_file() and p.name != runlock.LOCK_NAME]
-    if not leftovers:
-        shutil.rmtree(out_dir, ignore_errors=True)
-
-
 def run(cfg: Config, out_dir: Path, log: Log = print, resume_step: int | None = None) -> int:
     """Train ``cfg`` into ``out_dir``; returns the process exit code."""
     installed = signals.STOP.install()  # the CLI installed it already: then it restores it
@@ -131,6 +117,7 @@ def run(cfg: Config, out_dir: Path, log: Log = print, resume_step: int | None = 
 
 
 def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
+    rundir.refuse_incompatible(cfg, out_dir, resume_step)  # before the self-test and compiles
     devices = select_devices(cfg)
     job_cfg = for_devices(cfg, len(devices))  # train.micro_batch_size -> micro_batches here
     plan = layout.build(job_cfg, devices)
@@ -141,7 +128,8 @@ def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
                          batch_size=t.batch_size)
     try:
         evals = evaluate.InRun.of(cfg)
-        exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
+        with progress.waiting(log, "running the kernel self-test", after_s=2, done=False):
+            exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
         log(kernel_line)
         stopped = _stopped_in_start_up(log, "after the kernel self-test")
         existed = out_dir.exists()
@@ -160,7 +148,7 @@ def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
         finally:
             checkpoint.close(ckpt)
     except ConfigError:
-        _remove_if_new(out_dir, existed)
+        rundir.remove_if_new(out_dir, existed)
         raise
     finally:
         source.close()
@@ -204,10 +192,12 @@ class Start:
         return Loop(self, state).run() if stopped is None else stopped
 
     def save(self, step: int, state) -> None:
-        self._saving(self.ckpt.save, step, state, self.meta)
+        with progress.waiting(self.log, f"saving checkpoint {step}"):
+            self._saving(self.ckpt.save, step, state, self.meta)
 
     def wait(self) -> None:
-        self._saving(self.ckpt.wait)
+        with progress.waiting(self.log, "writing the checkpoint to disk"):
+            self._saving(self.ckpt.wait)
 
     def check_saves(self) -> None:
         """A background save that failed ends the run now, not at the next save."""
@@ -247,13 +237,15 @@ class Loop:
         self.s, self.state, self.cfg = start, state, start.cfg
         self.first = int(state.step)
         self.counter = StepCounter()
-        self.step_fn = BucketedStep(self.cfg, start.mesh, self.counter,
-                                    jax.tree.map(lambda x: x.sharding, state))
+        self.step_fn = progress.WatchedStep(BucketedStep(  # a line for every compile
+            self.cfg, start.mesh, self.counter, jax.tree.map(lambda x: x.sharding, state)),
+            start.log, self.first)
         self.guard = NonFiniteGuard(self.cfg.train, start.log, first=self.first)
         self.writer, self.sampler = None, telemetry.NullSampler()
         self.tracker: tracking.Tracker | None = None  # TensorBoard / W&B, process 0
         self.records: list[dict] = []
-        self.peak = mfu_peak(self.cfg, start.mesh.devices.flat[0].device_kind)
+        # peak FLOP/s per device for MFU (``summary.peak_for``: preset, else device kind)
+        self.peak = summary.peak_for(to_dict(self.cfg), start.mesh.devices.flat[0].device_kind)
         self.fpt = flops.train_flops_per_token(self.cfg)
         self.saves = checkpoint.Schedule(self.cfg.train)  # its timer starts now
         self.stopped_by: int | None = None  # the agreed stop signal, when one ended the loop
@@ -308,7 +300,8 @@ class Loop:
             evaluate_now = s.evals is not None and s.evals.due(n)
             if save or step == self.first or evaluate_now:
                 self.state, done = self.step_fn.drain(self.state)
-                held_out = s.evals(self.cfg, s.mesh, self.state) if evaluate_now else None
+                with progress.waiting(s.log, f"evaluating the held-out loss at step {n}"):
+                    held_out = s.evals(self.cfg, s.mesh, self.state) if evaluate_now else None
                 self._record(n, done, batch, held_out)
             if save:
                 s.save(n, self.state)
@@ -397,4 +390,5 @@ def _write_summary(out_dir: Path, peak: float | None, log: Log) -> None:
     if jax.process_index() == 0:
         path = summary.write(out_dir, peak_flops=peak, process_count=jax.process_count(), log=log)
         if path is not None:
-            log(f"Summary: {path}; report: python -m moe_train.report {out_dir}")
+            log(f"Summary: {path}; report: {python_command()} -m moe_train.report "
+                f"{shlex.quote(str(out_dir))}")

@@ -80,13 +80,20 @@ def progress_line(rec: dict[str, Any], total_steps: int,
 
 
 def eta_s(step: int, total_steps: int, records: list[dict[str, Any]]) -> float | None:
-    """Seconds until ``total_steps``: steps left x the median recent step time, leaving out
-    steps that compiled (their time is not the steady one); None without such a step."""
+    """Seconds until ``total_steps``: steps left x (the median recent step time of steps that
+    did not compile + the recompiles' share). ``records``: this start's, first step first.
+    The first step's compile is a one-off; a later compile (a new capacity bucket, an
+    overflow rerun) adds its time over the median, spread over the steps so far, to every
+    step left: recompiles seen so far are expected at the same rate. None without a step
+    that did not compile."""
     times = [r["step_time_s"] for r in records[-ETA_WINDOW:]
              if not r.get("compiled") and math.isfinite(r["step_time_s"])]
     if not times:
         return None
-    return max(total_steps - step, 0) * float(np.median(times))
+    median = float(np.median(times))
+    extra = sum(max(r["step_time_s"] - median, 0.0) for r in records[1:]
+                if r.get("compiled") and math.isfinite(r["step_time_s"]))
+    return max(total_steps - step, 0) * (median + extra / max(len(records) - 1, 1))
 
 
 def format_duration(seconds: float) -> str:
