@@ -1,6 +1,6 @@
-"""The layout's import rules (README, Layout), checked on the source: every ``import`` statement
-of every module, also those inside functions, followed transitively (importing ``a.b.c`` runs
-``a/__init__`` and ``a/b/__init__`` too).
+"""The layout's import rules (docs/design.md, Layout), checked on the source: every ``import``
+statement of every module, also those inside functions, followed transitively (importing
+``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` too).
 
 - The training path (the loop and everything it runs) never imports the benchmarks.
 - The model and the MoE layer never import the loop, the launcher or the planners.

@@ -281,13 +281,13 @@ def test_plan_error_is_a_config_error():
 
 @pytest.mark.parametrize("model, cluster, nodes, ep", [
     ("mixtral-8x7b", "h100-dgx", 8, 8),  # README: make submit
-    ("deepseek-v3", "gb200-nvl72", 32, 64),  # README: make plan
+    ("deepseek-v3", "gb200-nvl72", 32, 64),  # docs/planning.md: make plan
 ])
 def test_readme_cluster_examples_fit_with_the_preset_defaults(model, cluster, nodes, ep):
     assert plan(config.build(model), cluster, nodes, ep=ep, search=False).verdict.fits
 
 
-# README, "Predicted step time": the 64-node job at the comm-share target
+# docs/planning.md, the predicted step: the 64-node job at the comm-share target
 README_FAST = ("parallel.weight_gather=step", "train.micro_batch_size=0", "train.micro_batches=20",
                "moe.overlap_chunks=4", "moe.dispatch_dtype=fp8")
 

@@ -89,7 +89,7 @@ def test_fsdp_traffic_grows_with_micro_batches():
     assert many.fsdp_s == pytest.approx(2 * few.fsdp_s)
 
 
-# The README's DeepSeek-V3 job: weights gathered once per step, 30 micro-batches (the
+# docs/planning.md's DeepSeek-V3 job: weights gathered once per step, 30 micro-batches (the
 # memory planner's fit), the exchange in 4 chunks, fp8 dispatch
 V3_FAST = ("parallel.weight_gather=step", "train.micro_batch_size=0", "train.micro_batches=20",
            "moe.overlap_chunks=4", "moe.dispatch_dtype=fp8")

@@ -1,5 +1,5 @@
 """The study's variants compare what they claim to (``make study`` itself is a study, run by
-hand; its numbers are in the README): same FLOPs per token or same parameters, same data."""
+hand; its numbers are in docs/benchmarks.md): same FLOPs per token or same parameters, same data."""
 
 from pathlib import Path
 
