@@ -316,7 +316,8 @@ def test_te_attention_with_packed_documents_is_a_config_error(corpora):
 def test_the_cli_exits_2_with_one_line_for_a_too_small_vocabulary(corpora, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "moe_train", "--out", str(tmp_path / "out"), "--devices", "1",
-         "--set", "data.source=prepared", "--set", f"data.path={corpora['val']}"],
+         "--set", "data.source=prepared", "--set", f"data.path={corpora['val']}",
+         "--set", "model.vocab_size=256"],  # set below the corpus's (unset: taken from it)
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == EXIT_CONFIG and len(lines) == 1, proc.stderr
