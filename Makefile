@@ -146,5 +146,5 @@ container-import: ## IMAGE=<registry image> -> runs/containers/<name>.sqsh with 
 preflight: $(STAMP) ## check this node (inside the container): GPUs, TE, NCCL, IMEX, NVML
 	@$(RUN_CMD) $(PY) -m containers.preflight --preset "$$PRESET"
 
-clean: ## remove the virtualenv and run outputs
-	@$(RUN_CMD) rm -rf -- $(VENV) runs .pytest_cache
+clean: ## remove the virtualenv and pytest's cache (runs/ holds your runs and checkpoints: it stays; remove it yourself)
+	@$(RUN_CMD) rm -rf -- $(VENV) .pytest_cache

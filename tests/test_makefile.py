@@ -61,3 +61,9 @@ def test_every_recipe_line_is_quiet_but_make_plan_s():
     loud = [line for before, line in zip([""] + lines, lines)  # not a continued line
             if line.startswith("\t") and not line.startswith("\t@") and not before.endswith("\\")]
     assert all("slurm.show" in line for line in loud), loud
+
+
+def test_clean_leaves_the_runs_directory():
+    recipe = subprocess.run(["make", "--no-print-directory", "-n", "clean"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60).stdout
+    assert "rm -rf" in recipe and ".venv" in recipe and not re.search(r"\bruns\b", recipe)
