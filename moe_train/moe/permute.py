@@ -105,8 +105,9 @@ def tile_experts(padded_start_E: jax.Array, num_tiles: int, tile_rows: int) -> j
     return jnp.clip(owner_B, 0, E - 1).astype(jnp.int32)
 
 
+@jax.custom_vjp
 def take_rows(x_TH: jax.Array, index_R: jax.Array, valid_R: jax.Array,
-              readers_TK: jax.Array | None = None) -> jax.Array:
+              readers_TK: jax.Array) -> jax.Array:
     """``x_TH[index_R]`` [R, H] with zero rows where ``valid_R`` is False: a gather from
     ``x_TH`` with one zero row appended, which the invalid rows read. A gather followed by a
     select would hold an [R, H] select forward and another of the cotangent backward;
@@ -115,13 +116,10 @@ def take_rows(x_TH: jax.Array, index_R: jax.Array, valid_R: jax.Array,
 
     ``readers_TK``: the rows that read each source row (row ``r`` with ``valid_R[r]`` and
     ``index_R[r] == t`` is one of ``readers_TK[t]``; entries >= R stand for none), so the
-    backward pass is a gather of the cotangent too, summed over K in fp32. Without it the
-    backward is autodiff's scatter-add into a zero-filled [T, H] buffer: XLA:GPU hoisted
-    those out of deepseek-v3's MTP block, 15 of 0.82 GiB live at once (``make compile
-    --peak``)."""
-    if readers_TK is None:
-        return _gather_padded(x_TH, jnp.where(valid_R, index_R, x_TH.shape[0]))
-    return _take_rows(x_TH, index_R, valid_R, readers_TK)
+    backward pass is a gather of the cotangent too, summed over K in fp32. Autodiff's
+    backward, a scatter-add into a zero-filled [T, H] buffer, let XLA:GPU hoist those out of
+    deepseek-v3's MTP block, 15 of 0.82 GiB live at once (``make compile PEAK=1``)."""
+    return _gather_padded(x_TH, jnp.where(valid_R, index_R, x_TH.shape[0]))
 
 
 def _gather_padded(x_TH: jax.Array, index_R: jax.Array) -> jax.Array:
@@ -130,13 +128,8 @@ def _gather_padded(x_TH: jax.Array, index_R: jax.Array) -> jax.Array:
     return padded[index_R]
 
 
-@jax.custom_vjp
-def _take_rows(x_TH, index_R, valid_R, readers_TK):
-    return _gather_padded(x_TH, jnp.where(valid_R, index_R, x_TH.shape[0]))
-
-
 def _take_rows_fwd(x_TH, index_R, valid_R, readers_TK):
-    return _take_rows(x_TH, index_R, valid_R, readers_TK), readers_TK
+    return take_rows(x_TH, index_R, valid_R, readers_TK), readers_TK
 
 
 def _take_rows_bwd(readers_TK, g_RH):
@@ -146,7 +139,7 @@ def _take_rows_bwd(readers_TK, g_RH):
     return dx_TH, None, None, None
 
 
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def readers_of(slot_N: jax.Array, rows: int) -> jax.Array:
@@ -160,8 +153,7 @@ def readers_of(slot_N: jax.Array, rows: int) -> jax.Array:
 def permute(x_TH: jax.Array, plan: Dispatch) -> jax.Array:
     """Gather token rows into dispatch order [R, H]; padding rows are zero. Backward: the
     cotangent's rows of each token's K assignments, gathered and summed."""
-    T, H = x_TH.shape
-    return take_rows(x_TH, plan.token_R, plan.valid_R, plan.row_N.reshape(T, -1))
+    return take_rows(x_TH, plan.token_R, plan.valid_R, plan.row_N.reshape(x_TH.shape[0], -1))
 
 
 def weighted_sum(y_NH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array:
