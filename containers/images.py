@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 
 # Same pattern as IMAGE_RE in containers/lib.sh (tests/test_containers.py keeps them equal).
-IMAGE_RE = (r"^([A-Za-z0-9][A-Za-z0-9.-]*(:[0-9]+)?[/#])?[a-z0-9][a-z0-9._-]*"
-            r"(/[a-z0-9][a-z0-9._-]*)*(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?$")
+IMAGE_RE = (
+    r"^([A-Za-z0-9][A-Za-z0-9.-]*(:[0-9]+)?[/#])?[a-z0-9][a-z0-9._-]*"
+    r"(/[a-z0-9][a-z0-9._-]*)*(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?$"
+)
 
 
 def validate_image(ref: str) -> bool:

@@ -29,15 +29,25 @@ from importlib import metadata
 from pathlib import Path
 
 # The GPU stack the base image owns: never installed or replaced from PyPI.
-PROTECTED = ("jax", "jaxlib", "jax-cuda*", "jax-plugin*", "transformer-engine*",
-             "nvidia-*", "cuda-*", "cutlass*", "numpy", "ml-dtypes")
+PROTECTED = (
+    "jax",
+    "jaxlib",
+    "jax-cuda*",
+    "jax-plugin*",
+    "transformer-engine*",
+    "nvidia-*",
+    "cuda-*",
+    "cutlass*",
+    "numpy",
+    "ml-dtypes",
+)
 # Pure-Python packages that merely match a protected pattern.
 UNPROTECTED = ("nvidia-ml-py",)
 
 # PEP 440 version (public part plus optional local label), and a distribution name.
 _VERSION = re.compile(
-    r"^v?(\d+!)?\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[a-z0-9]+(\.[a-z0-9]+)*)?$",
-    re.IGNORECASE)
+    r"^v?(\d+!)?\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[a-z0-9]+(\.[a-z0-9]+)*)?$", re.IGNORECASE
+)
 _NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 
 
@@ -84,8 +94,9 @@ def constraints(lock: dict[str, str], base: dict[str, str]) -> list[str]:
     (``verify`` still guards it). Protected names are never taken from the lock: they must
     come from the base image, and ``verify`` fails the build if pip adds one.
     """
-    lines = [f"{name}=={ver}" for name, ver in sorted(base.items())
-             if is_protected(name) and _VERSION.match(ver)]
+    lines = [
+        f"{name}=={ver}" for name, ver in sorted(base.items()) if is_protected(name) and _VERSION.match(ver)
+    ]
     lines += [line for name, line in sorted(lock.items()) if not is_protected(name)]
     return lines
 
@@ -97,8 +108,9 @@ def kit_requirements(pyproject: dict, extras: list[str]) -> list[str]:
     optional = project.get("optional-dependencies", {})
     for extra in extras:
         if extra not in optional:
-            raise SystemExit(f"pins.py: no extra {extra!r} in pyproject.toml; "
-                             f"valid: {', '.join(sorted(optional))}")
+            raise SystemExit(
+                f"pins.py: no extra {extra!r} in pyproject.toml; valid: {', '.join(sorted(optional))}"
+            )
         reqs.extend(optional[extra])
     keep = []
     for req in reqs:
@@ -115,9 +127,13 @@ def verify(before: dict[str, str], after: dict[str, str]) -> tuple[list[str], li
         old, new = before.get(name), after.get(name)
         if old == new or (old is None and not is_protected(name)):
             continue
-        what = (f"{name} {old} from the base image was removed" if new is None else
-                f"{name} {new} was installed, but the GPU stack must come from the base image"
-                if old is None else f"{name} changed from the base image's {old} to {new}")
+        what = (
+            f"{name} {old} from the base image was removed"
+            if new is None
+            else f"{name} {new} was installed, but the GPU stack must come from the base image"
+            if old is None
+            else f"{name} changed from the base image's {old} to {new}"
+        )
         (problems if is_protected(name) else notes).append(what)
     return problems, notes
 

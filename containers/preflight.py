@@ -35,9 +35,10 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 IMEX_DIR = "/dev/nvidia-caps-imex-channels"
@@ -66,8 +67,9 @@ def _gpu_count(text: str) -> int | None:
     return total or None
 
 
-def expected_gpus(cli: int | None, env: Mapping[str, str], preset_gpus: int | None,
-                  nvml_count: int | None) -> tuple[int | None, str]:
+def expected_gpus(
+    cli: int | None, env: Mapping[str, str], preset_gpus: int | None, nvml_count: int | None
+) -> tuple[int | None, str]:
     """(expected local GPUs, where that number came from); None when nothing says."""
     if cli is not None:
         return cli, "--expect-gpus"
@@ -82,8 +84,7 @@ def expected_gpus(cli: int | None, env: Mapping[str, str], preset_gpus: int | No
     return None, "no expectation"
 
 
-def check_jax(expected: int | None, source: str,
-              import_module: Importer = importlib.import_module) -> Check:
+def check_jax(expected: int | None, source: str, import_module: Importer = importlib.import_module) -> Check:
     """JAX imports, runs on the gpu backend, and sees ``expected`` local devices."""
     try:
         jax = import_module("jax")
@@ -93,8 +94,12 @@ def check_jax(expected: int | None, source: str,
         return Check("jax", FAIL, f"jax failed: {type(e).__name__}: {e}")
     version = getattr(jax, "__version__", "?")
     if backend != "gpu":
-        return Check("jax", FAIL, f"backend is {backend}, expected gpu (jax {version}, "
-                                  f"{len(devices)} {backend} devices; no CUDA plugin or GPU?)")
+        return Check(
+            "jax",
+            FAIL,
+            f"backend is {backend}, expected gpu (jax {version}, "
+            f"{len(devices)} {backend} devices; no CUDA plugin or GPU?)",
+        )
     n = len(devices)
     kind = getattr(devices[0], "device_kind", "?") if devices else "?"
     if expected is not None and n != expected:
@@ -109,8 +114,11 @@ def check_transformer_engine(import_module: Importer = importlib.import_module) 
         import_module("transformer_engine.jax")
     except ModuleNotFoundError as e:
         if (e.name or "").startswith("transformer_engine"):
-            return Check("transformer_engine", FAIL, "not installed (no transformer_engine "
-                                                     "module; use the NVIDIA JAX image)")
+            return Check(
+                "transformer_engine",
+                FAIL,
+                "not installed (no transformer_engine module; use the NVIDIA JAX image)",
+            )
         return Check("transformer_engine", FAIL, f"import failed: {e}")
     except Exception as e:
         return Check("transformer_engine", FAIL, f"import failed: {type(e).__name__}: {e}")
@@ -118,6 +126,7 @@ def check_transformer_engine(import_module: Importer = importlib.import_module) 
     if version is None:
         try:
             from importlib import metadata
+
             version = metadata.version("transformer_engine")
         except Exception:
             version = "version unknown"
@@ -139,8 +148,9 @@ def nccl_candidates() -> list[str]:
     return found
 
 
-def nccl_version(candidates: list[str], load: Callable[[str], Any] = ctypes.CDLL
-                 ) -> tuple[tuple[int, int, int] | None, str]:
+def nccl_version(
+    candidates: list[str], load: Callable[[str], Any] = ctypes.CDLL
+) -> tuple[tuple[int, int, int] | None, str]:
     """(version, library it came from) or (None, why not)."""
     errors = []
     for name in candidates:
@@ -172,16 +182,18 @@ def check_nccl(found: tuple[tuple[int, int, int] | None, str], need_mnnvl: bool)
 def check_imex(required: bool, why: str, channel_dir: str = IMEX_DIR) -> Check:
     """An IMEX channel device exists; FAIL only where the preset requires one."""
     try:
-        channels = sorted(p.name for p in Path(channel_dir).iterdir()
-                          if p.name.startswith("channel"))
+        channels = sorted(p.name for p in Path(channel_dir).iterdir() if p.name.startswith("channel"))
     except OSError:
         channels = []
     if channels:
-        return Check("imex", PASS, f"{len(channels)} channel(s) in {channel_dir}: "
-                                   f"{', '.join(channels[:4])}")
+        return Check("imex", PASS, f"{len(channels)} channel(s) in {channel_dir}: {', '.join(channels[:4])}")
     if required:
-        return Check("imex", FAIL, f"no IMEX channel in {channel_dir} ({why}); the job needs "
-                                   "one: Slurm SwitchType=switch/nvidia_imex, nvidia-imex running")
+        return Check(
+            "imex",
+            FAIL,
+            f"no IMEX channel in {channel_dir} ({why}); the job needs "
+            "one: Slurm SwitchType=switch/nvidia_imex, nvidia-imex running",
+        )
     return Check("imex", SKIP, f"no IMEX channel ({why})")
 
 
@@ -194,8 +206,10 @@ def probe_nvml(import_module: Importer = importlib.import_module) -> dict[str, A
     try:
         nvml.nvmlInit()
     except Exception as e:
-        return {"error": f"NVML unavailable: {e} (no NVIDIA driver, or the container was "
-                         "started without GPU access)"}
+        return {
+            "error": f"NVML unavailable: {e} (no NVIDIA driver, or the container was "
+            "started without GPU access)"
+        }
     try:
         driver = nvml.nvmlSystemGetDriverVersion()
         count = nvml.nvmlDeviceGetCount()
@@ -219,8 +233,7 @@ def _fabric_info(nvml: Any, index: int) -> dict[str, Any] | str:
         nvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
     except Exception as e:
         return f"{type(e).__name__}: {e}"
-    return {"state": int(info.state), "clique": int(info.cliqueId),
-            "cluster": bytes(info.clusterUuid).hex()}
+    return {"state": int(info.state), "clique": int(info.cliqueId), "cluster": bytes(info.clusterUuid).hex()}
 
 
 def check_nvml(nvml: Mapping[str, Any]) -> Check:
@@ -241,14 +254,17 @@ def check_fabric(nvml: Mapping[str, Any], required: bool) -> Check:
     if all(s in (None, 0) for s in states):
         why = "not supported on these GPUs (no multi-node NVLink)"
         return Check("fabric", FAIL if required else SKIP, why)
-    bad = [f"GPU{k} {FABRIC_STATES.get(s, s) if s is not None else infos[k]}"
-           for k, s in enumerate(states) if s != 3]
-    domains = sorted({(i["cluster"], i["clique"]) for i in infos if isinstance(i, dict)
-                      and i["state"] == 3})
+    bad = [
+        f"GPU{k} {FABRIC_STATES.get(s, s) if s is not None else infos[k]}"
+        for k, s in enumerate(states)
+        if s != 3
+    ]
+    domains = sorted({(i["cluster"], i["clique"]) for i in infos if isinstance(i, dict) and i["state"] == 3})
     where = "; ".join(f"cluster {c[:8]}.. clique {q}" for c, q in domains) or "none"
     if bad:
-        return Check("fabric", FAIL if required else PASS,
-                     f"not COMPLETED: {', '.join(bad)}; domains: {where}")
+        return Check(
+            "fabric", FAIL if required else PASS, f"not COMPLETED: {', '.join(bad)}; domains: {where}"
+        )
     return Check("fabric", PASS, f"{len(infos)}/{len(infos)} COMPLETED; {where}")
 
 
@@ -283,19 +299,31 @@ def run_checks(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[list[C
     preset = load_preset(args.preset) if args.preset else None
     multi_node_domain = bool(preset and preset.nodes_per_domain > 1)
     need_imex = bool(preset and (preset.cpu_arch == "aarch64" or multi_node_domain))
-    why = (f"preset {preset.name}: {'required' if need_imex else 'NVLink domain is one node'}"
-           if preset else "no --preset; pass one to require it on GB200")
+    why = (
+        f"preset {preset.name}: {'required' if need_imex else 'NVLink domain is one node'}"
+        if preset
+        else "no --preset; pass one to require it on GB200"
+    )
     nvml = probe_nvml()
-    expected, source = expected_gpus(args.expect_gpus, env,
-                                     preset.gpus_per_node if preset else None,
-                                     nvml.get("count"))
-    checks = [check_jax(expected, source), check_transformer_engine(),
-              check_nccl(nccl_version(nccl_candidates()), multi_node_domain),
-              check_imex(need_imex, why), check_xla_flags(preset), check_nvml(nvml),
-              check_fabric(nvml, need_imex)]
-    context = {"host": platform.node(), "arch": platform.machine(),
-               "preset": preset.name if preset else None,
-               "expected_gpus": expected, "expected_from": source}
+    expected, source = expected_gpus(
+        args.expect_gpus, env, preset.gpus_per_node if preset else None, nvml.get("count")
+    )
+    checks = [
+        check_jax(expected, source),
+        check_transformer_engine(),
+        check_nccl(nccl_version(nccl_candidates()), multi_node_domain),
+        check_imex(need_imex, why),
+        check_xla_flags(preset),
+        check_nvml(nvml),
+        check_fabric(nvml, need_imex),
+    ]
+    context = {
+        "host": platform.node(),
+        "arch": platform.machine(),
+        "preset": preset.name if preset else None,
+        "expected_gpus": expected,
+        "expected_from": source,
+    }
     return checks, context
 
 
@@ -316,8 +344,12 @@ def table(checks: list[Check]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the checks, print the report, return the exit code."""
     p = argparse.ArgumentParser(prog="preflight", description=__doc__.splitlines()[0])
-    p.add_argument("--expect-gpus", type=int, metavar="N",
-                   help="local GPUs JAX must see (default: Slurm's count, preset, or NVML's)")
+    p.add_argument(
+        "--expect-gpus",
+        type=int,
+        metavar="N",
+        help="local GPUs JAX must see (default: Slurm's count, preset, or NVML's)",
+    )
     p.add_argument("--preset", metavar="NAME", help="cluster preset (topology/presets) or .toml")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args(argv)
@@ -331,9 +363,18 @@ def main(argv: list[str] | None = None) -> int:
     line = summary(checks)
     failed = sum(c.status == FAIL for c in checks)
     if args.json:
-        print(json.dumps({"result": FAIL if failed else PASS, "failed": failed,
-                          "summary": line, **context,
-                          "checks": [asdict(c) for c in checks]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "result": FAIL if failed else PASS,
+                    "failed": failed,
+                    "summary": line,
+                    **context,
+                    "checks": [asdict(c) for c in checks],
+                },
+                indent=1,
+            )
+        )
     else:
         print(table(checks))
         print(line)

@@ -45,11 +45,15 @@ def _hint(module: str, missing: str, repo: Path = _REPO) -> str:
     """The one line for a ``python -m <module>`` whose interpreter lacks ``missing``."""
     venv_python = repo / ".venv" / "bin" / "python"
     command = f"{python_command(str(venv_python))} -m {module} {shlex.join(sys.argv[1:])}"
-    how = (f"run it with the kit's virtualenv: {command.rstrip()}" if venv_python.exists() else
-           f"create the kit's virtualenv with `make venv` (in {repo}), then run "
-           f"{command.rstrip()}")
-    return (f"error: python -m {module}: no module named {missing!r} in {sys.executable}, "
-            f"which lacks the kit's dependencies; {how}")
+    how = (
+        f"run it with the kit's virtualenv: {command.rstrip()}"
+        if venv_python.exists()
+        else f"create the kit's virtualenv with `make venv` (in {repo}), then run {command.rstrip()}"
+    )
+    return (
+        f"error: python -m {module}: no module named {missing!r} in {sys.executable}, "
+        f"which lacks the kit's dependencies; {how}"
+    )
 
 
 def _install_hint() -> None:
@@ -65,8 +69,7 @@ def _install_hint() -> None:
 
     def hook(kind, err, tb):
         missing = getattr(err, "name", None) or ""
-        if issubclass(kind, ModuleNotFoundError) and missing and \
-                missing.split(".")[0] not in _KIT:
+        if issubclass(kind, ModuleNotFoundError) and missing and missing.split(".")[0] not in _KIT:
             sys.stdout.flush()
             print(_hint(module, missing), file=sys.stderr, flush=True)
             os._exit(_EXIT_CONFIG)  # after an excepthook Python itself would exit 1

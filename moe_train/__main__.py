@@ -6,8 +6,7 @@ import sys
 try:
     from moe_train.train.cli import main
 except KeyboardInterrupt:
-    print("interrupted (Ctrl-C) while starting: nothing was run or written", file=sys.stderr,
-          flush=True)
+    print("interrupted (Ctrl-C) while starting: nothing was run or written", file=sys.stderr, flush=True)
     sys.exit(130)
 
 sys.exit(main())

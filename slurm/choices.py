@@ -22,8 +22,16 @@ from typing import TYPE_CHECKING
 
 from moe_train import config
 from slurm import layout, search
-from slurm.search import (BUCKETS_KEY, CHUNKS_KEY, DISPATCH_KEY, EP_KEY, GATHER_KEY,
-                          MICRO_BATCHES_KEY, MICRO_SIZE_KEY, REMAT_KEY)
+from slurm.search import (
+    BUCKETS_KEY,
+    CHUNKS_KEY,
+    DISPATCH_KEY,
+    EP_KEY,
+    GATHER_KEY,
+    MICRO_BATCHES_KEY,
+    MICRO_SIZE_KEY,
+    REMAT_KEY,
+)
 from topology import presets
 
 if TYPE_CHECKING:
@@ -32,9 +40,16 @@ if TYPE_CHECKING:
 
 USER, PLANNER, PRESET = "user", "planner", "preset"  # Choice.source
 # each key the planner decides, in the order shown, and the word its note starts with
-PREFIX = {EP_KEY: "ep", GATHER_KEY: "fsdp", MICRO_BATCHES_KEY: "micro-batches",
-          MICRO_SIZE_KEY: "micro-batches", REMAT_KEY: "remat", CHUNKS_KEY: "overlap",
-          DISPATCH_KEY: "dispatch", BUCKETS_KEY: "buckets"}
+PREFIX = {
+    EP_KEY: "ep",
+    GATHER_KEY: "fsdp",
+    MICRO_BATCHES_KEY: "micro-batches",
+    MICRO_SIZE_KEY: "micro-batches",
+    REMAT_KEY: "remat",
+    CHUNKS_KEY: "overlap",
+    DISPATCH_KEY: "dispatch",
+    BUCKETS_KEY: "buckets",
+}
 
 
 @dataclass(frozen=True)
@@ -55,7 +70,7 @@ class Choice:
 class Decided:
     """The job with the planner's choices applied."""
 
-    req: "Request"  # the request with the planner's --set items (and its EP as --ep)
+    req: Request  # the request with the planner's --set items (and its EP as --ep)
     cfg: config.Config  # its config
     choices: tuple[Choice, ...]  # one per key, in PREFIX's order
     found: search.Found | None  # the search (None: nothing predicted)
@@ -69,8 +84,7 @@ def value_of(cfg: config.Config, key: str) -> str:
     return search.buckets_text(value) if key == BUCKETS_KEY else str(value)
 
 
-def decided(req: "Request", cluster: presets.Cluster, cfg: config.Config,
-            top: int = 1) -> Decided:
+def decided(req: Request, cluster: presets.Cluster, cfg: config.Config, top: int = 1) -> Decided:
     """The fastest job of the search that fits (``top``: how many the search ranks)."""
     found = search.search(req, cluster, cfg, top)
     best = found.ranked[0] if found and found.ranked else None
@@ -85,8 +99,9 @@ def decided(req: "Request", cluster: presets.Cluster, cfg: config.Config,
     return Decided(job_req, job_cfg, chosen, found, summary(found))
 
 
-def _choice(key: str, base: config.Config, cfg: config.Config, fixed: frozenset[str],
-            best: search.Candidate | None) -> Choice:
+def _choice(
+    key: str, base: config.Config, cfg: config.Config, fixed: frozenset[str], best: search.Candidate | None
+) -> Choice:
     """``key`` as the job ``cfg`` has it, against the model preset's ``base``."""
     value, was = value_of(cfg, key), value_of(base, key)
     if key in fixed:
@@ -94,10 +109,18 @@ def _choice(key: str, base: config.Config, cfg: config.Config, fixed: frozenset[
     if best is None or f"{key}={value}" not in best.changes:
         return Choice(key, value, PRESET, None)
     how = f"--ep {was}" if key == EP_KEY else f"--set {key}={was}"
-    count = (f" ({best.settings.micro_batches} micro-batches per step)"
-             if key in (MICRO_BATCHES_KEY, MICRO_SIZE_KEY) else "")
-    return Choice(key, value, PLANNER, f"{PREFIX[key]}: {key}={value}{count}, the planner's "
-                                       f"choice (the model preset's: {was}; {how} to keep it)")
+    count = (
+        f" ({best.settings.micro_batches} micro-batches per step)"
+        if key in (MICRO_BATCHES_KEY, MICRO_SIZE_KEY)
+        else ""
+    )
+    return Choice(
+        key,
+        value,
+        PLANNER,
+        f"{PREFIX[key]}: {key}={value}{count}, the planner's "
+        f"choice (the model preset's: {was}; {how} to keep it)",
+    )
 
 
 def _keys(cfg: config.Config, fixed: frozenset[str]) -> list[str]:
@@ -105,8 +128,9 @@ def _keys(cfg: config.Config, fixed: frozenset[str]) -> list[str]:
     return [k for k in PREFIX if k not in (MICRO_BATCHES_KEY, MICRO_SIZE_KEY) or k == micro]
 
 
-def planned(req: "Request", cluster: presets.Cluster,
-            cfg: config.Config) -> tuple["Request", config.Config, list[str]]:
+def planned(
+    req: Request, cluster: presets.Cluster, cfg: config.Config
+) -> tuple[Request, config.Config, list[str]]:
     """(``req`` with the planner's choices, its config, the notes: what the search found,
     then one per key the planner chose)."""
     d = decided(req, cluster, cfg)
@@ -122,31 +146,47 @@ def summary(found: search.Found | None) -> str | None:
     if found is None:
         return None
     plans = f"{found.judged} memory plan{'' if found.judged == 1 else 's'}"
-    head = (f"search: {found.timed:,} job{'' if found.timed == 1 else 's'} timed, {plans}; "
-            + (f"kept as set: {', '.join(found.fixed)}; " if found.fixed else ""))
-    preset = (f"the model preset's settings predict {_secs(found.base_step_s)}"
-              f"{'' if found.base_fits else ' and do not fit'}")
+    head = f"search: {found.timed:,} job{'' if found.timed == 1 else 's'} timed, {plans}; " + (
+        f"kept as set: {', '.join(found.fixed)}; " if found.fixed else ""
+    )
+    preset = (
+        f"the model preset's settings predict {_secs(found.base_step_s)}"
+        f"{'' if found.base_fits else ' and do not fit'}"
+    )
     if not found.ranked:
         return head + f"none fits ({preset})"
     st = found.ranked[0].step
-    text = (head + f"the fastest that fits predicts {_secs(st.step_s)} per step, "
-            f"{st.tokens_per_s:,.0f} tokens/s/GPU, MFU {st.mfu:.1%} ({preset})")
+    text = (
+        head + f"the fastest that fits predicts {_secs(st.step_s)} per step, "
+        f"{st.tokens_per_s:,.0f} tokens/s/GPU, MFU {st.mfu:.1%} ({preset})"
+    )
     if found.opt_in is not None:
         job, best = found.opt_in, found.ranked[0]
         extra = [c for c in job.changes if c not in best.changes]
-        risk = (f" (a step overflowing {job.settings.buckets[-1]:g}x then runs out of memory)"
-                if job.settings.buckets != best.settings.buckets else "")
-        text += (f"; opting in, {' '.join(job.changes)}{risk} predicts {_secs(job.step.step_s)} "
-                 f"({', '.join(c.partition('=')[0] for c in extra) or 'no new key'} not "
-                 f"searched unless set: --set them to use it)")
+        risk = (
+            f" (a step overflowing {job.settings.buckets[-1]:g}x then runs out of memory)"
+            if job.settings.buckets != best.settings.buckets
+            else ""
+        )
+        text += (
+            f"; opting in, {' '.join(job.changes)}{risk} predicts {_secs(job.step.step_s)} "
+            f"({', '.join(c.partition('=')[0] for c in extra) or 'no new key'} not "
+            f"searched unless set: --set them to use it)"
+        )
     return text + "; make plan TOP=5 (--top 5) lists the runners-up"
 
 
-def prediction(req: "Request", cfg: config.Config) -> "Plan":
+def prediction(req: Request, cfg: config.Config) -> Plan:
     """The placement, all-to-all and predicted step of this job as its ``--set`` items make
     it (``topology.plan``); TopologyError, ConfigError or ValueError where it cannot be made."""
     from topology import plan as topo_plan
 
-    return topo_plan.make_plan(req.preset, req.nodes, req.model, cfg.parallel.ep,
-                               allow_straddle=req.allow_straddle, overrides=tuple(req.sets),
-                               compute=req.compute or None)
+    return topo_plan.make_plan(
+        req.preset,
+        req.nodes,
+        req.model,
+        cfg.parallel.ep,
+        allow_straddle=req.allow_straddle,
+        overrides=tuple(req.sets),
+        compute=req.compute or None,
+    )

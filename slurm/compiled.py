@@ -36,7 +36,11 @@ ENV = "MOE_TRAIN_COMPILE"  # "0": skip the preflight compile (make submit COMPIL
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 NO_PLUGIN = "needs the CUDA PJRT plugin"
-SOURCES = ("moe_train", "topology", "slurm")  # the kit's code, presets and target configs  # the compile command's message when it is missing
+SOURCES = (
+    "moe_train",
+    "topology",
+    "slurm",
+)  # the kit's code, presets and target configs  # the compile command's message when it is missing
 
 
 def cache_dir() -> Path:
@@ -46,8 +50,16 @@ def cache_dir() -> Path:
 
 def compile_args(req: Request, cfg) -> list[str]:
     """``python -m moe_train.compile`` arguments for the job ``req`` (its sets the launcher's)."""
-    args = ["--preset", req.preset, "--model", req.model, "--nodes", str(req.nodes),
-            "--ep", str(cfg.parallel.ep)]
+    args = [
+        "--preset",
+        req.preset,
+        "--model",
+        req.model,
+        "--nodes",
+        str(req.nodes),
+        "--ep",
+        str(cfg.parallel.ep),
+    ]
     for item in req.sets:
         args += ["--set", item]
     if req.steps is not None:
@@ -58,8 +70,12 @@ def compile_args(req: Request, cfg) -> list[str]:
 def cache_key(req: Request, cfg) -> str:
     """sha256 of what decides the compile: the config, the job, jax and the kit's source."""
     h = hashlib.sha256()
-    job = {"config": dataclasses.asdict(cfg), "preset": req.preset, "nodes": req.nodes,
-           "jax": metadata.version("jax")}
+    job = {
+        "config": dataclasses.asdict(cfg),
+        "preset": req.preset,
+        "nodes": req.nodes,
+        "jax": metadata.version("jax"),
+    }
     h.update(json.dumps(job, sort_keys=True, default=str).encode())
     for package in SOURCES:
         for path in sorted((ROOT / package).rglob("*")):
@@ -89,8 +105,10 @@ def run_compile(args: list[str], out_dir: Path) -> dict:
     last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
     if NO_PLUGIN in last or "does not match jax" in last:
         return {"skipped": last.removeprefix("error: ")}
-    raise LaunchError(f"compile: XLA:GPU could not compile the job "
-                      f"({last.removeprefix('error: ')}); COMPILE=0 submits without this check")
+    raise LaunchError(
+        f"compile: XLA:GPU could not compile the job "
+        f"({last.removeprefix('error: ')}); COMPILE=0 submits without this check"
+    )
 
 
 def _size(n: int) -> str:
@@ -101,16 +119,19 @@ def verdict(result: dict, ignore_memory: bool, cached: bool) -> str:
     """The note for a compiled job; LaunchError where its peak exceeds the usable memory."""
     (b,) = result["buckets"]
     label = b["bucket"] + ("x" if b["bucket"] != "worst" else "")
-    text = (f"XLA:GPU peak {_size(b['memory']['peak'])} of {_size(result['usable_bytes'])} "
-            f"usable per GPU at the {label} bucket (simulated {result['gpu']}, jax "
-            f"{result['jax']}; planner {_size(b['planner']['total'])})"
-            f"{' [cached]' if cached else ''}")
+    text = (
+        f"XLA:GPU peak {_size(b['memory']['peak'])} of {_size(result['usable_bytes'])} "
+        f"usable per GPU at the {label} bucket (simulated {result['gpu']}, jax "
+        f"{result['jax']}; planner {_size(b['planner']['total'])})"
+        f"{' [cached]' if cached else ''}"
+    )
     if b["memory"]["peak"] <= result["usable_bytes"]:
         return f"compile: {text}"
     if ignore_memory:
         return f"warning: compile: does not fit: {text}"
-    raise LaunchError(f"compile: does not fit: {text}; pass --ignore-memory to submit anyway, "
-                      f"COMPILE=0 to skip this check")
+    raise LaunchError(
+        f"compile: does not fit: {text}; pass --ignore-memory to submit anyway, COMPILE=0 to skip this check"
+    )
 
 
 def preflight(req: Request, cluster: Cluster, cfg) -> str | None:
@@ -121,8 +142,11 @@ def preflight(req: Request, cluster: Cluster, cfg) -> str | None:
     path = cache_dir() / f"{cache_key(req, cfg)}.json"
     if path.is_file():
         return verdict(json.loads(path.read_text()), req.ignore_memory, cached=True)
-    print(f"compile: compiling the step for {cluster.gpu} with XLA:GPU (minutes; cached in "
-          f"{path.parent})", file=sys.stderr, flush=True)
+    print(
+        f"compile: compiling the step for {cluster.gpu} with XLA:GPU (minutes; cached in {path.parent})",
+        file=sys.stderr,
+        flush=True,
+    )
     result = run_compile(compile_args(req, cfg), path.parent / "runs")
     if "skipped" in result:
         return f"compile: skipped: {result['skipped']}"

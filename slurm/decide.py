@@ -65,16 +65,28 @@ def decide(req: Request, top: int = 1) -> Decision:
     segment, notes = layout.placement(req, cluster, ep, cfg)
     per_task, rest = divmod(cluster.gpus_per_node, cluster.slurm.ntasks_per_node)
     if rest or not per_task:
-        raise LaunchError(f"cluster preset {cluster.name}: slurm.ntasks_per_node "
-                          f"{cluster.slurm.ntasks_per_node} does not divide its "
-                          f"{cluster.gpus_per_node} devices per node")
+        raise LaunchError(
+            f"cluster preset {cluster.name}: slurm.ntasks_per_node "
+            f"{cluster.slurm.ntasks_per_node} does not divide its "
+            f"{cluster.gpus_per_node} devices per node"
+        )
     try:
         mem = memory.plan(cfg, cluster, req.nodes)
     except memory.PlanError as err:  # sizes the trainer would refuse too (e.g. width vs dp)
         raise LaunchError(str(err)) from None
-    return Decision(cluster=cluster, req=req, cfg=cfg, ep=ep, choices=chosen.choices,
-                    found=chosen.found, search_note=chosen.note, segment=segment,
-                    placement=tuple(notes), memory=mem, per_task=per_task)
+    return Decision(
+        cluster=cluster,
+        req=req,
+        cfg=cfg,
+        ep=ep,
+        choices=chosen.choices,
+        found=chosen.found,
+        search_note=chosen.note,
+        segment=segment,
+        placement=tuple(notes),
+        memory=mem,
+        per_task=per_task,
+    )
 
 
 def _check_compute(path: str) -> None:
@@ -114,10 +126,12 @@ def _check_batch(cfg: config.Config, gpus: int) -> None:
     """LaunchError unless the batch splits over the ``gpus`` and then into micro-batches."""
     t = cfg.train
     if t.batch_size % gpus:
-        raise LaunchError(f"train.batch_size={t.batch_size} is not divisible by the job's {gpus} "
-                          f"GPUs; nearest that are: "
-                          f"{jobplan.batches_text(t.batch_size, gpus, t.seq_len)} "
-                          f"(--set train.batch_size=N)")
+        raise LaunchError(
+            f"train.batch_size={t.batch_size} is not divisible by the job's {gpus} "
+            f"GPUs; nearest that are: "
+            f"{jobplan.batches_text(t.batch_size, gpus, t.seq_len)} "
+            f"(--set train.batch_size=N)"
+        )
     try:
         jobplan.check_batch(t.batch_size, gpus, t.micro_batches, seq_len=t.seq_len)
         config.for_devices(cfg, gpus)  # train.micro_batch_size against the sequences per GPU

@@ -38,28 +38,41 @@ class Example:
 
 EXAMPLES: dict[str, Example] = {
     "cpu-local": Example(nodes=1, model="tiny", ep=8, steps=40),
-    "h100-dgx": Example(nodes=4, model="qwen3-30b-a3b", ep=32, steps=1000,
-                        sets=("train.batch_size=32", "train.remat=full")),
-    "h200-hgx": Example(nodes=2, model="mixtral-8x7b", ep=8, steps=1000,
-                        sets=("train.batch_size=16", "train.remat=full")),
-    "b200-hgx": Example(nodes=16, model="deepseek-v3", ep=64, steps=1000,
-                        sets=("train.batch_size=128", "train.remat=full")),
-    "gb200-nvl72": Example(nodes=32, model="deepseek-v3", ep=64, steps=1000,
-                           sets=("train.batch_size=128", "train.remat=full")),
-    "gb200-nvl36x2": Example(nodes=32, model="deepseek-v3", ep=64, steps=1000,
-                             sets=("train.batch_size=128", "train.remat=full")),
+    "h100-dgx": Example(
+        nodes=4, model="qwen3-30b-a3b", ep=32, steps=1000, sets=("train.batch_size=32", "train.remat=full")
+    ),
+    "h200-hgx": Example(
+        nodes=2, model="mixtral-8x7b", ep=8, steps=1000, sets=("train.batch_size=16", "train.remat=full")
+    ),
+    "b200-hgx": Example(
+        nodes=16, model="deepseek-v3", ep=64, steps=1000, sets=("train.batch_size=128", "train.remat=full")
+    ),
+    "gb200-nvl72": Example(
+        nodes=32, model="deepseek-v3", ep=64, steps=1000, sets=("train.batch_size=128", "train.remat=full")
+    ),
+    "gb200-nvl36x2": Example(
+        nodes=32, model="deepseek-v3", ep=64, steps=1000, sets=("train.batch_size=128", "train.remat=full")
+    ),
 }
 
 
 def spec_for(preset: str) -> plan.JobSpec:
     e = EXAMPLES[preset]
     image = "" if presets.load(preset).nominal else KIT_IMAGE
-    req = plan.Request(preset=preset, model=e.model, nodes=e.nodes, steps=e.steps, ep=e.ep,
-                       sets=e.sets,
-                       out=f"/runs/golden/{preset}", job_name=f"golden-{preset}",
-                       time="02:00:00", image=image, dry_run=True)
-    return plan.plan(req, site.Site(), host_python=HOST_PYTHON, kit_root=KIT_ROOT,
-                     now="19700101-000000")
+    req = plan.Request(
+        preset=preset,
+        model=e.model,
+        nodes=e.nodes,
+        steps=e.steps,
+        ep=e.ep,
+        sets=e.sets,
+        out=f"/runs/golden/{preset}",
+        job_name=f"golden-{preset}",
+        time="02:00:00",
+        image=image,
+        dry_run=True,
+    )
+    return plan.plan(req, site.Site(), host_python=HOST_PYTHON, kit_root=KIT_ROOT, now="19700101-000000")
 
 
 def golden_text(preset: str) -> str:

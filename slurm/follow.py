@@ -13,13 +13,26 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
-ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
-          "SUSPENDED", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD",
-          "PREEMPTED"}  # PREEMPTED: a requeueing job passes through it
+ACTIVE = {
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "SUSPENDED",
+    "COMPLETING",
+    "CONFIGURING",
+    "STAGE_OUT",
+    "SIGNALING",
+    "RESV_DEL_HOLD",
+    "PREEMPTED",
+}  # PREEMPTED: a requeueing job passes through it
 POLL_S = 2.0
 
 
@@ -127,9 +140,15 @@ def failing_rank(folder: Path, job_id: str) -> str:
     return "; ".join(x for x in (srun, own) if x)
 
 
-def follow(job_id: str, folder: Path, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
-           poll_s: float = POLL_S, state_of: Callable[[str], JobState] = query,
-           timeout_s: float | None = None) -> int:
+def follow(
+    job_id: str,
+    folder: Path,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    poll_s: float = POLL_S,
+    state_of: Callable[[str], JobState] = query,
+    timeout_s: float | None = None,
+) -> int:
     """Stream rank 0's stdout until the job ends; return 0 for COMPLETED, else non-zero."""
     tail = LogTail(folder / f"{job_id}_0_log.out")
     last, start = "", time.monotonic()
@@ -143,8 +162,11 @@ def follow(job_id: str, folder: Path, out: TextIO = sys.stdout, err: TextIO = sy
         if st.done:
             break
         if timeout_s is not None and time.monotonic() - start > timeout_s:
-            print(f"error: job {job_id} still {st.state or 'unknown'} after {timeout_s:g} s; "
-                  f"stopped following (it keeps running; scancel {job_id} to stop it)", file=err)
+            print(
+                f"error: job {job_id} still {st.state or 'unknown'} after {timeout_s:g} s; "
+                f"stopped following (it keeps running; scancel {job_id} to stop it)",
+                file=err,
+            )
             return 1
         time.sleep(poll_s)
     time.sleep(min(poll_s, 1.0))  # let the file system catch up with the last lines
@@ -161,6 +183,5 @@ def report(job_id: str, folder: Path, st: JobState, err: TextIO) -> int:
     code = st.exit_code.partition(":")[0]
     where = failing_rank(folder, job_id)
     detail = f"; {where}" if where else f"; logs: {folder}/{job_id}_<rank>_log.{{out,err}}"
-    print(f"error: job {job_id} ended {st.state} (exit {st.exit_code or '?'}){detail}",
-          file=err, flush=True)
+    print(f"error: job {job_id} ended {st.state} (exit {st.exit_code or '?'}){detail}", file=err, flush=True)
     return int(code) if code.isdigit() and int(code) > 0 else 1

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_train import config
-from slurm import layout, site as site_mod
+from slurm import layout
+from slurm import site as site_mod
 from topology import presets
 
 if TYPE_CHECKING:
@@ -147,8 +148,10 @@ def signal_delay(cluster: presets.Cluster) -> int:
     """Seconds of warning from the preset's ``USR2@<s>`` (the signal submitit requeues on)."""
     m = re.fullmatch(r"USR2@(\d+)", cluster.slurm.signal)
     if not m:
-        raise LaunchError(f"cluster preset {cluster.name}: slurm.signal {cluster.slurm.signal!r} "
-                          f"must be USR2@<seconds> (NCCL takes USR1; submitit requeues on USR2)")
+        raise LaunchError(
+            f"cluster preset {cluster.name}: slurm.signal {cluster.slurm.signal!r} "
+            f"must be USR2@<seconds> (NCCL takes USR1; submitit requeues on USR2)"
+        )
     return int(m.group(1))
 
 
@@ -159,8 +162,7 @@ def load_cluster(ref: str) -> presets.Cluster:
         raise LaunchError(str(err)) from None
 
 
-def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
-         now: str) -> JobSpec:
+def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path, now: str) -> JobSpec:
     """Validate ``req`` (with ``site`` defaults) into a JobSpec; raises LaunchError.
 
     ``host_python`` starts Python on the host (quoted shell words), ``kit_root`` is this
@@ -177,8 +179,10 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
     run_dir = _run_dir(req, job_name, now, container=_uses_container(req, cluster))
     container = _container(req, site, cluster, run_dir)
     if container is not None and not (req.image or site.image):
-        notes.append(f"warning: rendered with {cluster.name}'s base image {cluster.image}, which "
-                     f"lacks moe-train; a real submission needs --image (make container)")
+        notes.append(
+            f"warning: rendered with {cluster.name}'s base image {cluster.image}, which "
+            f"lacks moe-train; a real submission needs --image (make container)"
+        )
     chosen = [n for n in (d.search_note, *(c.note for c in d.choices)) if n]
     notes.insert(1, _memory(req, cluster, d))
     notes[2:2] = chosen
@@ -188,30 +192,37 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
     if note:
         notes.insert(2 + len(chosen), note)
     return JobSpec(
-        cluster=cluster.name, job_name=job_name, nodes=req.nodes,
+        cluster=cluster.name,
+        job_name=job_name,
+        nodes=req.nodes,
         ntasks_per_node=cluster.slurm.ntasks_per_node,
         gpus_per_node=None if cluster.nominal else cluster.slurm.gpus_per_node,
-        segment=d.segment if cluster.slurm.segment else None, exclusive=cluster.slurm.exclusive,
+        segment=d.segment if cluster.slurm.segment else None,
+        exclusive=cluster.slurm.exclusive,
         time_min=parse_time(req.time or site.time or DEFAULT_TIME),
         signal_delay_s=signal_delay(cluster),
         partition=check_text("partition", req.partition or site.partition, _NAME_OR_EMPTY),
         account=check_text("account", req.account or site.account, _NAME_OR_EMPTY),
         qos=check_text("qos", req.qos or site.qos, _NAME_OR_EMPTY),
         run_dir=run_dir,
-        env=tuple((k, check_text(f"env {k}", v), cluster.env_source[k])
-                  for k, v in sorted(cluster.env.items())),
+        env=tuple(
+            (k, check_text(f"env {k}", v), cluster.env_source[k]) for k, v in sorted(cluster.env.items())
+        ),
         container=container,
-        python=host_python if container is None else check_text(
-            "container_python", site.container_python, _PYTHON, "a command name or path"),
+        python=host_python
+        if container is None
+        else check_text("container_python", site.container_python, _PYTHON, "a command name or path"),
         chdir="" if container is not None else str(kit_root),
         trainer_args=layout.trainer_args(req, cluster, cfg, d.ep, run_dir, d.per_task),
-        steps=cfg.train.steps, devices_per_task=d.per_task, max_requeues=site.max_requeues,
+        steps=cfg.train.steps,
+        devices_per_task=d.per_task,
+        max_requeues=site.max_requeues,
         preflight=_preflight(req, cluster, container, site),
         notes=tuple(notes),
     )
 
 
-def _memory(req: Request, cluster: presets.Cluster, d: "Decision") -> str:
+def _memory(req: Request, cluster: presets.Cluster, d: Decision) -> str:
     """The memory planner's verdict as a note; a job that will not fit is refused unless
     ``--ignore-memory`` (a dry run only warns, so every preset still renders)."""
     verdict = d.memory.verdict
@@ -219,17 +230,24 @@ def _memory(req: Request, cluster: presets.Cluster, d: "Decision") -> str:
         return f"memory: {verdict.message}"
     if req.dry_run or req.ignore_memory:
         return f"warning: memory: {verdict.message}"
-    raise LaunchError(f"memory: {verdict.message}; pass --ignore-memory to submit anyway "
-                      f"(details: make plan with the same PRESET, MODEL, NODES, EP and SET)")
+    raise LaunchError(
+        f"memory: {verdict.message}; pass --ignore-memory to submit anyway "
+        f"(details: make plan with the same PRESET, MODEL, NODES, EP and SET)"
+    )
 
 
 def smoke_request(req: Request, cluster: presets.Cluster) -> Request:
     """The smoke job: one node, the tiny model, a few steps, EP over the node's devices."""
     tiny = config.build(SMOKE_MODEL)
     ep = req.ep or math.gcd(cluster.gpus_per_node, tiny.moe.num_experts)
-    return dataclasses.replace(req, model=SMOKE_MODEL, nodes=1, ep=ep,
-                               steps=req.steps or SMOKE_STEPS,
-                               job_name=req.job_name or f"moe-smoke-{cluster.name}")
+    return dataclasses.replace(
+        req,
+        model=SMOKE_MODEL,
+        nodes=1,
+        ep=ep,
+        steps=req.steps or SMOKE_STEPS,
+        job_name=req.job_name or f"moe-smoke-{cluster.name}",
+    )
 
 
 def _uses_container(req: Request, cluster: presets.Cluster) -> bool:
@@ -244,8 +262,10 @@ def _run_dir(req: Request, job_name: str, now: str, container: bool) -> Path:
     if "%" in text:
         raise LaunchError(f"run directory {text!r} contains '%' (Slurm reads it as a file pattern)")
     if container and re.search(r"[\s,:]", text):
-        raise LaunchError(f"run directory {text!r} contains a space, ',' or ':', which Pyxis "
-                          f"--container-mounts cannot carry; choose another path")
+        raise LaunchError(
+            f"run directory {text!r} contains a space, ',' or ':', which Pyxis "
+            f"--container-mounts cannot carry; choose another path"
+        )
     return path
 
 
@@ -257,40 +277,55 @@ def _image(ref: str) -> str:
     if ref.startswith(("/", "./", "../", "~")) or ref.endswith(".sqsh"):
         path = Path(ref).expanduser()
         if not path.is_file():
-            raise LaunchError(f"image file {ref!r} does not exist (build it with `make container` "
-                              f"or import one with `make container-import`)")
+            raise LaunchError(
+                f"image file {ref!r} does not exist (build it with `make container` "
+                f"or import one with `make container-import`)"
+            )
         text = str(path.absolute())
         if re.search(r"[\s,]", text):
             raise LaunchError(f"image path {text!r} contains a space or ','; Pyxis cannot take it")
         return text
     if not validate_image(ref):
-        raise LaunchError(f"image {ref!r} is neither an existing .sqsh file nor a plain registry "
-                          f"reference (registry/name:tag)")
+        raise LaunchError(
+            f"image {ref!r} is neither an existing .sqsh file nor a plain registry "
+            f"reference (registry/name:tag)"
+        )
     return pyxis_image(ref)
 
 
 def _mount(entry: str) -> str:
     check_text("container mount", entry)
     parts = entry.split(":")
-    if not 2 <= len(parts) <= 3 or not all(parts[:2]) or not parts[0].startswith("/") \
-            or not parts[1].startswith("/") or re.search(r"[\s,]", entry):
-        raise LaunchError(f"container mount {entry!r} is not /src:/dst[:flags] "
-                          f"(absolute paths, no spaces or commas)")
+    if (
+        not 2 <= len(parts) <= 3
+        or not all(parts[:2])
+        or not parts[0].startswith("/")
+        or not parts[1].startswith("/")
+        or re.search(r"[\s,]", entry)
+    ):
+        raise LaunchError(
+            f"container mount {entry!r} is not /src:/dst[:flags] (absolute paths, no spaces or commas)"
+        )
     return entry
 
 
-def _container(req: Request, site: site_mod.Site, cluster: presets.Cluster,
-               run_dir: Path) -> Container | None:
+def _container(
+    req: Request, site: site_mod.Site, cluster: presets.Cluster, run_dir: Path
+) -> Container | None:
     if not _uses_container(req, cluster):
         if req.image:
-            raise LaunchError(f"cluster preset {cluster.name} runs on the host without a container "
-                              f"(nominal preset or --no-container); drop --image")
+            raise LaunchError(
+                f"cluster preset {cluster.name} runs on the host without a container "
+                f"(nominal preset or --no-container); drop --image"
+            )
         return None
     if not (req.image or site.image) and not req.dry_run:
-        raise LaunchError(f"no kit image: {cluster.name}'s [container] image {cluster.image} is the "
-                          f"base image without moe-train; build one with `make container` (or "
-                          f"`make container-import`) and pass --image PATH.sqsh or set image in "
-                          f"the site file")
+        raise LaunchError(
+            f"no kit image: {cluster.name}'s [container] image {cluster.image} is the "
+            f"base image without moe-train; build one with `make container` (or "
+            f"`make container-import`) and pass --image PATH.sqsh or set image in "
+            f"the site file"
+        )
     image = _image(req.image or site.image or cluster.image)
     mounts = [f"{run_dir}:{run_dir}"] + [_mount(m) for m in site.mounts]
     ref = req.preset
@@ -298,14 +333,29 @@ def _container(req: Request, site: site_mod.Site, cluster: presets.Cluster,
         path = Path(ref).absolute()
         mounts.append(_mount(f"{path}:{path}:ro"))
     workdir = check_text("container_workdir", site.container_workdir, _PYTHON, "an absolute path")
-    return Container(image=image, name=CONTAINER_NAME, mounts=tuple(mounts), workdir=workdir,
-                     env_names=tuple(sorted(cluster.env)))
+    return Container(
+        image=image,
+        name=CONTAINER_NAME,
+        mounts=tuple(mounts),
+        workdir=workdir,
+        env_names=tuple(sorted(cluster.env)),
+    )
 
 
-def _preflight(req: Request, cluster: presets.Cluster, container: Container | None,
-               site: site_mod.Site) -> str:
+def _preflight(
+    req: Request, cluster: presets.Cluster, container: Container | None, site: site_mod.Site
+) -> str:
     """The smoke job's in-container check (skipped on the host: nothing to check there)."""
     if not req.smoke or container is None:
         return ""
-    return shlex.join([site.container_python, "-m", "containers.preflight", "--preset",
-                       layout.cluster_ref(req.preset), "--expect-gpus", str(cluster.gpus_per_node)])
+    return shlex.join(
+        [
+            site.container_python,
+            "-m",
+            "containers.preflight",
+            "--preset",
+            layout.cluster_ref(req.preset),
+            "--expect-gpus",
+            str(cluster.gpus_per_node),
+        ]
+    )

@@ -58,29 +58,53 @@ def image_load_command(spec: JobSpec) -> str:
     """The setup step that imports the image once per node under its container name."""
     c = spec.container
     assert c is not None
-    return shlex.join(["srun", f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}",
-                       "--ntasks-per-node=1", f"--container-image={c.image}",
-                       f"--container-name={c.name}", "true"])
+    return shlex.join(
+        [
+            "srun",
+            f"--nodes={spec.nodes}",
+            f"--ntasks={spec.nodes}",
+            "--ntasks-per-node=1",
+            f"--container-image={c.image}",
+            f"--container-name={c.name}",
+            "true",
+        ]
+    )
 
 
 def preflight_command(spec: JobSpec) -> str:
     """The smoke job's preflight, once per node inside the already imported container."""
     c = spec.container
     assert c is not None and spec.preflight
-    return " ".join([shlex.join(["srun", f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}",
-                                 "--ntasks-per-node=1", f"--container-name={c.name}",
-                                 f"--container-workdir={c.workdir}",
-                                 "--no-container-mount-home"]), spec.preflight])
+    return " ".join(
+        [
+            shlex.join(
+                [
+                    "srun",
+                    f"--nodes={spec.nodes}",
+                    f"--ntasks={spec.nodes}",
+                    "--ntasks-per-node=1",
+                    f"--container-name={c.name}",
+                    f"--container-workdir={c.workdir}",
+                    "--no-container-mount-home",
+                ]
+            ),
+            spec.preflight,
+        ]
+    )
 
 
 def setup_lines(spec: JobSpec) -> list[str]:
     lines = ["set -euo pipefail", *_env_lines(spec)]
     if spec.container is not None:
-        lines += ["# import the image once per node; the training step reuses it by name",
-                  image_load_command(spec)]
+        lines += [
+            "# import the image once per node; the training step reuses it by name",
+            image_load_command(spec),
+        ]
         if spec.preflight:
-            lines += ["# smoke job: check GPUs, NCCL and the container before training",
-                      preflight_command(spec)]
+            lines += [
+                "# smoke job: check GPUs, NCCL and the container before training",
+                preflight_command(spec),
+            ]
     lines += ["set +e  # the training step's exit status is handled in the teardown"]
     return lines
 
@@ -102,9 +126,13 @@ def srun_args(spec: JobSpec) -> list[str]:
     args = ["--kill-on-bad-exit=1"]
     c = spec.container
     if c is not None:
-        args += [f"--container-image={c.image}", f"--container-name={c.name}",
-                 f"--container-mounts={','.join(c.mounts)}", f"--container-workdir={c.workdir}",
-                 "--no-container-mount-home"]
+        args += [
+            f"--container-image={c.image}",
+            f"--container-name={c.name}",
+            f"--container-mounts={','.join(c.mounts)}",
+            f"--container-workdir={c.workdir}",
+            "--no-container-mount-home",
+        ]
         if c.env_names:
             args.append(f"--container-env={','.join(c.env_names)}")
     return args
@@ -118,9 +146,15 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
     if spec.chdir:
         extra["chdir"] = spec.chdir
     params: dict[str, Any] = dict(
-        job_name=spec.job_name, nodes=spec.nodes, ntasks_per_node=spec.ntasks_per_node,
-        time=spec.time_min, signal_delay_s=spec.signal_delay_s, exclusive=spec.exclusive or None,
-        setup=setup_lines(spec), teardown=teardown_lines(spec), srun_args=srun_args(spec),
+        job_name=spec.job_name,
+        nodes=spec.nodes,
+        ntasks_per_node=spec.ntasks_per_node,
+        time=spec.time_min,
+        signal_delay_s=spec.signal_delay_s,
+        exclusive=spec.exclusive or None,
+        setup=setup_lines(spec),
+        teardown=teardown_lines(spec),
+        srun_args=srun_args(spec),
         additional_parameters=extra,
     )
     if spec.gpus_per_node is not None:
@@ -138,8 +172,9 @@ def configure(executor: SlurmExecutor, spec: JobSpec) -> SlurmExecutor:
 
 def render_script(spec: JobSpec) -> str:
     """The exact sbatch script submitit would write for ``spec``."""
-    ex = configure(RenderOnlyExecutor(spec.submitit_folder, max_num_timeout=spec.max_requeues,
-                                      python=spec.python), spec)
+    ex = configure(
+        RenderOnlyExecutor(spec.submitit_folder, max_num_timeout=spec.max_requeues, python=spec.python), spec
+    )
     return ex._make_submission_file_text(ex._submitit_command_str, uid="")
 
 

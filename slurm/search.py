@@ -43,7 +43,9 @@ from typing import TYPE_CHECKING
 from moe_train import config, memory
 from moe_train.config import REMAT_POLICIES, WEIGHT_GATHERS
 from moe_train.config.schema import DISPATCH_DTYPES
-from topology import compute as compute_calibration, plan as topo_plan, presets, steptime
+from topology import compute as compute_calibration
+from topology import plan as topo_plan
+from topology import presets, steptime
 from topology.placement import valid_eps_for_nodes
 
 if TYPE_CHECKING:
@@ -51,8 +53,7 @@ if TYPE_CHECKING:
 
 EP_KEY, GATHER_KEY, REMAT_KEY = "parallel.ep", "parallel.weight_gather", "train.remat"
 MICRO_BATCHES_KEY, MICRO_SIZE_KEY = "train.micro_batches", "train.micro_batch_size"
-CHUNKS_KEY, DISPATCH_KEY, BUCKETS_KEY = ("moe.overlap_chunks", "moe.dispatch_dtype",
-                                         "moe.capacity_buckets")
+CHUNKS_KEY, DISPATCH_KEY, BUCKETS_KEY = ("moe.overlap_chunks", "moe.dispatch_dtype", "moe.capacity_buckets")
 # Searched only when the user asks (--set): train.remat other than the preset's is not yet
 # checked against XLA:GPU (mixtral-8x7b --layers 4, 8 h100 nodes, remat=none: XLA:GPU 94.3 GiB
 # where the planner says 47.2), and fp8 dispatch changes numerics (e4m3 tokens on the wire).
@@ -119,7 +120,7 @@ class _Context:
     micro_open: bool  # whether the micro-batches are searched (the user set neither key)
 
 
-def user_keys(req: "Request") -> frozenset[str]:
+def user_keys(req: Request) -> frozenset[str]:
     """The keys of the user's --set items, with parallel.ep where --ep (or parallel.dp) fixes
     it."""
     keys = {item.partition("=")[0].strip() for item in req.sets}
@@ -130,25 +131,33 @@ def user_keys(req: "Request") -> frozenset[str]:
 
 def micro_key(cfg: config.Config, fixed: frozenset[str]) -> str:
     """The key that names this job's micro-batches: the user's, else the model preset's."""
-    if MICRO_BATCHES_KEY in fixed or (MICRO_SIZE_KEY not in fixed
-                                      and not cfg.train.micro_batch_size):
+    if MICRO_BATCHES_KEY in fixed or (MICRO_SIZE_KEY not in fixed and not cfg.train.micro_batch_size):
         return MICRO_BATCHES_KEY
     return MICRO_SIZE_KEY
 
 
 def _settings(cfg: config.Config) -> Settings:
     p, t, m = cfg.parallel, cfg.train, cfg.moe
-    return Settings(p.ep, p.weight_gather, t.micro_batches, t.remat, m.overlap_chunks,
-                    m.dispatch_dtype, m.capacity_buckets)
+    return Settings(
+        p.ep,
+        p.weight_gather,
+        t.micro_batches,
+        t.remat,
+        m.overlap_chunks,
+        m.dispatch_dtype,
+        m.capacity_buckets,
+    )
 
 
 def _apply(cfg: config.Config, s: Settings) -> config.Config:
     """``cfg`` (micro-batches resolved) with the settings ``s``."""
     r = dataclasses.replace
-    return r(cfg, parallel=r(cfg.parallel, ep=s.ep, dp=0, weight_gather=s.gather),
-             train=r(cfg.train, micro_batches=s.micro_batches, micro_batch_size=0, remat=s.remat),
-             moe=r(cfg.moe, overlap_chunks=s.chunks, dispatch_dtype=s.dispatch,
-                   capacity_buckets=s.buckets))
+    return r(
+        cfg,
+        parallel=r(cfg.parallel, ep=s.ep, dp=0, weight_gather=s.gather),
+        train=r(cfg.train, micro_batches=s.micro_batches, micro_batch_size=0, remat=s.remat),
+        moe=r(cfg.moe, overlap_chunks=s.chunks, dispatch_dtype=s.dispatch, capacity_buckets=s.buckets),
+    )
 
 
 def _values(key: str, fixed: frozenset[str], now, every) -> tuple:
@@ -164,26 +173,32 @@ def space(ctx: _Context, fixed: frozenset[str]) -> list[Settings]:
     """Every job the open keys allow, overlap chunks and buckets as the base job has them."""
     b = _settings(ctx.base)
     eps = valid_eps_for_nodes(ctx.cluster, ctx.nodes, ctx.base.moe.num_experts)
-    axes = (_values(EP_KEY, fixed, b.ep, eps),
-            _values(GATHER_KEY, fixed, b.gather, WEIGHT_GATHERS),
-            tuple(_divisors(ctx.per_gpu)) if ctx.micro_open else (b.micro_batches,),
-            _values(REMAT_KEY, fixed, b.remat, REMAT_POLICIES),
-            _values(DISPATCH_KEY, fixed, b.dispatch, DISPATCH_DTYPES))
-    return [Settings(ep, g, n, r, b.chunks, d, b.buckets)
-            for ep, g, n, r, d in itertools.product(*axes)]
+    axes = (
+        _values(EP_KEY, fixed, b.ep, eps),
+        _values(GATHER_KEY, fixed, b.gather, WEIGHT_GATHERS),
+        tuple(_divisors(ctx.per_gpu)) if ctx.micro_open else (b.micro_batches,),
+        _values(REMAT_KEY, fixed, b.remat, REMAT_POLICIES),
+        _values(DISPATCH_KEY, fixed, b.dispatch, DISPATCH_DTYPES),
+    )
+    return [Settings(ep, g, n, r, b.chunks, d, b.buckets) for ep, g, n, r, d in itertools.product(*axes)]
 
 
 def _changes(s: Settings, base: Settings, ctx: _Context) -> tuple[str, ...]:
     """The settings of ``s`` that differ from ``base``, as --set items."""
-    micro = (f"{MICRO_SIZE_KEY}={ctx.per_gpu // s.micro_batches}"
-             if ctx.micro_item == MICRO_SIZE_KEY else f"{MICRO_BATCHES_KEY}={s.micro_batches}")
-    items = ((s.ep != base.ep, f"{EP_KEY}={s.ep}"),
-             (s.gather != base.gather, f"{GATHER_KEY}={s.gather}"),
-             (s.micro_batches != base.micro_batches, micro),
-             (s.remat != base.remat, f"{REMAT_KEY}={s.remat}"),
-             (s.chunks != base.chunks, f"{CHUNKS_KEY}={s.chunks}"),
-             (s.dispatch != base.dispatch, f"{DISPATCH_KEY}={s.dispatch}"),
-             (s.buckets != base.buckets, f"{BUCKETS_KEY}={buckets_text(s.buckets)}"))
+    micro = (
+        f"{MICRO_SIZE_KEY}={ctx.per_gpu // s.micro_batches}"
+        if ctx.micro_item == MICRO_SIZE_KEY
+        else f"{MICRO_BATCHES_KEY}={s.micro_batches}"
+    )
+    items = (
+        (s.ep != base.ep, f"{EP_KEY}={s.ep}"),
+        (s.gather != base.gather, f"{GATHER_KEY}={s.gather}"),
+        (s.micro_batches != base.micro_batches, micro),
+        (s.remat != base.remat, f"{REMAT_KEY}={s.remat}"),
+        (s.chunks != base.chunks, f"{CHUNKS_KEY}={s.chunks}"),
+        (s.dispatch != base.dispatch, f"{DISPATCH_KEY}={s.dispatch}"),
+        (s.buckets != base.buckets, f"{BUCKETS_KEY}={buckets_text(s.buckets)}"),
+    )
     return tuple(item for differs, item in items if differs)
 
 
@@ -191,8 +206,9 @@ def buckets_text(buckets: tuple[float, ...]) -> str:
     return ",".join(f"{f:g}" for f in buckets)
 
 
-def _timed(ctx: _Context, jobs: list[Settings], step_jobs: dict, chunks_open: bool,
-           eff) -> list[tuple[float, Settings]] | None:
+def _timed(
+    ctx: _Context, jobs: list[Settings], step_jobs: dict, chunks_open: bool, eff
+) -> list[tuple[float, Settings]] | None:
     """(predicted step, settings with their overlap chunks) of every job whose EP the
     topology planner places; None where nothing is predicted (fp32 compute)."""
     out = []
@@ -210,13 +226,19 @@ def _timed(ctx: _Context, jobs: list[Settings], step_jobs: dict, chunks_open: bo
     return out
 
 
-def _step_job(req: "Request", ep: int) -> steptime.Job | None:
+def _step_job(req: Request, ep: int) -> steptime.Job | None:
     """The step model's job for EP ``ep`` (placement and all-to-all), or None where the
     topology planner refuses that EP size."""
     try:
-        plan = topo_plan.make_plan(req.preset, req.nodes, req.model, ep,
-                                   allow_straddle=req.allow_straddle, overrides=tuple(req.sets),
-                                   compute=req.compute or None)
+        plan = topo_plan.make_plan(
+            req.preset,
+            req.nodes,
+            req.model,
+            ep,
+            allow_straddle=req.allow_straddle,
+            overrides=tuple(req.sets),
+            compute=req.compute or None,
+        )
     except (presets.TopologyError, config.ConfigError, ValueError):
         return None
     return topo_plan.step_job(plan)
@@ -231,12 +253,14 @@ def _memory(cfg: config.Config, ctx: _Context) -> tuple[int, int, dict[str, int]
         return None
     per = p.estimate.per_device
     rest = per["total"] - per["moe_buffers"]
-    return per["total"], p.budget.usable_bytes, {
-        f: rest + b for f, b in p.estimate.moe_buffers_by_bucket.items() if f != "worst"}
+    return (
+        per["total"],
+        p.budget.usable_bytes,
+        {f: rest + b for f, b in p.estimate.moe_buffers_by_bucket.items() if f != "worst"},
+    )
 
 
-def _fit(s: Settings, ctx: _Context, memo: dict,
-         cut: bool) -> tuple[int, int, tuple[float, ...]] | None:
+def _fit(s: Settings, ctx: _Context, memo: dict, cut: bool) -> tuple[int, int, tuple[float, ...]] | None:
     """(total bytes per GPU, usable bytes, capacity buckets) of the job at the largest bucket
     that fits: the preset's list, or (``cut``) that list cut at the largest factor of at least
     BUCKET_FLOOR whose total fits; None where nothing fits. Memory plans are cached in
@@ -244,8 +268,11 @@ def _fit(s: Settings, ctx: _Context, memo: dict,
     more of them (activations and MoE buffers of fewer tokens; the rest stays), so where the
     most there can be (one sequence each) does not fit, no count between does either."""
     most = ctx.per_gpu
-    if ctx.micro_open and 1 < s.micro_batches < most and _fit(
-            dataclasses.replace(s, micro_batches=most), ctx, memo, cut) is None:
+    if (
+        ctx.micro_open
+        and 1 < s.micro_batches < most
+        and _fit(dataclasses.replace(s, micro_batches=most), ctx, memo, cut) is None
+    ):
         return None
     key = (s.ep, s.gather, s.micro_batches, s.remat)
     if key not in memo:
@@ -266,37 +293,56 @@ def _fit(s: Settings, ctx: _Context, memo: dict,
     return None
 
 
-def _rank(timed: list[tuple[float, Settings]], *, ctx: _Context, base: Settings, top: int,
-          step_jobs: dict, eff, memo: dict, cut: bool) -> list[Candidate]:
+def _rank(
+    timed: list[tuple[float, Settings]],
+    *,
+    ctx: _Context,
+    base: Settings,
+    top: int,
+    step_jobs: dict,
+    eff,
+    memo: dict,
+    cut: bool,
+) -> list[Candidate]:
     """The ``top`` fastest jobs that fit, memory plans made fastest-first; a job with the
     step and memory of the one ranked above it is left out."""
     order = sorted(timed, key=lambda t: (t[0], len(_changes(t[1], base, ctx))))
     out = []
     for step_s, s in order:
         fit = _fit(s, ctx, memo, cut)
-        if fit is None or (out and (out[-1].step.step_s, out[-1].total_bytes)
-                           == (step_s, fit[0])):
+        if fit is None or (out and (out[-1].step.step_s, out[-1].total_bytes) == (step_s, fit[0])):
             continue
         s = dataclasses.replace(s, buckets=fit[2])
         cfg = _apply(ctx.base, s)
-        out.append(Candidate(s, cfg, _changes(s, base, ctx),
-                             steptime.predict(cfg, ctx.cluster, eff, step_jobs[s.ep]),
-                             fit[0], fit[1]))
+        out.append(
+            Candidate(
+                s,
+                cfg,
+                _changes(s, base, ctx),
+                steptime.predict(cfg, ctx.cluster, eff, step_jobs[s.ep]),
+                fit[0],
+                fit[1],
+            )
+        )
         if len(out) == top:
             break
     return out
 
 
-def search(req: "Request", cluster: presets.Cluster, cfg: config.Config,
-           top: int = 1) -> Found | None:
+def search(req: Request, cluster: presets.Cluster, cfg: config.Config, top: int = 1) -> Found | None:
     """The ``top`` fastest jobs that fit for ``req`` (its --set items, EP and batch as
     ``cfg``, the launcher's validated config, has them); None where nothing is predicted.
     TopologyError for a compute calibration that does not load."""
     fixed = user_keys(req)
     gpus = req.nodes * cluster.gpus_per_node
-    ctx = _Context(cluster=cluster, nodes=req.nodes, base=config.for_devices(cfg, gpus),
-                   micro_item=micro_key(cfg, fixed), per_gpu=cfg.train.batch_size // gpus,
-                   micro_open=not fixed & {MICRO_BATCHES_KEY, MICRO_SIZE_KEY})
+    ctx = _Context(
+        cluster=cluster,
+        nodes=req.nodes,
+        base=config.for_devices(cfg, gpus),
+        micro_item=micro_key(cfg, fixed),
+        per_gpu=cfg.train.batch_size // gpus,
+        micro_open=not fixed & {MICRO_BATCHES_KEY, MICRO_SIZE_KEY},
+    )
     eff = compute_calibration.load(req.compute or None)
     jobs = space(ctx, fixed)
     step_jobs = {ep: _step_job(req, ep) for ep in dict.fromkeys(s.ep for s in jobs)}
@@ -311,15 +357,31 @@ def search(req: "Request", cluster: presets.Cluster, cfg: config.Config,
     plain = [t for t in timed if (t[1].remat, t[1].dispatch) == (base.remat, base.dispatch)]
     same_dispatch = [t for t in timed if t[1].dispatch == base.dispatch]
     can_cut = BUCKETS_KEY not in fixed
-    ranked = (rank(plain, top=top, cut=False) or rank(plain, top=top, cut=can_cut)
-              or rank(same_dispatch, top=top, cut=can_cut))  # the last resorts, in order
+    ranked = (
+        rank(plain, top=top, cut=False)
+        or rank(plain, top=top, cut=can_cut)
+        or rank(same_dispatch, top=top, cut=can_cut)
+    )  # the last resorts, in order
     best = rank(timed, top=1, cut=can_cut)
     faster = best and ranked and best[0].step.step_s < CUT_GAIN * ranked[0].step.step_s
     base_step = steptime.predict(ctx.base, cluster, eff, step_jobs[base.ep])
-    searched = (EP_KEY, GATHER_KEY, MICRO_BATCHES_KEY, MICRO_SIZE_KEY, REMAT_KEY, CHUNKS_KEY,
-                DISPATCH_KEY, BUCKETS_KEY)
-    return Found(base=base, base_step_s=base_step.step_s,
-                 base_fits=_fit(base, ctx, memo, cut=False) is not None,
-                 ranked=tuple(ranked), opt_in=best[0] if faster else None,
-                 timed=len(timed), judged=len(memo),
-                 fixed=tuple(k for k in searched if k in fixed))
+    searched = (
+        EP_KEY,
+        GATHER_KEY,
+        MICRO_BATCHES_KEY,
+        MICRO_SIZE_KEY,
+        REMAT_KEY,
+        CHUNKS_KEY,
+        DISPATCH_KEY,
+        BUCKETS_KEY,
+    )
+    return Found(
+        base=base,
+        base_step_s=base_step.step_s,
+        base_fits=_fit(base, ctx, memo, cut=False) is not None,
+        ranked=tuple(ranked),
+        opt_in=best[0] if faster else None,
+        timed=len(timed),
+        judged=len(memo),
+        fixed=tuple(k for k in searched if k in fixed),
+    )

@@ -94,16 +94,24 @@ def _timed(d: Decision, step) -> tuple[Timed, ...]:
         return ()
     out = []
     for mode, s in step.by_gather.items():
-        cfg = dataclasses.replace(d.cfg, parallel=dataclasses.replace(d.cfg.parallel,
-                                                                      weight_gather=mode))
+        cfg = dataclasses.replace(d.cfg, parallel=dataclasses.replace(d.cfg.parallel, weight_gather=mode))
         try:
             v = memory.plan(cfg, d.cluster, d.req.nodes, search=False).verdict
         except memory.PlanError:
             v = None
-        out.append(Timed(f"{choices.GATHER_KEY}={mode}", s, v.total_bytes if v else None,
-                         v.fits if v else None, mode == d.cfg.parallel.weight_gather))
-    out += [Timed(f"{choices.CHUNKS_KEY}={c}", s, None, None, c == d.cfg.moe.overlap_chunks)
-            for c, s in step.by_chunks.items()]
+        out.append(
+            Timed(
+                f"{choices.GATHER_KEY}={mode}",
+                s,
+                v.total_bytes if v else None,
+                v.fits if v else None,
+                mode == d.cfg.parallel.weight_gather,
+            )
+        )
+    out += [
+        Timed(f"{choices.CHUNKS_KEY}={c}", s, None, None, c == d.cfg.moe.overlap_chunks)
+        for c, s in step.by_chunks.items()
+    ]
     return tuple(out)
 
 
@@ -115,8 +123,10 @@ def _verdict_lines(d: Decision) -> list[str]:
     v = d.memory.verdict
     lines = [f"memory: {v.message}"]
     if not v.fits:
-        lines += [f"  {a.change}: {_gib(a.total_bytes)} per GPU, "
-                  f"{'fits' if a.fits else 'does not fit'}" for a in v.alternatives]
+        lines += [
+            f"  {a.change}: {_gib(a.total_bytes)} per GPU, {'fits' if a.fits else 'does not fit'}"
+            for a in v.alternatives
+        ]
         lines.append("  make submit refuses this job (exit 2; --ignore-memory submits it anyway)")
     return lines
 
@@ -129,11 +139,17 @@ def _choice_line(c: choices.Choice, d: Decision, step) -> str:
     if c.source == choices.USER:
         best = None
         if step is not None and c.key in (choices.GATHER_KEY, choices.CHUNKS_KEY):
-            best = (min(step.by_gather, key=step.by_gather.get)
-                    if c.key == choices.GATHER_KEY else step.best_chunks)
+            best = (
+                min(step.by_gather, key=step.by_gather.get)
+                if c.key == choices.GATHER_KEY
+                else step.best_chunks
+            )
         flag = "--ep or --set" if c.key == choices.EP_KEY else "--set"
-        return head + f", yours ({flag}), kept" + (f"; the step-time model favours {best}"
-                                                  if best is not None else "")
+        return (
+            head
+            + f", yours ({flag}), kept"
+            + (f"; the step-time model favours {best}" if best is not None else "")
+        )
     if d.found is None:
         return head + ", the model preset's (nothing predicted for this job)"
     if not d.found.ranked:
@@ -144,11 +160,16 @@ def _choice_line(c: choices.Choice, d: Decision, step) -> str:
 def _timed_lines(timed: tuple[Timed, ...]) -> list[str]:
     if not timed:
         return []
-    lines = ["timed (predicted step per GPU, the job's other settings as they are; memory "
-             "per GPU, which overlap chunks do not change):"]
+    lines = [
+        "timed (predicted step per GPU, the job's other settings as they are; memory "
+        "per GPU, which overlap chunks do not change):"
+    ]
     for t in timed:
-        mem = "" if t.total_bytes is None else (f"{_gib(t.total_bytes):>12}  "
-                                                f"{'fits' if t.fits else 'does not fit'}")
+        mem = (
+            ""
+            if t.total_bytes is None
+            else (f"{_gib(t.total_bytes):>12}  {'fits' if t.fits else 'does not fit'}")
+        )
         row = f"  {t.item:36}{t.step_s:10.3f} s{mem:28}{'<- the job' if t.job else ''}"
         lines.append(row.rstrip())
     return lines
@@ -169,9 +190,16 @@ def render(s: Shown) -> str:
         *([f"  {d.search_note}"] if d.search_note else []),
         *[f"  {_choice_line(c, d, st)}" for c in d.choices],
         *_timed_lines(s.timed),
-        ("predicted: " + (f"{st.step_s:.3f} s per step, {st.tokens_per_s:,.0f} tokens/s/GPU, MFU "
-                          f"{st.mfu:.1%}, exposed communication {st.comm_share:.1%}"
-                          if st else "no step time for this job") + " (details below)"),
+        (
+            "predicted: "
+            + (
+                f"{st.step_s:.3f} s per step, {st.tokens_per_s:,.0f} tokens/s/GPU, MFU "
+                f"{st.mfu:.1%}, exposed communication {st.comm_share:.1%}"
+                if st
+                else "no step time for this job"
+            )
+            + " (details below)"
+        ),
         "",
         topo_plan.render(s.topology, timed=False),
         "",
@@ -193,11 +221,19 @@ def _settings_text(c: search.Candidate) -> str:
 def top_rows(s: Shown) -> list[dict]:
     """The ranked jobs of the search, fastest first, as plain values."""
     found = s.decision.found
-    return [{"step_s": c.step.step_s, "tokens_per_s_per_gpu": c.step.tokens_per_s,
-             "model_tflops_per_gpu": c.step.model_tflops, "mfu": c.step.mfu,
-             "exposed_comm_share": c.step.comm_share, "total_bytes": c.total_bytes,
-             "usable_bytes": c.usable_bytes, "changes": list(c.changes)}
-            for c in (found.ranked if found else ())]
+    return [
+        {
+            "step_s": c.step.step_s,
+            "tokens_per_s_per_gpu": c.step.tokens_per_s,
+            "model_tflops_per_gpu": c.step.model_tflops,
+            "mfu": c.step.mfu,
+            "exposed_comm_share": c.step.comm_share,
+            "total_bytes": c.total_bytes,
+            "usable_bytes": c.usable_bytes,
+            "changes": list(c.changes),
+        }
+        for c in (found.ranked if found else ())
+    ]
 
 
 def render_top(s: Shown) -> str:
@@ -207,26 +243,39 @@ def render_top(s: Shown) -> str:
     found = d.found
     lines = _verdict_lines(d)
     if found is None:
-        return "\n".join(lines + [f"search: nothing predicted for {d.req.model} on "
-                                   f"{d.cluster.name} (fp32 compute or a CPU preset)"])
-    lines += [d.search_note or "",
-              f"the fastest jobs that fit, {d.req.model} on {d.req.nodes} {d.cluster.name} "
-              f"nodes ({gpus} GPUs); row 1 is the job make submit runs (SET= keys and EP= are "
-              f"kept as given):",
-              f"  {'#':>2} {'step s':>8} {'tokens/s/GPU':>13} {'TFLOP/s/GPU':>12} {'MFU':>6} "
-              f"{'exposed':>8} {'memory GiB':>13}  settings the planner changes"]
+        return "\n".join(
+            lines
+            + [
+                f"search: nothing predicted for {d.req.model} on "
+                f"{d.cluster.name} (fp32 compute or a CPU preset)"
+            ]
+        )
+    lines += [
+        d.search_note or "",
+        f"the fastest jobs that fit, {d.req.model} on {d.req.nodes} {d.cluster.name} "
+        f"nodes ({gpus} GPUs); row 1 is the job make submit runs (SET= keys and EP= are "
+        f"kept as given):",
+        f"  {'#':>2} {'step s':>8} {'tokens/s/GPU':>13} {'TFLOP/s/GPU':>12} {'MFU':>6} "
+        f"{'exposed':>8} {'memory GiB':>13}  settings the planner changes",
+    ]
     if not found.ranked:
-        return "\n".join(lines[:-2] + ["no job searched fits: the memory verdict above names "
-                                        "the cheapest change"])
+        return "\n".join(
+            lines[:-2] + ["no job searched fits: the memory verdict above names the cheapest change"]
+        )
     for n, c in enumerate(found.ranked, 1):
         st = c.step
         mem = f"{c.total_bytes / GIB:.1f}/{c.usable_bytes / GIB:.1f}"
-        lines.append(f"  {n:>2} {st.step_s:>8.2f} {st.tokens_per_s:>13,.0f} "
-                     f"{st.model_tflops:>12,.0f} {st.mfu:>6.1%} {st.comm_share:>8.1%} "
-                     f"{mem:>13}  {_settings_text(c)}")
-    lines += [f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {a.tflops_per_gpu:,.0f} "
-              f"TFLOP/s/GPU on {a.gpus} GPUs, {a.precision}{', ' + a.layout if a.layout else ''}"
-              f" ({a.source})" for a in s.topology.anchors]
+        lines.append(
+            f"  {n:>2} {st.step_s:>8.2f} {st.tokens_per_s:>13,.0f} "
+            f"{st.model_tflops:>12,.0f} {st.mfu:>6.1%} {st.comm_share:>8.1%} "
+            f"{mem:>13}  {_settings_text(c)}"
+        )
+    lines += [
+        f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {a.tflops_per_gpu:,.0f} "
+        f"TFLOP/s/GPU on {a.gpus} GPUs, {a.precision}{', ' + a.layout if a.layout else ''}"
+        f" ({a.source})"
+        for a in s.topology.anchors
+    ]
     return "\n".join(lines)
 
 
@@ -236,17 +285,30 @@ def to_json(s: Shown) -> dict:
 
     d = s.decision
     return {
-        "fits": d.fits, "verdict": d.memory.verdict.message,
-        "job": {"preset": d.cluster.name, "model": d.req.model, "nodes": d.req.nodes,
-                "ep": d.ep, "sets": list(d.req.sets), "trainer_args": list(s.trainer)},
+        "fits": d.fits,
+        "verdict": d.memory.verdict.message,
+        "job": {
+            "preset": d.cluster.name,
+            "model": d.req.model,
+            "nodes": d.req.nodes,
+            "ep": d.ep,
+            "sets": list(d.req.sets),
+            "trainer_args": list(s.trainer),
+        },
         "choices": [dataclasses.asdict(c) for c in d.choices],
         "timed": [dataclasses.asdict(t) for t in s.timed],
         "placement": list(d.placement),
         "topology": topo_plan.plan_json(s.topology),
         "memory": memory_json(d.memory, d.req.model),
-        "search": None if d.found is None else {
-            "note": d.search_note, "timed": d.found.timed, "judged": d.found.judged,
-            "fixed": list(d.found.fixed), "ranked": top_rows(s)},
+        "search": None
+        if d.found is None
+        else {
+            "note": d.search_note,
+            "timed": d.found.timed,
+            "judged": d.found.judged,
+            "fixed": list(d.found.fixed),
+            "ranked": top_rows(s),
+        },
     }
 
 
@@ -256,17 +318,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model preset (moe_train/config/presets)")
     p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
     p.add_argument("--ep", type=int, help="expert-parallel size (default: the model's parallel.ep)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="trainer override, as make submit takes it (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="trainer override, as make submit takes it (repeatable)",
+    )
     p.add_argument("--steps", type=int, help="total training steps (default: the model preset's)")
-    p.add_argument("--compute", default="",
-                   help="compute calibration (make gpu-check writes one; default: "
-                   "topology/compute.toml); the planner's choices use it too")
-    p.add_argument("--allow-straddle", action="store_true",
-                   help="accept EP groups that cross NVLink domains (prints the predicted cost)")
-    p.add_argument("--top", type=int, default=0, metavar="N",
-                   help="print the N fastest jobs of the planner's search that fit, as a table "
-                   "(the first is the job make submit runs)")
+    p.add_argument(
+        "--compute",
+        default="",
+        help="compute calibration (make gpu-check writes one; default: "
+        "topology/compute.toml); the planner's choices use it too",
+    )
+    p.add_argument(
+        "--allow-straddle",
+        action="store_true",
+        help="accept EP groups that cross NVLink domains (prints the predicted cost)",
+    )
+    p.add_argument(
+        "--top",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the N fastest jobs of the planner's search that fit, as a table "
+        "(the first is the job make submit runs)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -278,9 +357,17 @@ def request(args: argparse.Namespace) -> Request:
     if args.steps is not None and args.steps < 1:
         raise LaunchError(f"--steps must be at least 1, got {args.steps}")
     check_twice(args)
-    return Request(preset=args.preset, model=args.model, nodes=args.nodes, steps=args.steps,
-                   sets=tuple(args.sets), ep=args.ep, allow_straddle=args.allow_straddle,
-                   compute=args.compute, dry_run=True)
+    return Request(
+        preset=args.preset,
+        model=args.model,
+        nodes=args.nodes,
+        steps=args.steps,
+        sets=tuple(args.sets),
+        ep=args.ep,
+        allow_straddle=args.allow_straddle,
+        compute=args.compute,
+        dry_run=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,8 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     except (LaunchError, TopologyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    text = (json.dumps(to_json(shown), indent=1) if args.json
-            else render_top(shown) if args.top else render(shown))
+    text = (
+        json.dumps(to_json(shown), indent=1)
+        if args.json
+        else render_top(shown)
+        if args.top
+        else render(shown)
+    )
     try:
         print(text, flush=True)
     except BrokenPipeError:  # `make plan | head`: stop quietly, as shell tools do

@@ -20,9 +20,10 @@ Unknown keys and values of the wrong type are refused (exit 2) like everything e
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from topology.presets import read_toml
 
@@ -53,13 +54,20 @@ class Site:
     max_requeues: int = DEFAULT_MAX_REQUEUES  # bound on requeues (preemption, timeout, hang)
 
 
-_TYPES: dict[str, type] = {"partition": str, "account": str, "qos": str, "time": str,
-                           "image": str, "mounts": list, "container_workdir": str,
-                           "container_python": str, "max_requeues": int}
+_TYPES: dict[str, type] = {
+    "partition": str,
+    "account": str,
+    "qos": str,
+    "time": str,
+    "image": str,
+    "mounts": list,
+    "container_workdir": str,
+    "container_python": str,
+    "max_requeues": int,
+}
 
 
-def find(flag: str | None, env: Mapping[str, str] | None = None,
-         home: Path | None = None) -> Path | None:
+def find(flag: str | None, env: Mapping[str, str] | None = None, home: Path | None = None) -> Path | None:
     """The site file to use: the flag, else $MOE_TRAIN_SITE, else the default if it exists.
 
     A file named by the flag or the variable must exist; the default one is optional.
@@ -93,7 +101,7 @@ def from_dict(data: Mapping[str, Any], where: str) -> Site:
             raise SiteError(f"site file {where}: {key} must be {want.__name__}, got {value!r}")
     mounts = data.get("mounts", [])
     if not all(isinstance(m, str) for m in mounts):
-        raise SiteError(f"site file {where}: mounts must be a list of strings \"src:dst[:flags]\"")
+        raise SiteError(f'site file {where}: mounts must be a list of strings "src:dst[:flags]"')
     if data.get("max_requeues", 0) < 0:
         raise SiteError(f"site file {where}: max_requeues must be >= 0, got {data['max_requeues']}")
     values = {f.name: data[f.name] for f in fields(Site) if f.name in data}

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from moe_train import config
-from slurm import follow, plan, render, site as site_mod
+from slurm import follow, plan, render
+from slurm import site as site_mod
 
 KIT_ROOT = Path(__file__).resolve().parent.parent  # this checkout: host runs start here
 
@@ -36,10 +37,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="", help="model preset (moe_train/config/presets); not with --smoke")
     p.add_argument("--nodes", type=int, default=0, help="nodes to allocate")
     p.add_argument("--steps", type=int, help="total training steps (default: the model preset's)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="trainer override, e.g. --set moe.top_k=4 (repeatable)")
-    p.add_argument("--out", default="", help="run directory on a shared file system "
-                                             "(default: runs/slurm/<job name>-<UTC time>)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="trainer override, e.g. --set moe.top_k=4 (repeatable)",
+    )
+    p.add_argument(
+        "--out",
+        default="",
+        help="run directory on a shared file system (default: runs/slurm/<job name>-<UTC time>)",
+    )
     p.add_argument("--ep", type=int, help="expert-parallel size (parallel.ep)")
     p.add_argument("--time", default="", help="wall-clock limit, HH:MM:SS (default: site or 01:00:00)")
     p.add_argument("--partition", default="")
@@ -47,17 +57,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--qos", default="")
     p.add_argument("--job-name", default="", help="default: moe-<model>")
     p.add_argument("--image", default="", help="container image: .sqsh path or registry reference")
-    p.add_argument("--site", help=f"site file (default: ${site_mod.SITE_ENV}, then "
-                                  f"{site_mod.DEFAULT_SITE})")
-    p.add_argument("--allow-straddle", action="store_true",
-                   help="accept EP groups that cross NVLink domains (prints the predicted cost)")
+    p.add_argument("--site", help=f"site file (default: ${site_mod.SITE_ENV}, then {site_mod.DEFAULT_SITE})")
+    p.add_argument(
+        "--allow-straddle",
+        action="store_true",
+        help="accept EP groups that cross NVLink domains (prints the predicted cost)",
+    )
     p.add_argument("--no-container", action="store_true", help="run on the host's Python")
-    p.add_argument("--smoke", action="store_true",
-                   help="single-node smoke job: preflight + a short tiny-model run")
-    p.add_argument("--compute", default="", help="compute calibration the planner's choices use "
-                   "(make gpu-check writes one; default: topology/compute.toml), as make plan's")
-    p.add_argument("--ignore-memory", action="store_true",
-                   help="submit even if the memory planner says the job will not fit")
+    p.add_argument(
+        "--smoke", action="store_true", help="single-node smoke job: preflight + a short tiny-model run"
+    )
+    p.add_argument(
+        "--compute",
+        default="",
+        help="compute calibration the planner's choices use "
+        "(make gpu-check writes one; default: topology/compute.toml), as make plan's",
+    )
+    p.add_argument(
+        "--ignore-memory",
+        action="store_true",
+        help="submit even if the memory planner says the job will not fit",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
     p.add_argument("--wait", action="store_true", help="follow the job; exit with its status")
     return p
@@ -72,12 +92,26 @@ def request(args: argparse.Namespace) -> plan.Request:
         raise plan.LaunchError(f"--steps must be at least 1, got {args.steps}")
     check_twice(args)
     return plan.Request(
-        preset=args.preset, model=args.model or plan.SMOKE_MODEL, nodes=args.nodes or 1,
-        steps=args.steps, sets=tuple(args.sets), out=args.out, ep=args.ep, time=args.time,
-        partition=args.partition, account=args.account, qos=args.qos, job_name=args.job_name,
-        image=args.image, allow_straddle=args.allow_straddle, no_container=args.no_container,
-        smoke=args.smoke, dry_run=args.dry_run, ignore_memory=args.ignore_memory,
-        compute=args.compute)
+        preset=args.preset,
+        model=args.model or plan.SMOKE_MODEL,
+        nodes=args.nodes or 1,
+        steps=args.steps,
+        sets=tuple(args.sets),
+        out=args.out,
+        ep=args.ep,
+        time=args.time,
+        partition=args.partition,
+        account=args.account,
+        qos=args.qos,
+        job_name=args.job_name,
+        image=args.image,
+        allow_straddle=args.allow_straddle,
+        no_container=args.no_container,
+        smoke=args.smoke,
+        dry_run=args.dry_run,
+        ignore_memory=args.ignore_memory,
+        compute=args.compute,
+    )
 
 
 # flags that set a trainer key, as config.build(flags=) takes them
@@ -86,8 +120,11 @@ FLAG_KEYS = {"ep": ("--ep", "parallel.ep"), "steps": ("--steps", "train.steps")}
 
 def check_twice(args: argparse.Namespace) -> None:
     """LaunchError when a flag and a ``--set`` (or two ``--set``) give one key different values."""
-    flags = {flag: (key, str(getattr(args, name))) for name, (flag, key) in FLAG_KEYS.items()
-             if getattr(args, name) is not None}
+    flags = {
+        flag: (key, str(getattr(args, name)))
+        for name, (flag, key) in FLAG_KEYS.items()
+        if getattr(args, name) is not None
+    }
     try:
         config.merge_flags(list(args.sets), flags)
     except config.ConfigError as err:
@@ -102,33 +139,37 @@ def build(args: argparse.Namespace) -> plan.JobSpec:
     req = request(args)
     missing = _missing_image(req)
     if missing is None:
-        return plan.plan(req, site, host_python=shlex.quote(sys.executable), kit_root=KIT_ROOT,
-                         now=now)
+        return plan.plan(req, site, host_python=shlex.quote(sys.executable), kit_root=KIT_ROOT, now=now)
     # Planned with an empty stand-in file of the same name, which the job then names as given:
     # every other check (name, path characters, preset) runs as for an existing image.
     with tempfile.TemporaryDirectory() as tmp:
         stand_in = Path(tmp) / missing.name
         stand_in.touch()
-        spec = plan.plan(dataclasses.replace(req, image=str(stand_in)), site,
-                         host_python=shlex.quote(sys.executable), kit_root=KIT_ROOT, now=now)
+        spec = plan.plan(
+            dataclasses.replace(req, image=str(stand_in)),
+            site,
+            host_python=shlex.quote(sys.executable),
+            kit_root=KIT_ROOT,
+            now=now,
+        )
     if spec.container is None:
         return spec
     if re.search(r"[\s,]", str(missing)):
-        raise plan.LaunchError(f"image path {str(missing)!r} contains a space or ','; Pyxis "
-                               f"cannot take it")
-    note = (f"warning: image file {req.image!r} does not exist yet: the job below names it; "
-            f"build it with `make container` (or import one with `make container-import`) "
-            f"before submitting")
-    return dataclasses.replace(spec, container=dataclasses.replace(spec.container,
-                                                                  image=str(missing)),
-                               notes=(*spec.notes, note))
+        raise plan.LaunchError(f"image path {str(missing)!r} contains a space or ','; Pyxis cannot take it")
+    note = (
+        f"warning: image file {req.image!r} does not exist yet: the job below names it; "
+        f"build it with `make container` (or import one with `make container-import`) "
+        f"before submitting"
+    )
+    return dataclasses.replace(
+        spec, container=dataclasses.replace(spec.container, image=str(missing)), notes=(*spec.notes, note)
+    )
 
 
 def _missing_image(req: plan.Request) -> Path | None:
     """A dry run's ``--image`` that names a .sqsh file not there yet: its absolute path."""
     ref = req.image
-    if not (req.dry_run and ref) or not (ref.startswith(("/", "./", "../", "~"))
-                                         or ref.endswith(".sqsh")):
+    if not (req.dry_run and ref) or not (ref.startswith(("/", "./", "../", "~")) or ref.endswith(".sqsh")):
         return None
     path = Path(ref).expanduser()
     return None if path.exists() else path.absolute()
@@ -136,15 +177,20 @@ def _missing_image(req: plan.Request) -> Path | None:
 
 def dry_run_text(spec: plan.JobSpec, script: str) -> str:
     """What --dry-run prints: the sbatch script, then the srun line and each task's command."""
-    return "\n".join([
-        f"# sbatch script ({spec.submitit_folder}/<job id>_submission.sh)",
-        script.rstrip("\n"),
-        "",
-        "# training step (srun)",
-        render.srun_command(script),
-        f"# each of the {spec.tasks} tasks runs in-process (submitit task, pickled):",
-        render.trainer_command(spec),
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                f"# sbatch script ({spec.submitit_folder}/<job id>_submission.sh)",
+                script.rstrip("\n"),
+                "",
+                "# training step (srun)",
+                render.srun_command(script),
+                f"# each of the {spec.tasks} tasks runs in-process (submitit task, pickled):",
+                render.trainer_command(spec),
+            ]
+        )
+        + "\n"
+    )
 
 
 def _task(spec: plan.JobSpec, local_port: int = 0):
@@ -153,8 +199,9 @@ def _task(spec: plan.JobSpec, local_port: int = 0):
     from slurm import task
 
     cloudpickle.register_pickle_by_value(task)  # the image needs moe_train, not slurm/
-    return task.TrainTask(spec.trainer_args, str(spec.run_dir), spec.steps, spec.max_requeues,
-                          local_port=local_port)
+    return task.TrainTask(
+        spec.trainer_args, str(spec.run_dir), spec.steps, spec.max_requeues, local_port=local_port
+    )
 
 
 def submit_slurm(spec: plan.JobSpec) -> str:
@@ -163,8 +210,9 @@ def submit_slurm(spec: plan.JobSpec) -> str:
     from submitit.core.utils import FailedJobError
 
     spec.submitit_folder.mkdir(parents=True, exist_ok=True)
-    ex = render.configure(SlurmExecutor(spec.submitit_folder, max_num_timeout=spec.max_requeues,
-                                        python=spec.python), spec)
+    ex = render.configure(
+        SlurmExecutor(spec.submitit_folder, max_num_timeout=spec.max_requeues, python=spec.python), spec
+    )
     try:
         return ex.submit(_task(spec)).job_id
     except FailedJobError as err:
@@ -183,14 +231,21 @@ def submit_local(spec: plan.JobSpec):
     from submitit import LocalExecutor
 
     if spec.container is not None or spec.nodes != 1:
-        raise plan.LaunchError(f"no sbatch on PATH: only a nominal (CPU) preset on 1 node runs "
-                               f"without Slurm, not {spec.cluster} on {spec.nodes} node(s)")
+        raise plan.LaunchError(
+            f"no sbatch on PATH: only a nominal (CPU) preset on 1 node runs "
+            f"without Slurm, not {spec.cluster} on {spec.nodes} node(s)"
+        )
     spec.submitit_folder.mkdir(parents=True, exist_ok=True)
     ex = LocalExecutor(spec.submitit_folder, max_num_timeout=spec.max_requeues)
     setup = [f"cd {shlex.quote(spec.chdir)}"] + [
-        f"export {name}={shlex.quote(value)}" for name, value, _ in spec.env]
-    ex.update_parameters(timeout_min=spec.time_min, tasks_per_node=spec.ntasks_per_node,
-                         signal_delay_s=spec.signal_delay_s, setup=setup)
+        f"export {name}={shlex.quote(value)}" for name, value, _ in spec.env
+    ]
+    ex.update_parameters(
+        timeout_min=spec.time_min,
+        tasks_per_node=spec.ntasks_per_node,
+        signal_delay_s=spec.signal_delay_s,
+        setup=setup,
+    )
     return ex.submit(_task(spec, local_port=_free_port()))
 
 
@@ -215,7 +270,8 @@ def follow_local(job, spec: plan.JobSpec) -> int:
     for line in tail.flush():
         print(line, flush=True)
     ok = job.state == "FINISHED" and all(
-        _succeeded(folder / f"{job.job_id}_{rank}_result.pkl") for rank in range(spec.tasks))
+        _succeeded(folder / f"{job.job_id}_{rank}_result.pkl") for rank in range(spec.tasks)
+    )
     state = follow.JobState("COMPLETED" if ok else "FAILED", "" if ok else "1:0")
     return follow.report(str(job.job_id), folder, state, sys.stderr)
 
@@ -232,8 +288,7 @@ def run(args: argparse.Namespace) -> int:
         job_id = submit_slurm(spec)
         print(f"job {job_id}\nOUT={spec.run_dir}", flush=True)
         return follow.follow(job_id, spec.submitit_folder) if args.wait else 0
-    print("mode: local (no sbatch on PATH): submitit's local executor on this machine",
-          flush=True)
+    print("mode: local (no sbatch on PATH): submitit's local executor on this machine", flush=True)
     job = submit_local(spec)
     print(f"job {job.job_id}\nOUT={spec.run_dir}", flush=True)
     return follow_local(job, spec) if args.wait else 0

@@ -47,8 +47,15 @@ def latest_checkpoint(run_dir: Path) -> int | None:
 class TrainTask(Checkpointable):
     """One trainer process of the job; requeued (bounded) when stopped before its last step."""
 
-    def __init__(self, trainer_args: tuple[str, ...], run_dir: str, steps: int,
-                 max_requeues: int, local_port: int = 0, requeues: int = 0) -> None:
+    def __init__(
+        self,
+        trainer_args: tuple[str, ...],
+        run_dir: str,
+        steps: int,
+        max_requeues: int,
+        local_port: int = 0,
+        requeues: int = 0,
+    ) -> None:
         self.trainer_args = tuple(trainer_args)  # python -m moe_train arguments
         self.run_dir = run_dir  # the run directory (shared by every node)
         self.steps = steps  # total steps: a clean exit before this one means "stopped early"
@@ -63,14 +70,17 @@ class TrainTask(Checkpointable):
         code = cli.main(argv)
         rank = _rank()
         if code != 0:
-            print(f"error: rank {rank}: trainer exited with code {code}", file=sys.stderr,
-                  flush=True)
+            print(f"error: rank {rank}: trainer exited with code {code}", file=sys.stderr, flush=True)
             sys.exit(code)
         done = latest_checkpoint(Path(self.run_dir))
         if done is not None and done >= self.steps:
             return 0
-        print(f"rank {rank}: stopped at checkpoint {done} of {self.steps} steps; handing over "
-              f"to submitit to requeue", file=sys.stderr, flush=True)
+        print(
+            f"rank {rank}: stopped at checkpoint {done} of {self.steps} steps; handing over "
+            f"to submitit to requeue",
+            file=sys.stderr,
+            flush=True,
+        )
         _hand_to_submitit()
         return 0  # ranks other than 0: rank 0 requeues the whole job
 
@@ -82,12 +92,18 @@ class TrainTask(Checkpointable):
         """
         restarts = max(self.requeues, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
         if restarts >= self.max_requeues:
-            print(f"error: not requeueing: {restarts} requeue(s) already, max_requeues "
-                  f"{self.max_requeues}; rerun the same command to continue from the checkpoint",
-                  file=sys.stderr, flush=True)
+            print(
+                f"error: not requeueing: {restarts} requeue(s) already, max_requeues "
+                f"{self.max_requeues}; rerun the same command to continue from the checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
-        return DelayedSubmission(TrainTask(self.trainer_args, self.run_dir, self.steps,
-                                           self.max_requeues, self.local_port, restarts + 1))
+        return DelayedSubmission(
+            TrainTask(
+                self.trainer_args, self.run_dir, self.steps, self.max_requeues, self.local_port, restarts + 1
+            )
+        )
 
     def _local_process_args(self) -> list[str]:
         """Explicit coordinator for several tasks under submitit's local executor."""
@@ -96,8 +112,14 @@ class TrainTask(Checkpointable):
         count = int(os.environ.get("SUBMITIT_LOCAL_NTASKS", "1"))
         if count <= 1:
             return []
-        return ["--coordinator", f"127.0.0.1:{self.local_port}", "--num-processes", str(count),
-                "--process-id", os.environ.get("SUBMITIT_LOCAL_GLOBALID", "0")]
+        return [
+            "--coordinator",
+            f"127.0.0.1:{self.local_port}",
+            "--num-processes",
+            str(count),
+            "--process-id",
+            os.environ.get("SUBMITIT_LOCAL_GLOBALID", "0"),
+        ]
 
 
 def _rank() -> str:

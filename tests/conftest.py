@@ -12,8 +12,9 @@ from pathlib import Path
 import jax
 import pytest
 
-CACHE_DIR = Path(os.environ.get("MOE_TRAIN_TEST_JAX_CACHE",
-                                Path(tempfile.gettempdir()) / "moe_train_test_jax_cache"))
+CACHE_DIR = Path(
+    os.environ.get("MOE_TRAIN_TEST_JAX_CACHE", Path(tempfile.gettempdir()) / "moe_train_test_jax_cache")
+)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # the launcher's XLA:GPU preflight compile (slurm/compiled.py) takes minutes per job: off for
@@ -26,8 +27,16 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 # Modules whose tests start several processes (Slurm jobs on the local cluster's few cores,
 # jax.distributed peers): one worker runs them one after another, as a serial run would.
-PROCESS_MODULES = frozenset({"test_slurm_cluster", "test_slurm_submit", "test_multiprocess",
-                             "test_faults", "test_distributed", "test_interrupt"})
+PROCESS_MODULES = frozenset(
+    {
+        "test_slurm_cluster",
+        "test_slurm_submit",
+        "test_multiprocess",
+        "test_faults",
+        "test_distributed",
+        "test_interrupt",
+    }
+)
 SHARED_SCOPES = frozenset({"module", "package", "session"})
 
 

@@ -33,6 +33,7 @@ def out_and_grads(impl, q, k, v, do, segment_ids_BS=None, block=0, scale=None):
 
     def loss(q, k, v):
         return jnp.vdot(attention.attend(q, k, v, **kw).astype(jnp.float32), do)
+
     out = attention.attend(q, k, v, **kw)
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     return [x.astype(jnp.float32) for x in (out, *grads)]
@@ -50,8 +51,7 @@ def rel_err(got, want) -> float:
 
 def packed_segments(S: int, starts_per_row) -> jnp.ndarray:
     """int [B, S] document ids from each row's document start positions."""
-    rows = [np.searchsorted(np.asarray(starts), np.arange(S), side="right") - 1
-            for starts in starts_per_row]
+    rows = [np.searchsorted(np.asarray(starts), np.arange(S), side="right") - 1 for starts in starts_per_row]
     return jnp.asarray(np.stack(rows), jnp.int32)
 
 
@@ -101,8 +101,9 @@ def test_xla_segments_equal_attention_per_document():
     seg = SEGMENTS[:1]
     got = forward("xla", q, k, v, segment_ids_BS=seg)
     bounds = [0, 5, 21, 30, 40]
-    want = jnp.concatenate([forward("xla", q[:, a:b], k[:, a:b], v[:, a:b])
-                            for a, b in zip(bounds, bounds[1:])], axis=1)
+    want = jnp.concatenate(
+        [forward("xla", q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in zip(bounds, bounds[1:])], axis=1
+    )
     assert rel_err(got, want) < TOL
 
 
@@ -115,8 +116,9 @@ def test_segments_change_the_result():
 
 def test_xla_reference_equals_jax_nn_dot_product_attention():
     q, k, v, _ = operands(S=33)
-    want = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True,
-                                     implementation="xla"))(q, k, v)
+    want = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla"))(
+        q, k, v
+    )
     assert rel_err(forward("xla", q, k, v), want) < TOL
 
 
@@ -124,8 +126,7 @@ def test_xla_reference_equals_jax_nn_dot_product_attention():
 def test_bf16_within_tolerance_of_fp32_reference(impl):
     q, k, v, do = operands(S=72, D=32, dtype=jnp.bfloat16)
     got = out_and_grads(impl, q, k, v, do, block=16 if impl == "chunked" else 0)
-    want = out_and_grads("xla", q.astype(jnp.float32), k.astype(jnp.float32),
-                         v.astype(jnp.float32), do)
+    want = out_and_grads("xla", q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), do)
     assert max(rel_err(g, w) for g, w in zip(got, want)) < BF16_TOL
 
 
@@ -137,8 +138,10 @@ def test_bf16_output_keeps_the_input_dtype():
 
 def temp_bytes(impl: str, S: int, block: int) -> int:
     """Compiled temp bytes of fwd+bwd at length S (compiled only, nothing runs)."""
+
     def loss(q, k, v, do):
         return jnp.vdot(attention.attend(q, k, v, implementation=impl, block=block), do)
+
     q = jax.ShapeDtypeStruct((1, S, 4, 16), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, S, 2, 16), jnp.float32)
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, q).compile()
@@ -156,54 +159,67 @@ def test_xla_temp_memory_grows_quadratically_in_s():
 
 
 def test_resolve_cudnn_on_cpu_names_the_choices_that_work():
-    with pytest.raises(ConfigError, match=r"model.attention=cudnn needs an NVIDIA GPU.*"
-                                          r"choose one of: xla, chunked$"):
-        attention.resolve("cudnn", platform="cpu", dtype="bfloat16", head_dim=64,
-                          v_head_dim=64, seq_len=128)
+    with pytest.raises(
+        ConfigError,
+        match=r"model.attention=cudnn needs an NVIDIA GPU.*"
+        r"choose one of: xla, chunked$",
+    ):
+        attention.resolve("cudnn", platform="cpu", dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=128)
 
 
 def test_resolve_te_without_transformer_engine_reports_the_import_error(monkeypatch):
-    monkeypatch.setattr(fused, "te_import_error",
-                        lambda: "cannot import transformer_engine.jax (X)")
+    monkeypatch.setattr(fused, "te_import_error", lambda: "cannot import transformer_engine.jax (X)")
     with pytest.raises(ConfigError, match=r"model.attention=te cannot import transformer_engine"):
-        attention.resolve("te", platform="cpu", dtype="bfloat16", head_dim=64, v_head_dim=64,
-                          seq_len=128)
+        attention.resolve("te", platform="cpu", dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=128)
 
 
 def test_resolve_rejects_an_unknown_name():
     with pytest.raises(ConfigError, match=r"unknown model.attention='flash'.*auto, xla"):
-        attention.resolve("flash", platform="cpu", dtype="float32", head_dim=64,
-                          v_head_dim=64, seq_len=128)
+        attention.resolve("flash", platform="cpu", dtype="float32", head_dim=64, v_head_dim=64, seq_len=128)
 
 
-@pytest.mark.parametrize("seq_len,want", [(attention.CHUNKED_MIN_SEQ - 1, "xla"),
-                                          (attention.CHUNKED_MIN_SEQ, "chunked"),
-                                          (8192, "chunked"), (1, "xla")])
+@pytest.mark.parametrize(
+    "seq_len,want",
+    [
+        (attention.CHUNKED_MIN_SEQ - 1, "xla"),
+        (attention.CHUNKED_MIN_SEQ, "chunked"),
+        (8192, "chunked"),
+        (1, "xla"),
+    ],
+)
 def test_resolve_auto_on_cpu_picks_by_seq_len(seq_len, want):
-    impl, why = attention.resolve("auto", platform="cpu", dtype="float32", head_dim=64,
-                                  v_head_dim=64, seq_len=seq_len)
+    impl, why = attention.resolve(
+        "auto", platform="cpu", dtype="float32", head_dim=64, v_head_dim=64, seq_len=seq_len
+    )
     assert (impl, str(seq_len) in why) == (want, True)
 
 
 def test_resolve_explicit_choice_that_runs_is_kept():
-    assert attention.resolve("chunked", platform="cpu", dtype="float32", head_dim=64,
-                             v_head_dim=64, seq_len=8)[0] == "chunked"
+    assert (
+        attention.resolve("chunked", platform="cpu", dtype="float32", head_dim=64, v_head_dim=64, seq_len=8)[
+            0
+        ]
+        == "chunked"
+    )
 
 
 H100 = {"cuda": True, "version": "cuda 12.8", "cc": 9.0, "cudnn": 91000}
 A100 = dict(H100, cc=8.0)
 
 
-@pytest.mark.parametrize("facts,dtype,dims,reason", [
-    (H100, "float32", (128, 128), "bfloat16 or float16"),
-    (H100, "bfloat16", (192, 128), "value head dim equal"),
-    (H100, "bfloat16", (264, 264), "<= 256"),
-    (A100, "bfloat16", (192, 192), "<= 128"),
-    (H100, "bfloat16", (12, 12), "multiple of 8"),
-    (dict(H100, cc=7.5), "bfloat16", (64, 64), "compute capability >= 8.0"),
-    (dict(H100, cuda=False, version="rocm 6"), "bfloat16", (64, 64), "NVIDIA (CUDA) GPU"),
-    (dict(H100, cudnn=None), "bfloat16", (64, 64), "cuDNN"),
-])
+@pytest.mark.parametrize(
+    "facts,dtype,dims,reason",
+    [
+        (H100, "float32", (128, 128), "bfloat16 or float16"),
+        (H100, "bfloat16", (192, 128), "value head dim equal"),
+        (H100, "bfloat16", (264, 264), "<= 256"),
+        (A100, "bfloat16", (192, 192), "<= 128"),
+        (H100, "bfloat16", (12, 12), "multiple of 8"),
+        (dict(H100, cc=7.5), "bfloat16", (64, 64), "compute capability >= 8.0"),
+        (dict(H100, cuda=False, version="rocm 6"), "bfloat16", (64, 64), "NVIDIA (CUDA) GPU"),
+        (dict(H100, cudnn=None), "bfloat16", (64, 64), "cuDNN"),
+    ],
+)
 def test_cudnn_reports_what_it_refuses_on_a_gpu(monkeypatch, facts, dtype, dims, reason):
     monkeypatch.setattr(fused, "gpu_facts", lambda: facts)
     why = attention.available(platform="gpu", dtype=dtype, head_dim=dims[0], v_head_dim=dims[1])
@@ -212,16 +228,18 @@ def test_cudnn_reports_what_it_refuses_on_a_gpu(monkeypatch, facts, dtype, dims,
 
 def test_resolve_auto_on_a_gpu_with_bf16_picks_cudnn(monkeypatch):
     monkeypatch.setattr(fused, "gpu_facts", lambda: H100)
-    assert attention.resolve("auto", platform="gpu", dtype="bfloat16", head_dim=128,
-                             v_head_dim=128, seq_len=64)[0] == "cudnn"
+    assert (
+        attention.resolve("auto", platform="gpu", dtype="bfloat16", head_dim=128, v_head_dim=128, seq_len=64)[
+            0
+        ]
+        == "cudnn"
+    )
 
 
 def test_resolve_cudnn_with_fp32_on_a_gpu_raises(monkeypatch):
     monkeypatch.setattr(fused, "gpu_facts", lambda: H100)
-    with pytest.raises(ConfigError,
-                       match=r"cudnn needs bfloat16 or float16.*choose one of: xla, chunked$"):
-        attention.resolve("cudnn", platform="gpu", dtype="float32", head_dim=128,
-                          v_head_dim=128, seq_len=64)
+    with pytest.raises(ConfigError, match=r"cudnn needs bfloat16 or float16.*choose one of: xla, chunked$"):
+        attention.resolve("cudnn", platform="gpu", dtype="float32", head_dim=128, v_head_dim=128, seq_len=64)
 
 
 def test_available_on_cpu():
@@ -230,7 +248,7 @@ def test_available_on_cpu():
     assert runs == {"xla": True, "cudnn": False, "chunked": True, "te": False}
 
 
-@pytest.mark.parametrize("seq_len", [1, 7, 64, 65, 300, 1024, 4096, 10 ** 6])
+@pytest.mark.parametrize("seq_len", [1, 7, 64, 65, 300, 1024, 4096, 10**6])
 def test_default_block_is_bounded_and_covers_short_sequences(seq_len):
     b = attention.default_block(seq_len)
     assert b % 8 == 0 and b <= attention.MAX_BLOCK and (b >= seq_len or b >= attention.MIN_BLOCK)
@@ -251,6 +269,7 @@ def test_attend_rejects_auto():
 @pytest.mark.slow
 def test_quick_bench_section_times_and_sizes_both_kernels():
     from moe_train.bench import attention as bench
+
     sec = bench.run(bench.QUICK)
     timed = {(r["seq_len"], r["implementation"]) for r in sec["timing"]}
     sized = {(r["seq_len"], r["implementation"]) for r in sec["memory"] if r["temp_bytes"] > 0}
@@ -260,11 +279,11 @@ def test_quick_bench_section_times_and_sizes_both_kernels():
 
 # ----------------------------------------------------------------------------- GPU
 
+
 def _needs(impl: str, head_dim: int = 64):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    why = attention.available(platform="gpu", dtype="bfloat16", head_dim=head_dim,
-                              v_head_dim=head_dim)[impl]
+    why = attention.available(platform="gpu", dtype="bfloat16", head_dim=head_dim, v_head_dim=head_dim)[impl]
     if why:
         pytest.skip(f"{impl} {why}")
 
@@ -285,6 +304,5 @@ def test_cudnn_with_segments_at_an_odd_length_matches_xla():
     ops = operands(S=41, D=64, dtype=jnp.bfloat16)
     seg = packed_segments(41, [[0, 5, 21, 30], [0, 16, 17]])
     got = out_and_grads("cudnn", *ops, segment_ids_BS=seg)
-    want = out_and_grads("xla", *(x.astype(jnp.float32) for x in ops[:3]), ops[3],
-                         segment_ids_BS=seg)
+    want = out_and_grads("xla", *(x.astype(jnp.float32) for x in ops[:3]), ops[3], segment_ids_BS=seg)
     assert max(rel_err(g, w) for g, w in zip(got, want)) < BF16_TOL

@@ -13,8 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _bench(tmp_path, *flags):
     """Run ``python -m moe_train.bench FLAGS`` in its own process (it sets up its devices)."""
-    proc = subprocess.run([sys.executable, "-m", "moe_train.bench", *flags, "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_train.bench", *flags, "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     return json.loads((run_dir / "results.json").read_text()), (run_dir / "results.md").read_text()
@@ -62,8 +67,7 @@ def check_layer(sec):
 
 def check_ep(ep):
     rows = ep["timing"]
-    assert {r["dispatcher"] for r in rows} >= {"dense (dropless_moe)", "allgather", "a2a",
-                                                "hierarchical"}
+    assert {r["dispatcher"] for r in rows} >= {"dense (dropless_moe)", "allgather", "a2a", "hierarchical"}
     for r in rows:
         check_timing(r["time"])
         if r["kind"] == "ep":
@@ -100,9 +104,13 @@ def test_quick_bench_writes_results(tmp_path):
     assert results["quick"] is True
     sections = results["sections"]
     assert set(sections) == {"gemm", "layer", "ep", "compiles"}
-    for title in ("Grouped GEMM efficiency", "MoE layer and train step",
-                  "Expert parallel (8 fake CPU devices)", "Compilations over drifting routing",
-                  "## Targets"):
+    for title in (
+        "Grouped GEMM efficiency",
+        "MoE layer and train step",
+        "Expert parallel (8 fake CPU devices)",
+        "Compilations over drifting routing",
+        "## Targets",
+    ):
         assert title in md
     check_gemm(sections["gemm"])
     check_layer(sections["layer"])
@@ -132,7 +140,6 @@ def test_gpu_section_code_path_runs_tiny_on_cpu(tmp_path):
 
 def test_loss_section_shows_chunking_saves_memory_at_a_real_vocab():
     from moe_train.bench import loss
-
     from moe_train.bench.report import targets
 
     sec = loss.run(loss.QUICK)

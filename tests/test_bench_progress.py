@@ -14,9 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def lines(tmp_path_factory) -> list[str]:
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run([sys.executable, "-m", "moe_train.bench", "--quick", "--only", "overlap",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_train.bench", "--quick", "--only", "overlap", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.splitlines()
 

@@ -18,8 +18,7 @@ def records(cfg, out):
 
 
 def tiny(*extra):
-    return config.build("tiny", ["train.steps=2", "parallel.devices=1", "train.log_every=100",
-                                 *extra])
+    return config.build("tiny", ["train.steps=2", "parallel.devices=1", "train.log_every=100", *extra])
 
 
 def test_a_factor_that_drops_nothing_takes_the_dropless_step(tmp_path):
@@ -27,8 +26,7 @@ def test_a_factor_that_drops_nothing_takes_the_dropless_step(tmp_path):
     capped = records(tiny("moe.capacity_factor=8"), tmp_path / "capped")
     dropless = records(tiny(), tmp_path / "dropless")
     assert [r["dropped_tokens"] for r in capped] == [0, 0]
-    np.testing.assert_allclose([r["loss"] for r in capped], [r["loss"] for r in dropless],
-                               rtol=1e-5)
+    np.testing.assert_allclose([r["loss"] for r in capped], [r["loss"] for r in dropless], rtol=1e-5)
 
 
 def test_a_tight_factor_drops_and_counts_the_dropped_assignments(tmp_path):
@@ -38,11 +36,14 @@ def test_a_tight_factor_drops_and_counts_the_dropped_assignments(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in recs)
 
 
-@pytest.mark.parametrize("extra,match", [
-    (["parallel.devices=2", "parallel.ep=2"], "runs without expert parallelism"),
-    (["precision.compute=fp8"], "has no fp8 path"),
-    (["moe.capacity_factor=-1"], "moe.capacity_factor=-1"),
-])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["parallel.devices=2", "parallel.ep=2"], "runs without expert parallelism"),
+        (["precision.compute=fp8"], "has no fp8 path"),
+        (["moe.capacity_factor=-1"], "moe.capacity_factor=-1"),
+    ],
+)
 def test_the_baseline_refuses_what_it_cannot_run(extra, match):
     overrides = extra if "moe.capacity_factor=-1" in extra else ["moe.capacity_factor=1.25", *extra]
     with pytest.raises(ConfigError, match=match):

@@ -33,9 +33,18 @@ QUIET = dict(log=lambda s: None)
 
 
 def tiny(*overrides: str, steps: int) -> config.Config:
-    return config.build("tiny", [f"train.steps={steps}", "parallel.devices=1", "train.log_every=100",
-                                 "train.checkpoint_every=2", "train.async_checkpoint=false",
-                                 "train.telemetry_interval_s=0", *overrides])
+    return config.build(
+        "tiny",
+        [
+            f"train.steps={steps}",
+            "parallel.devices=1",
+            "train.log_every=100",
+            "train.checkpoint_every=2",
+            "train.async_checkpoint=false",
+            "train.telemetry_interval_s=0",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +79,9 @@ def rejected(out: Path) -> list[str]:
 
 
 def cli(module: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True, cwd=ROOT
+    )
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -88,8 +98,9 @@ def test_resume_walks_back_past_unverified_and_damaged_checkpoints(copy):
     swap_state(copy, 4, 2)  # and the one before damaged
     lines = []
     assert run(tiny(steps=8), copy, log=lines.append) == EXIT_OK
-    assert [line for line in lines if line.startswith("resumed from")] == \
-        [f"resumed from {step_dir(copy, 2)} (step 2)"] and rejected(copy) == ["4", "6"]
+    assert [line for line in lines if line.startswith("resumed from")] == [
+        f"resumed from {step_dir(copy, 2)} (step 2)"
+    ] and rejected(copy) == ["4", "6"]
 
 
 def test_the_log_names_a_renamed_checkpoint_directory_as_it_is(copy):
@@ -105,16 +116,17 @@ def test_a_divergence_names_the_checkpoint_resumed_from_and_the_one_that_failed(
     code = run(tiny("optim.lr=1e30", steps=12), copy, log=lines.append)
     error = [line for line in lines if line.startswith("error:")]
     assert code == EXIT_DIVERGED and len(error) == 1
-    assert f"this start resumed from {step_dir(copy, 4)}; checkpoint 6 failed verification " \
-           f"at this start ({step_dir(copy, 6) / 'manifest' / 'metadata'} is missing" in error[0]
+    assert (
+        f"this start resumed from {step_dir(copy, 4)}; checkpoint 6 failed verification "
+        f"at this start ({step_dir(copy, 6) / 'manifest' / 'metadata'} is missing" in error[0]
+    )
 
 
 def test_resume_step_resumes_an_unverified_checkpoint_with_a_warning(copy):
     drop_manifest(copy, 4)
     lines = []
     assert run(tiny(steps=6), copy, log=lines.append, resume_step=4) == EXIT_OK
-    assert "WARNING: checkpoint 4 has no manifest: resumed unverified, as --resume-step 4 asks" \
-        in lines
+    assert "WARNING: checkpoint 4 has no manifest: resumed unverified, as --resume-step 4 asks" in lines
 
 
 # --------------------------------------------------------------------------- init_from
@@ -148,8 +160,11 @@ def test_non_finite_initial_weights_are_named_as_the_cause(copy):
     drop_manifest(copy, 6)
     lines = []
     assert run(tiny(steps=8), copy, log=lines.append, resume_step=6) == EXIT_DIVERGED
-    assert any(line.startswith("error: step 7: the initial weights are non-finite")
-               and f"resumed from {step_dir(copy, 6)} (unverified" in line for line in lines)
+    assert any(
+        line.startswith("error: step 7: the initial weights are non-finite")
+        and f"resumed from {step_dir(copy, 6)} (unverified" in line
+        for line in lines
+    )
 
 
 # --------------------------------------------------------------------------- converted weights
@@ -159,9 +174,18 @@ from test_score import converted, kit  # noqa: E402,F401  (fixtures: a converted
 
 
 def init_from(kit: Path, out: Path) -> int:
-    cfg = config.build(str(kit / "preset.toml"), [
-        "train.steps=1", "train.batch_size=2", "train.seq_len=16", "parallel.devices=1",
-        f"train.init_from={kit}", "data.source=synthetic", "train.telemetry_interval_s=0"])
+    cfg = config.build(
+        str(kit / "preset.toml"),
+        [
+            "train.steps=1",
+            "train.batch_size=2",
+            "train.seq_len=16",
+            "parallel.devices=1",
+            f"train.init_from={kit}",
+            "data.source=synthetic",
+            "train.telemetry_interval_s=0",
+        ],
+    )
     return run(cfg, out, **QUIET)
 
 
@@ -169,8 +193,11 @@ def test_init_from_refuses_damaged_converted_weights_naming_the_part(kit, tmp_pa
     from test_convert import damage
 
     part = re.escape(str(damage(kit)))
-    with pytest.raises(ConfigError, match=rf"^{part}: .* do not match the manifest: "
-                                          r"params/layer_1/\S+ checksum differs"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{part}: .* do not match the manifest: "
+        r"params/layer_1/\S+ checksum differs",
+    ):
         init_from(kit, tmp_path / "new")
 
 
@@ -178,8 +205,11 @@ def test_init_from_refuses_converted_weights_without_a_manifest_saying_convert_a
     from test_convert import drop_manifest
 
     missing = re.escape(str(drop_manifest(kit)))
-    with pytest.raises(ConfigError, match=rf"^{missing} is missing: .*; convert it again with "
-                                          r"python -m moe_train.convert from-hf"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{missing} is missing: .*; convert it again with "
+        r"python -m moe_train.convert from-hf",
+    ):
         init_from(kit, tmp_path / "new")
 
 
@@ -207,8 +237,9 @@ def test_to_hf_trust_unverified_exports_converted_weights_as_verified(kit, conve
     to_hf(kit, tmp_path / "trusted", log=lambda s: None, trust_unverified=True)
     to_hf(converted, tmp_path / "verified", log=lambda s: None)
     files = sorted(p.name for p in (tmp_path / "verified").glob("*.safetensors"))
-    assert files and all((tmp_path / "trusted" / f).read_bytes() == (tmp_path / "verified" / f)
-                         .read_bytes() for f in files)
+    assert files and all(
+        (tmp_path / "trusted" / f).read_bytes() == (tmp_path / "verified" / f).read_bytes() for f in files
+    )
 
 
 # --------------------------------------------------------------------------- score, to-hf
@@ -235,8 +266,10 @@ def test_score_of_a_checkpoint_without_a_manifest_exits_2_naming_the_file(copy, 
 
 def test_trust_unverified_scores_a_checkpoint_without_a_manifest_as_it_is(copy, six_steps):
     drop_manifest(copy, 6)
-    assert score(str(copy), ids(), devices=1, trust_unverified=True)[0] == \
-        score(str(six_steps), ids(), devices=1)[0]
+    assert (
+        score(str(copy), ids(), devices=1, trust_unverified=True)[0]
+        == score(str(six_steps), ids(), devices=1)[0]
+    )
 
 
 def test_to_hf_of_a_damaged_checkpoint_exits_2_and_writes_nothing(copy, tmp_path):
@@ -257,8 +290,9 @@ def test_to_hf_trust_unverified_exports_the_same_tensors(copy, six_steps, tmp_pa
     to_hf(copy, tmp_path / "trusted", log=lambda s: None, trust_unverified=True)
     to_hf(six_steps, tmp_path / "intact", log=lambda s: None)
     files = sorted(p.name for p in (tmp_path / "intact").glob("*.safetensors"))
-    assert files and all((tmp_path / "trusted" / f).read_bytes() == (tmp_path / "intact" / f)
-                         .read_bytes() for f in files)
+    assert files and all(
+        (tmp_path / "trusted" / f).read_bytes() == (tmp_path / "intact" / f).read_bytes() for f in files
+    )
 
 
 # --------------------------------------------------------------------------- the pieces
@@ -288,4 +322,5 @@ def test_ignored_exceptions_while_reading_are_one_line_not_a_dump(capfd):
             _RaisesWhenCollected()
     assert "Exception ignored" not in capfd.readouterr().err and lines == [
         "note: reading checkpoint 6: 50 exception(s) ignored by the storage libraries "
-        "(RuntimeError), not shown"]
+        "(RuntimeError), not shown"
+    ]

@@ -18,8 +18,14 @@ FAST = ["--set", "train.seq_len=16", "--set", "train.batch_size=2", "--set", "tr
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -36,8 +42,9 @@ def test_unknown_preset(tmp_path):
 
 
 def test_unknown_key(tmp_path):
-    assert_clean_error(cli("--out", str(tmp_path / "r"), "--set", "moe.experts=4"),
-                       "moe.experts", "num_experts")
+    assert_clean_error(
+        cli("--out", str(tmp_path / "r"), "--set", "moe.experts=4"), "moe.experts", "num_experts"
+    )
 
 
 def test_top_k_above_experts(tmp_path):
@@ -45,8 +52,11 @@ def test_top_k_above_experts(tmp_path):
 
 
 def test_heads_not_dividing_hidden(tmp_path):
-    assert_clean_error(cli("--out", str(tmp_path / "r"), "--set", "model.num_heads=3",
-                           "--set", "model.num_kv_heads=1"), "num_heads=3", "valid num_heads")
+    assert_clean_error(
+        cli("--out", str(tmp_path / "r"), "--set", "model.num_heads=3", "--set", "model.num_kv_heads=1"),
+        "num_heads=3",
+        "valid num_heads",
+    )
 
 
 def test_missing_data_file(tmp_path):
@@ -64,8 +74,11 @@ def test_incompatible_checkpoint_is_refused_and_kept(tmp_path):
     out = tmp_path / "r"
     first = cli("--out", str(out), "--steps", "1", *FAST)
     assert first.returncode == 0, first.stderr
-    files = lambda: {p: p.read_bytes() for p in out.rglob("*")  # noqa: E731
-                     if p.is_file() and p.name != "run.lock"}  # the lock's holder record changes
+    files = lambda: {
+        p: p.read_bytes()
+        for p in out.rglob("*")  # noqa: E731
+        if p.is_file() and p.name != "run.lock"
+    }  # the lock's holder record changes
     before = files()
     proc = cli("--out", str(out), "--steps", "2", *FAST, "--set", "model.hidden=32")
     assert_clean_error(proc, "incompatible", "model.hidden=64 (checkpoint) vs 32 (this run)")
@@ -80,20 +93,30 @@ def test_help_lists_presets():
 
 
 def test_experts_not_divisible_by_ep(tmp_path):
-    assert_clean_error(cli("--out", str(tmp_path / "r"), "--devices", "6", "--set", "parallel.ep=3",
-                           "--set", "train.batch_size=6"), "not divisible by parallel.ep=3", "valid ep")
+    assert_clean_error(
+        cli(
+            "--out",
+            str(tmp_path / "r"),
+            "--devices",
+            "6",
+            "--set",
+            "parallel.ep=3",
+            "--set",
+            "train.batch_size=6",
+        ),
+        "not divisible by parallel.ep=3",
+        "valid ep",
+    )
 
 
 def test_cudnn_attention_on_cpu_names_what_works(tmp_path):
-    proc = cli("--preset", "tiny", "--out", str(tmp_path / "run"), "--set", "model.attention=cudnn",
-               *FAST)
+    proc = cli("--preset", "tiny", "--out", str(tmp_path / "run"), "--set", "model.attention=cudnn", *FAST)
     assert_clean_error(proc, "model.attention=cudnn", "choose one of: xla, chunked")
     assert not (tmp_path / "run").exists()
 
 
 def test_unknown_attention_lists_the_valid_ones(tmp_path):
-    proc = cli("--preset", "tiny", "--out", str(tmp_path / "run"), "--set", "model.attention=flash",
-               *FAST)
+    proc = cli("--preset", "tiny", "--out", str(tmp_path / "run"), "--set", "model.attention=flash", *FAST)
     assert_clean_error(proc, "model.attention='flash'", "auto, xla, cudnn, chunked, te")
 
 
@@ -126,7 +149,8 @@ def test_resume_step_reaches_the_trainer(tmp_path, fake_run):
 
 
 def test_unwritable_output_is_one_line_and_exit_5(tmp_path, fake_run, capsys):
-    from moe_train.train import cli as cli_module, signals
+    from moe_train.train import cli as cli_module
+    from moe_train.train import signals
 
     fake_run["raise"] = signals.OutputError(f"cannot write {tmp_path / 'r'}: No space left on device")
     assert cli_module.main(["--out", str(tmp_path / "r")]) == signals.EXIT_OUTPUT
@@ -138,21 +162,25 @@ def test_stop_signals_are_caught_first_thing(tmp_path, fake_run):
     """SIGTERM while the run starts sets the stop flag instead of killing the process."""
     import signal
 
-    from moe_train.train import cli as cli_module, signals
+    from moe_train.train import cli as cli_module
+    from moe_train.train import signals
 
     def run(cfg, out, log=print, **kw):
         signal.raise_signal(signal.SIGTERM)  # e.g. during imports or compilation
         return 0 if signals.STOP.signum == signal.SIGTERM else 1
 
     import moe_train.train.loop
+
     moe_train.train.loop.run = run  # restored by fake_run's monkeypatch
     assert cli_module.main(["--out", str(tmp_path / "r")]) == 0
 
 
-_CLOSED_LOOP = ["Traceback (most recent call last):",
-                '  File "asyncio/base_events.py", line 806, in call_soon_threadsafe',
-                "    self._check_closed()",
-                "RuntimeError: Event loop is closed"]
+_CLOSED_LOOP = [
+    "Traceback (most recent call last):",
+    '  File "asyncio/base_events.py", line 806, in call_soon_threadsafe',
+    "    self._check_closed()",
+    "RuntimeError: Event loop is closed",
+]
 
 
 def _write_in_turns(stream, lines: list[str], threads: int) -> None:
@@ -184,6 +212,6 @@ def test_closed_loop_tracebacks_printed_by_two_threads_at_once_are_dropped():
 def test_other_tracebacks_and_lines_pass_through_the_closed_loop_filter():
     out = io.StringIO()
     stream = cli_module._DropClosedLoop(out)
-    text = "error: cannot write\nTraceback (most recent call last):\n  File \"x\"\nValueError: no\n"
+    text = 'error: cannot write\nTraceback (most recent call last):\n  File "x"\nValueError: no\n'
     stream.write(text)
     assert out.getvalue() == text

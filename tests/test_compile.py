@@ -29,14 +29,30 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = plugin.version_problem(plugin.search_path())
 needs_plugin = pytest.mark.skipif(PLUGIN is not None, reason=f"no CUDA PJRT plugin: {PLUGIN}")
 # bf16 compute: the GPU kernels (cuDNN attention, Triton GEMMs); one capacity bucket + worst
-TINY = ("--model", "tiny", "--nodes", "1", "--ep", "8", "--set", "precision.compute=bf16",
-        "--set", "moe.capacity_buckets=1", "--json")
+TINY = (
+    "--model",
+    "tiny",
+    "--nodes",
+    "1",
+    "--ep",
+    "8",
+    "--set",
+    "precision.compute=bf16",
+    "--set",
+    "moe.capacity_buckets=1",
+    "--json",
+)
 
 
 def compile_cli(*args: str, env: dict | None = None, timeout: int = 600):
-    return subprocess.run([sys.executable, "-m", "moe_train.compile", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "moe_train.compile", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def one_line_error(proc, *needles: str) -> str:
@@ -65,10 +81,12 @@ def compiled(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- compiles
 
+
 @needs_plugin
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,sm,gpu", [("h100-dgx", "sm_90", "NVIDIA H100 80GB HBM3"),
-                                           ("b200-hgx", "sm_100", "NVIDIA B200")])
+@pytest.mark.parametrize(
+    "preset,sm,gpu", [("h100-dgx", "sm_90", "NVIDIA H100 80GB HBM3"), ("b200-hgx", "sm_100", "NVIDIA B200")]
+)
 def test_the_step_compiles_for_the_presets_gpu(compiled, preset, sm, gpu):
     r, run_dir = compiled[preset]
     assert (r["sm"], r["gpu"], r["devices"], r["ep"], r["dispatcher"]) == (sm, gpu, 8, 8, "a2a")
@@ -145,17 +163,32 @@ def test_reduced_depth_is_stated_and_the_table_renders(compiled):
 # full-depth table)
 # the preset's one-sequence micro-batches, kept as set: the job the ratios were measured on
 # (the planner's search would otherwise pick its own micro-batches)
-MIXTRAL = ("--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8",
-           "--layers", "4", "--set", "moe.capacity_buckets=1", "--set", "train.micro_batch_size=1",
-           "--json")
+MIXTRAL = (
+    "--preset",
+    "h100-dgx",
+    "--model",
+    "mixtral-8x7b",
+    "--nodes",
+    "8",
+    "--ep",
+    "8",
+    "--layers",
+    "4",
+    "--set",
+    "moe.capacity_buckets=1",
+    "--set",
+    "train.micro_batch_size=1",
+    "--json",
+)
 
 
 @needs_plugin
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["step", "micro_batch"])
 def test_the_planner_is_within_15_percent_of_xla_gpu(tmp_path, mode):
-    proc = compile_cli(*MIXTRAL, "--set", f"parallel.weight_gather={mode}", "--out",
-                       str(tmp_path / "run"), timeout=1200)
+    proc = compile_cli(
+        *MIXTRAL, "--set", f"parallel.weight_gather={mode}", "--out", str(tmp_path / "run"), timeout=1200
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ratios = {b["bucket"]: b["xla_over_planner"] for b in json.loads(proc.stdout)["buckets"]}
     assert set(ratios) == {"1", "worst"}
@@ -172,17 +205,31 @@ def test_peak_names_the_scopes_that_fill_xla_s_live_set(compiled):
         assert {"state: parameters", "state: optimizer"} <= {s["scope"] for s in live["scopes"]}
         kept = {f.name for f in (run_dir / "xla" / f"xla-{b['bucket']}").iterdir()}
         assert any(n.endswith("-live-range.txt") for n in kept) and not any(
-            n.endswith((".ptx", ".ll")) for n in kept)
+            n.endswith((".ptx", ".ll")) for n in kept
+        )
 
 
 # every GPU code path beyond the fixture's (a2a, cuDNN attention, mgpu on H100 / tiled on
 # B200), one capacity bucket each: (model, nodes, EP, --set items)
 PATHS = {
-    "allgather+fp8+chunked": ("tiny", 1, 8, ("moe.dispatcher=allgather", "precision.compute=fp8",
-                                             "model.attention=chunked")),
-    "hierarchical+fp8-dispatch": ("tiny", 2, 16, (
-        "moe.num_experts=16", "moe.dispatcher=hierarchical", "moe.dispatch_dtype=fp8",
-        "precision.compute=bf16", "train.batch_size=16")),
+    "allgather+fp8+chunked": (
+        "tiny",
+        1,
+        8,
+        ("moe.dispatcher=allgather", "precision.compute=fp8", "model.attention=chunked"),
+    ),
+    "hierarchical+fp8-dispatch": (
+        "tiny",
+        2,
+        16,
+        (
+            "moe.num_experts=16",
+            "moe.dispatcher=hierarchical",
+            "moe.dispatch_dtype=fp8",
+            "precision.compute=bf16",
+            "train.batch_size=16",
+        ),
+    ),
     "mla+mtp": ("deepseek-v3-tiny", 1, 8, ("precision.compute=bf16",)),
 }
 
@@ -194,10 +241,24 @@ def paths(tmp_path_factory):
     for preset in ("h100-dgx", "b200-hgx"):
         for name, (model, nodes, ep, sets) in PATHS.items():
             parent = tmp_path_factory.mktemp(f"{preset}-{name}")
-            proc = compile_cli("--preset", preset, "--model", model, "--nodes", str(nodes),
-                               "--ep", str(ep), *[x for s in sets for x in ("--set", s)],
-                               "--set", "moe.capacity_buckets=1", "--bucket", "worst",
-                               "--json", "--out", str(parent))
+            proc = compile_cli(
+                "--preset",
+                preset,
+                "--model",
+                model,
+                "--nodes",
+                str(nodes),
+                "--ep",
+                str(ep),
+                *[x for s in sets for x in ("--set", s)],
+                "--set",
+                "moe.capacity_buckets=1",
+                "--bucket",
+                "worst",
+                "--json",
+                "--out",
+                str(parent),
+            )
             assert proc.returncode == 0, (preset, name, proc.stderr[-3000:])
             (run_dir,) = parent.iterdir()
             out[preset, name] = (json.loads(proc.stdout), run_dir)
@@ -300,6 +361,7 @@ def test_shape_bytes():
 
 # ----------------------------------------------------------------------------- targets, state
 
+
 @pytest.mark.parametrize("name", [n for n in presets.list_presets() if presets.load(n).gpu])
 def test_every_gpu_preset_has_a_target_config(name):
     cluster = presets.load(name)
@@ -344,27 +406,46 @@ def test_abstract_state_is_init_states_shapes_and_shardings():
 
 # ----------------------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("args,needles", [
-    (("--preset", "h100-dgx", "--model", "tiny"), ("--nodes",)),
-    (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "two"), ("--nodes", "two")),
-    (("--preset", "dgx-h100", "--model", "tiny", "--nodes", "1"),
-     ("unknown cluster preset 'dgx-h100'", "h100-dgx")),
-    (("--preset", "cpu-local", "--model", "tiny", "--nodes", "1"),
-     ("names no GPU", "h100-dgx", "h100-sxm")),
-    (("--preset", "h100-dgx", "--model", "tinyy", "--nodes", "1"), ("tinyy", "tiny")),
-    (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--ep", "3"), ("ep 3", "valid ep")),
-    (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--set", "moe.topk=2"),
-     ("moe.topk", "top_k")),
-    (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--layers", "0"), ("--layers",)),
-])
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (("--preset", "h100-dgx", "--model", "tiny"), ("--nodes",)),
+        (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "two"), ("--nodes", "two")),
+        (
+            ("--preset", "dgx-h100", "--model", "tiny", "--nodes", "1"),
+            ("unknown cluster preset 'dgx-h100'", "h100-dgx"),
+        ),
+        (
+            ("--preset", "cpu-local", "--model", "tiny", "--nodes", "1"),
+            ("names no GPU", "h100-dgx", "h100-sxm"),
+        ),
+        (("--preset", "h100-dgx", "--model", "tinyy", "--nodes", "1"), ("tinyy", "tiny")),
+        (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--ep", "3"), ("ep 3", "valid ep")),
+        (
+            ("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--set", "moe.topk=2"),
+            ("moe.topk", "top_k"),
+        ),
+        (("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--layers", "0"), ("--layers",)),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, needles):
     one_line_error(compile_cli(*args), *needles)
 
 
 @needs_plugin
 def test_a_bucket_the_job_does_not_have_is_one_line_naming_them(tmp_path):
-    proc = compile_cli("--preset", "h100-dgx", *TINY[:6], "--bucket", "7", "--set",
-                       "moe.capacity_buckets=1", "--out", str(tmp_path))
+    proc = compile_cli(
+        "--preset",
+        "h100-dgx",
+        *TINY[:6],
+        "--bucket",
+        "7",
+        "--set",
+        "moe.capacity_buckets=1",
+        "--out",
+        str(tmp_path),
+    )
     one_line_error(proc, "--bucket '7'", "valid: 1, worst, planned")
 
 
@@ -376,9 +457,11 @@ def test_a_missing_plugin_says_how_to_install_it(tmp_path):
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] == 'jax_cuda12_plugin' or name.startswith('jax_plugins.xla_cuda12'):\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
-        "sys.meta_path.insert(0, _Hide())\n")
-    proc = compile_cli("--preset", "h100-dgx", "--model", "tiny", "--nodes", "1",
-                       env={"PYTHONPATH": str(tmp_path)})
+        "sys.meta_path.insert(0, _Hide())\n"
+    )
+    proc = compile_cli(
+        "--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", env={"PYTHONPATH": str(tmp_path)}
+    )
     one_line_error(proc, "CUDA PJRT plugin", "EXTRAS=", "compile")
 
 
@@ -417,7 +500,8 @@ print("f8e4m3fn" in qdq.lower().compile().as_text(),
 def test_xla_gpu_keeps_the_fp8_rounding_and_runs_fp8_gemms():
     # on XLA:GPU a bare convert pair to fp8 and back was removed (no rounding: bf16 numerics),
     # and a dequantize before a bf16 dot stayed a bf16 GEMM (seen on an H200, jax 0.11.2)
-    proc = subprocess.run([sys.executable, "-c", FP8_PROBE], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", FP8_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "3"]

@@ -64,9 +64,12 @@ def test_the_summary_counts_the_kernels_between_each_async_start_and_done():
     # a2a 1 hides a Triton GEMM and a Triton fusion, a2a 2 nothing; the sync all-reduce is no pair
     s = overlap.summary(overlap.windows(OVERLAP))
     assert list(s) == ["all-to-all"]
-    assert {k: s["all-to-all"][k] for k in ("pairs", "with_gemm", "gemm_kernels",
-                                            "other_kernels")} == {
-        "pairs": 2, "with_gemm": 1, "gemm_kernels": 1, "other_kernels": 1}
+    assert {k: s["all-to-all"][k] for k in ("pairs", "with_gemm", "gemm_kernels", "other_kernels")} == {
+        "pairs": 2,
+        "with_gemm": 1,
+        "gemm_kernels": 1,
+        "other_kernels": 1,
+    }
 
 
 def test_a_dots_flops_are_twice_its_result_times_the_contracted_size():
@@ -100,4 +103,6 @@ def test_a_window_hides_at_most_the_smaller_of_its_transfer_and_its_gemms():
 
 def test_a_collective_kind_that_is_absent_hides_nothing():
     assert overlap.hidden(overlap.windows(OVERLAP), "reduce-scatter", 1.0, 1.0) == {
-        "comm_s": 0, "hidden_s": 0}
+        "comm_s": 0,
+        "hidden_s": 0,
+    }

@@ -42,8 +42,7 @@ LIVE = """Peak memory
 
 
 def test_the_peak_section_is_read_and_nothing_after_it():
-    assert peak.live_at_peak(LIVE) == [("while.1", "{1}", 128), ("param.1", "{}", 256),
-                                       ("out", "{}", 256)]
+    assert peak.live_at_peak(LIVE) == [("while.1", "{1}", 128), ("param.1", "{}", 256), ("out", "{}", 256)]
 
 
 def test_a_loop_carry_is_named_by_what_the_body_stacks_into_it():
@@ -58,7 +57,8 @@ def test_state_arguments_are_grouped_by_kind():
 
 def test_a_transposed_op_is_marked_backward():
     assert peak.scope_of("jit(step)/transpose(jvp(Transformer))/moe_layers/attn/dot_general") == (
-        "moe_layers/attn: dot_general (backward)")
+        "moe_layers/attn: dot_general (backward)"
+    )
 
 
 def test_scopes_sum_to_the_live_bytes_largest_first():

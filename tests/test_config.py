@@ -8,7 +8,8 @@ import typing
 import pytest
 
 from moe_train import config
-from moe_train.config import ConfigError, checks as config_checks
+from moe_train.config import ConfigError
+from moe_train.config import checks as config_checks
 
 
 def test_unknown_preset_lists_valid_presets():
@@ -32,8 +33,9 @@ def test_override_without_dot_is_rejected():
 
 
 def test_override_parses_by_field_type():
-    cfg = config.build("tiny", ["moe.top_k=3", "optim.lr=1e-4", "model.qk_norm=true",
-                                "data.source=synthetic"])
+    cfg = config.build(
+        "tiny", ["moe.top_k=3", "optim.lr=1e-4", "model.qk_norm=true", "data.source=synthetic"]
+    )
     assert (cfg.moe.top_k, cfg.optim.lr, cfg.model.qk_norm, cfg.data.source) == (3, 1e-4, True, "synthetic")
 
 
@@ -48,7 +50,9 @@ def test_top_k_larger_than_experts():
 
 
 def test_heads_not_dividing_hidden_lists_valid_heads():
-    with pytest.raises(ConfigError, match=r"num_heads=5 does not divide model.hidden=64; valid num_heads: 1, 2, 4"):
+    with pytest.raises(
+        ConfigError, match=r"num_heads=5 does not divide model.hidden=64; valid num_heads: 1, 2, 4"
+    ):
         config.build("tiny", ["model.num_heads=5", "model.num_kv_heads=1"])
 
 
@@ -75,29 +79,43 @@ def test_round_trip_through_dict():
 def test_every_field_has_a_comment():
     import inspect
 
-    for section in (config.ModelConfig, config.MoEConfig, config.DataConfig, config.OptimConfig,
-                    config.TrainConfig, config.ParallelConfig, config.PrecisionConfig,
-                    config.Config):
-        source = inspect.getsource(section)
+    for section in (
+        config.ModelConfig,
+        config.MoEConfig,
+        config.DataConfig,
+        config.OptimConfig,
+        config.TrainConfig,
+        config.ParallelConfig,
+        config.PrecisionConfig,
+        config.Config,
+    ):
+        lines = inspect.getsource(section).splitlines()
         for field in dataclasses.fields(section):
-            line = next(l for l in source.splitlines() if l.strip().startswith(f"{field.name}:"))
-            assert "#" in line, f"{section.__name__}.{field.name} has no comment"
+            i = next(i for i, l in enumerate(lines) if l.strip().startswith(f"{field.name}:"))
+            commented = "#" in lines[i] or lines[i - 1].strip().startswith("#")  # same line or above
+            assert commented, f"{section.__name__}.{field.name} has no comment"
 
 
 def test_unknown_cluster_preset_names_the_valid_ones():
-    with pytest.raises(config.ConfigError, match="parallel.cluster: unknown cluster preset 'h100'; valid presets: .*h100-dgx"):
+    with pytest.raises(
+        config.ConfigError, match="parallel.cluster: unknown cluster preset 'h100'; valid presets: .*h100-dgx"
+    ):
         config.build("tiny", ["parallel.cluster=h100"])
 
 
 def test_cluster_preset_gives_the_mfu_peak():
     from topology.presets import load
+
     assert load("h100-dgx").peak_flops("bfloat16") == 989e12
     assert load("cpu-local").peak_flops("bfloat16") is None  # nominal numbers are no peak
 
 
 def test_model_dtype_moved_to_precision_compute():
-    with pytest.raises(ConfigError, match=r"model.dtype moved to precision.compute; set "
-                                          r"precision.compute=<fp32 \| bf16 \| fp8>"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.dtype moved to precision.compute; set "
+        r"precision.compute=<fp32 \| bf16 \| fp8>",
+    ):
         config.build("tiny", ["model.dtype=bfloat16"])
 
 
@@ -116,15 +134,17 @@ def test_a_stored_config_with_moe_chunks_reads_as_overlap_chunks():
 
 
 def test_bad_precision_lists_choices():
-    with pytest.raises(ConfigError, match="precision.compute='fp16' is not valid; choose one of: "
-                                          "fp32, bf16, fp8"):
+    with pytest.raises(
+        ConfigError, match="precision.compute='fp16' is not valid; choose one of: fp32, bf16, fp8"
+    ):
         config.build("tiny", ["precision.compute=fp16"])
 
 
 def test_mxfp8_needs_transformer_engine():
     with pytest.raises(ConfigError, match="mxfp8 needs Transformer Engine.*delayed, current"):
-        config.build("tiny", ["precision.compute=fp8", "precision.fp8_recipe=mxfp8",
-                              "precision.fp8_backend=xla"])
+        config.build(
+            "tiny", ["precision.compute=fp8", "precision.fp8_recipe=mxfp8", "precision.fp8_backend=xla"]
+        )
 
 
 def test_micro_batch_size_and_micro_batches_are_exclusive():
@@ -165,8 +185,13 @@ def test_every_choice_names_a_real_field():
         assert hasattr(getattr(config.Config(), section), field), key
 
 
-FREE_TEXT = {"data.path", "parallel.cluster", "parallel.coordinator", "train.wandb_project",
-             "train.init_from"}
+FREE_TEXT = {
+    "data.path",
+    "parallel.cluster",
+    "parallel.coordinator",
+    "train.wandb_project",
+    "train.init_from",
+}
 
 
 def test_every_str_field_has_choices_or_is_free_text():
@@ -184,8 +209,10 @@ def test_the_job_rules_import_first_and_without_jax():
     import subprocess
     import sys
 
-    code = ("import sys, moe_train.parallel.jobplan; "
-            "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax')]")
+    code = (
+        "import sys, moe_train.parallel.jobplan; "
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax')]"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -194,26 +221,67 @@ def test_defaults_are_inside_their_ranges():
 
 
 BAD = [
-    "optim.lr=nan", "optim.lr=inf", "optim.lr=0", "optim.b1=2", "optim.b1=1", "optim.b2=-0.1",
-    "optim.eps=-1e-8", "optim.eps=0", "optim.warmup_steps=-1", "optim.decay_steps=-1",
-    "optim.grad_clip=nan", "optim.grad_clip=-1", "optim.min_lr_ratio=1.5",
-    "optim.weight_decay=-0.1", "optim.weight_decay=inf",
-    "train.checkpoint_every=-1", "train.steps=0", "train.batch_size=0",
-    "train.batch_size=1000000000000000", "train.seq_len=-4", "train.seed=-1",
-    "train.keep_checkpoints=0", "train.log_every=0", "train.telemetry_interval_s=-1",
-    "train.telemetry_interval_s=nan", "train.micro_batches=0", "train.micro_batch_size=-1",
-    "train.loss_chunk=-1", "train.max_nonfinite_skips=0",
-    "model.hidden=99999999999", "model.vocab_size=0", "model.num_layers=0", "model.head_dim=-1",
-    "model.rope_theta=0", "model.rope_theta=inf", "model.norm_eps=0", "model.norm_eps=-1e-6",
-    "model.attention_block=-1", "model.first_dense_layers=-1",
-    "moe.bias_update_rate=-0.1", "moe.bias_update_rate=nan", "moe.aux_loss_coef=-1",
-    "moe.seq_aux_loss_coef=inf", "moe.z_loss_coef=-0.001", "moe.routed_scaling=0",
-    "moe.overlap_chunks=0", "moe.tile_rows=-1", "moe.bucket_step_down_after=0", "moe.num_groups=-1",
+    "optim.lr=nan",
+    "optim.lr=inf",
+    "optim.lr=0",
+    "optim.b1=2",
+    "optim.b1=1",
+    "optim.b2=-0.1",
+    "optim.eps=-1e-8",
+    "optim.eps=0",
+    "optim.warmup_steps=-1",
+    "optim.decay_steps=-1",
+    "optim.grad_clip=nan",
+    "optim.grad_clip=-1",
+    "optim.min_lr_ratio=1.5",
+    "optim.weight_decay=-0.1",
+    "optim.weight_decay=inf",
+    "train.checkpoint_every=-1",
+    "train.steps=0",
+    "train.batch_size=0",
+    "train.batch_size=1000000000000000",
+    "train.seq_len=-4",
+    "train.seed=-1",
+    "train.keep_checkpoints=0",
+    "train.log_every=0",
+    "train.telemetry_interval_s=-1",
+    "train.telemetry_interval_s=nan",
+    "train.micro_batches=0",
+    "train.micro_batch_size=-1",
+    "train.loss_chunk=-1",
+    "train.max_nonfinite_skips=0",
+    "model.hidden=99999999999",
+    "model.vocab_size=0",
+    "model.num_layers=0",
+    "model.head_dim=-1",
+    "model.rope_theta=0",
+    "model.rope_theta=inf",
+    "model.norm_eps=0",
+    "model.norm_eps=-1e-6",
+    "model.attention_block=-1",
+    "model.first_dense_layers=-1",
+    "moe.bias_update_rate=-0.1",
+    "moe.bias_update_rate=nan",
+    "moe.aux_loss_coef=-1",
+    "moe.seq_aux_loss_coef=inf",
+    "moe.z_loss_coef=-0.001",
+    "moe.routed_scaling=0",
+    "moe.overlap_chunks=0",
+    "moe.tile_rows=-1",
+    "moe.bucket_step_down_after=0",
+    "moe.num_groups=-1",
     "data.seed=-1",
-    "parallel.devices=-1", "parallel.ep=0", "parallel.dp=-1", "parallel.domain_size=-1",
-    "parallel.num_processes=-1", "parallel.process_id=-2", "parallel.init_timeout_s=0",
+    "parallel.devices=-1",
+    "parallel.ep=0",
+    "parallel.dp=-1",
+    "parallel.domain_size=-1",
+    "parallel.num_processes=-1",
+    "parallel.process_id=-2",
+    "parallel.init_timeout_s=0",
     "parallel.heartbeat_timeout_s=0",
-    "precision.amax_history=0", "precision.amax_history=100000", "precision.margin=-1",
+    "precision.amax_history=0",
+    "precision.amax_history=100000",
+    "precision.margin=-1",
     "precision.margin=17",
 ]
 
@@ -225,9 +293,18 @@ def test_out_of_range_value_names_the_key_and_the_range(item):
         config.build("tiny", [item])
 
 
-@pytest.mark.parametrize("item", ["optim.b1=0", "optim.min_lr_ratio=1", "optim.grad_clip=0",
-                                  "train.checkpoint_every=0", "parallel.process_id=-1",
-                                  "precision.margin=16", "moe.aux_loss_coef=0"])
+@pytest.mark.parametrize(
+    "item",
+    [
+        "optim.b1=0",
+        "optim.min_lr_ratio=1",
+        "optim.grad_clip=0",
+        "train.checkpoint_every=0",
+        "parallel.process_id=-1",
+        "precision.margin=16",
+        "moe.aux_loss_coef=0",
+    ],
+)
 def test_range_edges_are_accepted(item):
     config.build("tiny", [item])
 
@@ -238,17 +315,24 @@ def test_float_range_message_says_the_interval():
 
 
 def test_int_range_message_says_the_bounds():
-    with pytest.raises(ConfigError, match=r"model.hidden=99999999999 is not valid; expected an integer in 1..2147483647"):
+    with pytest.raises(
+        ConfigError, match=r"model.hidden=99999999999 is not valid; expected an integer in 1..2147483647"
+    ):
         config.build("tiny", ["model.hidden=99999999999"])
 
 
-@pytest.mark.parametrize("items, formula", [
-    (["train.batch_size=65536", "train.seq_len=65536"], r"train.batch_size\*train.seq_len="),
-    (["model.vocab_size=2000000", "model.hidden=2048", "model.num_heads=8", "model.num_kv_heads=8"],
-     r"model.vocab_size\*model.hidden="),
-    (["moe.expert_ffn=1000000", "model.hidden=4096"], r"moe.expert_ffn\*model.hidden="),
-    (["model.dense_ffn=1000000000"], r"model.hidden\*model.dense_ffn="),
-])
+@pytest.mark.parametrize(
+    "items, formula",
+    [
+        (["train.batch_size=65536", "train.seq_len=65536"], r"train.batch_size\*train.seq_len="),
+        (
+            ["model.vocab_size=2000000", "model.hidden=2048", "model.num_heads=8", "model.num_kv_heads=8"],
+            r"model.vocab_size\*model.hidden=",
+        ),
+        (["moe.expert_ffn=1000000", "model.hidden=4096"], r"moe.expert_ffn\*model.hidden="),
+        (["model.dense_ffn=1000000000"], r"model.hidden\*model.dense_ffn="),
+    ],
+)
 def test_sizes_beyond_int32_are_config_errors(items, formula):
     with pytest.raises(ConfigError, match=rf"{formula}\d+ \(.*\) is too large: at most 2147483647"):
         config.build("tiny", items)
@@ -267,31 +351,41 @@ def test_heads_message_for_a_huge_width_is_quick():
 
 
 def test_micro_batches_message_lists_some_divisors():
-    with pytest.raises(ConfigError, match=r"choose one of \[1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, \.\.\.\]"):
+    with pytest.raises(
+        ConfigError, match=r"choose one of \[1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, \.\.\.\]"
+    ):
         config.build("tiny", ["train.batch_size=15360", "train.micro_batches=7"])
 
 
-@pytest.mark.parametrize("n, expected", [
-    (1, [1]), (12, [1, 2, 3, 4, 6, 12]), (97, [1, 97]), (0, []), (-4, []),
-    (2 ** 31 - 1, [1, 2 ** 31 - 1]),
-    (15360, [1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20]),
-    (99999999999, [1, 3, 9, 21649, 64947, 194841, 513239, 1539717, 4619151, 11111111111,
-                   33333333333, 99999999999]),
-])
+@pytest.mark.parametrize(
+    "n, expected",
+    [
+        (1, [1]),
+        (12, [1, 2, 3, 4, 6, 12]),
+        (97, [1, 97]),
+        (0, []),
+        (-4, []),
+        (2**31 - 1, [1, 2**31 - 1]),
+        (15360, [1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20]),
+        (
+            99999999999,
+            [1, 3, 9, 21649, 64947, 194841, 513239, 1539717, 4619151, 11111111111, 33333333333, 99999999999],
+        ),
+    ],
+)
 def test_some_divisors(n, expected):
     assert config.some_divisors(n) == expected
 
 
 def test_some_divisors_of_a_huge_prime_is_bounded():
-    assert config.some_divisors(2 ** 89 - 1, limit=3) == [1, 2 ** 89 - 1]  # prime; 10**6 trials
+    assert config.some_divisors(2**89 - 1, limit=3) == [1, 2**89 - 1]  # prime; 10**6 trials
 
 
 def test_some_divisors_respects_the_limit():
     assert config.some_divisors(720720, limit=4) == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("text", ["", "1.0,x", "0,1.0", "-1", "1.0,nan", "inf",
-                                  ",".join(["1.5"] * 17)])
+@pytest.mark.parametrize("text", ["", "1.0,x", "0,1.0", "-1", "1.0,nan", "inf", ",".join(["1.5"] * 17)])
 def test_bad_capacity_buckets_are_refused_up_front(text):
     with pytest.raises(ConfigError, match="moe.capacity_buckets="):
         config.build("tiny", [f"moe.capacity_buckets={text}"])
@@ -325,8 +419,11 @@ def test_toml_array_of_buckets_is_sorted_floats():
 
 
 def test_malformed_buckets_text_names_the_key_and_an_example():
-    with pytest.raises(ConfigError, match=r"^moe.capacity_buckets='1,x': expected comma-separated "
-                                          r"numbers such as 1.0,1.25,1.5,2.0$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^moe.capacity_buckets='1,x': expected comma-separated "
+        r"numbers such as 1.0,1.25,1.5,2.0$",
+    ):
         config.build("tiny", ["moe.capacity_buckets=1,x"])
 
 
@@ -341,7 +438,9 @@ def test_same_buckets_written_two_ways_do_not_disagree():
 
 
 def test_on_nonfinite_lists_choices():
-    with pytest.raises(ConfigError, match="train.on_nonfinite='ignore' is not valid; choose one of: stop, skip"):
+    with pytest.raises(
+        ConfigError, match="train.on_nonfinite='ignore' is not valid; choose one of: stop, skip"
+    ):
         config.build("tiny", ["train.on_nonfinite=ignore"])
 
 
@@ -370,8 +469,9 @@ def test_same_value_twice_is_fine():
 
 
 def test_flags_are_applied_like_overrides():
-    cfg = config.build("tiny", flags={"--devices": ("parallel.devices", "2"),
-                                      "--steps": ("train.steps", "5")})
+    cfg = config.build(
+        "tiny", flags={"--devices": ("parallel.devices", "2"), "--steps": ("train.steps", "5")}
+    )
     assert (cfg.parallel.devices, cfg.train.steps) == (2, 5)
 
 
@@ -384,9 +484,22 @@ def test_cli_bad_range_prints_one_line_and_exits_2(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "moe_train", "--preset", "tiny", "--out",
-                           str(tmp_path / "x"), "--set", "optim.b1=2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_train",
+            "--preset",
+            "tiny",
+            "--out",
+            str(tmp_path / "x"),
+            "--set",
+            "optim.b1=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (proc.returncode, proc.stderr.count("\n"), proc.stdout) == (2, 1, "")
     assert proc.stderr.startswith("error: optim.b1=2.0 is not valid")
 

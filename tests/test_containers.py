@@ -28,38 +28,52 @@ CHECKS = {"jax", "transformer_engine", "nccl", "imex", "xla_flags", "nvml", "fab
 
 def _env(**extra: str) -> dict[str, str]:
     """This environment without Slurm's or JAX's platform choices, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SLURM_") and k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SLURM_") and k not in ("JAX_PLATFORMS", "XLA_FLAGS")
+    }
     return {**env, **extra}
 
 
 # ---------------------------------------------------------------- preflight, end to end on CPU
 
+
 def test_preflight_on_cpu_prints_table_and_fails():
-    r = subprocess.run([sys.executable, "-m", "containers.preflight"], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "containers.preflight"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1, r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0].split() == ["check", "status", "detail"]
     rows = {ln.split()[0]: ln for ln in lines[1:-1]}
     assert set(rows) == CHECKS
     status_col = lines[0].index("status")
-    assert all(ln[status_col:status_col + 4] in (PASS, FAIL, SKIP) for ln in lines[1:-1])
+    assert all(ln[status_col : status_col + 4] in (PASS, FAIL, SKIP) for ln in lines[1:-1])
     assert "FAIL" in rows["jax"] and "backend is cpu, expected gpu" in rows["jax"]
     assert "FAIL" in rows["transformer_engine"] and "not installed" in rows["transformer_engine"]
     assert re.fullmatch(r"preflight: FAIL \(\d+ checks\)", lines[-1])
 
 
 def test_preflight_json_script_form_with_gb200_preset():
-    r = subprocess.run([sys.executable, str(CONTAINERS / "preflight.py"), "--json",
-                        "--preset", "gb200-nvl72"], cwd="/", env=_env(),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(CONTAINERS / "preflight.py"), "--json", "--preset", "gb200-nvl72"],
+        cwd="/",
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1, r.stderr
     out = json.loads(r.stdout)
     checks = {c["name"]: c for c in out["checks"]}
     assert set(checks) == CHECKS
-    assert out["result"] == FAIL and out["failed"] == sum(c["status"] == FAIL
-                                                          for c in checks.values())
+    assert out["result"] == FAIL and out["failed"] == sum(c["status"] == FAIL for c in checks.values())
     assert out["preset"] == "gb200-nvl72" and out["expected_gpus"] == 4
     assert checks["jax"]["status"] == FAIL
     if not os.path.isdir(preflight.IMEX_DIR):  # required on GB200: absent here -> FAIL
@@ -67,17 +81,25 @@ def test_preflight_json_script_form_with_gb200_preset():
 
 
 def test_preflight_unknown_preset_exits_2():
-    r = subprocess.run([sys.executable, "-m", "containers.preflight", "--preset", "nope"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "containers.preflight", "--preset", "nope"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "unknown cluster preset 'nope'" in r.stderr
 
 
 # ---------------------------------------------------------------- preflight, check by check
 
+
 def _fake_jax(backend: str, n: int, kind: str = "NVIDIA H100 80GB HBM3"):
     dev = types.SimpleNamespace(device_kind=kind)
-    mod = types.SimpleNamespace(__version__="0.11.0", default_backend=lambda: backend,
-                                local_devices=lambda: [dev] * n)
+    mod = types.SimpleNamespace(
+        __version__="0.11.0", default_backend=lambda: backend, local_devices=lambda: [dev] * n
+    )
     return lambda name: mod
 
 
@@ -95,6 +117,7 @@ def test_check_jax_cpu_backend_and_import_error():
 
     def broken(name):
         raise ImportError("libcuda.so.1: cannot open shared object file")
+
     c = preflight.check_jax(8, "x", broken)
     assert c.status == FAIL and "libcuda" in c.detail
 
@@ -113,6 +136,7 @@ def test_expected_gpus_precedence():
 def test_check_transformer_engine_missing_and_present():
     def missing(name):
         raise ModuleNotFoundError(f"No module named {name!r}", name="transformer_engine")
+
     c = preflight.check_transformer_engine(missing)
     assert c.status == FAIL and "not installed" in c.detail
     te = types.SimpleNamespace(__version__="2.9.0")
@@ -148,12 +172,16 @@ def _fake_nvml(count=0, states=(), init_error=None):
         info = ref._obj
         info.state, info.cliqueId = states[handle], 7
         info.clusterUuid[:] = list(range(16))
+
     return types.SimpleNamespace(
-        nvmlInit=init, nvmlShutdown=lambda: None,
-        nvmlSystemGetDriverVersion=lambda: b"580.65.06", nvmlDeviceGetCount=lambda: count,
+        nvmlInit=init,
+        nvmlShutdown=lambda: None,
+        nvmlSystemGetDriverVersion=lambda: b"580.65.06",
+        nvmlDeviceGetCount=lambda: count,
         nvmlDeviceGetHandleByIndex=lambda i: i,
         c_nvmlGpuFabricInfoV_t=pynvml.c_nvmlGpuFabricInfoV_t,
-        nvmlDeviceGetGpuFabricInfoV=fabric)
+        nvmlDeviceGetGpuFabricInfoV=fabric,
+    )
 
 
 def test_nvml_unavailable_and_not_installed():
@@ -164,6 +192,7 @@ def test_nvml_unavailable_and_not_installed():
 
     def missing(name):
         raise ImportError("No module named 'pynvml'")
+
     c = preflight.check_nvml(preflight.probe_nvml(missing))
     assert c.status == FAIL and "not installed" in c.detail
 
@@ -190,7 +219,9 @@ def test_nccl_version_decoding_and_checks():
         def get_version(ref):
             ref._obj.value = code
             return 0
+
         return lambda name: types.SimpleNamespace(ncclGetVersion=get_version)
+
     found = preflight.nccl_version(["libnccl.so.2"], loader(23004))
     assert found == ((2, 30, 4), "libnccl.so.2")
     assert preflight.check_nccl(found, need_mnnvl=True).status == PASS
@@ -201,6 +232,7 @@ def test_nccl_version_decoding_and_checks():
 
     def absent(name):
         raise OSError(f"{name}: cannot open shared object file")
+
     c = preflight.check_nccl(preflight.nccl_version(["libnccl.so.2"], absent), True)
     assert c.status == SKIP and "not found" in c.detail
 
@@ -213,6 +245,7 @@ def test_summary_line():
 
 
 # ---------------------------------------------------------------- build.sh / import.sh
+
 
 def _bare_path(tmp_path: Path, *tools: str) -> Path:
     """A bin dir holding symlinks to just ``tools`` (and nothing else on PATH)."""
@@ -228,23 +261,30 @@ def _bare_path(tmp_path: Path, *tools: str) -> Path:
 def _fake_tool(bindir: Path, name: str, info_rc: int = 0) -> None:
     """A fake docker/podman/enroot that logs its arguments to $CTR_LOG."""
     script = bindir / name
-    script.write_text(f"#!{BASH}\nprintf '{name} %s\\n' \"$*\" >> \"$CTR_LOG\"\n"
-                      f"[[ \"$1\" == info ]] && exit {info_rc}\nexit 0\n")
+    script.write_text(
+        f'#!{BASH}\nprintf \'{name} %s\\n\' "$*" >> "$CTR_LOG"\n'
+        f'[[ "$1" == info ]] && exit {info_rc}\nexit 0\n'
+    )
     script.chmod(0o755)
 
 
 def _run(script: str, args: list[str], bindir: Path, log: Path | None = None):
-    env = {"PATH": str(bindir), "HOME": os.environ.get("HOME", "/tmp"),
-           "CTR_LOG": str(log or "/dev/null")}
-    return subprocess.run([BASH, str(CONTAINERS / script), *args], env=env,
-                          capture_output=True, text=True, timeout=60)
+    env = {"PATH": str(bindir), "HOME": os.environ.get("HOME", "/tmp"), "CTR_LOG": str(log or "/dev/null")}
+    return subprocess.run(
+        [BASH, str(CONTAINERS / script), *args], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def _rev(full: bool = False) -> str:
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", *([] if full else ["--short"]),
-                          "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    rev = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", *([] if full else ["--short"]), "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     return rev + ("-dirty" if dirty else "")
 
 
@@ -291,8 +331,10 @@ def test_build_then_enroot(tmp_path):
     r = _run("build.sh", ["--arch", "arm64", "--out", str(out)], bindir, log)
     assert r.returncode == 0, r.stderr
     sqsh = out / f"moe-train-{rev}-arm64.sqsh"
-    assert log.read_text().splitlines()[-1] == \
-        f"enroot import --arch aarch64 -o {sqsh} dockerd://moe-train:{rev}-arm64"
+    assert (
+        log.read_text().splitlines()[-1]
+        == f"enroot import --arch aarch64 -o {sqsh} dockerd://moe-train:{rev}-arm64"
+    )
 
 
 def test_import_rejects_shell_injection(tmp_path):
@@ -300,8 +342,15 @@ def test_import_rejects_shell_injection(tmp_path):
     pwned.unlink(missing_ok=True)
     bindir, log, out = _bare_path(tmp_path), tmp_path / "log", tmp_path / "out"
     _fake_tool(bindir, "enroot")
-    for bad in ("foo; touch /tmp/ctr_pwned", "$(touch /tmp/ctr_pwned)", "`touch /tmp/ctr_pwned`",
-                "ghcr.io/nvidia/jax:tag extra", "ghcr.io/NVIDIA/jax:x", "a|b", ""):
+    for bad in (
+        "foo; touch /tmp/ctr_pwned",
+        "$(touch /tmp/ctr_pwned)",
+        "`touch /tmp/ctr_pwned`",
+        "ghcr.io/nvidia/jax:tag extra",
+        "ghcr.io/NVIDIA/jax:x",
+        "a|b",
+        "",
+    ):
         r = _run("import.sh", [bad, "--out", str(out)], bindir, log)
         assert r.returncode == 2, bad
     r = _run("import.sh", ["ghcr.io/nvidia/jax@sha256:" + "0" * 64], bindir, log)
@@ -317,9 +366,11 @@ def test_import_without_enroot_and_with_it(tmp_path):
     _fake_tool(bindir, "enroot")
     r = _run("import.sh", [image, "--out", str(out), "--arch", "arm64"], bindir, log)
     assert r.returncode == 0, r.stderr
-    assert log.read_text().strip() == (f"enroot import --arch aarch64 -o "
-                                       f"{out}/ghcr.io+nvidia+jax+jax-2026-06-27.sqsh "
-                                       "docker://ghcr.io#nvidia/jax:jax-2026-06-27")
+    assert log.read_text().strip() == (
+        f"enroot import --arch aarch64 -o "
+        f"{out}/ghcr.io+nvidia+jax+jax-2026-06-27.sqsh "
+        "docker://ghcr.io#nvidia/jax:jax-2026-06-27"
+    )
 
 
 ENROOT_CASES = {
@@ -334,8 +385,11 @@ ENROOT_CASES = {
 
 
 def _shell_uri(image: str) -> subprocess.CompletedProcess:
-    return subprocess.run([BASH, "-c", 'source "$1"; enroot_uri "$2"', "_",
-                           str(CONTAINERS / "lib.sh"), image], capture_output=True, text=True)
+    return subprocess.run(
+        [BASH, "-c", 'source "$1"; enroot_uri "$2"', "_", str(CONTAINERS / "lib.sh"), image],
+        capture_output=True,
+        text=True,
+    )
 
 
 @pytest.mark.parametrize("image", sorted(ENROOT_CASES))
@@ -345,8 +399,9 @@ def test_enroot_name_conversion(image):
     assert images.enroot_uri(image) == ENROOT_CASES[image]
 
 
-@pytest.mark.parametrize("bad", ["foo; rm -rf /", "a b", "x:tag$(id)", "Upper/Case:x",
-                                 "a#b#c", "ghcr.io/x@sha256:00"])
+@pytest.mark.parametrize(
+    "bad", ["foo; rm -rf /", "a b", "x:tag$(id)", "Upper/Case:x", "a#b#c", "ghcr.io/x@sha256:00"]
+)
 def test_enroot_conversion_rejects_bad_references(bad):
     assert _shell_uri(bad).returncode != 0
     assert not images.validate_image(bad)
@@ -369,6 +424,7 @@ def test_shell_scripts_are_strict_and_parse(script):
 
 # ---------------------------------------------------------------- Dockerfile and presets
 
+
 def _dockerfile_base() -> str:
     text = (CONTAINERS / "Dockerfile").read_text()
     return re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M).group(1)
@@ -381,7 +437,7 @@ def test_dockerfile_pins_a_dated_base():
     assert repo == "ghcr.io/nvidia/jax" and tag not in ("latest", "jax")
     assert re.fullmatch(r"jax-20\d\d-\d\d-\d\d", tag), "a dated JAX-Toolbox nightly"
     assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
-    assert "org.opencontainers.image.revision=\"${GIT_COMMIT}\"" in text
+    assert 'org.opencontainers.image.revision="${GIT_COMMIT}"' in text
     assert re.search(r"^WORKDIR /opt/moe-train$", text, re.M)
     assert "pip install --no-deps -e ." in text and "pins.py verify" in text
     assert not re.search(r"(?i)^(ARG|ENV)\s+\S*(TOKEN|PASSWORD|SECRET)", text, re.M)
@@ -398,19 +454,28 @@ def test_preset_image_is_the_dockerfile_base(name):
 
 # ---------------------------------------------------------------- pins.py
 
+
 def test_pins_keep_the_gpu_stack_of_the_base():
-    lock = pins.parse_lock("# c\njax==0.10.2\njaxlib==0.10.2\nflax==0.12.8\nnumpy==2.4.6\n"
-                           "nvidia-ml-py==13.615.71\nnvidia-nccl-cu13==2.28.9\nsubmitit==1.5.4\n")
-    base = {"jax": "0.11.0.dev20260627+060c1f383", "jaxlib": "0.11.0.dev20260627",
-            "numpy": "2.3.1", "flax": "0.12.0", "python-apt": "2.7.7ubuntu4",
-            "transformer-engine": "2.9.0"}
+    lock = pins.parse_lock(
+        "# c\njax==0.10.2\njaxlib==0.10.2\nflax==0.12.8\nnumpy==2.4.6\n"
+        "nvidia-ml-py==13.615.71\nnvidia-nccl-cu13==2.28.9\nsubmitit==1.5.4\n"
+    )
+    base = {
+        "jax": "0.11.0.dev20260627+060c1f383",
+        "jaxlib": "0.11.0.dev20260627",
+        "numpy": "2.3.1",
+        "flax": "0.12.0",
+        "python-apt": "2.7.7ubuntu4",
+        "transformer-engine": "2.9.0",
+    }
     lines = pins.constraints(lock, base)
     assert "jax==0.11.0.dev20260627+060c1f383" in lines and "numpy==2.3.1" in lines
     assert "transformer-engine==2.9.0" in lines
     assert "flax==0.12.8" in lines and "submitit==1.5.4" in lines  # the tested versions
     assert "nvidia-ml-py==13.615.71" in lines  # pure Python, not part of the GPU stack
-    assert not any(x in lines for x in ("jax==0.10.2", "jaxlib==0.10.2", "numpy==2.4.6",
-                                        "nvidia-nccl-cu13==2.28.9"))
+    assert not any(
+        x in lines for x in ("jax==0.10.2", "jaxlib==0.10.2", "numpy==2.4.6", "nvidia-nccl-cu13==2.28.9")
+    )
     assert not any(x.startswith("python-apt") for x in lines)
 
 
@@ -424,11 +489,15 @@ def test_pins_kit_requirements_skip_jax():
 
 def test_pins_verify():
     before = {"jax": "0.11.0.dev1", "flax": "0.12.0", "numpy": "2.3.1"}
-    after = {"jax": "0.11.0.dev1", "flax": "0.12.8", "numpy": "2.3.1", "jaxlib": "0.10.2",
-             "submitit": "1.5.4"}
+    after = {
+        "jax": "0.11.0.dev1",
+        "flax": "0.12.8",
+        "numpy": "2.3.1",
+        "jaxlib": "0.10.2",
+        "submitit": "1.5.4",
+    }
     problems, notes = pins.verify(before, after)
-    assert problems == ["jaxlib 0.10.2 was installed, but the GPU stack must come from the "
-                        "base image"]
+    assert problems == ["jaxlib 0.10.2 was installed, but the GPU stack must come from the base image"]
     assert notes == ["flax changed from the base image's 0.12.0 to 0.12.8"]
     problems, _ = pins.verify(before, {**after, "jax": "0.10.2"})
     assert any(p.startswith("jax changed") for p in problems)
@@ -437,10 +506,19 @@ def test_pins_verify():
 
 def test_pins_cli_in_this_environment(tmp_path):
     snap = tmp_path / "snap.json"
-    snap.write_text(subprocess.run([sys.executable, str(CONTAINERS / "pins.py"), "snapshot"],
-                                   capture_output=True, text=True, check=True).stdout)
-    r = subprocess.run([sys.executable, str(CONTAINERS / "pins.py"), "verify", "--before",
-                        str(snap)], capture_output=True, text=True)
+    snap.write_text(
+        subprocess.run(
+            [sys.executable, str(CONTAINERS / "pins.py"), "snapshot"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    r = subprocess.run(
+        [sys.executable, str(CONTAINERS / "pins.py"), "verify", "--before", str(snap)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and "unchanged" in r.stdout
     assert "jax" in json.loads(snap.read_text())
 

@@ -25,12 +25,25 @@ from moe_train.convert.to_hf import to_hf
 ROOT = Path(__file__).resolve().parent.parent
 H, V, L, E, F, HEADS, KV, D = 16, 50, 2, 4, 8, 4, 2, 4
 
-MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": V,
-           "hidden_size": H, "num_hidden_layers": L, "num_attention_heads": HEADS,
-           "num_key_value_heads": KV, "intermediate_size": F, "num_local_experts": E,
-           "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
-           "router_aux_loss_coef": 0.02, "tie_word_embeddings": False, "hidden_act": "silu",
-           "sliding_window": None, "max_position_embeddings": 128}
+MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "vocab_size": V,
+    "hidden_size": H,
+    "num_hidden_layers": L,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV,
+    "intermediate_size": F,
+    "num_local_experts": E,
+    "num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6,
+    "router_aux_loss_coef": 0.02,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "sliding_window": None,
+    "max_position_embeddings": 128,
+}
 
 
 def rand(rng, *shape, dtype=np.float32):
@@ -40,21 +53,33 @@ def rand(rng, *shape, dtype=np.float32):
 def mixtral_tensors(seed=0, dtype=np.float32) -> dict:
     """Mixtral's own tensor names (modeling_mixtral / the released files), [out, in]."""
     rng = np.random.default_rng(seed)
-    t = {"model.embed_tokens.weight": rand(rng, V, H), "model.norm.weight": rand(rng, H),
-         "lm_head.weight": rand(rng, V, H)}
+    t = {
+        "model.embed_tokens.weight": rand(rng, V, H),
+        "model.norm.weight": rand(rng, H),
+        "lm_head.weight": rand(rng, V, H),
+    }
     for i in range(L):
         p = f"model.layers.{i}."
-        t.update({p + "input_layernorm.weight": rand(rng, H),
-                  p + "post_attention_layernorm.weight": rand(rng, H),
-                  p + "self_attn.q_proj.weight": rand(rng, HEADS * D, H),
-                  p + "self_attn.k_proj.weight": rand(rng, KV * D, H),
-                  p + "self_attn.v_proj.weight": rand(rng, KV * D, H),
-                  p + "self_attn.o_proj.weight": rand(rng, H, HEADS * D),
-                  p + "block_sparse_moe.gate.weight": rand(rng, E, H)})
+        t.update(
+            {
+                p + "input_layernorm.weight": rand(rng, H),
+                p + "post_attention_layernorm.weight": rand(rng, H),
+                p + "self_attn.q_proj.weight": rand(rng, HEADS * D, H),
+                p + "self_attn.k_proj.weight": rand(rng, KV * D, H),
+                p + "self_attn.v_proj.weight": rand(rng, KV * D, H),
+                p + "self_attn.o_proj.weight": rand(rng, H, HEADS * D),
+                p + "block_sparse_moe.gate.weight": rand(rng, E, H),
+            }
+        )
         for e in range(E):
             q = f"{p}block_sparse_moe.experts.{e}."
-            t.update({q + "w1.weight": rand(rng, F, H), q + "w3.weight": rand(rng, F, H),
-                      q + "w2.weight": rand(rng, H, F)})
+            t.update(
+                {
+                    q + "w1.weight": rand(rng, F, H),
+                    q + "w3.weight": rand(rng, F, H),
+                    q + "w2.weight": rand(rng, H, F),
+                }
+            )
     return {k: v.astype(dtype) for k, v in t.items()}
 
 
@@ -94,6 +119,7 @@ def converted_leaf(out: Path, *path):
 
 # ---------------------------------------------------------------- layout
 
+
 def test_experts_are_stacked_into_the_kit_layout(tmp_path):
     t = mixtral_tensors()
     from_hf(write_hf(tmp_path / "hf", MIXTRAL, t), tmp_path / "kit", log=lambda s: None)
@@ -114,15 +140,14 @@ def test_attention_output_is_heads_by_head_dim_by_hidden(tmp_path):
 @pytest.mark.parametrize("shards,index", [(3, True), (3, False), (1, False)])
 def test_sharded_files_with_or_without_an_index(tmp_path, shards, index):
     t = mixtral_tensors()
-    from_hf(write_hf(tmp_path / "hf", MIXTRAL, t, shards, index), tmp_path / "kit",
-            log=lambda s: None)
-    np.testing.assert_array_equal(converted_leaf(tmp_path / "kit", "params", "embed"),
-                                  t["model.embed_tokens.weight"])
+    from_hf(write_hf(tmp_path / "hf", MIXTRAL, t, shards, index), tmp_path / "kit", log=lambda s: None)
+    np.testing.assert_array_equal(
+        converted_leaf(tmp_path / "kit", "params", "embed"), t["model.embed_tokens.weight"]
+    )
 
 
 def test_preset_takes_the_config_and_converts_the_balance_coefficient(tmp_path):
-    from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), tmp_path / "kit",
-            log=lambda s: None)
+    from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), tmp_path / "kit", log=lambda s: None)
     cfg = weights.config_of(weights.locate(tmp_path / "kit"))
     assert (cfg.model.hidden, cfg.model.num_kv_heads, cfg.moe.num_experts) == (H, KV, E)
     assert cfg.model.rope_theta == 1e6 and cfg.model.norm_eps == 1e-5
@@ -148,8 +173,7 @@ def test_fp32_weights_export_as_fp32_by_default(tmp_path):
 
 
 def test_a_bf16_export_of_fp32_weights_says_it_narrows_them(tmp_path):
-    from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), tmp_path / "kit",
-            log=lambda s: None)
+    from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), tmp_path / "kit", log=lambda s: None)
     lines = []
     to_hf(tmp_path / "kit", tmp_path / "back", dtype="bf16", log=lines.append)
     assert any("narrowed the stored float32 weights" in line for line in lines), lines
@@ -167,10 +191,8 @@ def test_keeping_bf16_weights_as_stored_says_nothing_of_narrowing(tmp_path):
 
 
 def test_to_hf_splits_into_shards_of_the_limit(tmp_path):
-    from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), tmp_path / "kit",
-            log=lambda s: None)
-    to_hf(tmp_path / "kit", tmp_path / "back", dtype="fp32", log=lambda s: None,
-          shard_bytes=8 << 10)
+    from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), tmp_path / "kit", log=lambda s: None)
+    to_hf(tmp_path / "kit", tmp_path / "back", dtype="fp32", log=lambda s: None, shard_bytes=8 << 10)
     files = sorted((tmp_path / "back").glob("model-*.safetensors"))
     assert len(files) > 3 and files[-1].name.endswith(f"-of-{len(files):05d}.safetensors")
     assert not list((tmp_path / "back").glob("*partial*"))
@@ -180,28 +202,32 @@ def test_two_worker_processes_write_the_same_weights(tmp_path):
     hf = write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors(), shards=2)
     from_hf(hf, tmp_path / "one", log=lambda s: None)
     from_hf(hf, tmp_path / "two", log=lambda s: None, workers=2)
-    for path in (("params", "layer_1", "moe", "wi_0"), ("params", "embed"),
-                 ("params", "layer_0", "attn", "o")):
-        np.testing.assert_array_equal(converted_leaf(tmp_path / "two", *path),
-                                      converted_leaf(tmp_path / "one", *path))
-    assert sorted(p.name for p in (tmp_path / "two" / "weights").iterdir()) == [
-        "layer_0", "layer_1", "model"]
-    assert all((tmp_path / "two" / f).read_text() == (tmp_path / "one" / f).read_text()
-               for f in (f"weights/{part}/manifest/metadata" for part in ("layer_0", "model")))
+    for path in (
+        ("params", "layer_1", "moe", "wi_0"),
+        ("params", "embed"),
+        ("params", "layer_0", "attn", "o"),
+    ):
+        np.testing.assert_array_equal(
+            converted_leaf(tmp_path / "two", *path), converted_leaf(tmp_path / "one", *path)
+        )
+    assert sorted(p.name for p in (tmp_path / "two" / "weights").iterdir()) == ["layer_0", "layer_1", "model"]
+    assert all(
+        (tmp_path / "two" / f).read_text() == (tmp_path / "one" / f).read_text()
+        for f in (f"weights/{part}/manifest/metadata" for part in ("layer_0", "model"))
+    )
 
 
 # ---------------------------------------------------------------- manifests
 
+
 def convert_mixtral(root: Path) -> Path:
     """A Mixtral converted by from-hf from a safetensors file written here: ``root/kit``."""
-    return from_hf(write_hf(root / "hf", MIXTRAL, mixtral_tensors()), root / "kit",
-                   log=lambda s: None)
+    return from_hf(write_hf(root / "hf", MIXTRAL, mixtral_tensors()), root / "kit", log=lambda s: None)
 
 
 def damage(kit: Path, part: str = "layer_1") -> Path:
     """One bit flipped in the middle of the part's largest data file (array values); the part."""
-    f = max((p for p in (kit / "weights" / part).rglob("*") if p.is_file()),
-            key=lambda p: p.stat().st_size)
+    f = max((p for p in (kit / "weights" / part).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x10
     f.write_bytes(bytes(data))
@@ -222,42 +248,69 @@ def test_each_part_carries_the_trainers_manifest_of_what_was_written(tmp_path):
 
     kit = convert_mixtral(tmp_path)
     parts = ("model", "layer_0", "layer_1")
-    written = {part: ocp.PyTreeCheckpointer().restore((kit / "weights" / part).absolute())
-               for part in parts}
-    saved = {part: json.loads((kit / "weights" / part / "manifest" / "metadata").read_text())
-             for part in parts}
-    assert saved == {part: manifest.fingerprint(jax.tree.map(jnp.asarray, tree))
-                     for part, tree in written.items()}
+    written = {part: ocp.PyTreeCheckpointer().restore((kit / "weights" / part).absolute()) for part in parts}
+    saved = {
+        part: json.loads((kit / "weights" / part / "manifest" / "metadata").read_text()) for part in parts
+    }
+    assert saved == {
+        part: manifest.fingerprint(jax.tree.map(jnp.asarray, tree)) for part, tree in written.items()
+    }
 
 
 # ---------------------------------------------------------------- DeepSeek-V3: fp8 and MTP
 
 W, Z, U, I, J = 12, 8, 4, 4, 4  # q latent, kv latent, nope, rope, value dims
-DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-            "vocab_size": V, "hidden_size": H, "num_hidden_layers": L, "num_attention_heads": HEADS,
-            "num_key_value_heads": HEADS, "intermediate_size": 24, "moe_intermediate_size": F,
-            "n_routed_experts": E, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2,
-            "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
-            "q_lora_rank": W, "kv_lora_rank": Z, "qk_nope_head_dim": U, "qk_rope_head_dim": I,
-            "v_head_dim": J, "norm_topk_prob": True, "scoring_func": "sigmoid",
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-            "num_nextn_predict_layers": 1, "hidden_act": "silu", "max_position_embeddings": 64,
-            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-                                    "weight_block_size": [128, 128]}}
+DEEPSEEK = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": V,
+    "hidden_size": H,
+    "num_hidden_layers": L,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS,
+    "intermediate_size": 24,
+    "moe_intermediate_size": F,
+    "n_routed_experts": E,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "q_lora_rank": W,
+    "kv_lora_rank": Z,
+    "qk_nope_head_dim": U,
+    "qk_rope_head_dim": I,
+    "v_head_dim": J,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+    "hidden_act": "silu",
+    "max_position_embeddings": 64,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+}
 
 
 def deepseek_block(rng, p: str, moe: bool) -> dict:
-    t = {p + "input_layernorm.weight": rand(rng, H), p + "post_attention_layernorm.weight": rand(rng, H),
-         p + "self_attn.q_a_proj.weight": rand(rng, W, H),
-         p + "self_attn.q_a_layernorm.weight": rand(rng, W),
-         p + "self_attn.q_b_proj.weight": rand(rng, HEADS * (U + I), W),
-         p + "self_attn.kv_a_proj_with_mqa.weight": rand(rng, Z + I, H),
-         p + "self_attn.kv_a_layernorm.weight": rand(rng, Z),
-         p + "self_attn.kv_b_proj.weight": rand(rng, HEADS * (U + J), Z),
-         p + "self_attn.o_proj.weight": rand(rng, H, HEADS * J)}
+    t = {
+        p + "input_layernorm.weight": rand(rng, H),
+        p + "post_attention_layernorm.weight": rand(rng, H),
+        p + "self_attn.q_a_proj.weight": rand(rng, W, H),
+        p + "self_attn.q_a_layernorm.weight": rand(rng, W),
+        p + "self_attn.q_b_proj.weight": rand(rng, HEADS * (U + I), W),
+        p + "self_attn.kv_a_proj_with_mqa.weight": rand(rng, Z + I, H),
+        p + "self_attn.kv_a_layernorm.weight": rand(rng, Z),
+        p + "self_attn.kv_b_proj.weight": rand(rng, HEADS * (U + J), Z),
+        p + "self_attn.o_proj.weight": rand(rng, H, HEADS * J),
+    }
     if not moe:
-        return t | {p + f"mlp.{n}.weight": rand(rng, *s) for n, s in
-                    (("gate_proj", (24, H)), ("up_proj", (24, H)), ("down_proj", (H, 24)))}
+        return t | {
+            p + f"mlp.{n}.weight": rand(rng, *s)
+            for n, s in (("gate_proj", (24, H)), ("up_proj", (24, H)), ("down_proj", (H, 24)))
+        }
     t |= {p + "mlp.gate.weight": rand(rng, E, H), p + "mlp.gate.e_score_correction_bias": rand(rng, E)}
     for n, s in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F))):
         t[p + f"mlp.shared_experts.{n}.weight"] = rand(rng, *s)
@@ -270,16 +323,23 @@ def deepseek_tensors(seed=0, fp8=True) -> dict:
     """DeepSeek-V3's released layout: layer L is the MTP module; expert and attention
     projections in fp8 e4m3 with a weight_scale_inv per 128x128 block."""
     rng = np.random.default_rng(seed)
-    t = {"model.embed_tokens.weight": rand(rng, V, H), "model.norm.weight": rand(rng, H),
-         "lm_head.weight": rand(rng, V, H)}
+    t = {
+        "model.embed_tokens.weight": rand(rng, V, H),
+        "model.norm.weight": rand(rng, H),
+        "lm_head.weight": rand(rng, V, H),
+    }
     for i in range(L):
         t |= deepseek_block(rng, f"model.layers.{i}.", moe=i >= 1)
     p = f"model.layers.{L}."
     t |= deepseek_block(rng, p, moe=True)
-    t |= {p + "enorm.weight": rand(rng, H), p + "hnorm.weight": rand(rng, H),
-          p + "eh_proj.weight": rand(rng, H, 2 * H), p + "shared_head.norm.weight": rand(rng, H),
-          p + "embed_tokens.weight": t["model.embed_tokens.weight"],
-          p + "shared_head.head.weight": t["lm_head.weight"]}
+    t |= {
+        p + "enorm.weight": rand(rng, H),
+        p + "hnorm.weight": rand(rng, H),
+        p + "eh_proj.weight": rand(rng, H, 2 * H),
+        p + "shared_head.norm.weight": rand(rng, H),
+        p + "embed_tokens.weight": t["model.embed_tokens.weight"],
+        p + "shared_head.head.weight": t["lm_head.weight"],
+    }
     t = {k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}
     if fp8:
         for name in [n for n in t if "experts." in n or "proj.weight" in n and "eh_proj" not in n]:
@@ -295,8 +355,9 @@ def test_fp8_weights_are_dequantized_with_their_block_scales(tmp_path):
     want = t[name].astype(np.float32) * t[name + "_scale_inv"][0, 0]
     got = converted_leaf(tmp_path / "kit", "params", "layer_1", "moe", "wi_1")[2]
     assert got.dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(got.astype(np.float32),
-                                  want.T.astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(
+        got.astype(np.float32), want.T.astype(ml_dtypes.bfloat16).astype(np.float32)
+    )
 
 
 def test_dequantize_covers_partial_blocks():
@@ -327,17 +388,25 @@ def test_mtp_layer_becomes_the_mtp_module_and_comes_back(tmp_path):
 def test_a_converted_deepseek_trains_with_init_from(tmp_path):
     from moe_train.train.loop import EXIT_OK, run
 
-    from_hf(write_hf(tmp_path / "hf", DEEPSEEK, deepseek_tensors()), tmp_path / "kit",
-            log=lambda s: None)
-    cfg = config.build(str(tmp_path / "kit" / "preset.toml"), [
-        "train.steps=2", "train.batch_size=2", "train.seq_len=16", "parallel.devices=1",
-        f"train.init_from={tmp_path / 'kit'}", "data.source=synthetic"])
+    from_hf(write_hf(tmp_path / "hf", DEEPSEEK, deepseek_tensors()), tmp_path / "kit", log=lambda s: None)
+    cfg = config.build(
+        str(tmp_path / "kit" / "preset.toml"),
+        [
+            "train.steps=2",
+            "train.batch_size=2",
+            "train.seq_len=16",
+            "parallel.devices=1",
+            f"train.init_from={tmp_path / 'kit'}",
+            "data.source=synthetic",
+        ],
+    )
     assert run(cfg, tmp_path / "run", log=lambda s: None) == EXIT_OK
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert np.isfinite(rec["loss"]) and np.isfinite(rec["mtp_loss"])
 
 
 # ---------------------------------------------------------------- errors
+
 
 def convert_error(tmp_path, cfg, tensors, match):
     hf = write_hf(tmp_path / "hf", cfg, tensors)
@@ -348,14 +417,20 @@ def convert_error(tmp_path, cfg, tensors, match):
 
 
 def test_unknown_architecture_names_the_supported_ones(tmp_path):
-    convert_error(tmp_path, {**MIXTRAL, "model_type": "llama", "architectures": ["LlamaForCausalLM"]},
-                  mixtral_tensors(), r"model_type='llama'.*supported: mixtral")
+    convert_error(
+        tmp_path,
+        {**MIXTRAL, "model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+        mixtral_tensors(),
+        r"model_type='llama'.*supported: mixtral",
+    )
 
 
 def test_a_missing_tensor_is_named(tmp_path):
     t = mixtral_tensors()
     del t["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
-    convert_error(tmp_path, MIXTRAL, t, r"tensor model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight is missing")
+    convert_error(
+        tmp_path, MIXTRAL, t, r"tensor model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight is missing"
+    )
 
 
 def test_a_shape_mismatch_is_named(tmp_path):
@@ -364,18 +439,25 @@ def test_a_shape_mismatch_is_named(tmp_path):
     convert_error(tmp_path, MIXTRAL, t, r"k_proj\.weight has shape \[9, 16\], the config needs \[8, 16\]")
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope_scaling=.*'dynamic'.* is not supported"),
-    ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),
-    ("sliding_window", 4096, "sliding_window=4096 is not supported"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope_scaling=.*'dynamic'.* is not supported"),
+        ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),
+        ("sliding_window", 4096, "sliding_window=4096 is not supported"),
+    ],
+)
 def test_an_unsupported_feature_is_named(tmp_path, key, value, match):
     convert_error(tmp_path, {**MIXTRAL, key: value}, mixtral_tensors(), match)
 
 
 def test_a_tensor_the_model_would_not_use_is_refused(tmp_path):
-    convert_error(tmp_path, MIXTRAL, {**mixtral_tensors(), "model.layers.0.extra.weight":
-                                      np.zeros(3, np.float32)}, "extra.weight is not used")
+    convert_error(
+        tmp_path,
+        MIXTRAL,
+        {**mixtral_tensors(), "model.layers.0.extra.weight": np.zeros(3, np.float32)},
+        "extra.weight is not used",
+    )
 
 
 def test_a_truncated_shard_is_named_and_leaves_nothing(tmp_path):
@@ -392,8 +474,12 @@ def test_cli_exits_2_with_one_line_and_refuses_a_full_out(tmp_path):
     hf = write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors())
     (tmp_path / "kit").mkdir()
     (tmp_path / "kit" / "keep.txt").write_text("mine")
-    proc = subprocess.run([sys.executable, "-m", "moe_train.convert", "from-hf", str(hf),
-                           str(tmp_path / "kit")], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_train.convert", "from-hf", str(hf), str(tmp_path / "kit")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "not an empty directory" in proc.stderr
     assert (tmp_path / "kit" / "keep.txt").read_text() == "mine"
@@ -408,12 +494,18 @@ def test_a_shard_that_is_not_a_file_is_named(tmp_path):
 
 # ---------------------------------------------------------------- non-finite weights
 
+
 def test_a_nan_expert_weight_is_named_with_its_file(tmp_path):
     t = mixtral_tensors()
     t["model.layers.1.block_sparse_moe.experts.3.w2.weight"][2, 5] = np.nan
-    convert_error(tmp_path, MIXTRAL, t, r"model-00001-of-00001\.safetensors: tensor "
-                  r"model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight has 1 of 128 "
-                  r"values non-finite \(NaN or inf\)")
+    convert_error(
+        tmp_path,
+        MIXTRAL,
+        t,
+        r"model-00001-of-00001\.safetensors: tensor "
+        r"model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight has 1 of 128 "
+        r"values non-finite \(NaN or inf\)",
+    )
 
 
 def test_an_infinite_bf16_head_weight_is_named(tmp_path):
@@ -425,31 +517,49 @@ def test_an_infinite_bf16_head_weight_is_named(tmp_path):
 def test_an_infinite_fp8_block_scale_names_the_weight_it_scales(tmp_path):
     t = deepseek_tensors()
     t["model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"][0, 0] = np.inf
-    convert_error(tmp_path, DEEPSEEK, t,
-                  r"tensor model\.layers\.1\.mlp\.experts\.0\.down_proj\.weight has .* non-finite")
+    convert_error(
+        tmp_path,
+        DEEPSEEK,
+        t,
+        r"tensor model\.layers\.1\.mlp\.experts\.0\.down_proj\.weight has .* non-finite",
+    )
 
 
 def test_a_float64_weight_beyond_float32_is_refused_as_out_of_range(tmp_path):
     t = {k: v.astype(np.float64) for k, v in mixtral_tensors().items()}
     t["model.norm.weight"][0] = 1e300
-    convert_error(tmp_path, MIXTRAL, t,
-                  r"tensor model\.norm\.weight has 1 of 16 values beyond the range of float32")
+    convert_error(
+        tmp_path, MIXTRAL, t, r"tensor model\.norm\.weight has 1 of 16 values beyond the range of float32"
+    )
 
 
 def test_cli_refuses_a_nan_weight_with_one_line_exit_2(tmp_path):
     t = mixtral_tensors()
     t["model.layers.0.self_attn.q_proj.weight"][0, 0] = np.nan
     hf = write_hf(tmp_path / "hf", MIXTRAL, t)
-    proc = subprocess.run([sys.executable, "-m", "moe_train.convert", "from-hf", str(hf),
-                           str(tmp_path / "kit")], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_train.convert", "from-hf", str(hf), str(tmp_path / "kit")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert (proc.returncode, len(proc.stderr.strip().splitlines())) == (2, 1), proc.stderr
-    assert proc.stderr.startswith(f"error: {hf}/model-00001-of-00001.safetensors: tensor "
-                                  "model.layers.0.self_attn.q_proj.weight has 1 of")
+    assert proc.stderr.startswith(
+        f"error: {hf}/model-00001-of-00001.safetensors: tensor "
+        "model.layers.0.self_attn.q_proj.weight has 1 of"
+    )
 
 
-@pytest.mark.parametrize("name,writing", [
-    ("kit", True), ("kit/weights/model/x", True), (".kit.partial-123/config.json", True),
-    ("hf/model.safetensors", False), ("kit2/x", False)])
+@pytest.mark.parametrize(
+    "name,writing",
+    [
+        ("kit", True),
+        ("kit/weights/model/x", True),
+        (".kit.partial-123/config.json", True),
+        ("hf/model.safetensors", False),
+        ("kit2/x", False),
+    ],
+)
 def test_cli_tells_output_errors_from_input_errors(tmp_path, name, writing):
     from moe_train.convert.__main__ import _in_output
 
@@ -459,29 +569,46 @@ def test_cli_tells_output_errors_from_input_errors(tmp_path, name, writing):
 
 # ---------------------------------------------------------------- memory
 
+
 @pytest.mark.slow
 def test_peak_memory_stays_near_one_tensor(tmp_path):
     """1.2 GB in 6 layers of 8 MiB tensors: the converter's anonymous memory grows by a
     small multiple of one layer (orbax holds what one save writes), not with the layer count
     (measured in a subprocess, /proc/self/status RssAnon)."""
     layers = 6
-    big = {**MIXTRAL, "hidden_size": 512, "intermediate_size": 4096, "num_local_experts": 8,
-           "num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": layers}
+    big = {
+        **MIXTRAL,
+        "hidden_size": 512,
+        "intermediate_size": 4096,
+        "num_local_experts": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": layers,
+    }
     rng = np.random.default_rng(0)
     t = {}
     Hb, Fb = 512, 4096
-    t |= {"model.embed_tokens.weight": rand(rng, V, Hb), "model.norm.weight": rand(rng, Hb),
-          "lm_head.weight": rand(rng, V, Hb)}
+    t |= {
+        "model.embed_tokens.weight": rand(rng, V, Hb),
+        "model.norm.weight": rand(rng, Hb),
+        "lm_head.weight": rand(rng, V, Hb),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
-        t |= {p + "input_layernorm.weight": rand(rng, Hb), p + "post_attention_layernorm.weight": rand(rng, Hb),
-              p + "block_sparse_moe.gate.weight": rand(rng, 8, Hb)}
+        t |= {
+            p + "input_layernorm.weight": rand(rng, Hb),
+            p + "post_attention_layernorm.weight": rand(rng, Hb),
+            p + "block_sparse_moe.gate.weight": rand(rng, 8, Hb),
+        }
         for n in ("q", "k", "v", "o"):
             t[p + f"self_attn.{n}_proj.weight"] = rand(rng, Hb, Hb)
         for e in range(8):
             q = f"{p}block_sparse_moe.experts.{e}."
-            t |= {q + "w1.weight": rand(rng, Fb, Hb), q + "w3.weight": rand(rng, Fb, Hb),
-                  q + "w2.weight": rand(rng, Hb, Fb)}
+            t |= {
+                q + "w1.weight": rand(rng, Fb, Hb),
+                q + "w3.weight": rand(rng, Fb, Hb),
+                q + "w2.weight": rand(rng, Hb, Fb),
+            }
     hf = write_hf(tmp_path / "hf", big, t, shards=4)
     total = sum(v.nbytes for v in t.values())
     del t
@@ -496,9 +623,9 @@ def test_peak_memory_stays_near_one_tensor(tmp_path):
         "from moe_train.convert.from_hf import from_hf\n"
         "base = rss(); threading.Thread(target=watch, daemon=True).start()\n"
         f"from_hf({str(hf)!r}, {str(tmp_path / 'kit')!r}, log=lambda s: None)\n"
-        "print(peak[0] - base)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
-                         check=True)
+        "print(peak[0] - base)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
     grown = int(out.stdout.strip().splitlines()[-1])
     layer = 3 * 8 * 512 * 4096 * 4 + 4 * 512 * 512 * 4  # one layer's experts and attention
     assert total > 5 * layer

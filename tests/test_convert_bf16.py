@@ -40,8 +40,12 @@ def per_token_change(root, cfg: dict, tensors: dict) -> np.ndarray:
 def changes(tmp_path_factory) -> np.ndarray:
     deepseek = {k: v for k, v in DEEPSEEK.items() if k != "quantization_config"}
     models = [(MIXTRAL, mixtral_tensors(seed=0)), (deepseek, deepseek_tensors(seed=0, fp8=False))]
-    return np.concatenate([per_token_change(tmp_path_factory.mktemp(f"m{i}"), cfg, hf_init(t, 0))
-                           for i, (cfg, t) in enumerate(models)])
+    return np.concatenate(
+        [
+            per_token_change(tmp_path_factory.mktemp(f"m{i}"), cfg, hf_init(t, 0))
+            for i, (cfg, t) in enumerate(models)
+        ]
+    )
 
 
 @pytest.mark.slow

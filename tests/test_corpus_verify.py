@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_prepare import DOCS, ROOT, bpe, flip_byte, run, write_txt  # noqa: F401  (bpe: a fixture)
 from test_faults import _read_only
+from test_prepare import DOCS, ROOT, bpe, flip_byte, run, write_txt  # noqa: F401  (bpe: a fixture)
 
 from moe_train.data import DataError, prepared, verify
 
@@ -35,8 +35,11 @@ def records(corpus: Path) -> dict:
 
 def test_a_shard_changed_in_place_is_refused_at_open(corpus):
     flip_byte(corpus / "train/shard_00001.bin")
-    with pytest.raises(DataError, match=r"train/shard_00001\.bin: sha256 differs from the "
-                       r"manifest .*; rerun the python -m moe_train\.data prepare"):
+    with pytest.raises(
+        DataError,
+        match=r"train/shard_00001\.bin: sha256 differs from the "
+        r"manifest .*; rerun the python -m moe_train\.data prepare",
+    ):
         prepared.open_split(corpus, "train")
 
 
@@ -47,8 +50,7 @@ def test_the_first_open_records_every_shard_file_by_size_mtime_and_inode(corpus)
         for rel in (entry["bin"], entry["idx"]):
             st = (corpus / rel).stat()
             want[rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
-    assert {k: (v["size"], v["mtime_ns"], v["inode"])
-            for k, v in records(corpus).items()} == want
+    assert {k: (v["size"], v["mtime_ns"], v["inode"]) for k, v in records(corpus).items()} == want
 
 
 def test_a_later_open_trusts_the_record_for_the_same_size_and_mtime(corpus):
@@ -91,7 +93,6 @@ def test_a_malformed_record_file_is_ignored_and_rewritten(corpus):
     assert set(records(corpus)) == {"val/shard_00000.bin", "val/shard_00000.idx.npy"}
 
 
-
 @pytest.fixture
 def read_only(corpus):
     """``corpus`` with its top directory unwritable (its split folders stay writable)."""
@@ -119,8 +120,10 @@ def test_a_second_process_waits_for_the_one_verifying(corpus):
     fd = os.open(corpus / verify.LOCK, os.O_RDWR | os.O_CREAT)
     fcntl.lockf(fd, fcntl.LOCK_EX)  # as a process verifying the corpus holds it
     started = corpus.parent / "started"
-    code = ("import sys; from pathlib import Path; from moe_train.data import prepared; "
-            f"Path({str(started)!r}).touch(); prepared.open_split({str(corpus)!r}, 'train')")
+    code = (
+        "import sys; from pathlib import Path; from moe_train.data import prepared; "
+        f"Path({str(started)!r}).touch(); prepared.open_split({str(corpus)!r}, 'train')"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     try:
         deadline = time.time() + 60
@@ -136,11 +139,34 @@ def test_a_second_process_waits_for_the_one_verifying(corpus):
 def test_training_on_a_changed_shard_exits_2_naming_it(corpus):
     flip_byte(corpus / "train/shard_00001.bin")
     proc = subprocess.run(
-        [sys.executable, "-m", "moe_train", "--preset", "tiny", "--out", str(corpus.parent / "run"),
-         "--set", "data.source=prepared", "--set", f"data.path={corpus}",
-         "--set", "model.vocab_size=512", "--set", "train.steps=2", "--set", "train.seq_len=32",
-         "--set", "parallel.devices=1", "--set", "train.skip_selftest=true"],
-        capture_output=True, text=True, cwd=ROOT, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "moe_train",
+            "--preset",
+            "tiny",
+            "--out",
+            str(corpus.parent / "run"),
+            "--set",
+            "data.source=prepared",
+            "--set",
+            f"data.path={corpus}",
+            "--set",
+            "model.vocab_size=512",
+            "--set",
+            "train.steps=2",
+            "--set",
+            "train.seq_len=32",
+            "--set",
+            "parallel.devices=1",
+            "--set",
+            "train.skip_selftest=true",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     lines = proc.stderr.strip().splitlines()
     assert (proc.returncode, len(lines)) == (2, 1), proc.stderr
     assert lines[0].startswith(f"error: {corpus}/train/shard_00001.bin: sha256 differs")

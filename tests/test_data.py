@@ -28,8 +28,12 @@ def _source(kind: str, tmp_path: Path, *, batch_size: int = 8, seq_len: int = 16
     if kind == "synthetic":
         cfg = DataConfig(source="synthetic", seed=seed)
     elif kind == "tokens":
-        cfg = DataConfig(source="tokens", path=_tokens_file(tmp_path, np.arange(5000) % 300),
-                         token_dtype="uint16", seed=seed)
+        cfg = DataConfig(
+            source="tokens",
+            path=_tokens_file(tmp_path, np.arange(5000) % 300),
+            token_dtype="uint16",
+            seed=seed,
+        )
     else:
         cfg = DataConfig(source="bytes", path=CORPUS, seed=seed)
     vocab = 300 if kind == "tokens" else 256
@@ -54,8 +58,9 @@ def test_different_steps_give_different_batches(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_different_seeds_give_different_batches(kind, tmp_path):
-    assert not np.array_equal(_source(kind, tmp_path, seed=0).batch(3),
-                              _source(kind, tmp_path, seed=1).batch(3))
+    assert not np.array_equal(
+        _source(kind, tmp_path, seed=0).batch(3), _source(kind, tmp_path, seed=1).batch(3)
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -99,8 +104,12 @@ def test_bad_process_index_is_a_data_error():
 def test_tokens_file_round_trip(dtype, base, tmp_path):
     n = 3000
     path = _tokens_file(tmp_path, base + np.arange(n), dtype)
-    src = make_source(DataConfig(source="tokens", path=path, token_dtype=dtype),
-                      vocab_size=base + n, seq_len=31, batch_size=4)
+    src = make_source(
+        DataConfig(source="tokens", path=path, token_dtype=dtype),
+        vocab_size=base + n,
+        seq_len=31,
+        batch_size=4,
+    )
     assert f"({n:,} tokens)" in src.description
     b = src.batch(2)
     for row in b:  # every row is a contiguous window of the file
@@ -111,16 +120,14 @@ def test_tokens_file_round_trip(dtype, base, tmp_path):
 
 def test_bytes_source_rows_are_raw_windows_of_the_file(tmp_path):
     raw = KIT_ROOT.joinpath(CORPUS).read_bytes()
-    src = make_source(DataConfig(source="bytes", path=CORPUS), vocab_size=256, seq_len=64,
-                      batch_size=4)
+    src = make_source(DataConfig(source="bytes", path=CORPUS), vocab_size=256, seq_len=64, batch_size=4)
     for row in src.batch(11):
         assert raw.find(bytes(row.astype(np.uint8))) >= 0
 
 
 def test_relative_path_falls_back_to_kit_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    src = make_source(DataConfig(source="bytes", path=CORPUS), vocab_size=256, seq_len=8,
-                      batch_size=2)
+    src = make_source(DataConfig(source="bytes", path=CORPUS), vocab_size=256, seq_len=8, batch_size=2)
     assert src.path == (KIT_ROOT / CORPUS).resolve()
 
 
@@ -129,8 +136,7 @@ def test_relative_path_prefers_working_directory(tmp_path, monkeypatch):
     local.parent.mkdir(parents=True)
     local.write_text("a local file, not the shipped corpus\n")
     monkeypatch.chdir(tmp_path)
-    src = make_source(DataConfig(source="bytes", path=CORPUS), vocab_size=256, seq_len=8,
-                      batch_size=2)
+    src = make_source(DataConfig(source="bytes", path=CORPUS), vocab_size=256, seq_len=8, batch_size=2)
     assert src.path.read_bytes() == local.read_bytes()
     assert src.description.startswith(f"bytes: {CORPUS} (")
 
@@ -138,8 +144,9 @@ def test_relative_path_prefers_working_directory(tmp_path, monkeypatch):
 def test_missing_file_names_both_places_looked(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError) as e:
-        make_source(DataConfig(source="bytes", path="nope/missing.txt"), vocab_size=256,
-                    seq_len=8, batch_size=2)
+        make_source(
+            DataConfig(source="bytes", path="nope/missing.txt"), vocab_size=256, seq_len=8, batch_size=2
+        )
     msg = str(e.value)
     assert str(tmp_path / "nope/missing.txt") in msg
     assert str(KIT_ROOT / "nope/missing.txt") in msg
@@ -153,23 +160,25 @@ def test_data_error_is_a_config_error():
 def test_file_shorter_than_a_sequence_is_a_data_error(tmp_path):
     path = _tokens_file(tmp_path, np.arange(10))
     with pytest.raises(DataError, match=r"only 10 tokens, shorter than train.seq_len \+ 1 = 17"):
-        make_source(DataConfig(source="tokens", path=path), vocab_size=256, seq_len=16,
-                    batch_size=2)
+        make_source(DataConfig(source="tokens", path=path), vocab_size=256, seq_len=16, batch_size=2)
 
 
 def test_tokens_file_size_must_match_dtype(tmp_path):
     path = tmp_path / "odd.bin"
     path.write_bytes(b"\x01" * 4001)
     with pytest.raises(DataError, match="not a whole number of uint16 tokens"):
-        make_source(DataConfig(source="tokens", path=str(path)), vocab_size=256, seq_len=16,
-                    batch_size=2)
+        make_source(DataConfig(source="tokens", path=str(path)), vocab_size=256, seq_len=16, batch_size=2)
 
 
 def test_large_batches_gather_the_same_windows(tmp_path):
     n, length = 100_000, 10_001  # 8 x 10,001 tokens takes the vectorised gather path
     path = _tokens_file(tmp_path, np.arange(n), "uint32")
-    src = make_source(DataConfig(source="tokens", path=path, token_dtype="uint32"),
-                      vocab_size=n, seq_len=length - 1, batch_size=8)
+    src = make_source(
+        DataConfig(source="tokens", path=path, token_dtype="uint32"),
+        vocab_size=n,
+        seq_len=length - 1,
+        batch_size=8,
+    )
     b = src.batch(4)
     np.testing.assert_array_equal(b, b[:, :1] + np.arange(length))
 
@@ -180,8 +189,7 @@ def test_non_utf8_file_is_a_data_error(tmp_path, monkeypatch, chunk):
     path = tmp_path / "latin1.txt"
     path.write_bytes("café au lait, ".encode() * 50 + "naïve".encode("latin-1") + b" end" * 50)
     with pytest.raises(DataError) as e:
-        make_source(DataConfig(source="bytes", path=str(path)), vocab_size=256, seq_len=16,
-                    batch_size=2)
+        make_source(DataConfig(source="bytes", path=str(path)), vocab_size=256, seq_len=16, batch_size=2)
     assert "not UTF-8" in str(e.value) and str(path) in str(e.value)
     assert f"near byte {len('café au lait, '.encode()) * 50 + 2:,}" in str(e.value)
 
@@ -190,31 +198,29 @@ def test_utf8_character_split_across_scan_chunks_is_accepted(tmp_path, monkeypat
     monkeypatch.setattr(data, "_CHUNK", 7)  # forces chunk boundaries inside 2-byte characters
     path = tmp_path / "accents.txt"
     path.write_text("Zoë and Søren met José at the café. " * 20, encoding="utf-8")
-    src = make_source(DataConfig(source="bytes", path=str(path)), vocab_size=256, seq_len=16,
-                      batch_size=2)
+    src = make_source(DataConfig(source="bytes", path=str(path)), vocab_size=256, seq_len=16, batch_size=2)
     assert src.num_tokens == path.stat().st_size
 
 
 def test_token_id_beyond_vocab_fails_at_open(tmp_path):
     path = _tokens_file(tmp_path, np.r_[np.arange(100), 500, np.arange(100)])
     with pytest.raises(DataError, match=r"token id 500 at token 100 is >= model.vocab_size=256"):
-        make_source(DataConfig(source="tokens", path=path), vocab_size=256, seq_len=16,
-                    batch_size=2)
+        make_source(DataConfig(source="tokens", path=path), vocab_size=256, seq_len=16, batch_size=2)
 
 
 def test_token_id_beyond_vocab_fails_in_batch_for_large_files(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "SCAN_LIMIT", 0)  # treat the file as too large to scan at open
     path = _tokens_file(tmp_path, np.full(1000, 999), "uint32")
-    src = make_source(DataConfig(source="tokens", path=path, token_dtype="uint32"),
-                      vocab_size=256, seq_len=16, batch_size=2)
+    src = make_source(
+        DataConfig(source="tokens", path=path, token_dtype="uint32"), vocab_size=256, seq_len=16, batch_size=2
+    )
     with pytest.raises(DataError, match="token id 999"):
         src.batch(0)
 
 
 def test_bytes_source_needs_a_byte_vocabulary():
     with pytest.raises(DataError, match="vocab_size >= 256"):
-        make_source(DataConfig(source="bytes", path=CORPUS), vocab_size=100, seq_len=8,
-                    batch_size=2)
+        make_source(DataConfig(source="bytes", path=CORPUS), vocab_size=100, seq_len=8, batch_size=2)
 
 
 def _conditional_entropy(b: np.ndarray, vocab: int) -> float:

@@ -15,8 +15,10 @@ STEPS = 2
 
 
 def losses(tmp_path, name, *extra):
-    cfg = config.build("deepseek-v3-tiny", [f"train.steps={STEPS}", "train.log_every=100",
-                                            "train.batch_size=8", "train.seq_len=32", *extra])
+    cfg = config.build(
+        "deepseek-v3-tiny",
+        [f"train.steps={STEPS}", "train.log_every=100", "train.batch_size=8", "train.seq_len=32", *extra],
+    )
     assert run(cfg, tmp_path / name, log=lambda s: None) == EXIT_OK
     recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return np.asarray([[r["loss"], r["mtp_loss"], r["grad_norm"]] for r in recs])
@@ -28,11 +30,15 @@ def one_device(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [
-    ["parallel.devices=4", "parallel.ep=1"],  # FSDP 4
-    ["parallel.devices=4", "parallel.ep=4"],  # EP 4: two experts per device
-    ["parallel.devices=4", "parallel.ep=2"],  # EP 2 x FSDP 2
-], ids=["fsdp4", "ep4", "ep2-fsdp2"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["parallel.devices=4", "parallel.ep=1"],  # FSDP 4
+        ["parallel.devices=4", "parallel.ep=4"],  # EP 4: two experts per device
+        ["parallel.devices=4", "parallel.ep=2"],  # EP 2 x FSDP 2
+    ],
+    ids=["fsdp4", "ep4", "ep2-fsdp2"],
+)
 def test_parallel_runs_match_one_device(tmp_path, one_device, extra):
     np.testing.assert_allclose(losses(tmp_path, "par", *extra), one_device, rtol=2e-5)
 
@@ -59,8 +65,15 @@ def test_the_looped_layout_gives_the_same_losses():
     variables = Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
     params, moe_state = nn.unbox(variables["params"]), variables["moe_state"]
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 17)), jnp.int32)
-    got = train._loss_fn(to_looped(params, cfg.model), {}, to_looped(moe_state, cfg.model), batch,
-                         Transformer(looped), looped, mtp_weight=0.3)
+    got = train._loss_fn(
+        to_looped(params, cfg.model),
+        {},
+        to_looped(moe_state, cfg.model),
+        batch,
+        Transformer(looped),
+        looped,
+        mtp_weight=0.3,
+    )
     want = train._loss_fn(params, {}, moe_state, batch, Transformer(cfg), cfg, mtp_weight=0.3)
     for key in ("ce", "mtp", "seq_aux"):
         np.testing.assert_allclose(got[1][key], want[1][key], rtol=1e-6)
@@ -88,10 +101,18 @@ def test_resume_is_bitwise_with_mla_and_mtp(tmp_path):
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     def cfg(steps):
-        return config.build("deepseek-v3-tiny", [
-            f"train.steps={steps}", "train.checkpoint_every=2", "train.batch_size=4",
-            "optim.decay_steps=10",  # the schedule must not depend on train.steps
-            "train.seq_len=16", "parallel.devices=1", "train.log_every=100"])
+        return config.build(
+            "deepseek-v3-tiny",
+            [
+                f"train.steps={steps}",
+                "train.checkpoint_every=2",
+                "train.batch_size=4",
+                "optim.decay_steps=10",  # the schedule must not depend on train.steps
+                "train.seq_len=16",
+                "parallel.devices=1",
+                "train.log_every=100",
+            ],
+        )
 
     assert run(cfg(4), tmp_path / "straight", log=lambda s: None) == EXIT_OK
     assert run(cfg(2), tmp_path / "resumed", log=lambda s: None) == EXIT_OK

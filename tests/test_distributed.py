@@ -13,8 +13,14 @@ from moe_train.config import ConfigError, ParallelConfig
 from moe_train.train import cli, distributed, signals, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
-SLURM_STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_NODELIST": "node[001-002]", "SLURM_NTASKS": "4",
-              "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}
+SLURM_STEP = {
+    "SLURM_JOB_ID": "1234",
+    "SLURM_STEP_NODELIST": "node[001-002]",
+    "SLURM_NTASKS": "4",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_PROCID": "2",
+    "SLURM_LOCALID": "0",
+}
 
 
 def P(**kw) -> ParallelConfig:
@@ -38,8 +44,16 @@ def test_batch_script_outside_srun_is_single_process():
 
 
 def test_explicit():
-    source, kw = distributed.plan(P(coordinator="10.0.0.1:1234", num_processes=2, process_id=1,
-                                    init_timeout_s=30, heartbeat_timeout_s=15), {})
+    source, kw = distributed.plan(
+        P(
+            coordinator="10.0.0.1:1234",
+            num_processes=2,
+            process_id=1,
+            init_timeout_s=30,
+            heartbeat_timeout_s=15,
+        ),
+        {},
+    )
     assert source == "explicit"
     assert kw["coordinator_address"] == "10.0.0.1:1234"
     assert (kw["num_processes"], kw["process_id"]) == (2, 1)
@@ -49,11 +63,14 @@ def test_explicit():
     assert kw["shutdown_timeout_seconds"] == distributed.watchdog_timeout_s(P(heartbeat_timeout_s=15))
 
 
-@pytest.mark.parametrize("kw, needles", [
-    (dict(), ["parallel.num_processes", "parallel.process_id"]),
-    (dict(num_processes=2), ["parallel.process_id"]),
-    (dict(process_id=0), ["parallel.num_processes"]),
-])
+@pytest.mark.parametrize(
+    "kw, needles",
+    [
+        (dict(), ["parallel.num_processes", "parallel.process_id"]),
+        (dict(num_processes=2), ["parallel.process_id"]),
+        (dict(process_id=0), ["parallel.num_processes"]),
+    ],
+)
 def test_explicit_missing_keys(kw, needles):
     with pytest.raises(ConfigError) as err:
         distributed.plan(P(coordinator="127.0.0.1:5000", **kw), {})
@@ -92,8 +109,7 @@ def test_slurm_step_task_count_wins_over_job_task_count():
 
 
 def test_explicit_wins_over_slurm():
-    source, kw = distributed.plan(P(coordinator="10.0.0.9:7000", num_processes=2, process_id=0),
-                                  SLURM_STEP)
+    source, kw = distributed.plan(P(coordinator="10.0.0.9:7000", num_processes=2, process_id=0), SLURM_STEP)
     assert source == "explicit"
     assert (kw["coordinator_address"], kw["num_processes"], kw["process_id"]) == ("10.0.0.9:7000", 2, 0)
 
@@ -238,8 +254,20 @@ def test_module_level_beat_reaches_the_running_watchdog():
 
 
 def test_cli_flags_map_to_parallel_keys(tmp_path):
-    args = cli.parser().parse_args(["--out", str(tmp_path), "--coordinator", "127.0.0.1:999",
-                                    "--num-processes", "2", "--process-id", "1", "--devices", "2"])
+    args = cli.parser().parse_args(
+        [
+            "--out",
+            str(tmp_path),
+            "--coordinator",
+            "127.0.0.1:999",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "1",
+            "--devices",
+            "2",
+        ]
+    )
     p = cli.resolve(args).parallel
     assert (p.coordinator, p.num_processes, p.process_id, p.devices) == ("127.0.0.1:999", 2, 1, 2)
 
@@ -262,8 +290,10 @@ def test_cli_devices_are_per_process(tmp_path):
 def test_peer_failure_is_recognised():
     from jax.errors import JaxRuntimeError
 
-    gloo = JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: [pair.cc:538] Read error "
-                           "[127.0.0.1]:17095: Connection reset by peer")
+    gloo = JaxRuntimeError(
+        "UNKNOWN: Gloo all-reduce failed: [pair.cc:538] Read error "
+        "[127.0.0.1]:17095: Connection reset by peer"
+    )
     line = distributed.peer_failure(gloo)
     assert line and "peer died" in line and "Connection reset by peer" in line and "\n" not in line
     assert distributed.peer_failure(JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")) is None
@@ -273,13 +303,17 @@ def test_peer_failure_is_recognised():
 def test_peer_failure_recognises_value_errors_and_wrapped_causes():
     from jax.errors import JaxRuntimeError
 
-    gloo = ValueError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
-                      "Read error [127.0.0.1]:37052: Connection reset by peer")
+    gloo = ValueError(
+        "UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+        "Read error [127.0.0.1]:37052: Connection reset by peer"
+    )
     assert "Connection reset by peer" in distributed.peer_failure(gloo)  # process_allgather
     try:  # orbax: a failed commit barrier, raised again as a TimeoutError
         try:
-            raise JaxRuntimeError("INTERNAL: Barrier failed because: task is set to ERROR: "
-                                  "UNAVAILABLE: Task 1 heartbeat timeout.")
+            raise JaxRuntimeError(
+                "INTERNAL: Barrier failed because: task is set to ERROR: "
+                "UNAVAILABLE: Task 1 heartbeat timeout."
+            )
         except JaxRuntimeError as cause:
             raise TimeoutError("Timed out while waiting for async_write_complete barrier.") from cause
     except TimeoutError as err:
@@ -290,35 +324,44 @@ def test_peer_failure_recognises_value_errors_and_wrapped_causes():
 
 # --------------------------------------------------------------------------- the supervisor
 
-HEARTBEATS = ["E1201 12:13:52.926574   20917 coordination_service.cc:1549] [386] Use error polling "
-              "to propagate the following error to all tasks: UNAVAILABLE: The following tasks "
-              "are unhealthy (stopped sending heartbeats):",
-              "1",
-              "The tasks have crashed. Check the task logs for an earlier error.",
-              "F1201 12:13:52.927144   20928 client.h:80] Terminating process because the JAX "
-              "distributed service detected fatal errors. absl::Status: UNAVAILABLE: The following "
-              "tasks are unhealthy (stopped sending heartbeats):",
-              "1",
-              "The tasks have crashed. Check the task logs for an earlier error, or scheduler events.",
-              "",
-              "RPC: /xla.coordination.CoordinationService/PollForError",
-              "ERROR:absl:[process=0] Failed to run 4 Handler Commit operations",
-              "Traceback (most recent call last):",
-              '  File "orbax/checkpoint/async_checkpointer.py", line 119, in _background_wait',
-              "TimeoutError: Timed out while waiting for async_write_complete barrier.",
-              "*** Check failure stack trace: ***",
-              "    @     0x7fc3af440634  absl::log_internal::LogMessage::SendToLog()"]
-LEADER_GONE = ["W1201 12:14:22.380099   21197 preemption_sync_manager.cc:147] Failed to retrieve "
-               "preemption notice from coordination service: UNAVAILABLE: Socket closed",
-               "F1201 12:14:22.380196   21197 client.h:80] Terminating process because the JAX "
-               "distributed service detected fatal errors. absl::Status: UNAVAILABLE: Failed to send "
-               "RPC to coordination service. Either the leader task was preempted/died/restarted",
-               "*** Check failure stack trace: ***"]
+HEARTBEATS = [
+    "E1201 12:13:52.926574   20917 coordination_service.cc:1549] [386] Use error polling "
+    "to propagate the following error to all tasks: UNAVAILABLE: The following tasks "
+    "are unhealthy (stopped sending heartbeats):",
+    "1",
+    "The tasks have crashed. Check the task logs for an earlier error.",
+    "F1201 12:13:52.927144   20928 client.h:80] Terminating process because the JAX "
+    "distributed service detected fatal errors. absl::Status: UNAVAILABLE: The following "
+    "tasks are unhealthy (stopped sending heartbeats):",
+    "1",
+    "The tasks have crashed. Check the task logs for an earlier error, or scheduler events.",
+    "",
+    "RPC: /xla.coordination.CoordinationService/PollForError",
+    "ERROR:absl:[process=0] Failed to run 4 Handler Commit operations",
+    "Traceback (most recent call last):",
+    '  File "orbax/checkpoint/async_checkpointer.py", line 119, in _background_wait',
+    "TimeoutError: Timed out while waiting for async_write_complete barrier.",
+    "*** Check failure stack trace: ***",
+    "    @     0x7fc3af440634  absl::log_internal::LogMessage::SendToLog()",
+]
+LEADER_GONE = [
+    "W1201 12:14:22.380099   21197 preemption_sync_manager.cc:147] Failed to retrieve "
+    "preemption notice from coordination service: UNAVAILABLE: Socket closed",
+    "F1201 12:14:22.380196   21197 client.h:80] Terminating process because the JAX "
+    "distributed service detected fatal errors. absl::Status: UNAVAILABLE: Failed to send "
+    "RPC to coordination service. Either the leader task was preempted/died/restarted",
+    "*** Check failure stack trace: ***",
+]
 
 
 def job(tmp_path, pid=0):
-    return supervise.Job(process_id=pid, num_processes=2, coordinator="127.0.0.1:5000",
-                         heartbeat_timeout_s=5, out_dir=tmp_path / "run")
+    return supervise.Job(
+        process_id=pid,
+        num_processes=2,
+        coordinator="127.0.0.1:5000",
+        heartbeat_timeout_s=5,
+        out_dir=tmp_path / "run",
+    )
 
 
 def test_stderr_filter_passes_lines_and_holds_runtime_noise():
@@ -332,8 +375,11 @@ def test_stderr_filter_passes_lines_and_holds_runtime_noise():
     assert len(shown) == 1
     clock.t += 5
     f.tick()
-    assert shown[1:] == ["W1201 12:00:00.000001   1 file.cc:1] a C++ warning\n", "its second line\n",
-                         "error: process 0 of 2: the trainer's own line\n"]
+    assert shown[1:] == [
+        "W1201 12:00:00.000001   1 file.cc:1] a C++ warning\n",
+        "its second line\n",
+        "error: process 0 of 2: the trainer's own line\n",
+    ]
     assert f.said_error and not f.fatal_seen
 
 
@@ -347,8 +393,9 @@ def test_fatal_record_is_never_shown_and_names_the_peer(tmp_path, capsys):
     assert shown == [] and f.fatal_seen
     assert supervise.outcome(-6, f, job(tmp_path)) == signals.EXIT_DISTRIBUTED
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("error: process 0 of 2: peer process 1 stopped "
-                                                "sending heartbeats"), err
+    assert len(err) == 1 and err[0].startswith(
+        "error: process 0 of 2: peer process 1 stopped sending heartbeats"
+    ), err
     assert "heartbeat_timeout_s=5" in err[0] and "(SIGABRT)" in err[0]
     log = (tmp_path / "run" / "logs" / "process-0.stderr.log").read_text()
     assert str(tmp_path / "run" / "logs" / "process-0.stderr.log") in err[0]
@@ -357,10 +404,12 @@ def test_fatal_record_is_never_shown_and_names_the_peer(tmp_path, capsys):
 
 def test_lost_coordinator_and_plain_signals_are_one_line(tmp_path):
     line = supervise.describe(LEADER_GONE[1:], 6, job(tmp_path, pid=1))
-    assert line.startswith("error: process 1 of 2: lost the JAX coordinator (process 0 at "
-                           "127.0.0.1:5000)")
-    frozen = ["F1201 12:21:30.000001   1 client.h:80] Terminating process because ... absl::Status: "
-              "DEADLINE_EXCEEDED: Deadline Exceeded", "RPC: /xla.coordination.CoordinationService/Heartbeat"]
+    assert line.startswith("error: process 1 of 2: lost the JAX coordinator (process 0 at 127.0.0.1:5000)")
+    frozen = [
+        "F1201 12:21:30.000001   1 client.h:80] Terminating process because ... absl::Status: "
+        "DEADLINE_EXCEEDED: Deadline Exceeded",
+        "RPC: /xla.coordination.CoordinationService/Heartbeat",
+    ]
     line = supervise.describe(frozen, 6, job(tmp_path, pid=1))
     assert "coordinator (process 0 at 127.0.0.1:5000) stopped answering heartbeats" in line
     line = supervise.describe([], 11, job(tmp_path, pid=1))
@@ -431,9 +480,14 @@ time.sleep(600)
 
 def supervised(tmp_path, child: str):
     out = open(tmp_path / "sup.out", "w")
-    return subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path / "run"), CHILDREN[child]],
-                            cwd=ROOT, stdout=out, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, str(tmp_path / "run"), CHILDREN[child]],
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
 
 
 def wait_for(path, needle, timeout=30):

@@ -30,8 +30,14 @@ CLUSTER_PRESETS = ROOT / "topology" / "presets"
 # programs that are not the kit's: named, not checked (pip, the TensorBoard viewer, ...)
 EXTERNAL = {"pip", "tensorboard", "wandb", "srun", "source", "git", "docker", "enroot", "cat"}
 # environment variables a command may set in front of make (documented, not Makefile's)
-DOC_ENV = {"MOE_TRAIN_COMPILE", "MOE_TRAIN_SITE", "WANDB_MODE", "WANDB_API_KEY", "XLA_FLAGS",
-           "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+DOC_ENV = {
+    "MOE_TRAIN_COMPILE",
+    "MOE_TRAIN_SITE",
+    "WANDB_MODE",
+    "WANDB_API_KEY",
+    "XLA_FLAGS",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+}
 KIT_PACKAGES = {"moe_train", "slurm", "topology", "containers"}
 MAX_PLACEHOLDERS = 8
 MAX_README_LINES = 250
@@ -40,14 +46,38 @@ MAX_README_LINES = 250
 MAKE_TARGETS = {
     "smoke": ("moe_train", {"OUT": "--out", "STEPS": "--steps"}, ["--preset", "tiny", "--fresh"]),
     "train": ("moe_train", {"MODEL": "--preset", "OUT": "--out", "STEPS": "--steps"}, []),
-    "plan": ("slurm.show", {"PRESET": "--preset", "MODEL": "--model", "NODES": "--nodes",
-                            "EP": "--ep", "STEPS": "--steps", "COMPUTE": "--compute",
-                            "TOP": "--top"}, []),
-    "compile": ("moe_train.compile", {"PRESET": "--preset", "MODEL": "--model",
-                                      "NODES": "--nodes", "EP": "--ep", "STEPS": "--steps"}, []),
-    "submit": ("slurm.submit", {"PRESET": "--preset", "MODEL": "--model", "NODES": "--nodes",
-                                "EP": "--ep", "STEPS": "--steps", "OUT": "--out",
-                                "IMAGE": "--image", "COMPUTE": "--compute"}, []),
+    "plan": (
+        "slurm.show",
+        {
+            "PRESET": "--preset",
+            "MODEL": "--model",
+            "NODES": "--nodes",
+            "EP": "--ep",
+            "STEPS": "--steps",
+            "COMPUTE": "--compute",
+            "TOP": "--top",
+        },
+        [],
+    ),
+    "compile": (
+        "moe_train.compile",
+        {"PRESET": "--preset", "MODEL": "--model", "NODES": "--nodes", "EP": "--ep", "STEPS": "--steps"},
+        [],
+    ),
+    "submit": (
+        "slurm.submit",
+        {
+            "PRESET": "--preset",
+            "MODEL": "--model",
+            "NODES": "--nodes",
+            "EP": "--ep",
+            "STEPS": "--steps",
+            "OUT": "--out",
+            "IMAGE": "--image",
+            "COMPUTE": "--compute",
+        },
+        [],
+    ),
 }
 MAKE_SWITCHES = {"submit": {"DRY_RUN": "--dry-run", "WAIT": "--wait"}, "compile": {"PEAK": "--peak"}}
 # variables a recipe passes only when given (make submit: --out only for an OUT you set)
@@ -92,7 +122,7 @@ def _split_comment(line: str) -> tuple[str, str]:
         elif ch in "'\"":
             quote = ch
         elif ch == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i].rstrip(), line[i + 1:].strip()
+            return line[:i].rstrip(), line[i + 1 :].strip()
     return line.rstrip(), ""
 
 
@@ -116,8 +146,11 @@ def _commands_of(path: Path) -> list[Command]:
         if text.endswith("\\"):
             pending, pending_comment = pending + text[:-1] + " ", pending_comment + comment
             continue
-        out.append(Command(pending + text, (pending_comment + " " + comment).strip(),
-                           f"{path.relative_to(ROOT)}:{start}"))
+        out.append(
+            Command(
+                pending + text, (pending_comment + " " + comment).strip(), f"{path.relative_to(ROOT)}:{start}"
+            )
+        )
         pending, pending_comment = "", ""
     return out
 
@@ -132,6 +165,7 @@ MODULES = [c for c in COMMANDS if c.module]
 
 
 # ---- the Makefile ----------------------------------------------------------------------------
+
 
 @lru_cache
 def makefile() -> tuple[set[str], set[str], dict[str, str]]:
@@ -161,8 +195,7 @@ def make_as_module(c: Command) -> tuple[str, list[str]] | None:
     module, flags, fixed = MAKE_TARGETS[targets[0]]
     defaults = makefile()[2]
     skip = ONLY_WHEN_GIVEN.get(targets[0], set())
-    values = {k: v for k, v in defaults.items()
-              if k in flags and k not in skip and v and "$" not in v}
+    values = {k: v for k, v in defaults.items() if k in flags and k not in skip and v and "$" not in v}
     values.update(assigns)
     if targets[0] in ("smoke", "train") and not values.get("OUT"):  # the recipes' default run dir
         values["OUT"] = "runs/smoke" if targets[0] == "smoke" else f"runs/{values.get('MODEL')}"
@@ -249,9 +282,15 @@ def _module_jobs() -> list[tuple[str, list[str], bool]]:
 @lru_cache
 def parsers() -> dict:
     """Per module: its options, subcommands, and the parse error (or "") of each job."""
-    proc = subprocess.run([sys.executable, "-c", _DUMP], input=json.dumps(_module_jobs()),
-                          capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _DUMP],
+        input=json.dumps(_module_jobs()),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -284,6 +323,7 @@ def _ids(commands: list[Command]) -> list[str]:
 
 # ---- the tests -------------------------------------------------------------------------------
 
+
 def test_the_docs_have_commands():
     assert len(MAKE) >= 10 and len(MODULES) >= 5
 
@@ -300,8 +340,7 @@ def test_placeholders_stay_few():
 def test_each_command_is_a_make_target_an_entry_point_or_a_named_tool(c):
     program = c.words[0]
     tool = c.words[2] if c.python_m else Path(program).name
-    known = (program == "make" or c.module is not None or tool in EXTERNAL
-             or (ROOT / program).is_file())
+    known = program == "make" or c.module is not None or tool in EXTERNAL or (ROOT / program).is_file()
     assert known, f"{c!r}: {program} is not make, python -m, a repository script or EXTERNAL"
 
 
@@ -388,8 +427,9 @@ def test_each_set_item_is_a_valid_key_and_value_of_the_model(c):
 
 
 def test_make_help_lists_every_target_the_docs_use():
-    out = subprocess.run(["make", "--no-print-directory", "help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        ["make", "--no-print-directory", "help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     listed = set(re.findall(r"^\s+make (\S+)", out.stdout, re.M))
     used = {t for c in MAKE for t in make_parts(c)[0]}
     assert out.returncode == 0 and used <= listed, used - listed
@@ -403,14 +443,16 @@ def test_each_readme_plan_runs_and_gives_its_verdict_first(c):
     """make plan, as its recipe runs it (python -m slurm.show): exit 0, the memory line first
     (exit 2 where the comment says so)."""
     module, args = make_as_module(c)
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     expected = 2 if "exit 2" in c.comment else 0
     assert proc.returncode == expected, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[0].startswith("memory: "), proc.stdout[:500]
 
 
 # ---- links between the pages -----------------------------------------------------------------
+
 
 def _slug(heading: str) -> str:
     """GitHub's anchor of a heading."""
@@ -431,8 +473,7 @@ def _links() -> list[tuple[Path, str]]:
 LINKS = _links()
 
 
-@pytest.mark.parametrize("doc, target", LINKS,
-                         ids=[f"{d.relative_to(ROOT)}->{t}" for d, t in LINKS])
+@pytest.mark.parametrize("doc, target", LINKS, ids=[f"{d.relative_to(ROOT)}->{t}" for d, t in LINKS])
 def test_each_relative_link_reaches_a_file_and_heading(doc, target):
     path, _, anchor = target.partition("#")
     dest = (doc.parent / path).resolve() if path else doc

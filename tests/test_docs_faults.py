@@ -31,6 +31,9 @@ def test_every_fault_row_names_a_test_or_is_the_placeholder():
 
 
 def test_every_named_test_exists():
-    missing = [(f, name) for f, name in _references()
-               if not re.search(rf"^def {name}\(", (ROOT / "tests" / f).read_text(), re.M)]
+    missing = [
+        (f, name)
+        for f, name in _references()
+        if not re.search(rf"^def {name}\(", (ROOT / "tests" / f).read_text(), re.M)
+    ]
     assert missing == []

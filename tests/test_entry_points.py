@@ -17,15 +17,18 @@ BARE = [sys.executable, "-S", "-m"]
 
 
 def bare(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*BARE, module, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([*BARE, module, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 # each documented command, with arguments that get it past its argument parsing
-COMMANDS = [("moe_train", "--out", "r"), ("moe_train.convert", "to-hf", "a", "b"),
-            ("moe_train.score", "ckpt"), ("moe_train.eval", "ckpt", "--data", "d"),
-            ("moe_train.data", "prepare", "--train-tokenizer", "300", "--input", "x", "--out", "o"),
-            ("moe_train.report", "runs/none")]
+COMMANDS = [
+    ("moe_train", "--out", "r"),
+    ("moe_train.convert", "to-hf", "a", "b"),
+    ("moe_train.score", "ckpt"),
+    ("moe_train.eval", "ckpt", "--data", "d"),
+    ("moe_train.data", "prepare", "--train-tokenizer", "300", "--input", "x", "--out", "o"),
+    ("moe_train.report", "runs/none"),
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
@@ -57,8 +60,9 @@ raise ModuleNotFoundError("No module named {0!r}", name={0!r})
 
 
 def hooked(missing: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", HOOKED.format(missing)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", HOOKED.format(missing)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_missing_module_of_the_kit_keeps_its_traceback():
@@ -77,8 +81,7 @@ def test_without_a_virtualenv_the_line_says_make_venv(tmp_path):
 
 def test_python_command_is_relative_below_the_working_directory(tmp_path):
     exe = tmp_path / ".venv" / "bin" / "python3.99"
-    assert moe_train.python_command(str(exe), cwd=str(tmp_path)) == os.path.join(".venv", "bin",
-                                                                              "python3.99")
+    assert moe_train.python_command(str(exe), cwd=str(tmp_path)) == os.path.join(".venv", "bin", "python3.99")
 
 
 def test_python_command_is_absolute_elsewhere(tmp_path):
@@ -102,8 +105,9 @@ runpy.run_module("moe_train", run_name="__main__", alter_sys=True)
 
 
 def ctrl_c_during_import() -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CTRL_C_DURING_IMPORT], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", CTRL_C_DURING_IMPORT], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_ctrl_c_while_the_trainer_imports_exits_130():

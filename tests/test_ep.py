@@ -52,12 +52,22 @@ def run_single(ops, bias=None, **kw):
 SKEW = jnp.where(jnp.arange(E) < 2, 10.0, 0.0)  # every token to experts 0 and 1 (one rank)
 
 CASES = [  # devices, ep, inner (domain), dispatcher, capacity factor
-    (2, 1, 1, "local", None), (8, 1, 1, "local", None),
-    (2, 2, 2, "allgather", None), (4, 4, 4, "allgather", None), (8, 8, 8, "allgather", None),
-    (2, 2, 2, "a2a", None), (4, 4, 4, "a2a", None), (8, 8, 8, "a2a", None),
-    (8, 4, 2, "a2a", None), (8, 8, 2, "allgather", None), (4, 2, 2, "a2a", 1.5),
-    (4, 4, 2, "hierarchical", None), (8, 8, 2, "hierarchical", None),
-    (8, 8, 4, "hierarchical", None), (8, 4, 1, "hierarchical", None), (8, 8, 2, "hierarchical", 2.0),
+    (2, 1, 1, "local", None),
+    (8, 1, 1, "local", None),
+    (2, 2, 2, "allgather", None),
+    (4, 4, 4, "allgather", None),
+    (8, 8, 8, "allgather", None),
+    (2, 2, 2, "a2a", None),
+    (4, 4, 4, "a2a", None),
+    (8, 8, 8, "a2a", None),
+    (8, 4, 2, "a2a", None),
+    (8, 8, 2, "allgather", None),
+    (4, 2, 2, "a2a", 1.5),
+    (4, 4, 2, "hierarchical", None),
+    (8, 8, 2, "hierarchical", None),
+    (8, 8, 4, "hierarchical", None),
+    (8, 4, 1, "hierarchical", None),
+    (8, 8, 2, "hierarchical", 2.0),
 ]
 
 
@@ -114,13 +124,15 @@ def assert_close_to_scale(actual, desired, rel: float) -> None:
 
 
 CHUNK_CASES = [  # ep (= devices), inner (domain), dispatcher: every dispatcher at EP 2, 4, 8
-    (ep, inner, d) for d, inners in (("allgather", (2, 4, 8)), ("a2a", (2, 4, 8)),
-                                     ("hierarchical", (1, 2, 2)))
-    for ep, inner in zip((2, 4, 8), inners)]
+    (ep, inner, d)
+    for d, inners in (("allgather", (2, 4, 8)), ("a2a", (2, 4, 8)), ("hierarchical", (1, 2, 2)))
+    for ep, inner in zip((2, 4, 8), inners)
+]
 
 
-@pytest.mark.parametrize("ep,inner,dispatcher", CHUNK_CASES,
-                         ids=[f"{d}-ep{ep}-domain{i}" for ep, i, d in CHUNK_CASES])
+@pytest.mark.parametrize(
+    "ep,inner,dispatcher", CHUNK_CASES, ids=[f"{d}-ep{ep}-domain{i}" for ep, i, d in CHUNK_CASES]
+)
 def test_chunked_dispatch_equals_unchunked(ep, inner, dispatcher):
     """moe.overlap_chunks=4: the layer's output and every gradient equal chunks=1 (chunks 2:
     tests/test_overlap.py, and the bench's overlap section for every dispatcher)."""
@@ -150,8 +162,7 @@ def test_hierarchical_sends_fewer_rows_over_slow_links_than_flat(inner):
     _, hier, _ = run_ep(mesh, EPPlan("hierarchical", 8, None), ops)
     G = 8 // inner
     expected = T * (G - 1) * (1 - (1 - 1 / G) ** K)  # cost model: T tokens in all, uniform routing
-    print(f"G={G}: flat {float(flat.slow_rows)}, hierarchical {float(hier.slow_rows)}, "
-          f"model {expected:.1f}")
+    print(f"G={G}: flat {float(flat.slow_rows)}, hierarchical {float(hier.slow_rows)}, model {expected:.1f}")
     assert float(hier.slow_rows) < float(flat.slow_rows)
     assert float(flat.slow_rows) == pytest.approx(T * K * (8 - inner) / 8, rel=0.35)
     assert float(hier.slow_rows) == pytest.approx(expected, rel=0.35)
@@ -169,8 +180,10 @@ def _scopes(fn, mesh=None) -> set[str]:
     return {part for name in names for part in name.split("/")}
 
 
-@pytest.mark.parametrize("dispatcher, devices, ep, inner", [
-    ("local", 4, 1, 1), ("allgather", 4, 4, 4), ("a2a", 4, 4, 4), ("hierarchical", 8, 8, 4)])
+@pytest.mark.parametrize(
+    "dispatcher, devices, ep, inner",
+    [("local", 4, 1, 1), ("allgather", 4, 4, 4), ("a2a", 4, 4, 4), ("hierarchical", 8, 8, 4)],
+)
 def test_every_dispatcher_runs_the_same_named_steps(dispatcher, devices, ep, inner):
     plan = EPPlan(dispatcher, ep, None)
     fn = lambda *ops: ep_moe(*ops, Routing(K), plan=plan)  # noqa: E731

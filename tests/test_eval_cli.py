@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_prepare import _train_bpe, paragraphs, run as prepare_run, write_jsonl
+from test_prepare import _train_bpe, paragraphs, write_jsonl
+from test_prepare import run as prepare_run
 
 from moe_train import config
 from moe_train.eval import evaluate_weights
@@ -31,9 +32,19 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
-    cfg = config.build("tiny", ["data.source=prepared", f"data.path={corpus / 'prep'}",
-                                "model.vocab_size=320", "train.steps=2", "train.eval_every=2",
-                                "train.seq_len=32", "parallel.devices=1", "train.log_every=100"])
+    cfg = config.build(
+        "tiny",
+        [
+            "data.source=prepared",
+            f"data.path={corpus / 'prep'}",
+            "model.vocab_size=320",
+            "train.steps=2",
+            "train.eval_every=2",
+            "train.seq_len=32",
+            "parallel.devices=1",
+            "train.log_every=100",
+        ],
+    )
     assert run(cfg, out, log=lambda s: None) == EXIT_OK
     return out
 
@@ -53,8 +64,9 @@ def test_two_devices_evaluate_as_one(trained, corpus):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "moe_train.eval", *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_train.eval", *map(str, args)], capture_output=True, text=True, cwd=ROOT
+    )
 
 
 def test_cli_prints_loss_and_perplexity(trained, corpus):
@@ -92,7 +104,6 @@ def test_a_checkpoint_without_a_manifest_exits_2_naming_the_file(trained, corpus
 
 def test_trust_unverified_evaluates_it_as_it_is(trained, corpus, tmp_path):
     out = unverified_copy(trained, tmp_path)
-    got = evaluate_weights(str(out), str(corpus / "prep"), devices=1, batch_size=8,
-                           trust_unverified=True)
+    got = evaluate_weights(str(out), str(corpus / "prep"), devices=1, batch_size=8, trust_unverified=True)
     want = evaluate_weights(str(trained), str(corpus / "prep"), devices=1, batch_size=8)
     assert got["eval_loss"] == want["eval_loss"]

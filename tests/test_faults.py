@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 
 from moe_train import config
-from moe_train.train import checkpoint, loop as run_mod, step as train
+from moe_train.train import checkpoint
+from moe_train.train import loop as run_mod
+from moe_train.train import step as train
 from moe_train.train.signals import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, EXIT_OUTPUT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,9 +32,18 @@ POISON = 255  # a byte never seen in the UTF-8 corpus: the poisoned step's first
 
 
 def tiny(*overrides: str, steps: int = 4) -> config.Config:
-    return config.build("tiny", [f"train.steps={steps}", "parallel.devices=1", "train.log_every=100",
-                                 "train.checkpoint_every=2", "train.async_checkpoint=false",
-                                 "train.telemetry_interval_s=0", *overrides])
+    return config.build(
+        "tiny",
+        [
+            f"train.steps={steps}",
+            "parallel.devices=1",
+            "train.log_every=100",
+            "train.checkpoint_every=2",
+            "train.async_checkpoint=false",
+            "train.telemetry_interval_s=0",
+            *overrides,
+        ],
+    )
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -81,6 +92,7 @@ def copy_run(src: Path, dst: Path) -> Path:
 def poison_at(monkeypatch):
     """Make step ``k``'s gradients NaN through the real model: its batch starts with POISON
     and the loss is multiplied by NaN for batches that do."""
+
     def arm(k: int) -> None:
         real_batch, real_loss = run_mod.global_batch, train._loss_fn
 
@@ -97,6 +109,7 @@ def poison_at(monkeypatch):
 
         monkeypatch.setattr(run_mod, "global_batch", batch)
         monkeypatch.setattr(train, "_loss_fn", loss_fn)
+
     return arm
 
 
@@ -109,8 +122,7 @@ def test_a_nan_step_stops_with_exit_3_naming_the_last_checkpoint(tmp_path, poiso
     assert "the last good checkpoint is step 2" in errors[0]
 
 
-def test_a_nan_step_saves_nothing_and_the_rerun_matches(tmp_path, poison_at, reference,
-                                                        monkeypatch):
+def test_a_nan_step_saves_nothing_and_the_rerun_matches(tmp_path, poison_at, reference, monkeypatch):
     poison_at(3)
     run_mod.run(tiny(steps=6), tmp_path, **QUIET)
     assert saved_steps(tmp_path) == [2] and sorted(losses(tmp_path)) == [1, 2]
@@ -129,8 +141,7 @@ def test_with_no_checkpoint_the_message_says_a_rerun_starts_over(tmp_path, poiso
 def test_skip_drops_the_nan_update_and_goes_on(tmp_path, poison_at):
     poison_at(3)
     lines = []
-    assert run_mod.run(tiny("train.on_nonfinite=skip", steps=6), tmp_path,
-                       log=lines.append) == EXIT_OK
+    assert run_mod.run(tiny("train.on_nonfinite=skip", steps=6), tmp_path, log=lines.append) == EXIT_OK
     recs = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in recs] == [False, False, True, False, False, False]
     assert any(line.startswith("WARNING: step 3: ") and "update skipped" in line for line in lines)
@@ -138,15 +149,24 @@ def test_skip_drops_the_nan_update_and_goes_on(tmp_path, poison_at):
 
 def test_skip_stops_after_max_skips_in_a_row(tmp_path, monkeypatch):
     lines = []
-    cfg = tiny("train.on_nonfinite=skip", "train.max_nonfinite_skips=2", "optim.lr=1e30",
-               "optim.warmup_steps=0", "optim.grad_clip=0", steps=12)
+    cfg = tiny(
+        "train.on_nonfinite=skip",
+        "train.max_nonfinite_skips=2",
+        "optim.lr=1e30",
+        "optim.warmup_steps=0",
+        "optim.grad_clip=0",
+        steps=12,
+    )
     assert run_mod.run(cfg, tmp_path, log=lines.append) == EXIT_DIVERGED
     assert any("train.max_nonfinite_skips=2" in line for line in lines if line.startswith("error:"))
 
 
 def test_an_overflowing_lr_never_leaves_a_nonfinite_checkpoint(tmp_path):
     """The tester's case: a finite loss with NaN gradients must not be saved as "good"."""
-    cfg = tiny("optim.lr=1e6", steps=12, )
+    cfg = tiny(
+        "optim.lr=1e6",
+        steps=12,
+    )
     assert run_mod.run(cfg, tmp_path, **QUIET) == EXIT_DIVERGED
     ck = checkpoint.Checkpointer(tmp_path, keep=3, use_async=False)
     try:
@@ -161,8 +181,7 @@ def test_an_overflowing_lr_never_leaves_a_nonfinite_checkpoint(tmp_path):
 
 
 def _largest_data_file(step_dir: Path) -> Path:
-    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
-               key=lambda p: p.stat().st_size)
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
 def _flip(path: Path) -> None:
@@ -176,17 +195,19 @@ DAMAGE = {
     "bytes overwritten, same size": lambda d: _flip(_largest_data_file(d)),
     "state/_METADATA deleted": lambda d: (d / "state" / "_METADATA").unlink(),
     "garbage meta": lambda d: (d / "meta" / "metadata").write_text("garbage{"),
-    "emptied step directory": lambda d: [shutil.rmtree(p) if p.is_dir() else p.unlink()
-                                         for p in list(d.iterdir())],
+    "emptied step directory": lambda d: [
+        shutil.rmtree(p) if p.is_dir() else p.unlink() for p in list(d.iterdir())
+    ],
     "manifest deleted (unverified)": lambda d: shutil.rmtree(d / "manifest"),
     "step 2's arrays under this manifest": lambda d: (
-        shutil.rmtree(d / "state"), shutil.copytree(d.parent / "2" / "state", d / "state")),
+        shutil.rmtree(d / "state"),
+        shutil.copytree(d.parent / "2" / "state", d / "state"),
+    ),
 }
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
-def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, four_steps, reference,
-                                                             damage):
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, four_steps, reference, damage):
     out = copy_run(four_steps, tmp_path)
     DAMAGE[damage](out / "checkpoints" / "4")
     lines = []
@@ -206,8 +227,7 @@ def test_when_no_checkpoint_verifies_nothing_is_moved_and_exit_2_lists_them(tmp_
     assert saved_steps(out) == [2, 4] and not (out / "checkpoints-rejected").exists()
 
 
-def test_resume_step_chooses_an_older_checkpoint_and_moves_newer_aside(tmp_path, four_steps,
-                                                                        reference):
+def test_resume_step_chooses_an_older_checkpoint_and_moves_newer_aside(tmp_path, four_steps, reference):
     out = copy_run(four_steps, tmp_path)
     lines = []
     assert run_mod.run(tiny(steps=6), out, log=lines.append, resume_step=2) == EXIT_OK
@@ -244,14 +264,18 @@ def test_exit_2_on_an_existing_run_changes_nothing(tmp_path, four_steps):
     with pytest.raises(config.ConfigError, match="incompatible"):
         run_mod.run(tiny("model.hidden=32", steps=6), out, **QUIET)
     after = _snapshot(out)
-    assert {k: v for k, v in after.items() if k != "run.lock"} == \
-        {k: v for k, v in before.items() if k != "run.lock"}
+    assert {k: v for k, v in after.items() if k != "run.lock"} == {
+        k: v for k, v in before.items() if k != "run.lock"
+    }
 
 
 def test_exit_2_on_a_new_directory_leaves_nothing(tmp_path):
     with pytest.raises(config.ConfigError):
-        run_mod.run(tiny("moe.dispatcher=hierarchical", "parallel.devices=4", "parallel.ep=4"),
-                    tmp_path / "new", **QUIET)
+        run_mod.run(
+            tiny("moe.dispatcher=hierarchical", "parallel.devices=4", "parallel.ep=4"),
+            tmp_path / "new",
+            **QUIET,
+        )
     assert not (tmp_path / "new").exists()
 
 
@@ -259,12 +283,34 @@ def test_exit_2_on_a_new_directory_leaves_nothing(tmp_path):
 
 
 def cli(out: Path, *args: str, steps: int = 4, preexec=None, **kw) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "moe_train", "--preset", "tiny", "--out", str(out), "--steps",
-           str(steps), "--devices", "1", "--set", "train.checkpoint_every=2",
-           "--set", "train.telemetry_interval_s=0", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=preexec, **kw)
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_train",
+        "--preset",
+        "tiny",
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--devices",
+        "1",
+        "--set",
+        "train.checkpoint_every=2",
+        "--set",
+        "train.telemetry_interval_s=0",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec,
+        **kw,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
@@ -280,11 +326,17 @@ def one_error_line(stderr: str) -> str:
 
 
 BAD_VALUES = [
-    ("optim.lr=nan", "optim.lr"), ("optim.lr=inf", "optim.lr"), ("optim.b1=2", "optim.b1"),
-    ("optim.eps=-1", "optim.eps"), ("optim.warmup_steps=-3", "optim.warmup_steps"),
-    ("optim.grad_clip=nan", "optim.grad_clip"), ("train.checkpoint_every=-1", "train.checkpoint_every"),
-    ("model.hidden=99999999999", "model.hidden"), ("train.batch_size=1000000000000000", "train.batch_size"),
-    ("train.on_nonfinite=maybe", "train.on_nonfinite"), ("moe.capacity_buckets=1,x", "moe.capacity_buckets"),
+    ("optim.lr=nan", "optim.lr"),
+    ("optim.lr=inf", "optim.lr"),
+    ("optim.b1=2", "optim.b1"),
+    ("optim.eps=-1", "optim.eps"),
+    ("optim.warmup_steps=-3", "optim.warmup_steps"),
+    ("optim.grad_clip=nan", "optim.grad_clip"),
+    ("train.checkpoint_every=-1", "train.checkpoint_every"),
+    ("model.hidden=99999999999", "model.hidden"),
+    ("train.batch_size=1000000000000000", "train.batch_size"),
+    ("train.on_nonfinite=maybe", "train.on_nonfinite"),
+    ("moe.capacity_buckets=1,x", "moe.capacity_buckets"),
 ]
 
 
@@ -302,7 +354,10 @@ def test_a_flag_and_a_set_that_disagree_exit_2(tmp_path):
 
 @pytest.mark.slow
 def test_a_second_trainer_on_the_same_directory_exits_2_naming_the_first(tmp_path):
-    first = cli(tmp_path, steps=400, )
+    first = cli(
+        tmp_path,
+        steps=400,
+    )
     deadline = time.time() + 240
     while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists():
         time.sleep(0.1)
@@ -339,8 +394,10 @@ def _read_only(path: Path) -> bool:
     if os.geteuid() != 0:
         path.chmod(0o555)
         return True
-    return shutil.which("chattr") is not None and subprocess.run(
-        ["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    return (
+        shutil.which("chattr") is not None
+        and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    )
 
 
 def test_an_unwritable_out_exits_5(tmp_path):

@@ -17,8 +17,16 @@ from topology.peaks import device_model, peak_flops
 # A 1-layer model small enough to count on paper: V=10, H=4, 2 query heads and 1 KV head of
 # width 2, 3 experts of width 5, top-1.
 HAND = dict(
-    model=dict(vocab_size=10, hidden=4, num_layers=1, num_heads=2, num_kv_heads=1,
-               first_dense_layers=0, qk_norm=False, tie_embeddings=False),
+    model=dict(
+        vocab_size=10,
+        hidden=4,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        first_dense_layers=0,
+        qk_norm=False,
+        tie_embeddings=False,
+    ),
     moe=dict(num_experts=3, top_k=1, expert_ffn=5, num_shared_experts=0, shared_ffn=0),
     train=dict(seq_len=8),
     data=dict(source="synthetic"),
@@ -102,8 +110,16 @@ def test_first_dense_layers():
 def test_components_sum_to_total():
     for name in config.list_presets():
         p = param_counts(config.build(name))
-        parts = ("embedding", "lm_head", "attention", "norms", "dense_mlp", "router",
-                 "routed_experts", "shared_experts")
+        parts = (
+            "embedding",
+            "lm_head",
+            "attention",
+            "norms",
+            "dense_mlp",
+            "router",
+            "routed_experts",
+            "shared_experts",
+        )
         assert sum(p[k] for k in parts) == p["total"], name
         assert p["active"] == p["total"] - p["routed_experts"] + p["active_routed_experts"]
         assert all(isinstance(v, int) for v in p.values())
@@ -124,10 +140,13 @@ def test_flops_grow_with_seq_len_only_through_attention():
 
 # Published totals/actives. They are given to 2-3 significant digits (Qwen's 3.3B is 3.35B
 # truncated), so the active counts get 2% and the totals 0.5%.
-@pytest.mark.parametrize("preset,total,active", [
-    ("mixtral-8x7b", 46.7e9, 12.9e9),  # Mixtral paper / model card
-    ("qwen3-30b-a3b", 30.5e9, 3.3e9),  # Qwen3 model card
-])
+@pytest.mark.parametrize(
+    "preset,total,active",
+    [
+        ("mixtral-8x7b", 46.7e9, 12.9e9),  # Mixtral paper / model card
+        ("qwen3-30b-a3b", 30.5e9, 3.3e9),  # Qwen3 model card
+    ],
+)
 def test_published_counts(preset, total, active):
     p = param_counts(config.build(preset))
     assert p["total"] == pytest.approx(total, rel=0.005)
@@ -145,11 +164,13 @@ def mla_attention_params() -> int:
     by hand (weights only)."""
     hidden, heads, layers = 7168, 128, 61
     q_lora, kv_lora, nope, rope, v_head = 1536, 512, 128, 64, 128
-    per_layer = (hidden * q_lora  # q down-projection
-                 + q_lora * heads * (nope + rope)  # q up-projection
-                 + hidden * (kv_lora + rope)  # joint kv down-projection (+ shared rope key)
-                 + kv_lora * heads * (nope + v_head)  # k_nope and v up-projection
-                 + heads * v_head * hidden)  # output projection
+    per_layer = (
+        hidden * q_lora  # q down-projection
+        + q_lora * heads * (nope + rope)  # q up-projection
+        + hidden * (kv_lora + rope)  # joint kv down-projection (+ shared rope key)
+        + kv_lora * heads * (nope + v_head)  # k_nope and v up-projection
+        + heads * v_head * hidden
+    )  # output projection
     return layers * per_layer
 
 
@@ -169,15 +190,22 @@ def test_mtp_module_is_one_moe_layer_plus_its_projection_and_norms():
     cfg = config.build("deepseek-v3")
     p = param_counts(cfg)
     H = 7168
-    moe_layer = (p["attention"] // 61 + 7168 * 256 + 257 * 3 * H * 2048  # attn, gate, experts
-                 + 2 * H + 1536 + 512)  # block norms, MLA's latent norms
+    moe_layer = (
+        p["attention"] // 61
+        + 7168 * 256
+        + 257 * 3 * H * 2048  # attn, gate, experts
+        + 2 * H
+        + 1536
+        + 512
+    )  # block norms, MLA's latent norms
     assert p["mtp"] == moe_layer + 2 * H * H + 3 * H
     assert p["total_with_mtp"] == p["total"] + p["mtp"]
     no_mtp = param_counts(config.build("deepseek-v3", ["model.mtp_depth=0"]))
     assert no_mtp["mtp"] == 0 and no_mtp["total"] == p["total"]
     # its work counts in the FLOPs: one more MoE layer's matmuls, eh_proj and the head again
     assert p["matmul_active"] - no_mtp["matmul_active"] == (
-        p["mtp_active"] - (2 * H + 1536 + 512 + 3 * H) + H * 129280)
+        p["mtp_active"] - (2 * H + 1536 + 512 + 3 * H) + H * 129280
+    )
 
 
 def test_mla_attention_flops_use_both_head_dims():
@@ -203,17 +231,20 @@ def test_mixtral_flops_value():
     assert train_flops_per_token(cfg) == pytest.approx(6 * 12.749e9 + 3 * attn, rel=1e-3)
 
 
-@pytest.mark.parametrize("kind,model,bf16", [
-    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989e12),
-    ("NVIDIA H100 SXM5 80GB", "H100 SXM", 989e12),
-    ("NVIDIA H100 PCIe", "H100 PCIe", 756e12),
-    ("NVIDIA H100 NVL", "H100 NVL", 835e12),
-    ("NVIDIA H200", "H200", 989e12),
-    ("NVIDIA H200 NVL", "H200 NVL", 835e12),
-    ("NVIDIA GH200 480GB", "GH200", 989e12),
-    ("NVIDIA B200", "B200", 2250e12),
-    ("NVIDIA GB200", "GB200", 2500e12),
-])
+@pytest.mark.parametrize(
+    "kind,model,bf16",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 989e12),
+        ("NVIDIA H100 SXM5 80GB", "H100 SXM", 989e12),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", "H100 NVL", 835e12),
+        ("NVIDIA H200", "H200", 989e12),
+        ("NVIDIA H200 NVL", "H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", "GH200", 989e12),
+        ("NVIDIA B200", "B200", 2250e12),
+        ("NVIDIA GB200", "GB200", 2500e12),
+    ],
+)
 def test_peak_flops_gpus(kind, model, bf16):
     assert device_model(kind) == model
     assert peak_flops(kind) == bf16
@@ -238,16 +269,28 @@ def test_peak_flops_on_this_machine():
     assert value is None or value > 1e14
 
 
-@pytest.mark.parametrize("preset,overrides", [
-    ("tiny", []),
-    ("tiny", ["model.tie_embeddings=true", "model.qk_norm=true", "model.num_layers=3",
-              "model.first_dense_layers=1", "moe.num_shared_experts=2", "moe.shared_ffn=32"]),
-    ("mixtral-8x7b", []),
-    ("deepseek-v3", []),
-    ("deepseek-v3-tiny", []),
-    ("deepseek-v3-tiny", ["model.q_lora_rank=0", "model.mtp_depth=2"]),
-    ("deepseek-v3-tiny", ["model.first_dense_layers=3"]),  # no MoE layers: a dense MTP block
-])
+@pytest.mark.parametrize(
+    "preset,overrides",
+    [
+        ("tiny", []),
+        (
+            "tiny",
+            [
+                "model.tie_embeddings=true",
+                "model.qk_norm=true",
+                "model.num_layers=3",
+                "model.first_dense_layers=1",
+                "moe.num_shared_experts=2",
+                "moe.shared_ffn=32",
+            ],
+        ),
+        ("mixtral-8x7b", []),
+        ("deepseek-v3", []),
+        ("deepseek-v3-tiny", []),
+        ("deepseek-v3-tiny", ["model.q_lora_rank=0", "model.mtp_depth=2"]),
+        ("deepseek-v3-tiny", ["model.first_dense_layers=3"]),  # no MoE layers: a dense MTP block
+    ],
+)
 def test_counts_equal_the_parameters_the_model_creates(preset, overrides):
     import jax
     import jax.numpy as jnp
@@ -255,8 +298,11 @@ def test_counts_equal_the_parameters_the_model_creates(preset, overrides):
     from moe_train.model.transformer import Transformer
 
     cfg = config.build(preset, overrides)
-    shapes = jax.eval_shape(lambda k: Transformer(cfg).init(k, jnp.zeros((1, 8), jnp.int32)),
-                            jax.random.key(0))
-    created = sum(int(np.prod(x.value.shape if hasattr(x, "value") else x.shape))
-                  for x in jax.tree.leaves(shapes["params"], is_leaf=lambda x: hasattr(x, "value")))
+    shapes = jax.eval_shape(
+        lambda k: Transformer(cfg).init(k, jnp.zeros((1, 8), jnp.int32)), jax.random.key(0)
+    )
+    created = sum(
+        int(np.prod(x.value.shape if hasattr(x, "value") else x.shape))
+        for x in jax.tree.leaves(shapes["params"], is_leaf=lambda x: hasattr(x, "value"))
+    )
     assert created == param_counts(cfg)["total_with_mtp"]

@@ -30,7 +30,7 @@ def test_round_trip_error_bound():
     x[3] = 0.0
     back = dequantize_rows(*quantize_rows(jnp.asarray(x)), jnp.float32)
     amax = np.abs(x).max(axis=1, keepdims=True)
-    assert np.all(np.abs(np.asarray(back) - x) <= 2 ** -4 * np.abs(x) + 2 ** -10 * amax)
+    assert np.all(np.abs(np.asarray(back) - x) <= 2**-4 * np.abs(x) + 2**-10 * amax)
     assert np.all(np.asarray(back)[3] == 0)
 
 
@@ -45,14 +45,18 @@ def test_an_unknown_dispatch_dtype_is_refused():
 
 
 EXACT = [  # devices, ep, inner (domain), dispatcher
-    (2, 2, 2, "a2a"), (4, 4, 4, "a2a"), (8, 8, 8, "a2a"), (2, 2, 2, "allgather"),
-    (8, 8, 8, "allgather"), (4, 4, 2, "hierarchical"), (8, 8, 2, "hierarchical"),
+    (2, 2, 2, "a2a"),
+    (4, 4, 4, "a2a"),
+    (8, 8, 8, "a2a"),
+    (2, 2, 2, "allgather"),
+    (8, 8, 8, "allgather"),
+    (4, 4, 2, "hierarchical"),
+    (8, 8, 2, "hierarchical"),
 ]
 
 
 @pytest.mark.parametrize("devices,ep,inner,dispatcher", EXACT)
-def test_representable_rows_give_the_unquantized_layer_and_gradients(devices, ep, inner,
-                                                                     dispatcher):
+def test_representable_rows_give_the_unquantized_layer_and_gradients(devices, ep, inner, dispatcher):
     ops, mesh = integer_operands(), mesh_for(devices, ep, inner)
     y, _, grads = run_ep(mesh, EPPlan(dispatcher, ep, dispatch_dtype="fp8"), ops)
     y_ref, _, grads_ref = run_ep(mesh, EPPlan(dispatcher, ep), ops)
@@ -61,8 +65,9 @@ def test_representable_rows_give_the_unquantized_layer_and_gradients(devices, ep
         np.testing.assert_array_equal(g, g_ref)
 
 
-@pytest.mark.parametrize("devices,ep,inner,dispatcher", [
-    (8, 8, 8, "a2a"), (4, 4, 4, "allgather"), (8, 8, 2, "hierarchical")])
+@pytest.mark.parametrize(
+    "devices,ep,inner,dispatcher", [(8, 8, 8, "a2a"), (4, 4, 4, "allgather"), (8, 8, 2, "hierarchical")]
+)
 def test_random_rows_stay_within_the_bound(devices, ep, inner, dispatcher):
     ops, mesh = operands(), mesh_for(devices, ep, inner)
     y, _, grads = run_ep(mesh, EPPlan(dispatcher, ep, dispatch_dtype="fp8"), ops)
@@ -74,8 +79,7 @@ def test_random_rows_stay_within_the_bound(devices, ep, inner, dispatcher):
 
 def test_the_config_key_reaches_every_plan_of_a_run():
     cfg = config.build("tiny", ["moe.dispatch_dtype=fp8", "parallel.ep=4", "parallel.devices=4"])
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(1, 1, 4),
-                             ("data", "expert_x", "expert"))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(1, 1, 4), ("data", "expert_x", "expert"))
     assert {p.dispatch_dtype for p in ep_plans(cfg, mesh)} == {"fp8"}
 
 

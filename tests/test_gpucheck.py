@@ -17,8 +17,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpucheck")
-    proc = subprocess.run([sys.executable, "-m", "moe_train.gpucheck", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_train.gpucheck", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     (run_dir,) = out.iterdir()
     return proc, json.loads((run_dir / "results.json").read_text()), run_dir
 
@@ -45,8 +50,10 @@ def test_cpu_run_checks_the_cpu_kernels(cpu_run):
     sec = {s["name"]: s for s in results["sections"]}
     ran = {(r["backend"], r["status"]) for r in sec["gemm_numerics"]["rows"]}
     assert {("tiled", "PASS"), ("ragged_dot", "PASS"), ("mgpu", "SKIP"), ("te", "SKIP")} <= ran
-    assert {r["implementation"] for r in sec["attention"]["rows"] if r["status"] == "PASS"} \
-        >= {"xla", "chunked"}
+    assert {r["implementation"] for r in sec["attention"]["rows"] if r["status"] == "PASS"} >= {
+        "xla",
+        "chunked",
+    }
     assert sec["ep"]["status"] == "PASS" and sec["training"]["status"] == "PASS"
 
 
@@ -70,9 +77,15 @@ def test_results_are_flushed_after_each_section(tmp_path, monkeypatch):
     def second(ctx):
         seen.append(json.loads(next((tmp_path).rglob("results.json")).read_text()))
         return {"status": "PASS", "reason": ""}
-    monkeypatch.setattr(cli, "sections", lambda: [
-        gpucheck.Section("env", "first", 5, lambda ctx: {"status": "SKIP", "reason": "r"}),
-        gpucheck.Section("ep", "second", 5, second)])
+
+    monkeypatch.setattr(
+        cli,
+        "sections",
+        lambda: [
+            gpucheck.Section("env", "first", 5, lambda ctx: {"status": "SKIP", "reason": "r"}),
+            gpucheck.Section("ep", "second", 5, second),
+        ],
+    )
     assert cli.main(["--out", str(tmp_path), "--only", "env,ep"]) == 0
     assert [s["name"] for s in seen[0]["sections"]] == ["env"]
 
@@ -80,9 +93,15 @@ def test_results_are_flushed_after_each_section(tmp_path, monkeypatch):
 def test_a_failing_section_makes_the_exit_code_one_and_the_rest_still_run(tmp_path, monkeypatch):
     def boom(ctx):
         raise RuntimeError("kernel miscompute")
-    monkeypatch.setattr(cli, "sections", lambda: [
-        gpucheck.Section("env", "broken", 5, boom),
-        gpucheck.Section("ep", "after", 5, lambda ctx: {"status": "PASS", "reason": ""})])
+
+    monkeypatch.setattr(
+        cli,
+        "sections",
+        lambda: [
+            gpucheck.Section("env", "broken", 5, boom),
+            gpucheck.Section("ep", "after", 5, lambda ctx: {"status": "PASS", "reason": ""}),
+        ],
+    )
     assert cli.main(["--out", str(tmp_path), "--only", "env,ep"]) == 1
     results = json.loads(next(tmp_path.rglob("results.json")).read_text())
     assert [s["status"] for s in results["sections"]] == ["FAIL", "PASS"]
@@ -95,17 +114,21 @@ def test_unknown_section_is_refused():
     assert err.value.code == 2
 
 
-@pytest.mark.parametrize("statuses, want", [
-    (["PASS", "SKIP"], "PASS"), (["SKIP", "SKIP"], "SKIP"), (["PASS", "FAIL", "SKIP"], "FAIL")])
+@pytest.mark.parametrize(
+    "statuses, want",
+    [(["PASS", "SKIP"], "PASS"), (["SKIP", "SKIP"], "SKIP"), (["PASS", "FAIL", "SKIP"], "FAIL")],
+)
 def test_section_verdict_from_rows(statuses, want):
     rows = [{"status": s, "reason": "why" if s != "PASS" else ""} for s in statuses]
     assert gpucheck.verdict(rows)["status"] == want
 
 
 def test_hlo_reader_names_fp8_gemm_custom_calls():
-    hlo = ('%c = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[64,64]{1,0} %a, f8e4m3fn[64,64]{1,0} %b), '
-           'custom_call_target="__cublas$lt$matmul$f8"\n'
-           '%d = f32[8,8]{1,0} dot(f32[8,4]{1,0} %x, f32[4,8]{1,0} %y), lhs_contracting_dims={1}')
+    hlo = (
+        "%c = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[64,64]{1,0} %a, f8e4m3fn[64,64]{1,0} %b), "
+        'custom_call_target="__cublas$lt$matmul$f8"\n'
+        "%d = f32[8,8]{1,0} dot(f32[8,4]{1,0} %x, f32[4,8]{1,0} %y), lhs_contracting_dims={1}"
+    )
     got = hlo_gemms(hlo + "\n" + hlo.splitlines()[0].replace("%c =", "%c2 ="))
     assert got["fp8_gemm_calls"] == ["__cublas$lt$matmul$f8"] and got["dots"] == {"f32": 1}
     assert got["fp8_gemms"] == 2  # every call counted
@@ -113,10 +136,12 @@ def test_hlo_reader_names_fp8_gemm_custom_calls():
 
 def test_hlo_reader_counts_dots_on_two_fp8_operands_as_fp8_gemms():
     # as XLA:GPU (jax 0.11.2, H200) prints a Triton GEMM fusion's computation
-    hlo = ("%p0 = f8e4m3fn[64,64]{1,0} parameter(0)\n%p1 = f8e5m2[64,64]{1,0} parameter(1)\n"
-           "%b = bf16[64,64]{1,0} parameter(2)\n"
-           "ROOT %d = f32[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}\n"
-           "%e = bf16[64,64]{1,0} dot(%b, %b), lhs_contracting_dims={1}")
+    hlo = (
+        "%p0 = f8e4m3fn[64,64]{1,0} parameter(0)\n%p1 = f8e5m2[64,64]{1,0} parameter(1)\n"
+        "%b = bf16[64,64]{1,0} parameter(2)\n"
+        "ROOT %d = f32[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}\n"
+        "%e = bf16[64,64]{1,0} dot(%b, %b), lhs_contracting_dims={1}"
+    )
     got = hlo_gemms(hlo)
     assert got["fp8_dots"] == 1 and got["dots"] == {"f32": 1, "bf16": 1}
 
@@ -133,6 +158,7 @@ def test_fp8_projection_runs_its_three_matmuls_on_fp8_operands():
     def fwd_bwd(x, w, dy):
         y, vjp = jax.vjp(probe, x, w)
         return y, vjp(dy)
+
     hlo = jax.jit(fwd_bwd).lower(x, x.T, x @ x.T).as_text(dialect="hlo")
     assert hlo_gemms(hlo)["fp8_dots"] == 3
 
@@ -160,6 +186,7 @@ def test_compile_section_maps_every_gpu_kind_to_a_shipped_target():
 @pytest.mark.parametrize("section", ["training", "expert_parallel"])
 def test_trainer_runs_skip_with_the_reason_on_a_tpu(tmp_path, section):
     from moe_train.gpucheck import runs
+
     ctx = gpucheck.Context("tpu", 1, tmp_path, float("inf"), "TPU v5 lite")
     got = getattr(runs, section)(ctx)
     assert got["status"] == "SKIP" and "one process at a time" in got["reason"]

@@ -9,18 +9,51 @@ from moe_train.gpucheck import Context, calibrate
 from topology import compute
 
 F = 8.66e12  # useful FLOPs of one row (Mixtral experts, T 4096, fwd+bwd)
-SPEED = {"name": "gemm_speed", "rows": [
-    {"backend": "tiled", "mode": "fwd+bwd", "routing": "uniform", "time_ms": 35.0, "useful_flops": F,
-     "status": "PASS"},
-    {"backend": "mgpu", "mode": "fwd+bwd", "routing": "uniform", "time_ms": 16.0, "useful_flops": F,
-     "status": "PASS"},
-    {"backend": "te", "mode": "fwd+bwd", "routing": "uniform", "time_ms": 9.0, "useful_flops": F,
-     "status": "SKIP"},
-    {"backend": "mgpu", "mode": "fwd", "routing": "uniform", "time_ms": 5.0, "useful_flops": F,
-     "status": "PASS"},
-    {"backend": "mgpu", "mode": "fwd+bwd", "routing": "hot", "time_ms": 10.0, "useful_flops": F,
-     "status": "PASS"},
-]}
+SPEED = {
+    "name": "gemm_speed",
+    "rows": [
+        {
+            "backend": "tiled",
+            "mode": "fwd+bwd",
+            "routing": "uniform",
+            "time_ms": 35.0,
+            "useful_flops": F,
+            "status": "PASS",
+        },
+        {
+            "backend": "mgpu",
+            "mode": "fwd+bwd",
+            "routing": "uniform",
+            "time_ms": 16.0,
+            "useful_flops": F,
+            "status": "PASS",
+        },
+        {
+            "backend": "te",
+            "mode": "fwd+bwd",
+            "routing": "uniform",
+            "time_ms": 9.0,
+            "useful_flops": F,
+            "status": "SKIP",
+        },
+        {
+            "backend": "mgpu",
+            "mode": "fwd",
+            "routing": "uniform",
+            "time_ms": 5.0,
+            "useful_flops": F,
+            "status": "PASS",
+        },
+        {
+            "backend": "mgpu",
+            "mode": "fwd+bwd",
+            "routing": "hot",
+            "time_ms": 10.0,
+            "useful_flops": F,
+            "status": "PASS",
+        },
+    ],
+}
 
 
 def test_the_fastest_passing_uniform_forward_backward_row_gives_the_grouped_rate():
@@ -31,8 +64,11 @@ def test_the_fastest_passing_uniform_forward_backward_row_gives_the_grouped_rate
 
 def test_the_written_file_reads_back_with_the_measured_fields(tmp_path):
     base = compute.load()
-    text = calibrate.file_text({"gemm_efficiency": 0.75, "grouped_gemm_efficiency": 0.5},
-                               {"gemm_efficiency": "measured \"here\""}, base)
+    text = calibrate.file_text(
+        {"gemm_efficiency": 0.75, "grouped_gemm_efficiency": 0.5},
+        {"gemm_efficiency": 'measured "here"'},
+        base,
+    )
     (tmp_path / "c.toml").write_text(text)
     got = compute.load(tmp_path / "c.toml")
     assert (got.gemm_efficiency, got.grouped_gemm_efficiency) == (0.75, 0.5)
@@ -42,8 +78,7 @@ def test_the_written_file_reads_back_with_the_measured_fields(tmp_path):
 
 
 def test_a_measured_share_above_one_is_clamped(tmp_path):
-    (tmp_path / "c.toml").write_text(calibrate.file_text({"gemm_efficiency": 1.3}, {},
-                                                         compute.load()))
+    (tmp_path / "c.toml").write_text(calibrate.file_text({"gemm_efficiency": 1.3}, {}, compute.load()))
     assert compute.load(tmp_path / "c.toml").gemm_efficiency == 1.0
 
 
@@ -54,16 +89,42 @@ def test_without_a_gpu_peak_the_section_is_skipped_with_the_reason(tmp_path):
     assert not (tmp_path / "compute.toml").exists()
 
 
-ATTN = {"name": "attention", "problem": {"batch": 1, "seq_len": 256, "heads": 4, "kv_heads": 2,
-                                         "head_dim": 32, "v_head_dim": 32, "dtype": "float32"},
-        "rows": [{"implementation": "xla", "status": "PASS", "time_ms": 1.0},
-                 {"implementation": "chunked", "status": "PASS", "time_ms": 2.0}]}
-FP8 = {"name": "fp8", "rows": [
-    {"backend": "xla", "shape": [64, 128, 128], "time_ms": 1.0, "status": "PASS",
-     "fp8_gemm_calls": ["__cublas$lt$matmul$f8"]},
-    {"backend": "te", "shape": [64, 128, 128], "time_ms": 0.5, "status": "PASS",
-     "fp8_gemm_calls": []},  # no fp8 GEMM: not an fp8 rate
-    {"run": "fp8 vs bf16 loss, tiny, 50 steps", "status": "PASS"}]}
+ATTN = {
+    "name": "attention",
+    "problem": {
+        "batch": 1,
+        "seq_len": 256,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "v_head_dim": 32,
+        "dtype": "float32",
+    },
+    "rows": [
+        {"implementation": "xla", "status": "PASS", "time_ms": 1.0},
+        {"implementation": "chunked", "status": "PASS", "time_ms": 2.0},
+    ],
+}
+FP8 = {
+    "name": "fp8",
+    "rows": [
+        {
+            "backend": "xla",
+            "shape": [64, 128, 128],
+            "time_ms": 1.0,
+            "status": "PASS",
+            "fp8_gemm_calls": ["__cublas$lt$matmul$f8"],
+        },
+        {
+            "backend": "te",
+            "shape": [64, 128, 128],
+            "time_ms": 0.5,
+            "status": "PASS",
+            "fp8_gemm_calls": [],
+        },  # no fp8 GEMM: not an fp8 rate
+        {"run": "fp8 vs bf16 loss, tiny, 50 steps", "status": "PASS"},
+    ],
+}
 
 
 def test_attention_is_timed_on_the_implementation_auto_picks():
@@ -78,8 +139,7 @@ def test_fp8_takes_the_fastest_row_with_fp8_gemms():
 
 
 def test_attention_and_fp8_shares_of_their_peaks_are_measured(tmp_path):
-    ctx = Context("gpu", 1, tmp_path, time.perf_counter() + 10, "NVIDIA H100 80GB HBM3",
-                  (ATTN, FP8))
+    ctx = Context("gpu", 1, tmp_path, time.perf_counter() + 10, "NVIDIA H100 80GB HBM3", (ATTN, FP8))
     measured, why = {}, {}
     calibrate._measured_rates(ctx, 989e12, measured, why)
     assert measured["fp8_gemm_efficiency"] == pytest.approx(6 * 64 * 128 * 128 / 1e-3 / 1979e12)

@@ -46,8 +46,13 @@ def test_a_profiler_trace_is_written(result):
 
 
 def test_a_row_outside_its_bound_fails_with_the_numbers():
-    row = {"chunks": 4, "dispatch_dtype": "activation", "y_rel_diff": 0.5, "grad_rel_diff": 0.0,
-           "time": {"median_s": 1e-3}}
+    row = {
+        "chunks": 4,
+        "dispatch_dtype": "activation",
+        "y_rel_diff": 0.5,
+        "grad_rel_diff": 0.0,
+        "time": {"median_s": 1e-3},
+    }
     got = overlap._checked(row)
     assert got["status"] == "FAIL" and "output 5.0e-01 (bound 2e-02)" in got["reason"]
 

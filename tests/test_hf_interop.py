@@ -11,32 +11,80 @@ import json
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs the interop extra (torch, CPU build): "
-                                            "make test EXTRAS=test,cluster,report,interop")
-transformers = pytest.importorskip("transformers", reason="needs the interop extra "
-                                                          "(transformers)")
+torch = pytest.importorskip(
+    "torch", reason="needs the interop extra (torch, CPU build): make test EXTRAS=test,cluster,report,interop"
+)
+transformers = pytest.importorskip("transformers", reason="needs the interop extra (transformers)")
 
 from moe_train.convert.from_hf import from_hf  # noqa: E402
 from moe_train.convert.score import score  # noqa: E402
 from moe_train.convert.to_hf import to_hf  # noqa: E402
 
-COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-              rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=64,
-              attn_implementation="eager")
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=64,
+    attn_implementation="eager",
+)
 FAMILIES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-        num_key_value_heads=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
-        rope_theta=1e6, router_aux_loss_coef=0.02, sliding_window=None)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_key_value_heads=2, head_dim=16, moe_intermediate_size=24, intermediate_size=64,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], router_aux_loss_coef=0.001, rope_theta=1e6)),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-        num_hidden_layers=3, num_key_value_heads=4, intermediate_size=64,
-        moe_intermediate_size=16, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
-        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
-        qk_nope_head_dim=8, norm_topk_prob=True, rope_interleave=True)),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_theta=1e6,
+            router_aux_loss_coef=0.02,
+            sliding_window=None,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            moe_intermediate_size=24,
+            intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.001,
+            rope_theta=1e6,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            qk_nope_head_dim=8,
+            norm_topk_prob=True,
+            rope_interleave=True,
+        ),
+    ),
 }
 
 
@@ -78,10 +126,15 @@ def add_mtp_layer(hf_dir, seed: int = 5) -> list[str]:
     path = hf_dir / "model.safetensors"
     t = load_file(str(path))
     rng = np.random.default_rng(seed)
-    new = {n.replace(f"layers.{layers - 1}.", f"layers.{layers}."): (
-        (1.0 + 0.1 * rng.standard_normal(a.shape)) if n.endswith("norm.weight")
-        else 0.1 * rng.standard_normal(a.shape)).astype(a.dtype)
-        for n, a in t.items() if n.startswith(f"model.layers.{layers - 1}.")}
+    new = {
+        n.replace(f"layers.{layers - 1}.", f"layers.{layers}."): (
+            (1.0 + 0.1 * rng.standard_normal(a.shape))
+            if n.endswith("norm.weight")
+            else 0.1 * rng.standard_normal(a.shape)
+        ).astype(a.dtype)
+        for n, a in t.items()
+        if n.startswith(f"model.layers.{layers - 1}.")
+    }
     p = f"model.layers.{layers}."
     for name in ("enorm", "hnorm", "shared_head.norm"):
         new[f"{p}{name}.weight"] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
@@ -118,14 +171,16 @@ def test_scored_logits_equal_transformers(saved):
     loss, logits = score(str(root / "kit"), ids, devices=1)
     want = hf_logits(model, ids)
     assert rel_err(logits, want) <= REL
-    ref = torch.nn.functional.cross_entropy(torch.as_tensor(want[:, :-1]).reshape(-1, 97),
-                                            torch.as_tensor(ids[:, 1:]).long().reshape(-1))
+    ref = torch.nn.functional.cross_entropy(
+        torch.as_tensor(want[:, :-1]).reshape(-1, 97), torch.as_tensor(ids[:, 1:]).long().reshape(-1)
+    )
     assert loss == pytest.approx(float(ref), rel=1e-5)
 
 
 def load(family: str, path, **kw):
     return getattr(transformers, FAMILIES[family][1]).from_pretrained(
-        path, output_loading_info=True, attn_implementation="eager", **kw)
+        path, output_loading_info=True, attn_implementation="eager", **kw
+    )
 
 
 def test_to_hf_loads_with_no_missing_or_unused_weights_and_the_kits_logits(saved, tmp_path):
@@ -211,7 +266,8 @@ def test_a_trained_scanned_run_exports_to_mixtral_with_the_logits_it_scores(tmp_
     assert run(cfg, tmp_path / "run", log=lambda s: None) == EXIT_OK
     to_hf(tmp_path / "run", tmp_path / "hf", log=lambda s: None)  # the run's fp32, as stored
     model, info = transformers.MixtralForCausalLM.from_pretrained(
-        tmp_path / "hf", output_loading_info=True, attn_implementation="eager")
+        tmp_path / "hf", output_loading_info=True, attn_implementation="eager"
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     ids = np.random.default_rng(3).integers(0, 256, (2, 9)).astype(np.int32)
     _, ours = score(str(tmp_path / "run"), ids, devices=1)

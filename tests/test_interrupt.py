@@ -19,7 +19,8 @@ from test_distributed import SUPERVISOR, wait_for
 from test_faults import QUIET, cli, finish, losses, saved_steps, tiny
 from test_train import _wait_for_steps
 
-from moe_train.train import cli as cli_module, loop as run_mod
+from moe_train.train import cli as cli_module
+from moe_train.train import loop as run_mod
 from moe_train.train.signals import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,11 +81,18 @@ def test_ctrl_c_prints_the_resume_command_last(interrupted):
 
 @pytest.mark.slow
 def test_the_printed_command_resumes_at_that_step_and_matches_an_uninterrupted_run(
-        tmp_path, interrupted, reference):
+    tmp_path, interrupted, reference
+):
     out, _, stdout = interrupted
     command = shlex.split(stdout.strip().splitlines()[-1].removeprefix("to resume, run: "))
-    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    again = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     assert again.returncode == EXIT_OK, again.stderr
     assert f"(step {stopped_at(stdout)})" in again.stdout  # "resumed from .../N (step N)"
     assert losses(out) == reference  # bitwise on CPU in fp32
@@ -149,8 +157,9 @@ def test_checkpoint_minutes_must_be_finite_and_not_negative(tmp_path, capsys, va
 def timed(tmp_path_factory) -> tuple[Path, list[str]]:
     """A 6-step run saving every 0.06 s of wall time and never by step count: (out, log)."""
     out, log = tmp_path_factory.mktemp("timed"), []
-    cfg = tiny("train.checkpoint_every=0", "train.checkpoint_minutes=0.001",
-               "train.keep_checkpoints=10", steps=6)
+    cfg = tiny(
+        "train.checkpoint_every=0", "train.checkpoint_minutes=0.001", "train.keep_checkpoints=10", steps=6
+    )
     assert run_mod.run(cfg, out, log=log.append) == EXIT_OK
     return out, log
 
@@ -195,9 +204,14 @@ def supervised(tmp_path: Path, stay: bool) -> subprocess.Popen:
     """The supervisor of ``test_distributed`` over ``CHILD``."""
     out = open(tmp_path / "sup.out", "w")
     child = CHILD.replace("STAY = False", f"STAY = {stay}")
-    return subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path / "run"), child],
-                            cwd=ROOT, stdout=out, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, str(tmp_path / "run"), child],
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
 
 
 def gone(pid: int) -> bool:

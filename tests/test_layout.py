@@ -13,8 +13,7 @@ from topology.discovery import DeviceDomain
 
 
 def cfg_for(*overrides: str) -> config.Config:
-    return config.build("tiny", ["train.steps=2", "train.log_every=100", "parallel.devices=8",
-                                 *overrides])
+    return config.build("tiny", ["train.steps=2", "train.log_every=100", "parallel.devices=8", *overrides])
 
 
 def recorded(keys: list[str]):
@@ -78,5 +77,4 @@ def test_training_uses_the_planned_order(tmp_path, interleaved):
     assert run(cfg_for("parallel.ep=4", "parallel.cluster=cpu-local"), tmp_path, log=lines.append) == EXIT_OK
     saved = json.loads((tmp_path / "layout.json").read_text())
     assert sorted(saved["ep_groups"]) == interleaved
-    assert any(line.startswith("layout: each EP group of 4 lies inside one NVLink domain")
-               for line in lines)
+    assert any(line.startswith("layout: each EP group of 4 lies inside one NVLink domain") for line in lines)

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_train.model.loss import (
     CHUNK_LOGITS_BYTES,
@@ -25,13 +26,16 @@ from moe_train.model.loss import (
 
 T, H, V = 37, 16, 50
 F32_TOL = 1e-6  # relative to the largest entry
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def _inputs(t=T, h=H, v=V, seed=0):
     kx, kh, kl = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(kx, (t, h)), jax.random.normal(kh, (h, v)) / 2,
-            jax.random.randint(kl, (t,), 0, v))
+    return (
+        jax.random.normal(kx, (t, h)),
+        jax.random.normal(kh, (h, v)) / 2,
+        jax.random.randint(kl, (t,), 0, v),
+    )
 
 
 def _reference(x_TH, head_HV, labels_T, logit_scale=1.0, z_loss_coef=0.0, weights_T=None):
@@ -41,7 +45,7 @@ def _reference(x_TH, head_HV, labels_T, logit_scale=1.0, z_loss_coef=0.0, weight
     lse_T = jax.nn.logsumexp(logits_TV, axis=-1)
     w_T = jnp.ones_like(ce_T) if weights_T is None else weights_T
     denom = jnp.maximum(w_T.sum(), 1.0)
-    return (w_T * ce_T).sum() / denom + z_loss_coef * (w_T * lse_T ** 2).sum() / denom
+    return (w_T * ce_T).sum() / denom + z_loss_coef * (w_T * lse_T**2).sum() / denom
 
 
 def _value_and_grads(fn, x_TH, head_HV):
@@ -61,8 +65,11 @@ def _assert_same(got, want, tol=F32_TOL):
         _assert_close(g, r, tol)
 
 
-@pytest.mark.parametrize("t,chunk", [(T, 5), (T, 1), (T, T), (T, 64), (T, 0), (1, 0), (1, 1)],
-                         ids=["not-dividing", "one", "equal", "over-T", "default", "T1", "T1-c1"])
+@pytest.mark.parametrize(
+    "t,chunk",
+    [(T, 5), (T, 1), (T, T), (T, 64), (T, 0), (1, 0), (1, 1)],
+    ids=["not-dividing", "one", "equal", "over-T", "default", "T1", "T1-c1"],
+)
 def test_loss_and_grads_equal_full_logits(t, chunk):
     x, head, labels = _inputs(t)
     got = _value_and_grads(lambda x, h: lm_loss(x, h, labels, chunk=chunk)[0], x, head)
@@ -72,16 +79,15 @@ def test_loss_and_grads_equal_full_logits(t, chunk):
 def test_weights_give_the_weighted_mean():
     x, head, labels = _inputs()
     w = jnp.where(jnp.arange(T) % 3 == 0, 0.0, 1.0).at[1].set(2.5)
-    got = _value_and_grads(lambda x, h: lm_loss(x, h, labels, chunk=8, weights_T=w)[0],
-                           x, head)
-    _assert_same(got, _value_and_grads(lambda x, h: _reference(x, h, labels, weights_T=w),
-                                       x, head))
+    got = _value_and_grads(lambda x, h: lm_loss(x, h, labels, chunk=8, weights_T=w)[0], x, head)
+    _assert_same(got, _value_and_grads(lambda x, h: _reference(x, h, labels, weights_T=w), x, head))
 
 
 def test_all_zero_weights_give_zero_loss_and_gradients():
     x, head, labels = _inputs()
     loss, grads = _value_and_grads(
-        lambda x, h: lm_loss(x, h, labels, chunk=8, weights_T=jnp.zeros(T))[0], x, head)
+        lambda x, h: lm_loss(x, h, labels, chunk=8, weights_T=jnp.zeros(T))[0], x, head
+    )
     assert float(loss) == 0.0 and all(not np.any(np.asarray(g)) for g in grads)
 
 
@@ -91,27 +97,24 @@ def test_out_of_range_labels_are_ignored_like_weight_zero():
     odd_labels = jnp.where(bad, jnp.where(jnp.arange(T) % 8 == 1, -1, V + 3), labels)
     got = _value_and_grads(lambda x, h: lm_loss(x, h, odd_labels, chunk=8)[0], x, head)
     want = _value_and_grads(
-        lambda x, h: _reference(x, h, labels, weights_T=jnp.where(bad, 0.0, 1.0)), x, head)
+        lambda x, h: _reference(x, h, labels, weights_T=jnp.where(bad, 0.0, 1.0)), x, head
+    )
     _assert_same(got, want)
 
 
 def test_tied_head_with_logit_scale():
     x, head, labels = _inputs()
-    embed_VH, scale = head.T, H ** -0.5
-    got = _value_and_grads(
-        lambda x, e: lm_loss(x, e.T, labels, chunk=6, logit_scale=scale)[0], x, embed_VH)
-    want = _value_and_grads(lambda x, e: _reference(x, e.T, labels, logit_scale=scale),
-                            x, embed_VH)
+    embed_VH, scale = head.T, H**-0.5
+    got = _value_and_grads(lambda x, e: lm_loss(x, e.T, labels, chunk=6, logit_scale=scale)[0], x, embed_VH)
+    want = _value_and_grads(lambda x, e: _reference(x, e.T, labels, logit_scale=scale), x, embed_VH)
     _assert_same(got, want)
 
 
 def test_z_loss_term_value_and_gradient():
     x, head, labels = _inputs()
     coef = 0.1
-    got = _value_and_grads(lambda x, h: lm_loss(x, h, labels, chunk=7, z_loss_coef=coef)[0],
-                           x, head)
-    _assert_same(got, _value_and_grads(
-        lambda x, h: _reference(x, h, labels, z_loss_coef=coef), x, head))
+    got = _value_and_grads(lambda x, h: lm_loss(x, h, labels, chunk=7, z_loss_coef=coef)[0], x, head)
+    _assert_same(got, _value_and_grads(lambda x, h: _reference(x, h, labels, z_loss_coef=coef), x, head))
 
 
 def test_aux_holds_ce_and_logit_z():
@@ -128,13 +131,14 @@ def test_bf16_inputs_within_bf16_rounding():
     1e-5 (products are exact in fp32, sums accumulate in fp32); the bf16 gradients are within
     bf16 rounding of the fp32 ones (1e-2 of the largest entry; the backward matmuls take the
     logits' cotangent in bf16, as autodiff of a bf16 matmul does)."""
-    x, head, labels = (a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a
-                       for a in _inputs(t=64, h=32, v=200))
-    loss, grads = _value_and_grads(
-        lambda x, h: lm_loss(x, h, labels, chunk=16, z_loss_coef=1e-2)[0], x, head)
+    x, head, labels = (
+        a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in _inputs(t=64, h=32, v=200)
+    )
+    loss, grads = _value_and_grads(lambda x, h: lm_loss(x, h, labels, chunk=16, z_loss_coef=1e-2)[0], x, head)
     x32, head32 = x.astype(jnp.float32), head.astype(jnp.float32)
     ref_loss, ref_grads = _value_and_grads(
-        lambda x, h: _reference(x, h, labels, z_loss_coef=1e-2), x32, head32)
+        lambda x, h: _reference(x, h, labels, z_loss_coef=1e-2), x32, head32
+    )
     _assert_close(loss, ref_loss, 1e-5)
     assert all(g.dtype == jnp.bfloat16 for g in grads)
     for g, r in zip(grads, ref_grads):
@@ -152,30 +156,43 @@ def test_vocab_tiles_equal_full_logits(vocab_chunk):
     w = jnp.where(jnp.arange(T) % 5 == 0, 0.0, 1.0).at[2].set(1.5)
     embed_VH, scale = head.T, 0.7
     kw = dict(logit_scale=scale, z_loss_coef=0.1, weights_T=w)
-    got = _value_and_grads(lambda x, e: lm_loss(x, e.T, labels, chunk=8,
-                                                vocab_chunk=vocab_chunk, **kw)[0], x, embed_VH)
+    got = _value_and_grads(
+        lambda x, e: lm_loss(x, e.T, labels, chunk=8, vocab_chunk=vocab_chunk, **kw)[0], x, embed_VH
+    )
     w_ref = jnp.where(labels < 0, 0.0, w)
-    want = _value_and_grads(lambda x, e: _reference(x, e.T, jnp.maximum(labels, 0), scale, 0.1,
-                                                    w_ref), x, embed_VH)
+    want = _value_and_grads(
+        lambda x, e: _reference(x, e.T, jnp.maximum(labels, 0), scale, 0.1, w_ref), x, embed_VH
+    )
     _assert_same(got, want)
 
 
 def test_vocab_tiles_bf16_within_bf16_rounding():
-    x, head, labels = (a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a
-                       for a in _inputs(t=64, h=32, v=200))
-    loss, grads = _value_and_grads(
-        lambda x, h: lm_loss(x, h, labels, chunk=16, vocab_chunk=48)[0], x, head)
-    ref_loss, ref_grads = _value_and_grads(lambda x, h: _reference(x, h, labels),
-                                           x.astype(jnp.float32), head.astype(jnp.float32))
+    x, head, labels = (
+        a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in _inputs(t=64, h=32, v=200)
+    )
+    loss, grads = _value_and_grads(lambda x, h: lm_loss(x, h, labels, chunk=16, vocab_chunk=48)[0], x, head)
+    ref_loss, ref_grads = _value_and_grads(
+        lambda x, h: _reference(x, h, labels), x.astype(jnp.float32), head.astype(jnp.float32)
+    )
     _assert_close(loss, ref_loss, 1e-5)
     for g, r in zip(grads, ref_grads):
         assert g.dtype == jnp.bfloat16
         _assert_close(g, r, 1e-2)
 
 
-@pytest.mark.parametrize("v,limit,want", [(50, 0, 50), (VOCAB_TILE, 0, VOCAB_TILE),
-                                          (32000, 0, 2048), (2100, 0, 1152), (151936, 0, 2048),
-                                          (50, 16, 16), (50, 7, 7), (50, 25, 25)])
+@pytest.mark.parametrize(
+    "v,limit,want",
+    [
+        (50, 0, 50),
+        (VOCAB_TILE, 0, VOCAB_TILE),
+        (32000, 0, 2048),
+        (2100, 0, 1152),
+        (151936, 0, 2048),
+        (50, 16, 16),
+        (50, 7, 7),
+        (50, 25, 25),
+    ],
+)
 def test_vocab_tile_rule(v, limit, want):
     """All of V up to the limit; else balanced tiles rounded to 128 (2100: 2 x 1152, not
     2048 + an almost empty second tile)."""
@@ -189,9 +206,11 @@ MEM_T, MEM_H, MEM_V, MEM_C = 4096, 64, 32768, 256
 
 
 def _grad_temp_bytes(loss_fn, t):
-    args = (jax.ShapeDtypeStruct((t, MEM_H), jnp.float32),
-            jax.ShapeDtypeStruct((MEM_H, MEM_V), jnp.float32),
-            jax.ShapeDtypeStruct((t,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((t, MEM_H), jnp.float32),
+        jax.ShapeDtypeStruct((MEM_H, MEM_V), jnp.float32),
+        jax.ShapeDtypeStruct((t,), jnp.int32),
+    )
     grad = jax.jit(jax.grad(loss_fn, argnums=(0, 1)))
     return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
@@ -225,8 +244,11 @@ def test_default_chunk_temp_memory_near_its_budget():
 
 
 def _temp_bytes(t, h, v, dtype=jnp.float32):
-    args = (jax.ShapeDtypeStruct((t, h), dtype), jax.ShapeDtypeStruct((h, v), dtype),
-            jax.ShapeDtypeStruct((t,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((t, h), dtype),
+        jax.ShapeDtypeStruct((h, v), dtype),
+        jax.ShapeDtypeStruct((t,), jnp.int32),
+    )
     grad = jax.jit(jax.grad(lambda x, w, l: lm_loss(x, w, l)[0], argnums=(0, 1)))
     return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
@@ -257,6 +279,7 @@ def test_temp_memory_past_two_tiles_does_not_depend_on_vocab():
 
 # --- sharding ---------------------------------------------------------------------------
 
+
 def _mesh():
     return Mesh(np.array(jax.devices()[:8]), ("data",))
 
@@ -264,8 +287,11 @@ def _mesh():
 def _sharded_inputs(mesh, t=256):
     x, head, labels = _inputs(t=t)
     tokens = NamedSharding(mesh, P("data"))
-    return (jax.device_put(x, NamedSharding(mesh, P("data", None))),
-            jax.device_put(head, NamedSharding(mesh, P())), jax.device_put(labels, tokens))
+    return (
+        jax.device_put(x, NamedSharding(mesh, P("data", None))),
+        jax.device_put(head, NamedSharding(mesh, P())),
+        jax.device_put(labels, tokens),
+    )
 
 
 @pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-tile", "vocab-tiles"])
@@ -273,9 +299,12 @@ def test_sharded_over_eight_devices_equals_unsharded(vocab_chunk):
     mesh = _mesh()
     xs, hs, ls = _sharded_inputs(mesh)
     x, head, labels = (np.asarray(a) for a in (xs, hs, ls))
-    fn = jax.jit(jax.value_and_grad(
-        lambda x, h, l: lm_loss(x, h, l, chunk=64, z_loss_coef=1e-3, vocab_chunk=vocab_chunk)[0],
-        argnums=(0, 1)))
+    fn = jax.jit(
+        jax.value_and_grad(
+            lambda x, h, l: lm_loss(x, h, l, chunk=64, z_loss_coef=1e-3, vocab_chunk=vocab_chunk)[0],
+            argnums=(0, 1),
+        )
+    )
     _assert_same(fn(xs, hs, ls), fn(x, head, labels))
 
 
@@ -284,8 +313,9 @@ def test_sharded_chunks_keep_tokens_on_their_device(vocab_chunk):
     """With the batch sharding the strided chunks need no all-gather, all-to-all or
     collective-permute: only reductions (the loss sums and the head gradient)."""
     mesh = _mesh()
-    fn = jax.jit(jax.grad(lambda x, h, l: lm_loss(x, h, l, chunk=64, vocab_chunk=vocab_chunk)[0],
-                          argnums=(0, 1)))
+    fn = jax.jit(
+        jax.grad(lambda x, h, l: lm_loss(x, h, l, chunk=64, vocab_chunk=vocab_chunk)[0], argnums=(0, 1))
+    )
     hlo = fn.lower(*_sharded_inputs(mesh)).compile().as_text()
     assert "all-reduce" in hlo  # the head gradient sums over the token shards
     assert not re.search(r"all-gather|all-to-all|collective-permute", hlo)
@@ -298,22 +328,29 @@ def test_inside_shard_map_equals_global():
     def per_device(x, h, l):
         return jax.lax.pmean(lm_loss(x, h, l, chunk=8, vocab_chunk=16)[0], "data")
 
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P("data")),
-                            out_specs=P())
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P())
     got = _value_and_grads(lambda x, h: sharded(x, h, labels), x, head)
     _assert_same(got, _value_and_grads(lambda x, h: _reference(x, h, labels), x, head))
 
 
 # --- default chunk rule -----------------------------------------------------------------
 
+
 def test_default_chunk_is_all_tokens_within_budget():
     assert default_chunk(300, 256) == 300
-    assert default_chunk(MIN_CHUNK_TOKENS, 10 ** 7) == MIN_CHUNK_TOKENS
+    assert default_chunk(MIN_CHUNK_TOKENS, 10**7) == MIN_CHUNK_TOKENS
 
 
-@pytest.mark.parametrize("t,v,want", [(2 ** 16, 32768, 2048), (2 ** 16, 151936, 2048),
-                                      (3 * 2 ** 14, 131072, 2048), (2 ** 16, 1024, 4096),
-                                      (2 ** 16, 1000, 4096)])
+@pytest.mark.parametrize(
+    "t,v,want",
+    [
+        (2**16, 32768, 2048),
+        (2**16, 151936, 2048),
+        (3 * 2**14, 131072, 2048),
+        (2**16, 1024, 4096),
+        (2**16, 1000, 4096),
+    ],
+)
 def test_default_chunk_is_a_power_of_two_divisor_within_budget(t, v, want):
     """The budget is per tile of at most VOCAB_TILE columns: past that the chunk does not
     shrink with V (151,936 and 131,072 included)."""

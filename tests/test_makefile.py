@@ -33,8 +33,7 @@ def test_train_names_a_toml_model_s_run_after_its_file():
 
 
 def test_train_writes_the_given_out(tmp_path):
-    assert f"--out {tmp_path}/r" in first_line("train", "MODEL=small", f"OUT={tmp_path}/r",
-                                               "SET=moe.nope=1")
+    assert f"--out {tmp_path}/r" in first_line("train", "MODEL=small", f"OUT={tmp_path}/r", "SET=moe.nope=1")
 
 
 def test_smoke_starts_fresh_in_runs_smoke():
@@ -52,18 +51,24 @@ def test_probe_passes_devices():
 
 
 def test_a_recipe_prints_the_command_not_its_shell_plumbing():
-    assert re.fullmatch(r"\S*python\S* -m moe_train --preset small --out runs/small --set moe.nope=1",
-                        first_line("train", "MODEL=small", "SET=moe.nope=1"))
+    assert re.fullmatch(
+        r"\S*python\S* -m moe_train --preset small --out runs/small --set moe.nope=1",
+        first_line("train", "MODEL=small", "SET=moe.nope=1"),
+    )
 
 
 def test_every_recipe_line_is_quiet_but_make_plan_s():
     lines = (ROOT / "Makefile").read_text().splitlines()
-    loud = [line for before, line in zip([""] + lines, lines)  # not a continued line
-            if line.startswith("\t") and not line.startswith("\t@") and not before.endswith("\\")]
+    loud = [
+        line
+        for before, line in zip([""] + lines, lines)  # not a continued line
+        if line.startswith("\t") and not line.startswith("\t@") and not before.endswith("\\")
+    ]
     assert all("slurm.show" in line for line in loud), loud
 
 
 def test_clean_leaves_the_runs_directory():
-    recipe = subprocess.run(["make", "--no-print-directory", "-n", "clean"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60).stdout
+    recipe = subprocess.run(
+        ["make", "--no-print-directory", "-n", "clean"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    ).stdout
     assert "rm -rf" in recipe and ".venv" in recipe and not re.search(r"\bruns\b", recipe)

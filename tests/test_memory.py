@@ -28,7 +28,7 @@ BARE = ["train.remat=none", "train.micro_batch_size=0"]
 
 def xla_memory(cfg) -> train.CompiledMemory:
     """Compiled memory of ``cfg``'s step on its devices, at the largest finite bucket."""
-    mesh = layout.build(cfg, jax.devices()[:cfg.parallel.devices]).mesh
+    mesh = layout.build(cfg, jax.devices()[: cfg.parallel.devices]).mesh
     with sharding.activate(mesh):
         abstract = jax.eval_shape(lambda: train.init_state(cfg, mesh))
         shardings = train.state_shardings(cfg, mesh, abstract)
@@ -46,32 +46,61 @@ def planned(cfg):
     return plan(cfg, "cpu-local", 1, devices=cfg.parallel.devices)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["parallel.devices=1"],
-    ["parallel.devices=8", "parallel.ep=8", *SHAPE],  # a2a, every expert on its own device
-    ["parallel.devices=8", "parallel.ep=2", *SHAPE],  # EP 2 x FSDP 4
-    # + fp8 scaling state in the arguments. Looped: under scan XLA:CPU converts the stacked
-    # bf16 residuals to f32 before the backward loop (its bf16 emulation; no GPU does this)
-    ["parallel.devices=1", "precision.compute=fp8", "model.scan_layers=false"],
-    ["parallel.devices=8", "parallel.ep=8", *SHAPE, "train.micro_batches=2"],  # accumulation
-    ["parallel.devices=1", *SHAPE, "model.scan_layers=false"],  # the Python loop of blocks
-    # flash-style attention at 4x the length: no [S, S] scores
-    ["parallel.devices=1", "model.attention=chunked", "train.batch_size=4", "train.seq_len=512"],
-    # a real vocab in 4 chunks of 512 tokens by 16 tiles of 2048 columns: one tile's logits
-    # at a time (at the preset's 512 tokens XLA:CPU's peak is in the AdamW update instead,
-    # where it copies the old [V, H] embedding and head, the head's mu and nu: not modelled)
-    ["parallel.devices=1", "model.vocab_size=32768", "train.batch_size=16", "train.seq_len=128",
-     "train.loss_chunk=512"],
-    # parallel.weight_gather=step: the fp32 copy gathered over data once per step and its
-    # gradient, whole, before the reduction (compiled only: bf16 step-mode steps on 8 fake
-    # devices can stall in XLA:CPU's collectives when run; XLA:CPU's bf16 is emulated anyway)
-    ["parallel.devices=8", "parallel.ep=2", *SHAPE, "precision.compute=fp32",
-     "parallel.weight_gather=step"],
-    ["parallel.devices=8", "parallel.ep=2", *SHAPE, "precision.compute=fp32",
-     "parallel.weight_gather=step", "train.micro_batches=2"],
-], ids=["1-device", "8-devices-ep8", "8-devices-ep2-fsdp4", "1-device-fp8", "8-devices-micro2",
-        "1-device-looped", "chunked-attention", "chunked-loss", "8-devices-ep2-step",
-        "8-devices-ep2-step-micro2"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.devices=1"],
+        ["parallel.devices=8", "parallel.ep=8", *SHAPE],  # a2a, every expert on its own device
+        ["parallel.devices=8", "parallel.ep=2", *SHAPE],  # EP 2 x FSDP 4
+        # + fp8 scaling state in the arguments. Looped: under scan XLA:CPU converts the stacked
+        # bf16 residuals to f32 before the backward loop (its bf16 emulation; no GPU does this)
+        ["parallel.devices=1", "precision.compute=fp8", "model.scan_layers=false"],
+        ["parallel.devices=8", "parallel.ep=8", *SHAPE, "train.micro_batches=2"],  # accumulation
+        ["parallel.devices=1", *SHAPE, "model.scan_layers=false"],  # the Python loop of blocks
+        # flash-style attention at 4x the length: no [S, S] scores
+        ["parallel.devices=1", "model.attention=chunked", "train.batch_size=4", "train.seq_len=512"],
+        # a real vocab in 4 chunks of 512 tokens by 16 tiles of 2048 columns: one tile's logits
+        # at a time (at the preset's 512 tokens XLA:CPU's peak is in the AdamW update instead,
+        # where it copies the old [V, H] embedding and head, the head's mu and nu: not modelled)
+        [
+            "parallel.devices=1",
+            "model.vocab_size=32768",
+            "train.batch_size=16",
+            "train.seq_len=128",
+            "train.loss_chunk=512",
+        ],
+        # parallel.weight_gather=step: the fp32 copy gathered over data once per step and its
+        # gradient, whole, before the reduction (compiled only: bf16 step-mode steps on 8 fake
+        # devices can stall in XLA:CPU's collectives when run; XLA:CPU's bf16 is emulated anyway)
+        [
+            "parallel.devices=8",
+            "parallel.ep=2",
+            *SHAPE,
+            "precision.compute=fp32",
+            "parallel.weight_gather=step",
+        ],
+        [
+            "parallel.devices=8",
+            "parallel.ep=2",
+            *SHAPE,
+            "precision.compute=fp32",
+            "parallel.weight_gather=step",
+            "train.micro_batches=2",
+        ],
+    ],
+    ids=[
+        "1-device",
+        "8-devices-ep8",
+        "8-devices-ep2-fsdp4",
+        "1-device-fp8",
+        "8-devices-micro2",
+        "1-device-looped",
+        "chunked-attention",
+        "chunked-loss",
+        "8-devices-ep2-step",
+        "8-devices-ep2-step-micro2",
+    ],
+)
 def test_state_is_exact_and_total_close_to_xla(overrides):
     cfg = config.build("tiny", overrides)
     xla, est = xla_memory(cfg), planned(cfg).estimate.per_device
@@ -88,10 +117,16 @@ def test_step_gather_holds_a_compute_dtype_copy_and_its_gradient():
     place of the fp32 micro-batch gradient, plus one layer's share in flight; the per-layer
     gathers shrink to the in-group ones, whose gradients stay bf16."""
     cfg = config.build("deepseek-v3", ["train.micro_batch_size=0", "train.micro_batches=20"])
-    mb, step = (plan(config.build("deepseek-v3", ["train.micro_batch_size=0",
-                                                  "train.micro_batches=20", *sets]),
-                     "gb200-nvl72", 64, ep=64, search=False).estimate.per_device
-                for sets in ([], ["parallel.weight_gather=step"]))
+    mb, step = (
+        plan(
+            config.build("deepseek-v3", ["train.micro_batch_size=0", "train.micro_batches=20", *sets]),
+            "gb200-nvl72",
+            64,
+            ep=64,
+            search=False,
+        ).estimate.per_device
+        for sets in ([], ["parallel.weight_gather=step"])
+    )
     c = flops.param_counts(cfg)
     experts = c["routed_experts"] + c["mtp_routed_experts"]
     router = (58 + 1) * 7168 * 256  # 58 MoE layers and the MTP block's, fp32
@@ -112,8 +147,10 @@ def test_step_gather_is_free_where_the_copy_is_the_master():
     """EP over every device (no FSDP) in fp32: the copy has the master's dtype and
     placement, so it is the master itself and the plan does not change."""
     base = ["parallel.devices=8", "parallel.ep=8", *SHAPE]
-    mb, step = (planned(config.build("tiny", [*base, *sets])).estimate.per_device
-                for sets in ([], ["parallel.weight_gather=step"]))
+    mb, step = (
+        planned(config.build("tiny", [*base, *sets])).estimate.per_device
+        for sets in ([], ["parallel.weight_gather=step"])
+    )
     assert step == mb and step[STEP_WEIGHTS] == 0
 
 
@@ -122,15 +159,19 @@ def test_estimate_follows_precision_compute_and_fp8_saves_nothing():
     copy, so the verdict never offers fp8 as a way to fit."""
     totals, other = {}, {}
     for c in ("fp32", "bf16", "fp8"):
-        per = plan(config.build("mixtral-8x7b", [f"precision.compute={c}", "parallel.ep=8",
-                                                 "train.batch_size=64"]), "h100-dgx", 8,
-                   search=False).estimate.per_device
+        per = plan(
+            config.build("mixtral-8x7b", [f"precision.compute={c}", "parallel.ep=8", "train.batch_size=64"]),
+            "h100-dgx",
+            8,
+            search=False,
+        ).estimate.per_device
         totals[c], other[c] = per["total"], per["other"]
     assert totals["fp32"] > totals["fp8"] > totals["bf16"]
     sites = 32 * (12 + 5)  # 32 layers: q, k, v, o x 3 tensors; MoE input, 3 kernels, output grad
     assert other["fp8"] - other["bf16"] == sites * (1 + 16) * 4
-    v = check_fits(config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64"]),
-                   presets.load("h100-dgx"), 8)
+    v = check_fits(
+        config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64"]), presets.load("h100-dgx"), 8
+    )
     assert not any("fp8" in a.change for a in v.alternatives)
 
 
@@ -138,8 +179,13 @@ def test_remat_full_estimate_brackets_xla_cpu():
     """XLA:CPU hoists some recomputation: its peak lies between the planner's remat=full
     estimate (a memory-aware schedule) and its no-remat estimate."""
     # looped: a scanned backward loop keeps XLA:CPU from hoisting recomputation at all
-    base = ["parallel.devices=1", "train.batch_size=16", "train.seq_len=128", "model.num_layers=4",
-            "model.scan_layers=false"]
+    base = [
+        "parallel.devices=1",
+        "train.batch_size=16",
+        "train.seq_len=128",
+        "model.num_layers=4",
+        "model.scan_layers=false",
+    ]
     full = config.build("tiny", [*base, "train.remat=full"])
     xla = xla_memory(full).peak
     assert planned(full).verdict.total_bytes <= xla
@@ -155,16 +201,14 @@ def test_mixtral_published_size_and_both_verdicts():
     assert states == 16 * one.estimate.params_total  # fp32 master + grads + AdamW mu, nu
     assert states > 80 * GIB and not one.verdict.fits
     # 64 H100s: EP 8 x FSDP 8, one 4096-token sequence per GPU, full remat
-    cfg64 = config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64",
-                                          "train.remat=full"])
+    cfg64 = config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64", "train.remat=full"])
     p64 = plan(cfg64, "h100-dgx", 8)
     assert (p64.estimate.setup.ep, p64.estimate.setup.dp) == (8, 8)
     per = p64.estimate.per_device
     routed = 32 * 8 * 3 * 4096 * 14336  # experts split over all 64 GPUs,
     norms = 32 * 2 * 4096 + 4096  # norm scales replicated, every other matrix over all 64
     other = p64.estimate.params_total - routed - norms
-    assert per["params"] + per["grads"] + per["optimizer"] == 16 * (
-        routed // 64 + other // 64 + norms)
+    assert per["params"] + per["grads"] + per["optimizer"] == 16 * (routed // 64 + other // 64 + norms)
     assert p64.verdict.fits and p64.verdict.spare_bytes > 0
     assert "fits with" in p64.verdict.message
 
@@ -178,15 +222,22 @@ def test_verdict_names_the_largest_item_and_a_change_that_fits():
     first = next(a for a in v.alternatives if a.fits and a.available)
     assert first.change == v.change
     key, value = v.change.split("=")
-    assert plan(config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64",
-                                              f"{key}={value}"]), "h100-dgx", 8).verdict.fits
+    assert plan(
+        config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64", f"{key}={value}"]),
+        "h100-dgx",
+        8,
+    ).verdict.fits
 
 
 def test_micro_batches_split_activations_and_keep_a_gradient_sum():
     # 4 sequences per GPU; a fixed loss chunk, whose tile does not split with the micro-batch
     base = ["parallel.ep=8", "train.batch_size=256", "train.loss_chunk=1024", *BARE]
-    one, four = (plan(config.build("mixtral-8x7b", [*base, f"train.micro_batches={n}"]),
-                      "h100-dgx", 8, search=False).estimate.per_device for n in (1, 4))
+    one, four = (
+        plan(
+            config.build("mixtral-8x7b", [*base, f"train.micro_batches={n}"]), "h100-dgx", 8, search=False
+        ).estimate.per_device
+        for n in (1, 4)
+    )
     chunk = 1024 * 2048 * (8 + 2)  # one [1024, 2048] tile's fp32 logits and softmax, bf16 logits
     assert four["activations"] - chunk == pytest.approx((one["activations"] - chunk) / 4, rel=0.01)
     assert four["moe_buffers"] < one["moe_buffers"] / 3
@@ -194,9 +245,11 @@ def test_micro_batches_split_activations_and_keep_a_gradient_sum():
 
 
 def test_verdict_offers_micro_batches_before_changing_the_batch():
-    v = check_fits(config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=1024", *BARE,
-                                                 "train.remat=full"]),
-                   presets.load("h100-dgx"), 8)
+    v = check_fits(
+        config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=1024", *BARE, "train.remat=full"]),
+        presets.load("h100-dgx"),
+        8,
+    )
     changes = [a.change for a in v.alternatives]
     micro = next(i for i, c in enumerate(changes) if c.startswith("train.micro_batches="))
     batch = next(i for i, c in enumerate(changes) if c.startswith("train.batch_size="))
@@ -212,12 +265,20 @@ def test_buckets_grow_to_the_worst_case():
 
 def test_remat_and_more_gpus_lower_the_estimate():
     cfg = config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=128"])
-    totals = {r: plan(config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64",
-                                                    f"train.remat={r}"]), "h100-dgx", 8,
-                      search=False).verdict.total_bytes for r in ("none", "moe", "matmuls", "full")}
+    totals = {
+        r: plan(
+            config.build("mixtral-8x7b", ["parallel.ep=8", "train.batch_size=64", f"train.remat={r}"]),
+            "h100-dgx",
+            8,
+            search=False,
+        ).verdict.total_bytes
+        for r in ("none", "moe", "matmuls", "full")
+    }
     assert totals["full"] < totals["matmuls"] < totals["none"] and totals["moe"] < totals["none"]
-    assert (plan(cfg, "h100-dgx", 16, search=False).estimate.per_device["params"]
-            < plan(cfg, "h100-dgx", 8, search=False).estimate.per_device["params"])
+    assert (
+        plan(cfg, "h100-dgx", 16, search=False).estimate.per_device["params"]
+        < plan(cfg, "h100-dgx", 8, search=False).estimate.per_device["params"]
+    )
 
 
 def test_budget_uses_the_preset_fraction_or_a_reserve():
@@ -226,40 +287,75 @@ def test_budget_uses_the_preset_fraction_or_a_reserve():
     assert p.budget.usable_bytes == int(16 * GIB * 0.9)  # no fraction in the preset: default
     h = plan(config.build("mixtral-8x7b"), "h100-dgx", 8, reserve_gib=6, search=False)
     assert (h.budget.device_bytes, h.budget.usable_bytes) == (80 * GIB, 74 * GIB)
-    assert plan(config.build("mixtral-8x7b"), "h100-dgx", 8,
-                search=False).budget.usable_bytes == int(80 * GIB * 0.9)
+    assert plan(config.build("mixtral-8x7b"), "h100-dgx", 8, search=False).budget.usable_bytes == int(
+        80 * GIB * 0.9
+    )
 
 
 def test_presets_state_gpu_memory():
-    want = {"h100-dgx": 80, "h200-hgx": 141, "b200-hgx": 180, "gb200-nvl72": 186,
-            "gb200-nvl36x2": 186, "cpu-local": 16}
+    want = {
+        "h100-dgx": 80,
+        "h200-hgx": 141,
+        "b200-hgx": 180,
+        "gb200-nvl72": 186,
+        "gb200-nvl36x2": 186,
+        "cpu-local": 16,
+    }
     assert {n: presets.load(n).gpu_memory_gib for n in want} == want
 
 
 def test_cli_json(capsys):
-    assert main(["--model", "mixtral-8x7b", "--cluster", "h100-dgx", "--nodes", "8", "--ep", "8",
-                 "--set", "train.batch_size=64", "--set", "train.remat=full", "--json"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "mixtral-8x7b",
+                "--cluster",
+                "h100-dgx",
+                "--nodes",
+                "8",
+                "--ep",
+                "8",
+                "--set",
+                "train.batch_size=64",
+                "--set",
+                "train.remat=full",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
-    assert set(out["per_device_bytes"]) >= {"params", "grads", "optimizer", "activations",
-                                            "moe_buffers", "total"}
+    assert set(out["per_device_bytes"]) >= {
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "moe_buffers",
+        "total",
+    }
     assert out["device_bytes"] == 80 * GIB and out["fits"] is True
     assert out["per_device_bytes"]["total"] == sum(out["per_device_bytes"][k] for k in ALL_ITEMS)
 
 
 def test_cli_text_and_check_exit(capsys):
-    assert main(["--model", "mixtral-8x7b", "--cluster", "h100-dgx", "--nodes", "1",
-                 "--check"]) == 1
+    assert main(["--model", "mixtral-8x7b", "--cluster", "h100-dgx", "--nodes", "1", "--check"]) == 1
     text = capsys.readouterr().out
     assert "verdict: does not fit" in text and "alternatives" in text and "total" in text
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--model", "mixtrl", "--cluster", "h100-dgx", "--nodes", "8"], "valid presets: .*mixtral-8x7b"),
-    (["--model", "tiny", "--cluster", "h300", "--nodes", "1"], "valid presets: .*h100-dgx"),
-    (["--model", "mixtral-8x7b", "--cluster", "h100-dgx", "--nodes", "8", "--ep", "3"],
-     r"parallel.ep=3 does not divide the 64 devices; valid ep .*: 1, 2, 4, 8$"),
-    (["--model", "tiny", "--cluster", "h100-dgx", "--nodes", "0"], "nodes must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--model", "mixtrl", "--cluster", "h100-dgx", "--nodes", "8"], "valid presets: .*mixtral-8x7b"),
+        (["--model", "tiny", "--cluster", "h300", "--nodes", "1"], "valid presets: .*h100-dgx"),
+        (
+            ["--model", "mixtral-8x7b", "--cluster", "h100-dgx", "--nodes", "8", "--ep", "3"],
+            r"parallel.ep=3 does not divide the 64 devices; valid ep .*: 1, 2, 4, 8$",
+        ),
+        (["--model", "tiny", "--cluster", "h100-dgx", "--nodes", "0"], "nodes must be >= 1"),
+    ],
+)
 def test_cli_errors_are_one_line_exit_2(capsys, args, match):
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -268,8 +364,23 @@ def test_cli_errors_are_one_line_exit_2(capsys, args, match):
 
 
 def test_cli_text_lists_the_step_copy(capsys):
-    assert main(["--model", "mixtral-8x7b", "--cluster", "h100-dgx", "--nodes", "8", "--ep", "8",
-                 "--set", "parallel.weight_gather=step"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "mixtral-8x7b",
+                "--cluster",
+                "h100-dgx",
+                "--nodes",
+                "8",
+                "--ep",
+                "8",
+                "--set",
+                "parallel.weight_gather=step",
+            ]
+        )
+        == 0
+    )
     line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[0] == STEP_WEIGHTS)
     assert float(line.split()[1]) > 0 and "once per step" in line
 
@@ -279,17 +390,25 @@ def test_plan_error_is_a_config_error():
         plan(config.build("tiny"), "cpu-local", 2, ep=1)
 
 
-@pytest.mark.parametrize("model, cluster, nodes, ep", [
-    ("mixtral-8x7b", "h100-dgx", 8, 8),  # README: make submit
-    ("deepseek-v3", "gb200-nvl72", 32, 64),  # docs/planning.md: make plan
-])
+@pytest.mark.parametrize(
+    "model, cluster, nodes, ep",
+    [
+        ("mixtral-8x7b", "h100-dgx", 8, 8),  # README: make submit
+        ("deepseek-v3", "gb200-nvl72", 32, 64),  # docs/planning.md: make plan
+    ],
+)
 def test_readme_cluster_examples_fit_with_the_preset_defaults(model, cluster, nodes, ep):
     assert plan(config.build(model), cluster, nodes, ep=ep, search=False).verdict.fits
 
 
 # docs/planning.md, the predicted step: the 64-node job at the comm-share target
-README_FAST = ("parallel.weight_gather=step", "train.micro_batch_size=0", "train.micro_batches=20",
-               "moe.overlap_chunks=4", "moe.dispatch_dtype=fp8")
+README_FAST = (
+    "parallel.weight_gather=step",
+    "train.micro_batch_size=0",
+    "train.micro_batches=20",
+    "moe.overlap_chunks=4",
+    "moe.dispatch_dtype=fp8",
+)
 
 
 def test_readme_fast_deepseek_job_fits():
@@ -299,8 +418,14 @@ def test_readme_fast_deepseek_job_fits():
 
 def test_flash_attention_and_chunked_loss_drop_the_quadratic_and_vocab_terms():
     def acts(*sets):
-        return plan(config.build("mixtral-8x7b", ["train.micro_batch_size=1", *sets]), "h100-dgx",
-                    8, ep=8, search=False).estimate.per_device["activations"]
+        return plan(
+            config.build("mixtral-8x7b", ["train.micro_batch_size=1", *sets]),
+            "h100-dgx",
+            8,
+            ep=8,
+            search=False,
+        ).estimate.per_device["activations"]
+
     assert acts("model.attention=xla") > 2 * acts("model.attention=chunked")
     assert acts("train.loss_chunk=4096") > acts("train.loss_chunk=512")
 
@@ -315,17 +440,22 @@ SEQ_4K = ["train.micro_batch_size=2"]
 SEQ_8K = ["train.seq_len=8192", "train.batch_size=256", "train.micro_batch_size=1"]
 
 
-@pytest.mark.parametrize("model, cluster, nodes, ep, attention", [
-    ("mixtral-8x7b", "h100-dgx", 8, 8, "auto"),  # cuDNN
-    ("mixtral-8x7b", "h100-dgx", 8, 8, "chunked"),
-    ("mixtral-8x7b", "h100-dgx", 8, 8, "te"),
-    ("deepseek-v3", "gb200-nvl72", 32, 64, "auto"),  # MLA: chunked (v head dim != q/k)
-])
+@pytest.mark.parametrize(
+    "model, cluster, nodes, ep, attention",
+    [
+        ("mixtral-8x7b", "h100-dgx", 8, 8, "auto"),  # cuDNN
+        ("mixtral-8x7b", "h100-dgx", 8, 8, "chunked"),
+        ("mixtral-8x7b", "h100-dgx", 8, 8, "te"),
+        ("deepseek-v3", "gb200-nvl72", 32, 64, "auto"),  # MLA: chunked (v head dim != q/k)
+    ],
+)
 def test_flash_attention_activations_are_linear_in_seq(model, cluster, nodes, ep, attention):
     """Attention that never stores [S, S] (chunked, cuDNN, TE): at equal tokens per
     micro-batch the activations do not depend on S (no S^2 term anywhere)."""
-    short, long = (_gpu_plan(f"model.attention={attention}", *sets, model=model,
-                             cluster=cluster, nodes=nodes, ep=ep) for sets in (SEQ_4K, SEQ_8K))
+    short, long = (
+        _gpu_plan(f"model.attention={attention}", *sets, model=model, cluster=cluster, nodes=nodes, ep=ep)
+        for sets in (SEQ_4K, SEQ_8K)
+    )
     assert short.setup.attention == long.setup.attention == "flash"
     assert short.setup.tokens == long.setup.tokens
     assert long.per_device["activations"] == short.per_device["activations"]
@@ -336,8 +466,9 @@ def test_xla_attention_still_counts_seq_squared():
     bytes per token, for the one block being recomputed under full remat, every layer's
     under none."""
     for remat, blocks in (("full", 1), ("none", 32)):
-        short, long = (_gpu_plan("model.attention=xla", f"train.remat={remat}", *sets)
-                       for sets in (SEQ_4K, SEQ_8K))
+        short, long = (
+            _gpu_plan("model.attention=xla", f"train.remat={remat}", *sets) for sets in (SEQ_4K, SEQ_8K)
+        )
         assert short.setup.attention == "scores"
         growth = long.per_device["activations"] - short.per_device["activations"]
         assert growth == blocks * long.setup.tokens * 32 * (8192 - 4096) * 14

@@ -37,13 +37,20 @@ def test_torn_last_line_is_dropped(path):
 def test_torn_last_line_is_warned_about_with_its_line_number(path):
     path.write_text(_lines(1, 2, 3) + '{"step": 4, "lo')
     logged = _open(path, 4)
-    assert logged == [f"WARNING: metrics.jsonl: dropped 1 unreadable line(s) (torn by a crash?) "
-                      f"at line(s) 4 of {path}"]
+    assert logged == [
+        f"WARNING: metrics.jsonl: dropped 1 unreadable line(s) (torn by a crash?) at line(s) 4 of {path}"
+    ]
 
 
 def test_garbage_middle_lines_are_dropped(path):
-    path.write_bytes(_lines(1).encode() + b"\x00\x00\x00\n" + b"[1, 2]\n" + b'{"step": "2"}\n'
-                     + b"\xff\xfe\n" + _lines(3).encode())
+    path.write_bytes(
+        _lines(1).encode()
+        + b"\x00\x00\x00\n"
+        + b"[1, 2]\n"
+        + b'{"step": "2"}\n'
+        + b"\xff\xfe\n"
+        + _lines(3).encode()
+    )
     logged = _open(path, 10)
     assert _steps(path) == [1, 3] and "dropped 4 unreadable line(s)" in logged[0]
     assert "at line(s) 2, 3, 4, 5 of" in logged[0]

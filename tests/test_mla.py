@@ -14,9 +14,17 @@ from moe_train import config
 from moe_train.model.mla import MLA
 
 B, S = 2, 12
-MLA_SETS = ["model.attention_kind=mla", "model.hidden=32", "model.num_heads=4",
-            "model.q_lora_rank=24", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
-            "model.qk_rope_head_dim=6", "model.v_head_dim=10", "rope.layout=interleaved"]
+MLA_SETS = [
+    "model.attention_kind=mla",
+    "model.hidden=32",
+    "model.num_heads=4",
+    "model.q_lora_rank=24",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=6",
+    "model.v_head_dim=10",
+    "rope.layout=interleaved",
+]
 
 
 def cfg_of(*extra):
@@ -33,6 +41,7 @@ def x_of(seed=0, seq=S, hidden=32):
 
 # ---------------------------------------------------------------- the reference, by hand
 
+
 def rms(x, scale, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
@@ -45,7 +54,7 @@ def rotate(x, positions, theta, interleaved):
     if interleaved:
         z = (x[..., 0::2] + 1j * x[..., 1::2]) * turn
         return np.stack([z.real, z.imag], axis=-1).reshape(x.shape)
-    z = (x[..., :d // 2] + 1j * x[..., d // 2:]) * turn
+    z = (x[..., : d // 2] + 1j * x[..., d // 2 :]) * turn
     return np.concatenate([z.real, z.imag], axis=-1)
 
 
@@ -69,7 +78,7 @@ def reference(p, x, cfg, scale_factor=1.0):
     k_r = rotate(kv[..., Z:][:, :, None, :], pos, m.rope_theta, inter)  # k^R, one for all heads
     up = np.einsum("bsz,znd->bsnd", c_kv, p["kv_b"])
     k_c, v = up[..., :U], up[..., U:]  # k^C, v^C
-    logits = (np.einsum("bsnu,btnu->bnst", q_c, k_c) + np.einsum("bsni,btxi->bnst", q_r, k_r))
+    logits = np.einsum("bsnu,btnu->bnst", q_c, k_c) + np.einsum("bsni,btxi->bnst", q_r, k_r)
     logits = logits * scale_factor / math.sqrt(U + I)
     logits = np.where(np.tril(np.ones((seq, seq), bool)), logits, -np.inf)
     w = np.exp(logits - logits.max(-1, keepdims=True))
@@ -80,13 +89,14 @@ def reference(p, x, cfg, scale_factor=1.0):
 
 # ---------------------------------------------------------------- tests
 
-@pytest.mark.parametrize("extra", [[], ["model.q_lora_rank=0"], ["rope.layout=half"]],
-                         ids=["q-latent", "direct-q", "rotate-half"])
+
+@pytest.mark.parametrize(
+    "extra", [[], ["model.q_lora_rank=0"], ["rope.layout=half"]], ids=["q-latent", "direct-q", "rotate-half"]
+)
 def test_forward_matches_the_reference(extra):
     cfg, x = cfg_of(*extra), x_of()
     p = init(cfg, x)
-    np.testing.assert_allclose(MLA(cfg).apply({"params": p}, x), reference(p, x, cfg),
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(MLA(cfg).apply({"params": p}, x), reference(p, x, cfg), rtol=2e-5, atol=2e-5)
 
 
 def test_gradients_match_the_reference():
@@ -104,8 +114,7 @@ def test_gradients_match_the_reference():
     for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     # and the jnp twin is the numpy reference
-    np.testing.assert_allclose(_jnp_reference(p, x, cfg), reference(p, x, cfg), rtol=2e-5,
-                               atol=2e-5)
+    np.testing.assert_allclose(_jnp_reference(p, x, cfg), reference(p, x, cfg), rtol=2e-5, atol=2e-5)
 
 
 def _jnp_reference(p, x, cfg):
@@ -126,8 +135,10 @@ def _jnp_reference(p, x, cfg):
     kv = x @ p["kv_a"]
     up = jnp.einsum("bsz,znd->bsnd", norm(kv[..., :Z], p["kv_a_norm"]["scale"]), p["kv_b"])
     k_r = rot(kv[..., Z:][:, :, None, :])
-    logits = (jnp.einsum("bsnu,btnu->bnst", q[..., :U], up[..., :U])
-              + jnp.einsum("bsni,btxi->bnst", rot(q[..., U:]), k_r)) / math.sqrt(q.shape[-1])
+    logits = (
+        jnp.einsum("bsnu,btnu->bnst", q[..., :U], up[..., :U])
+        + jnp.einsum("bsni,btxi->bnst", rot(q[..., U:]), k_r)
+    ) / math.sqrt(q.shape[-1])
     logits = jnp.where(jnp.tril(jnp.ones((x.shape[1],) * 2, bool)), logits, -jnp.inf)
     o = jnp.einsum("bnst,btnj->bsnj", jax.nn.softmax(logits, -1), up[..., U:])
     return jnp.einsum("bsnj,njh->bsh", o, p["o"])
@@ -145,22 +156,26 @@ def test_outputs_never_see_later_tokens():
 def test_a_single_position_matches_the_reference():
     cfg, x = cfg_of(), x_of(seq=1)
     p = init(cfg, x)
-    np.testing.assert_allclose(MLA(cfg).apply({"params": p}, x), reference(p, x, cfg),
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(MLA(cfg).apply({"params": p}, x), reference(p, x, cfg), rtol=2e-5, atol=2e-5)
 
 
 def test_chunked_kernel_equals_full_scores():
     x = x_of(seq=40)
-    xla, chunked = cfg_of("model.attention=xla"), cfg_of("model.attention=chunked",
-                                                         "model.attention_block=8")
+    xla, chunked = cfg_of("model.attention=xla"), cfg_of("model.attention=chunked", "model.attention_block=8")
     p = init(xla, x)
-    np.testing.assert_allclose(MLA(chunked).apply({"params": p}, x),
-                               MLA(xla).apply({"params": p}, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        MLA(chunked).apply({"params": p}, x), MLA(xla).apply({"params": p}, x), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_yarn_multiplies_the_softmax_scale_by_mscale_squared():
-    cfg = cfg_of("rope.scaling=yarn", "rope.factor=40", "rope.mscale=1", "rope.mscale_all_dim=1",
-                 "rope.original_max_positions=4")
+    cfg = cfg_of(
+        "rope.scaling=yarn",
+        "rope.factor=40",
+        "rope.mscale=1",
+        "rope.mscale_all_dim=1",
+        "rope.original_max_positions=4",
+    )
     x = x_of()
     p = init(cfg, x)
     mscale = 0.1 * math.log(40) + 1
@@ -168,8 +183,9 @@ def test_yarn_multiplies_the_softmax_scale_by_mscale_squared():
     # by zeroing the RoPE dims' contribution (k^R and q^R weights set to 0)
     Z, U = cfg.model.kv_lora_rank, cfg.model.qk_nope_head_dim
     p = dict(p, kv_a=p["kv_a"].at[:, Z:].set(0), q_b=p["q_b"].at[..., U:].set(0))
-    np.testing.assert_allclose(MLA(cfg).apply({"params": p}, x),
-                               reference(p, x, cfg, scale_factor=mscale ** 2), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        MLA(cfg).apply({"params": p}, x), reference(p, x, cfg, scale_factor=mscale**2), rtol=2e-5, atol=2e-5
+    )
 
 
 def test_parameters_keep_the_released_fused_layouts():
@@ -188,8 +204,7 @@ def test_gqa_and_mla_have_their_own_weights():
     gqa = nn.unbox(Transformer(config.build("tiny")).init(jax.random.key(0), tokens)["params"])
     mla = nn.unbox(Transformer(cfg_of()).init(jax.random.key(0), tokens)["params"])
     assert set(gqa["moe_layers"]["attn"]) == {"q", "k", "v", "o"}
-    assert set(mla["moe_layers"]["attn"]) == {"q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm",
-                                              "kv_b", "o"}
+    assert set(mla["moe_layers"]["attn"]) == {"q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b", "o"}
 
 
 @pytest.mark.parametrize("compute,rtol", [("bf16", 0.05), ("fp8", 0.15)])
@@ -201,7 +216,8 @@ def test_low_precision_stays_near_fp32(compute, rtol):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < rtol
     if compute == "fp8":  # every projection quantized like the other dense ones
         assert {f"{n}_fp8" for n in ("q_a", "q_b", "kv_a", "kv_b", "o")} <= set(
-            variables["_overwrite_with_gradient"])
+            variables["_overwrite_with_gradient"]
+        )
 
 
 def test_odd_rope_dims_are_a_config_error():

@@ -7,8 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train.moe import (BACKENDS, BackendUnavailable, Routing, default_tile_rows,
-                           dropless_moe, resolve_backend, tiled_padding)
+from moe_train.moe import (
+    BACKENDS,
+    BackendUnavailable,
+    Routing,
+    default_tile_rows,
+    dropless_moe,
+    resolve_backend,
+    tiled_padding,
+)
 from moe_train.moe.gemm import _te_import_error, grouped_swiglu
 from moe_train.moe.permute import make_dispatch, permute, unpermute
 
@@ -33,7 +40,7 @@ def _experts(case, seed=0):
     return jnp.asarray(ids, jnp.int32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan(case, tile_rows):
     plan = jax.jit(make_dispatch, static_argnums=(1, 2))(_experts(case), E, tile_rows)
     return jax.tree.map(np.asarray, plan)
@@ -41,9 +48,16 @@ def _plan(case, tile_rows):
 
 # ----------------------------------------------------------------------------- padding
 
-@pytest.mark.parametrize("n, e, m, expected", [
-    (48, 8, 4, (19, 76)), (48, 8, 1, (55, 55)), (48, 8, 64, (8, 512)), (8, 8, 2, (11, 22)),
-])
+
+@pytest.mark.parametrize(
+    "n, e, m, expected",
+    [
+        (48, 8, 4, (19, 76)),
+        (48, 8, 1, (55, 55)),
+        (48, 8, 64, (8, 512)),
+        (8, 8, 2, (11, 22)),
+    ],
+)
 def test_tiled_padding_formula(n, e, m, expected):
     assert tiled_padding(n, e, m) == expected
 
@@ -67,6 +81,7 @@ def test_tile_bound_is_reached():
 
 
 # ----------------------------------------------------------------------------- plans
+
 
 @pytest.mark.parametrize("tile_rows", [None, 1, 3, 64])
 @pytest.mark.parametrize("case", ["random", "one-expert", "empty-experts"])
@@ -127,7 +142,8 @@ def test_permute_identity_unpermute_round_trip(tile_rows):
 
 # ----------------------------------------------------------------------------- backends
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def _expert_outputs(case):
     """Tiled (m=3) and ragged_dot outputs next to a per-row einsum, in assignment order."""
     x = _normal(T, H)
@@ -142,8 +158,7 @@ def _expert_outputs(case):
             out[backend] = y_RH[plan.row_N]
         x_NH = jnp.repeat(x, K, axis=0)
         e_N = experts.reshape(-1)
-        h = jax.nn.silu(jnp.einsum("nh,nhf->nf", x_NH, w0[e_N])) * jnp.einsum(
-            "nh,nhf->nf", x_NH, w1[e_N])
+        h = jax.nn.silu(jnp.einsum("nh,nhf->nf", x_NH, w0[e_N])) * jnp.einsum("nh,nhf->nf", x_NH, w1[e_N])
         out["per-row"] = jnp.einsum("nf,nfh->nh", h, wo[e_N])
         return out
 
@@ -159,6 +174,7 @@ def test_grouped_swiglu_matches_per_row_formula(case, backend):
 
 # ----------------------------------------------------------------------------- selection
 
+
 def test_unknown_backend_lists_choices():
     with pytest.raises(ValueError, match="choose one of") as err:
         resolve_backend("cutlass")
@@ -168,8 +184,15 @@ def test_unknown_backend_lists_choices():
 def test_dropless_moe_rejects_unknown_backend():
     x = _normal(T, H)
     with pytest.raises(ValueError, match="unknown MoE backend"):
-        dropless_moe(x, _normal(H, E), _normal(E, H, F), _normal(E, H, F), _normal(E, F, H),
-                     Routing(K), backend="dense")
+        dropless_moe(
+            x,
+            _normal(H, E),
+            _normal(E, H, F),
+            _normal(E, H, F),
+            _normal(E, F, H),
+            Routing(K),
+            backend="dense",
+        )
 
 
 @pytest.mark.skipif(on_gpu, reason="CPU behaviour")
@@ -195,10 +218,19 @@ def test_te_import_failure_gives_install_hint():
     assert "pip install" in reason and "transformer_engine" in reason
 
 
-@pytest.mark.parametrize("n, e, platform, expected", [
-    (1024, 8, "cpu", 8), (16384, 32, "cpu", 32), (4096, 32, "cpu", 8), (65536, 8, "cpu", 32),
-    (48, 8, "cpu", 1), (4, 8, "cpu", 1), (65536, 8, "gpu", 128), (1024, 8, "gpu", 8),
-])
+@pytest.mark.parametrize(
+    "n, e, platform, expected",
+    [
+        (1024, 8, "cpu", 8),
+        (16384, 32, "cpu", 32),
+        (4096, 32, "cpu", 8),
+        (65536, 8, "cpu", 32),
+        (48, 8, "cpu", 1),
+        (4, 8, "cpu", 1),
+        (65536, 8, "gpu", 128),
+        (1024, 8, "gpu", 8),
+    ],
+)
 def test_default_tile_rows(n, e, platform, expected):
     assert default_tile_rows(n, e, platform) == expected
 
@@ -227,18 +259,21 @@ def test_mgpu_vjp_traces_on_cpu(monkeypatch):
 
     traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, w_ehf, w_ehf, w_efh)
     assert [(o.shape, o.dtype) for o in traced.out_info] == [
-        (a.shape, a.dtype) for a in (x, w_ehf, w_ehf, w_efh)]
+        (a.shape, a.dtype) for a in (x, w_ehf, w_ehf, w_efh)
+    ]
     assert "wgmma" in str(traced.jaxpr)  # the Hopper kernels, not an XLA fallback
 
 
 # ----------------------------------------------------------------------------- GPU
 
+
 def _gpu_case():
     """bf16 layer inputs sized for the Mosaic-GPU kernels (H, F multiples of 64)."""
     t, h, e, f = 512, 128, 8, 256
     rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(s, dtype=np.float32) for s in
-              [(t, h), (h, e), (e, h, f), (e, h, f), (e, f, h)]]
+    arrays = [
+        rng.standard_normal(s, dtype=np.float32) for s in [(t, h), (h, e), (e, h, f), (e, h, f), (e, f, h)]
+    ]
     arrays[2:] = [a * a.shape[1] ** -0.5 for a in arrays[2:]]
     x, *weights = (jnp.asarray(a) for a in arrays)
     return (x.astype(jnp.bfloat16), *weights)
@@ -264,12 +299,12 @@ def test_gpu_backend_matches_tiled_bf16(backend):
     params = _gpu_case()
     y, grads = _layer_and_grads(backend, params)
     y_ref, grads_ref = _layer_and_grads("tiled", params)
-    np.testing.assert_allclose(y.astype(jnp.float32), y_ref.astype(jnp.float32),
-                               atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(y.astype(jnp.float32), y_ref.astype(jnp.float32), atol=3e-2, rtol=3e-2)
     for g, g_ref in zip(grads, grads_ref):
         scale = float(jnp.abs(g_ref.astype(jnp.float32)).max())
-        np.testing.assert_allclose(g.astype(jnp.float32) / scale,
-                                   g_ref.astype(jnp.float32) / scale, atol=3e-2)
+        np.testing.assert_allclose(
+            g.astype(jnp.float32) / scale, g_ref.astype(jnp.float32) / scale, atol=3e-2
+        )
 
 
 @pytest.mark.gpu

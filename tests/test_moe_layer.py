@@ -19,8 +19,13 @@ def _moe_params(T=T, H=H, E=E, F=F, *, seed=0, dtype=jnp.float32):
     rng = np.random.default_rng(seed)
     normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
     x = jnp.asarray(normal(T, H)).astype(dtype)
-    return (x, jnp.asarray(normal(H, E)), jnp.asarray(normal(E, H, F) * H ** -0.5),
-            jnp.asarray(normal(E, H, F) * H ** -0.5), jnp.asarray(normal(E, F, H) * F ** -0.5))
+    return (
+        x,
+        jnp.asarray(normal(H, E)),
+        jnp.asarray(normal(E, H, F) * H**-0.5),
+        jnp.asarray(normal(E, H, F) * H**-0.5),
+        jnp.asarray(normal(E, F, H) * F**-0.5),
+    )
 
 
 # name -> (backend, tile_rows): tile sizes 1, 4 and one larger than N = T*K.
@@ -36,10 +41,8 @@ ROUTER_CASES = {
     "softmax-unnormalised": dict(score_function="softmax", normalize_top_k=False),
     "softmax-groups": dict(score_function="softmax", num_groups=4, group_top_k=2),
     "sigmoid": dict(score_function="sigmoid"),
-    "sigmoid-groups": dict(score_function="sigmoid", num_groups=4, group_top_k=2,
-                           routed_scaling=2.5),
-    "softmax-bias-scaled": dict(score_function="softmax", routed_scaling=1.7,
-                                expert_bias=_BIAS_E),
+    "sigmoid-groups": dict(score_function="sigmoid", num_groups=4, group_top_k=2, routed_scaling=2.5),
+    "softmax-bias-scaled": dict(score_function="softmax", routed_scaling=1.7, expert_bias=_BIAS_E),
     "sigmoid-bias": dict(score_function="sigmoid", expert_bias=_BIAS_E),
 }
 ADVERSARIAL = ("one-expert-gate", "one-expert-bias", "empty-experts", "all-tied")
@@ -91,7 +94,7 @@ def _case_inputs(case):
     return _adversarial_params(case)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(backend_case):
     """{case: (y, stats, grads)} for every router and adversarial case, one jit per backend.
 
@@ -117,8 +120,7 @@ def _results(backend_case):
                 y, stats = fn(*args, routing, **rest)
                 return jnp.sum(y * dy), (y, stats)
 
-            grads, (y, stats) = jax.grad(loss, argnums=tuple(range(5)), has_aux=True)(
-                *all_params[case])
+            grads, (y, stats) = jax.grad(loss, argnums=tuple(range(5)), has_aux=True)(*all_params[case])
             out[case] = (y, stats, dict(zip(ARG_NAMES, grads)))
         return out
 
@@ -147,7 +149,6 @@ def test_grads_match_reference(backend_case, router_case, arg):
     np.testing.assert_allclose(grads[arg], grads_ref[arg], atol=GRAD_TOL[arg], rtol=1e-4)
 
 
-
 @pytest.mark.parametrize("params_case", ADVERSARIAL)
 @pytest.mark.parametrize("backend_case", BACKEND_CASES)
 def test_adversarial_routing_forward_and_grads(backend_case, params_case):
@@ -158,11 +159,14 @@ def test_adversarial_routing_forward_and_grads(backend_case, params_case):
         np.testing.assert_allclose(grads[arg], grads_ref[arg], atol=GRAD_TOL[arg], rtol=1e-4)
 
 
-@pytest.mark.parametrize("params_case, expected_counts", [
-    ("one-expert-bias", {2: T, 6: T}),
-    ("empty-experts", None),
-    ("all-tied", {0: T, 1: T}),
-])
+@pytest.mark.parametrize(
+    "params_case, expected_counts",
+    [
+        ("one-expert-bias", {2: T, 6: T}),
+        ("empty-experts", None),
+        ("all-tied", {0: T, 1: T}),
+    ],
+)
 def test_adversarial_loads(params_case, expected_counts):
     _, stats, _ = _run("tiled-4", params_case)
     counts = np.asarray(stats.tokens_per_expert)
@@ -235,10 +239,17 @@ def test_capacity_priority_is_first_choice_then_token_order():
     @jax.jit
     def run(x, wi_0, wi_1, wo):
         # A zero gate ties all logits; the bias makes every token choose (0, 1) in order.
-        y, stats = capacity_moe(x, jnp.zeros((H, 2)), wi_0, wi_1, wo, Routing(2, normalize_top_k=False),
-                                capacity=2, expert_bias=jnp.array([1.0, 0.0]))
-        both = 0.5 * (swiglu_mlp(x, wi_0[0], wi_1[0], wo[0])
-                      + swiglu_mlp(x, wi_0[1], wi_1[1], wo[1]))
+        y, stats = capacity_moe(
+            x,
+            jnp.zeros((H, 2)),
+            wi_0,
+            wi_1,
+            wo,
+            Routing(2, normalize_top_k=False),
+            capacity=2,
+            expert_bias=jnp.array([1.0, 0.0]),
+        )
+        both = 0.5 * (swiglu_mlp(x, wi_0[0], wi_1[0], wo[0]) + swiglu_mlp(x, wi_0[1], wi_1[1], wo[1]))
         return y, stats.dropped_tokens, both
 
     x, _, wi_0, wi_1, wo = _moe_params(T=4, E=2)
@@ -264,17 +275,18 @@ def test_jit_compiles_once_for_different_routings():
     assert len(traces) == 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bf16_results():
     """bf16 outputs of both CPU backends and the reference, and the fp32 reference."""
 
     @jax.jit
     def run(x, gate, wi_0, wi_1, wo):
-        out = {b: dropless_moe(x, gate, wi_0, wi_1, wo, Routing(K), backend=b)[0]
-               for b in ("tiled", "ragged_dot")}
+        out = {
+            b: dropless_moe(x, gate, wi_0, wi_1, wo, Routing(K), backend=b)[0]
+            for b in ("tiled", "ragged_dot")
+        }
         out["reference"] = dense_reference_moe(x, gate, wi_0, wi_1, wo, Routing(K))[0]
-        out["fp32"] = dense_reference_moe(x.astype(jnp.float32), gate, wi_0, wi_1, wo,
-                                          Routing(K))[0]
+        out["fp32"] = dense_reference_moe(x.astype(jnp.float32), gate, wi_0, wi_1, wo, Routing(K))[0]
         return out
 
     return run(*_moe_params(dtype=jnp.bfloat16))
@@ -284,21 +296,23 @@ def _bf16_results():
 def test_bf16_matches_reference(backend):
     y = _bf16_results()[backend]
     assert y.dtype == jnp.bfloat16
-    np.testing.assert_allclose(y.astype(jnp.float32),
-                               _bf16_results()["reference"].astype(jnp.float32),
-                               atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(
+        y.astype(jnp.float32), _bf16_results()["reference"].astype(jnp.float32), atol=2e-2, rtol=2e-2
+    )
 
 
 def test_bf16_close_to_fp32():
-    np.testing.assert_allclose(_bf16_results()["tiled"].astype(jnp.float32),
-                               _bf16_results()["fp32"], atol=5e-2, rtol=5e-2)
+    np.testing.assert_allclose(
+        _bf16_results()["tiled"].astype(jnp.float32), _bf16_results()["fp32"], atol=5e-2, rtol=5e-2
+    )
 
 
 def test_leading_dims_are_flattened_and_seq_len_used():
     @jax.jit
     def run(x, gate, wi_0, wi_1, wo):
-        y3, stats3 = dropless_moe(x.reshape(4, 6, H), gate, wi_0, wi_1, wo, Routing(K),
-                                  backend="tiled", tile_rows=4, seq_len=6)
+        y3, stats3 = dropless_moe(
+            x.reshape(4, 6, H), gate, wi_0, wi_1, wo, Routing(K), backend="tiled", tile_rows=4, seq_len=6
+        )
         logits = router_logits(x, gate)
         _, experts, scores = route(logits, Routing(K))
         expected = router_stats(logits, scores, experts, seq_len=6).seq_aux_loss

@@ -33,8 +33,9 @@ def test_softmax_picks_top_probs_and_weights_are_probs():
     expected_probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     np.testing.assert_allclose(probs, expected_probs, rtol=1e-5)
     np.testing.assert_array_equal(experts, np.argsort(-logits, axis=-1, kind="stable")[:, :3])
-    np.testing.assert_allclose(weights, np.take_along_axis(expected_probs, np.asarray(experts), -1),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        weights, np.take_along_axis(expected_probs, np.asarray(experts), -1), rtol=1e-5
+    )
     assert experts.dtype == jnp.int32 and weights.dtype == jnp.float32
 
 
@@ -46,10 +47,10 @@ def test_normalize_top_k_sums_to_one(score_function):
 
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
 def test_unnormalised_weights_do_not_sum_to_one(score_function):
-    weights, experts, scores = _route(_random_logits(), 2, score_function=score_function,
-                                      normalize_top_k=False)
-    np.testing.assert_allclose(weights, np.take_along_axis(np.asarray(scores),
-                                                           np.asarray(experts), -1))
+    weights, experts, scores = _route(
+        _random_logits(), 2, score_function=score_function, normalize_top_k=False
+    )
+    np.testing.assert_allclose(weights, np.take_along_axis(np.asarray(scores), np.asarray(experts), -1))
     assert np.abs(np.asarray(weights.sum(-1)) - 1.0).max() > 0.05
 
 
@@ -75,8 +76,7 @@ def test_sigmoid_group_limited_routing_stays_in_best_groups():
 
 
 def test_sigmoid_group_limited_one_group():
-    _, experts, _ = _route(_logit(_GROUP_SCORES), 2, score_function="sigmoid", num_groups=4,
-                           group_top_k=1)
+    _, experts, _ = _route(_logit(_GROUP_SCORES), 2, score_function="sigmoid", num_groups=4, group_top_k=1)
     assert list(np.asarray(experts[0])) == [4, 5]  # group 2 alone
 
 
@@ -89,8 +89,9 @@ def test_softmax_group_limited_routing_uses_same_rule():
 
 
 def test_group_limited_weights_are_renormalised_scores_of_choice():
-    weights, _, _ = _route(_logit(_GROUP_SCORES), 2, score_function="sigmoid", num_groups=4,
-                           group_top_k=2, routed_scaling=2.0)
+    weights, _, _ = _route(
+        _logit(_GROUP_SCORES), 2, score_function="sigmoid", num_groups=4, group_top_k=2, routed_scaling=2.0
+    )
     np.testing.assert_allclose(weights[0], 2.0 * np.array([0.7, 0.65]) / 1.35, rtol=1e-5)
 
 
@@ -100,11 +101,11 @@ def test_expert_bias_changes_choice_not_weights(score_function):
     weakest = np.argmin(logits, axis=-1)
     bias = np.zeros(8, np.float32)
     bias[weakest[0]] = 10.0
-    weights, experts, scores = _route(logits, 2, score_function=score_function,
-                                      normalize_top_k=False, expert_bias=bias)
+    weights, experts, scores = _route(
+        logits, 2, score_function=score_function, normalize_top_k=False, expert_bias=bias
+    )
     assert int(experts[0, 0]) == weakest[0]  # the bias forces the weakest expert in
-    np.testing.assert_allclose(weights, np.take_along_axis(np.asarray(scores),
-                                                           np.asarray(experts), -1))
+    np.testing.assert_allclose(weights, np.take_along_axis(np.asarray(scores), np.asarray(experts), -1))
     assert float(weights[0, 0]) < 0.5  # its weight is its own (small) score, not biased
 
 
@@ -123,8 +124,7 @@ def _hand_stats(seq_len=None, score_function="softmax", logits=_HAND_LOGITS, top
     @jax.jit
     def stats(logits):
         _, experts, scores = route(logits, Routing(top_k, score_function=score_function))
-        return router_stats(logits, scores, experts, score_function=score_function,
-                            seq_len=seq_len)
+        return router_stats(logits, scores, experts, score_function=score_function, seq_len=seq_len)
 
     return stats(jnp.asarray(logits))
 
@@ -166,13 +166,16 @@ def test_seq_len_must_divide_tokens():
         _hand_stats(seq_len=3)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_groups=3, group_top_k=1), "divide"),
-    (dict(num_groups=4), "group_top_k"),
-    (dict(num_groups=4, group_top_k=1, top_k=3), "exceeds"),
-    (dict(score_function="relu"), "score_function"),
-    (dict(top_k=9), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_groups=3, group_top_k=1), "divide"),
+        (dict(num_groups=4), "group_top_k"),
+        (dict(num_groups=4, group_top_k=1, top_k=3), "exceeds"),
+        (dict(score_function="relu"), "score_function"),
+        (dict(top_k=9), "top_k"),
+    ],
+)
 def test_invalid_router_config_raises(kwargs, match):
     kwargs = {"top_k": 2, **kwargs}
     with pytest.raises(ValueError, match=match):
@@ -204,6 +207,7 @@ def test_router_logits_are_fp32():
 
 
 # ---------------------------------------------------------------- forced balance (benchmarks)
+
 
 def test_balanced_routing_gives_every_expert_the_same_load_and_distinct_experts():
     from moe_train.moe.router import balanced_experts

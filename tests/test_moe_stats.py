@@ -12,10 +12,19 @@ from moe_train.parallel import sharding
 
 def layer(load, aux, overflow, rows, slots, pair, slow, dropped=0) -> MoEStats:
     f = jnp.float32
-    return MoEStats(tokens_per_expert=jnp.asarray(load, jnp.int32), aux_loss=f(aux),
-                    seq_aux_loss=f(2 * aux), z_loss=f(3 * aux), router_entropy=f(aux + 1),
-                    dropped_tokens=jnp.int32(dropped), overflow=jnp.bool_(overflow),
-                    recv_rows=f(rows), recv_slots=f(slots), max_pair_load=f(pair), slow_rows=f(slow))
+    return MoEStats(
+        tokens_per_expert=jnp.asarray(load, jnp.int32),
+        aux_loss=f(aux),
+        seq_aux_loss=f(2 * aux),
+        z_loss=f(3 * aux),
+        router_entropy=f(aux + 1),
+        dropped_tokens=jnp.int32(dropped),
+        overflow=jnp.bool_(overflow),
+        recv_rows=f(rows),
+        recv_slots=f(slots),
+        max_pair_load=f(pair),
+        slow_rows=f(slow),
+    )
 
 
 def stacked(*layers: MoEStats) -> MoEStats:
@@ -65,7 +74,8 @@ def test_across_shards_sums_and_maxes_the_exchange_fields():
 
     specs = MoEStats(**{k: P() for k in KIND})
     with jax.set_mesh(mesh):
-        out = jax.jit(jax.shard_map(shard, in_specs=P(sharding.TOKEN_AXES), out_specs=specs,
-                                    check_vma=False))(jnp.arange(4))
+        out = jax.jit(
+            jax.shard_map(shard, in_specs=P(sharding.TOKEN_AXES), out_specs=specs, check_vma=False)
+        )(jnp.arange(4))
     assert float(out.recv_rows) == 6 and float(out.recv_slots) == 32 and float(out.slow_rows) == 4
     assert bool(out.overflow) and float(out.max_pair_load) == 3

@@ -7,8 +7,7 @@ import pytest
 
 from moe_train.moe.gemm import default_block_rows, grouped_swiglu
 from moe_train.moe.permute import make_dispatch, permute
-from moe_train.moe.tiled import (block_sizes, executed_rows, expert_spans, for_blocks,
-                                 for_experts)
+from moe_train.moe.tiled import block_sizes, executed_rows, expert_spans, for_blocks, for_experts
 
 T, H, E, F, K = 24, 16, 8, 12, 2
 
@@ -42,14 +41,17 @@ def test_for_blocks_covers_each_span_row_once(tile_rows, block_rows):
         def expert(e, first, rows, hits):
             def block(offset, size, hits):
                 return jax.lax.dynamic_update_slice_in_dim(
-                    hits, jax.lax.dynamic_slice_in_dim(hits, offset, size) + 1, offset, 0)
+                    hits, jax.lax.dynamic_slice_in_dim(hits, offset, size) + 1, offset, 0
+                )
+
             return for_blocks(first, rows, sizes, block, hits)
+
         return for_experts(sizes_E, tile_rows, expert, jnp.zeros((R,), jnp.int32))
 
     hits = np.asarray(cover(jnp.asarray(sizes_E)))
     expected = np.zeros(R, np.int32)
     for s, p in zip(start, padded):
-        expected[s:s + p] = 1
+        expected[s : s + p] = 1
     np.testing.assert_array_equal(hits, expected)
     assert int(executed_rows(sizes_E, tile_rows)) == padded.sum() <= sizes_E.sum() + 8 * (tile_rows - 1)
 
@@ -67,8 +69,7 @@ def _tiled_case(experts_TK, tile_rows, block_rows, num_experts=E, seed=0):
 
     def per_row(x, w0, w1, wo):
         x_NH, e_N = jnp.repeat(x, K, axis=0), experts_TK.reshape(-1)
-        h = jax.nn.silu(jnp.einsum("nh,nhf->nf", x_NH, w0[e_N])) * jnp.einsum(
-            "nh,nhf->nf", x_NH, w1[e_N])
+        h = jax.nn.silu(jnp.einsum("nh,nhf->nf", x_NH, w0[e_N])) * jnp.einsum("nh,nhf->nf", x_NH, w1[e_N])
         y = jnp.einsum("nf,nfh->nh", h, wo[e_N])
         return jnp.vdot(y, dy), y
 
@@ -108,7 +109,7 @@ def test_tiled_skips_groups_beyond_its_experts_and_trailing_rows():
     owned = np.zeros(x_RH.shape[0], bool)
     start, padded = expert_spans(plan.group_sizes_E, 4)
     for s, p in zip(np.asarray(start), np.asarray(padded)):
-        owned[s:s + p] = True
+        owned[s : s + p] = True
     assert (~owned).sum() > 0 and np.asarray(ids == E).any()
     np.testing.assert_array_equal(np.asarray(y)[~owned], 0.0)
     np.testing.assert_array_equal(np.asarray(dx)[~owned], 0.0)
@@ -130,7 +131,7 @@ def test_tiled_rows_do_not_depend_on_buffer_size():
 
     (v1, g1), (v2, g2) = run(0), run(40)
     assert float(v1) == float(v2)
-    np.testing.assert_array_equal(g1[0], g2[0][:g1[0].shape[0]])
+    np.testing.assert_array_equal(g1[0], g2[0][: g1[0].shape[0]])
     for a, b in zip(g1[1:], g2[1:]):
         np.testing.assert_array_equal(a, b)
 

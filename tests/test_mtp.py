@@ -20,8 +20,7 @@ B, S = 2, 16
 
 
 def cfg_of(*extra):
-    return config.build("deepseek-v3-tiny", ["model.scan_layers=false", "parallel.devices=1",
-                                             *extra])
+    return config.build("deepseek-v3-tiny", ["model.scan_layers=false", "parallel.devices=1", *extra])
 
 
 def setup(cfg, seed=0):
@@ -41,11 +40,11 @@ def test_shifted_ids_and_labels():
 
 
 def test_weight_schedule_switches_at_the_late_step():
-    m = cfg_of("model.mtp_loss_weight=0.3", "model.mtp_loss_weight_late=0.1",
-               "model.mtp_late_step=5").model
+    m = cfg_of("model.mtp_loss_weight=0.3", "model.mtp_loss_weight_late=0.1", "model.mtp_late_step=5").model
     assert [float(mtp.mtp_weight(m, jnp.int32(s))) for s in (0, 4, 5, 9)] == pytest.approx(
-        [0.3, 0.3, 0.1, 0.1])
-    assert float(mtp.mtp_weight(cfg_of().model, jnp.int32(10 ** 6))) == pytest.approx(0.3)
+        [0.3, 0.3, 0.1, 0.1]
+    )
+    assert float(mtp.mtp_weight(cfg_of().model, jnp.int32(10**6))) == pytest.approx(0.3)
 
 
 def rms(x, scale, eps):
@@ -60,13 +59,17 @@ def reference_mtp_loss(cfg, params, moe_state, batch):
     for i in range(m.num_layers):
         name = f"layer_{i}"
         x, _ = Block(cfg, dense=i < m.first_dense_layers).apply(
-            {"params": params[name], "moe_state": moe_state.get(name, {})}, x)
+            {"params": params[name], "moe_state": moe_state.get(name, {})}, x
+        )
     p = params["mtp_0"]
     emb = params["embed"][batch[:, 1:]]  # Emb(t_{i+1}) at position i
-    h = jnp.concatenate([rms(emb, p["enorm"]["scale"], m.norm_eps),
-                         rms(x, p["hnorm"]["scale"], m.norm_eps)], -1) @ p["eh_proj"]
-    h, _ = Block(cfg, dense=False).apply(
-        {"params": p["block"], "moe_state": moe_state["mtp_0"]["block"]}, h)
+    h = (
+        jnp.concatenate(
+            [rms(emb, p["enorm"]["scale"], m.norm_eps), rms(x, p["hnorm"]["scale"], m.norm_eps)], -1
+        )
+        @ p["eh_proj"]
+    )
+    h, _ = Block(cfg, dense=False).apply({"params": p["block"], "moe_state": moe_state["mtp_0"]["block"]}, h)
     logits = rms(h, p["norm"]["scale"], m.norm_eps) @ params["lm_head"]
     logp = jax.nn.log_softmax(logits[:, :-1], -1)  # position i predicts t_{i+2}: S - 1 of them
     return -jnp.mean(jnp.take_along_axis(logp, batch[:, 2:, None], -1))
@@ -76,33 +79,38 @@ def test_mtp_loss_matches_the_equations():
     cfg = cfg_of()
     params, moe_state, batch = setup(cfg)
     _, aux = train._loss_fn(params, {}, moe_state, batch, Transformer(cfg), cfg, mtp_weight=0.3)
-    np.testing.assert_allclose(aux["mtp"], reference_mtp_loss(cfg, params, moe_state, batch),
-                               rtol=1e-5)
+    np.testing.assert_allclose(aux["mtp"], reference_mtp_loss(cfg, params, moe_state, batch), rtol=1e-5)
 
 
 def test_total_adds_the_weighted_mtp_loss_and_loss_stays_next_token():
     cfg = cfg_of()
     params, moe_state, batch = setup(cfg)
-    total, aux = train._loss_fn(params, {}, moe_state, batch, Transformer(cfg), cfg,
-                                mtp_weight=0.25)
+    total, aux = train._loss_fn(params, {}, moe_state, batch, Transformer(cfg), cfg, mtp_weight=0.25)
     e = cfg.moe
     rest = e.aux_loss_coef * aux["aux"] + e.seq_aux_loss_coef * aux["seq_aux"] + e.z_loss_coef * aux["z"]
     np.testing.assert_allclose(total, aux["ce"] + 0.25 * aux["mtp"] + rest, rtol=1e-6)
     plain = cfg_of("model.mtp_depth=0")  # the same main model without its MTP module
-    _, plain_aux = train._loss_fn({k: v for k, v in params.items() if k != "mtp_0"}, {},
-                                  {k: v for k, v in moe_state.items() if k != "mtp_0"}, batch,
-                                  Transformer(plain), plain)
+    _, plain_aux = train._loss_fn(
+        {k: v for k, v in params.items() if k != "mtp_0"},
+        {},
+        {k: v for k, v in moe_state.items() if k != "mtp_0"},
+        batch,
+        Transformer(plain),
+        plain,
+    )
     np.testing.assert_allclose(aux["ce"], plain_aux["ce"], rtol=1e-6)
 
 
 def test_a_zero_weight_leaves_the_mtp_module_without_gradient_from_the_loss():
     cfg = cfg_of("moe.seq_aux_loss_coef=0")  # no balance loss either: only the weighted MTP CE
     params, moe_state, batch = setup(cfg)
-    grads = jax.grad(lambda p: train._loss_fn(p, {}, moe_state, batch, Transformer(cfg), cfg,
-                                              mtp_weight=0.0)[0])(params)
+    grads = jax.grad(
+        lambda p: train._loss_fn(p, {}, moe_state, batch, Transformer(cfg), cfg, mtp_weight=0.0)[0]
+    )(params)
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads["mtp_0"]))
-    grads = jax.grad(lambda p: train._loss_fn(p, {}, moe_state, batch, Transformer(cfg), cfg,
-                                              mtp_weight=0.3)[0])(params)
+    grads = jax.grad(
+        lambda p: train._loss_fn(p, {}, moe_state, batch, Transformer(cfg), cfg, mtp_weight=0.3)[0]
+    )(params)
     assert float(jnp.abs(grads["mtp_0"]["eh_proj"]).max()) > 0
 
 
@@ -118,8 +126,11 @@ def test_stats_hold_the_mtp_block_after_the_main_moe_layers():
 @pytest.mark.parametrize("scan", [True, False])
 def test_expert_bias_update_reaches_the_mtp_block(scan):
     E = 4
-    main = {"moe_layers": {"moe": {"expert_bias": jnp.zeros((2, E))}}} if scan else {
-        f"layer_{i}": {"moe": {"expert_bias": jnp.zeros(E)}} for i in (1, 2)}
+    main = (
+        {"moe_layers": {"moe": {"expert_bias": jnp.zeros((2, E))}}}
+        if scan
+        else {f"layer_{i}": {"moe": {"expert_bias": jnp.zeros(E)}} for i in (1, 2)}
+    )
     state = {**main, "mtp_0": {"block": {"moe": {"expert_bias": jnp.zeros(E)}}}}
     loads = jnp.asarray([[4, 0, 0, 0], [0, 4, 0, 0], [0, 0, 0, 4]])  # last row: the MTP block
     new = train.update_bias(state, loads, 0.5)

@@ -22,8 +22,16 @@ from moe_train.train.signals import EXIT_DISTRIBUTED
 ROOT = Path(__file__).resolve().parent.parent
 # optim.decay_steps fixed: the compiled step does not depend on train.steps, so every test here
 # reuses the programs compiled by the first one (persistent compilation cache, conftest.py)
-SMALL = ["--preset", "tiny", "--set", "train.seq_len=16", "--set", "train.batch_size=4",
-         "--set", "optim.decay_steps=1000"]
+SMALL = [
+    "--preset",
+    "tiny",
+    "--set",
+    "train.seq_len=16",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "optim.decay_steps=1000",
+]
 HEARTBEAT_S = 5  # the survivor must go within the heartbeat, or 2x it (the step watchdog)
 SLACK_S = 20  # process start-up and Python/JAX teardown on a loaded 2-core machine
 
@@ -43,8 +51,9 @@ class Proc:
         self.stdout_path, self.stderr_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
-            self.popen = subprocess.Popen([sys.executable, "-m", "moe_train", *args], cwd=ROOT,
-                                          env=env, stdout=out, stderr=err)
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "moe_train", *args], cwd=ROOT, env=env, stdout=out, stderr=err
+            )
 
     def wait(self, timeout: float) -> int:
         return self.popen.wait(timeout=timeout)
@@ -68,9 +77,25 @@ class Proc:
 
 def pair(log_dir: Path, out: Path, *args: str, port: int | None = None) -> list[Proc]:
     port = port or free_port()
-    return [Proc(log_dir, f"p{i}", "--out", str(out), *SMALL, "--devices", "2",
-                 "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-                 *args) for i in range(2)]
+    return [
+        Proc(
+            log_dir,
+            f"p{i}",
+            "--out",
+            str(out),
+            *SMALL,
+            "--devices",
+            "2",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(i),
+            *args,
+        )
+        for i in range(2)
+    ]
 
 
 def losses(out: Path) -> list[float]:
@@ -92,16 +117,24 @@ def metric_lines(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-EP_ACROSS_PROCESSES = ["--set", "parallel.ep=4", "--set", "moe.dispatcher=a2a",
-                       "--set", "moe.capacity_buckets=100"]
+EP_ACROSS_PROCESSES = [
+    "--set",
+    "parallel.ep=4",
+    "--set",
+    "moe.dispatcher=a2a",
+    "--set",
+    "moe.capacity_buckets=100",
+]
 
 
 @pytest.mark.parametrize("extra", [[], EP_ACROSS_PROCESSES], ids=["data-parallel", "ep4-a2a"])
 def test_two_processes_match_one_process(tmp_path, extra):
-    procs = [Proc(tmp_path, "one", "--out", str(tmp_path / "one"), *SMALL, "--steps", "4",
-                  "--devices", "4", *extra)]
-    procs += pair(tmp_path, tmp_path / "two", "--steps", "4", "--set", "parallel.init_timeout_s=60",
-                  *extra)
+    procs = [
+        Proc(
+            tmp_path, "one", "--out", str(tmp_path / "one"), *SMALL, "--steps", "4", "--devices", "4", *extra
+        )
+    ]
+    procs += pair(tmp_path, tmp_path / "two", "--steps", "4", "--set", "parallel.init_timeout_s=60", *extra)
     wait_all(procs)
     procs = procs[1:]
     expected, got = losses(tmp_path / "one"), losses(tmp_path / "two")
@@ -124,14 +157,27 @@ def assert_one_error_line(proc: Proc) -> str:
 
 # The bound (moe_train.train.distributed): a dead peer ends the others within 2 x the heartbeat once
 # training runs (the coordination service: one heartbeat timeout; process 0 gone: at once).
-@pytest.mark.parametrize("victim, extra", [
-    (1, []),
-    (0, ["--set", "train.checkpoint_every=1"]),  # killed during an async checkpoint commit
-    (1, ["--set", "train.checkpoint_every=1"]),
-], ids=["kill-1", "kill-0-saving", "kill-1-saving"])
+@pytest.mark.parametrize(
+    "victim, extra",
+    [
+        (1, []),
+        (0, ["--set", "train.checkpoint_every=1"]),  # killed during an async checkpoint commit
+        (1, ["--set", "train.checkpoint_every=1"]),
+    ],
+    ids=["kill-1", "kill-0-saving", "kill-1-saving"],
+)
 def test_killed_peer_ends_the_other_process(tmp_path, victim, extra):
-    procs = pair(tmp_path, tmp_path / "run", "--steps", "100000", "--set", "parallel.init_timeout_s=60",
-                 "--set", f"parallel.heartbeat_timeout_s={HEARTBEAT_S}", *extra)
+    procs = pair(
+        tmp_path,
+        tmp_path / "run",
+        "--steps",
+        "100000",
+        "--set",
+        "parallel.init_timeout_s=60",
+        "--set",
+        f"parallel.heartbeat_timeout_s={HEARTBEAT_S}",
+        *extra,
+    )
     try:
         deadline = time.monotonic() + 150
         while metric_lines(tmp_path / "run") < 3:
@@ -144,8 +190,10 @@ def test_killed_peer_ends_the_other_process(tmp_path, victim, extra):
         try:
             survivor.wait(2 * HEARTBEAT_S + SLACK_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"process {1 - victim} still running {2 * HEARTBEAT_S + SLACK_S} s after "
-                        f"its peer was killed\n{survivor.report()}")
+            pytest.fail(
+                f"process {1 - victim} still running {2 * HEARTBEAT_S + SLACK_S} s after "
+                f"its peer was killed\n{survivor.report()}"
+            )
         elapsed = time.monotonic() - killed
         line = assert_one_error_line(survivor)
         assert f"process {1 - victim} of 2" in line
@@ -158,9 +206,23 @@ def test_killed_peer_ends_the_other_process(tmp_path, victim, extra):
 @pytest.mark.parametrize("alone", [1, 0])
 def test_missing_peer_fails_within_init_timeout(tmp_path, alone):
     init_s = 5
-    p = Proc(tmp_path, "alone", "--out", str(tmp_path / "run"), *SMALL, "--devices", "2",
-             "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2",
-             "--process-id", str(alone), "--set", f"parallel.init_timeout_s={init_s}")
+    p = Proc(
+        tmp_path,
+        "alone",
+        "--out",
+        str(tmp_path / "run"),
+        *SMALL,
+        "--devices",
+        "2",
+        "--coordinator",
+        f"127.0.0.1:{free_port()}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(alone),
+        "--set",
+        f"parallel.init_timeout_s={init_s}",
+    )
     try:
         start = time.monotonic()
         rc = p.wait(init_s + SLACK_S)
@@ -207,9 +269,15 @@ def test_stuck_peer_is_caught_by_the_step_watchdog(tmp_path):
     try:
         for pid in range(2):
             out, err = open(tmp_path / f"{pid}.out", "w"), open(tmp_path / f"{pid}.err", "w")
-            procs.append(subprocess.Popen([sys.executable, "-c", STUCK_PEER, str(pid), str(port),
-                                           str(HEARTBEAT_S)], cwd=ROOT, stdout=out, stderr=err,
-                                          env=dict(os.environ, PYTHONUNBUFFERED="1")))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", STUCK_PEER, str(pid), str(port), str(HEARTBEAT_S)],
+                    cwd=ROOT,
+                    stdout=out,
+                    stderr=err,
+                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                )
+            )
         deadline = time.monotonic() + 60
         while "step 3" not in (tmp_path / "1.out").read_text():
             assert procs[1].poll() is None and time.monotonic() < deadline, (tmp_path / "1.err").read_text()
@@ -237,8 +305,16 @@ def test_training_loop_beats_the_watchdog(tmp_path):
     from moe_train.train import distributed
     from moe_train.train.loop import run
 
-    cfg = config.build("tiny", ["train.steps=3", "train.seq_len=16", "train.batch_size=4",
-                                "optim.decay_steps=1000", "parallel.devices=4"])
+    cfg = config.build(
+        "tiny",
+        [
+            "train.steps=3",
+            "train.seq_len=16",
+            "train.batch_size=4",
+            "optim.decay_steps=1000",
+            "parallel.devices=4",
+        ],
+    )
     wd = distributed.start_watchdog(10_000)
     try:
         assert run(cfg, tmp_path / "run", log=lambda line: None) == 0
@@ -274,11 +350,25 @@ def test_slurm_step_is_detected(tmp_path):
     procs = []
     try:
         for rank in range(2):
-            env = dict(os.environ, SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost",
-                       SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID=str(rank),
-                       SLURM_LOCALID=str(rank))
-            procs.append(subprocess.Popen([sys.executable, "-c", SLURM_TASK], cwd=ROOT, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            env = dict(
+                os.environ,
+                SLURM_JOB_ID=str(job),
+                SLURM_STEP_NODELIST="localhost",
+                SLURM_NTASKS="2",
+                SLURM_STEP_NUM_TASKS="2",
+                SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", SLURM_TASK],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         outs = [p.communicate(timeout=60) for p in procs]
     finally:
         for p in procs:
@@ -312,5 +402,6 @@ def test_signal_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path):
     stopped = metric_lines(out)
     assert stopped < steps and (out / "checkpoints" / str(stopped)).is_dir()
     wait_all(pair(tmp_path, out, *args))
-    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == \
-        list(range(1, steps + 1))
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, steps + 1)
+    )

@@ -16,10 +16,21 @@ from slurm import show, submit
 
 ROOT = Path(__file__).resolve().parent.parent
 READMES = (ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "docs").glob("*.md")))
-FLAGS = {"PRESET": "--preset", "MODEL": "--model", "NODES": "--nodes", "EP": "--ep",
-         "STEPS": "--steps"}
-NO_FIT = ["--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8",
-          "--set", "train.remat=none", "--set", "train.micro_batch_size=0"]
+FLAGS = {"PRESET": "--preset", "MODEL": "--model", "NODES": "--nodes", "EP": "--ep", "STEPS": "--steps"}
+NO_FIT = [
+    "--preset",
+    "h100-dgx",
+    "--model",
+    "mixtral-8x7b",
+    "--nodes",
+    "8",
+    "--ep",
+    "8",
+    "--set",
+    "train.remat=none",
+    "--set",
+    "train.micro_batch_size=0",
+]
 BIG_BATCH = ["--preset", "h100-dgx", "--model", "deepseek-v3", "--nodes", "256", "--ep", "64"]
 # jobs whose every key the planner searches (issue #33's done-when jobs: no SET)
 V3_GB200 = ["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "64", "--ep", "64"]
@@ -115,14 +126,28 @@ def test_a_plan_that_does_not_fit_says_so_on_its_first_line():
 def test_a_plan_that_does_not_fit_exits_as_submit_refuses_it(site, tmp_path):
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
-    refused = run(submit.main, [*NO_FIT, "--site", site, "--image", str(image), "--out",
-                                str(tmp_path / "run")])[0]
+    refused = run(
+        submit.main, [*NO_FIT, "--site", site, "--image", str(image), "--out", str(tmp_path / "run")]
+    )[0]
     assert run(show.main, NO_FIT)[0] == refused != 0
 
 
 def test_a_user_set_key_is_named_as_the_users():
-    out = run(show.main, ["--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8",
-                          "--ep", "8", "--set", "moe.overlap_chunks=2"])[1]
+    out = run(
+        show.main,
+        [
+            "--preset",
+            "h100-dgx",
+            "--model",
+            "mixtral-8x7b",
+            "--nodes",
+            "8",
+            "--ep",
+            "8",
+            "--set",
+            "moe.overlap_chunks=2",
+        ],
+    )[1]
     line = next(x for x in out.splitlines() if x.startswith("  overlap: moe.overlap_chunks=2"))
     assert "yours" in line
 
@@ -147,7 +172,21 @@ def test_a_batch_that_does_not_split_names_the_nearest_sizes_that_do(site, extra
 
 
 def test_micro_batches_that_do_not_split_name_batch_sizes_that_do():
-    err = run(show.main, ["--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8",
-                          "--ep", "8", "--set", "train.micro_batch_size=0",
-                          "--set", "train.micro_batches=16"])[2]
+    err = run(
+        show.main,
+        [
+            "--preset",
+            "h100-dgx",
+            "--model",
+            "mixtral-8x7b",
+            "--nodes",
+            "8",
+            "--ep",
+            "8",
+            "--set",
+            "train.micro_batch_size=0",
+            "--set",
+            "train.micro_batches=16",
+        ],
+    )[2]
     assert all(b % (64 * 16) == 0 for b in _named_sizes(err)) and _named_sizes(err)

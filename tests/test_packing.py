@@ -20,9 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_prepare import _train_bpe, paragraphs, run as prepare_run, write_jsonl
+from test_prepare import _train_bpe, paragraphs, write_jsonl
+from test_prepare import run as prepare_run
 
-from moe_train import config, eval as evaluate_mod
+from moe_train import config
+from moe_train import eval as evaluate_mod
 from moe_train.config import ConfigError, DataConfig
 from moe_train.data import make_source, packing
 from moe_train.data.heldout import DEFAULT_SEQUENCES, eval_batches
@@ -31,7 +33,9 @@ from moe_train.data.prepared import open_split
 from moe_train.model import mtp
 from moe_train.model.transformer import Transformer
 from moe_train.parallel import sharding
-from moe_train.train import checkpoint, loop as run_mod, step as train
+from moe_train.train import checkpoint
+from moe_train.train import loop as run_mod
+from moe_train.train import step as train
 from moe_train.train.signals import EXIT_CONFIG, EXIT_OK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,36 +46,51 @@ QUIET = dict(log=lambda s: None)
 
 # ---------------------------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory) -> dict[str, Path]:
     """Prepared corpora: "val" (a fifth of 120 documents held out) and "no_val" (none)."""
     root = tmp_path_factory.mktemp("packing")
     tok = _train_bpe(root / "tok/tokenizer.json", ["<unk>", "</s>"], vocab=300)
-    data = write_jsonl(root / "docs.jsonl",
-                       [f"document {i}: {d}" for i, d in enumerate(paragraphs(120))])
+    data = write_jsonl(root / "docs.jsonl", [f"document {i}: {d}" for i, d in enumerate(paragraphs(120))])
     prepare_run(tok, [data], root / "val", val_fraction=0.2)
     prepare_run(tok, [data], root / "no_val", val_fraction=0.0)
     return {"val": root / "val", "no_val": root / "no_val"}
 
 
 def source(path: Path, *, seed: int = 0, packing_on: bool = True, batch_size: int = 8):
-    return make_source(DataConfig(source="prepared", path=str(path), seed=seed,
-                                  packing=packing_on),
-                       vocab_size=VOCAB, seq_len=32, batch_size=batch_size)
+    return make_source(
+        DataConfig(source="prepared", path=str(path), seed=seed, packing=packing_on),
+        vocab_size=VOCAB,
+        seq_len=32,
+        batch_size=batch_size,
+    )
 
 
 def run_cfg(path: Path, *overrides: str, steps: int = 4) -> config.Config:
-    return config.build("tiny", ["data.source=prepared", f"data.path={path}",
-                                 f"model.vocab_size={VOCAB}", f"train.steps={steps}",
-                                 "train.seq_len=32", "parallel.devices=1", "train.log_every=100",
-                                 "train.async_checkpoint=false", "train.telemetry_interval_s=0",
-                                 "train.skip_selftest=true", *overrides])
+    return config.build(
+        "tiny",
+        [
+            "data.source=prepared",
+            f"data.path={path}",
+            f"model.vocab_size={VOCAB}",
+            f"train.steps={steps}",
+            "train.seq_len=32",
+            "parallel.devices=1",
+            "train.log_every=100",
+            "train.async_checkpoint=false",
+            "train.telemetry_interval_s=0",
+            "train.skip_selftest=true",
+            *overrides,
+        ],
+    )
 
 
 def model_cfg(kind: str, attention: str = "xla", *extra: str) -> config.Config:
     preset = "deepseek-v3-tiny" if kind == "mla" else "tiny"
-    return config.build(preset, [f"model.attention={attention}", "model.attention_block=8",
-                                 "train.seq_len=24", *extra])
+    return config.build(
+        preset, [f"model.attention={attention}", "model.attention_block=8", "train.seq_len=24", *extra]
+    )
 
 
 def segments_of(lengths=DOCS) -> np.ndarray:
@@ -88,14 +107,14 @@ def init(cfg, tokens_BS):
 
 def logits_of(cfg, variables, tokens_BS, segments_BS=None):
     fn = jax.jit(lambda v, t, s: Transformer(cfg).apply(v, t, segment_ids_BS=s)[0])
-    return np.asarray(fn(variables, tokens_BS, None if segments_BS is None else
-                         jnp.asarray(segments_BS)))
+    return np.asarray(fn(variables, tokens_BS, None if segments_BS is None else jnp.asarray(segments_BS)))
 
 
 KINDS = [("gqa", "xla"), ("gqa", "chunked"), ("mla", "xla"), ("mla", "chunked")]
 
 
 # ------------------------------------------------------------------------- the model
+
 
 @pytest.mark.parametrize("kind,attention", KINDS, ids=[f"{k}-{a}" for k, a in KINDS])
 def test_changing_one_document_leaves_the_other_documents_logits_unchanged(kind, attention):
@@ -116,11 +135,11 @@ def test_a_documents_logits_equal_those_of_it_alone_at_the_start_of_a_row(kind, 
     packed_seg = segments_of()[None]
     alone_seg = segments_of((DOCS[1], 24 - DOCS[1]))[None]  # the document, then padding
     packed = random_ids(0, (1, 24))
-    doc = packed[:, DOCS[0]:DOCS[0] + DOCS[1]]
+    doc = packed[:, DOCS[0] : DOCS[0] + DOCS[1]]
     alone = jnp.concatenate([doc, random_ids(2, (1, 24 - DOCS[1]))], axis=1)
     variables = init(cfg, packed)
-    got = logits_of(cfg, variables, packed, packed_seg)[0, DOCS[0]:DOCS[0] + DOCS[1]]
-    want = logits_of(cfg, variables, alone, alone_seg)[0, :DOCS[1]]
+    got = logits_of(cfg, variables, packed, packed_seg)[0, DOCS[0] : DOCS[0] + DOCS[1]]
+    want = logits_of(cfg, variables, alone, alone_seg)[0, : DOCS[1]]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -128,8 +147,12 @@ def test_one_segment_per_row_is_the_unpacked_model():
     cfg = model_cfg("gqa")
     tokens = random_ids(0, (2, 24))
     variables = init(cfg, tokens)
-    np.testing.assert_allclose(logits_of(cfg, variables, tokens, np.ones((2, 24), np.int32)),
-                               logits_of(cfg, variables, tokens), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        logits_of(cfg, variables, tokens, np.ones((2, 24), np.int32)),
+        logits_of(cfg, variables, tokens),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def test_positions_restart_at_every_segment():
@@ -150,7 +173,8 @@ def test_the_loss_ignores_the_first_token_of_each_document():
     variables = init(cfg, tokens[:, :-1])
     params, moe_state = nn.unbox(variables["params"]), variables["moe_state"]
     got = jax.jit(lambda p, b: train._loss_fn(p, {}, moe_state, b, Transformer(cfg), cfg)[1]["ce"])(
-        params, packing.make(tokens, jnp.asarray(seg_BS1)))
+        params, packing.make(tokens, jnp.asarray(seg_BS1))
+    )
     logits = logits_of(cfg, variables, tokens[:, :-1], seg_BS1[:, :-1])
     targets = np.asarray(tokens)[:, 1:, None]
     nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), targets, -1)[..., 0]
@@ -177,8 +201,9 @@ def test_mtp_states_of_a_document_do_not_depend_on_the_others():
     @jax.jit
     def states(t):
         ids, _ = mtp.shifted(t, 1, jnp.asarray(seg_BS1))
-        head, _ = Transformer(cfg).apply(variables, t[:, :-1], logits=False, mtp_ids_DBS=ids,
-                                         segment_ids_BS=jnp.asarray(seg_BS1[:, :-1]))
+        head, _ = Transformer(cfg).apply(
+            variables, t[:, :-1], logits=False, mtp_ids_DBS=ids, segment_ids_BS=jnp.asarray(seg_BS1[:, :-1])
+        )
         return head.mtp_DBSH[0, 0]
 
     outside = seg_BS1[0, :-1] != 2
@@ -188,6 +213,7 @@ def test_mtp_states_of_a_document_do_not_depend_on_the_others():
 
 
 # ------------------------------------------------------------------------- the batches
+
 
 def test_rows_are_pieces_of_documents_numbered_from_one(corpora):
     src = source(corpora["val"])
@@ -210,8 +236,9 @@ def test_one_epoch_predicts_every_token_of_its_stream_once(corpora):
     rows = np.concatenate([src.batch(s)["tokens"] for s in range(-(-R // 8))])[:R]
     stream, _ = src.epoch(0)
     flat = np.concatenate([src.split.document(int(d)) for d in stream.order])
-    np.testing.assert_array_equal(np.bincount(rows[:, 1:].ravel(), minlength=VOCAB),
-                                  np.bincount(flat[1:R * S + 1], minlength=VOCAB))
+    np.testing.assert_array_equal(
+        np.bincount(rows[:, 1:].ravel(), minlength=VOCAB), np.bincount(flat[1 : R * S + 1], minlength=VOCAB)
+    )
 
 
 def test_batches_depend_on_seed_and_step_only_so_a_resume_sees_the_same(corpora):
@@ -221,8 +248,7 @@ def test_batches_depend_on_seed_and_step_only_so_a_resume_sees_the_same(corpora)
     for s in (4, 5, 2):
         for key in ("tokens", "segments"):
             np.testing.assert_array_equal(resumed.batch(s)[key], seen[s][key])
-    assert not np.array_equal(source(corpora["val"], seed=1).batch(4)["tokens"],
-                              seen[4]["tokens"])
+    assert not np.array_equal(source(corpora["val"], seed=1).batch(4)["tokens"], seen[4]["tokens"])
 
 
 @pytest.mark.parametrize("count", [2, 4])
@@ -275,6 +301,7 @@ def test_prefetch_raises_the_error_of_the_batch_it_returns():
 
 # ------------------------------------------------------------------------- config errors
 
+
 def one_line(err: pytest.ExceptionInfo) -> str:
     message = str(err.value)
     assert "\n" not in message
@@ -315,10 +342,26 @@ def test_te_attention_with_packed_documents_is_a_config_error(corpora):
 
 def test_the_cli_exits_2_with_one_line_for_a_too_small_vocabulary(corpora, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "moe_train", "--out", str(tmp_path / "out"), "--devices", "1",
-         "--set", "data.source=prepared", "--set", f"data.path={corpora['val']}",
-         "--set", "model.vocab_size=256"],  # set below the corpus's (unset: taken from it)
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "moe_train",
+            "--out",
+            str(tmp_path / "out"),
+            "--devices",
+            "1",
+            "--set",
+            "data.source=prepared",
+            "--set",
+            f"data.path={corpora['val']}",
+            "--set",
+            "model.vocab_size=256",
+        ],  # set below the corpus's (unset: taken from it)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == EXIT_CONFIG and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and "model.vocab_size" in lines[0]
@@ -326,24 +369,24 @@ def test_the_cli_exits_2_with_one_line_for_a_too_small_vocabulary(corpora, tmp_p
 
 # ------------------------------------------------------------------------- evaluation
 
+
 def test_eval_batches_are_the_val_split_from_its_start_the_same_every_time(corpora):
     cfg = run_cfg(corpora["val"], "train.eval_every=2")
     (a, _), (b, _) = eval_batches(cfg), eval_batches(cfg)
     assert len(a) == DEFAULT_SEQUENCES // 8 and all(
-        np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in ("tokens", "segments"))
+        np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in ("tokens", "segments")
+    )
     val = open_split(corpora["val"], "val")
     np.testing.assert_array_equal(a[0]["tokens"][0], val.tokens[0:33])  # document order
 
 
 def test_a_short_val_split_is_used_whole_and_its_padding_never_scored(corpora):
-    batches, _ = eval_batches(run_cfg(corpora["val"], "train.eval_every=2",
-                                      "train.eval_tokens=1000000"))
+    batches, _ = eval_batches(run_cfg(corpora["val"], "train.eval_every=2", "train.eval_tokens=1000000"))
     tokens = np.concatenate([b["tokens"] for b in batches])
     val = open_split(corpora["val"], "val")
     real = tokens[tokens != packing.PAD]
     assert (tokens[-1] == packing.PAD).any() and len(real) - len(tokens) + 1 <= val.num_tokens
-    labels = np.concatenate([packing.next_token_labels(b["tokens"], b["segments"])
-                             for b in batches])
+    labels = np.concatenate([packing.next_token_labels(b["tokens"], b["segments"]) for b in batches])
     assert not ((labels >= 0) & (np.roll(tokens, -1, axis=1)[:, :-1] == packing.PAD)).any()
 
 
@@ -379,7 +422,8 @@ def test_evaluate_on_a_training_batch_is_its_training_loss(state_and_batch):
     got = evaluate_mod.evaluate(cfg, mesh, state.params, state.moe_state, [batch])
     params, moe_state = jax.device_get((state.params, state.moe_state))
     want = jax.jit(lambda p, m, b: train._loss_fn(p, {}, m, b, Transformer(cfg), cfg)[1]["ce"])(
-        params, moe_state, batch)
+        params, moe_state, batch
+    )
     np.testing.assert_allclose(got["eval_loss"], want, rtol=1e-5)
 
 
@@ -387,8 +431,9 @@ def test_evaluating_in_micro_batches_equals_whole_batches(state_and_batch):
     cfg, mesh, state, _ = state_and_batch
     batches, _ = eval_batches(cfg)
     split = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=2))
-    whole, parts = (evaluate_mod.evaluate(c, mesh, state.params, state.moe_state, batches)
-                    for c in (cfg, split))
+    whole, parts = (
+        evaluate_mod.evaluate(c, mesh, state.params, state.moe_state, batches) for c in (cfg, split)
+    )
     assert whole["eval_tokens"] == parts["eval_tokens"]
     np.testing.assert_allclose(parts["eval_loss"], whole["eval_loss"], rtol=1e-6)
 
@@ -398,9 +443,14 @@ def test_the_report_plots_eval_loss_in_the_loss_panel(tmp_path, monkeypatch):
 
     figures = []
     monkeypatch.setattr(plots, "_save", lambda fig, *args: figures.append(fig))
-    plots.training([{"step": 1, "loss": 2.0, "aux_loss": 1.0},
-                    {"step": 2, "loss": 1.9, "aux_loss": 1.0, "eval_loss": 2.1},
-                    {"step": 3, "loss": 1.8, "aux_loss": 1.0}], tmp_path)
+    plots.training(
+        [
+            {"step": 1, "loss": 2.0, "aux_loss": 1.0},
+            {"step": 2, "loss": 1.9, "aux_loss": 1.0, "eval_loss": 2.1},
+            {"step": 3, "loss": 1.8, "aux_loss": 1.0},
+        ],
+        tmp_path,
+    )
     lines = {line.get_label(): line.get_xdata().tolist() for line in figures[0].axes[0].lines}
     plots.plt.close(figures[0])
     assert lines["eval_loss"] == [2] and lines["loss"] == [1, 2, 3]
@@ -417,8 +467,7 @@ def runs(corpora, tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
     for name, extra in (("eval", ["train.eval_every=2"]), ("plain", [])):
         lines: list[str] = []
         where = tmp_path_factory.mktemp(name)
-        assert run_mod.run(run_cfg(corpora["val"], *extra, steps=5), where,
-                           log=lines.append) == EXIT_OK
+        assert run_mod.run(run_cfg(corpora["val"], *extra, steps=5), where, log=lines.append) == EXIT_OK
         out[name] = (where, lines)
     return out
 
@@ -427,8 +476,7 @@ def runs(corpora, tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
 def test_eval_loss_is_in_the_records_of_eval_steps_and_the_last_step(runs):
     out, lines = runs["eval"]
     assert [r["step"] for r in records(out) if "eval_loss" in r] == [2, 4, 5]
-    assert all(np.isfinite(r["eval_loss"]) and r["eval_tokens"] > 0
-               for r in records(out) if "eval_loss" in r)
+    assert all(np.isfinite(r["eval_loss"]) and r["eval_tokens"] > 0 for r in records(out) if "eval_loss" in r)
     assert sum("| eval " in line for line in lines) == 3
 
 

@@ -36,16 +36,21 @@ def test_permute_and_its_gradient_equal_plain_indexing(routing, tile_rows):
     plan = make_dispatch(jnp.asarray(ROUTINGS[routing], jnp.int32), E, tile_rows)
     x = _x()
     np.testing.assert_array_equal(permute(x, plan), _plain_permute(x, plan))
-    np.testing.assert_allclose(_grad(lambda x: permute(x, plan), x),
-                               _grad(lambda x: _plain_permute(x, plan), x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        _grad(lambda x: permute(x, plan), x),
+        _grad(lambda x: _plain_permute(x, plan), x),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_unpermute_gradient_equals_plain_indexing(routing):
     plan = make_dispatch(jnp.asarray(ROUTINGS[routing], jnp.int32), E, 4)
     y = _x(plan.token_R.shape[0])
-    np.testing.assert_allclose(_grad(lambda y: unpermute(y, plan), y),
-                               _grad(lambda y: y[plan.row_N], y), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        _grad(lambda y: unpermute(y, plan), y), _grad(lambda y: y[plan.row_N], y), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_send_buffer_and_unpack_gradients_equal_plain_indexing():
@@ -60,8 +65,7 @@ def test_send_buffer_and_unpack_gradients_equal_plain_indexing():
     y = _x(R)
     back = lambda y: jnp.where((slot_N < R)[:, None], y[jnp.minimum(slot_N, R - 1)], 0)  # noqa: E731
     np.testing.assert_array_equal(unpack(y, slot_N), back(y))
-    np.testing.assert_allclose(_grad(lambda y: unpack(y, slot_N), y), _grad(back, y),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_grad(lambda y: unpack(y, slot_N), y), _grad(back, y), rtol=1e-6, atol=1e-6)
 
 
 def test_the_backward_pass_gathers_and_never_scatters():
@@ -72,7 +76,12 @@ def test_the_backward_pass_gathers_and_never_scatters():
 
 def test_a_row_nobody_reads_gets_no_gradient():
     x = _x(3)
-    got = jax.grad(lambda x: jnp.sum(take_rows(x, jnp.asarray([0, 0]), jnp.asarray([True, True]),
-                                               jnp.asarray([[0, 1], [2, 2], [2, 2]]))))(x)
+    got = jax.grad(
+        lambda x: jnp.sum(
+            take_rows(
+                x, jnp.asarray([0, 0]), jnp.asarray([True, True]), jnp.asarray([[0, 1], [2, 2], [2, 2]])
+            )
+        )
+    )(x)
     np.testing.assert_array_equal(got[1:], 0)
     np.testing.assert_array_equal(got[0], 2 * jnp.ones(H))

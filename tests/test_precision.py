@@ -20,7 +20,8 @@ from moe_train.model import precision
 from moe_train.model.transformer import MoEBlock, Transformer
 from moe_train.moe.router import Routing, route, router_logits
 from moe_train.parallel import layout, sharding
-from moe_train.train import cli, step as train
+from moe_train.train import cli
+from moe_train.train import step as train
 from moe_train.train.checkpoint import Checkpointer
 from moe_train.train.loop import EXIT_OK, run
 
@@ -28,8 +29,14 @@ STEPS = 50
 # decay_steps fixed: the schedule, hence the compiled step, does not depend on train.steps;
 # an amax history longer than the run keeps every step's amax
 HISTORY = 64
-BASE = ["parallel.devices=1", "train.log_every=100", "train.telemetry_interval_s=0",
-        "train.async_checkpoint=false", "optim.decay_steps=45", f"precision.amax_history={HISTORY}"]
+BASE = [
+    "parallel.devices=1",
+    "train.log_every=100",
+    "train.telemetry_interval_s=0",
+    "train.async_checkpoint=false",
+    "optim.decay_steps=45",
+    f"precision.amax_history={HISTORY}",
+]
 # fp8 vs bf16 on tiny over 50 steps, measured: max per-step gap 1.03%, last-10 mean gap 0.26%
 # (bf16 vs fp32: 0.49% and 0.12%)
 STEP_RTOL, TAIL_RTOL = 0.03, 0.01
@@ -37,8 +44,7 @@ QUIET = {"log": lambda s: None}
 
 
 def tiny(compute: str, *overrides: str, steps: int = STEPS) -> config.Config:
-    return config.build("tiny", [f"train.steps={steps}", f"precision.compute={compute}", *BASE,
-                                 *overrides])
+    return config.build("tiny", [f"train.steps={steps}", f"precision.compute={compute}", *BASE, *overrides])
 
 
 def losses(out: Path) -> list[float]:
@@ -72,10 +78,11 @@ def fp8_run(tmp_path_factory) -> Path:
 
 # ----------------------------------------------------------------------------- q/dq
 
-@pytest.mark.parametrize("q_dtype,mantissa_bits,min_subnormal", [
-    (precision.E4M3, 3, 2.0 ** -9), (precision.E5M2, 2, 2.0 ** -16)])
-def test_qdq_round_trip_error_is_half_a_unit_in_the_last_place(q_dtype, mantissa_bits,
-                                                               min_subnormal):
+
+@pytest.mark.parametrize(
+    "q_dtype,mantissa_bits,min_subnormal", [(precision.E4M3, 3, 2.0**-9), (precision.E5M2, 2, 2.0**-16)]
+)
+def test_qdq_round_trip_error_is_half_a_unit_in_the_last_place(q_dtype, mantissa_bits, min_subnormal):
     x = jax.random.normal(jax.random.key(0), (4096,), jnp.float32) * 3.0
     scale = jnp.max(jnp.abs(x)) / precision.fp8_max(q_dtype)
     err = jnp.abs(precision.qdq(x, scale, q_dtype) - x)
@@ -92,16 +99,19 @@ def test_values_beyond_the_scale_saturate_at_fp8_max():
 
 def test_delayed_scale_comes_from_past_amax_and_history_rolls():
     meta = {"scale": jnp.float32(1.0), "amax_history": jnp.array([3.0, 1.0, 0.0, 0.0])}
-    new = precision.update_meta(jnp.array([-10.0, 2.0]), meta, precision.E4M3,
-                                precision.Recipe(current=False, margin=1))
+    new = precision.update_meta(
+        jnp.array([-10.0, 2.0]), meta, precision.E4M3, precision.Recipe(current=False, margin=1)
+    )
     np.testing.assert_array_equal(new["amax_history"], [10.0, 3.0, 1.0, 0.0])
     assert float(new["scale"]) == pytest.approx(3.0 * 2 / 448)
 
 
 def test_current_scale_and_empty_history_use_this_steps_amax():
     empty = precision.init_meta(4)
-    for recipe, meta in [(precision.Recipe(True, 0), {**empty, "amax_history": jnp.full(4, 50.)}),
-                         (precision.Recipe(False, 0), empty)]:
+    for recipe, meta in [
+        (precision.Recipe(True, 0), {**empty, "amax_history": jnp.full(4, 50.0)}),
+        (precision.Recipe(False, 0), empty),
+    ]:
         new = precision.update_meta(jnp.array([7.0, -3.0]), meta, precision.E5M2, recipe)
         assert float(new["scale"]) == pytest.approx(7.0 / 57344)
 
@@ -123,24 +133,29 @@ def test_custom_vjps_pass_gradients_and_return_the_new_state():
 
 def _fp8_reference(x, w, g, n, recipe, meta):
     """y, dx, dw of x . w from the q/dq values in fp32: the slow, obvious fp8 matmul."""
-    sx, sw, sg = (precision.update_meta(a, meta, q, recipe)["scale"]
-                  for a, q in ((x, precision.E4M3), (w, precision.E4M3), (g, precision.E5M2)))
-    xq, wq, gq = (precision.qdq(a, s, q).astype(jnp.float32) for a, s, q in
-                  ((x, sx, precision.E4M3), (w, sw, precision.E4M3), (g, sg, precision.E5M2)))
+    sx, sw, sg = (
+        precision.update_meta(a, meta, q, recipe)["scale"]
+        for a, q in ((x, precision.E4M3), (w, precision.E4M3), (g, precision.E5M2))
+    )
+    xq, wq, gq = (
+        precision.qdq(a, s, q).astype(jnp.float32)
+        for a, s, q in ((x, sx, precision.E4M3), (w, sw, precision.E4M3), (g, sg, precision.E5M2))
+    )
     y, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, precision._dims(x.ndim, n)), xq, wq)
     return (y, *vjp(gq))
 
 
-@pytest.mark.parametrize("x_shape, w_shape, n", [((4, 32, 64), (64, 48), 1),
-                                                  ((4, 32, 4, 16), (4, 16, 40), 2)])
+@pytest.mark.parametrize(
+    "x_shape, w_shape, n", [((4, 32, 64), (64, 48), 1), ((4, 32, 4, 16), (4, 16, 40), 2)]
+)
 def test_fp8_matmul_matches_the_qdq_reference_forward_and_gradients(x_shape, w_shape, n):
     recipe, meta = precision.Recipe(True, 0), precision.init_meta(4)
     x = jax.random.normal(jax.random.key(0), x_shape, jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), w_shape, jnp.bfloat16) * 0.1
-    g = jax.random.normal(jax.random.key(2), x_shape[:len(x_shape) - n] + w_shape[n:],
-                          jnp.bfloat16)
-    y, vjp = jax.vjp(lambda a, b, mx, mw, mg: precision.fp8_matmul(a, b, mx, mw, mg, n, recipe),
-                     x, w, meta, meta, meta)
+    g = jax.random.normal(jax.random.key(2), x_shape[: len(x_shape) - n] + w_shape[n:], jnp.bfloat16)
+    y, vjp = jax.vjp(
+        lambda a, b, mx, mw, mg: precision.fp8_matmul(a, b, mx, mw, mg, n, recipe), x, w, meta, meta, meta
+    )
     dx, dw, new_x, new_w, new_g = vjp(g)
     assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16,) * 3
     for got, want in zip((y, dx, dw), _fp8_reference(x, w, g, n, recipe, meta)):
@@ -157,12 +172,14 @@ def test_fp8_matmul_takes_fp8_operands_in_all_three_matmuls():
     def f(x, w, g):
         y, vjp = jax.vjp(lambda a, b: precision.fp8_matmul(a, b, meta, meta, meta, 1, recipe), x, w)
         return y, vjp(g)[:2]
+
     text = jax.jit(f).lower(x, x.T, x @ x.T).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line and "=" in line]
     assert len(dots) == 3 and all("f8E" in line for line in dots), dots
 
 
 # ----------------------------------------------------------------------------- training
+
 
 def test_every_quantized_tensor_has_state_and_the_trainer_rolls_it(fp8_run):
     at48, at50 = saved(fp8_run, 48)["fp8_state"], saved(fp8_run, 50)["fp8_state"]
@@ -181,8 +198,7 @@ def test_every_quantized_tensor_has_state_and_the_trainer_rolls_it(fp8_run):
             meta = meta[key.key]
         q = precision.E5M2 if "grad" in jax.tree_util.keystr(path) else precision.E4M3
         # delayed: step 50 scaled by the largest amax of steps 1..49, layer by layer
-        np.testing.assert_allclose(meta["scale"] * precision.fp8_max(q),
-                                   h50_LA[:, 1:].max(axis=1), rtol=1e-6)
+        np.testing.assert_allclose(meta["scale"] * precision.fp8_max(q), h50_LA[:, 1:].max(axis=1), rtol=1e-6)
 
 
 def test_fp8_tracks_the_bf16_loss_curve_over_50_steps(bf16_run, fp8_run):
@@ -196,8 +212,7 @@ def test_fp8_tracks_the_bf16_loss_curve_over_50_steps(bf16_run, fp8_run):
 
 def test_fp8_resume_is_bitwise_the_uninterrupted_run(fp8_run, tmp_path):
     out = tmp_path / "cut"
-    shutil.copytree(fp8_run, out, ignore=lambda d, names: ["50"] if d.endswith("checkpoints")
-                    else [])
+    shutil.copytree(fp8_run, out, ignore=lambda d, names: ["50"] if d.endswith("checkpoints") else [])
     metrics = out / "metrics.jsonl"
     metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:48]))
     lines = []
@@ -211,6 +226,7 @@ def test_fp8_resume_is_bitwise_the_uninterrupted_run(fp8_run, tmp_path):
 
 # ----------------------------------------------------------------------------- routing
 
+
 def test_the_router_sees_the_unquantized_input():
     """Same bf16 input to an MoE layer: router statistics bitwise equal, outputs not."""
     cfgs = {c: config.build("tiny", [f"precision.compute={c}"]) for c in ("bf16", "fp8")}
@@ -222,8 +238,9 @@ def test_the_router_sees_the_unquantized_input():
         y[c], stats[c] = jax.jit(MoEBlock(cfg).apply)(v, x_BSH)
     for key in ("tokens_per_expert", "aux_loss", "z_loss"):
         np.testing.assert_array_equal(getattr(stats["fp8"], key), getattr(stats["bf16"], key))
-    assert not np.allclose(np.asarray(y["fp8"], np.float32), np.asarray(y["bf16"], np.float32),
-                           rtol=1e-3, atol=0)
+    assert not np.allclose(
+        np.asarray(y["fp8"], np.float32), np.asarray(y["bf16"], np.float32), rtol=1e-3, atol=0
+    )
 
 
 def test_routing_decisions_match_bf16_away_from_near_ties():
@@ -235,13 +252,20 @@ def test_routing_decisions_match_bf16_away_from_near_ties():
     tokens_BS = jax.random.randint(jax.random.key(1), (4, 64), 0, 256)
     variables = jax.jit(Transformer(cfgs["fp8"]).init)(jax.random.key(0), tokens_BS)
     params = jax.tree_util.tree_map_with_path(
-        lambda p, w: w * 10 if "gate" in jax.tree_util.keystr(p) else w, variables["params"])
+        lambda p, w: w * 10 if "gate" in jax.tree_util.keystr(p) else w, variables["params"]
+    )
     inputs = {}
     for c in cfgs:
-        v = {**variables, "params": params} if c == "fp8" else {"params": params,
-                                                                "moe_state": variables["moe_state"]}
-        apply = jax.jit(lambda v, t, c=c: Transformer(cfgs[c]).apply(
-            v, t, capture_intermediates=lambda m, _: m.name == "mlp_norm")[1])
+        v = (
+            {**variables, "params": params}
+            if c == "fp8"
+            else {"params": params, "moe_state": variables["moe_state"]}
+        )
+        apply = jax.jit(
+            lambda v, t, c=c: Transformer(cfgs[c]).apply(
+                v, t, capture_intermediates=lambda m, _: m.name == "mlp_norm"
+            )[1]
+        )
         inputs[c] = apply(v, tokens_BS)["intermediates"]
     k, checked, clear_before_T = cfgs["bf16"].moe.top_k, 0, True
     for layer in (0, 1):  # the scanned group's layers: [L, ...] parameters and intermediates
@@ -262,10 +286,17 @@ def test_routing_decisions_match_bf16_away_from_near_ties():
 
 # ----------------------------------------------------------------------------- parallel
 
+
 @pytest.mark.slow
 def test_fp8_with_expert_parallelism_on_8_devices_matches_one_device(fp8_run, tmp_path):
-    cfg = tiny("fp8", "parallel.devices=8", "parallel.ep=8", "moe.dispatcher=a2a",
-               "moe.capacity_buckets=100", steps=3)
+    cfg = tiny(
+        "fp8",
+        "parallel.devices=8",
+        "parallel.ep=8",
+        "moe.dispatcher=a2a",
+        "moe.capacity_buckets=100",
+        steps=3,
+    )
     assert run(cfg, tmp_path, **QUIET) == EXIT_OK
     # bf16 reduction order differs between 1 and 8 devices (1.8e-4 measured) and e5m2's
     # 2-bit mantissa amplifies it: measured 8.7e-4 over 3 steps.
@@ -282,11 +313,17 @@ def test_fp8_with_expert_parallelism_on_8_devices_matches_one_device(fp8_run, tm
 
 # ----------------------------------------------------------------------------- errors
 
-@pytest.mark.parametrize("setting,needle", [
-    ("precision.compute=fp16", "choose one of: fp32, bf16, fp8"),
-    ("model.dtype=bfloat16",
-     "model.dtype moved to precision.compute; set precision.compute=<fp32 | bf16 | fp8>"),
-])
+
+@pytest.mark.parametrize(
+    "setting,needle",
+    [
+        ("precision.compute=fp16", "choose one of: fp32, bf16, fp8"),
+        (
+            "model.dtype=bfloat16",
+            "model.dtype moved to precision.compute; set precision.compute=<fp32 | bf16 | fp8>",
+        ),
+    ],
+)
 def test_bad_precision_exits_2_naming_the_choices(setting, needle, tmp_path, capsys):
     assert cli.main(["--preset", "tiny", "--out", str(tmp_path), "--set", setting]) == 2
     err = capsys.readouterr().err
@@ -307,6 +344,7 @@ def test_auto_backend_falls_back_to_xla_and_says_why():
 
 # ----------------------------------------------------------------------------- TE (GPU)
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8"])
@@ -325,8 +363,9 @@ def test_transformer_engine_fp8_step_matches_xla_qdq(recipe):
         mesh = one_device_mesh(cfg)
         with sharding.activate(mesh):
             state = train.init_state(cfg, mesh)
-            step = train.make_train_step(cfg, mesh, train.StepCounter(),
-                                         jax.tree.map(lambda x: x.sharding, state))
+            step = train.make_train_step(
+                cfg, mesh, train.StepCounter(), jax.tree.map(lambda x: x.sharding, state)
+            )
             batch = jax.random.randint(jax.random.key(0), (8, 65), 0, 256)
             state, metrics = step(state, batch)
         got[backend] = (float(metrics["loss"]), state.fp8_state)

@@ -33,8 +33,12 @@ def _train_bpe(path: Path, specials: list[str], vocab: int = 500) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train([str(CORPUS)], trainer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
@@ -55,9 +59,16 @@ def spm_model(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("spm")
     (folder / "train.txt").write_text(CORPUS.read_text(encoding="utf-8")[:150_000])
     sentencepiece.SentencePieceTrainer.train(
-        input=str(folder / "train.txt"), model_prefix=str(folder / "spm"), vocab_size=400,
-        model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=False, minloglevel=2)
+        input=str(folder / "train.txt"),
+        model_prefix=str(folder / "spm"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        minloglevel=2,
+    )
     return folder / "spm.model"
 
 
@@ -107,8 +118,9 @@ def error_of(tok: Path, inputs, out: Path, **kw) -> str:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moe_train.data", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_train.data", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def one_error_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -161,7 +173,7 @@ def test_each_document_decodes_back_to_its_text(which, request, tmp_path):
 def test_every_document_ends_with_eos_and_has_no_eos_inside(bpe, tmp_path):
     run(bpe, [write_txt(tmp_path / "a.txt", DOCS)], tmp_path / "out", shard_tokens=2000)
     s = prepared.open_split(tmp_path / "out")
-    eos_positions = np.flatnonzero(s.tokens[0:len(s.tokens)] == s.eos_id)
+    eos_positions = np.flatnonzero(s.tokens[0 : len(s.tokens)] == s.eos_id)
     np.testing.assert_array_equal(eos_positions, s.doc_starts[1:] - 1)
 
 
@@ -169,8 +181,7 @@ def test_eos_id_is_the_tokenizers_eos_token(bpe, tmp_path):
     run(bpe, [write_txt(tmp_path / "a.txt", DOCS[:3])], tmp_path / "out")
     from tokenizers import Tokenizer
 
-    assert prepared.open_split(tmp_path / "out").eos_id == Tokenizer.from_file(
-        str(bpe)).token_to_id("</s>")
+    assert prepared.open_split(tmp_path / "out").eos_id == Tokenizer.from_file(str(bpe)).token_to_id("</s>")
 
 
 def test_shard_index_holds_document_starts_then_the_token_count(bpe, tmp_path):
@@ -179,7 +190,7 @@ def test_shard_index_holds_document_starts_then_the_token_count(bpe, tmp_path):
 
     t = Tokenizer.from_file(str(bpe))
     idx = np.load(tmp_path / "out/train/shard_00000.idx.npy")
-    lengths = [len(t.encode(d, add_special_tokens=False).ids) + 1 for d in DOCS[:len(idx) - 1]]
+    lengths = [len(t.encode(d, add_special_tokens=False).ids) + 1 for d in DOCS[: len(idx) - 1]]
     np.testing.assert_array_equal(idx, np.concatenate([[0], np.cumsum(lengths)]))
     assert (tmp_path / "out/train/shard_00000.bin").stat().st_size == 2 * idx[-1]
 
@@ -197,8 +208,7 @@ def test_no_document_is_split_across_shards_and_shards_respect_the_limit(bpe, tm
 
 
 def test_jsonl_reads_the_text_field(bpe, tmp_path):
-    run(bpe, [write_jsonl(tmp_path / "a.jsonl", DOCS[:20], "body")], tmp_path / "out",
-        text_field="body")
+    run(bpe, [write_jsonl(tmp_path / "a.jsonl", DOCS[:20], "body")], tmp_path / "out", text_field="body")
     assert decoded_docs(bpe, tmp_path / "out") == DOCS[:20]
 
 
@@ -206,8 +216,9 @@ def test_parquet_gives_the_same_tokens_as_jsonl(bpe, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"id": list(range(20)), "text": DOCS[:20]}), tmp_path / "a.parquet",
-                   row_group_size=7)
+    pq.write_table(
+        pa.table({"id": list(range(20)), "text": DOCS[:20]}), tmp_path / "a.parquet", row_group_size=7
+    )
     run(bpe, [tmp_path / "a.parquet"], tmp_path / "pq")
     run(bpe, [write_jsonl(tmp_path / "a.jsonl", DOCS[:20])], tmp_path / "js")
     assert shard_bytes(tmp_path / "pq") == shard_bytes(tmp_path / "js")
@@ -235,7 +246,7 @@ def test_glob_is_expanded_in_sorted_order(bpe, tmp_path):
 
 
 def test_split_on_file_makes_each_file_one_document(bpe, tmp_path):
-    texts = ["\n\n".join(DOCS[i:i + 3]) + "\n" for i in (0, 3, 6)]
+    texts = ["\n\n".join(DOCS[i : i + 3]) + "\n" for i in (0, 3, 6)]
     for i, text in enumerate(texts):
         (tmp_path / f"{i}.txt").write_text(text)
     run(bpe, [tmp_path / f"{i}.txt" for i in range(3)], tmp_path / "out", split_on="file")
@@ -287,8 +298,11 @@ def test_a_rerun_keeps_complete_shards_and_redoes_the_rest(bpe, tmp_path):
     (out / "train/shard_00002.idx.npy").unlink()  # shard 2 is now unfinished
     summary = run(bpe, [data], out, shard_tokens=1500)
     assert summary.splits["train"].kept_shards == 2 and files_of(out) == reference
-    assert all(_mtimes(out)[str(out / f"train/shard_0000{k}{ext}")] == before[
-        str(out / f"train/shard_0000{k}{ext}")] for k in (0, 1) for ext in (".bin", ".idx.npy"))
+    assert all(
+        _mtimes(out)[str(out / f"train/shard_0000{k}{ext}")] == before[str(out / f"train/shard_0000{k}{ext}")]
+        for k in (0, 1)
+        for ext in (".bin", ".idx.npy")
+    )
 
 
 def test_a_rerun_rebuilds_a_shard_changed_in_place(bpe, tmp_path):
@@ -316,8 +330,9 @@ def test_a_rerun_names_the_shard_it_rebuilt_and_why(bpe, tmp_path):
     run(bpe, [data], tmp_path / "out", shard_tokens=1500)
     flip_byte(tmp_path / "out/train/shard_00002.bin")
     summary = run(bpe, [data], tmp_path / "out", shard_tokens=1500)
-    assert summary.repaired == ["train/shard_00002.bin: sha256 differs from the manifest "
-                                "(changed in place or corrupted)"]
+    assert summary.repaired == [
+        "train/shard_00002.bin: sha256 differs from the manifest (changed in place or corrupted)"
+    ]
 
 
 def test_a_rerun_rebuilds_a_deleted_val_shard(bpe, tmp_path):
@@ -337,9 +352,14 @@ def test_a_rerun_hashes_every_shard_whatever_was_recorded(bpe, tmp_path):
     assert run(bpe, [data], tmp_path / "out", shard_tokens=1500).repaired
 
 
-@pytest.mark.parametrize("change, key", [({"seed": 1}, "val"),
-                                         ({"shard_tokens": 999}, "shard_tokens"),
-                                         ({"val_docs": 3, "val_fraction": None}, "val")])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"seed": 1}, "val"),
+        ({"shard_tokens": 999}, "shard_tokens"),
+        ({"val_docs": 3, "val_fraction": None}, "val"),
+    ],
+)
 def test_a_rerun_with_other_options_is_refused(bpe, tmp_path, change, key):
     data = write_txt(tmp_path / "a.txt", DOCS[:10])
     run(bpe, [data], tmp_path / "out", shard_tokens=2000)
@@ -392,15 +412,20 @@ def test_val_documents_are_scattered_not_a_block_at_either_end(bpe, tmp_path):
 
 def test_val_docs_holds_out_exactly_n_documents_chosen_by_hash(bpe, tmp_path):
     docs = _distinct_docs(200)
-    run(bpe, [write_jsonl(tmp_path / "a.jsonl", docs)], tmp_path / "out", val_docs=7,
-        val_fraction=None, seed=3)
+    run(
+        bpe,
+        [write_jsonl(tmp_path / "a.jsonl", docs)],
+        tmp_path / "out",
+        val_docs=7,
+        val_fraction=None,
+        seed=3,
+    )
     val = decoded_docs(bpe, tmp_path / "out", "val")
     assert val == [docs[i] for i in split.smallest(3, 200, 7)]
 
 
 def test_vectorised_document_hash_equals_the_scalar_one():
-    assert split.doc_hashes(5, 1000, 50).tolist() == [split.doc_hash(5, i)
-                                                      for i in range(1000, 1050)]
+    assert split.doc_hashes(5, 1000, 50).tolist() == [split.doc_hash(5, i) for i in range(1000, 1050)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,16 +433,30 @@ def test_vectorised_document_hash_equals_the_scalar_one():
 
 
 def test_missing_input_exits_2_with_one_line(bpe, tmp_path):
-    proc = cli("prepare", "--tokenizer", str(bpe), "--input", str(tmp_path / "nope.txt"),
-               "--out", str(tmp_path / "out"))
+    proc = cli(
+        "prepare",
+        "--tokenizer",
+        str(bpe),
+        "--input",
+        str(tmp_path / "nope.txt"),
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert "nope.txt: not found" in one_error_line(proc) and not (tmp_path / "out").exists()
 
 
 def test_unreadable_tokenizer_exits_2_with_one_line(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
     write_txt(tmp_path / "a.txt", DOCS[:2])
-    proc = cli("prepare", "--tokenizer", str(tmp_path / "tokenizer.json"), "--input",
-               str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"))
+    proc = cli(
+        "prepare",
+        "--tokenizer",
+        str(tmp_path / "tokenizer.json"),
+        "--input",
+        str(tmp_path / "a.txt"),
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert "cannot load it as a Hugging Face tokenizer.json" in one_error_line(proc)
 
 
@@ -459,7 +498,8 @@ def test_an_empty_file_is_an_error(bpe, tmp_path):
 def test_a_file_of_blank_lines_is_an_error(bpe, tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "  "}\n\n{"text": ""}\n')
     assert "a.jsonl: no documents (2 empty documents skipped)" in error_of(
-        bpe, [tmp_path / "a.jsonl"], tmp_path / "o")
+        bpe, [tmp_path / "a.jsonl"], tmp_path / "o"
+    )
 
 
 def test_a_file_named_twice_is_an_error(bpe, tmp_path):
@@ -474,19 +514,22 @@ def test_a_glob_matching_nothing_is_an_error(bpe, tmp_path):
 def test_invalid_utf8_names_the_line_and_byte_offset(bpe, tmp_path):
     (tmp_path / "a.txt").write_bytes(b"hello\n\nworld \xff!\n")
     assert "a.txt:3: invalid UTF-8 at byte offset 13 (byte 0xff)" in error_of(
-        bpe, [tmp_path / "a.txt"], tmp_path / "out")
+        bpe, [tmp_path / "a.txt"], tmp_path / "out"
+    )
 
 
 def test_invalid_utf8_in_gzip_counts_decompressed_bytes(bpe, tmp_path):
     (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"hello\n\nworld \xc3(\n"))
-    assert ("a.txt.gz:3: invalid UTF-8 at byte offset 13 of the decompressed stream"
-            in error_of(bpe, [tmp_path / "a.txt.gz"], tmp_path / "out"))
+    assert "a.txt.gz:3: invalid UTF-8 at byte offset 13 of the decompressed stream" in error_of(
+        bpe, [tmp_path / "a.txt.gz"], tmp_path / "out"
+    )
 
 
 def test_invalid_utf8_in_one_file_document_names_the_offset(bpe, tmp_path):
     (tmp_path / "a.txt").write_bytes(b"ok\nstill ok\n\x80")
     assert "a.txt:3: invalid UTF-8 at byte offset 12" in error_of(
-        bpe, [tmp_path / "a.txt"], tmp_path / "out", split_on="file")
+        bpe, [tmp_path / "a.txt"], tmp_path / "out", split_on="file"
+    )
 
 
 def test_missing_text_field_names_the_line(bpe, tmp_path):
@@ -502,8 +545,7 @@ def test_a_line_that_is_not_json_names_the_line(bpe, tmp_path):
 
 def test_a_non_string_text_field_names_the_line(bpe, tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "a"}\n{"text": 5}\n')
-    assert "a.jsonl:2: field 'text' is a JSON int" in error_of(bpe, [tmp_path / "a.jsonl"],
-                                                                tmp_path / "out")
+    assert "a.jsonl:2: field 'text' is a JSON int" in error_of(bpe, [tmp_path / "a.jsonl"], tmp_path / "out")
 
 
 def test_a_parquet_null_names_the_row(bpe, tmp_path):
@@ -512,7 +554,8 @@ def test_a_parquet_null_names_the_row(bpe, tmp_path):
 
     pq.write_table(pa.table({"text": ["a", "b", None]}), tmp_path / "a.parquet")
     assert "a.parquet: row 2 (counting from 0): 'text' is null" in error_of(
-        bpe, [tmp_path / "a.parquet"], tmp_path / "out")
+        bpe, [tmp_path / "a.parquet"], tmp_path / "out"
+    )
 
 
 def test_a_bad_input_after_good_ones_writes_nothing(bpe, tmp_path):
@@ -599,8 +642,21 @@ def _big_input(tmp_path: Path) -> Path:
 
 
 def _cli_args(tok: Path, data: Path, out: Path) -> list[str]:
-    return ["prepare", "--tokenizer", str(tok), "--input", str(data), "--out", str(out),
-            "--workers", "1", "--shard-tokens", "20000", "--val-fraction", "0.01"]
+    return [
+        "prepare",
+        "--tokenizer",
+        str(tok),
+        "--input",
+        str(data),
+        "--out",
+        str(out),
+        "--workers",
+        "1",
+        "--shard-tokens",
+        "20000",
+        "--val-fraction",
+        "0.01",
+    ]
 
 
 def test_a_size_limited_output_exits_5_and_leaves_no_complete_looking_shard(bpe, tmp_path):
@@ -610,9 +666,14 @@ def test_a_size_limited_output_exits_5_and_leaves_no_complete_looking_shard(bpe,
         resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
 
     data = write_jsonl(tmp_path / "a.jsonl", paragraphs(600))
-    proc = subprocess.run([sys.executable, "-m", "moe_train.data",
-                           *_cli_args(bpe, data, tmp_path / "out")], cwd=ROOT, preexec_fn=limit,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_train.data", *_cli_args(bpe, data, tmp_path / "out")],
+        cwd=ROOT,
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "File too large" in one_error_line(proc, code=5)
     _assert_no_incomplete_shard_looks_complete(tmp_path / "out")
     assert not [p for p in (tmp_path / "out").rglob("*") if p.suffix in (".tmp", ".bin")]
@@ -622,8 +683,12 @@ def test_a_size_limited_output_exits_5_and_leaves_no_complete_looking_shard(bpe,
 def test_a_killed_run_leaves_no_complete_looking_shard_and_a_rerun_finishes_it(bpe, tmp_path):
     data = _big_input(tmp_path)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "moe_train.data", *_cli_args(bpe, data, out)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_train.data", *_cli_args(bpe, data, out)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while not (out / "train/shard_00003.idx.npy").exists() and time.time() < deadline:
         time.sleep(0.01)
@@ -695,16 +760,32 @@ def test_progress_on_a_terminal_redraws_one_line(monkeypatch):
 def test_a_short_run_off_a_terminal_prints_only_the_summary(bpe, tmp_path):
     stream, lines = io.StringIO(), []
     data = write_txt(tmp_path / "a.txt", DOCS)
-    prepare.run(prepare.Options(tokenizer=str(bpe), inputs=(str(data),), out=tmp_path / "out",
-                                workers=1), log=lines.append, stream=stream)
+    prepare.run(
+        prepare.Options(tokenizer=str(bpe), inputs=(str(data),), out=tmp_path / "out", workers=1),
+        log=lines.append,
+        stream=stream,
+    )
     assert stream.getvalue() == "" and lines[0].startswith(f"prepared {tmp_path / 'out'}")
     assert re.match(r"  train: [\d,]+ documents, [\d,]+ tokens \(uint16\), 1 shard$", lines[1])
 
 
 def test_cli_prepares_and_prints_the_summary(bpe, tmp_path):
     first, second = write_txt(tmp_path / "a.txt", DOCS[:30]), write_txt(tmp_path / "b.txt", DOCS[30:])
-    proc = cli("prepare", "--tokenizer", str(bpe), "--input", str(first), "--input", str(second),
-               "--out", str(tmp_path / "out"), "--val-docs", "5", "--workers", "2")
+    proc = cli(
+        "prepare",
+        "--tokenizer",
+        str(bpe),
+        "--input",
+        str(first),
+        "--input",
+        str(second),
+        "--out",
+        str(tmp_path / "out"),
+        "--val-docs",
+        "5",
+        "--workers",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"  train: {len(DOCS) - 5} documents" in proc.stdout and "  val: 5 documents" in proc.stdout
 

@@ -44,8 +44,14 @@ def test_a_slow_wait_ends_with_its_duration():
 def test_a_predicate_starts_the_first_line_with_its_description():
     flag = threading.Event()
     lines: list[str] = []
-    with progress.Waiting(lines.append, "compiling", after_s=100, started=flag.is_set,
-                          describe=lambda: "compiling step 1", done=False):
+    with progress.Waiting(
+        lines.append,
+        "compiling",
+        after_s=100,
+        started=flag.is_set,
+        describe=lambda: "compiling step 1",
+        done=False,
+    ):
         flag.set()
         time.sleep(0.4)
     assert lines == ["compiling step 1 ..."]
@@ -55,10 +61,27 @@ def test_a_predicate_starts_the_first_line_with_its_description():
 def trained(tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("run") / "r"
     proc = subprocess.run(
-        [sys.executable, "-m", "moe_train", "--preset", "tiny", "--out", str(out), "--steps", "2",
-         "--set", "train.seq_len=16", "--set", "train.batch_size=2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        [
+            sys.executable,
+            "-m",
+            "moe_train",
+            "--preset",
+            "tiny",
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--set",
+            "train.seq_len=16",
+            "--set",
+            "train.batch_size=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, out
 
@@ -79,8 +102,7 @@ def test_the_first_compile_ends_with_its_duration(trained):
 def test_the_printed_report_command_runs_as_printed(trained):
     last = trained[0].strip().splitlines()[-1]
     command = last.split("report: ", 1)[1]
-    proc = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and (trained[1] / "report.html").is_file(), proc.stderr[-2000:]
 
 
@@ -91,9 +113,17 @@ def overflowed(tmp_path_factory) -> list[str]:
     from moe_train import config
     from moe_train.train.loop import run
 
-    cfg = config.build("tiny", ["train.steps=2", "parallel.devices=4", "parallel.ep=4",
-                                "moe.dispatcher=a2a", "moe.capacity_buckets=1.0,1.25",
-                                "train.seq_len=32"])
+    cfg = config.build(
+        "tiny",
+        [
+            "train.steps=2",
+            "parallel.devices=4",
+            "parallel.ep=4",
+            "moe.dispatcher=a2a",
+            "moe.capacity_buckets=1.0,1.25",
+            "train.seq_len=32",
+        ],
+    )
     lines: list[str] = []
     run(cfg, tmp_path_factory.mktemp("ep"), log=lines.append)
     return lines
@@ -101,5 +131,6 @@ def overflowed(tmp_path_factory) -> list[str]:
 
 @pytest.mark.slow
 def test_an_overflow_rerun_says_it_recompiles_and_why(overflowed):
-    assert any(s.startswith("compiling the train step for a rerun of step 1: it overflowed")
-               for s in overflowed), overflowed
+    assert any(
+        s.startswith("compiling the train step for a rerun of step 1: it overflowed") for s in overflowed
+    ), overflowed

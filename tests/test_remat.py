@@ -27,11 +27,9 @@ def _step(cfg, devices=1):
         state = train.init_state(cfg, mesh)
         plans = ep_plans(cfg, mesh)
         counter = train.StepCounter()
-        step = train.make_train_step(cfg, mesh, counter, jax.tree.map(lambda x: x.sharding, state),
-                                     plans[-1])
+        step = train.make_train_step(cfg, mesh, counter, jax.tree.map(lambda x: x.sharding, state), plans[-1])
     rng = np.random.default_rng(0)
-    batch = jnp.asarray(rng.integers(0, 256, (cfg.train.batch_size, cfg.train.seq_len + 1)),
-                        jnp.int32)
+    batch = jnp.asarray(rng.integers(0, 256, (cfg.train.batch_size, cfg.train.seq_len + 1)), jnp.int32)
     return step, state, batch, counter, mesh
 
 
@@ -46,8 +44,7 @@ def one_step():
         with sharding.activate(mesh):
             memory = train.compiled_memory(step, state, batch)
             new, metrics = step(state, batch)
-        out[policy] = (paths, jax.device_get(metrics), jax.device_get(new.params), memory,
-                       counter.traces)
+        out[policy] = (paths, jax.device_get(metrics), jax.device_get(new.params), memory, counter.traces)
     return out
 
 
@@ -73,13 +70,11 @@ def test_every_policy_gives_the_same_parameters_losses_and_gradients(one_step):
 def test_the_looped_layout_takes_the_same_step_under_full_remat(one_step):
     """scan_layers=false (remat with CSE barriers, blocks ``layer_{i}``) from the scanned
     run's initial weights: the same step as the scanned run without remat."""
-    cfg = config.build("tiny", ["parallel.devices=1", "train.remat=full",
-                                "model.scan_layers=false", *SHAPE])
+    cfg = config.build("tiny", ["parallel.devices=1", "train.remat=full", "model.scan_layers=false", *SHAPE])
     step, looped, batch, _, mesh = _step(cfg)
     with sharding.activate(mesh):
         scanned = train.init_state(config.build("tiny", ["parallel.devices=1", *SHAPE]), mesh)
-        state = jax.device_put(to_looped(scanned, cfg.model), jax.tree.map(lambda x: x.sharding,
-                                                                          looped))
+        state = jax.device_put(to_looped(scanned, cfg.model), jax.tree.map(lambda x: x.sharding, looped))
         new, metrics = jax.device_get(step(state, batch))
     _, want, want_params, _, _ = one_step["none"]
     for key in ("loss", "total_loss", "aux_loss", "z_loss", "grad_norm"):
@@ -106,14 +101,14 @@ def test_compiled_memory_reuses_the_executable(one_step):
 
 
 def _all_to_alls(policy: str) -> int:
-    cfg = config.build("tiny", ["parallel.devices=8", "parallel.ep=8", "moe.dispatcher=a2a",
-                                f"train.remat={policy}"])
+    cfg = config.build(
+        "tiny", ["parallel.devices=8", "parallel.ep=8", "moe.dispatcher=a2a", f"train.remat={policy}"]
+    )
     mesh = layout.build(cfg, jax.devices()[:8]).mesh
     with sharding.activate(mesh):
         abstract = jax.eval_shape(lambda: train.init_state(cfg, mesh))
         shardings = train.state_shardings(cfg, mesh, abstract)
-        step = train.make_train_step(cfg, mesh, train.StepCounter(), shardings,
-                                     ep_plans(cfg, mesh)[0])
+        step = train.make_train_step(cfg, mesh, train.StepCounter(), shardings, ep_plans(cfg, mesh)[0])
         batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
         hold = jax.ShapeDtypeStruct((), jnp.bool_)  # the first plan is a capacity bucket
         text = step.lower(abstract, batch, hold).as_text()

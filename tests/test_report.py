@@ -24,8 +24,15 @@ FIGURES = {"training", "experts_layer0", "experts_layer1", "load_balance", "thro
 def smoke(tmp_path_factory):
     """The tiny preset, 6 steps, sampling every 0.2 s: what `make smoke` does, in-process."""
     out = tmp_path_factory.mktemp("smoke")
-    cfg = config.build("tiny", [f"train.steps={STEPS}", "parallel.devices=1", "train.log_every=100",
-                                "train.telemetry_interval_s=0.2"])
+    cfg = config.build(
+        "tiny",
+        [
+            f"train.steps={STEPS}",
+            "parallel.devices=1",
+            "train.log_every=100",
+            "train.telemetry_interval_s=0.2",
+        ],
+    )
     assert run(cfg, out, log=lambda s: None) == EXIT_OK
     return out
 
@@ -52,7 +59,9 @@ def test_summary_agrees_with_metrics(smoke):
     steady = [r for r in metrics if not r["compiled"]]
     job = written["job"]
     assert job["tokens_per_s"] == pytest.approx(statistics.median(r["tokens_per_s"] for r in steady))
-    assert job["tflops_per_device"] == pytest.approx(statistics.median(r["tflops_per_device"] for r in steady))
+    assert job["tflops_per_device"] == pytest.approx(
+        statistics.median(r["tflops_per_device"] for r in steady)
+    )
     assert job["mfu"] is None and job["gpu_util_pct"] is None  # CPU: no peak, no GPU
     assert job["host_cpu_pct"] is not None and job["ranks_found"] == 1 and job["missing_ranks"] == []
     assert job["tokens"] == STEPS * 8 * 64 and written["progress"]["last_step"] == STEPS
@@ -105,9 +114,11 @@ def test_report_of_a_directory_that_is_no_run_exits_2_with_one_line(tmp_path, ca
         (tmp_path / name).write_text(text)
     assert report_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {tmp_path} is not a run directory: it holds none of config.json, "
-                   "metrics.jsonl, telemetry, summary.json, layout.json, kernels.json, "
-                   "checkpoints; give a training run's --out"]
+    assert err == [
+        f"error: {tmp_path} is not a run directory: it holds none of config.json, "
+        "metrics.jsonl, telemetry, summary.json, layout.json, kernels.json, "
+        "checkpoints; give a training run's --out"
+    ]
 
 
 def test_report_of_a_directory_that_is_no_run_writes_nothing(tmp_path):
@@ -126,33 +137,48 @@ def _odd_metrics_line(smoke, tmp_path, edit) -> tuple:
     return rep, rep.html_path.read_text()
 
 
-@pytest.mark.parametrize("edit", [
-    lambda r: json.dumps({**r, "tokens_per_expert": "many"}),
-    lambda r: json.dumps({**r, "tokens_per_expert": [[1, 2], [3]]}),
-    lambda r: json.dumps({**r, "tokens_per_expert": [[1, "2"], [3, 4]]}),
-    lambda r: json.dumps({**r, "tokens_per_s": "fast"}),
-    lambda r: json.dumps({**r, "step_time_s": 10 ** 30}),
-    lambda r: json.dumps({**r, "compiled": "yes"}),
-    lambda r: json.dumps({**r, "step": 4.0}),
-    lambda r: json.dumps(r)[:-20],
-], ids=["string-loads", "ragged-loads", "string-load", "string-rate", "huge-int", "string-flag",
-        "float-step", "truncated"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda r: json.dumps({**r, "tokens_per_expert": "many"}),
+        lambda r: json.dumps({**r, "tokens_per_expert": [[1, 2], [3]]}),
+        lambda r: json.dumps({**r, "tokens_per_expert": [[1, "2"], [3, 4]]}),
+        lambda r: json.dumps({**r, "tokens_per_s": "fast"}),
+        lambda r: json.dumps({**r, "step_time_s": 10**30}),
+        lambda r: json.dumps({**r, "compiled": "yes"}),
+        lambda r: json.dumps({**r, "step": 4.0}),
+        lambda r: json.dumps(r)[:-20],
+    ],
+    ids=[
+        "string-loads",
+        "ragged-loads",
+        "string-load",
+        "string-rate",
+        "huge-int",
+        "string-flag",
+        "float-step",
+        "truncated",
+    ],
+)
 def test_an_odd_metrics_line_is_counted_and_skipped(smoke, tmp_path, edit):
     rep, page = _odd_metrics_line(smoke, tmp_path, edit)
     assert rep.skipped_lines == 1 and "<b id=skipped-lines>1</b>" in page
 
 
 def test_the_records_around_an_odd_line_are_still_drawn(smoke, tmp_path):
-    rep, _ = _odd_metrics_line(smoke, tmp_path,
-                               lambda r: json.dumps({**r, "tokens_per_expert": "many"}))
+    rep, _ = _odd_metrics_line(smoke, tmp_path, lambda r: json.dumps({**r, "tokens_per_expert": "many"}))
     assert {f.name for f in rep.figures} == FIGURES
 
 
-@pytest.mark.parametrize("line", [
-    {"kind": "sample", "time": 5.0, "steps": 7},
-    {"kind": "start", "time": 5.0, "rank": 0, "process_count": 2 ** 21},  # ranks listed below it
-    {"kind": "sample", "time": "later"},
-], ids=["steps-not-a-list", "process-count-beyond-2**20", "string-time"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        {"kind": "sample", "time": 5.0, "steps": 7},
+        {"kind": "start", "time": 5.0, "rank": 0, "process_count": 2**21},  # ranks listed below it
+        {"kind": "sample", "time": "later"},
+    ],
+    ids=["steps-not-a-list", "process-count-beyond-2**20", "string-time"],
+)
 def test_an_odd_telemetry_line_is_counted_and_skipped(smoke, tmp_path, line):
     run_dir = tmp_path / "odd"
     shutil.copytree(smoke, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
@@ -161,13 +187,21 @@ def test_an_odd_telemetry_line_is_counted_and_skipped(smoke, tmp_path, line):
     assert report.build(run_dir).skipped_lines == 1
 
 
-@pytest.mark.parametrize("edit,problem", [
-    (lambda c: {**c, "train": None}, "config.json: [train] is None, not a table"),
-    (lambda c: {**c, "train": {**c["train"], "batch_size": "8"}},
-     "config.json: train.batch_size is &#x27;8&#x27;, not int"),
-    (lambda c: {**c, "parallel": {**c["parallel"], "cluster": ["h100-dgx"]}},
-     "config.json: parallel.cluster is [&#x27;h100-dgx&#x27;], not str"),
-], ids=["section-not-a-table", "string-batch-size", "list-cluster"])
+@pytest.mark.parametrize(
+    "edit,problem",
+    [
+        (lambda c: {**c, "train": None}, "config.json: [train] is None, not a table"),
+        (
+            lambda c: {**c, "train": {**c["train"], "batch_size": "8"}},
+            "config.json: train.batch_size is &#x27;8&#x27;, not int",
+        ),
+        (
+            lambda c: {**c, "parallel": {**c["parallel"], "cluster": ["h100-dgx"]}},
+            "config.json: parallel.cluster is [&#x27;h100-dgx&#x27;], not str",
+        ),
+    ],
+    ids=["section-not-a-table", "string-batch-size", "list-cluster"],
+)
 def test_an_odd_config_is_named_on_the_page_and_not_used(smoke, tmp_path, edit, problem):
     run_dir = tmp_path / "odd"
     shutil.copytree(smoke, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
@@ -177,8 +211,9 @@ def test_an_odd_config_is_named_on_the_page_and_not_used(smoke, tmp_path, edit, 
     assert problem in page and "config.json is missing or unreadable" in page
 
 
-@pytest.mark.skipif(browser.find_browser() is None,
-                    reason="no chromium on PATH (Debian: apt-get install chromium)")
+@pytest.mark.skipif(
+    browser.find_browser() is None, reason="no chromium on PATH (Debian: apt-get install chromium)"
+)
 def test_report_renders_in_headless_chromium(smoke):
     rep = report.build(smoke)
     shot = smoke / "report" / "screenshot.png"
@@ -199,15 +234,31 @@ def test_gpu_telemetry_gets_the_gpu_figure(tmp_path):
     lines = {0: [], 1: []}
     for rank in lines:
         lines[rank].append({"kind": "start", "time": 0.0, "rank": rank, "process_count": 2, "nvml": "ok"})
-        lines[rank].append({"kind": "unsupported", "time": 0.0, "field": "temp_c",
-                            "error": "NVMLError_NotSupported: Not Supported"})
+        lines[rank].append(
+            {
+                "kind": "unsupported",
+                "time": 0.0,
+                "field": "temp_c",
+                "error": "NVMLError_NotSupported: Not Supported",
+            }
+        )
         for i in range(40):
-            lines[rank].append({"kind": "sample", "time": float(i), "step": i // 4 + 1,
-                                "steps": [[i // 4 + 1, float(i)]] if i % 4 == 0 else [],
-                                "gpu_util_pct": 90 - 30 * rank, "power_w": 600.0 + 10 * rank,
-                                "mem_used_bytes": 8e10, "nvlink_tx_gbps": 100.0 + i,
-                                "nvlink_rx_gbps": 90.0 + i, "gpm_sm_active_pct": 70.0,
-                                "gpm_tensor_active_pct": 40.0, "energy_j": 600.0 * i})
+            lines[rank].append(
+                {
+                    "kind": "sample",
+                    "time": float(i),
+                    "step": i // 4 + 1,
+                    "steps": [[i // 4 + 1, float(i)]] if i % 4 == 0 else [],
+                    "gpu_util_pct": 90 - 30 * rank,
+                    "power_w": 600.0 + 10 * rank,
+                    "mem_used_bytes": 8e10,
+                    "nvlink_tx_gbps": 100.0 + i,
+                    "nvlink_rx_gbps": 90.0 + i,
+                    "gpm_sm_active_pct": 70.0,
+                    "gpm_tensor_active_pct": 40.0,
+                    "energy_j": 600.0 * i,
+                }
+            )
         path = tmp_path / "telemetry" / f"rank{rank}.jsonl"
         path.parent.mkdir(exist_ok=True)
         path.write_text("".join(json.dumps(l) + "\n" for l in lines[rank]))

@@ -13,8 +13,16 @@ from moe_train.model import rope
 
 PLAIN = RopeConfig()
 # DeepSeek-V3's released rope_scaling, on its 64 rotated dims
-V3 = RopeConfig(layout="interleaved", scaling="yarn", factor=40.0, original_max_positions=4096,
-                beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+V3 = RopeConfig(
+    layout="interleaved",
+    scaling="yarn",
+    factor=40.0,
+    original_max_positions=4096,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
 
 
 def x(shape=(2, 9, 3, 8), seed=0):
@@ -28,13 +36,14 @@ def rotate_half_reference(x_BSND, theta):
     freq = theta ** (-np.arange(0, d, 2) / d)
     ang = np.arange(x.shape[1])[:, None] * freq[None, :]
     cos, sin = np.cos(ang)[None, :, None, :], np.sin(ang)[None, :, None, :]
-    a, b = x[..., :d // 2], x[..., d // 2:]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
 def test_half_layout_is_rotate_half():
-    np.testing.assert_allclose(rope.apply(x(), 10000.0, PLAIN), rotate_half_reference(x(), 1e4),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        rope.apply(x(), 10000.0, PLAIN), rotate_half_reference(x(), 1e4), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_interleaved_layout_rotates_adjacent_pairs():
@@ -49,8 +58,7 @@ def test_interleaved_layout_rotates_adjacent_pairs():
 def test_scores_depend_only_on_the_offset(r):
     q, k = x((1, 1, 1, 8), 1), x((1, 1, 1, 8), 2)
     at = lambda v, p: rope.apply(jnp.tile(v, (1, 12, 1, 1)), 10000.0, r)[0, p, 0]  # noqa: E731
-    np.testing.assert_allclose(jnp.dot(at(q, 7), at(k, 3)), jnp.dot(at(q, 10), at(k, 6)),
-                               rtol=1e-5)
+    np.testing.assert_allclose(jnp.dot(at(q, 7), at(k, 3)), jnp.dot(at(q, 10), at(k, 6)), rtol=1e-5)
 
 
 def test_yarn_keeps_fast_frequencies_and_interpolates_slow_ones():
@@ -64,8 +72,7 @@ def test_yarn_keeps_fast_frequencies_and_interpolates_slow_ones():
 
 def test_yarn_with_factor_one_changes_nothing():
     r = RopeConfig(scaling="yarn", factor=1.0, mscale_all_dim=1.0)
-    np.testing.assert_array_equal(rope.inv_frequencies(64, 1e4, r),
-                                  rope.inv_frequencies(64, 1e4, PLAIN))
+    np.testing.assert_array_equal(rope.inv_frequencies(64, 1e4, r), rope.inv_frequencies(64, 1e4, PLAIN))
     assert rope.value_scale(r) == 1.0 and rope.softmax_scale_factor(r) == 1.0
 
 
@@ -95,9 +102,14 @@ def test_the_model_uses_the_rope_section():
     from moe_train.model.transformer import Transformer
 
     tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
-    cfgs = {name: config.build("tiny", sets) for name, sets in {
-        "plain": [], "interleaved": ["rope.layout=interleaved"],
-        "yarn": ["rope.scaling=yarn", "rope.factor=4", "rope.mscale_all_dim=1"]}.items()}
+    cfgs = {
+        name: config.build("tiny", sets)
+        for name, sets in {
+            "plain": [],
+            "interleaved": ["rope.layout=interleaved"],
+            "yarn": ["rope.scaling=yarn", "rope.factor=4", "rope.mscale_all_dim=1"],
+        }.items()
+    }
     variables = jax.jit(Transformer(cfgs["plain"]).init)(jax.random.key(0), tokens)
     logits = {n: jax.jit(Transformer(c).apply)(variables, tokens)[0] for n, c in cfgs.items()}
     assert all(bool(jnp.all(jnp.isfinite(v))) for v in logits.values())

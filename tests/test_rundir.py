@@ -28,9 +28,14 @@ def kit_run(d: Path, preset: str = "tiny", step: int = 3) -> Path:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moe_train", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=300,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "moe_train", *args],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
 
 
 def test_fresh_refuses_a_directory_with_other_files_and_keeps_them(tmp_path):

@@ -46,8 +46,13 @@ def _env(**extra):
 
 def _try(out: Path, **env) -> dict:
     """A short-lived process that takes the lock and exits (releasing it by exiting)."""
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(out), "once"], env=_env(**env),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(out), "once"],
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode in (0, 3), proc.stderr
     return json.loads(proc.stdout.splitlines()[0])
 
@@ -58,8 +63,13 @@ def holder(tmp_path):
     procs = []
 
     def start(out: Path, **env):
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(out), "hold"], env=_env(**env),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(out), "hold"],
+            env=_env(**env),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         procs.append(proc)
         line = json.loads(proc.stdout.readline())
         assert "acquired" in line, line
@@ -198,9 +208,11 @@ def test_file_system_without_locks_warns_instead_of_failing(tmp_path, monkeypatc
     monkeypatch.setattr(runlock.fcntl, "lockf", no_locks)  # no such file system here to test on
     lock = runlock.acquire(tmp_path / "run")
     assert not lock.enforced and not lock.held
-    assert lock.warning.startswith(f"file system of {tmp_path / 'run'} does not support locks "
-                                   "(Lustre without -o flock?); one trainer per directory is "
-                                   "not enforced")
+    assert lock.warning.startswith(
+        f"file system of {tmp_path / 'run'} does not support locks "
+        "(Lustre without -o flock?); one trainer per directory is "
+        "not enforced"
+    )
 
 
 def test_forked_child_neither_holds_nor_drops_the_parents_lock(tmp_path):

@@ -21,7 +21,8 @@ from moe_train.config import ConfigError
 from moe_train.model.precision import FP8_COLLECTION
 from moe_train.model.transformer import Transformer, to_looped, to_scanned
 from moe_train.parallel import layout, sharding
-from moe_train.train import checkpoint, step as train
+from moe_train.train import checkpoint
+from moe_train.train import step as train
 from moe_train.train.checkpoint import Checkpointer
 from moe_train.train.loop import EXIT_OK, run
 
@@ -44,6 +45,7 @@ def init(cfg: config.Config) -> dict:
 
 def loss_and_grads(cfg: config.Config, variables: dict):
     """(loss, MoE stats), (d loss / d params, new fp8 state) of ``variables`` on ``tokens()``."""
+
     def loss(params, fp8, rest, t_BS):
         extra = {FP8_COLLECTION: fp8} if fp8 else {}
         variables = {"params": params, **rest, **extra}
@@ -52,8 +54,12 @@ def loss_and_grads(cfg: config.Config, variables: dict):
         return ce + 0.01 * stats.aux_loss.mean(), stats
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-    return fn(variables["params"], variables.get(FP8_COLLECTION, {}),
-              {"moe_state": variables["moe_state"]}, tokens())
+    return fn(
+        variables["params"],
+        variables.get(FP8_COLLECTION, {}),
+        {"moe_state": variables["moe_state"]},
+        tokens(),
+    )
 
 
 def with_bias(variables: dict) -> dict:
@@ -69,10 +75,10 @@ def assert_trees_close(got, want, rtol=1e-5, atol=1e-7):
 
 # ----------------------------------------------------------------------------- layout
 
+
 def test_every_layer_collection_is_stacked_per_group():
     variables = jax.eval_shape(lambda: init(build(True, "precision.compute=fp8")))
-    assert set(variables["params"]) == {"embed", "dense_layers", "moe_layers", "final_norm",
-                                        "lm_head"}
+    assert set(variables["params"]) == {"embed", "dense_layers", "moe_layers", "final_norm", "lm_head"}
     for collection in ("params", FP8_COLLECTION):
         for group, n in (("dense_layers", 1), ("moe_layers", 2)):
             leaves = jax.tree.leaves(variables[collection][group])
@@ -82,8 +88,12 @@ def test_every_layer_collection_is_stacked_per_group():
 
 def test_parameters_carry_the_layers_axis_name():
     boxed = jax.eval_shape(lambda: Transformer(build(True)).init(jax.random.key(0), tokens()))
-    names = [x.names for x in jax.tree.leaves(boxed["params"]["moe_layers"],
-                                               is_leaf=lambda x: isinstance(x, nn.Partitioned))]
+    names = [
+        x.names
+        for x in jax.tree.leaves(
+            boxed["params"]["moe_layers"], is_leaf=lambda x: isinstance(x, nn.Partitioned)
+        )
+    ]
     assert names and all(n[0] == "layers" for n in names)
     wi_0 = boxed["params"]["moe_layers"]["moe"]["wi_0"]
     assert wi_0.names == ("layers", "expert", "embed", "mlp")
@@ -111,6 +121,7 @@ def test_a_scan_lowers_one_block_body_whatever_the_depth():
 
 # ----------------------------------------------------------------------------- conversion
 
+
 def test_both_layouts_give_the_same_loss_stats_and_gradients():
     cfg = {scan: build(scan) for scan in (True, False)}
     scanned = with_bias(init(cfg[True]))
@@ -134,8 +145,11 @@ def test_fp8_scaling_state_follows_its_layer_in_both_layouts():
     (loss_l, _), (_, fp8_l) = loss_and_grads(cfg[False], to_looped(scanned, cfg[True].model))
     np.testing.assert_allclose(loss_l, loss_s, rtol=1e-2)
     got = dict(jax.tree_util.tree_leaves_with_path(to_looped(fp8_s, cfg[True].model)))
-    kernels = [(p, h) for p, h in jax.tree_util.tree_leaves_with_path(fp8_l)
-               if "kernel" in jax.tree_util.keystr(p) and p[-1].key == "amax_history"]
+    kernels = [
+        (p, h)
+        for p, h in jax.tree_util.tree_leaves_with_path(fp8_l)
+        if "kernel" in jax.tree_util.keystr(p) and p[-1].key == "amax_history"
+    ]
     assert len(kernels) == 3 * (4 + 3)  # 3 layers: q, k, v, o and the MLP's or experts' 3
     for path, h_A in kernels:
         assert h_A[0] > 0
@@ -165,8 +179,7 @@ def test_weight_decay_skips_norm_scales_in_both_layouts():
     params = init(cfg)["params"]
     mask = train._decay_mask(params)
     assert not mask["moe_layers"]["attn_norm"]["scale"] and mask["moe_layers"]["attn"]["q"]
-    assert to_looped(mask, cfg.model, take=lambda m, _: m) == train._decay_mask(
-        to_looped(params, cfg.model))
+    assert to_looped(mask, cfg.model, take=lambda m, _: m) == train._decay_mask(to_looped(params, cfg.model))
 
 
 def test_the_bias_update_is_the_same_in_both_layouts():
@@ -176,17 +189,26 @@ def test_the_bias_update_is_the_same_in_both_layouts():
     scanned = train.update_bias(state, load_LE, rate=0.01)
     looped = train.update_bias(to_looped(state, cfg.model), load_LE, rate=0.01)
     jax.tree.map(np.testing.assert_array_equal, to_looped(scanned, cfg.model), looped)
-    assert not np.array_equal(scanned["moe_layers"]["moe"]["expert_bias"],
-                              state["moe_layers"]["moe"]["expert_bias"])
+    assert not np.array_equal(
+        scanned["moe_layers"]["moe"]["expert_bias"], state["moe_layers"]["moe"]["expert_bias"]
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
+
 def run_cfg(scan: bool, steps: int) -> config.Config:
     # decay_steps fixed: the schedule (hence every step) does not depend on train.steps
-    return build(scan, f"train.steps={steps}", "parallel.devices=1", "train.log_every=100",
-                 "train.telemetry_interval_s=0", "train.async_checkpoint=false",
-                 "optim.decay_steps=10", "moe.bias_update_rate=0.01")
+    return build(
+        scan,
+        f"train.steps={steps}",
+        "parallel.devices=1",
+        "train.log_every=100",
+        "train.telemetry_interval_s=0",
+        "train.async_checkpoint=false",
+        "optim.decay_steps=10",
+        "moe.bias_update_rate=0.01",
+    )
 
 
 def losses(out: Path) -> list[float]:
@@ -211,8 +233,7 @@ def uninterrupted(tmp_path_factory) -> dict[bool, Path]:
 
 
 @pytest.mark.parametrize("first", [False, True], ids=["loop-then-scan", "scan-then-loop"])
-def test_a_checkpoint_resumes_in_the_other_layout_as_if_not_switched(tmp_path, uninterrupted,
-                                                                     first):
+def test_a_checkpoint_resumes_in_the_other_layout_as_if_not_switched(tmp_path, uninterrupted, first):
     assert run(run_cfg(first, 2), tmp_path, **QUIET) == EXIT_OK
     lines = []
     assert run(run_cfg(not first, 3), tmp_path, log=lines.append) == EXIT_OK
@@ -225,8 +246,7 @@ def test_a_checkpoint_resumes_in_the_other_layout_as_if_not_switched(tmp_path, u
     assert_trees_close(jax.tree.map(np.asarray, convert(got, m)), want, rtol=1e-4, atol=1e-6)
 
 
-def test_a_checkpoint_from_before_scanned_layers_resumes_in_a_scanned_run(tmp_path,
-                                                                          uninterrupted):
+def test_a_checkpoint_from_before_scanned_layers_resumes_in_a_scanned_run(tmp_path, uninterrupted):
     """Earlier releases wrote looped layers and had no model.scan_layers / attention keys."""
     first, old = tmp_path / "first", tmp_path / "old"
     assert run(run_cfg(False, 2), first, **QUIET) == EXIT_OK
@@ -244,9 +264,7 @@ def test_a_checkpoint_from_before_scanned_layers_resumes_in_a_scanned_run(tmp_pa
 
 def test_only_state_changing_model_fields_are_structural(tmp_path):
     saved = config.to_dict(run_cfg(False, 3))
-    for setting in ("model.scan_layers=true", "model.attention=chunked",
-                    "model.attention_block=128"):
+    for setting in ("model.scan_layers=true", "model.attention=chunked", "model.attention_block=128"):
         checkpoint.check_compatible(saved, config.build("tiny", [*SHAPE, setting]), tmp_path)
     with pytest.raises(ConfigError, match=r"model.num_heads=4 \(checkpoint\) vs 8"):
-        checkpoint.check_compatible(saved, config.build("tiny", [*SHAPE, "model.num_heads=8"]),
-                                    tmp_path)
+        checkpoint.check_compatible(saved, config.build("tiny", [*SHAPE, "model.num_heads=8"]), tmp_path)

@@ -25,8 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny(*extra, steps=2):
-    return config.build("tiny", [f"train.steps={steps}", "parallel.devices=1",
-                                 "train.log_every=100", *extra])
+    return config.build("tiny", [f"train.steps={steps}", "parallel.devices=1", "train.log_every=100", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -62,23 +61,44 @@ def test_two_devices_score_as_one(trained):
 
 def test_cli_prints_loss_and_writes_logits(trained, tmp_path):
     np.save(tmp_path / "ids.npy", ids())
-    proc = subprocess.run([sys.executable, "-m", "moe_train.score", str(trained), "--tokens",
-                           str(tmp_path / "ids.npy"), "--logits", str(tmp_path / "l.npy"),
-                           "--devices", "1"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_train.score",
+            str(trained),
+            "--tokens",
+            str(tmp_path / "ids.npy"),
+            "--logits",
+            str(tmp_path / "l.npy"),
+            "--devices",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "loss " in proc.stdout and "perplexity " in proc.stdout
     assert np.load(tmp_path / "l.npy").shape == (2, 17, 256)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (np.full((2, 5), 300), r"ids must be in \[0, 256\)"),
-    (np.zeros((5,), np.int32), r"expected integer ids \[B, S\]"),
-    (np.zeros((2, 5), np.float32), "expected integer ids"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (np.full((2, 5), 300), r"ids must be in \[0, 256\)"),
+        (np.zeros((5,), np.int32), r"expected integer ids \[B, S\]"),
+        (np.zeros((2, 5), np.float32), "expected integer ids"),
+    ],
+)
 def test_bad_ids_exit_2_with_one_line(trained, tmp_path, bad, match):
     np.save(tmp_path / "ids.npy", bad)
-    proc = subprocess.run([sys.executable, "-m", "moe_train.score", str(trained), "--tokens",
-                           str(tmp_path / "ids.npy")], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_train.score", str(trained), "--tokens", str(tmp_path / "ids.npy")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert pytest.importorskip("re").search(match, proc.stderr)
 
@@ -94,8 +114,9 @@ def test_init_from_starts_a_new_run_from_those_weights(trained, tmp_path):
     rec = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
     assert rec["step"] == 1  # step 0 of a new run, not the source's step 2
     t = cfg.train
-    batch = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
-                        batch_size=t.batch_size).batch(0)
+    batch = make_source(
+        cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, batch_size=t.batch_size
+    ).batch(0)
     want, _ = score(str(trained), np.asarray(batch))  # the first step's loss: before its update
     assert rec["loss"] == pytest.approx(want, rel=1e-5)
 
@@ -103,16 +124,18 @@ def test_init_from_starts_a_new_run_from_those_weights(trained, tmp_path):
 def test_a_run_started_from_weights_resumes_itself(trained, tmp_path):
     lines = []
     run(tiny(f"train.init_from={trained}", steps=1), tmp_path / "b", log=lambda s: None)
-    assert run(tiny(f"train.init_from={trained}", steps=2), tmp_path / "b",
-               log=lines.append) == EXIT_OK
+    assert run(tiny(f"train.init_from={trained}", steps=2), tmp_path / "b", log=lines.append) == EXIT_OK
     assert any("resumed from" in line for line in lines)
     assert not any("initialised from" in line for line in lines)
 
 
 def test_init_from_weights_of_another_shape_exits_2_naming_the_tensor(trained, tmp_path):
     cfg = tiny(f"train.init_from={trained}", "model.hidden=32", steps=1)
-    with pytest.raises(ConfigError, match=r"tensor .*embed.* has shape \(256, 64\), this model "
-                                          r"needs \(256, 32\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tensor .*embed.* has shape \(256, 64\), this model "
+        r"needs \(256, 32\)",
+    ):
         run(cfg, tmp_path / "c", log=lambda s: None)
     assert not (tmp_path / "c").exists() or EXIT_CONFIG == 2
 
@@ -142,8 +165,11 @@ def test_a_malformed_tokens_file_exits_2_with_one_line(trained, tmp_path, capsys
     MALFORMED[make](tmp_path / "ids.npy")
     code = main([str(trained), "--tokens", str(tmp_path / "ids.npy"), "--devices", "1"])
     err = capsys.readouterr().err
-    assert code == EXIT_CONFIG and err.count("\n") == 1 and err.startswith(
-        f"error: --tokens {tmp_path / 'ids.npy'}: "), err
+    assert (
+        code == EXIT_CONFIG
+        and err.count("\n") == 1
+        and err.startswith(f"error: --tokens {tmp_path / 'ids.npy'}: ")
+    ), err
 
 
 @pytest.mark.parametrize("devices", ["-1", "99"])
@@ -177,9 +203,12 @@ def small_ids(tmp_path: Path) -> Path:
 
 
 def score_cli(kit: Path, tokens: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moe_train.score", str(kit), "--tokens",
-                           str(tokens), "--devices", "1"], capture_output=True, text=True,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_train.score", str(kit), "--tokens", str(tokens), "--devices", "1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 def test_verified_converted_weights_score_as_unverified_ones(converted, kit):
@@ -187,8 +216,10 @@ def test_verified_converted_weights_score_as_unverified_ones(converted, kit):
 
     for part in ("model", "layer_0", "layer_1"):
         drop_manifest(kit, part)
-    assert score(str(converted), ids() % 50, devices=1)[0] == \
-        score(str(kit), ids() % 50, devices=1, trust_unverified=True)[0]
+    assert (
+        score(str(converted), ids() % 50, devices=1)[0]
+        == score(str(kit), ids() % 50, devices=1, trust_unverified=True)[0]
+    )
 
 
 def test_score_of_damaged_converted_weights_exits_2_naming_the_part(kit, tmp_path):
@@ -196,8 +227,11 @@ def test_score_of_damaged_converted_weights_exits_2_naming_the_part(kit, tmp_pat
 
     part = damage(kit)
     proc = score_cli(kit, small_ids(tmp_path))
-    assert proc.returncode == EXIT_CONFIG and proc.stderr.count("\n") == 1 and \
-        proc.stderr.startswith(f"error: {part}: "), proc.stderr
+    assert (
+        proc.returncode == EXIT_CONFIG
+        and proc.stderr.count("\n") == 1
+        and proc.stderr.startswith(f"error: {part}: ")
+    ), proc.stderr
 
 
 def test_score_of_converted_weights_without_a_manifest_exits_2_naming_the_file(kit, tmp_path):
@@ -205,5 +239,8 @@ def test_score_of_converted_weights_without_a_manifest_exits_2_naming_the_file(k
 
     missing = drop_manifest(kit)
     proc = score_cli(kit, small_ids(tmp_path))
-    assert proc.returncode == EXIT_CONFIG and proc.stderr.count("\n") == 1 and \
-        proc.stderr.startswith(f"error: {missing} is missing"), proc.stderr
+    assert (
+        proc.returncode == EXIT_CONFIG
+        and proc.stderr.count("\n") == 1
+        and proc.stderr.startswith(f"error: {missing} is missing")
+    ), proc.stderr

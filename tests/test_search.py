@@ -12,20 +12,32 @@ import re
 import pytest
 
 from moe_train import config, memory
-from slurm import choices, layout, search, show
+
 # slurm.show imports slurm.submit, whose submitit sets up logging with dictConfig: that closes
 # every handler there is, absl's too, and absl's writes to the stream pytest captured when
 # jax was first imported. Importing submitit before any test imports jax keeps it open.
-from slurm import submit  # noqa: F401
+from slurm import (
+    choices,
+    layout,
+    search,
+    show,
+    submit,  # noqa: F401
+)
 from slurm.decide import decide
 from slurm.plan import Request
-from topology import plan as topo_plan, presets
+from topology import plan as topo_plan
+from topology import presets
 
 V3_64 = Request(preset="gb200-nvl72", model="deepseek-v3", nodes=64, ep=64)
 V3_H100 = Request(preset="h100-dgx", model="deepseek-v3", nodes=128)
 USER_SETS = ("train.remat=full", "moe.dispatch_dtype=activation", "moe.overlap_chunks=2")
-MIXTRAL = Request(preset="h100-dgx", model="mixtral-8x7b", nodes=8, ep=8,
-                  sets=("train.remat=full", "moe.dispatch_dtype=activation"))
+MIXTRAL = Request(
+    preset="h100-dgx",
+    model="mixtral-8x7b",
+    nodes=8,
+    ep=8,
+    sets=("train.remat=full", "moe.dispatch_dtype=activation"),
+)
 
 
 def found(req: Request, top: int = 5) -> search.Found:
@@ -41,8 +53,7 @@ def v3() -> search.Found:
 
 @pytest.fixture(scope="module")
 def v3_user() -> search.Found:
-    return found(Request(preset="gb200-nvl72", model="deepseek-v3", nodes=64, ep=32,
-                         sets=USER_SETS))
+    return found(Request(preset="gb200-nvl72", model="deepseek-v3", nodes=64, ep=32, sets=USER_SETS))
 
 
 def test_the_best_job_fits(v3):
@@ -68,8 +79,7 @@ def test_the_best_job_is_no_slower_than_the_presets(v3):
 
 
 def test_user_set_keys_are_never_changed(v3_user):
-    kept = {(c.settings.ep, c.settings.remat, c.settings.dispatch, c.settings.chunks)
-            for c in v3_user.ranked}
+    kept = {(c.settings.ep, c.settings.remat, c.settings.dispatch, c.settings.chunks) for c in v3_user.ranked}
     assert kept == {(32, "full", "activation", 2)}
 
 
@@ -88,8 +98,9 @@ def test_user_set_keys_are_named_as_the_users():
 def test_the_chosen_job_is_chosen_again_from_its_own_items(req):
     # make submit's compile preflight builds the job again from the items it carries
     first = decide(req)
-    again = decide(Request(preset=req.preset, model=req.model, nodes=req.nodes, ep=first.ep,
-                           sets=first.req.sets))
+    again = decide(
+        Request(preset=req.preset, model=req.model, nodes=req.nodes, ep=first.ep, sets=first.req.sets)
+    )
     assert again.req.sets == first.req.sets and again.cfg == first.cfg
 
 
@@ -103,15 +114,21 @@ def test_cut_buckets_only_where_nothing_fits_with_the_presets(v3):
 
 def test_cut_buckets_make_a_job_fit_that_otherwise_does_not():
     # 6 sequences per micro-batch: nothing fits with buckets up to 4x; cut at 2x, one does
-    req = Request(preset="gb200-nvl72", model="deepseek-v3", nodes=64, ep=64,
-                  sets=("train.micro_batch_size=6", "train.remat=full"))
+    req = Request(
+        preset="gb200-nvl72",
+        model="deepseek-v3",
+        nodes=64,
+        ep=64,
+        sets=("train.micro_batch_size=6", "train.remat=full"),
+    )
     best = found(req, top=1).ranked[0]
     assert best.settings.buckets[-1] < 4 and best.total_bytes <= best.usable_bytes
 
 
 def test_remat_and_fp8_dispatch_stay_the_presets_unless_set(v3):
-    assert all((c.settings.remat, c.settings.dispatch) == (v3.base.remat, v3.base.dispatch)
-               for c in v3.ranked)
+    assert all(
+        (c.settings.remat, c.settings.dispatch) == (v3.base.remat, v3.base.dispatch) for c in v3.ranked
+    )
 
 
 def test_a_faster_opt_in_job_is_named_not_taken(v3):
@@ -135,15 +152,17 @@ def _exhaustive_best(req: Request) -> float:
     with config.build and judged by the memory planner (no search, no cache)."""
     cluster = presets.load(req.preset)
     best = float("inf")
-    for gather, size, chunks in itertools.product(("micro_batch", "step"), (1, 2, 4, 8),
-                                                  (1, 2, 4, 8)):
-        sets = (*req.sets, f"parallel.weight_gather={gather}", f"train.micro_batch_size={size}",
-                f"moe.overlap_chunks={chunks}")
+    for gather, size, chunks in itertools.product(("micro_batch", "step"), (1, 2, 4, 8), (1, 2, 4, 8)):
+        sets = (
+            *req.sets,
+            f"parallel.weight_gather={gather}",
+            f"train.micro_batch_size={size}",
+            f"moe.overlap_chunks={chunks}",
+        )
         cfg = config.build(req.model, [*sets, f"parallel.ep={req.ep}"])
         v = memory.plan(cfg, cluster, req.nodes, search=False).verdict
         if v.total_bytes <= (1 - search.HEADROOM) * v.usable_bytes:
-            step = topo_plan.make_plan(req.preset, req.nodes, req.model, req.ep,
-                                       overrides=sets).step
+            step = topo_plan.make_plan(req.preset, req.nodes, req.model, req.ep, overrides=sets).step
             best = min(best, step.step_s)
     return best
 
@@ -155,8 +174,10 @@ def test_the_search_finds_the_exhaustive_best_within_its_chunk_rule():
     assert exhaustive <= best <= 1.01 * exhaustive
 
 
-@pytest.mark.parametrize("model,preset,nodes,ep,remat", [
-    ("deepseek-v3", "gb200-nvl72", 64, 64, "full"), ("mixtral-8x7b", "h100-dgx", 8, 8, "none")])
+@pytest.mark.parametrize(
+    "model,preset,nodes,ep,remat",
+    [("deepseek-v3", "gb200-nvl72", 64, 64, "full"), ("mixtral-8x7b", "h100-dgx", 8, 8, "none")],
+)
 def test_memory_shrinks_with_more_micro_batches_from_two_on(model, preset, nodes, ep, remat):
     # the search's pruning (search._fit) rests on this
     base = [f"parallel.ep={ep}", f"train.remat={remat}"]

@@ -15,8 +15,9 @@ ROUTINGS = ("uniform", "zipf", "hot", "empty", "hot-empty")
 
 
 def tiny(*overrides: str, steps: int = 2) -> config.Config:
-    return config.build("tiny", [f"train.steps={steps}", "parallel.devices=1",
-                                 "train.log_every=100", *overrides])
+    return config.build(
+        "tiny", [f"train.steps={steps}", "parallel.devices=1", "train.log_every=100", *overrides]
+    )
 
 
 @pytest.fixture
@@ -27,6 +28,7 @@ def broken_tiled(monkeypatch):
     def wrong(x, plan, w0, w1, wo, backend, **kw):
         y = real(x, plan, w0, w1, wo, backend, **kw)
         return y * 1.1 if backend == "tiled" else y
+
     monkeypatch.setattr(gemm, "grouped_swiglu", wrong)
 
 
@@ -56,6 +58,7 @@ def test_broken_kernel_fails_its_check(broken_tiled):
 def test_kernel_that_raises_is_a_failed_check(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("kernel exploded")
+
     monkeypatch.setattr(gemm, "grouped_swiglu", boom)
     res = checks.check_gemm("tiled", checks.GemmProblem(16, 8, 8, 4, 2, "float32"))
     assert not res.ok and "kernel exploded" in res.error
@@ -86,8 +89,8 @@ def test_broken_fp8_projection_fails():
 def _fake_check(bad: set[str]):
     def check(name, reps):
         err = 1.0 if name in bad else 1e-7
-        return checks.Result("moe.backend", name, name not in bad, {"output": err},
-                             {"output": 1e-3}, None)
+        return checks.Result("moe.backend", name, name not in bad, {"output": err}, {"output": 1e-3}, None)
+
     return check
 
 
@@ -103,8 +106,9 @@ def test_auto_stops_at_the_first_passing_candidate():
 
 def test_auto_with_every_candidate_failing_is_a_config_error():
     with pytest.raises(ConfigError, match="every candidate failed"):
-        choose("moe.backend", "auto", ["tiled", "ragged_dot"], _fake_check({"tiled", "ragged_dot"}),
-               skip=False)
+        choose(
+            "moe.backend", "auto", ["tiled", "ragged_dot"], _fake_check({"tiled", "ragged_dot"}), skip=False
+        )
 
 
 def test_explicit_failing_choice_is_refused_with_numbers():
@@ -119,15 +123,23 @@ def test_skip_selftest_uses_an_explicit_choice_unchecked():
 
 def test_by_speed_takes_a_clearly_faster_candidate():
     def check(name, reps):
-        return checks.Result("moe.backend", name, True, {"output": 0.0}, {"output": 1e-3},
-                             {"a": 1.0, "b": 0.5, "c": 0.95}[name])
+        return checks.Result(
+            "moe.backend",
+            name,
+            True,
+            {"output": 0.0},
+            {"output": 1e-3},
+            {"a": 1.0, "b": 0.5, "c": 0.95}[name],
+        )
+
     got = choose("moe.backend", "auto", ["a", "b", "c"], check, skip=False, by_speed=True)
     assert got.chosen == "b" and "fastest" in got.why
 
 
 def test_recorded_choice_is_kept_while_it_passes():
-    got = choose("moe.backend", "auto", ["tiled", "ragged_dot"], _fake_check(set()), skip=False,
-                 recorded="ragged_dot")
+    got = choose(
+        "moe.backend", "auto", ["tiled", "ragged_dot"], _fake_check(set()), skip=False, recorded="ragged_dot"
+    )
     assert got.chosen == "ragged_dot" and "resumed" in got.why
 
 
@@ -156,8 +168,12 @@ def test_trainer_refuses_an_explicit_broken_kernel_and_writes_nothing(tmp_path, 
 
 def test_trainer_skip_selftest_trains_with_the_explicit_kernel(tmp_path, broken_tiled):
     lines = []
-    assert run(tiny("moe.backend=tiled", "train.skip_selftest=true", "train.steps=1"), tmp_path,
-               log=lines.append) == EXIT_OK
+    assert (
+        run(
+            tiny("moe.backend=tiled", "train.skip_selftest=true", "train.steps=1"), tmp_path, log=lines.append
+        )
+        == EXIT_OK
+    )
     assert "skip_selftest=true" in lines[0]
 
 

@@ -34,8 +34,10 @@ def leaves(model: str) -> tuple:
     boxed = train.boxed_params(config.build(model))
     names = nn.get_partition_spec(boxed)
     flat = jax.tree_util.tree_flatten_with_path(nn.unbox(boxed))[0]
-    return tuple((jax.tree_util.keystr(path), a.shape, a.dtype.itemsize, tuple(n))
-                 for (path, a), n in zip(flat, jax.tree.leaves(names, is_leaf=_is_spec)))
+    return tuple(
+        (jax.tree_util.keystr(path), a.shape, a.dtype.itemsize, tuple(n))
+        for (path, a), n in zip(flat, jax.tree.leaves(names, is_leaf=_is_spec))
+    )
 
 
 def _is_spec(x) -> bool:
@@ -60,8 +62,7 @@ def grid() -> tuple:
                     # one sequence per device: the batch never refuses a job
                     cfg = job.with_batch(job.with_ep(base, ep), devices)
                     try:
-                        out.append((model, cluster.name, nodes, ep, cfg,
-                                    job.setup_for(cfg, cluster, nodes)))
+                        out.append((model, cluster.name, nodes, ep, cfg, job.setup_for(cfg, cluster, nodes)))
                     except PlanError:
                         continue
     return tuple(out)
@@ -72,9 +73,10 @@ def resolved(model: str, sizes: tuple) -> tuple:
     """(path, shape, bytes, logical names, mesh axes per dimension) of each parameter of
     ``model`` under the trainer's rules on a mesh of these axis sizes."""
     rules = sharding.logical_rules(config.build(model), dict(sizes))
-    return tuple((path, shape, math.prod(shape) * item, names,
-                  nn.logical_to_mesh_axes(names, rules))
-                 for path, shape, item, names in leaves(model))
+    return tuple(
+        (path, shape, math.prod(shape) * item, names, nn.logical_to_mesh_axes(names, rules))
+        for path, shape, item, names in leaves(model)
+    )
 
 
 def per_point():
@@ -130,10 +132,12 @@ def test_a_large_weight_is_whole_only_where_no_mesh_axis_divides_it():
 def test_only_deepseeks_up_projections_stay_whole_at_ep_1():
     """Where the data axis alone is 1024 or a multiple of 7 no dimension of MLA's q_b and kv_b
     [latent, heads, head dim] takes it: the mesh would need that axis split in two."""
-    whole = {(job_[0], job_[3], s.dp, path.split("'")[-2])
-             for job_, s, _, path, _, _ in whole_large_weights()}
+    whole = {
+        (job_[0], job_[3], s.dp, path.split("'")[-2]) for job_, s, _, path, _, _ in whole_large_weights()
+    }
     assert {(model, ep, name) for model, ep, _, name in whole} == {
-        ("deepseek-v3", 1, name) for name in WHOLE_UP_PROJECTIONS}
+        ("deepseek-v3", 1, name) for name in WHOLE_UP_PROJECTIONS
+    }
     assert all(dp == 1024 or dp % 7 == 0 for _, _, dp, _ in whole)
 
 
@@ -145,8 +149,12 @@ def rises() -> list:
     for model, cluster, nodes, ep, cfg, s in grid():
         b = state_bytes(cfg, s)
         series[model, cluster, ep].append((nodes, s.dp, b["params"] + b["grads"] + b["optimizer"]))
-    return [(key, a[:2], b[:2]) for key, points in series.items()
-            for a, b in zip(sorted(points), sorted(points)[1:]) if b[2] > a[2]]
+    return [
+        (key, a[:2], b[:2])
+        for key, points in series.items()
+        for a, b in zip(sorted(points), sorted(points)[1:])
+        if b[2] > a[2]
+    ]
 
 
 def test_state_per_gpu_never_rises_with_nodes_at_the_same_ep():
@@ -159,19 +167,21 @@ def test_state_per_gpu_never_rises_with_nodes_at_the_same_ep():
         assert ep <= 16
 
 
-@pytest.mark.parametrize("model,cluster,nodes,ep", [
-    ("deepseek-v3", "h100-dgx", 128, 64),  # the latents take data, the heads EP
-    ("deepseek-v3", "h100-dgx", 256, 64),  # the width takes part of the mesh, the rest heads, ...
-    ("deepseek-v3", "gb200-nvl72", 7, 1),  # FSDP 28: q_b and kv_b whole
-    ("qwen3-30b-a3b", "b200-hgx", 512, 32),  # width 2048 on 4096 GPUs
-    ("mixtral-8x7b", "cpu-local", 1, 2),
-])
+@pytest.mark.parametrize(
+    "model,cluster,nodes,ep",
+    [
+        ("deepseek-v3", "h100-dgx", 128, 64),  # the latents take data, the heads EP
+        ("deepseek-v3", "h100-dgx", 256, 64),  # the width takes part of the mesh, the rest heads, ...
+        ("deepseek-v3", "gb200-nvl72", 7, 1),  # FSDP 28: q_b and kv_b whole
+        ("qwen3-30b-a3b", "b200-hgx", 512, 32),  # width 2048 on 4096 GPUs
+        ("mixtral-8x7b", "cpu-local", 1, 2),
+    ],
+)
 def test_planner_params_are_the_rules_bytes(model, cluster, nodes, ep):
-    (cfg, s), = [(p[4], p[5]) for p in grid() if p[:4] == (model, cluster, nodes, ep)]
+    ((cfg, s),) = [(p[4], p[5]) for p in grid() if p[:4] == (model, cluster, nodes, ep)]
     sizes = sizes_of(s)
     params = resolved(model, tuple(sizes.items()))
-    assert state_bytes(cfg, s)["params"] == sum(size // _ways(spec, sizes)
-                                                for _, _, size, _, spec in params)
+    assert state_bytes(cfg, s)["params"] == sum(size // _ways(spec, sizes) for _, _, size, _, spec in params)
 
 
 def _ways(spec, sizes) -> int:

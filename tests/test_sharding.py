@@ -39,8 +39,13 @@ def test_a_width_the_devices_do_not_divide_leaves_its_other_axes_the_rest():
     """DeepSeek-V3 on 2048 GPUs, EP 64: 7168 takes 256 of them, the other axis the rest."""
     cfg, mesh = config.build("deepseek-v3"), sizes(32, 8, 8)
     rules = sharding.logical_rules(cfg, mesh)
-    for axes in [("embed", "mlp"), ("vocab", "embed"), ("heads", "head_dim", "embed"),
-                 ("embed", "expert_gate"), ("mtp_concat", "embed")]:
+    for axes in [
+        ("embed", "mlp"),
+        ("vocab", "embed"),
+        ("heads", "head_dim", "embed"),
+        ("embed", "expert_gate"),
+        ("mtp_concat", "embed"),
+    ]:
         assert sharding.split_ways(axes, rules, mesh) == 2048, axes
 
 
@@ -72,8 +77,7 @@ def test_a_weight_in_use_is_whole():
 
 def test_param_shardings_split_a_weight_eight_ways():
     mesh = sharding.make_mesh(jax.devices()[:8], (2, 2, 2))
-    boxed = {"w": nn.LogicallyPartitioned(jax.ShapeDtypeStruct((64, 16), "float32"),
-                                          ("embed", "mlp"))}
+    boxed = {"w": nn.LogicallyPartitioned(jax.ShapeDtypeStruct((64, 16), "float32"), ("embed", "mlp"))}
     sh = sharding.param_shardings(boxed, mesh)["w"]
     assert sh.shard_shape((64, 16)) == (8, 16)
 
@@ -92,10 +96,12 @@ def test_scanned_weights_shard_every_other_dim_like_their_looped_layers():
     mesh = sharding.make_mesh(jax.devices()[:8], (2, 2, 2))
     specs = {}
     for scan in ("true", "false"):
-        cfg = config.build("tiny", [f"model.scan_layers={scan}", "model.num_layers=3",
-                                    "model.first_dense_layers=1"])
-        boxed = jax.eval_shape(lambda k: Transformer(cfg).init(k, jax.numpy.zeros((1, 8), int))
-                               ["params"], jax.random.key(0))
+        cfg = config.build(
+            "tiny", [f"model.scan_layers={scan}", "model.num_layers=3", "model.first_dense_layers=1"]
+        )
+        boxed = jax.eval_shape(
+            lambda k: Transformer(cfg).init(k, jax.numpy.zeros((1, 8), int))["params"], jax.random.key(0)
+        )
         specs[scan] = jax.tree.map(lambda sh: sh.spec, sharding.param_shardings(boxed, mesh))
     stacked = [s for g in ("dense_layers", "moe_layers") for s in jax.tree.leaves(specs["true"][g])]
     assert stacked and all(s[0] is None for s in stacked)
@@ -113,12 +119,18 @@ def test_weights_split_by_heads_vocab_and_mlp_train_like_one_device(tmp_path):
 
     from moe_train.train.loop import EXIT_OK, run
 
-    base = ["train.steps=2", "train.log_every=100", "train.batch_size=8", "train.seq_len=16",
-            "model.hidden=36", "model.q_lora_rank=12", "model.kv_lora_rank=12"]
+    base = [
+        "train.steps=2",
+        "train.log_every=100",
+        "train.batch_size=8",
+        "train.seq_len=16",
+        "model.hidden=36",
+        "model.q_lora_rank=12",
+        "model.kv_lora_rank=12",
+    ]
     got = {}
     for devices, ep in ((1, 1), (8, 2)):
-        cfg = config.build("deepseek-v3-tiny", [*base, f"parallel.devices={devices}",
-                                                f"parallel.ep={ep}"])
+        cfg = config.build("deepseek-v3-tiny", [*base, f"parallel.devices={devices}", f"parallel.ep={ep}"])
         assert run(cfg, tmp_path / str(devices), log=lambda s: None) == EXIT_OK
         recs = (tmp_path / str(devices) / "metrics.jsonl").read_text().splitlines()
         got[devices] = [[r["loss"], r["mtp_loss"], r["grad_norm"]] for r in map(json.loads, recs)]

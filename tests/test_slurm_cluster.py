@@ -28,17 +28,22 @@ pytestmark = pytest.mark.slurm
 def slurm_cluster():
     """Skip the module unless the local cluster answers and its node can run jobs."""
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        pytest.skip("Slurm is not installed (no sinfo/sbatch on PATH); "
-                    "start the local cluster as root: bash slurm/local_cluster.sh start")
+        pytest.skip(
+            "Slurm is not installed (no sinfo/sbatch on PATH); "
+            "start the local cluster as root: bash slurm/local_cluster.sh start"
+        )
     try:
-        r = subprocess.run(["bash", str(CLUSTER_SCRIPT), "status"],
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            ["bash", str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30
+        )
     except subprocess.TimeoutExpired:
         pytest.skip("`slurm/local_cluster.sh status` did not answer within 30 s")
     if r.returncode != 0:
         why = (r.stdout + r.stderr).strip() or f"exit code {r.returncode}"
-        pytest.skip(f"the local Slurm cluster is not running ({why}); "
-                    "start it as root: bash slurm/local_cluster.sh start")
+        pytest.skip(
+            f"the local Slurm cluster is not running ({why}); "
+            "start it as root: bash slurm/local_cluster.sh start"
+        )
 
 
 def _name(tag: str) -> str:
@@ -51,12 +56,10 @@ def _scancel(job_id: str) -> None:
 
 def _sbatch(script: Path, *args: str, wait: bool, timeout: float) -> tuple[str, int]:
     """Submit `script`; with wait, block until the job ends. Returns (job id, sbatch's exit code)."""
-    cmd = ["sbatch", "--parsable", f"--partition={PARTITION}", "--time=3",
-           f"--chdir={script.parent}", *args]
+    cmd = ["sbatch", "--parsable", f"--partition={PARTITION}", "--time=3", f"--chdir={script.parent}", *args]
     if wait:
         cmd.append("--wait")
-    proc = subprocess.Popen([*cmd, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([*cmd, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -65,16 +68,22 @@ def _sbatch(script: Path, *args: str, wait: bool, timeout: float) -> tuple[str, 
         job_id = out.strip().split(";")[0]
         if job_id:
             _scancel(job_id)
-        pytest.fail(f"sbatch {'--wait ' if wait else ''}did not return within {timeout} s "
-                    f"(job {job_id or '?'} cancelled); stderr: {err.strip()}")
+        pytest.fail(
+            f"sbatch {'--wait ' if wait else ''}did not return within {timeout} s "
+            f"(job {job_id or '?'} cancelled); stderr: {err.strip()}"
+        )
     job_id = out.strip().split(";")[0]
     assert job_id.isdigit(), f"sbatch printed no job id: stdout={out!r} stderr={err!r}"
     return job_id, proc.returncode
 
 
 def _sacct(job_id: str) -> tuple[str, str]:
-    r = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode"],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     line = r.stdout.strip().splitlines()[0] if r.stdout.strip() else "|"
     state, _, exit_code = line.partition("|")
     return state.split()[0] if state else "", exit_code
@@ -87,8 +96,9 @@ def _submitit_executor(folder: Path, **params):
     # the job process cannot import this test module by name: ship its functions by value
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    executor.update_parameters(slurm_partition=PARTITION, timeout_min=3, nodes=1,
-                               cpus_per_task=1, slurm_signal_delay_s=10, **params)
+    executor.update_parameters(
+        slurm_partition=PARTITION, timeout_min=3, nodes=1, cpus_per_task=1, slurm_signal_delay_s=10, **params
+    )
     return executor
 
 
@@ -97,18 +107,24 @@ def _wait_done(job, timeout: float) -> None:
     while not job.done():
         if time.monotonic() > deadline:
             job.cancel(check=False)
-            pytest.fail(f"submitit job {job.job_id} not done within {timeout} s "
-                        f"(state {job.state}); cancelled")
+            pytest.fail(
+                f"submitit job {job.job_id} not done within {timeout} s (state {job.state}); cancelled"
+            )
         time.sleep(0.5)
 
 
 def test_sbatch_two_tasks_write_their_rank(tmp_path):
     script = tmp_path / "job.sh"
-    script.write_text("#!/bin/bash\n"
-                      "set -eu\n"
-                      "srun --output=task-%t.out bash -c 'echo \"$SLURM_PROCID\"'\n")
-    job_id, rc = _sbatch(script, "--ntasks=2", "--overcommit", f"--job-name={_name('ranks')}",
-                         f"--output={tmp_path}/batch.out", wait=True, timeout=90)
+    script.write_text("#!/bin/bash\nset -eu\nsrun --output=task-%t.out bash -c 'echo \"$SLURM_PROCID\"'\n")
+    job_id, rc = _sbatch(
+        script,
+        "--ntasks=2",
+        "--overcommit",
+        f"--job-name={_name('ranks')}",
+        f"--output={tmp_path}/batch.out",
+        wait=True,
+        timeout=90,
+    )
     batch_log = (tmp_path / "batch.out").read_text() if (tmp_path / "batch.out").exists() else ""
     assert rc == 0, f"job {job_id} failed (sbatch --wait exit {rc}); batch log:\n{batch_log}"
     for rank in (0, 1):
@@ -137,15 +153,19 @@ def _jax_allgather_process_index():
     jax.distributed.initialize(initialization_timeout=60)
     try:
         gathered = multihost_utils.process_allgather(jax.numpy.int32(jax.process_index()))
-        return {"index": jax.process_index(), "count": jax.process_count(),
-                "gathered": [int(x) for x in gathered]}
+        return {
+            "index": jax.process_index(),
+            "count": jax.process_count(),
+            "gathered": [int(x) for x in gathered],
+        }
     finally:
         jax.distributed.shutdown()
 
 
 def test_jax_distributed_two_processes(tmp_path):
-    executor = _submitit_executor(tmp_path, tasks_per_node=2, name=_name("jax"),
-                                  slurm_additional_parameters={"overcommit": True})
+    executor = _submitit_executor(
+        tmp_path, tasks_per_node=2, name=_name("jax"), slurm_additional_parameters={"overcommit": True}
+    )
     job = executor.submit(_jax_allgather_process_index)
     _wait_done(job, timeout=150)
     results = job.results()
@@ -157,11 +177,15 @@ def test_jax_distributed_two_processes(tmp_path):
 
 def test_sigkilled_job_is_failed_in_sacct(tmp_path):
     script = tmp_path / "die.sh"
-    script.write_text("#!/bin/bash\n"
-                      "echo started > started.txt\n"
-                      "kill -KILL $$\n")
-    job_id, rc = _sbatch(script, "--ntasks=1", f"--job-name={_name('kill')}",
-                         f"--output={tmp_path}/batch.out", wait=False, timeout=30)
+    script.write_text("#!/bin/bash\necho started > started.txt\nkill -KILL $$\n")
+    job_id, rc = _sbatch(
+        script,
+        "--ntasks=1",
+        f"--job-name={_name('kill')}",
+        f"--output={tmp_path}/batch.out",
+        wait=False,
+        timeout=30,
+    )
     assert rc == 0
     deadline = time.monotonic() + 60
     state = exit_code = ""

@@ -43,7 +43,7 @@ def dry(capsys, tmp_path, *args: str) -> tuple[int, str, str]:
 def script_of(out: str) -> str:
     """The sbatch script part of --dry-run's output."""
     start = out.index("#!/bin/bash")
-    return out[start:out.index("\n# training step (srun)")]
+    return out[start : out.index("\n# training step (srun)")]
 
 
 def run_script(script: str, tmp_path: Path, srun_exit: int = 0, env: dict | None = None):
@@ -54,17 +54,20 @@ def run_script(script: str, tmp_path: Path, srun_exit: int = 0, env: dict | None
     (bin_dir / "srun").write_text(
         "#!/bin/bash\nprintf 'srun %s\\n' \"$*\" >> " + shlex.quote(str(log)) + "\n"
         "printf 'ENV_A=%s\\n' \"${LAUNCH_TEST_A-}\" >> " + shlex.quote(str(log)) + "\n"
-        "for a in \"$@\"; do [ \"$a\" = true ] && exit 0; done\n"
-        f"exit {srun_exit}\n")
+        'for a in "$@"; do [ "$a" = true ] && exit 0; done\n'
+        f"exit {srun_exit}\n"
+    )
     (bin_dir / "scontrol").write_text(
-        "#!/bin/bash\nprintf 'scontrol %s\\n' \"$*\" >> " + shlex.quote(str(log)) + "\n")
+        "#!/bin/bash\nprintf 'scontrol %s\\n' \"$*\" >> " + shlex.quote(str(log)) + "\n"
+    )
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     path = tmp_path / "job.sh"
     path.write_text(script)
     full_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "77", **(env or {})}
-    proc = subprocess.run(["bash", str(path)], env=full_env, capture_output=True, text=True,
-                          cwd=tmp_path, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(path)], env=full_env, capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
     return proc, (log.read_text() if log.exists() else "")
 
 
@@ -79,17 +82,27 @@ def test_golden_file(preset):
     if os.environ.get(examples.UPDATE_ENV) == "1":
         path.write_text(text)
     assert path.exists(), f"missing {path}; regenerate with {examples.UPDATE_ENV}=1"
-    assert text == path.read_text(), (f"{preset}'s rendering changed; if on purpose, rerun with "
-                                      f"{examples.UPDATE_ENV}=1 and review the diff")
+    assert text == path.read_text(), (
+        f"{preset}'s rendering changed; if on purpose, rerun with {examples.UPDATE_ENV}=1 and review the diff"
+    )
 
 
 def test_golden_nvl72_is_the_documented_job():
     text = examples.golden_path("gb200-nvl72").read_text()
-    for line in ("#SBATCH --nodes=32", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
-                 "#SBATCH --segment=16", "#SBATCH --exclusive", "#SBATCH --signal=USR2@300",
-                 "#SBATCH --requeue", "--container-name=moe-train true",
-                 "--no-container-mount-home", "--kill-on-bad-exit=1", "set -euo pipefail",
-                 "--set parallel.ep=64"):
+    for line in (
+        "#SBATCH --nodes=32",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --segment=16",
+        "#SBATCH --exclusive",
+        "#SBATCH --signal=USR2@300",
+        "#SBATCH --requeue",
+        "--container-name=moe-train true",
+        "--no-container-mount-home",
+        "--kill-on-bad-exit=1",
+        "set -euo pipefail",
+        "--set parallel.ep=64",
+    ):
         assert line in text
 
 
@@ -99,13 +112,15 @@ def test_golden_nvl72_is_the_documented_job():
 def test_hostile_job_name_is_quoted_and_never_run(capsys, tmp_path):
     marker = tmp_path / "pwned"
     name = f"x; touch {marker}"
-    code, out, err = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny",
-                         "--nodes", "1", "--job-name", name)
+    code, out, err = dry(
+        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--job-name", name
+    )
     assert code == 0, err
     script = script_of(out)
     assert f"#SBATCH --job-name={shlex.quote(name)}" in script
     assert [ln for ln in script.splitlines() if str(marker) in ln] == [
-        f"#SBATCH --job-name={shlex.quote(name)}"]
+        f"#SBATCH --job-name={shlex.quote(name)}"
+    ]
     proc, calls = run_script(script, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "submitit.core._submit" in calls  # the training step ran (stubbed)
@@ -115,8 +130,9 @@ def test_hostile_job_name_is_quoted_and_never_run(capsys, tmp_path):
 def test_hostile_set_value_stays_data(capsys, tmp_path):
     marker = tmp_path / "pwned2"
     value = f"data.path=$(touch {marker}); `touch {marker}`"
-    code, out, err = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny",
-                         "--nodes", "1", "--set", value)
+    code, out, err = dry(
+        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set", value
+    )
     assert code == 0, err
     script = script_of(out)
     assert str(marker) not in script  # trainer arguments travel pickled, never through a shell
@@ -126,26 +142,32 @@ def test_hostile_set_value_stays_data(capsys, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("flag,value", [("--job-name", "a\ntouch /tmp/launch_x #"),
-                                        ("--job-name", "tab\there"),
-                                        ("--partition", "p\nq"), ("--account", "a b")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--job-name", "a\ntouch /tmp/launch_x #"),
+        ("--job-name", "tab\there"),
+        ("--partition", "p\nq"),
+        ("--account", "a b"),
+    ],
+)
 def test_control_characters_and_bad_names_refused(capsys, tmp_path, flag, value):
-    code, out, err = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny",
-                         "--nodes", "1", flag, value)
+    code, out, err = dry(
+        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", flag, value
+    )
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("error: ")
 
 
 def test_env_exported_with_quoting(capsys, tmp_path):
-    hostile = "it's $HOME; `id` \"q\" && rm -rf /nothing"
+    hostile = 'it\'s $HOME; `id` "q" && rm -rf /nothing'
     text = (KIT / "topology/presets/cpu-local.toml").read_text()
     text = text.replace("[env]\n", "[env]\nLAUNCH_TEST_A = '''" + hostile + "'''\n", 1)
-    text = text.replace("[env_source]\n", "[env_source]\nLAUNCH_TEST_A = \"test\"\n")
+    text = text.replace("[env_source]\n", '[env_source]\nLAUNCH_TEST_A = "test"\n')
     preset = tmp_path / "site-cpu.toml"
     preset.write_text(text)
     assert presets.load(str(preset)).env["LAUNCH_TEST_A"] == hostile
-    code, out, err = dry(capsys, tmp_path, "--preset", str(preset), "--model", "tiny",
-                         "--nodes", "1")
+    code, out, err = dry(capsys, tmp_path, "--preset", str(preset), "--model", "tiny", "--nodes", "1")
     assert code == 0, err
     script = script_of(out)
     assert f"export LAUNCH_TEST_A={shlex.quote(hostile)}" in script
@@ -160,57 +182,155 @@ def test_env_exported_with_quoting(capsys, tmp_path):
 # the big presets' own fit (full remat, one-sequence micro-batches) switched off
 BARE = ["--set", "train.remat=none", "--set", "train.micro_batch_size=0"]
 REFUSALS = [
-    (["--preset", "nope", "--model", "tiny", "--nodes", "1"],
-     "unknown cluster preset 'nope'; valid presets: b200-hgx, cpu-local"),
-    (["--preset", "cpu-local", "--model", "nope", "--nodes", "1"],
-     "unknown model preset 'nope'; valid presets:"),
-    (["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set", "moe.topk=3"],
-     "unknown key moe.topk; valid keys in [moe]:"),
-    (["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "20", "--ep", "64"],
-     "ep 64 does not divide the 80 GPUs"),
-    (["--preset", "h100-dgx", "--model", "tiny", "--nodes", "2", "--ep", "16"],
-     "ep 16 does not divide the model's 8 experts; valid ep: 1, 2, 4, 8"),
-    (["--preset", "gb200-nvl72", "--model", "tiny", "--nodes", "21", "--ep", "42",
-      "--set", "moe.num_experts=42", "--set", "train.batch_size=84"],
-     "EP groups of 42 would straddle NVLink domains"),
-    (["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "32", "--ep", "64",
-      "--image", "/nonexistent/moe.sqsh"], "image file '/nonexistent/moe.sqsh' does not exist"),
-    (["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "32", "--ep", "64"],
-     "no kit image"),
-    (["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--image", "x:y"],
-     "runs on the host without a container"),
-    (["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set",
-      "parallel.num_processes=3"], "--set parallel.num_processes is chosen by the launcher"),
-    (["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--time", "soon"],
-     "time 'soon' is not a Slurm time"),
-    (["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set",
-      "train.batch_size=6"], "train.batch_size=6 is not divisible by the job's 8 GPUs"),
+    (
+        ["--preset", "nope", "--model", "tiny", "--nodes", "1"],
+        "unknown cluster preset 'nope'; valid presets: b200-hgx, cpu-local",
+    ),
+    (
+        ["--preset", "cpu-local", "--model", "nope", "--nodes", "1"],
+        "unknown model preset 'nope'; valid presets:",
+    ),
+    (
+        ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set", "moe.topk=3"],
+        "unknown key moe.topk; valid keys in [moe]:",
+    ),
+    (
+        ["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "20", "--ep", "64"],
+        "ep 64 does not divide the 80 GPUs",
+    ),
+    (
+        ["--preset", "h100-dgx", "--model", "tiny", "--nodes", "2", "--ep", "16"],
+        "ep 16 does not divide the model's 8 experts; valid ep: 1, 2, 4, 8",
+    ),
+    (
+        [
+            "--preset",
+            "gb200-nvl72",
+            "--model",
+            "tiny",
+            "--nodes",
+            "21",
+            "--ep",
+            "42",
+            "--set",
+            "moe.num_experts=42",
+            "--set",
+            "train.batch_size=84",
+        ],
+        "EP groups of 42 would straddle NVLink domains",
+    ),
+    (
+        [
+            "--preset",
+            "gb200-nvl72",
+            "--model",
+            "deepseek-v3",
+            "--nodes",
+            "32",
+            "--ep",
+            "64",
+            "--image",
+            "/nonexistent/moe.sqsh",
+        ],
+        "image file '/nonexistent/moe.sqsh' does not exist",
+    ),
+    (["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "32", "--ep", "64"], "no kit image"),
+    (
+        ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--image", "x:y"],
+        "runs on the host without a container",
+    ),
+    (
+        ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set", "parallel.num_processes=3"],
+        "--set parallel.num_processes is chosen by the launcher",
+    ),
+    (
+        ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--time", "soon"],
+        "time 'soon' is not a Slurm time",
+    ),
+    (
+        ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set", "train.batch_size=6"],
+        "train.batch_size=6 is not divisible by the job's 8 GPUs",
+    ),
     (["--preset", "cpu-local", "--model", "tiny"], "--model and --nodes (>= 1) are required"),
-    (["--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8",
-      "--image", "KIMG", *BARE], "memory: does not fit: needs"),
-    (["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "18", "--ep", "8",
-      "--set", "train.batch_size=144", "--image", "KIMG"], "model.hidden=7168 is not divisible by the data-parallel size 9"),
+    (
+        [
+            "--preset",
+            "h100-dgx",
+            "--model",
+            "mixtral-8x7b",
+            "--nodes",
+            "8",
+            "--ep",
+            "8",
+            "--image",
+            "KIMG",
+            *BARE,
+        ],
+        "memory: does not fit: needs",
+    ),
+    (
+        [
+            "--preset",
+            "gb200-nvl72",
+            "--model",
+            "deepseek-v3",
+            "--nodes",
+            "18",
+            "--ep",
+            "8",
+            "--set",
+            "train.batch_size=144",
+            "--image",
+            "KIMG",
+        ],
+        "model.hidden=7168 is not divisible by the data-parallel size 9",
+    ),
 ]
 
 
 def test_a_job_that_does_not_fit_names_the_override(capsys, tmp_path):
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
-    code, _, err = run_cli(capsys, "--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes",
-                           "8", "--ep", "8", "--image", str(image), "--out", str(tmp_path / "r"),
-                           *BARE)
+    code, _, err = run_cli(
+        capsys,
+        "--preset",
+        "h100-dgx",
+        "--model",
+        "mixtral-8x7b",
+        "--nodes",
+        "8",
+        "--ep",
+        "8",
+        "--image",
+        str(image),
+        "--out",
+        str(tmp_path / "r"),
+        *BARE,
+    )
     assert code == 2 and "cheapest change that fits" in err and "--ignore-memory" in err
 
 
 def test_a_dry_run_only_warns_about_memory(capsys, tmp_path):
-    code, out, err = dry(capsys, tmp_path, "--preset", "h100-dgx", "--model", "mixtral-8x7b",
-                         "--nodes", "8", "--ep", "8", *BARE)
+    code, out, err = dry(
+        capsys,
+        tmp_path,
+        "--preset",
+        "h100-dgx",
+        "--model",
+        "mixtral-8x7b",
+        "--nodes",
+        "8",
+        "--ep",
+        "8",
+        *BARE,
+    )
     assert code == 0 and "warning: memory: does not fit" in out + err
 
 
 def test_the_readme_cluster_example_fits_without_a_warning(capsys, tmp_path):
-    code, out, err = dry(capsys, tmp_path, "--preset", "h100-dgx", "--model", "mixtral-8x7b",
-                         "--nodes", "8", "--ep", "8")
+    code, out, err = dry(
+        capsys, tmp_path, "--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8"
+    )
     assert code == 0 and "memory: fits" in out + err and "warning: memory" not in out + err
 
 
@@ -220,8 +340,9 @@ MIXTRAL_8 = ("--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", 
 def test_overlap_chunks_default_to_the_planners_choice(capsys, tmp_path):
     from topology.plan import make_plan
 
-    best = make_plan("h100-dgx", 8, "mixtral-8x7b", 8,
-                     overrides=("parallel.weight_gather=step",)).step.best_chunks
+    best = make_plan(
+        "h100-dgx", 8, "mixtral-8x7b", 8, overrides=("parallel.weight_gather=step",)
+    ).step.best_chunks
     assert best > 1  # the planner hides part of the exchange on this job
     code, out, err = dry(capsys, tmp_path, *MIXTRAL_8)
     assert code == 0 and f"overlap: moe.overlap_chunks={best}, the planner's choice" in out + err
@@ -256,8 +377,7 @@ def test_the_memory_line_counts_the_chosen_job(capsys, tmp_path):
 
 
 def test_a_users_weight_gather_stays(capsys, tmp_path):
-    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8,
-                         "--set", "parallel.weight_gather=micro_batch")
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8, "--set", "parallel.weight_gather=micro_batch")
     assert code == 0 and "fsdp:" not in out + err
     assert out.count("parallel.weight_gather=") == 1
 
@@ -271,15 +391,30 @@ def test_weight_gather_stays_where_the_faster_mode_does_not_fit(capsys, tmp_path
     step_cfg = config.build("deepseek-v3", [*sets, "parallel.ep=32"])
     assert by["step"] < by["micro_batch"]
     assert not memory.check_fits(step_cfg, "gb200-nvl72", 32).fits
-    code, out, err = dry(capsys, tmp_path, "--preset", "gb200-nvl72", "--model", "deepseek-v3",
-                         "--nodes", "32", "--ep", "32", "--set", sets[0], "--set", sets[1])
+    code, out, err = dry(
+        capsys,
+        tmp_path,
+        "--preset",
+        "gb200-nvl72",
+        "--model",
+        "deepseek-v3",
+        "--nodes",
+        "32",
+        "--ep",
+        "32",
+        "--set",
+        sets[0],
+        "--set",
+        sets[1],
+    )
     assert code == 0 and "fsdp:" not in out + err
     assert "parallel.weight_gather" not in script_of(out)
 
 
 def test_no_overlap_choice_without_a_prediction(capsys, tmp_path):
-    code, out, err = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny",
-                         "--nodes", "1", "--ep", "8")
+    code, out, err = dry(
+        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--ep", "8"
+    )
     assert code == 0 and "overlap:" not in out + err and "moe.overlap_chunks" not in out
     assert "fsdp:" not in out + err and "weight_gather" not in out
 
@@ -303,8 +438,18 @@ def test_refusals_exit_2_with_one_line(capsys, monkeypatch, tmp_path, args, mess
 
 
 def test_run_dir_with_percent_refused(capsys, tmp_path):
-    code, _, err = run_cli(capsys, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1",
-                           "--out", str(tmp_path / "a%jb"), "--dry-run")
+    code, _, err = run_cli(
+        capsys,
+        "--preset",
+        "cpu-local",
+        "--model",
+        "tiny",
+        "--nodes",
+        "1",
+        "--out",
+        str(tmp_path / "a%jb"),
+        "--dry-run",
+    )
     assert code == 2 and "'%'" in err
 
 
@@ -314,8 +459,9 @@ def test_site_file_errors(capsys, monkeypatch, tmp_path):
     assert code == 2 and "does not exist" in err
     bad = tmp_path / "bad.toml"
     bad.write_text('partiton = "x"\n')
-    code, _, err = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny",
-                       "--nodes", "1", "--site", str(bad))
+    code, _, err = dry(
+        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--site", str(bad)
+    )
     assert code == 2 and "unknown key 'partiton'; valid keys:" in err
 
 
@@ -326,10 +472,24 @@ def test_site_file_errors(capsys, monkeypatch, tmp_path):
 def test_segment_is_what_allocation_says(capsys, tmp_path, nodes, ep):
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
-    code, out, err = dry(capsys, tmp_path, "--preset", "gb200-nvl72", "--model",
-                         "deepseek-v3", "--nodes", str(nodes), "--ep", str(ep),
-                         "--image", str(image), "--set", f"train.batch_size={nodes * 4 * 8}",
-                         "--set", "model.hidden=6912")  # divisible by every dp here (9, 18, 27)
+    code, out, err = dry(
+        capsys,
+        tmp_path,
+        "--preset",
+        "gb200-nvl72",
+        "--model",
+        "deepseek-v3",
+        "--nodes",
+        str(nodes),
+        "--ep",
+        str(ep),
+        "--image",
+        str(image),
+        "--set",
+        f"train.batch_size={nodes * 4 * 8}",
+        "--set",
+        "model.hidden=6912",
+    )  # divisible by every dp here (9, 18, 27)
     assert code == 0, err
     alloc = allocation(presets.load("gb200-nvl72"), nodes, ep, num_experts=256)
     assert f"#SBATCH --segment={alloc.segment}\n" in out
@@ -338,8 +498,21 @@ def test_segment_is_what_allocation_says(capsys, tmp_path, nodes, ep):
 
 
 def test_allow_straddle_warns_with_predicted_cost(capsys, tmp_path):
-    args = ["--preset", "gb200-nvl72", "--model", "tiny", "--nodes", "21", "--ep", "42",
-            "--set", "moe.num_experts=42", "--set", "train.batch_size=84", "--allow-straddle"]
+    args = [
+        "--preset",
+        "gb200-nvl72",
+        "--model",
+        "tiny",
+        "--nodes",
+        "21",
+        "--ep",
+        "42",
+        "--set",
+        "moe.num_experts=42",
+        "--set",
+        "train.batch_size=84",
+        "--allow-straddle",
+    ]
     code, out, err = dry(capsys, tmp_path, *args)
     assert code == 0, err
     assert "warning: EP groups of 42 straddle gb200-nvl72's NVLink domains" in err
@@ -349,8 +522,9 @@ def test_allow_straddle_warns_with_predicted_cost(capsys, tmp_path):
 
 
 def test_cpu_preset_has_no_gpus_and_no_container(capsys, tmp_path):
-    code, out, err = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny",
-                         "--nodes", "1", "--steps", "5")
+    code, out, err = dry(
+        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--steps", "5"
+    )
     assert code == 0, err
     script = script_of(out)
     assert "--gpus-per-node" not in script and "--container" not in script
@@ -359,8 +533,9 @@ def test_cpu_preset_has_no_gpus_and_no_container(capsys, tmp_path):
 
 
 def test_no_container_on_gpu_preset_uses_host_python(capsys, tmp_path):
-    code, out, err = dry(capsys, tmp_path, "--preset", "h100-dgx", "--model", "tiny",
-                         "--nodes", "1", "--no-container")
+    code, out, err = dry(
+        capsys, tmp_path, "--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--no-container"
+    )
     assert code == 0, err
     script = script_of(out)
     assert "--container" not in script and "#SBATCH --gpus-per-node=8" in script
@@ -371,29 +546,50 @@ def test_site_defaults_and_flag_overrides(capsys, tmp_path):
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
     site_file = tmp_path / "site.toml"
-    site_file.write_text(f'partition = "gpu"\naccount = "proj"\nqos = "high"\ntime = "3:00:00"\n'
-                         f'image = "{image}"\nmounts = ["/data:/data:ro"]\nmax_requeues = 5\n')
-    code, out, err = dry(capsys, tmp_path, "--preset", "h100-dgx", "--model", "tiny",
-                         "--nodes", "1", "--site", str(site_file), "--account", "other")
+    site_file.write_text(
+        f'partition = "gpu"\naccount = "proj"\nqos = "high"\ntime = "3:00:00"\n'
+        f'image = "{image}"\nmounts = ["/data:/data:ro"]\nmax_requeues = 5\n'
+    )
+    code, out, err = dry(
+        capsys,
+        tmp_path,
+        "--preset",
+        "h100-dgx",
+        "--model",
+        "tiny",
+        "--nodes",
+        "1",
+        "--site",
+        str(site_file),
+        "--account",
+        "other",
+    )
     assert code == 0, err
     script = script_of(out)
-    for line in ("#SBATCH --partition=gpu", "#SBATCH --account=other", "#SBATCH --qos=high",
-                 "#SBATCH --time=180", f"--container-image={image}", "/data:/data:ro",
-                 '-lt 5 ]'):
+    for line in (
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=other",
+        "#SBATCH --qos=high",
+        "#SBATCH --time=180",
+        f"--container-image={image}",
+        "/data:/data:ro",
+        "-lt 5 ]",
+    ):
         assert line in script
 
 
 def test_smoke_job_renders_preflight(capsys, tmp_path):
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
-    code, out, err = dry(capsys, tmp_path, "--preset", "gb200-nvl72", "--smoke", "--image",
-                         str(image))
+    code, out, err = dry(capsys, tmp_path, "--preset", "gb200-nvl72", "--smoke", "--image", str(image))
     assert code == 0, err
     script = script_of(out)
     assert "#SBATCH --nodes=1" in script
-    assert ("--container-name=moe-train --container-workdir=/opt/moe-train "
-            "--no-container-mount-home python3 -m containers.preflight --preset gb200-nvl72 "
-            "--expect-gpus 4") in script
+    assert (
+        "--container-name=moe-train --container-workdir=/opt/moe-train "
+        "--no-container-mount-home python3 -m containers.preflight --preset gb200-nvl72 "
+        "--expect-gpus 4"
+    ) in script
     assert "--preset tiny" in out and "parallel.ep=4" in out and "--steps 20" in out
     proc, calls = run_script(script, tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -403,26 +599,38 @@ def test_smoke_job_renders_preflight(capsys, tmp_path):
 def test_relative_image_path_becomes_absolute(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     Path("kit.sqsh").write_bytes(b"")
-    code, out, err = dry(capsys, tmp_path, "--preset", "h200-hgx", "--model", "tiny",
-                         "--nodes", "1", "--image", "./kit.sqsh")
+    code, out, err = dry(
+        capsys, tmp_path, "--preset", "h200-hgx", "--model", "tiny", "--nodes", "1", "--image", "./kit.sqsh"
+    )
     assert code == 0, err
     assert f"--container-image={tmp_path / 'kit.sqsh'}" in out
 
 
 def test_registry_reference_in_pyxis_syntax(capsys, tmp_path):
-    code, out, err = dry(capsys, tmp_path, "--preset", "h200-hgx", "--model", "tiny",
-                         "--nodes", "1", "--image", "nvcr.io/me/moe-train:1")
+    code, out, err = dry(
+        capsys,
+        tmp_path,
+        "--preset",
+        "h200-hgx",
+        "--model",
+        "tiny",
+        "--nodes",
+        "1",
+        "--image",
+        "nvcr.io/me/moe-train:1",
+    )
     assert code == 0, err
     assert "'--container-image=nvcr.io#me/moe-train:1'" in out
 
 
-@pytest.mark.parametrize("srun_exit,restarts,requeued", [(4, "0", True), (4, "3", False),
-                                                         (3, "0", False), (0, "0", False)])
+@pytest.mark.parametrize(
+    "srun_exit,restarts,requeued", [(4, "0", True), (4, "3", False), (3, "0", False), (0, "0", False)]
+)
 def test_teardown_requeues_only_a_hung_step(capsys, tmp_path, srun_exit, restarts, requeued):
-    code, out, _ = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny",
-                       "--nodes", "1")
-    proc, calls = run_script(script_of(out), tmp_path, srun_exit=srun_exit,
-                             env={"SLURM_RESTART_COUNT": restarts})
+    code, out, _ = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1")
+    proc, calls = run_script(
+        script_of(out), tmp_path, srun_exit=srun_exit, env={"SLURM_RESTART_COUNT": restarts}
+    )
     assert proc.returncode == srun_exit
     assert ("scontrol requeue 77" in calls) == requeued
 
@@ -430,8 +638,9 @@ def test_teardown_requeues_only_a_hung_step(capsys, tmp_path, srun_exit, restart
 # --------------------------------------------------------------------------- parsing, task, follow
 
 
-@pytest.mark.parametrize("text,minutes", [("90", 90), ("01:30:00", 90), ("1-00:00:00", 1440),
-                                          ("0:59", 1), ("2-3", 3060)])
+@pytest.mark.parametrize(
+    "text,minutes", [("90", 90), ("01:30:00", 90), ("1-00:00:00", 1440), ("0:59", 1), ("2-3", 3060)]
+)
 def test_parse_time(text, minutes):
     assert plan.parse_time(text) == minutes
 
@@ -472,12 +681,14 @@ def test_follow_streams_rank0_and_reports(tmp_path):
 def test_follow_names_the_failing_rank(tmp_path):
     folder = tmp_path / "slurm"
     folder.mkdir()
-    (folder / "9_0_log.err").write_text("error: process 0 of 2: a collective with the other "
-                                        "processes failed, most likely a peer died\n")
+    (folder / "9_0_log.err").write_text(
+        "error: process 0 of 2: a collective with the other processes failed, most likely a peer died\n"
+    )
     (folder / "9_1_log.err").write_text("Traceback ...\nerror: loss became nan at step 3\n")
     err = io.StringIO()
-    code = follow.follow("9", folder, out=io.StringIO(), err=err, poll_s=0,
-                         state_of=lambda j: follow.JobState("FAILED", "3:0"))
+    code = follow.follow(
+        "9", folder, out=io.StringIO(), err=err, poll_s=0, state_of=lambda j: follow.JobState("FAILED", "3:0")
+    )
     assert code == 3
     assert "job 9 ended FAILED (exit 3:0); rank 1: error: loss became nan at step 3" in err.getvalue()
 
@@ -493,9 +704,11 @@ def test_render_matches_submitit_parameters():
 def test_follow_prefers_sruns_report_of_a_killed_rank(tmp_path):
     folder = tmp_path / "slurm"
     folder.mkdir()
-    (folder / "7_0_log.err").write_text("srun: error: node3: task 1: Killed\n"
-                                        "srun: error: node3: task 0: Killed\n")
+    (folder / "7_0_log.err").write_text(
+        "srun: error: node3: task 1: Killed\nsrun: error: node3: task 0: Killed\n"
+    )
     err = io.StringIO()
-    code = follow.follow("7", folder, out=io.StringIO(), err=err, poll_s=0,
-                         state_of=lambda j: follow.JobState("FAILED", "9:0"))
+    code = follow.follow(
+        "7", folder, out=io.StringIO(), err=err, poll_s=0, state_of=lambda j: follow.JobState("FAILED", "9:0")
+    )
     assert code == 9 and "rank 1 on node3: Killed" in err.getvalue()

@@ -30,27 +30,52 @@ JOB_TIMEOUT_S = 900  # two processes compiling on a 2-core runner take a few min
 def slurm_cluster():
     """Skip the module unless the local cluster answers and its node can run jobs."""
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        pytest.skip("Slurm is not installed (no sinfo/sbatch on PATH); "
-                    "start the local cluster as root: bash slurm/local_cluster.sh start")
+        pytest.skip(
+            "Slurm is not installed (no sinfo/sbatch on PATH); "
+            "start the local cluster as root: bash slurm/local_cluster.sh start"
+        )
     try:
-        r = subprocess.run(["bash", str(ROOT / "slurm" / "local_cluster.sh"), "status"],
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            ["bash", str(ROOT / "slurm" / "local_cluster.sh"), "status"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except subprocess.TimeoutExpired:
         pytest.skip("`slurm/local_cluster.sh status` did not answer within 30 s")
     if r.returncode != 0:
-        pytest.skip(f"the local Slurm cluster is not running "
-                    f"({(r.stdout + r.stderr).strip() or r.returncode}); "
-                    f"start it as root: bash slurm/local_cluster.sh start")
+        pytest.skip(
+            f"the local Slurm cluster is not running "
+            f"({(r.stdout + r.stderr).strip() or r.returncode}); "
+            f"start it as root: bash slurm/local_cluster.sh start"
+        )
 
 
 def submit(out: Path, *extra: str, wait: bool = True, timeout: float = JOB_TIMEOUT_S):
     """Run the launcher; (exit code, stdout, stderr)."""
-    cmd = [sys.executable, "-m", "slurm.submit", "--preset", "cpu-local", "--model", "tiny",
-           "--nodes", "1", "--ep", "8", "--steps", str(STEPS), "--time", "00:20:00", "--out", str(out),
-           *extra, *(["--wait"] if wait else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slurm.submit",
+        "--preset",
+        "cpu-local",
+        "--model",
+        "tiny",
+        "--nodes",
+        "1",
+        "--ep",
+        "8",
+        "--steps",
+        str(STEPS),
+        "--time",
+        "00:20:00",
+        "--out",
+        str(out),
+        *extra,
+        *(["--wait"] if wait else []),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "MOE_TRAIN_SITE"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -61,8 +86,9 @@ def job_id_of(stdout: str) -> str:
 
 
 def sacct(job_id: str, fields: str = "State,ExitCode,JobName") -> list[str]:
-    r = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", fields],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-j", job_id, "-o", fields], capture_output=True, text=True, timeout=30
+    )
     lines = r.stdout.strip().splitlines()
     assert lines, f"sacct knows no job {job_id}: {r.stderr.strip()}"
     return lines[-1].split("|")
@@ -90,14 +116,14 @@ def release_when_requeued(job_id: str, timeout: float) -> None:
     """Slurm holds a requeued job ~2 minutes (BeginTime); start it now to keep the test short."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        r = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True,
-                           text=True, timeout=30)
+        r = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True, timeout=30
+        )
         if r.stdout.split()[:2] == ["PENDING", "BeginTime"]:
             # slurmd refuses a launch whose credential is not newer, in whole seconds, than
             # the requeue's revocation ("Job credential revoked"): start it in a later second
             time.sleep(2)
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-                           check=True, timeout=30)
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
             return
         time.sleep(1)
     pytest.fail(f"job {job_id} was not requeued within {timeout} s of SIGUSR2")
@@ -137,8 +163,11 @@ def _task_pid(job_id: str, rank: int) -> int | None:
             cmd = (env_file.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if (f"SLURM_JOB_ID={job_id}".encode() in env and f"SLURM_PROCID={rank}".encode() in env
-                and b"submitit.core._submit" in cmd):
+        if (
+            f"SLURM_JOB_ID={job_id}".encode() in env
+            and f"SLURM_PROCID={rank}".encode() in env
+            and b"submitit.core._submit" in cmd
+        ):
             return int(env_file.parent.name)
     return None
 
@@ -157,15 +186,20 @@ def test_usr2_checkpoints_requeues_and_resumes_bitwise(uninterrupted, tmp_path):
         release_when_requeued(job_id, timeout=300)
         from slurm import follow
 
-        code = follow.follow(job_id, run_dir / "slurm", out=sys.stdout, err=sys.stderr,
-                             timeout_s=JOB_TIMEOUT_S)
+        code = follow.follow(
+            job_id, run_dir / "slurm", out=sys.stdout, err=sys.stderr, timeout_s=JOB_TIMEOUT_S
+        )
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
     log = rank0_log(run_dir, job_id).read_text()
     assert code == 0, log[-3000:]
     assert "stopped by signal SIGUSR2" in log and "resumed from" in log
-    r = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job_id],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job_id],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.stdout.split() == ["REQUEUED", "COMPLETED"]  # requeued once, then finished
     assert losses(run_dir)[-1] == losses(ref_dir)[-1]  # resumed run == uninterrupted run
 
@@ -186,8 +220,7 @@ def test_crashed_rank_fails_the_job_promptly_and_is_named(slurm_cluster, tmp_pat
         from slurm import follow
 
         buf_err = io.StringIO()
-        code = follow.follow(job_id, run_dir / "slurm", out=sys.stdout, err=buf_err,
-                             timeout_s=300)
+        code = follow.follow(job_id, run_dir / "slurm", out=sys.stdout, err=buf_err, timeout_s=300)
         took = time.monotonic() - killed
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
@@ -211,8 +244,24 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.slow
 def test_without_slurm_runs_through_the_local_executor(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-c", NO_SBATCH, "--preset", "cpu-local", "--model", "tiny",
-           "--nodes", "1", "--ep", "8", "--steps", "4", "--out", str(run_dir), "--wait"]
+    cmd = [
+        sys.executable,
+        "-c",
+        NO_SBATCH,
+        "--preset",
+        "cpu-local",
+        "--model",
+        "tiny",
+        "--nodes",
+        "1",
+        "--ep",
+        "8",
+        "--steps",
+        "4",
+        "--out",
+        str(run_dir),
+        "--wait",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mode: local (no sbatch on PATH)" in proc.stdout

@@ -20,25 +20,49 @@ import pytest
 
 from moe_train import config
 from moe_train.parallel import sharding
-from moe_train.train import checkpoint, loop as run_mod
+from moe_train.train import checkpoint
+from moe_train.train import loop as run_mod
 from moe_train.train.loop import EXIT_OK
 from moe_train.train.stepper import BucketedStep
 
 MID, ALL = 3, 4  # repeated rows on the first shard
-SAME = ("loss", "total_loss", "aux_loss", "z_loss", "grad_norm", "lr", "tokens_per_expert",
-        "dropped_tokens", "skipped")  # what the buckets must not change
+SAME = (
+    "loss",
+    "total_loss",
+    "aux_loss",
+    "z_loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_expert",
+    "dropped_tokens",
+    "skipped",
+)  # what the buckets must not change
 
 
 def cfg_for(*overrides: str, steps: int = 4) -> config.Config:
-    return config.build("tiny", [f"train.steps={steps}", "train.log_every=100",
-                                 "train.telemetry_interval_s=0", "train.async_checkpoint=false",
-                                 "train.checkpoint_every=0", *overrides])
+    return config.build(
+        "tiny",
+        [
+            f"train.steps={steps}",
+            "train.log_every=100",
+            "train.telemetry_interval_s=0",
+            "train.async_checkpoint=false",
+            "train.checkpoint_every=0",
+            *overrides,
+        ],
+    )
 
 
 def ep_cfg(buckets: str, steps: int) -> config.Config:
-    return cfg_for("parallel.devices=8", "parallel.ep=8", "moe.dispatcher=a2a",
-                   "train.batch_size=32", f"moe.capacity_buckets={buckets}",
-                   "moe.bucket_step_down_after=100", steps=steps)
+    return cfg_for(
+        "parallel.devices=8",
+        "parallel.ep=8",
+        "moe.dispatcher=a2a",
+        "train.batch_size=32",
+        f"moe.capacity_buckets={buckets}",
+        "moe.bucket_step_down_after=100",
+        steps=steps,
+    )
 
 
 class Recording(BucketedStep):
@@ -65,7 +89,7 @@ def arm(mp: pytest.MonkeyPatch, rows: dict[int, int]) -> None:
 
     def batch(source, step, mesh):
         local = source.batch(step).copy()
-        local[:rows.get(step + 1, 0)] = 65
+        local[: rows.get(step + 1, 0)] = 65
         out = jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), local)
         Recording.steps[id(out)] = step + 1
         return out
@@ -91,11 +115,9 @@ def run_pair(tmp_path: Path, rows: dict[int, int], steps: int):
     (bucketed run, worst-case run, the bucketed run's events)."""
     with pytest.MonkeyPatch.context() as mp:
         arm(mp, rows)
-        assert run_mod.run(ep_cfg("100", steps), tmp_path / "worst",
-                           log=lambda s: None) == EXIT_OK
+        assert run_mod.run(ep_cfg("100", steps), tmp_path / "worst", log=lambda s: None) == EXIT_OK
         arm(mp, rows)
-        assert run_mod.run(ep_cfg("3.0,3.875", steps), tmp_path / "bucketed",
-                           log=lambda s: None) == EXIT_OK
+        assert run_mod.run(ep_cfg("3.0,3.875", steps), tmp_path / "bucketed", log=lambda s: None) == EXIT_OK
     return tmp_path / "bucketed", tmp_path / "worst", list(Recording.events)
 
 
@@ -133,18 +155,34 @@ def test_final_state_matches_worst_case_buffers_when_steps_overflow_in_a_row(two
 
 def test_steps_in_a_row_rerun_once_per_bucket(two_in_a_row):
     recs = records(two_in_a_row[0])
-    assert [(r["ep_bucket"], r["ep_overflow_reruns"]) for r in recs] == \
-        [(3.0, 0), (3.875, 1), ("worst", 2), ("worst", 2), ("worst", 2)]
+    assert [(r["ep_bucket"], r["ep_overflow_reruns"]) for r in recs] == [
+        (3.0, 0),
+        (3.875, 1),
+        ("worst", 2),
+        ("worst", 2),
+        ("worst", 2),
+    ]
 
 
 def test_a_held_step_is_dropped_and_dispatched_again_after_the_rerun(two_in_a_row):
     assert two_in_a_row[2] == [
-        ("dispatch", 1), ("read", 1),  # the first step is confirmed at once
-        ("dispatch", 2), ("dispatch", 3), ("read", 2),  # 2 overflowed: 3 was held
-        ("dispatch", 2), ("dispatch", 3), ("read", 2),  # 2 reruns, then 3 again
-        ("dispatch", 4), ("read", 3),  # 3 overflowed: 4 was held
-        ("dispatch", 3), ("dispatch", 4), ("read", 3),
-        ("dispatch", 5), ("read", 4), ("read", 5)]  # 5 is the last step: confirmed at once
+        ("dispatch", 1),
+        ("read", 1),  # the first step is confirmed at once
+        ("dispatch", 2),
+        ("dispatch", 3),
+        ("read", 2),  # 2 overflowed: 3 was held
+        ("dispatch", 2),
+        ("dispatch", 3),
+        ("read", 2),  # 2 reruns, then 3 again
+        ("dispatch", 4),
+        ("read", 3),  # 3 overflowed: 4 was held
+        ("dispatch", 3),
+        ("dispatch", 4),
+        ("read", 3),
+        ("dispatch", 5),
+        ("read", 4),
+        ("read", 5),
+    ]  # 5 is the last step: confirmed at once
 
 
 def test_first_and_last_step_overflows_change_no_record(first_and_last):
@@ -159,13 +197,25 @@ def test_a_checkpoint_right_after_an_overflowed_step_holds_the_rerun(first_and_l
 
 def test_first_and_last_step_each_rerun(first_and_last):
     recs = records(first_and_last[0])
-    assert [(r["ep_bucket"], r["ep_overflow_reruns"]) for r in recs] == \
-        [(3.875, 1), (3.875, 1), (3.875, 1), ("worst", 2)]
+    assert [(r["ep_bucket"], r["ep_overflow_reruns"]) for r in recs] == [
+        (3.875, 1),
+        (3.875, 1),
+        (3.875, 1),
+        ("worst", 2),
+    ]
     assert first_and_last[2][-3:] == [("read", 4), ("dispatch", 4), ("read", 4)]
 
 
 def test_one_device_dispatches_each_step_before_reading_the_one_before(tmp_path, monkeypatch):
     arm(monkeypatch, {})
     assert run_mod.run(cfg_for("parallel.devices=1"), tmp_path, log=lambda s: None) == EXIT_OK
-    assert Recording.events == [("dispatch", 1), ("read", 1), ("dispatch", 2), ("dispatch", 3),
-                                ("read", 2), ("dispatch", 4), ("read", 3), ("read", 4)]
+    assert Recording.events == [
+        ("dispatch", 1),
+        ("read", 1),
+        ("dispatch", 2),
+        ("dispatch", 3),
+        ("read", 2),
+        ("dispatch", 4),
+        ("read", 3),
+        ("read", 4),
+    ]

@@ -26,8 +26,13 @@ def plan(*overrides: str, job=V3, **kw):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "topology", "plan", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "topology", "plan", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_flop_kinds_sum_to_the_model_flops():
@@ -67,8 +72,7 @@ def test_the_planner_chooses_the_chunks_that_hide_the_all_to_all():
 
 
 def test_fp8_dispatch_halves_the_forward_dispatch_bytes():
-    bf16, fp8 = plan("train.remat=none").step, plan("train.remat=none",
-                                                    "moe.dispatch_dtype=fp8").step
+    bf16, fp8 = plan("train.remat=none").step, plan("train.remat=none", "moe.dispatch_dtype=fp8").step
     moved = bf16.inputs["a2a_transfer_s"] * bf16.inputs["moe_layers"]
     saved = moved * (1 - steptime.fp8_row_ratio(7168))  # one of the four all-to-alls
     assert bf16.a2a_s - fp8.a2a_s == pytest.approx(saved)
@@ -91,8 +95,13 @@ def test_fsdp_traffic_grows_with_micro_batches():
 
 # docs/planning.md's DeepSeek-V3 job: weights gathered once per step, 30 micro-batches (the
 # memory planner's fit), the exchange in 4 chunks, fp8 dispatch
-V3_FAST = ("parallel.weight_gather=step", "train.micro_batch_size=0", "train.micro_batches=20",
-           "moe.overlap_chunks=4", "moe.dispatch_dtype=fp8")
+V3_FAST = (
+    "parallel.weight_gather=step",
+    "train.micro_batch_size=0",
+    "train.micro_batches=20",
+    "moe.overlap_chunks=4",
+    "moe.dispatch_dtype=fp8",
+)
 
 
 def test_gathering_once_per_step_moves_less_than_per_micro_batch():
@@ -102,8 +111,12 @@ def test_gathering_once_per_step_moves_less_than_per_micro_batch():
 
 
 def test_step_gather_traffic_is_one_gather_plus_gradients_per_micro_batch():
-    t = {n: plan("parallel.weight_gather=step", "train.micro_batch_size=0",
-                 f"train.micro_batches={n}").step.fsdp_s for n in (10, 20, 40)}
+    t = {
+        n: plan(
+            "parallel.weight_gather=step", "train.micro_batch_size=0", f"train.micro_batches={n}"
+        ).step.fsdp_s
+        for n in (10, 20, 40)
+    }
     assert t[40] - t[20] == pytest.approx(2 * (t[20] - t[10]))  # linear in n
     assert t[10] - (t[20] - t[10]) > 0  # plus the once-per-step gather
 
@@ -136,8 +149,7 @@ def test_full_remat_recomputes_a_forward_and_its_all_to_alls():
 
 
 def test_better_efficiency_is_a_shorter_step(tmp_path):
-    text = compute.DEFAULTS.read_text().replace("gemm_efficiency = 0.80",
-                                                "gemm_efficiency = 1.0")
+    text = compute.DEFAULTS.read_text().replace("gemm_efficiency = 0.80", "gemm_efficiency = 1.0")
     (tmp_path / "c.toml").write_text(text)
     one = ("train.micro_batch_size=0", "train.micro_batches=1")  # compute-bound: FSDP hides
     assert plan(*one, compute=str(tmp_path / "c.toml")).step.step_s < plan(*one).step.step_s
@@ -153,8 +165,7 @@ def test_each_shipped_efficiency_says_where_it_came_from():
 
 
 def test_json_carries_every_input_and_the_anchor():
-    r = cli("--preset", "gb200-nvl72", "--nodes", "64", "--model", "deepseek-v3", "--ep", "64",
-            "--json")
+    r = cli("--preset", "gb200-nvl72", "--nodes", "64", "--model", "deepseek-v3", "--ep", "64", "--json")
     out = json.loads(r.stdout)
     st = out["step"]
     assert set(st["inputs"]["efficiency"]) == set(compute.FIELDS)
@@ -169,26 +180,42 @@ def test_human_output_prints_the_prediction_beside_the_published_figure():
 
 
 def test_set_overrides_reach_the_prediction():
-    r = cli("--preset", "gb200-nvl72", "--nodes", "64", "--model", "deepseek-v3", "--ep", "64",
-            "--set", "moe.overlap_chunks=4", "--json")
+    r = cli(
+        "--preset",
+        "gb200-nvl72",
+        "--nodes",
+        "64",
+        "--model",
+        "deepseek-v3",
+        "--ep",
+        "64",
+        "--set",
+        "moe.overlap_chunks=4",
+        "--json",
+    )
     assert json.loads(r.stdout)["step"]["inputs"]["overlap_chunks"] == 4
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (lambda t: t.replace("hbm_efficiency = 0.90", "hbm_efficiency = -0.9"),
-     "compute.hbm_efficiency must be a number in (0, 1]"),
-    (lambda t: t.replace("attention_efficiency = 0.40", ""),
-     "missing key compute.attention_efficiency"),
-    (lambda t: t.replace("[compute]\n", "[compute]\nflops_fudge = 2\n"),
-     "unknown key compute.flops_fudge"),
-    (lambda t: t.replace("gemm_efficiency = 0.80", 'gemm_efficiency = "fast"'), "gemm_efficiency"),
-    (lambda t: "[compute\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (
+            lambda t: t.replace("hbm_efficiency = 0.90", "hbm_efficiency = -0.9"),
+            "compute.hbm_efficiency must be a number in (0, 1]",
+        ),
+        (lambda t: t.replace("attention_efficiency = 0.40", ""), "missing key compute.attention_efficiency"),
+        (
+            lambda t: t.replace("[compute]\n", "[compute]\nflops_fudge = 2\n"),
+            "unknown key compute.flops_fudge",
+        ),
+        (lambda t: t.replace("gemm_efficiency = 0.80", 'gemm_efficiency = "fast"'), "gemm_efficiency"),
+        (lambda t: "[compute\n", "not valid TOML"),
+    ],
+)
 def test_a_bad_compute_file_is_one_line_exit_2(tmp_path, edit, needle):
     path = tmp_path / "c.toml"
     path.write_text(edit(compute.DEFAULTS.read_text()))
-    r = cli("--preset", "h100-dgx", "--nodes", "1", "--model", "tiny", "--ep", "8",
-            "--compute", str(path))
+    r = cli("--preset", "h100-dgx", "--nodes", "1", "--model", "tiny", "--ep", "8", "--compute", str(path))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and r.stdout == "" and len(lines) == 1 and needle in lines[0], r.stderr
 
@@ -199,8 +226,7 @@ def test_every_preset_has_its_memory_bandwidth():
 
 
 def test_published_anchors_name_real_presets():
-    found = compute.anchors("deepseek-v3", "gb200-nvl72") + compute.anchors("qwen3-30b-a3b",
-                                                                             "h100-dgx")
+    found = compute.anchors("deepseek-v3", "gb200-nvl72") + compute.anchors("qwen3-30b-a3b", "h100-dgx")
     assert len(found) == 2
     for a in found:
         assert a.preset in presets.list_presets() and a.model in config.list_presets()

@@ -16,7 +16,10 @@ def cfg(name):
 
 
 def test_dense_active_has_the_moes_flops_per_token():
-    moe, dense = flops.train_flops_per_token(cfg("dropless")), flops.train_flops_per_token(cfg("dense-active"))
+    moe, dense = (
+        flops.train_flops_per_token(cfg("dropless")),
+        flops.train_flops_per_token(cfg("dense-active")),
+    )
     assert dense == pytest.approx(moe, rel=0.02)  # the router's matmul is the difference
 
 
@@ -38,10 +41,16 @@ def test_variants_differ_only_in_what_they_study():
 def test_summary_averages_seeds_and_rates_the_drops():
     c = cfg("capacity-1.0")
     assigned = 16 * 128 * 2 * 2  # batch x seq x top_k x MoE layers
-    runs = [[{"step": 5, "loss": 3.0, "dropped_tokens": 0, "eval_loss": 2.0},
-             {"step": 10, "loss": 2.5, "dropped_tokens": assigned // 10, "eval_loss": 1.0}],
-            [{"step": 5, "loss": 3.0, "dropped_tokens": 0, "eval_loss": 2.2},
-             {"step": 10, "loss": 2.5, "dropped_tokens": assigned // 10, "eval_loss": 1.2}]]
+    runs = [
+        [
+            {"step": 5, "loss": 3.0, "dropped_tokens": 0, "eval_loss": 2.0},
+            {"step": 10, "loss": 2.5, "dropped_tokens": assigned // 10, "eval_loss": 1.0},
+        ],
+        [
+            {"step": 5, "loss": 3.0, "dropped_tokens": 0, "eval_loss": 2.2},
+            {"step": 10, "loss": 2.5, "dropped_tokens": assigned // 10, "eval_loss": 1.2},
+        ],
+    ]
     row = study.summarize("capacity-1.0", c, runs)
     assert row["eval_loss_mean"] == pytest.approx(1.1) and row["eval_loss_std"] > 0
     assert row["curve"] == pytest.approx([2.1, 1.1])

@@ -17,8 +17,9 @@ from topology import presets
 
 PROBLEM = plugin.version_problem(plugin.search_path())
 needs_plugin = pytest.mark.skipif(PROBLEM is not None, reason=f"no CUDA PJRT plugin: {PROBLEM}")
-TINY = Request(preset="h100-dgx", model="tiny", nodes=1, ep=8,
-               sets=("precision.compute=bf16", "moe.capacity_buckets=1"))
+TINY = Request(
+    preset="h100-dgx", model="tiny", nodes=1, ep=8, sets=("precision.compute=bf16", "moe.capacity_buckets=1")
+)
 
 
 def job(req: Request):

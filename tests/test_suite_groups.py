@@ -15,8 +15,11 @@ def test_each_process_module_exists(module):
 
 
 def test_the_tests_of_a_module_fixture_share_a_group(request):
-    items = [i for i in request.session.items if i.nodeid.startswith("tests/test_stepper.py")
-             and "two_in_a_row" in i.fixturenames]
+    items = [
+        i
+        for i in request.session.items
+        if i.nodeid.startswith("tests/test_stepper.py") and "two_in_a_row" in i.fixturenames
+    ]
     if not items:
         pytest.skip("tests/test_stepper.py is not collected in this run")
     assert {conftest.xdist_group(i) for i in items} == {"test_stepper"}

@@ -17,43 +17,88 @@ def _write_jsonl(path, records, tail=""):
 
 
 def _metrics(steps=6):
-    return [{"step": s, "loss": 5.0 - 0.1 * s, "aux_loss": 1.0, "lr": 1e-3,
-             "step_time_s": 5.0 if s == 1 else 0.1 + 0.01 * s,
-             "tokens_per_s": TOKENS_PER_STEP / (5.0 if s == 1 else 0.1 + 0.01 * s),
-             "tflops_per_device": 100.0 * s, "mfu": None, "compiled": s == 1,
-             "tokens_per_expert": [[10, 20, 30, 4]], "max_over_mean_load": 1.875}
-            for s in range(1, steps + 1)]
+    return [
+        {
+            "step": s,
+            "loss": 5.0 - 0.1 * s,
+            "aux_loss": 1.0,
+            "lr": 1e-3,
+            "step_time_s": 5.0 if s == 1 else 0.1 + 0.01 * s,
+            "tokens_per_s": TOKENS_PER_STEP / (5.0 if s == 1 else 0.1 + 0.01 * s),
+            "tflops_per_device": 100.0 * s,
+            "mfu": None,
+            "compiled": s == 1,
+            "tokens_per_expert": [[10, 20, 30, 4]],
+            "max_over_mean_load": 1.875,
+        }
+        for s in range(1, steps + 1)
+    ]
 
 
 def _telemetry(rank, util, step_s, power=500.0, t0=1000.0, steps=6, sessions=1):
     """One rank's lines: a start, then samples every 0.05 s while steps 1..steps run."""
     lines, t, energy = [], t0, 0.0
     for session in range(sessions):
-        lines.append({"kind": "start", "time": t, "rank": rank, "process_count": 3,
-                      "nvml": "ok", "host": f"node{rank}", "device_kind": "NVIDIA H100 80GB HBM3"})
+        lines.append(
+            {
+                "kind": "start",
+                "time": t,
+                "rank": rank,
+                "process_count": 3,
+                "nvml": "ok",
+                "host": f"node{rank}",
+                "device_kind": "NVIDIA H100 80GB HBM3",
+            }
+        )
         energy = 0.0
         for step in range(1, steps + 1):
             duration = 2.0 if step == 1 else step_s
-            lines.append({"kind": "sample", "time": t, "step": step, "steps": [[step, t]],
-                          "gpu_util_pct": 5.0 if step == 1 else util, "power_w": power,
-                          "energy_j": energy, "host_cpu_pct": 50.0, "sample_ms": 0.5})
+            lines.append(
+                {
+                    "kind": "sample",
+                    "time": t,
+                    "step": step,
+                    "steps": [[step, t]],
+                    "gpu_util_pct": 5.0 if step == 1 else util,
+                    "power_w": power,
+                    "energy_j": energy,
+                    "host_cpu_pct": 50.0,
+                    "sample_ms": 0.5,
+                }
+            )
             t += duration
             energy += power * duration
-        lines.append({"kind": "sample", "time": t, "step": None, "steps": [[None, t]],
-                      "gpu_util_pct": 0.0, "power_w": power, "energy_j": energy, "sample_ms": 0.5})
+        lines.append(
+            {
+                "kind": "sample",
+                "time": t,
+                "step": None,
+                "steps": [[None, t]],
+                "gpu_util_pct": 0.0,
+                "power_w": power,
+                "energy_j": energy,
+                "sample_ms": 0.5,
+            }
+        )
     return lines, energy
 
 
 @pytest.fixture
 def run_dir(tmp_path):
     _write_jsonl(tmp_path / "metrics.jsonl", _metrics(), tail='{"step": 7, "loss": 4.')
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"train": {"batch_size": 4, "seq_len": 16, "steps": 10},
-         "model": {"dtype": "bfloat16"}, "parallel": {"cluster": "h100-dgx"}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "train": {"batch_size": 4, "seq_len": 16, "steps": 10},
+                "model": {"dtype": "bfloat16"},
+                "parallel": {"cluster": "h100-dgx"},
+            }
+        )
+    )
     energies = {}
     for rank, util, step_s in ((0, 90.0, 0.1), (1, 60.0, 0.2)):
         lines, energies[rank] = _telemetry(rank, util, step_s)
-        _write_jsonl(tmp_path / "telemetry" / f"rank{rank}.jsonl", lines, tail="{\"kind\": \"sam")
+        _write_jsonl(tmp_path / "telemetry" / f"rank{rank}.jsonl", lines, tail='{"kind": "sam')
     return tmp_path, energies
 
 
@@ -89,8 +134,11 @@ def test_missing_ranks_stragglers_and_skipped_lines(run_dir):
     assert s["job"]["ranks_expected"] == 3 and s["job"]["missing_ranks"] == [2]
     assert [x["rank"] for x in s["stragglers"]] == [1, 1]  # low utilization and slow steps
     assert "GPU utilization 60%" in s["stragglers"][0]["why"]
-    assert s["data_quality"]["skipped_lines"] == {"metrics.jsonl": 1, "telemetry/rank0.jsonl": 1,
-                                                  "telemetry/rank1.jsonl": 1}
+    assert s["data_quality"]["skipped_lines"] == {
+        "metrics.jsonl": 1,
+        "telemetry/rank0.jsonl": 1,
+        "telemetry/rank1.jsonl": 1,
+    }
     assert s["progress"] == {"last_step": 6, "total_steps": 10}
 
 
@@ -136,12 +184,15 @@ def test_read_jsonl_counts_garbage(tmp_path):
     assert records == [{"a": 1}, {"b": 2}] and skipped == 3
 
 
-@pytest.mark.parametrize("config, peak_tflops", [
-    ({"precision": {"compute": "fp8"}, "parallel": {"cluster": "h100-dgx"}}, 1979.0),
-    ({"precision": {"compute": "bf16"}, "parallel": {"cluster": "h100-dgx"}}, 989.0),
-    ({"precision": {"compute": "fp32"}, "parallel": {"cluster": "h100-dgx"}}, None),
-    ({"model": {"dtype": "bfloat16"}, "parallel": {"cluster": "h100-dgx"}}, 989.0),  # older runs
-])
+@pytest.mark.parametrize(
+    "config, peak_tflops",
+    [
+        ({"precision": {"compute": "fp8"}, "parallel": {"cluster": "h100-dgx"}}, 1979.0),
+        ({"precision": {"compute": "bf16"}, "parallel": {"cluster": "h100-dgx"}}, 989.0),
+        ({"precision": {"compute": "fp32"}, "parallel": {"cluster": "h100-dgx"}}, None),
+        ({"model": {"dtype": "bfloat16"}, "parallel": {"cluster": "h100-dgx"}}, 989.0),  # older runs
+    ],
+)
 def test_mfu_peak_follows_precision_compute(config, peak_tflops):
     peak = summary.peak_for(config, None)
     assert (peak is None) if peak_tflops is None else peak == pytest.approx(peak_tflops * 1e12)

@@ -66,13 +66,16 @@ def fake_nvml(monkeypatch):
         return request
 
     patch = {
-        "nvmlInit": lambda: None, "nvmlShutdown": lambda: None,
+        "nvmlInit": lambda: None,
+        "nvmlShutdown": lambda: None,
         "nvmlDeviceGetHandleByIndex": lambda i: f"handle{i}",
-        "nvmlDeviceGetName": lambda h: "NVIDIA H200", "nvmlDeviceGetUUID": lambda h: "GPU-1234",
+        "nvmlDeviceGetName": lambda h: "NVIDIA H200",
+        "nvmlDeviceGetUUID": lambda h: "GPU-1234",
         "nvmlDeviceGetArchitecture": lambda h: pynvml.NVML_DEVICE_ARCH_HOPPER,
         "nvmlDeviceGetUtilizationRates": lambda h: pynvml.c_nvmlUtilization_t(gpu=87, memory=41),
-        "nvmlDeviceGetMemoryInfo": lambda h: pynvml.c_nvmlMemory_t(total=141 * 10**9, free=41 * 10**9,
-                                                                    used=100 * 10**9),
+        "nvmlDeviceGetMemoryInfo": lambda h: pynvml.c_nvmlMemory_t(
+            total=141 * 10**9, free=41 * 10**9, used=100 * 10**9
+        ),
         "nvmlDeviceGetPowerUsage": lambda h: 650_000,
         "nvmlDeviceGetTotalEnergyConsumption": energy,
         "nvmlDeviceGetClockInfo": lambda h, clock: 1980,
@@ -81,7 +84,8 @@ def fake_nvml(monkeypatch):
         "nvmlDeviceGetFieldValues": field_values,
         "nvmlGpmQueryDeviceSupport": lambda h: SimpleNamespace(isSupportedDevice=1),
         "nvmlGpmSampleAlloc": lambda: pynvml.c_nvmlGpmSample_t(),
-        "nvmlGpmSampleGet": lambda h, s: s, "nvmlGpmSampleFree": lambda s: None,
+        "nvmlGpmSampleGet": lambda h, s: s,
+        "nvmlGpmSampleFree": lambda s: None,
         "nvmlGpmMetricsGet": metrics_get,
     }
     for name, fn in patch.items():
@@ -123,8 +127,10 @@ def test_nvml_fields_rates_and_unsupported_once(fake_nvml):
     assert third["nvlink_tx_gbps"] == pytest.approx(1096 * 1024 / 1e9)  # across the wrap
     assert (first["energy_j"], second["energy_j"], third["energy_j"]) == (0.0, 650.0, 1300.0)
     assert second["gpm_sm_active_pct"] == 55.0 and second["gpm_tensor_active_pct"] == 33.0
-    assert new1 == {"temp_c": "NVMLError_NotSupported: Not Supported",
-                    "nvlink_rx_gbps": "NVMLError_NotSupported: Not Supported"}
+    assert new1 == {
+        "temp_c": "NVMLError_NotSupported: Not Supported",
+        "nvlink_rx_gbps": "NVMLError_NotSupported: Not Supported",
+    }
     assert new2 == {"gpm_dram_bw_pct": "NVMLError_NotSupported: Not Supported"} and new3 == {}
     assert fake_nvml["temp"] == 1 and fake_nvml["rx_asked"] == 1  # never asked again
     gpu.close()
@@ -153,8 +159,14 @@ def _sample_briefly(target, **kw):
 
 
 def test_sampler_writes_gpu_lines_and_each_unsupported_field_once(fake_nvml, tmp_path):
-    target = Target(path=tmp_path / "telemetry" / "rank3.jsonl", interval_s=0.05, rank=3,
-                    process_count=4, gpu_index=0, context={"platform": "gpu"})
+    target = Target(
+        path=tmp_path / "telemetry" / "rank3.jsonl",
+        interval_s=0.05,
+        rank=3,
+        process_count=4,
+        gpu_index=0,
+        context={"platform": "gpu"},
+    )
     sampler, lines = _sample_briefly(target, nvml=pynvml)
     start, stop = lines[0], lines[-1]
     assert start["kind"] == "start" and start["nvml"] == "ok" and start["rank"] == 3
@@ -170,9 +182,15 @@ def test_sampler_writes_gpu_lines_and_each_unsupported_field_once(fake_nvml, tmp
 
 
 def _host_target(tmp_path):
-    return Target(path=tmp_path / "telemetry" / "rank0.jsonl", interval_s=0.05, rank=0,
-                  process_count=1, gpu_index=None, no_gpu_reason="JAX platform is cpu",
-                  context={"platform": "cpu"})
+    return Target(
+        path=tmp_path / "telemetry" / "rank0.jsonl",
+        interval_s=0.05,
+        rank=0,
+        process_count=1,
+        gpu_index=None,
+        no_gpu_reason="JAX platform is cpu",
+        context={"platform": "cpu"},
+    )
 
 
 def test_a_held_sampler_that_is_never_released_writes_nothing(tmp_path):
@@ -193,30 +211,39 @@ def test_a_released_sampler_writes_what_it_held(tmp_path):
     assert lines[0]["kind"] == "start" and [m[0] for l in lines for m in l.get("steps", [])] == [1]
 
 
-@pytest.mark.parametrize("broken, expected", [
-    ("init", "unavailable: NVML Shared Library Not Found"),
-    ("import", "unavailable: pynvml not importable"),
-])
+@pytest.mark.parametrize(
+    "broken, expected",
+    [
+        ("init", "unavailable: NVML Shared Library Not Found"),
+        ("import", "unavailable: pynvml not importable"),
+    ],
+)
 def test_without_nvml_one_line_says_why_and_the_host_is_sampled(broken, expected, tmp_path, monkeypatch):
     if broken == "init":
+
         def init():
             raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
         monkeypatch.setattr(pynvml, "nvmlInit", init)
     else:
         monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
-    target = Target(path=tmp_path / "rank0.jsonl", interval_s=0.05, rank=0, process_count=1,
-                    gpu_index=0)
+    target = Target(path=tmp_path / "rank0.jsonl", interval_s=0.05, rank=0, process_count=1, gpu_index=0)
     _, lines = _sample_briefly(target)
     nvml_lines = [l for l in lines if "nvml" in l]
     assert len(nvml_lines) == 1 and nvml_lines[0]["nvml"].startswith(expected)
     samples = [l for l in lines if l["kind"] == "sample"]
-    assert samples and all("rss_bytes" in s and "load1" in s and "gpu_util_pct" not in s
-                           for s in samples)
+    assert samples and all("rss_bytes" in s and "load1" in s and "gpu_util_pct" not in s for s in samples)
 
 
 def test_a_process_without_gpu_says_so(fake_nvml, tmp_path):
-    target = Target(path=tmp_path / "rank0.jsonl", interval_s=0.05, rank=0, process_count=1,
-                    gpu_index=None, no_gpu_reason="JAX platform is cpu")
+    target = Target(
+        path=tmp_path / "rank0.jsonl",
+        interval_s=0.05,
+        rank=0,
+        process_count=1,
+        gpu_index=None,
+        no_gpu_reason="JAX platform is cpu",
+    )
     _, lines = _sample_briefly(target, nvml=pynvml)
     assert lines[0]["nvml"] == "unused: JAX platform is cpu"
 
@@ -224,10 +251,10 @@ def test_a_process_without_gpu_says_so(fake_nvml, tmp_path):
 def test_an_error_in_the_thread_is_logged_once_and_ends_sampling(fake_nvml, tmp_path, monkeypatch):
     def broken(handle):
         raise RuntimeError("driver exploded")
+
     monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", broken)
     logged = []
-    target = Target(path=tmp_path / "rank0.jsonl", interval_s=0.02, rank=0, process_count=1,
-                    gpu_index=0)
+    target = Target(path=tmp_path / "rank0.jsonl", interval_s=0.02, rank=0, process_count=1, gpu_index=0)
     sampler, lines = _sample_briefly(target, nvml=pynvml, log=logged.append)
     assert len(logged) == 1 and "driver exploded" in logged[0]
     assert sampler.error == "RuntimeError: driver exploded"
@@ -239,14 +266,15 @@ def _device(platform, hw=None, kind="NVIDIA H200"):
 
 
 def test_target_maps_the_local_gpu_through_cuda_visible_devices(tmp_path):
-    t = telemetry.target_for(tmp_path, 1.0, [_device("gpu", 1)], rank=2, process_count=8,
-                             env={"CUDA_VISIBLE_DEVICES": "4,5"})
+    t = telemetry.target_for(
+        tmp_path, 1.0, [_device("gpu", 1)], rank=2, process_count=8, env={"CUDA_VISIBLE_DEVICES": "4,5"}
+    )
     assert (t.gpu_index, t.path.name, t.context["device_kind"]) == (5, "rank2.jsonl", "NVIDIA H200")
-    uuid = telemetry.target_for(tmp_path, 1.0, [_device("gpu", 0)], rank=0, process_count=1,
-                                env={"CUDA_VISIBLE_DEVICES": "GPU-8e1f"})
+    uuid = telemetry.target_for(
+        tmp_path, 1.0, [_device("gpu", 0)], rank=0, process_count=1, env={"CUDA_VISIBLE_DEVICES": "GPU-8e1f"}
+    )
     assert uuid.gpu_index is None and "NVML index" in uuid.no_gpu_reason
-    cpu = telemetry.target_for(tmp_path, 1.0, [_device("cpu", kind="cpu")], rank=0,
-                               process_count=1, env={})
+    cpu = telemetry.target_for(tmp_path, 1.0, [_device("cpu", kind="cpu")], rank=0, process_count=1, env={})
     assert cpu.gpu_index is None and cpu.no_gpu_reason == "JAX platform is cpu"
 
 
@@ -255,6 +283,7 @@ def test_interval_zero_disables_and_a_failed_start_never_raises(tmp_path, monkey
 
     def broken(*args, **kwargs):
         raise OSError("read-only file system")
+
     monkeypatch.setattr(telemetry, "target_for", broken)
     logged = []
     sampler = telemetry.start(tmp_path, 1.0, log=logged.append)

@@ -11,7 +11,8 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_train.convert.to_hf import stage
 
@@ -74,7 +75,12 @@ print(peak[0] - base)
 def test_staging_holds_a_chunk_not_the_stacked_leaf(tmp_path):
     """256 MiB stacked leaf in 8 chunks of 32 MiB: anonymous memory grows by about a chunk
     plus orbax's 100 MB OCDBT cache pool (measured 83 MB), not by the leaf."""
-    out = subprocess.run([sys.executable, "-c", STAGE_MEMORY, str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", STAGE_MEMORY, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     grown = int(out.stdout.split()[-1])
     assert grown < 0.5 * (8 * 8 * 1024 * 1024 * 4), grown

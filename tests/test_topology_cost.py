@@ -82,8 +82,10 @@ def test_remote_domains_per_token():
     assert cost.remote_domains_per_token(8, 8) == pytest.approx(7 * (1 - (7 / 8) ** 8))
 
 
-@pytest.mark.parametrize("name,ep", [("h100-dgx", 8), ("h100-dgx", 4), ("gb200-nvl72", 72),
-                                     ("gb200-nvl36x2", 64), ("cpu-local", 8)])
+@pytest.mark.parametrize(
+    "name,ep",
+    [("h100-dgx", 8), ("h100-dgx", 4), ("gb200-nvl72", 72), ("gb200-nvl36x2", 64), ("cpu-local", 8)],
+)
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_group_inside_one_domain_uses_no_network(name, ep, hierarchical):
     b = cost.dispatch_time(presets.load(name), T, H, K, BF16, ep, hierarchical)
@@ -94,8 +96,10 @@ def test_group_inside_one_domain_uses_no_network(name, ep, hierarchical):
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_monotonic_in_tokens(h100, gb200, hierarchical):
     for cluster in (h100, gb200):
-        times = [cost.dispatch_time(cluster, t, H, K, BF16, 64, hierarchical).total_s
-                 for t in (256, 1024, 4096, 8192, 16384)]
+        times = [
+            cost.dispatch_time(cluster, t, H, K, BF16, 64, hierarchical).total_s
+            for t in (256, 1024, 4096, 8192, 16384)
+        ]
         assert times == sorted(times) and len(set(times)) == len(times)
 
 
@@ -115,8 +119,10 @@ def test_layer_time(h100, gb200):
         assert layer.total_s == pytest.approx(layer.comm_s + layer.gemm_s)
         assert 0 < layer.comm_fraction < 1
     # the rack keeps EP64 mostly on NVLink, so communication is a smaller share there
-    assert (cost.layer_time(gb200, T, H, K, F, BF16, 64).comm_fraction
-            < cost.layer_time(h100, T, H, K, F, BF16, 64).comm_fraction)
+    assert (
+        cost.layer_time(gb200, T, H, K, F, BF16, 64).comm_fraction
+        < cost.layer_time(h100, T, H, K, F, BF16, 64).comm_fraction
+    )
 
 
 def test_bad_sizes_are_rejected(h100):

@@ -19,8 +19,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _calibration(tmp_path: Path, old: str, new: str) -> Path:
     """A calibration file as ``topology probe`` writes it, with one line edited."""
-    path = calibration.write(tmp_path / "cal.toml", "cpu-local", "nvlink", Fit(20e-6, 300e9),
-                             [Sample(4096, 3e-5), Sample(8192, 4e-5)], "cpu", 4)
+    path = calibration.write(
+        tmp_path / "cal.toml",
+        "cpu-local",
+        "nvlink",
+        Fit(20e-6, 300e9),
+        [Sample(4096, 3e-5), Sample(8192, 4e-5)],
+        "cpu",
+        4,
+    )
     text = path.read_text()
     assert old in text
     path.write_text(text.replace(old, new, 1))
@@ -28,24 +35,60 @@ def _calibration(tmp_path: Path, old: str, new: str) -> Path:
 
 
 def _plan(*extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "topology", "plan", "--preset", "cpu-local",
-                           "--nodes", "2", "--model", "tiny", "--ep", "8", *extra],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "topology",
+            "plan",
+            "--preset",
+            "cpu-local",
+            "--nodes",
+            "2",
+            "--model",
+            "tiny",
+            "--ep",
+            "8",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("old,new,message", [
-    ("gbps_per_gpu = 300.000000", "gbps_per_gpu = nan",
-     "calibration.gbps_per_gpu must be finite, got nan"),
-    ("latency_us = 20.0000", "latency_us = inf", "calibration.latency_us must be finite, got inf"),
-    ("gbps_per_gpu = 300.000000", "gbps_per_gpu = -300.0",
-     "calibration.gbps_per_gpu must be a positive number, got -300.0"),
-    ("latency_us = 20.0000", "latency_us = -1.0",
-     "calibration.latency_us must be a number >= 0, got -1.0"),
-    ("latency_us = 20.0000", 'latency_us = "fast"',
-     "calibration.latency_us must be a number, got 'fast'"),
-    ("seconds = 0.000040000", "seconds = nan",
-     r"calibration.samples\[1\].seconds must be finite, got nan"),
-])
+@pytest.mark.parametrize(
+    "old,new,message",
+    [
+        (
+            "gbps_per_gpu = 300.000000",
+            "gbps_per_gpu = nan",
+            "calibration.gbps_per_gpu must be finite, got nan",
+        ),
+        ("latency_us = 20.0000", "latency_us = inf", "calibration.latency_us must be finite, got inf"),
+        (
+            "gbps_per_gpu = 300.000000",
+            "gbps_per_gpu = -300.0",
+            "calibration.gbps_per_gpu must be a positive number, got -300.0",
+        ),
+        (
+            "latency_us = 20.0000",
+            "latency_us = -1.0",
+            "calibration.latency_us must be a number >= 0, got -1.0",
+        ),
+        (
+            "latency_us = 20.0000",
+            'latency_us = "fast"',
+            "calibration.latency_us must be a number, got 'fast'",
+        ),
+        (
+            "seconds = 0.000040000",
+            "seconds = nan",
+            r"calibration.samples\[1\].seconds must be finite, got nan",
+        ),
+    ],
+)
 def test_a_bad_calibration_number_names_the_key_and_file(tmp_path, old, new, message):
     path = _calibration(tmp_path, old, new)
     with pytest.raises(TopologyError, match=rf"^{path}: {message}$"):
@@ -61,35 +104,62 @@ def test_plan_with_a_nan_calibration_exits_2_with_one_line(tmp_path):
     path = _calibration(tmp_path, "gbps_per_gpu = 300.000000", "gbps_per_gpu = nan")
     proc = _plan("--calibration", str(path))
     assert (proc.returncode, proc.stderr.splitlines()) == (
-        2, [f"error: {path}: calibration.gbps_per_gpu must be finite, got nan"])
+        2,
+        [f"error: {path}: calibration.gbps_per_gpu must be finite, got nan"],
+    )
 
 
 def test_plan_with_an_infinite_site_latency_exits_2_with_one_line(tmp_path):
     site = tmp_path / "site.toml"
     text = (presets.PRESET_DIR / "cpu-local.toml").read_text()
     site.write_text(text.replace("latency_network_us = ", "latency_network_us = inf #", 1))
-    proc = subprocess.run([sys.executable, "-m", "topology", "plan", "--preset", str(site),
-                           "--nodes", "2", "--model", "tiny", "--ep", "8"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "topology",
+            "plan",
+            "--preset",
+            str(site),
+            "--nodes",
+            "2",
+            "--model",
+            "tiny",
+            "--ep",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert (proc.returncode, proc.stderr.splitlines()) == (
-        2, [f"error: {site}: key 'latency_network_us' must be finite, got inf"])
+        2,
+        [f"error: {site}: key 'latency_network_us' must be finite, got inf"],
+    )
 
 
-@pytest.mark.parametrize("value,message", [
-    ("nan", "must be finite, got nan"), ("inf", "must be finite, got inf"),
-    ("0", r"must be a number in \(0, 1\], got 0"), ("true", "must be a number, got True")])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("nan", "must be finite, got nan"),
+        ("inf", "must be finite, got inf"),
+        ("0", r"must be a number in \(0, 1\], got 0"),
+        ("true", "must be a number, got True"),
+    ],
+)
 def test_a_bad_compute_number_names_the_key_and_file(tmp_path, value, message):
     path = tmp_path / "compute.toml"
-    path.write_text(compute.DEFAULTS.read_text().replace(
-        "gemm_efficiency = 0.80", f"gemm_efficiency = {value}", 1))
+    path.write_text(
+        compute.DEFAULTS.read_text().replace("gemm_efficiency = 0.80", f"gemm_efficiency = {value}", 1)
+    )
     with pytest.raises(TopologyError, match=rf"^{path}: compute.gemm_efficiency {message}$"):
         compute.load(path)
 
 
 def test_a_nan_published_figure_names_the_anchor(tmp_path, monkeypatch):
     path = tmp_path / "anchors.toml"
-    path.write_text(compute.ANCHORS.read_text().replace("tflops_per_gpu = 1276",
-                                                        "tflops_per_gpu = nan", 1))
+    path.write_text(compute.ANCHORS.read_text().replace("tflops_per_gpu = 1276", "tflops_per_gpu = nan", 1))
     monkeypatch.setattr(compute, "ANCHORS", path)
     with pytest.raises(TopologyError, match=rf"^{path}: anchor\[0\].tflops_per_gpu must be finite"):
         compute.anchors("deepseek-v3", "gb200-nvl72")

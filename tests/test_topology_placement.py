@@ -11,12 +11,21 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from topology import cost, presets
-from topology.placement import (PlacementError, allocation, compress, domain_index,
-                                domains_spanned, naive_domains, naive_placement, place,
-                                synth_domains)
+from topology.placement import (
+    PlacementError,
+    allocation,
+    compress,
+    domain_index,
+    domains_spanned,
+    naive_domains,
+    naive_placement,
+    place,
+    synth_domains,
+)
 
 T, H, K, BF16 = 8192, 7168, 8, 2
 V = 939_524_096
@@ -32,8 +41,9 @@ def blocks(*sizes: int) -> list[list[int]]:
 
 
 def network_bytes(cluster, p, hierarchical=False) -> float:
-    return cost.placement_dispatch_time(cluster, p.ep_groups, domain_index(p.domains), T, H, K,
-                                        BF16, hierarchical).v_network_bytes
+    return cost.placement_dispatch_time(
+        cluster, p.ep_groups, domain_index(p.domains), T, H, K, BF16, hierarchical
+    ).v_network_bytes
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +57,7 @@ def gb200():
 
 
 # --- unit cases -----------------------------------------------------------------------------
+
 
 def test_h100_two_nodes_ep8_one_group_per_node():
     p = place(blocks(8, 8), ep=8)
@@ -133,6 +144,7 @@ def test_helpers():
 
 # --- cost of a placement --------------------------------------------------------------------
 
+
 def test_bytes_per_dispatch():
     assert T * K * H * BF16 == V
 
@@ -140,36 +152,33 @@ def test_bytes_per_dispatch():
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_equal_domains_match_the_flat_and_hierarchical_formulas(h100, gb200, hierarchical):
     groups = [list(range(64))]
-    b = cost.placement_dispatch_time(h100, groups, [r // 8 for r in range(64)], T, H, K, BF16,
-                                     hierarchical)
+    b = cost.placement_dispatch_time(h100, groups, [r // 8 for r in range(64)], T, H, K, BF16, hierarchical)
     assert b == cost.dispatch_time(h100, T, H, K, BF16, 64, hierarchical)
     g = cost.placement_dispatch_time(gb200, groups, [0] * 64, T, H, K, BF16, hierarchical)
     assert g == cost.dispatch_time(gb200, T, H, K, BF16, 64, hierarchical)
 
 
 def test_hand_computed_h100_ep64(h100):
-    b = cost.placement_dispatch_time(h100, [list(range(64))], [r // 8 for r in range(64)],
-                                     T, H, K, BF16)
+    b = cost.placement_dispatch_time(h100, [list(range(64))], [r // 8 for r in range(64)], T, H, K, BF16)
     assert b.v_network_bytes == 822_083_584 and b.v_nvlink_bytes == 102_760_448
     assert b.t_network_s == pytest.approx(0.0191182229, rel=1e-8)
     assert b.t_nvlink_s == pytest.approx(0.000278483599, rel=1e-8)
     assert b.total_s == pytest.approx(0.0191182229 + 17.4e-6, rel=1e-8)
-    hier = cost.placement_dispatch_time(h100, [list(range(64))], [r // 8 for r in range(64)],
-                                        T, H, K, BF16, hierarchical=True)
+    hier = cost.placement_dispatch_time(
+        h100, [list(range(64))], [r // 8 for r in range(64)], T, H, K, BF16, hierarchical=True
+    )
     # 8192*7168*2 * 7 * (1 - (7/8)^8) = 539,608,335 bytes; V*7/8 over NVLink
     assert hier.v_network_bytes == pytest.approx(539_608_335) and hier.v_nvlink_bytes == V * 7 / 8
 
 
 def test_hand_computed_nvl72_planned_vs_naive(gb200):
     planned = place(blocks(64, 64), ep=64)
-    b = cost.placement_dispatch_time(gb200, planned.ep_groups, domain_index(planned.domains),
-                                     T, H, K, BF16)
+    b = cost.placement_dispatch_time(gb200, planned.ep_groups, domain_index(planned.domains), T, H, K, BF16)
     assert b.v_network_bytes == 0 and b.v_nvlink_bytes == 924_844_032
     assert b.total_s == pytest.approx(0.00126864751 + 3.4e-6, rel=1e-8)
     # naive: group 1 = ranks 64-127, of which 64-71 sit in rack 0: each of those sends 56/64
     naive = naive_placement(128, 64, domains=blocks(72, 56))
-    n = cost.placement_dispatch_time(gb200, naive.ep_groups, domain_index(naive.domains),
-                                     T, H, K, BF16)
+    n = cost.placement_dispatch_time(gb200, naive.ep_groups, domain_index(naive.domains), T, H, K, BF16)
     assert n.v_network_bytes == 822_083_584 and n.v_nvlink_bytes == 102_760_448
     assert n.total_s == pytest.approx(0.0191182229 + 17.4e-6, rel=1e-8)
 
@@ -182,11 +191,13 @@ def test_layer_time_of_a_placement(h100):
 
 def test_hierarchical_needs_even_packing(h100):
     with pytest.raises(ValueError, match="same number of GPUs"):
-        cost.placement_dispatch_time(h100, [list(range(12))], [r // 8 for r in range(12)],
-                                     T, H, K, BF16, hierarchical=True)
+        cost.placement_dispatch_time(
+            h100, [list(range(12))], [r // 8 for r in range(12)], T, H, K, BF16, hierarchical=True
+        )
 
 
 # --- properties -----------------------------------------------------------------------------
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -203,7 +214,7 @@ def layouts(draw, shuffle: bool = True):
     if shuffle and draw(st.booleans()):
         ranks = draw(st.permutations(ranks))
     size = gpn * npd
-    doms = [ranks[i:i + size] for i in range(0, n, size)]
+    doms = [ranks[i : i + size] for i in range(0, n, size)]
     return doms, size, draw(st.sampled_from(_divisors(n)))
 
 
@@ -235,7 +246,7 @@ def test_groups_span_no_more_domains_than_needed(layout):
     assert all(domains_spanned(g, dom) <= need for g in p.ep_groups)
     for g in p.ep_groups:  # each mesh block of `expert` ranks lies inside one domain
         for i in range(0, ep, p.expert):
-            assert domains_spanned(g[i:i + p.expert], dom) == 1
+            assert domains_spanned(g[i : i + p.expert], dom) == 1
 
 
 @settings(max_examples=200, deadline=None)
@@ -253,13 +264,21 @@ def test_planned_network_bytes_at_most_naive(layout):
 
 
 @settings(max_examples=150, deadline=None)
-@given(gpn=st.sampled_from([1, 2, 4, 8]), npd=st.integers(1, 18), nodes=st.integers(1, 40),
-       segment=st.booleans(), data=st.data())
+@given(
+    gpn=st.sampled_from([1, 2, 4, 8]),
+    npd=st.integers(1, 18),
+    nodes=st.integers(1, 40),
+    segment=st.booleans(),
+    data=st.data(),
+)
 def test_allocations_place_without_straddling(gpn, npd, nodes, segment, data):
     base = presets.load("gb200-nvl72")
     cluster = dataclasses.replace(
-        base, gpus_per_node=gpn, domain_size=gpn * npd,
-        slurm=dataclasses.replace(base.slurm, gpus_per_node=gpn, segment=segment))
+        base,
+        gpus_per_node=gpn,
+        domain_size=gpn * npd,
+        slurm=dataclasses.replace(base.slurm, gpus_per_node=gpn, segment=segment),
+    )
     ep = data.draw(st.sampled_from(_divisors(nodes * gpn)))
     try:
         alloc = allocation(cluster, nodes, ep)

@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "topology", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "topology", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def plan_json(*args: str) -> dict:
@@ -33,6 +34,7 @@ def nvl72():
 
 
 # --- allocation -----------------------------------------------------------------------------
+
 
 def test_nvl72_32_nodes_ep64_uses_16_of_18_trays(nvl72):
     a = allocation(nvl72, 32, 64)
@@ -74,11 +76,18 @@ def test_h100_has_no_segment():
 
 # --- the plan -------------------------------------------------------------------------------
 
+
 def test_json_nvl72_deepseek_ep64():
-    d = plan_json("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3",
-                  "--ep", "64")
-    for key in ("ep_groups", "domains", "a2a_seconds", "bytes_over_network", "allocation",
-                "mesh", "comm_fraction"):
+    d = plan_json("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3", "--ep", "64")
+    for key in (
+        "ep_groups",
+        "domains",
+        "a2a_seconds",
+        "bytes_over_network",
+        "allocation",
+        "mesh",
+        "comm_fraction",
+    ):
         assert key in d
     assert d["allocation"]["segment"] == 16
     assert d["mesh"] == {"data": 2, "expert_x": 1, "expert": 64}
@@ -99,8 +108,18 @@ def test_json_nvl72_deepseek_ep64():
 
 
 def test_json_ep_beyond_a_rack_is_hierarchical():
-    d = plan_json("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3",
-                  "--ep", "128", "--tokens", "8192")
+    d = plan_json(
+        "--preset",
+        "gb200-nvl72",
+        "--nodes",
+        "32",
+        "--model",
+        "deepseek-v3",
+        "--ep",
+        "128",
+        "--tokens",
+        "8192",
+    )
     assert d["mesh"] == {"data": 1, "expert_x": 2, "expert": 64}
     assert d["hierarchical"] == {"planned": True, "naive": False}
     assert d["tokens_from"] == "--tokens"
@@ -114,8 +133,7 @@ def test_h100_mixtral_planned_equals_naive():
 
 
 def test_human_output_mentions_the_segment():
-    r = cli("plan", "--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3",
-            "--ep", "64")
+    r = cli("plan", "--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3", "--ep", "64")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "--segment=16" in out and "mesh (data, expert_x, expert): (2, 1, 64)" in out
@@ -124,25 +142,43 @@ def test_human_output_mentions_the_segment():
 
 
 def test_many_groups_are_abbreviated():
-    r = cli("plan", "--preset", "h100-dgx", "--nodes", "32", "--model", "qwen3-30b-a3b",
-            "--ep", "8", "--tokens", "4096")
+    r = cli(
+        "plan",
+        "--preset",
+        "h100-dgx",
+        "--nodes",
+        "32",
+        "--model",
+        "qwen3-30b-a3b",
+        "--ep",
+        "8",
+        "--tokens",
+        "4096",
+    )
     assert r.returncode == 0, r.stderr
     assert "... 24 more groups" in r.stdout and "group 31: ranks 248-255" in r.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3", "--ep", "48"),
-     "valid ep for 32 gb200-nvl72 nodes: 1, 2, 4, 8, 16, 32, 64, 128"),
-    (("--preset", "nope", "--nodes", "2", "--model", "tiny", "--ep", "2"),
-     "valid presets: b200-hgx"),
-    (("--preset", "h100-dgx", "--nodes", "2", "--model", "nope", "--ep", "2"),
-     "unknown model preset 'nope'"),
-    (("--preset", "gb200-nvl72", "--nodes", "18", "--model", "deepseek-v3", "--ep", "64"),
-     "valid node counts for ep 64: 16, 32"),
-    (("--preset", "h100-dgx", "--nodes", "2", "--model", "tiny", "--ep", "8", "--dp", "3"),
-     "use dp 2"),
-    (("--preset", "h100-dgx", "--nodes", "0", "--model", "tiny", "--ep", "8"), "--nodes"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (
+            ("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3", "--ep", "48"),
+            "valid ep for 32 gb200-nvl72 nodes: 1, 2, 4, 8, 16, 32, 64, 128",
+        ),
+        (("--preset", "nope", "--nodes", "2", "--model", "tiny", "--ep", "2"), "valid presets: b200-hgx"),
+        (
+            ("--preset", "h100-dgx", "--nodes", "2", "--model", "nope", "--ep", "2"),
+            "unknown model preset 'nope'",
+        ),
+        (
+            ("--preset", "gb200-nvl72", "--nodes", "18", "--model", "deepseek-v3", "--ep", "64"),
+            "valid node counts for ep 64: 16, 32",
+        ),
+        (("--preset", "h100-dgx", "--nodes", "2", "--model", "tiny", "--ep", "8", "--dp", "3"), "use dp 2"),
+        (("--preset", "h100-dgx", "--nodes", "0", "--model", "tiny", "--ep", "8"), "--nodes"),
+    ],
+)
 def test_errors_are_one_line_exit_2(args, needle):
     r = cli("plan", *args)
     assert r.returncode == 2 and r.stdout == ""
@@ -172,9 +208,26 @@ def test_site_file_straddle_refused_then_allowed(tmp_path):
 
 def test_closed_stdout_is_not_a_traceback():
     # `python -m topology plan ... | head` closes the pipe early: exit quietly, as shell tools do.
-    proc = subprocess.Popen([sys.executable, "-m", "topology", "plan", "--preset", "h100-dgx",
-                             "--nodes", "2", "--model", "tiny", "--ep", "8"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "topology",
+            "plan",
+            "--preset",
+            "h100-dgx",
+            "--nodes",
+            "2",
+            "--model",
+            "tiny",
+            "--ep",
+            "8",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.stdout.close()  # before the child has written anything
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "Traceback" not in err, err

@@ -11,9 +11,13 @@ from topology.presets import TopologyError
 
 EXPECTED = ("cpu-local", "h100-dgx", "h200-hgx", "b200-hgx", "gb200-nvl72", "gb200-nvl36x2")
 # preset -> device_kind string JAX reports, for the cross-check against topology.peaks
-DEVICE_KIND = {"h100-dgx": "NVIDIA H100 80GB HBM3", "h200-hgx": "NVIDIA H200",
-               "b200-hgx": "NVIDIA B200", "gb200-nvl72": "NVIDIA GB200",
-               "gb200-nvl36x2": "NVIDIA GB200"}
+DEVICE_KIND = {
+    "h100-dgx": "NVIDIA H100 80GB HBM3",
+    "h200-hgx": "NVIDIA H200",
+    "b200-hgx": "NVIDIA B200",
+    "gb200-nvl72": "NVIDIA GB200",
+    "gb200-nvl36x2": "NVIDIA GB200",
+}
 
 
 def test_expected_presets_exist():
@@ -44,8 +48,7 @@ def test_numbers_match_reference_table():
     assert h100.nvlink_gbps_per_gpu == 450 and h100.nic_gbps_per_gpu == 50
     assert h100.domain_size == 8 and h100.cpu_arch == "x86_64"
     h200 = presets.load("h200-hgx")
-    assert (h200.peak_bf16_flops, h200.nvlink_gbps_per_gpu, h200.nic_gbps_per_gpu) == (
-        989e12, 450, 50)
+    assert (h200.peak_bf16_flops, h200.nvlink_gbps_per_gpu, h200.nic_gbps_per_gpu) == (989e12, 450, 50)
     b200 = presets.load("b200-hgx")
     assert (b200.peak_bf16_flops, b200.peak_fp8_flops) == (2250e12, 4500e12)
     assert b200.nvlink_gbps_per_gpu == 900 and b200.domain_size == 8
@@ -100,8 +103,7 @@ def _site_file(tmp_path, edit=lambda text: text, name="my-site.toml"):
 
 
 def test_site_file_loads_from_path(tmp_path):
-    path = _site_file(tmp_path, lambda t: t.replace("nic_gbps_per_gpu = 50.0",
-                                                    "nic_gbps_per_gpu = 100.0"))
+    path = _site_file(tmp_path, lambda t: t.replace("nic_gbps_per_gpu = 50.0", "nic_gbps_per_gpu = 100.0"))
     c = presets.load(path)
     assert c.name == "my-site" and c.nic_gbps_per_gpu == 100.0
     assert presets.load(str(path)) == c
@@ -120,33 +122,55 @@ def test_unknown_slurm_key(tmp_path):
 
 
 def test_env_var_without_source_is_rejected(tmp_path):
-    path = _site_file(tmp_path, lambda t: t
-                      .replace('NCCL_IB_SL = "1"\n', 'NCCL_IB_SL = "1"\nNCCL_DEBUG = "WARN"\n'))
+    path = _site_file(
+        tmp_path, lambda t: t.replace('NCCL_IB_SL = "1"\n', 'NCCL_IB_SL = "1"\nNCCL_DEBUG = "WARN"\n')
+    )
     with pytest.raises(TopologyError, match="'NCCL_DEBUG' has no entry in \\[env_source\\]"):
         presets.load(path)
 
 
-@pytest.mark.parametrize("old,new,match", [
-    ('cpu_arch = "x86_64"', 'cpu_arch = "arm64"', "cpu_arch 'arm64' is not one of x86_64, aarch64"),
-    ("eta_nvlink = 0.82", "eta_nvlink = 1.5", r"'eta_nvlink' must be a number in \(0, 1\]"),
-    ("nvlink_gbps_per_gpu = 450.0", "nvlink_gbps_per_gpu = nan",
-     "key 'nvlink_gbps_per_gpu' must be finite, got nan"),
-    ("nic_gbps_per_gpu = 50.0", "nic_gbps_per_gpu = inf",
-     "key 'nic_gbps_per_gpu' must be finite, got inf"),
-    ("nic_gbps_per_gpu = 50.0", "nic_gbps_per_gpu = -50.0",
-     "key 'nic_gbps_per_gpu' must be a positive number, got -50.0"),
-    ("latency_network_us = 14.0", "latency_network_us = inf",
-     "key 'latency_network_us' must be finite, got inf"),
-    ("latency_nvlink_us = 3.4", "latency_nvlink_us = -3.4",
-     "key 'latency_nvlink_us' must be a number >= 0, got -3.4"),
-    ("peak_bf16_tflops = 989.0", "peak_bf16_tflops = -inf", "key 'peak_bf16_tflops' must be finite"),
-    ("hbm_tbps = 3.35", "hbm_tbps = nan", "key 'hbm_tbps' must be finite, got nan"),
-    ("ntasks_per_node = 8", "ntasks_per_node = 0",
-     "slurm.ntasks_per_node must be a positive number, got 0"),
-    ("domain_size = 8 ", "domain_size = 12 ", "not a multiple of gpus_per_node"),
-    ("gpus_per_node = 8\nc", "gpus_per_node = 8.5\nc", "'gpus_per_node' must be int"),
-    ("ntasks_per_node = 8", "ntasks_per_node = 8\nfoo = 1", "unknown key 'foo'"),
-])
+@pytest.mark.parametrize(
+    "old,new,match",
+    [
+        ('cpu_arch = "x86_64"', 'cpu_arch = "arm64"', "cpu_arch 'arm64' is not one of x86_64, aarch64"),
+        ("eta_nvlink = 0.82", "eta_nvlink = 1.5", r"'eta_nvlink' must be a number in \(0, 1\]"),
+        (
+            "nvlink_gbps_per_gpu = 450.0",
+            "nvlink_gbps_per_gpu = nan",
+            "key 'nvlink_gbps_per_gpu' must be finite, got nan",
+        ),
+        (
+            "nic_gbps_per_gpu = 50.0",
+            "nic_gbps_per_gpu = inf",
+            "key 'nic_gbps_per_gpu' must be finite, got inf",
+        ),
+        (
+            "nic_gbps_per_gpu = 50.0",
+            "nic_gbps_per_gpu = -50.0",
+            "key 'nic_gbps_per_gpu' must be a positive number, got -50.0",
+        ),
+        (
+            "latency_network_us = 14.0",
+            "latency_network_us = inf",
+            "key 'latency_network_us' must be finite, got inf",
+        ),
+        (
+            "latency_nvlink_us = 3.4",
+            "latency_nvlink_us = -3.4",
+            "key 'latency_nvlink_us' must be a number >= 0, got -3.4",
+        ),
+        ("peak_bf16_tflops = 989.0", "peak_bf16_tflops = -inf", "key 'peak_bf16_tflops' must be finite"),
+        ("hbm_tbps = 3.35", "hbm_tbps = nan", "key 'hbm_tbps' must be finite, got nan"),
+        (
+            "ntasks_per_node = 8",
+            "ntasks_per_node = 0",
+            "slurm.ntasks_per_node must be a positive number, got 0",
+        ),
+        ("domain_size = 8 ", "domain_size = 12 ", "not a multiple of gpus_per_node"),
+        ("gpus_per_node = 8\nc", "gpus_per_node = 8.5\nc", "'gpus_per_node' must be int"),
+        ("ntasks_per_node = 8", "ntasks_per_node = 8\nfoo = 1", "unknown key 'foo'"),
+    ],
+)
 def test_bad_values_are_rejected(tmp_path, old, new, match):
     path = _site_file(tmp_path, lambda t: t.replace(old, new, 1))
     assert path.read_text() != (presets.PRESET_DIR / "h100-dgx.toml").read_text()

@@ -45,16 +45,30 @@ def test_fit_needs_two_sizes():
 
 
 def test_nvlink_calibration_replaces_nvlink_numbers(tmp_path):
-    path = calibration.write(tmp_path / "cal.toml", "h100-dgx", "nvlink", Fit(25e-6, 320e9),
-                             [Sample(1 << 20, 3e-5)], "NVIDIA H100 80GB HBM3", 8)
+    path = calibration.write(
+        tmp_path / "cal.toml",
+        "h100-dgx",
+        "nvlink",
+        Fit(25e-6, 320e9),
+        [Sample(1 << 20, 3e-5)],
+        "NVIDIA H100 80GB HBM3",
+        8,
+    )
     c = calibration.apply(load("h100-dgx"), path)
     assert (c.nvlink_gbps_per_gpu, c.latency_nvlink_us, c.eta_nvlink) == (320.0, 25.0, 1.0)
     assert c.nic_gbps_per_gpu == load("h100-dgx").nic_gbps_per_gpu
 
 
 def test_network_calibration_replaces_network_numbers(tmp_path):
-    path = calibration.write(tmp_path / "cal.toml", "h100-dgx", "network", Fit(40e-6, 41e9),
-                             [Sample(1 << 20, 3e-5)], "NVIDIA H100 80GB HBM3", 16)
+    path = calibration.write(
+        tmp_path / "cal.toml",
+        "h100-dgx",
+        "network",
+        Fit(40e-6, 41e9),
+        [Sample(1 << 20, 3e-5)],
+        "NVIDIA H100 80GB HBM3",
+        16,
+    )
     c = calibration.apply(load("h100-dgx"), path)
     assert (c.nic_gbps_per_gpu, c.latency_network_us, c.eta_network) == (41.0, 40.0, 1.0)
 
@@ -67,8 +81,7 @@ def test_calibration_without_table_is_refused(tmp_path):
 
 
 def test_calibration_with_zero_rate_is_refused(tmp_path):
-    path = calibration.write(tmp_path / "cal.toml", "h100-dgx", "nvlink", Fit(1e-6, 1e9), [],
-                             "cpu", 8)
+    path = calibration.write(tmp_path / "cal.toml", "h100-dgx", "nvlink", Fit(1e-6, 1e9), [], "cpu", 8)
     path.write_text(path.read_text().replace("gbps_per_gpu = 1.000000", "gbps_per_gpu = 0"))
     with pytest.raises(TopologyError, match="gbps_per_gpu must be a positive number"):
         calibration.apply(load("h100-dgx"), path)
@@ -77,15 +90,30 @@ def test_calibration_with_zero_rate_is_refused(tmp_path):
 def _cli(*args: str):
     import subprocess
     import sys
-    return subprocess.run([sys.executable, "-m", "topology", *args], capture_output=True,
-                          text=True, timeout=300)
+
+    return subprocess.run(
+        [sys.executable, "-m", "topology", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "cal.toml"
-    proc = _cli("probe", "--preset", "cpu-local", "--out", str(out), "--devices", "4",
-                "--min-bytes", "4096", "--max-bytes", "65536", "--reps", "2")
+    proc = _cli(
+        "probe",
+        "--preset",
+        "cpu-local",
+        "--out",
+        str(out),
+        "--devices",
+        "4",
+        "--min-bytes",
+        "4096",
+        "--max-bytes",
+        "65536",
+        "--reps",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr
     return out, proc.stdout
 
@@ -100,8 +128,8 @@ def test_probe_cli_records_every_size(probed):
 
 def test_plan_uses_the_calibration(probed):
     import json
-    args = ["plan", "--preset", "cpu-local", "--nodes", "2", "--model", "tiny", "--ep", "8",
-            "--json"]
+
+    args = ["plan", "--preset", "cpu-local", "--nodes", "2", "--model", "tiny", "--ep", "8", "--json"]
     base = json.loads(_cli(*args).stdout)
     calibrated = json.loads(_cli(*args, "--calibration", str(probed[0])).stdout)
     assert calibrated["a2a_seconds"]["planned"] != base["a2a_seconds"]["planned"]

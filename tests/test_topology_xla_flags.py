@@ -12,8 +12,9 @@ def test_preset_flags_are_known_to_this_xla(name):
 
 
 def test_unknown_flags_are_each_named():
-    flags = ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_not_a_flag=1 "
-             "--xla_cpu_also_not_a_flag=2")
+    flags = (
+        "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_not_a_flag=1 --xla_cpu_also_not_a_flag=2"
+    )
     assert xla_flags.unknown_flags(flags) == ["--xla_gpu_not_a_flag=1", "--xla_cpu_also_not_a_flag=2"]
 
 

@@ -26,14 +26,15 @@ LOADS = [[167, 149, 83, 80, 296, 63, 64, 122], [48, 83, 147, 182, 192, 52, 60, 2
 
 # --- reading event files back: TFRecord framing (length, crc, data, crc), then Event protos ---
 
+
 def _records(path: Path):
     data, pos = path.read_bytes(), 0
     while pos < len(data):
-        header = data[pos:pos + 8]
+        header = data[pos : pos + 8]
         (length,) = struct.unpack("<Q", header)
-        assert struct.unpack("<I", data[pos + 8:pos + 12])[0] == masked_crc32c(header)
-        body = data[pos + 12:pos + 12 + length]
-        (crc,) = struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])
+        assert struct.unpack("<I", data[pos + 8 : pos + 12])[0] == masked_crc32c(header)
+        body = data[pos + 12 : pos + 12 + length]
+        (crc,) = struct.unpack("<I", data[pos + 12 + length : pos + 16 + length])
         assert crc == masked_crc32c(body)
         yield body
         pos += 16 + length
@@ -68,17 +69,35 @@ def histograms(evs) -> dict[str, list[int]]:
 
 # --- records and trackers ---
 
+
 def step_record(step: int, loss: float = 2.5) -> dict:
     """A record as the loop writes it: ``metrics.step_record`` of host-side step outputs plus
     the loop's fields (compiled memory on a start's first step, the non-finite guard's)."""
-    raw = {"loss": np.float32(loss), "total_loss": np.float32(loss + 0.02),
-           "aux_loss": np.float32(1.03), "seq_aux_loss": np.float32(1.04),
-           "z_loss": np.float32(4.5), "grad_norm": np.float32(1.87), "lr": np.float32(6e-4),
-           "tokens_per_expert": np.array(LOADS, np.int32), "recv_buffer_fill": np.float32(1.0),
-           "dropped_tokens": np.int32(0), "ep_slow_link_rows": np.float32(0.0),
-           "ep_bucket": 1.25, "ep_overflow_reruns": 0}
-    rec = metrics.step_record(step, raw, step_time_s=0.02, tokens=512, flops_per_token=1e6,
-                              devices=1, peak_flops=989e12, compilations=1)
+    raw = {
+        "loss": np.float32(loss),
+        "total_loss": np.float32(loss + 0.02),
+        "aux_loss": np.float32(1.03),
+        "seq_aux_loss": np.float32(1.04),
+        "z_loss": np.float32(4.5),
+        "grad_norm": np.float32(1.87),
+        "lr": np.float32(6e-4),
+        "tokens_per_expert": np.array(LOADS, np.int32),
+        "recv_buffer_fill": np.float32(1.0),
+        "dropped_tokens": np.int32(0),
+        "ep_slow_link_rows": np.float32(0.0),
+        "ep_bucket": 1.25,
+        "ep_overflow_reruns": 0,
+    }
+    rec = metrics.step_record(
+        step,
+        raw,
+        step_time_s=0.02,
+        tokens=512,
+        flops_per_token=1e6,
+        devices=1,
+        peak_flops=989e12,
+        compilations=1,
+    )
     rec.update(compiled=step == 1, skipped=False, nonfinite_skips=0)
     if step == 1:
         rec.update(compiled_peak_bytes=22188003, compiled_temp_bytes=16762424, selftest_s=2.5)
@@ -104,6 +123,7 @@ def numeric(value) -> bool:
 
 # --- what is written ---
 
+
 def test_every_numeric_key_of_a_step_record_is_a_scalar_at_its_step(tmp_path):
     rec = step_record(1)
     track(tmp_path, [rec])
@@ -114,15 +134,33 @@ def test_every_numeric_key_of_a_step_record_is_a_scalar_at_its_step(tmp_path):
 
 
 def test_tags_are_grouped_by_what_they_measure():
-    tags = {key: tracking.tag_of(key) for key in
-            ("loss", "mtp_loss", "grad_norm", "tokens_per_s", "mfu", "compiled_peak_bytes",
-             "max_over_mean_load", "ep_overflow_reruns", "eval_loss", "something_new")}
-    assert tags == {"loss": "train/loss", "mtp_loss": "train/mtp_loss",
-                    "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
-                    "mfu": "perf/mfu", "compiled_peak_bytes": "memory/compiled_peak_bytes",
-                    "max_over_mean_load": "moe/max_over_mean_load",
-                    "ep_overflow_reruns": "moe/ep_overflow_reruns", "eval_loss": "eval/loss",
-                    "something_new": "other/something_new"}
+    tags = {
+        key: tracking.tag_of(key)
+        for key in (
+            "loss",
+            "mtp_loss",
+            "grad_norm",
+            "tokens_per_s",
+            "mfu",
+            "compiled_peak_bytes",
+            "max_over_mean_load",
+            "ep_overflow_reruns",
+            "eval_loss",
+            "something_new",
+        )
+    }
+    assert tags == {
+        "loss": "train/loss",
+        "mtp_loss": "train/mtp_loss",
+        "grad_norm": "train/grad_norm",
+        "tokens_per_s": "perf/tokens_per_s",
+        "mfu": "perf/mfu",
+        "compiled_peak_bytes": "memory/compiled_peak_bytes",
+        "max_over_mean_load": "moe/max_over_mean_load",
+        "ep_overflow_reruns": "moe/ep_overflow_reruns",
+        "eval_loss": "eval/loss",
+        "something_new": "other/something_new",
+    }
 
 
 def test_none_and_strings_are_left_out_and_booleans_are_0_or_1():
@@ -163,12 +201,12 @@ def test_one_record_is_one_event(tmp_path):
 
 # --- resume ---
 
+
 def test_a_resumed_start_writes_session_start_at_the_step_after_the_resumed_one(tmp_path):
     track(tmp_path, [step_record(n) for n in range(1, 8)])  # a start that crashed after step 7
     track(tmp_path, [step_record(n, loss=1.0) for n in (6, 7)], start_step=5)
     first, second = event_files(tmp_path)
-    starts = [e.step for e in events(second)
-              if e.session_log.status == event_pb2.SessionLog.START]
+    starts = [e.step for e in events(second) if e.session_log.status == event_pb2.SessionLog.START]
     assert starts == [6]
     assert scalars(events(second))["train/loss"] == [(6, 1.0), (7, 1.0)]
 
@@ -183,6 +221,7 @@ def test_a_resumed_start_keeps_the_earlier_file_and_sorts_after_it(tmp_path):
 
 
 # --- failures only warn ---
+
 
 def test_missing_tensorboardX_is_one_warning_and_no_directory(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # `import tensorboardX` fails
@@ -238,6 +277,7 @@ def test_wandb_run_id_is_stable_per_run_directory_and_valid(tmp_path):
 
 # --- progress line ---
 
+
 def _timed(step: int, seconds: float, compiled: bool = False) -> dict:
     return {**step_record(step), "step_time_s": seconds, "compiled": compiled}
 
@@ -258,22 +298,48 @@ def test_the_last_step_has_eta_zero():
     assert metrics.progress_line(recent[-1], 2, recent).endswith("| eta 0s")
 
 
-@pytest.mark.parametrize("seconds, text", [(0, "0s"), (0.4, "<1s"), (45, "45s"), (192, "3m12s"),
-                                           (7500, "2h05m"), (273600, "3d04h"),
-                                           (float("nan"), "?")])
+@pytest.mark.parametrize(
+    "seconds, text",
+    [
+        (0, "0s"),
+        (0.4, "<1s"),
+        (45, "45s"),
+        (192, "3m12s"),
+        (7500, "2h05m"),
+        (273600, "3d04h"),
+        (float("nan"), "?"),
+    ],
+)
 def test_format_duration(seconds, text):
     assert metrics.format_duration(seconds) == text
 
 
 # --- a real run ---
 
+
 @pytest.mark.slow
 def test_a_real_run_writes_every_metric_to_tensorboard(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "moe_train", "--preset", "tiny", "--out", str(out),
-                           "--set", "train.steps=3", "--set", "parallel.devices=1"],
-                          cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_train",
+            "--preset",
+            "tiny",
+            "--out",
+            str(out),
+            "--set",
+            "train.steps=3",
+            "--set",
+            "parallel.devices=1",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "WARNING: TensorBoard" not in proc.stdout + proc.stderr
     (path,) = event_files(out)
@@ -282,6 +348,7 @@ def test_a_real_run_writes_every_metric_to_tensorboard(tmp_path):
     for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
         for key, value in rec.items():
             if key not in ("step", "tokens_per_expert") and numeric(value):
-                assert (rec["step"], pytest.approx(float(value), rel=1e-6, nan_ok=True)) in \
-                    got[tracking.tag_of(key)], key
+                assert (rec["step"], pytest.approx(float(value), rel=1e-6, nan_ok=True)) in got[
+                    tracking.tag_of(key)
+                ], key
     assert re.search(r"step 3/3 .*\| eta 0s", proc.stdout)

@@ -20,14 +20,28 @@ from moe_train.train import step as train
 from moe_train.train.loop import EXIT_DIVERGED, EXIT_OK, run
 
 ROOT = Path(__file__).resolve().parent.parent
-METRIC_KEYS = {"step", "loss", "aux_loss", "z_loss", "grad_norm", "lr", "step_time_s",
-               "tokens_per_s", "tflops_per_device", "mfu", "tokens_per_expert",
-               "max_over_mean_load", "dropped_tokens", "compilations"}
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "aux_loss",
+    "z_loss",
+    "grad_norm",
+    "lr",
+    "step_time_s",
+    "tokens_per_s",
+    "tflops_per_device",
+    "mfu",
+    "tokens_per_expert",
+    "max_over_mean_load",
+    "dropped_tokens",
+    "compilations",
+}
 
 
 def tiny(*overrides: str, steps: int = 2) -> config.Config:
-    return config.build("tiny", [f"train.steps={steps}", "parallel.devices=1", "train.log_every=100",
-                                 *overrides])
+    return config.build(
+        "tiny", [f"train.steps={steps}", "parallel.devices=1", "train.log_every=100", *overrides]
+    )
 
 
 def records(out: Path) -> list[dict]:
@@ -45,8 +59,11 @@ def test_pulse_two_steps_writes_metrics_and_config(tmp_path):
 
 @pytest.mark.parametrize("scan", ["true", "false"])
 def test_metrics_report_loads_per_moe_layer(tmp_path, scan):
-    run(tiny("model.num_layers=3", "model.first_dense_layers=1", f"model.scan_layers={scan}"),
-        tmp_path, log=lambda s: None)
+    run(
+        tiny("model.num_layers=3", "model.first_dense_layers=1", f"model.scan_layers={scan}"),
+        tmp_path,
+        log=lambda s: None,
+    )
     rec = records(tmp_path)[-1]
     assert np.asarray(rec["tokens_per_expert"]).shape == (2, 8)
     assert all(sum(layer) == 8 * 64 * 2 for layer in rec["tokens_per_expert"])
@@ -90,8 +107,7 @@ def test_chunked_loss_equals_the_full_logits_loss(tied):
     params, moe_state = nn.unbox(variables["params"]), variables["moe_state"]
 
     def old(params):
-        head, _ = model.apply({"params": params, "moe_state": moe_state}, batch_BS[:, :-1],
-                              logits=False)
+        head, _ = model.apply({"params": params, "moe_state": moe_state}, batch_BS[:, :-1], logits=False)
         logits_BSV = (head.x_BSH @ head.head_HV * head.scale).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, batch_BS[:, 1:]).mean()
 
@@ -180,8 +196,9 @@ def test_micro_batches_take_the_same_step(tmp_path):
 def test_micro_batches_lower_the_compiled_step_memory(tmp_path):
     temp = {}
     for n in (1, 4):
-        assert run(tiny(f"train.micro_batches={n}", steps=1), tmp_path / str(n),
-                   log=lambda s: None) == EXIT_OK
+        assert (
+            run(tiny(f"train.micro_batches={n}", steps=1), tmp_path / str(n), log=lambda s: None) == EXIT_OK
+        )
         temp[n] = records(tmp_path / str(n))[0]["compiled_temp_bytes"]
     assert temp[4] < 0.7 * temp[1], temp
 
@@ -192,21 +209,32 @@ def test_micro_batches_not_dividing_the_batch_exit_2(tmp_path, capsys):
     args = ["--preset", "tiny", "--out", str(tmp_path), "--set", "train.micro_batches=3"]
     assert cli.main(args) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and ("train.micro_batches=3 must divide train.batch_size=8; "
-                                          "choose one of [1, 2, 4, 8]") in err, err
+    assert (
+        err.startswith("error: ")
+        and ("train.micro_batches=3 must divide train.batch_size=8; choose one of [1, 2, 4, 8]") in err
+    ), err
 
 
 def test_micro_batches_not_dividing_the_rows_per_device_are_refused(tmp_path):
     cfg = tiny("train.micro_batches=4", "parallel.devices=4")
-    with pytest.raises(config.ConfigError, match=r"does not divide the 2 sequences per device "
-                       r"\(train.batch_size=8 over 4 devices\); choose one of \[1, 2\]"):
+    with pytest.raises(
+        config.ConfigError,
+        match=r"does not divide the 2 sequences per device "
+        r"\(train.batch_size=8 over 4 devices\); choose one of \[1, 2\]",
+    ):
         run(cfg, tmp_path, log=lambda s: None)
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     lines = []
-    cfg = tiny("optim.lr=1e30", "optim.warmup_steps=0", "optim.grad_clip=0",
-               "train.checkpoint_every=1", "train.async_checkpoint=false", steps=6)
+    cfg = tiny(
+        "optim.lr=1e30",
+        "optim.warmup_steps=0",
+        "optim.grad_clip=0",
+        "train.checkpoint_every=1",
+        "train.async_checkpoint=false",
+        steps=6,
+    )
     assert run(cfg, tmp_path, log=lines.append) == EXIT_DIVERGED
     bad = [r for r in lines if r.startswith("error: step")]
     assert bad and "was not applied" in bad[0] and "rerun resumes there" in bad[0]
@@ -215,8 +243,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 def test_periodic_checkpoints_keep_the_last_n(tmp_path):
-    run(tiny("train.checkpoint_every=1", "train.keep_checkpoints=2", steps=5), tmp_path,
-        log=lambda s: None)
+    run(tiny("train.checkpoint_every=1", "train.keep_checkpoints=2", steps=5), tmp_path, log=lambda s: None)
     kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == [4, 5]
 
@@ -232,10 +259,24 @@ def test_unfinished_checkpoint_is_ignored_on_resume(tmp_path):
 
 def _train_cli(out: Path, steps: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "moe_train", "--preset", "tiny", "--out", str(out),
-           "--steps", str(steps), "--devices", "1", "--set", "train.checkpoint_every=2"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_train",
+        "--preset",
+        "tiny",
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--devices",
+        "1",
+        "--set",
+        "train.checkpoint_every=2",
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 RESUME_STEPS = 14

@@ -20,8 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def trained(inputs, out: Path, size: int = 512, log=None) -> prepare.Summary:
-    opts = prepare.Options(tokenizer="", inputs=tuple(str(i) for i in inputs), out=out,
-                           workers=1, val_fraction=0.0, train_tokenizer=size)
+    opts = prepare.Options(
+        tokenizer="",
+        inputs=tuple(str(i) for i in inputs),
+        out=out,
+        workers=1,
+        val_fraction=0.0,
+        train_tokenizer=size,
+    )
     return prepare.run(opts, log=log or (lambda line: None), stream=io.StringIO())
 
 
@@ -59,8 +65,7 @@ def test_the_trained_tokenizer_is_lossless(corpus):
 
 def test_training_twice_gives_the_same_tokenizer(corpus, tmp_path):
     trained([CORPUS], tmp_path / "again")
-    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == \
-        (corpus[0] / "tokenizer.json").read_bytes()
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (corpus[0] / "tokenizer.json").read_bytes()
 
 
 def test_a_rerun_reuses_the_tokenizer_and_the_shards(corpus, tmp_path):
@@ -91,9 +96,24 @@ def test_a_bad_input_stops_training_and_writes_nothing(tmp_path):
 
 
 def test_a_size_below_the_byte_alphabet_exits_2_with_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "moe_train.data", "prepare", "--train-tokenizer",
-                           "100", "--input", str(CORPUS), "--out", str(tmp_path / "o")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_train.data",
+            "prepare",
+            "--train-tokenizer",
+            "100",
+            "--input",
+            str(CORPUS),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
 
 
@@ -105,17 +125,31 @@ def test_a_hugging_face_checkpoint_directory_is_a_tokenizer(corpus, tmp_path):
     shutil.copy(corpus[0] / "tokenizer.json", ckpt / "tokenizer.json")
     (ckpt / "config.json").write_text(json.dumps({"model_type": "mixtral", "vocab_size": 512}))
     (ckpt / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    opts = prepare.Options(tokenizer=str(ckpt), inputs=(str(write_txt(tmp_path / "a.txt",
-                                                                      paragraphs(20))),),
-                           out=tmp_path / "out", workers=1, val_fraction=0.0)
+    opts = prepare.Options(
+        tokenizer=str(ckpt),
+        inputs=(str(write_txt(tmp_path / "a.txt", paragraphs(20))),),
+        out=tmp_path / "out",
+        workers=1,
+        val_fraction=0.0,
+    )
     prepare.run(opts, log=lambda line: None, stream=io.StringIO())
     assert manifest(tmp_path / "out")["tokenizer"]["eos_source"] == "tokenizer_config.json eos_token"
 
 
 def resolved(corpus_dir: Path, *sets: str):
     args = cli_module.parser().parse_args(
-        ["--preset", "tiny", "--out", "x", "--set", "data.source=prepared",
-         "--set", f"data.path={corpus_dir}", *[a for s in sets for a in ("--set", s)]])
+        [
+            "--preset",
+            "tiny",
+            "--out",
+            "x",
+            "--set",
+            "data.source=prepared",
+            "--set",
+            f"data.path={corpus_dir}",
+            *[a for s in sets for a in ("--set", s)],
+        ]
+    )
     return cli_module.resolve(args)
 
 
@@ -128,8 +162,27 @@ def test_a_vocabulary_set_on_the_command_line_wins(corpus):
 
 
 def test_a_set_vocabulary_smaller_than_the_corpus_s_exits_2(corpus, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "moe_train", "--preset", "tiny", "--out",
-                           str(tmp_path / "r"), "--steps", "1", "--set", "data.source=prepared",
-                           "--set", f"data.path={corpus[0]}", "--set", "model.vocab_size=300"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_train",
+            "--preset",
+            "tiny",
+            "--out",
+            str(tmp_path / "r"),
+            "--steps",
+            "1",
+            "--set",
+            "data.source=prepared",
+            "--set",
+            f"data.path={corpus[0]}",
+            "--set",
+            "model.vocab_size=300",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "model.vocab_size >= 512" in proc.stderr, proc.stderr

@@ -23,14 +23,17 @@ TOKENS = ("data", "expert_x", "expert")
 
 
 def tiny(*overrides: str) -> config.Config:
-    return config.build("tiny", ["train.steps=2", "train.log_every=100", "train.batch_size=16",
-                                 "train.micro_batches=2", *overrides])
+    return config.build(
+        "tiny",
+        ["train.steps=2", "train.log_every=100", "train.batch_size=16", "train.micro_batches=2", *overrides],
+    )
 
 
 def test_the_copy_drops_data_from_every_dimension():
     assert without_data(P(TOKENS, None), True) == P(("expert_x", "expert"), None)
     assert without_data(P(("expert_x", "expert"), "data", None), True) == P(
-        ("expert_x", "expert"), None, None)
+        ("expert_x", "expert"), None, None
+    )
     assert without_data(P(None, ("data", "expert")), True) == P(None, "expert")
 
 
@@ -74,15 +77,18 @@ def _reachable(comps, roots) -> set[str]:
             continue
         seen.add(name)
         for line in comps[name]:
-            for called in re.findall(r"(?:calls|body|condition|to_apply|branch_computations)="
-                                     r"\{?%?([\w.\-]+(?:, %[\w.\-]+)*)", line):
+            for called in re.findall(
+                r"(?:calls|body|condition|to_apply|branch_computations)="
+                r"\{?%?([\w.\-]+(?:, %[\w.\-]+)*)",
+                line,
+            ):
                 todo += [c.strip("%") for c in called.split(", ")]
     return seen
 
 
 def all_gathers(cfg) -> tuple[int, int]:
     """(all-gathers inside the micro-batch loop, outside it) of ``cfg``'s compiled step."""
-    mesh = layout.build(cfg, jax.devices()[:cfg.parallel.devices]).mesh
+    mesh = layout.build(cfg, jax.devices()[: cfg.parallel.devices]).mesh
     with sharding.activate(mesh):
         abstract = jax.eval_shape(lambda: train.init_state(cfg, mesh))
         shardings = train.state_shardings(cfg, mesh, abstract)
@@ -90,18 +96,26 @@ def all_gathers(cfg) -> tuple[int, int]:
         step = train.make_train_step(cfg, mesh, train.StepCounter(), shardings, plan)
         batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
         comps, entry = _computations(step.lower(abstract, batch).compile().as_text())
-    bodies = [re.search(r"body=%?([\w.\-]+)", line)[1] for line in comps[entry]
-              if " while(" in line]
+    bodies = [re.search(r"body=%?([\w.\-]+)", line)[1] for line in comps[entry] if " while(" in line]
     assert len(bodies) == 1, bodies  # the accumulation scan
     inside = _reachable(comps, bodies)
-    count = lambda names: sum(bool(re.search(r" all-gather(-start)?\(", line))  # noqa: E731
-                              for n in names for line in comps[n])
+    count = lambda names: sum(
+        bool(re.search(r" all-gather(-start)?\(", line))  # noqa: E731
+        for n in names
+        for line in comps[n]
+    )
     return count(inside), count(_reachable(comps, [entry]) - inside)
 
 
 def test_with_data_parallelism_alone_no_weight_is_gathered_inside_the_micro_batch_loop():
-    inside, outside = all_gathers(tiny("parallel.devices=8", "model.num_layers=2",
-                                       "precision.compute=bf16", "parallel.weight_gather=step"))
+    inside, outside = all_gathers(
+        tiny(
+            "parallel.devices=8",
+            "model.num_layers=2",
+            "precision.compute=bf16",
+            "parallel.weight_gather=step",
+        )
+    )
     assert inside == 0 and outside > 0, (inside, outside)
 
 
@@ -133,8 +147,9 @@ def test_fp32_steps_equal_gathering_per_micro_batch(tmp_path):
     step-mode run; the compiled structure on 8 is checked above.)"""
     recs = train_both(tmp_path, "parallel.devices=4", "parallel.ep=2")
     for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose([r[key] for r in recs["step"]],
-                                   [r[key] for r in recs["micro_batch"]], rtol=1e-6)
+        np.testing.assert_allclose(
+            [r[key] for r in recs["step"]], [r[key] for r in recs["micro_batch"]], rtol=1e-6
+        )
 
 
 @pytest.mark.slow
@@ -142,10 +157,12 @@ def test_bf16_steps_stay_within_the_reduction_precision(tmp_path):
     """bf16 matmuls on the same bf16 weights; gathering per micro-batch reduces the gradient
     in bf16, once per step in fp32: they differ by bf16 rounding of the sums only."""
     recs = train_both(tmp_path, "parallel.devices=4", "parallel.ep=2", "precision.compute=bf16")
-    np.testing.assert_allclose([r["loss"] for r in recs["step"]],
-                               [r["loss"] for r in recs["micro_batch"]], rtol=1e-3)
-    np.testing.assert_allclose([r["grad_norm"] for r in recs["step"]],
-                               [r["grad_norm"] for r in recs["micro_batch"]], rtol=2e-2)
+    np.testing.assert_allclose(
+        [r["loss"] for r in recs["step"]], [r["loss"] for r in recs["micro_batch"]], rtol=1e-3
+    )
+    np.testing.assert_allclose(
+        [r["grad_norm"] for r in recs["step"]], [r["grad_norm"] for r in recs["micro_batch"]], rtol=2e-2
+    )
 
 
 def test_a_bf16_copy_casts_the_matrices_and_keeps_the_router_and_norms_fp32():
@@ -153,8 +170,9 @@ def test_a_bf16_copy_casts_the_matrices_and_keeps_the_router_and_norms_fp32():
     boxed = train.boxed_params(cfg)
     mesh = layout.build(cfg, jax.devices()[:1]).mesh
     copy = StepGather.of(boxed, sharding.Sharding.of(mesh, cfg.model).params(boxed), jnp.bfloat16)
-    dtypes = {jax.tree_util.keystr(path): dt for path, dt in
-              jax.tree_util.tree_flatten_with_path(copy.dtype)[0]}
+    dtypes = {
+        jax.tree_util.keystr(path): dt for path, dt in jax.tree_util.tree_flatten_with_path(copy.dtype)[0]
+    }
     fp32 = {k for k, dt in dtypes.items() if dt == jnp.float32}
     assert fp32 and all("gate" in k or "norm" in k or "scale" in k for k in fp32), fp32
     assert any("'gate'" in k for k in fp32)

@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from moe_train.config.cli import OneLineParser
 from topology.presets import TopologyError
@@ -29,25 +29,44 @@ EXIT_USAGE = 2
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", required=True,
-                   help="cluster preset name (topology/presets/*.toml) or a site .toml path")
+    p.add_argument(
+        "--preset", required=True, help="cluster preset name (topology/presets/*.toml) or a site .toml path"
+    )
     p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
     p.add_argument("--model", required=True, help="model preset (moe_train/config/presets/*.toml)")
-    p.add_argument("--ep", type=int, default=None,
-                   help="expert-parallel group size (default: the model's parallel.ep after --set)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="model config override, as for training (batch, remat, precision, "
-                   "micro-batches, moe.overlap_chunks change the predicted step)")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="expert-parallel group size (default: the model's parallel.ep after --set)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model config override, as for training (batch, remat, precision, "
+        "micro-batches, moe.overlap_chunks change the predicted step)",
+    )
     p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # make plan's STEPS
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default GPUs / ep)")
-    p.add_argument("--tokens", type=int, default=None,
-                   help="tokens per GPU (default: the model's train batch / GPUs)")
-    p.add_argument("--allow-straddle", action="store_true",
-                   help="place EP groups across NVLink domains instead of refusing")
-    p.add_argument("--calibration", default=None,
-                   help="calibration file from `python -m topology probe` (measured link numbers)")
-    p.add_argument("--compute", default=None,
-                   help="compute calibration file (default: topology/compute.toml)")
+    p.add_argument(
+        "--tokens", type=int, default=None, help="tokens per GPU (default: the model's train batch / GPUs)"
+    )
+    p.add_argument(
+        "--allow-straddle",
+        action="store_true",
+        help="place EP groups across NVLink domains instead of refusing",
+    )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="calibration file from `python -m topology probe` (measured link numbers)",
+    )
+    p.add_argument(
+        "--compute", default=None, help="compute calibration file (default: topology/compute.toml)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -62,23 +81,40 @@ def _plan_run(args: argparse.Namespace) -> int:
             ep = config.build(args.model, args.overrides, flags=flags).parallel.ep
         except config.ConfigError as err:
             raise TopologyError(str(err)) from None
-    result = plan.make_plan(args.preset, args.nodes, args.model, ep, dp=args.dp,
-                            tokens=args.tokens, allow_straddle=args.allow_straddle,
-                            calibration=args.calibration, overrides=tuple(args.overrides),
-                            compute=args.compute)
+    result = plan.make_plan(
+        args.preset,
+        args.nodes,
+        args.model,
+        ep,
+        dp=args.dp,
+        tokens=args.tokens,
+        allow_straddle=args.allow_straddle,
+        calibration=args.calibration,
+        overrides=tuple(args.overrides),
+        compute=args.compute,
+    )
     print(json.dumps(plan.plan_json(result)) if args.json else plan.render(result))
     return 0
 
 
 def _probe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", required=True,
-                   help="cluster preset the measurement calibrates (name or site .toml path)")
+    p.add_argument(
+        "--preset", required=True, help="cluster preset the measurement calibrates (name or site .toml path)"
+    )
     p.add_argument("--out", required=True, help="calibration file to write (TOML)")
-    p.add_argument("--devices", type=int, default=0,
-                   help="devices to use (default all; on CPU, that many fake host devices)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=0,
+        help="devices to use (default all; on CPU, that many fake host devices)",
+    )
     p.add_argument("--min-bytes", type=int, default=64 * 1024, help="smallest message per device")
-    p.add_argument("--max-bytes", type=int, default=0,
-                   help="largest message per device (default 256 MiB on GPU, 4 MiB on CPU)")
+    p.add_argument(
+        "--max-bytes",
+        type=int,
+        default=0,
+        help="largest message per device (default 256 MiB on GPU, 4 MiB on CPU)",
+    )
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per size (median kept)")
 
 
@@ -92,10 +128,12 @@ def _probe_run(args: argparse.Namespace) -> int:
 
     if args.devices and jax.config.jax_platforms in (None, "", "cpu"):
         jax.config.update("jax_num_cpu_devices", args.devices)
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", "1")) or 1) > 1 \
-            and "SLURM_STEP_NODELIST" in os.environ:
+    if (
+        int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", "1")) or 1) > 1
+        and "SLURM_STEP_NODELIST" in os.environ
+    ):
         jax.distributed.initialize()
-    devices = jax.devices()[:args.devices or None]
+    devices = jax.devices()[: args.devices or None]
     if len(devices) < 2:
         raise TopologyError(f"probe needs at least 2 devices, this job has {len(devices)}")
     ids = {d.id for d in devices}
@@ -106,23 +144,29 @@ def _probe_run(args: argparse.Namespace) -> int:
     samples = probe.measure(devices, sizes, reps=args.reps)
     result = calibration.fit(samples)
     if jax.process_index() == 0:
-        path = calibration.write(args.out, cluster.name, link, result, samples,
-                                 devices[0].device_kind, len(devices))
+        path = calibration.write(
+            args.out, cluster.name, link, result, samples, devices[0].device_kind, len(devices)
+        )
         for s in samples:
             print(f"{s.bytes_per_device:>12,d} B per device  {s.seconds * 1e6:10.1f} us")
-        print(f"{link} over {len(devices)} {devices[0].platform} devices in {len(groups)} "
-              f"domain(s): latency {result.latency_s * 1e6:.1f} us, "
-              f"{result.rate_bytes_per_s / 1e9:.3f} GB/s per device -> {path}")
+        print(
+            f"{link} over {len(devices)} {devices[0].platform} devices in {len(groups)} "
+            f"domain(s): latency {result.latency_s * 1e6:.1f} us, "
+            f"{result.rate_bytes_per_s / 1e9:.3f} GB/s per device -> {path}"
+        )
     return 0
 
 
 # name -> (help, add arguments, run)
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
-                          Callable[[argparse.Namespace], int]]] = {
-    "plan": ("EP placement, Slurm allocation and predicted all-to-all cost", _plan_args,
-             _plan_run),
-    "probe": ("measure all-to-all time over message sizes and write a calibration file",
-              _probe_args, _probe_run),
+COMMANDS: dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+] = {
+    "plan": ("EP placement, Slurm allocation and predicted all-to-all cost", _plan_args, _plan_run),
+    "probe": (
+        "measure all-to-all time over message sizes and write a calibration file",
+        _probe_args,
+        _probe_run,
+    ),
 }
 
 

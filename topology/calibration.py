@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from topology.presets import Cluster, TopologyError, check_number, read_toml
 
@@ -68,22 +68,35 @@ def fit(samples: Sequence[Sample]) -> Fit:
     return Fit(latency_s=max(0.0, my - slope * mx), rate_bytes_per_s=1.0 / slope)
 
 
-def write(path: str | os.PathLike[str], preset: str, link: str, result: Fit,
-          samples: Sequence[Sample], device_kind: str, devices: int) -> Path:
+def write(
+    path: str | os.PathLike[str],
+    preset: str,
+    link: str,
+    result: Fit,
+    samples: Sequence[Sample],
+    device_kind: str,
+    devices: int,
+) -> Path:
     """Write a calibration file (TOML) and return its path."""
     if link not in LINKS:
         raise ValueError(f"link must be one of {LINKS}, got {link!r}")
-    lines = ["# Written by `python -m topology probe`: measured all-to-all numbers.",
-             "[calibration]",
-             f'preset = "{preset}"',
-             f'link = "{link}"',
-             f'device_kind = "{device_kind}"',
-             f"devices = {devices}",
-             f"latency_us = {result.latency_s * 1e6:.4f}",
-             f"gbps_per_gpu = {result.rate_bytes_per_s / 1e9:.6f}"]
+    lines = [
+        "# Written by `python -m topology probe`: measured all-to-all numbers.",
+        "[calibration]",
+        f'preset = "{preset}"',
+        f'link = "{link}"',
+        f'device_kind = "{device_kind}"',
+        f"devices = {devices}",
+        f"latency_us = {result.latency_s * 1e6:.4f}",
+        f"gbps_per_gpu = {result.rate_bytes_per_s / 1e9:.6f}",
+    ]
     for s in samples:
-        lines += ["", "[[calibration.samples]]", f"bytes_per_device = {s.bytes_per_device}",
-                  f"seconds = {s.seconds:.9f}"]
+        lines += [
+            "",
+            "[[calibration.samples]]",
+            f"bytes_per_device = {s.bytes_per_device}",
+            f"seconds = {s.seconds:.9f}",
+        ]
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
@@ -106,8 +119,7 @@ def read(path: str | os.PathLike[str]) -> dict:
     if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
         raise TopologyError(f"{p}: calibration.samples must be an array of tables")
     for i, s in enumerate(samples):
-        check_number(s.get("bytes_per_device"), f"calibration.samples[{i}].bytes_per_device",
-                     str(p))
+        check_number(s.get("bytes_per_device"), f"calibration.samples[{i}].bytes_per_device", str(p))
         check_number(s.get("seconds"), f"calibration.samples[{i}].seconds", str(p), lo_open=False)
     return table
 
@@ -116,9 +128,15 @@ def apply(cluster: Cluster, path: str | os.PathLike[str]) -> Cluster:
     """``cluster`` with the calibrated link's numbers replaced by the measured ones."""
     table = read(path)
     if table["link"] == "nvlink":
-        changes = dict(nvlink_gbps_per_gpu=float(table["gbps_per_gpu"]),
-                       latency_nvlink_us=float(table["latency_us"]), eta_nvlink=1.0)
+        changes = dict(
+            nvlink_gbps_per_gpu=float(table["gbps_per_gpu"]),
+            latency_nvlink_us=float(table["latency_us"]),
+            eta_nvlink=1.0,
+        )
     else:
-        changes = dict(nic_gbps_per_gpu=float(table["gbps_per_gpu"]),
-                       latency_network_us=float(table["latency_us"]), eta_network=1.0)
+        changes = dict(
+            nic_gbps_per_gpu=float(table["gbps_per_gpu"]),
+            latency_network_us=float(table["latency_us"]),
+            eta_network=1.0,
+        )
     return dataclasses.replace(cluster, **changes)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from topology.presets import TopologyError, check_number, read_toml
 
@@ -82,13 +82,11 @@ def load(path: str | os.PathLike[str] | None = None) -> Compute:
     values = {k: v for k, v in table.items() if k != "source"}
     unknown = sorted(set(values) - set(FIELDS))
     if unknown:
-        raise TopologyError(f"{p}: unknown key compute.{unknown[0]}; valid keys: "
-                            f"{', '.join(FIELDS)}")
+        raise TopologyError(f"{p}: unknown key compute.{unknown[0]}; valid keys: {', '.join(FIELDS)}")
     for key in FIELDS:
         value = values.get(key)
         if value is None:
-            raise TopologyError(f"{p}: missing key compute.{key}; required keys: "
-                                f"{', '.join(FIELDS)}")
+            raise TopologyError(f"{p}: missing key compute.{key}; required keys: {', '.join(FIELDS)}")
         check_number(value, f"compute.{key}", str(p), hi=1.0)
     if not isinstance(source, dict) or not all(isinstance(v, str) for v in source.values()):
         raise TopologyError(f"{p}: [compute.source] must map each field to a string")

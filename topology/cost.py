@@ -71,13 +71,14 @@ class LayerCost:
 
 def _check(T: int, H: int, k: int, bytes_per_elem: float, ep: int, domain: int) -> None:
     """Reject sizes the model has no meaning for."""
-    for name, value in (("T", T), ("H", H), ("k", k), ("bytes_per_elem", bytes_per_elem),
-                        ("ep", ep)):
+    for name, value in (("T", T), ("H", H), ("k", k), ("bytes_per_elem", bytes_per_elem), ("ep", ep)):
         if value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
     if ep > domain and ep % domain:
-        raise ValueError(f"ep {ep} spans several NVLink domains of {domain} GPUs but is not a "
-                         f"multiple of {domain}; EP groups are packed domain-first")
+        raise ValueError(
+            f"ep {ep} spans several NVLink domains of {domain} GPUs but is not a "
+            f"multiple of {domain}; EP groups are packed domain-first"
+        )
 
 
 def remote_domains_per_token(groups: int, k: int) -> float:
@@ -87,8 +88,9 @@ def remote_domains_per_token(groups: int, k: int) -> float:
     return (groups - 1) * domain_hit(groups, k)
 
 
-def dispatch_bytes(T: int, H: int, k: int, bytes_per_elem: float, ep: int, domain_size: int,
-                   hierarchical: bool) -> tuple[float, float]:
+def dispatch_bytes(
+    T: int, H: int, k: int, bytes_per_elem: float, ep: int, domain_size: int, hierarchical: bool
+) -> tuple[float, float]:
     """(V_nv, V_ib): bytes one GPU sends over NVLink and over the network per dispatch."""
     _check(T, H, k, bytes_per_elem, ep, domain_size)
     v = T * k * H * bytes_per_elem
@@ -99,8 +101,9 @@ def dispatch_bytes(T: int, H: int, k: int, bytes_per_elem: float, ep: int, domai
     return v * (d - 1) / d, T * H * bytes_per_elem * remote_domains_per_token(g, k)
 
 
-def dispatch_time(cluster: Cluster, T: int, H: int, k: int, bytes_per_elem: float, ep: int,
-                  hierarchical: bool = False) -> Breakdown:
+def dispatch_time(
+    cluster: Cluster, T: int, H: int, k: int, bytes_per_elem: float, ep: int, hierarchical: bool = False
+) -> Breakdown:
     """Time of one dispatch (or combine) all-to-all on ``cluster``, per the model above."""
     v_nv, v_ib = dispatch_bytes(T, H, k, bytes_per_elem, ep, cluster.domain_size, hierarchical)
     t_nv = v_nv / (cluster.eta_nvlink * cluster.nvlink_gbps_per_gpu * GB)
@@ -108,8 +111,14 @@ def dispatch_time(cluster: Cluster, T: int, H: int, k: int, bytes_per_elem: floa
     latency = cluster.latency_nvlink_us * US
     if ep > cluster.domain_size:
         latency += cluster.latency_network_us * US
-    return Breakdown(v_nvlink_bytes=v_nv, v_network_bytes=v_ib, t_nvlink_s=t_nv,
-                     t_network_s=t_ib, latency_s=latency, total_s=latency + max(t_nv, t_ib))
+    return Breakdown(
+        v_nvlink_bytes=v_nv,
+        v_network_bytes=v_ib,
+        t_nvlink_s=t_nv,
+        t_network_s=t_ib,
+        latency_s=latency,
+        total_s=latency + max(t_nv, t_ib),
+    )
 
 
 def expert_gemm_flops(T: int, H: int, k: int, F: int) -> float:
@@ -124,8 +133,16 @@ def expert_gemm_flops(T: int, H: int, k: int, F: int) -> float:
     return 3 * 2 * T * k * 3 * H * F
 
 
-def layer_time(cluster: Cluster, T: int, H: int, k: int, F: int, bytes_per_elem: float,
-               ep: int, hierarchical: bool = False) -> LayerCost:
+def layer_time(
+    cluster: Cluster,
+    T: int,
+    H: int,
+    k: int,
+    F: int,
+    bytes_per_elem: float,
+    ep: int,
+    hierarchical: bool = False,
+) -> LayerCost:
     """Per-GPU cost of one MoE layer per step: 4 all-to-alls plus the expert GEMMs.
 
     The 4 all-to-alls are dispatch and combine in the forward pass and their transposes in
@@ -137,8 +154,9 @@ def layer_time(cluster: Cluster, T: int, H: int, k: int, F: int, bytes_per_elem:
     flops = expert_gemm_flops(T, H, k, F)
     gemm = flops / cluster.peak_bf16_flops
     total = comm + gemm
-    return LayerCost(all_to_all=a2a, comm_s=comm, gemm_flops=flops, gemm_s=gemm,
-                     total_s=total, comm_fraction=comm / total)
+    return LayerCost(
+        all_to_all=a2a, comm_s=comm, gemm_flops=flops, gemm_s=gemm, total_s=total, comm_fraction=comm / total
+    )
 
 
 # --- Cost of an arbitrary placement ---------------------------------------------------------
@@ -153,8 +171,9 @@ def layer_time(cluster: Cluster, T: int, H: int, k: int, F: int, bytes_per_elem:
 # with hierarchical=True for such groups.
 
 
-def _group_bytes(group, domain_of, v: float, T: int, H: int, k: int, bytes_per_elem: float,
-                 hierarchical: bool) -> list[tuple[float, float]]:
+def _group_bytes(
+    group, domain_of, v: float, T: int, H: int, k: int, bytes_per_elem: float, hierarchical: bool
+) -> list[tuple[float, float]]:
     """(V_nv, V_ib) for each GPU of one EP group, in group order."""
     p = len(group)
     counts: dict = {}
@@ -163,8 +182,10 @@ def _group_bytes(group, domain_of, v: float, T: int, H: int, k: int, bytes_per_e
     if hierarchical:
         per_domain = set(counts.values())
         if len(per_domain) != 1:
-            raise ValueError(f"hierarchical dispatch needs the same number of GPUs of a group in "
-                             f"each of its domains, got {sorted(counts.values())}")
+            raise ValueError(
+                f"hierarchical dispatch needs the same number of GPUs of a group in "
+                f"each of its domains, got {sorted(counts.values())}"
+            )
         pair = dispatch_bytes(T, H, k, bytes_per_elem, p, per_domain.pop(), hierarchical=True)
         return [pair] * p
     out = []
@@ -174,8 +195,16 @@ def _group_bytes(group, domain_of, v: float, T: int, H: int, k: int, bytes_per_e
     return out
 
 
-def placement_dispatch_time(cluster: Cluster, groups, domain_of, T: int, H: int, k: int,
-                            bytes_per_elem: float, hierarchical: bool = False) -> Breakdown:
+def placement_dispatch_time(
+    cluster: Cluster,
+    groups,
+    domain_of,
+    T: int,
+    H: int,
+    k: int,
+    bytes_per_elem: float,
+    hierarchical: bool = False,
+) -> Breakdown:
     """One dispatch (or combine) all-to-all over ``groups``: the slowest GPU's Breakdown.
 
     ``groups`` are EP groups of global ranks; ``domain_of[rank]`` is the rank's NVLink domain
@@ -201,18 +230,33 @@ def placement_dispatch_time(cluster: Cluster, groups, domain_of, T: int, H: int,
     if spans:
         latency += cluster.latency_network_us * US
     v_nv, v_ib, t_nv, t_ib = worst
-    return Breakdown(v_nvlink_bytes=v_nv, v_network_bytes=v_ib, t_nvlink_s=t_nv,
-                     t_network_s=t_ib, latency_s=latency, total_s=latency + max(t_nv, t_ib))
+    return Breakdown(
+        v_nvlink_bytes=v_nv,
+        v_network_bytes=v_ib,
+        t_nvlink_s=t_nv,
+        t_network_s=t_ib,
+        latency_s=latency,
+        total_s=latency + max(t_nv, t_ib),
+    )
 
 
-def placement_layer_time(cluster: Cluster, groups, domain_of, T: int, H: int, k: int, F: int,
-                         bytes_per_elem: float, hierarchical: bool = False) -> LayerCost:
+def placement_layer_time(
+    cluster: Cluster,
+    groups,
+    domain_of,
+    T: int,
+    H: int,
+    k: int,
+    F: int,
+    bytes_per_elem: float,
+    hierarchical: bool = False,
+) -> LayerCost:
     """``layer_time`` for a placement: 4 of its all-to-alls plus the expert GEMMs per GPU."""
-    a2a = placement_dispatch_time(cluster, groups, domain_of, T, H, k, bytes_per_elem,
-                                  hierarchical)
+    a2a = placement_dispatch_time(cluster, groups, domain_of, T, H, k, bytes_per_elem, hierarchical)
     comm = ALL_TO_ALLS_PER_LAYER * a2a.total_s
     flops = expert_gemm_flops(T, H, k, F)
     gemm = flops / cluster.peak_bf16_flops
     total = comm + gemm
-    return LayerCost(all_to_all=a2a, comm_s=comm, gemm_flops=flops, gemm_s=gemm,
-                     total_s=total, comm_fraction=comm / total)
+    return LayerCost(
+        all_to_all=a2a, comm_s=comm, gemm_flops=flops, gemm_s=gemm, total_s=total, comm_fraction=comm / total
+    )

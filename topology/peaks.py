@@ -26,9 +26,18 @@ _PEAKS: dict[str, dict[str, float]] = {
 }
 
 _DTYPE_FAMILY = {
-    "bfloat16": "bf16", "bf16": "bf16", "float16": "bf16", "fp16": "bf16", "half": "bf16",
-    "float8": "fp8", "fp8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
-    "float8_e4m3": "fp8", "e4m3": "fp8", "e5m2": "fp8",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float16": "bf16",
+    "fp16": "bf16",
+    "half": "bf16",
+    "float8": "fp8",
+    "fp8": "fp8",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+    "float8_e4m3": "fp8",
+    "e4m3": "fp8",
+    "e5m2": "fp8",
 }
 
 
@@ -60,7 +69,7 @@ def device_model(device_kind: str) -> str | None:
 
 
 def dtype_family(dtype: str) -> str | None:
-    """"bf16" or "fp8" for a matmul dtype name; None where the peak is ambiguous (float32)."""
+    """ "bf16" or "fp8" for a matmul dtype name; None where the peak is ambiguous (float32)."""
     return _DTYPE_FAMILY.get(dtype.lower())
 
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from topology.presets import Cluster, TopologyError
 
@@ -95,7 +95,7 @@ def compress(ranks: Sequence[int]) -> str:
 
 
 def _chunks(order: Sequence[int], size: int) -> list[list[int]]:
-    return [list(order[i:i + size]) for i in range(0, len(order), size)]
+    return [list(order[i : i + size]) for i in range(0, len(order), size)]
 
 
 def _check_domains(domains: Sequence[Sequence[int]]) -> int:
@@ -183,10 +183,13 @@ def _straddle_order(domains: Sequence[Sequence[int]], ep: int) -> list[int]:
     plan is never worse than the topology-blind one.
     """
     by_size = sorted(domains, key=len, reverse=True)
-    whole = [r for d in by_size for r in d[:len(d) - len(d) % ep]]
-    rest = sorted((d[len(d) - len(d) % ep:] for d in by_size), key=len, reverse=True)
-    candidates = [[r for d in by_size for r in d], whole + [r for d in rest for r in d],
-                  sorted(r for d in domains for r in d)]
+    whole = [r for d in by_size for r in d[: len(d) - len(d) % ep]]
+    rest = sorted((d[len(d) - len(d) % ep :] for d in by_size), key=len, reverse=True)
+    candidates = [
+        [r for d in by_size for r in d],
+        whole + [r for d in rest for r in d],
+        sorted(r for d in domains for r in d),
+    ]
     dom = domain_index(domains)
     return min(candidates, key=lambda o: _straddle_score(o, dom, ep))
 
@@ -209,11 +212,12 @@ def valid_eps(domains: Sequence[Sequence[int]]) -> list[int]:
 def _check_sizes(n: int, ep: int, dp: int | None, domains: Sequence[Sequence[int]]) -> int:
     """The data-parallel size; PlacementError for sizes that do not fill ``n`` devices."""
     if ep < 1 or n % ep:
-        raise PlacementError(f"ep {ep} does not divide the {n} devices; valid ep for domains "
-                             f"of {_sizes_text(domains)}: {_join(valid_eps(domains))}")
+        raise PlacementError(
+            f"ep {ep} does not divide the {n} devices; valid ep for domains "
+            f"of {_sizes_text(domains)}: {_join(valid_eps(domains))}"
+        )
     if dp is not None and dp * ep != n:
-        raise PlacementError(f"dp {dp} x ep {ep} = {dp * ep} but there are {n} devices; "
-                             f"use dp {n // ep}")
+        raise PlacementError(f"dp {dp} x ep {ep} = {dp * ep} but there are {n} devices; use dp {n // ep}")
     return n // ep
 
 
@@ -226,8 +230,9 @@ def _join(values: Sequence[int]) -> str:
     return ", ".join(map(str, values)) if values else "none"
 
 
-def place(domains: Sequence[Sequence[int]], ep: int, dp: int | None = None, *,
-          allow_straddle: bool = False) -> Placement:
+def place(
+    domains: Sequence[Sequence[int]], ep: int, dp: int | None = None, *, allow_straddle: bool = False
+) -> Placement:
     """The mesh order keeping EP groups inside NVLink domains (see the module docstring)."""
     n = _check_domains(domains)
     dp = _check_sizes(n, ep, dp, domains)
@@ -237,29 +242,34 @@ def place(domains: Sequence[Sequence[int]], ep: int, dp: int | None = None, *,
         raise PlacementError(
             f"EP groups of {ep} would straddle NVLink domains of {sizes} devices; valid ep "
             f"for these {n} devices: {_join(valid_eps(domains))}; or use domains holding a "
-            f"multiple of {ep} devices (e.g. a Slurm segment), or allow straddling")
+            f"multiple of {ep} devices (e.g. a Slurm segment), or allow straddling"
+        )
     groups = _chunks(order, ep)
     dom = domain_index(domains)
     spans = [domains_spanned(g, dom) for g in groups]
     if not ok:
-        notes = [f"straddling allowed: {sum(s > 1 for s in spans)} of {dp} EP groups of {ep} "
-                 f"cross domains of {sizes} (at most {max(spans)} each); flat all-to-all"]
+        notes = [
+            f"straddling allowed: {sum(s > 1 for s in spans)} of {dp} EP groups of {ep} "
+            f"cross domains of {sizes} (at most {max(spans)} each); flat all-to-all"
+        ]
         return Placement(order, groups, ep, dp, 1, ep, True, [list(d) for d in domains], notes)
     if block == ep:
         notes = [f"each EP group of {ep} lies inside one NVLink domain ({sizes} devices)"]
     else:
-        notes = [f"each EP group of {ep} spans {spans[0]} whole domains ({sizes} devices), "
-                 f"packed domain-major: hierarchical dispatch sends each token once per "
-                 f"remote domain"]
+        notes = [
+            f"each EP group of {ep} spans {spans[0]} whole domains ({sizes} devices), "
+            f"packed domain-major: hierarchical dispatch sends each token once per "
+            f"remote domain"
+        ]
         if any(len(d) != block for d in domains):
             notes.append(f"mesh blocks of {block} devices: some blocks of a group share a domain")
     notes.append(f"data parallelism (FSDP) runs across {_count(dp, 'EP group')}")
-    return Placement(order, groups, ep, dp, ep // block, block, False,
-                     [list(d) for d in domains], notes)
+    return Placement(order, groups, ep, dp, ep // block, block, False, [list(d) for d in domains], notes)
 
 
-def naive_placement(num_devices: int, ep: int, dp: int | None = None, *,
-                    domains: Sequence[Sequence[int]] | None = None) -> Placement:
+def naive_placement(
+    num_devices: int, ep: int, dp: int | None = None, *, domains: Sequence[Sequence[int]] | None = None
+) -> Placement:
     """The topology-blind baseline: order 0..N-1, EP groups of consecutive ranks.
 
     With ``domains`` (the same ranks), ``straddling`` says whether a group crosses domains
@@ -275,8 +285,7 @@ def naive_placement(num_devices: int, ep: int, dp: int | None = None, *,
     straddling = domains is not None and not _groups_ok(groups, doms, ep)
     dom = domain_index(doms)
     crossing = sum(domains_spanned(g, dom) > 1 for g in groups)
-    notes = ["topology-blind: default device order, EP groups of consecutive ranks, flat "
-             "all-to-all"]
+    notes = ["topology-blind: default device order, EP groups of consecutive ranks, flat all-to-all"]
     if domains is not None:
         notes.append(f"{crossing} of {dp} EP groups cross NVLink domains")
     return Placement(order, groups, ep, dp, 1, ep, straddling, doms, notes)
@@ -284,11 +293,13 @@ def naive_placement(num_devices: int, ep: int, dp: int | None = None, *,
 
 # --- Slurm allocation shape ---------------------------------------------------------------
 
+
 def _domain_chunks(cluster: Cluster, nodes: int, per_domain: int) -> list[list[int]]:
     """Node-major global ranks, ``per_domain`` nodes per domain, the last domain partial."""
     g = cluster.gpus_per_node
-    return [list(range(start * g, min(start + per_domain, nodes) * g))
-            for start in range(0, nodes, per_domain)]
+    return [
+        list(range(start * g, min(start + per_domain, nodes) * g)) for start in range(0, nodes, per_domain)
+    ]
 
 
 def synth_domains(cluster: Cluster, alloc: Allocation) -> list[list[int]]:
@@ -316,8 +327,10 @@ def _segment_alloc(cluster: Cluster, nodes: int, ep: int) -> Allocation | None:
             what = f"each EP group of {ep} spans {ep // gpus} whole segments (domain-major)"
             if s < npd:
                 what += "; planned as separate domains (conservative: two may share a rack)"
-        reason = (f"--segment={s}: {_count(nodes // s, 'segment')} of {s} nodes ({gpus} GPUs), "
-                  f"each inside one NVLink domain, {what}")
+        reason = (
+            f"--segment={s}: {_count(nodes // s, 'segment')} of {s} nodes ({gpus} GPUs), "
+            f"each inside one NVLink domain, {what}"
+        )
         return Allocation(nodes, s, nodes // s, s, reason)
     return None
 
@@ -333,8 +346,9 @@ def _domain_alloc(cluster: Cluster, nodes: int, ep: int) -> Allocation | None:
         what = f"each EP group of {ep} inside one domain"
     else:
         what = f"each EP group of {ep} spans {-(-ep // max(sizes))} domains (domain-major)"
-    reason = (f"no --segment: {_count(nodes, 'node')} in {_count(len(sizes), 'NVLink domain')} "
-              f"of {unit}, {what}")
+    reason = (
+        f"no --segment: {_count(nodes, 'node')} in {_count(len(sizes), 'NVLink domain')} of {unit}, {what}"
+    )
     return Allocation(nodes, None, len(sizes), min(npd, nodes), reason)
 
 
@@ -357,12 +371,16 @@ def valid_node_counts(cluster: Cluster, ep: int, near: int, count: int = 4) -> l
 def valid_eps_for_nodes(cluster: Cluster, nodes: int, num_experts: int | None = None) -> list[int]:
     """EP sizes (dividing ``num_experts`` when given) that fit ``nodes`` nodes of ``cluster``."""
     total = nodes * cluster.gpus_per_node
-    return [e for e in range(1, total + 1)
-            if (num_experts is None or num_experts % e == 0) and _try_allocation(cluster, nodes, e)]
+    return [
+        e
+        for e in range(1, total + 1)
+        if (num_experts is None or num_experts % e == 0) and _try_allocation(cluster, nodes, e)
+    ]
 
 
-def allocation(cluster: Cluster, nodes: int, ep: int, *, num_experts: int | None = None,
-               allow_straddle: bool = False) -> Allocation:
+def allocation(
+    cluster: Cluster, nodes: int, ep: int, *, num_experts: int | None = None, allow_straddle: bool = False
+) -> Allocation:
     """The Slurm shape for ``nodes`` nodes with EP groups of ``ep`` kept inside NVLink domains.
 
     Segment presets (NVL72 racks) get the largest --segment that holds whole EP groups (or of
@@ -380,13 +398,19 @@ def allocation(cluster: Cluster, nodes: int, ep: int, *, num_experts: int | None
     total = nodes * cluster.gpus_per_node
     if allow_straddle and total % ep == 0:
         npd = cluster.nodes_per_domain
-        reason = (f"no --segment: EP groups of {ep} cannot stay inside NVLink domains of "
-                  f"{cluster.domain_size} GPUs on {nodes} nodes; straddling allowed, racks "
-                  f"filled in order")
+        reason = (
+            f"no --segment: EP groups of {ep} cannot stay inside NVLink domains of "
+            f"{cluster.domain_size} GPUs on {nodes} nodes; straddling allowed, racks "
+            f"filled in order"
+        )
         return Allocation(nodes, None, -(-nodes // npd), min(npd, nodes), reason)
-    why = (f"ep {ep} does not divide the {total} GPUs" if total % ep else
-           f"EP groups of {ep} would straddle NVLink domains of {cluster.domain_size} GPUs")
+    why = (
+        f"ep {ep} does not divide the {total} GPUs"
+        if total % ep
+        else f"EP groups of {ep} would straddle NVLink domains of {cluster.domain_size} GPUs"
+    )
     raise PlacementError(
         f"{nodes} {cluster.name} nodes ({total} GPUs): {why}; valid node counts for ep {ep}: "
         f"{_join(valid_node_counts(cluster, ep, nodes))}; valid ep for {nodes} nodes: "
-        f"{_join(valid_eps_for_nodes(cluster, nodes, num_experts))}")
+        f"{_join(valid_eps_for_nodes(cluster, nodes, num_experts))}"
+    )

@@ -23,7 +23,11 @@ from typing import Any
 from moe_train import config as model_config
 from topology import (
     calibration as topology_calibration,
+)
+from topology import (
     compute as compute_calibration,
+)
+from topology import (
     cost,
     presets,
     steptime,
@@ -110,10 +114,15 @@ def model_shape(name: str, cfg: model_config.Config | None = None) -> ModelShape
     """The MoE shape of a model preset (or of ``cfg``, the preset with overrides)."""
     cfg = cfg or model_config_of(name)
     m, moe, tr = cfg.model, cfg.moe, cfg.train
-    return ModelShape(name=name, hidden=m.hidden, expert_ffn=moe.expert_ffn, top_k=moe.top_k,
-                      num_experts=moe.num_experts,
-                      moe_layers=model_config.moe_layer_count(m),
-                      batch_tokens=tr.batch_size * tr.seq_len)
+    return ModelShape(
+        name=name,
+        hidden=m.hidden,
+        expert_ffn=moe.expert_ffn,
+        top_k=moe.top_k,
+        num_experts=moe.num_experts,
+        moe_layers=model_config.moe_layer_count(m),
+        batch_tokens=tr.batch_size * tr.seq_len,
+    )
 
 
 def _tokens(shape: ModelShape, devices: int, tokens: int | None) -> tuple[int, str]:
@@ -124,14 +133,18 @@ def _tokens(shape: ModelShape, devices: int, tokens: int | None) -> tuple[int, s
         return tokens, "--tokens"
     t = shape.batch_tokens // devices
     if t < 1:
-        raise PlanError(f"{shape.name}'s batch of {shape.batch_tokens} tokens is smaller than "
-                        f"{devices} GPUs; pass --tokens")
-    return t, (f"{shape.name} train batch of {shape.batch_tokens} tokens / {devices} GPUs; "
-               f"--tokens to change")
+        raise PlanError(
+            f"{shape.name}'s batch of {shape.batch_tokens} tokens is smaller than "
+            f"{devices} GPUs; pass --tokens"
+        )
+    return t, (
+        f"{shape.name} train batch of {shape.batch_tokens} tokens / {devices} GPUs; --tokens to change"
+    )
 
 
-def _side(cluster: Cluster, shape: ModelShape, p: Placement, T: int, hierarchical: bool,
-          dispatch: str) -> Side:
+def _side(
+    cluster: Cluster, shape: ModelShape, p: Placement, T: int, hierarchical: bool, dispatch: str
+) -> Side:
     """Price ``p``: one layer, and a step over all MoE layers."""
     dom = domain_index(p.domains)
     args = (T, shape.hidden, shape.top_k, shape.expert_ffn, BYTES_PER_ELEM)
@@ -141,15 +154,29 @@ def _side(cluster: Cluster, shape: ModelShape, p: Placement, T: int, hierarchica
         hierarchical, dispatch = False, "flat all-to-all (groups uneven across domains)"
         layer = cost.placement_layer_time(cluster, p.ep_groups, dom, *args, False)
     per_layer = cost.ALL_TO_ALLS_PER_LAYER * layer.all_to_all.v_network_bytes
-    return Side(placement=p, hierarchical=hierarchical, layer=layer,
-                network_bytes_layer=per_layer, network_bytes_step=per_layer * shape.moe_layers,
-                comm_s_step=layer.comm_s * shape.moe_layers, dispatch=dispatch)
+    return Side(
+        placement=p,
+        hierarchical=hierarchical,
+        layer=layer,
+        network_bytes_layer=per_layer,
+        network_bytes_step=per_layer * shape.moe_layers,
+        comm_s_step=layer.comm_s * shape.moe_layers,
+        dispatch=dispatch,
+    )
 
 
-def make_plan(preset: str, nodes: int, model: str, ep: int, dp: int | None = None,
-              tokens: int | None = None, allow_straddle: bool = False,
-              calibration: str | None = None, overrides: tuple[str, ...] = (),
-              compute: str | None = None) -> Plan:
+def make_plan(
+    preset: str,
+    nodes: int,
+    model: str,
+    ep: int,
+    dp: int | None = None,
+    tokens: int | None = None,
+    allow_straddle: bool = False,
+    calibration: str | None = None,
+    overrides: tuple[str, ...] = (),
+    compute: str | None = None,
+) -> Plan:
     """The plan; TopologyError (one line, naming valid choices) for anything that cannot fit.
 
     ``calibration``: a file from ``python -m topology probe`` whose measured link numbers
@@ -166,27 +193,38 @@ def make_plan(preset: str, nodes: int, model: str, ep: int, dp: int | None = Non
         raise PlanError(f"--nodes must be >= 1, got {nodes}")
     if ep < 1 or shape.num_experts % ep:
         valid = valid_eps_for_nodes(cluster, nodes, shape.num_experts)
-        raise PlanError(f"ep {ep} does not divide {model}'s {shape.num_experts} experts; valid "
-                        f"ep for {nodes} {cluster.name} nodes: {', '.join(map(str, valid))}")
-    alloc = allocation(cluster, nodes, ep, num_experts=shape.num_experts,
-                       allow_straddle=allow_straddle)
+        raise PlanError(
+            f"ep {ep} does not divide {model}'s {shape.num_experts} experts; valid "
+            f"ep for {nodes} {cluster.name} nodes: {', '.join(map(str, valid))}"
+        )
+    alloc = allocation(cluster, nodes, ep, num_experts=shape.num_experts, allow_straddle=allow_straddle)
     devices = nodes * cluster.gpus_per_node
     T, tokens_from = _tokens(shape, devices, tokens)
     planned = place(synth_domains(cluster, alloc), ep, dp, allow_straddle=allow_straddle)
     hier = planned.expert_x > 1
-    how = ("hierarchical all-to-all (each token crosses the network once per remote domain)"
-           if hier else "flat all-to-all" + ("" if planned.straddling else " inside each domain"))
+    how = (
+        "hierarchical all-to-all (each token crosses the network once per remote domain)"
+        if hier
+        else "flat all-to-all" + ("" if planned.straddling else " inside each domain")
+    )
     naive = naive_placement(devices, ep, dp, domains=naive_domains(cluster, nodes))
     side = _side(cluster, shape, planned, T, hier, how)
-    return Plan(cluster=cluster, model=shape, allocation=alloc, tokens_per_gpu=T,
-                tokens_from=tokens_from, planned=side,
-                naive=_side(cluster, shape, naive, T, False, "flat all-to-all, default order"),
-                step=_step(cfg, cluster, efficiency, devices, planned, T, side),
-                anchors=tuple(compute_calibration.anchors(model, cluster.name)))
+    return Plan(
+        cluster=cluster,
+        model=shape,
+        allocation=alloc,
+        tokens_per_gpu=T,
+        tokens_from=tokens_from,
+        planned=side,
+        naive=_side(cluster, shape, naive, T, False, "flat all-to-all, default order"),
+        step=_step(cfg, cluster, efficiency, devices, planned, T, side),
+        anchors=tuple(compute_calibration.anchors(model, cluster.name)),
+    )
 
 
-def _step(cfg, cluster: Cluster, efficiency, devices: int, p: Placement, T: int,
-          side: Side) -> steptime.StepTime | None:
+def _step(
+    cfg, cluster: Cluster, efficiency, devices: int, p: Placement, T: int, side: Side
+) -> steptime.StepTime | None:
     try:
         cfg = model_config.for_devices(cfg, devices)
     except model_config.ConfigError as e:
@@ -214,11 +252,21 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     p, a = plan.planned.placement, plan.allocation
     dom = domain_index(p.domains)
     return {
-        "preset": plan.cluster.name, "model": plan.model.name, "nodes": a.nodes,
-        "gpus": len(p.order), "ep": p.ep, "dp": p.dp,
-        "tokens_per_gpu": plan.tokens_per_gpu, "tokens_from": plan.tokens_from,
-        "allocation": {"nodes": a.nodes, "segment": a.segment, "domains": a.domains,
-                       "nodes_per_domain": a.nodes_per_domain, "reason": a.reason},
+        "preset": plan.cluster.name,
+        "model": plan.model.name,
+        "nodes": a.nodes,
+        "gpus": len(p.order),
+        "ep": p.ep,
+        "dp": p.dp,
+        "tokens_per_gpu": plan.tokens_per_gpu,
+        "tokens_from": plan.tokens_from,
+        "allocation": {
+            "nodes": a.nodes,
+            "segment": a.segment,
+            "domains": a.domains,
+            "nodes_per_domain": a.nodes_per_domain,
+            "reason": a.reason,
+        },
         "mesh": {"data": p.dp, "expert_x": p.expert_x, "expert": p.expert},
         "order": p.order,
         "ep_groups": p.ep_groups,
@@ -232,8 +280,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "a2a_seconds_per_step": _pair(plan, lambda s: s.comm_s_step),
         "bytes_over_network": _pair(plan, lambda s: s.network_bytes_layer),
         "bytes_over_network_per_step": _pair(plan, lambda s: s.network_bytes_step),
-        "bytes_over_nvlink": _pair(plan, lambda s: cost.ALL_TO_ALLS_PER_LAYER
-                                   * s.layer.all_to_all.v_nvlink_bytes),
+        "bytes_over_nvlink": _pair(
+            plan, lambda s: cost.ALL_TO_ALLS_PER_LAYER * s.layer.all_to_all.v_nvlink_bytes
+        ),
         "gemm_seconds": plan.planned.layer.gemm_s,
         "comm_fraction": _pair(plan, lambda s: s.layer.comm_fraction),
         "speedup": plan.speedup,
@@ -241,8 +290,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "anchors": [dataclasses.asdict(a) for a in plan.anchors],
         "notes": p.notes + plan.naive.placement.notes,
         "units": "per GPU; a2a_seconds, bytes_* and gemm_seconds per MoE layer per step "
-                 "(4 all-to-alls: dispatch and combine, forward and backward); *_per_step "
-                 "over all MoE layers",
+        "(4 all-to-alls: dispatch and combine, forward and backward); *_per_step "
+        "over all MoE layers",
     }
 
 
@@ -251,15 +300,14 @@ def _group_lines(p: Placement) -> list[str]:
     dom = domain_index(p.domains)
     idx = list(range(len(p.ep_groups)))
     if len(idx) > MAX_GROUPS_SHOWN:
-        idx = idx[:MAX_GROUPS_SHOWN - 1] + [idx[-1]]
+        idx = idx[: MAX_GROUPS_SHOWN - 1] + [idx[-1]]
     lines = []
     for n, g in enumerate(idx):
         if n and g != idx[n - 1] + 1:
             lines.append(f"  ... {g - idx[n - 1] - 1} more groups")
         doms = sorted({dom[r] for r in p.ep_groups[g]})
         word = "domain" if len(doms) == 1 else "domains"
-        lines.append(f"  group {g}: ranks {compress(p.ep_groups[g])}  in {word} "
-                     f"{compress(doms)}")
+        lines.append(f"  group {g}: ranks {compress(p.ep_groups[g])}  in {word} {compress(doms)}")
     return lines
 
 
@@ -284,8 +332,7 @@ def render(plan: Plan, timed: bool = True) -> str:
     n = plan.naive.placement
     seg = f" --segment={a.segment}" if a.segment else ""
     lines = [
-        f"plan: {m.name} on {a.nodes} {plan.cluster.name} nodes ({len(p.order)} GPUs), "
-        f"EP {p.ep} x DP {p.dp}",
+        f"plan: {m.name} on {a.nodes} {plan.cluster.name} nodes ({len(p.order)} GPUs), EP {p.ep} x DP {p.dp}",
         f"model: {m.num_experts} experts top-{m.top_k}, hidden {m.hidden}, expert ffn "
         f"{m.expert_ffn}, {m.moe_layers} MoE layers, bf16",
         f"tokens per GPU: {plan.tokens_per_gpu} ({plan.tokens_from})",
@@ -296,8 +343,7 @@ def render(plan: Plan, timed: bool = True) -> str:
         *_group_lines(p),
         *[f"  note: {x}" for x in p.notes],
         f"dispatch: planned {plan.planned.dispatch}; naive {plan.naive.dispatch}",
-        f"naive: default order on racks filled in order ({_count_domains(n)}); "
-        f"{n.notes[-1]}",
+        f"naive: default order on racks filled in order ({_count_domains(n)}); {n.notes[-1]}",
         f"cost per GPU, T={plan.tokens_per_gpu} tokens, {plan.cluster.name} preset bandwidths:",
         *_table(plan),
         *_step_lines(plan, timed),
@@ -309,11 +355,18 @@ def _step_lines(plan: Plan, timed: bool = True) -> list[str]:
     """The predicted step of the planned side, with the published figures beside it."""
     st = plan.step
     if st is None:
-        return ["predicted step: none for precision.compute=fp32 (no single matmul peak: TF32 "
-                "or FP32); --set precision.compute=bf16"]
+        return [
+            "predicted step: none for precision.compute=fp32 (no single matmul peak: TF32 "
+            "or FP32); --set precision.compute=bf16"
+        ]
     i, c = st.inputs, st.compute_s
-    names = {"experts": "expert GEMMs", "attn_proj": "attention proj", "scores": "attention "
-             "scores", "heads": "heads", "other": "dense MLP/shared/router"}
+    names = {
+        "experts": "expert GEMMs",
+        "attn_proj": "attention proj",
+        "scores": "attention scores",
+        "heads": "heads",
+        "other": "dense MLP/shared/router",
+    }
     k = i["overlap_chunks"]
     hidden = "none hidden" if k == 1 else f"{k} chunks under the GEMMs"
     where = i["compute_file"]
@@ -322,8 +375,7 @@ def _step_lines(plan: Plan, timed: bool = True) -> list[str]:
     lines = [
         f"predicted step per GPU (balanced routing; {i['compute']} matmuls, remat "
         f"{i['remat']}, {i['micro_batches']} micro-batches; efficiencies: {where}):",
-        f"  compute     {sum(c.values()):9.3f} s  "
-        + ", ".join(f"{names[k]} {v:.3f}" for k, v in c.items()),
+        f"  compute     {sum(c.values()):9.3f} s  " + ", ".join(f"{names[k]} {v:.3f}" for k, v in c.items()),
         f"  all-to-all  {st.a2a_s:9.3f} s  {st.a2a_exposed_s:.3f} exposed ({hidden}; "
         f"{i['a2a_per_moe_layer']} per MoE layer"
         + (f", {i['fp8_dispatches']} of them fp8 dispatches)" if i["fp8_dispatches"] else ")"),
@@ -336,18 +388,25 @@ def _step_lines(plan: Plan, timed: bool = True) -> list[str]:
         f"{i['compute']} peak {st.peak_tflops:,.0f} TFLOP/s",
         f"  exposed communication: {st.comm_share:.1%} of the step",
     ]
-    lines += [
-        f"  moe.overlap_chunks: {st.best_chunks} is the planner's choice (step s by chunks: "
-        + ", ".join(f"{c}: {s:.3f}" for c, s in st.by_chunks.items()) + ")",
-        "  parallel.weight_gather: step s by mode: "
-        + ", ".join(f"{g}: {s:.3f}" for g, s in st.by_gather.items())
-        + " (step holds each weight's EP-group shard in the compute dtype; make submit takes "
-        "the fastest mode that fits the memory plan)",
-    ] if timed else []
+    lines += (
+        [
+            f"  moe.overlap_chunks: {st.best_chunks} is the planner's choice (step s by chunks: "
+            + ", ".join(f"{c}: {s:.3f}" for c, s in st.by_chunks.items())
+            + ")",
+            "  parallel.weight_gather: step s by mode: "
+            + ", ".join(f"{g}: {s:.3f}" for g, s in st.by_gather.items())
+            + " (step holds each weight's EP-group shard in the compute dtype; make submit takes "
+            "the fastest mode that fits the memory plan)",
+        ]
+        if timed
+        else []
+    )
     for a in plan.anchors:
-        lines.append(f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
-                     f"{a.tflops_per_gpu:,.0f} TFLOP/s/GPU on {a.gpus} GPUs, {a.precision}"
-                     f"{', ' + a.layout if a.layout else ''} ({a.source}; forced balance)")
+        lines.append(
+            f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+            f"{a.tflops_per_gpu:,.0f} TFLOP/s/GPU on {a.gpus} GPUs, {a.precision}"
+            f"{', ' + a.layout if a.layout else ''} ({a.source}; forced balance)"
+        )
     return lines
 
 

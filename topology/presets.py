@@ -20,9 +20,10 @@ import math
 import os
 import tomllib
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from topology.peaks import dtype_family
 
@@ -46,9 +47,11 @@ class SlurmOptions:
 
     def sbatch_args(self, domain_nodes: int) -> list[str]:
         """The sbatch flags these options stand for; ``domain_nodes`` sizes --segment."""
-        args = [f"--gpus-per-node={self.gpus_per_node}",
-                f"--ntasks-per-node={self.ntasks_per_node}",
-                f"--signal={self.signal}"]
+        args = [
+            f"--gpus-per-node={self.gpus_per_node}",
+            f"--ntasks-per-node={self.ntasks_per_node}",
+            f"--signal={self.signal}",
+        ]
         if self.exclusive:
             args.append("--exclusive")
         if self.segment:
@@ -108,16 +111,32 @@ class Cluster:
 
 # TOML key -> expected type. Top-level scalars; the tables are checked separately.
 _SCALARS: dict[str, type] = {
-    "description": str, "source": str, "nominal": bool, "gpus_per_node": int, "cpu_arch": str,
-    "domain_size": int, "nvlink_gbps_per_gpu": float, "nic_gbps_per_gpu": float,
-    "latency_nvlink_us": float, "latency_network_us": float, "eta_nvlink": float,
-    "eta_network": float, "peak_bf16_tflops": float, "peak_fp8_tflops": float,
-    "gpu_memory_gib": float, "hbm_tbps": float,
+    "description": str,
+    "source": str,
+    "nominal": bool,
+    "gpus_per_node": int,
+    "cpu_arch": str,
+    "domain_size": int,
+    "nvlink_gbps_per_gpu": float,
+    "nic_gbps_per_gpu": float,
+    "latency_nvlink_us": float,
+    "latency_network_us": float,
+    "eta_nvlink": float,
+    "eta_network": float,
+    "peak_bf16_tflops": float,
+    "peak_fp8_tflops": float,
+    "gpu_memory_gib": float,
+    "hbm_tbps": float,
 }
 _TABLES = ("env", "env_source", "slurm", "container")
 _OPTIONAL: dict[str, type] = {"gpu": str}  # keys a preset may leave out
-_SLURM: dict[str, type] = {"exclusive": bool, "gpus_per_node": int, "ntasks_per_node": int,
-                           "segment": bool, "signal": str}
+_SLURM: dict[str, type] = {
+    "exclusive": bool,
+    "gpus_per_node": int,
+    "ntasks_per_node": int,
+    "segment": bool,
+    "signal": str,
+}
 
 
 def list_presets() -> list[str]:
@@ -135,8 +154,9 @@ def load(name_or_path: str | os.PathLike[str]) -> Cluster:
     else:
         path = PRESET_DIR / f"{text}.toml"
         if not path.is_file():
-            raise TopologyError(f"unknown cluster preset {text!r}; "
-                                f"valid presets: {', '.join(list_presets())}")
+            raise TopologyError(
+                f"unknown cluster preset {text!r}; valid presets: {', '.join(list_presets())}"
+            )
     return _build(path.stem, read_toml(path, TopologyError), where=str(path))
 
 
@@ -152,8 +172,12 @@ def read_toml(path: str | os.PathLike[str], error: type[Exception], what: str = 
         raise error(f"{what}{path}: {err.strerror or err}") from None
 
 
-def _check_keys(data: Mapping[str, Any], valid: Mapping[str, type] | tuple, where: str,
-                optional: Mapping[str, type] | tuple = ()) -> None:
+def _check_keys(
+    data: Mapping[str, Any],
+    valid: Mapping[str, type] | tuple,
+    where: str,
+    optional: Mapping[str, type] | tuple = (),
+) -> None:
     """Unknown and missing keys, each reported with the valid ones."""
     names = sorted([*valid, *optional])
     for key in data:
@@ -174,8 +198,9 @@ def _check_type(key: str, value: Any, want: type, where: str) -> Any:
     return value
 
 
-def check_number(value: Any, name: str, where: str, lo: float = 0.0, hi: float = math.inf,
-                 lo_open: bool = True) -> Any:
+def check_number(
+    value: Any, name: str, where: str, lo: float = 0.0, hi: float = math.inf, lo_open: bool = True
+) -> Any:
     """``value`` when it is a finite number (not a bool) above ``lo`` (or equal to it unless
     ``lo_open``) and at most ``hi``; else a TopologyError "<where>: <name> must be ...". Every
     number a topology file holds passes here: a NaN or inf compares false either way and would
@@ -216,23 +241,33 @@ def _build(name: str, data: Mapping[str, Any], where: str) -> Cluster:
     if not isinstance(data["slurm"], dict):
         raise TopologyError(f"{where}: [slurm] must be a table")
     _check_keys(data["slurm"], _SLURM, f"{where} [slurm]")
-    slurm = SlurmOptions(**{k: _check_type(f"slurm.{k}", data["slurm"][k], t, where)
-                            for k, t in _SLURM.items()})
+    slurm = SlurmOptions(
+        **{k: _check_type(f"slurm.{k}", data["slurm"][k], t, where) for k, t in _SLURM.items()}
+    )
     _check_values(vals, env, env_source, container, slurm, where)
     return Cluster(
-        name=name, description=vals["description"], source=vals["source"],
-        nominal=vals["nominal"], gpus_per_node=vals["gpus_per_node"],
-        cpu_arch=vals["cpu_arch"], domain_size=vals["domain_size"],
+        name=name,
+        description=vals["description"],
+        source=vals["source"],
+        nominal=vals["nominal"],
+        gpus_per_node=vals["gpus_per_node"],
+        cpu_arch=vals["cpu_arch"],
+        domain_size=vals["domain_size"],
         nvlink_gbps_per_gpu=vals["nvlink_gbps_per_gpu"],
         nic_gbps_per_gpu=vals["nic_gbps_per_gpu"],
         latency_nvlink_us=vals["latency_nvlink_us"],
         latency_network_us=vals["latency_network_us"],
-        eta_nvlink=vals["eta_nvlink"], eta_network=vals["eta_network"],
+        eta_nvlink=vals["eta_nvlink"],
+        eta_network=vals["eta_network"],
         peak_bf16_flops=vals["peak_bf16_tflops"] * 1e12,
         peak_fp8_flops=vals["peak_fp8_tflops"] * 1e12,
-        gpu_memory_gib=vals["gpu_memory_gib"], hbm_bytes_per_s=vals["hbm_tbps"] * 1e12,
-        env=types.MappingProxyType(env), env_source=types.MappingProxyType(env_source),
-        slurm=slurm, container_image=types.MappingProxyType(container), gpu=gpu,
+        gpu_memory_gib=vals["gpu_memory_gib"],
+        hbm_bytes_per_s=vals["hbm_tbps"] * 1e12,
+        env=types.MappingProxyType(env),
+        env_source=types.MappingProxyType(env_source),
+        slurm=slurm,
+        container_image=types.MappingProxyType(container),
+        gpu=gpu,
     )
 
 
@@ -241,38 +276,49 @@ def _check_gpu(gpu: str, where: str) -> str:
     from topology.targets import list_targets  # it imports this module
 
     if gpu and gpu not in list_targets():
-        raise TopologyError(f"{where}: gpu {gpu!r} has no XLA:GPU target config; valid: "
-                            f"{', '.join(list_targets())}")
+        raise TopologyError(
+            f"{where}: gpu {gpu!r} has no XLA:GPU target config; valid: {', '.join(list_targets())}"
+        )
     return gpu
 
 
-def _check_values(vals: dict, env: dict, env_source: dict, container: dict,
-                  slurm: SlurmOptions, where: str) -> None:
+def _check_values(
+    vals: dict, env: dict, env_source: dict, container: dict, slurm: SlurmOptions, where: str
+) -> None:
     """Cross-field rules: ranges, architectures, env provenance, Slurm consistency."""
-    for key in ("gpus_per_node", "domain_size", "nvlink_gbps_per_gpu", "nic_gbps_per_gpu",
-                "peak_bf16_tflops", "peak_fp8_tflops", "gpu_memory_gib", "hbm_tbps"):
+    for key in (
+        "gpus_per_node",
+        "domain_size",
+        "nvlink_gbps_per_gpu",
+        "nic_gbps_per_gpu",
+        "peak_bf16_tflops",
+        "peak_fp8_tflops",
+        "gpu_memory_gib",
+        "hbm_tbps",
+    ):
         check_number(vals[key], f"key {key!r}", where)
     for key in ("latency_nvlink_us", "latency_network_us"):
         check_number(vals[key], f"key {key!r}", where, lo_open=False)
     for key in ("eta_nvlink", "eta_network"):
         check_number(vals[key], f"key {key!r}", where, hi=1.0)
     if vals["cpu_arch"] not in CPU_ARCHS:
-        raise TopologyError(f"{where}: cpu_arch {vals['cpu_arch']!r} is not one of "
-                            f"{', '.join(CPU_ARCHS)}")
+        raise TopologyError(f"{where}: cpu_arch {vals['cpu_arch']!r} is not one of {', '.join(CPU_ARCHS)}")
     if vals["domain_size"] % vals["gpus_per_node"]:
-        raise TopologyError(f"{where}: domain_size {vals['domain_size']} is not a multiple of "
-                            f"gpus_per_node {vals['gpus_per_node']}")
+        raise TopologyError(
+            f"{where}: domain_size {vals['domain_size']} is not a multiple of "
+            f"gpus_per_node {vals['gpus_per_node']}"
+        )
     for key in sorted(set(env) ^ set(env_source)):
         side = "[env_source]" if key in env else "[env]"
         raise TopologyError(f"{where}: env variable {key!r} has no entry in {side}")
     for arch in container:
         if arch not in CPU_ARCHS:
-            raise TopologyError(f"{where}: container key {arch!r} is not one of "
-                                f"{', '.join(CPU_ARCHS)}")
+            raise TopologyError(f"{where}: container key {arch!r} is not one of {', '.join(CPU_ARCHS)}")
     if vals["cpu_arch"] not in container:
-        raise TopologyError(f"{where}: [container] has no image for cpu_arch "
-                            f"{vals['cpu_arch']!r}")
+        raise TopologyError(f"{where}: [container] has no image for cpu_arch {vals['cpu_arch']!r}")
     check_number(slurm.ntasks_per_node, "slurm.ntasks_per_node", where)
     if slurm.gpus_per_node != vals["gpus_per_node"]:
-        raise TopologyError(f"{where}: slurm.gpus_per_node {slurm.gpus_per_node} differs from "
-                            f"gpus_per_node {vals['gpus_per_node']}")
+        raise TopologyError(
+            f"{where}: slurm.gpus_per_node {slurm.gpus_per_node} differs from "
+            f"gpus_per_node {vals['gpus_per_node']}"
+        )

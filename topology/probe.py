@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from topology.calibration import Sample
 
@@ -27,6 +28,7 @@ AXIS = "peers"
 
 def _exchange(mesh: Mesh):
     """Jitted all-to-all of a [devices * devices, n] array split along its rows."""
+
     def body(x_PN):
         return jax.lax.all_to_all(x_PN, AXIS, 0, 0, tiled=True)
 
@@ -56,8 +58,9 @@ def _time_one(fn, x, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(devices: Sequence[jax.Device], message_bytes: Sequence[int], warmup: int = 2,
-            reps: int = 5) -> list[Sample]:
+def measure(
+    devices: Sequence[jax.Device], message_bytes: Sequence[int], warmup: int = 2, reps: int = 5
+) -> list[Sample]:
     """Median all-to-all time for each size; ``bytes_per_device`` counts what leaves a device.
 
     Each device holds ``devices`` blocks of ``n`` float32 values and keeps one of them, so it
@@ -73,8 +76,7 @@ def measure(devices: Sequence[jax.Device], message_bytes: Sequence[int], warmup:
     for size in message_bytes:
         n = max(1, size // (4 * (count - 1)))
         shape = (count * count, n)
-        x = jax.make_array_from_callback(shape, sharding,
-                                         lambda idx: np.ones(shape, np.float32)[idx])
+        x = jax.make_array_from_callback(shape, sharding, lambda idx: np.ones(shape, np.float32)[idx])
         seconds = _time_one(fn, x, warmup, reps)
         out.append(Sample(bytes_per_device=(count - 1) * n * 4, seconds=seconds))
         del x

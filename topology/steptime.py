@@ -42,7 +42,8 @@ from typing import Any
 
 from moe_train.config import WEIGHT_GATHERS, Config, moe_layer_count
 from moe_train.model import flops
-from topology import compute as compute_calibration, cost
+from topology import compute as compute_calibration
+from topology import cost
 from topology.compute import Compute
 from topology.presets import Cluster
 
@@ -121,12 +122,23 @@ def flops_by_kind(cfg: Config) -> dict[str, float]:
 def _compute_s(cfg: Config, cluster: Cluster, eff: Compute, T: int) -> dict[str, float]:
     recompute = RECOMPUTE[cfg.train.remat][0]
     fp8 = cfg.precision.compute == "fp8"
-    gemm = (cluster.peak_fp8_flops * eff.fp8_gemm_efficiency if fp8
-            else cluster.peak_bf16_flops * eff.gemm_efficiency)
-    grouped = (cluster.peak_fp8_flops * eff.fp8_gemm_efficiency if fp8
-               else cluster.peak_bf16_flops * eff.grouped_gemm_efficiency)
-    rate = {"experts": grouped, "scores": cluster.peak_bf16_flops * eff.attention_efficiency,
-            "heads": gemm, "attn_proj": gemm, "other": gemm}
+    gemm = (
+        cluster.peak_fp8_flops * eff.fp8_gemm_efficiency
+        if fp8
+        else cluster.peak_bf16_flops * eff.gemm_efficiency
+    )
+    grouped = (
+        cluster.peak_fp8_flops * eff.fp8_gemm_efficiency
+        if fp8
+        else cluster.peak_bf16_flops * eff.grouped_gemm_efficiency
+    )
+    rate = {
+        "experts": grouped,
+        "scores": cluster.peak_bf16_flops * eff.attention_efficiency,
+        "heads": gemm,
+        "attn_proj": gemm,
+        "other": gemm,
+    }
     return {k: T * f * recompute.get(k, 1.0) / rate[k] for k, f in flops_by_kind(cfg).items()}
 
 
@@ -228,50 +240,87 @@ def predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> StepTime |
     if cfg.precision.compute == "fp32":
         return None
     rows = job.tokens_per_gpu // cfg.train.micro_batches
-    by = {c: _predict(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, overlap_chunks=c)),
-                      cluster, eff, job, {}, 0).step_s
-          for c in CHUNK_CHOICES if rows % c == 0}
+    by = {
+        c: _predict(
+            dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, overlap_chunks=c)),
+            cluster,
+            eff,
+            job,
+            {},
+            0,
+        ).step_s
+        for c in CHUNK_CHOICES
+        if rows % c == 0
+    }
     best = min(c for c, s in by.items() if s <= 1.01 * min(by.values())) if by else 1
-    gathers = {g: _predict(dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, weight_gather=g)), cluster, eff, job, {},
-        0).step_s for g in WEIGHT_GATHERS}
+    gathers = {
+        g: _predict(
+            dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, weight_gather=g)),
+            cluster,
+            eff,
+            job,
+            {},
+            0,
+        ).step_s
+        for g in WEIGHT_GATHERS
+    }
     return dataclasses.replace(_predict(cfg, cluster, eff, job, by, best), by_gather=gathers)
 
 
-def _predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job, by_chunks: dict[int, float],
-             best_chunks: int) -> StepTime:
+def _predict(
+    cfg: Config, cluster: Cluster, eff: Compute, job: Job, by_chunks: dict[int, float], best_chunks: int
+) -> StepTime:
     compute = _compute_s(cfg, cluster, eff, job.tokens_per_gpu)
     busy = sum(compute.values())
     a2a, a2a_exposed = _a2a(cfg, job, compute, eff)
     fsdp = _fsdp_s(cfg, cluster, job)
-    fsdp_exposed = (1 - eff.collective_overlap) * fsdp + max(0.0, eff.collective_overlap * fsdp
-                                                              - busy)
+    fsdp_exposed = (1 - eff.collective_overlap) * fsdp + max(0.0, eff.collective_overlap * fsdp - busy)
     optimizer = _optimizer_s(cfg, cluster, eff, job)
     step = busy + a2a_exposed + fsdp_exposed + optimizer
     model_flops = flops.train_flops_per_token(cfg) * job.tokens_per_gpu
     peak = cluster.peak_fp8_flops if cfg.precision.compute == "fp8" else cluster.peak_bf16_flops
-    inputs = {"gpus": job.gpus, "ep": job.ep, "dp": job.dp, "tokens_per_gpu": job.tokens_per_gpu,
-              "micro_batches": cfg.train.micro_batches, "overlap_chunks": cfg.moe.overlap_chunks,
-              "dispatch_dtype": cfg.moe.dispatch_dtype, "fp8_dispatches": fp8_dispatches(cfg),
-              "remat": cfg.train.remat, "compute": cfg.precision.compute,
-              "weight_gather": cfg.parallel.weight_gather,
-              "moe_layers": moe_layer_count(cfg.model),
-              "a2a_per_moe_layer": RECOMPUTE[cfg.train.remat][1],
-              "a2a_latency_s": job.a2a.latency_s,
-              "a2a_transfer_s": job.a2a.total_s - job.a2a.latency_s,
-              **dict(zip(("params_non_expert", "params_expert"), weights(cfg))),
-              "peak_bf16_tflops": cluster.peak_bf16_flops / 1e12,
-              "peak_fp8_tflops": cluster.peak_fp8_flops / 1e12,
-              "hbm_tbps": cluster.hbm_bytes_per_s / 1e12,
-              "compute_file": eff.path,
-              "efficiency": {k: getattr(eff, k) for k in compute_calibration.FIELDS},
-              "efficiency_source": dict(eff.source)}
-    return StepTime(flops_per_token=flops_by_kind(cfg), compute_s=compute, a2a_s=a2a,
-                    a2a_exposed_s=a2a_exposed, fsdp_s=fsdp, fsdp_exposed_s=fsdp_exposed,
-                    optimizer_s=optimizer, step_s=step,
-                    tokens_per_s=job.tokens_per_gpu / step, model_tflops=model_flops / step / 1e12,
-                    peak_tflops=peak / 1e12, mfu=model_flops / step / peak, inputs=inputs,
-                    by_chunks=by_chunks, best_chunks=best_chunks, by_gather={})
+    inputs = {
+        "gpus": job.gpus,
+        "ep": job.ep,
+        "dp": job.dp,
+        "tokens_per_gpu": job.tokens_per_gpu,
+        "micro_batches": cfg.train.micro_batches,
+        "overlap_chunks": cfg.moe.overlap_chunks,
+        "dispatch_dtype": cfg.moe.dispatch_dtype,
+        "fp8_dispatches": fp8_dispatches(cfg),
+        "remat": cfg.train.remat,
+        "compute": cfg.precision.compute,
+        "weight_gather": cfg.parallel.weight_gather,
+        "moe_layers": moe_layer_count(cfg.model),
+        "a2a_per_moe_layer": RECOMPUTE[cfg.train.remat][1],
+        "a2a_latency_s": job.a2a.latency_s,
+        "a2a_transfer_s": job.a2a.total_s - job.a2a.latency_s,
+        **dict(zip(("params_non_expert", "params_expert"), weights(cfg))),
+        "peak_bf16_tflops": cluster.peak_bf16_flops / 1e12,
+        "peak_fp8_tflops": cluster.peak_fp8_flops / 1e12,
+        "hbm_tbps": cluster.hbm_bytes_per_s / 1e12,
+        "compute_file": eff.path,
+        "efficiency": {k: getattr(eff, k) for k in compute_calibration.FIELDS},
+        "efficiency_source": dict(eff.source),
+    }
+    return StepTime(
+        flops_per_token=flops_by_kind(cfg),
+        compute_s=compute,
+        a2a_s=a2a,
+        a2a_exposed_s=a2a_exposed,
+        fsdp_s=fsdp,
+        fsdp_exposed_s=fsdp_exposed,
+        optimizer_s=optimizer,
+        step_s=step,
+        tokens_per_s=job.tokens_per_gpu / step,
+        model_tflops=model_flops / step / 1e12,
+        peak_tflops=peak / 1e12,
+        mfu=model_flops / step / peak,
+        inputs=inputs,
+        by_chunks=by_chunks,
+        best_chunks=best_chunks,
+        by_gather={},
+    )
 
 
 def as_json(st: StepTime) -> dict[str, Any]:

@@ -69,15 +69,18 @@ def load(name: str) -> Target:
     """The target config named ``name`` (``topology/targets/<name>.txtpb``)."""
     path = TARGET_DIR / f"{name}.txtpb"
     if not path.is_file():
-        raise TopologyError(f"no XLA:GPU target config {name!r}; valid targets: "
-                            f"{', '.join(list_targets())}")
+        raise TopologyError(f"no XLA:GPU target config {name!r}; valid targets: {', '.join(list_targets())}")
     text, where = path.read_text(), str(path)
     if _field(text, None, "platform_name", where) != "CUDA":
-        raise TopologyError(f"{where}: platform_name must be \"CUDA\"")
+        raise TopologyError(f'{where}: platform_name must be "CUDA"')
     cc = tuple(int(_field(text, "cuda_compute_capability", k, where)) for k in ("major", "minor"))
     dnn = tuple(int(_field(text, "dnn_version_info", k, where)) for k in ("major", "minor"))
-    return Target(name=name, text=text,
-                  description=_field(text, None, "device_description_str", where),
-                  memory_bytes=int(_field(text, None, "device_memory_size", where)),
-                  cores=int(_field(text, None, "core_count", where)),
-                  compute_capability=cc, cudnn=dnn)  # type: ignore[arg-type]
+    return Target(
+        name=name,
+        text=text,
+        description=_field(text, None, "device_description_str", where),
+        memory_bytes=int(_field(text, None, "device_memory_size", where)),
+        cores=int(_field(text, None, "core_count", where)),
+        compute_capability=cc,
+        cudnn=dnn,
+    )  # type: ignore[arg-type]

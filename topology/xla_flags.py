@@ -30,8 +30,7 @@ def split(flags: str) -> list[str]:
 def _refused(flags: list[str], python: str, timeout_s: float) -> tuple[str | None, str]:
     """(the first flag XLA refuses or None, XLA's message)."""
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([python, "-c", _PROBE], env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
+    proc = subprocess.run([python, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode == 0:
         return None, ""
     match = _UNKNOWN.search(proc.stderr)
@@ -39,8 +38,7 @@ def _refused(flags: list[str], python: str, timeout_s: float) -> tuple[str | Non
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         raise RuntimeError(f"XLA failed for another reason than an unknown flag: {tail[0]}")
     bad = match.group(1)
-    return next((f for f in flags if f == bad or f.split("=")[0] == bad.split("=")[0]), bad), \
-        match.group(0)
+    return next((f for f in flags if f == bad or f.split("=")[0] == bad.split("=")[0]), bad), match.group(0)
 
 
 def unknown_flags(flags: str, python: str = sys.executable, timeout_s: float = 120) -> list[str]:

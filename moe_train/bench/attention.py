@@ -53,10 +53,15 @@ class Sizes:
     xla_budget_s: float = 20.0  # skip xla timing where one step is estimated above this
 
 
-FULL = Sizes(seq_lens=(64, 128, 256, 512, 1024, 2048, 4096), batch=2,
-             memory_seq_lens=(512, 1024, 2048, 4096, 8192), memory_tokens=8192)
-QUICK = Sizes(seq_lens=(64, 256), batch=2, memory_seq_lens=(256, 1024), memory_tokens=1024,
-              max_reps=3, target_s=0.05)
+FULL = Sizes(
+    seq_lens=(64, 128, 256, 512, 1024, 2048, 4096),
+    batch=2,
+    memory_seq_lens=(512, 1024, 2048, 4096, 8192),
+    memory_tokens=8192,
+)
+QUICK = Sizes(
+    seq_lens=(64, 256), batch=2, memory_seq_lens=(256, 1024), memory_tokens=1024, max_reps=3, target_s=0.05
+)
 
 
 def log(msg: str) -> None:
@@ -73,24 +78,25 @@ def shapes(s: Sizes, batch: int, seq_len: int) -> list[jax.ShapeDtypeStruct]:
 def operands(s: Sizes, batch: int, seq_len: int):
     """(q, k, v, do) drawn on the device."""
     ks = jax.random.split(jax.random.key(seq_len), 4)
-    return tuple(jax.random.normal(k, a.shape, a.dtype)
-                 for k, a in zip(ks, shapes(s, batch, seq_len)))
+    return tuple(jax.random.normal(k, a.shape, a.dtype) for k, a in zip(ks, shapes(s, batch, seq_len)))
 
 
 def step_fn(impl: str, block: int):
     """Jitted fwd+bwd: (q, k, v, do) -> (dq, dk, dv)."""
+
     def loss(q, k, v, do):
         o = attention.attend(q, k, v, implementation=impl, block=block)
         return jnp.vdot(o.astype(jnp.float32), do.astype(jnp.float32))
+
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 def runnable(s: Sizes) -> tuple[list[str], dict[str, str]]:
     """(implementations that run here, {name: why not} for the rest)."""
-    why = attention.available(platform=jax.default_backend(), dtype=s.dtype,
-                              head_dim=s.head_dim, v_head_dim=s.head_dim)
-    return ([n for n in attention.IMPLEMENTATIONS if why[n] is None],
-            {n: r for n, r in why.items() if r})
+    why = attention.available(
+        platform=jax.default_backend(), dtype=s.dtype, head_dim=s.head_dim, v_head_dim=s.head_dim
+    )
+    return ([n for n in attention.IMPLEMENTATIONS if why[n] is None], {n: r for n, r in why.items() if r})
 
 
 def timing_rows(s: Sizes, impls: list[str]) -> list[dict[str, Any]]:
@@ -108,22 +114,32 @@ def timing_rows(s: Sizes, impls: list[str]) -> list[dict[str, Any]]:
         timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s)
         ref = timings.get("xla")
         for impl, t in timings.items():
-            row = {"seq_len": S, "batch": s.batch, "implementation": impl, "time": t,
-                   "compile_s": compile_s[impl], "tokens_per_s": s.batch * S / t["median_s"],
-                   "block": (s.block or attention.default_block(S)) if impl == "chunked" else None}
+            row = {
+                "seq_len": S,
+                "batch": s.batch,
+                "implementation": impl,
+                "time": t,
+                "compile_s": compile_s[impl],
+                "tokens_per_s": s.batch * S / t["median_s"],
+                "block": (s.block or attention.default_block(S)) if impl == "chunked" else None,
+            }
             row.update(ratio_stats(t, ref) if ref else {"ratio": None})
             rows.append(row)
         if ref:
             last_xla = (S, ref["median_s"])
-        log(f"S={S}: " + ", ".join(f"{i} {t['median_s'] * 1e3:.1f} ms" for i, t in timings.items())
-            + f" [{time.perf_counter() - t0:.0f} s]")
+        log(
+            f"S={S}: "
+            + ", ".join(f"{i} {t['median_s'] * 1e3:.1f} ms" for i, t in timings.items())
+            + f" [{time.perf_counter() - t0:.0f} s]"
+        )
     return rows
 
 
 def crossover(rows: list[dict]) -> int | None:
     """The first timed length from which chunked is faster than xla at every longer one."""
-    ratios = sorted((r["seq_len"], r["ratio"]) for r in rows
-                    if r["implementation"] == "chunked" and r.get("ratio"))
+    ratios = sorted(
+        (r["seq_len"], r["ratio"]) for r in rows if r["implementation"] == "chunked" and r.get("ratio")
+    )
     best = None
     for S, ratio in reversed(ratios):
         if ratio >= 1.0:
@@ -141,36 +157,79 @@ def memory_rows(s: Sizes, impls: list[str]) -> list[dict[str, Any]]:
         for impl in impls:
             compiled, _, secs = compile_jit(step_fn(impl, s.block), *args)
             mem = compiled.memory_analysis()
-            rows.append({"seq_len": S, "batch": B, "implementation": impl,
-                         "temp_bytes": mem.temp_size_in_bytes,
-                         "argument_bytes": mem.argument_size_in_bytes, "compile_s": secs})
+            rows.append(
+                {
+                    "seq_len": S,
+                    "batch": B,
+                    "implementation": impl,
+                    "temp_bytes": mem.temp_size_in_bytes,
+                    "argument_bytes": mem.argument_size_in_bytes,
+                    "compile_s": secs,
+                }
+            )
     return rows
 
 
 def markdown(sec: dict[str, Any]) -> str:
     """The section's Markdown: setup, the timing table, the memory table, what did not run."""
     s = sec["sizes"]
-    head = (f"## {TITLE}\n\nCausal GQA attention forward+backward, N={s['heads']} query / "
-            f"K={s['kv_heads']} kv heads, D={s['head_dim']}, {s['dtype']}. *time / xla*: median "
-            f"over xla's median in the same interleaved rounds (min-max of the per-round "
-            f"ratios). Measured crossover (chunked faster from here on): "
-            f"**{sec['crossover'] or 'none'}**; `auto` uses chunked from "
-            f"S={sec['auto_threshold']} where cuDNN cannot run.\n")
-    rows = [[r["seq_len"], r["batch"], r["implementation"], r["block"] or "",
-             fmt_ms(r["time"])[0], f"{r['tokens_per_s']:,.0f}",
-             f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})" if r["ratio"] else "",
-             f"{r['cpu_ratio']:.2f}" if r["ratio"] else ""] for r in sec["timing"]]
-    table = markdown_table(["S", "B", "implementation", "block", "median ms", "tokens/s",
-                            "time / xla (min-max)", "CPU time / xla"], rows)
-    first = {r["implementation"]: r["temp_bytes"] for r in sec["memory"]
-             if r["seq_len"] == sec["memory"][0]["seq_len"]}
-    mem = [[r["seq_len"], r["batch"], r["implementation"], mib(r["temp_bytes"]),
-            f"{r['temp_bytes'] / max(first[r['implementation']], 1):.1f}"] for r in sec["memory"]]
-    mem_table = markdown_table(["S", "B", "implementation", "temp MiB",
-                                f"x temp at S={sec['memory'][0]['seq_len']}"], mem)
+    head = (
+        f"## {TITLE}\n\nCausal GQA attention forward+backward, N={s['heads']} query / "
+        f"K={s['kv_heads']} kv heads, D={s['head_dim']}, {s['dtype']}. *time / xla*: median "
+        f"over xla's median in the same interleaved rounds (min-max of the per-round "
+        f"ratios). Measured crossover (chunked faster from here on): "
+        f"**{sec['crossover'] or 'none'}**; `auto` uses chunked from "
+        f"S={sec['auto_threshold']} where cuDNN cannot run.\n"
+    )
+    rows = [
+        [
+            r["seq_len"],
+            r["batch"],
+            r["implementation"],
+            r["block"] or "",
+            fmt_ms(r["time"])[0],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})" if r["ratio"] else "",
+            f"{r['cpu_ratio']:.2f}" if r["ratio"] else "",
+        ]
+        for r in sec["timing"]
+    ]
+    table = markdown_table(
+        [
+            "S",
+            "B",
+            "implementation",
+            "block",
+            "median ms",
+            "tokens/s",
+            "time / xla (min-max)",
+            "CPU time / xla",
+        ],
+        rows,
+    )
+    first = {
+        r["implementation"]: r["temp_bytes"]
+        for r in sec["memory"]
+        if r["seq_len"] == sec["memory"][0]["seq_len"]
+    }
+    mem = [
+        [
+            r["seq_len"],
+            r["batch"],
+            r["implementation"],
+            mib(r["temp_bytes"]),
+            f"{r['temp_bytes'] / max(first[r['implementation']], 1):.1f}",
+        ]
+        for r in sec["memory"]
+    ]
+    mem_table = markdown_table(
+        ["S", "B", "implementation", "temp MiB", f"x temp at S={sec['memory'][0]['seq_len']}"], mem
+    )
     note = "; ".join(f"`{n}` not run: {w}" for n, w in sec["unavailable"].items())
-    return (f"{head}\n{table}\n\n**Compiled temp memory** at {s['memory_tokens']} tokens "
-            f"(B x S fixed):\n\n{mem_table}" + (f"\n\n{note}." if note else ""))
+    return (
+        f"{head}\n{table}\n\n**Compiled temp memory** at {s['memory_tokens']} tokens "
+        f"(B x S fixed):\n\n{mem_table}" + (f"\n\n{note}." if note else "")
+    )
 
 
 def run(s: Sizes) -> dict[str, Any]:
@@ -179,8 +238,15 @@ def run(s: Sizes) -> dict[str, Any]:
     impls, unavailable = runnable(s)
     timing = timing_rows(s, impls)
     memory = memory_rows(s, impls)
-    sec = {"title": TITLE, "sizes": dataclasses.asdict(s), "timing": timing, "memory": memory,
-           "crossover": crossover(timing), "auto_threshold": attention.CHUNKED_MIN_SEQ,
-           "unavailable": unavailable, "wall_s": time.perf_counter() - t0}
+    sec = {
+        "title": TITLE,
+        "sizes": dataclasses.asdict(s),
+        "timing": timing,
+        "memory": memory,
+        "crossover": crossover(timing),
+        "auto_threshold": attention.CHUNKED_MIN_SEQ,
+        "unavailable": unavailable,
+        "wall_s": time.perf_counter() - t0,
+    }
     sec["markdown"] = markdown(sec)
     return sec

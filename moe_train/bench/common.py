@@ -17,8 +17,9 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,8 +32,10 @@ def row_done(section: str, text: str) -> None:
 
 # ----------------------------------------------------------------------------- timing
 
-def time_compiled(fn: Callable, args: Sequence, *, min_reps: int = 3, max_reps: int = 10,
-                  target_s: float = 2.0) -> tuple[dict[str, Any], Any]:
+
+def time_compiled(
+    fn: Callable, args: Sequence, *, min_reps: int = 3, max_reps: int = 10, target_s: float = 2.0
+) -> tuple[dict[str, Any], Any]:
     """Warm up once, then time ``fn(*args)`` ``reps`` times. Returns (timing, last output)."""
     out = jax.block_until_ready(fn(*args))  # warm-up
     times = []
@@ -46,9 +49,14 @@ def time_compiled(fn: Callable, args: Sequence, *, min_reps: int = 3, max_reps: 
     return summarize(times), out
 
 
-def time_rounds(fns: dict[str, tuple[Callable, Sequence]], *, min_reps: int = 3,
-                max_reps: int = 10, target_s: float = 2.0,
-                outputs: dict | None = None) -> dict[str, dict[str, Any]]:
+def time_rounds(
+    fns: dict[str, tuple[Callable, Sequence]],
+    *,
+    min_reps: int = 3,
+    max_reps: int = 10,
+    target_s: float = 2.0,
+    outputs: dict | None = None,
+) -> dict[str, dict[str, Any]]:
     """Time several compiled functions side by side: one warm-up call each, then ``reps``
     rounds that call every function once, in order. Returns {name: timing}.
 
@@ -72,8 +80,10 @@ def time_rounds(fns: dict[str, tuple[Callable, Sequence]], *, min_reps: int = 3,
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - t)
             cpu[name].append(time.process_time() - c)
-    return {name: dict(summarize(ts), times_s=ts, cpu_median_s=statistics.median(cpu[name]))
-            for name, ts in times.items()}
+    return {
+        name: dict(summarize(ts), times_s=ts, cpu_median_s=statistics.median(cpu[name]))
+        for name, ts in times.items()
+    }
 
 
 def min_time(fn: Callable, args: Sequence, calls: int = 2) -> float:
@@ -91,16 +101,25 @@ def ratio_stats(timing: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]
     the ratio of median process CPU times (all threads; steadier than wall time when other
     processes share the cores, but it also counts work the threads do not overlap)."""
     per_round = [a / b for a, b in zip(timing["times_s"], ref["times_s"])]
-    return {"ratio": timing["median_s"] / ref["median_s"], "ratio_min": min(per_round),
-            "ratio_max": max(per_round),
-            "cpu_ratio": timing["cpu_median_s"] / max(ref["cpu_median_s"], 1e-9)}
+    return {
+        "ratio": timing["median_s"] / ref["median_s"],
+        "ratio_min": min(per_round),
+        "ratio_max": max(per_round),
+        "cpu_ratio": timing["cpu_median_s"] / max(ref["cpu_median_s"], 1e-9),
+    }
 
 
 def summarize(times: Sequence[float]) -> dict[str, Any]:
     ts = sorted(times)
     q = np.percentile(ts, [25, 75]) if len(ts) > 1 else (ts[0], ts[0])
-    return {"median_s": statistics.median(ts), "min_s": ts[0], "max_s": ts[-1],
-            "q1_s": float(q[0]), "q3_s": float(q[1]), "reps": len(ts)}
+    return {
+        "median_s": statistics.median(ts),
+        "min_s": ts[0],
+        "max_s": ts[-1],
+        "q1_s": float(q[0]),
+        "q3_s": float(q[1]),
+        "reps": len(ts),
+    }
 
 
 def compile_jit(jitted, *args):
@@ -113,8 +132,21 @@ def compile_jit(jitted, *args):
 
 # ----------------------------------------------------------------------------- collectives
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 _COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+(all-to-all|all-gather|reduce-scatter)\(")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,{}]*\})\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -145,8 +177,7 @@ def collective_bytes(hlo_text: str, domain_of: Callable[[int], int]) -> dict[str
     device id of the replica groups to its domain). All-reduces (router statistics) are left
     out. Bytes are averaged over the devices in the replica groups.
     """
-    out = {"all_to_all": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "cross_domain": 0.0,
-           "count": 0}
+    out = {"all_to_all": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "cross_domain": 0.0, "count": 0}
     for line in hlo_text.splitlines():
         m = _COLLECTIVE.search(line)
         if not m:
@@ -170,8 +201,9 @@ def collective_bytes(hlo_text: str, domain_of: Callable[[int], int]) -> dict[str
 
 # ----------------------------------------------------------------------------- output
 
+
 def utc_stamp() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def cpu_model() -> str:
@@ -187,16 +219,24 @@ def cpu_model() -> str:
 
 def environment() -> dict[str, Any]:
     dev = jax.devices()[0]
-    return {"python": sys.version.split()[0], "jax": jax.__version__,
-            "jax_backend": jax.default_backend(), "devices": len(jax.devices()),
-            "device_kind": dev.device_kind, "cpu_count": os.cpu_count(),
-            "cpu_model": cpu_model(), "load_avg": os.getloadavg(),
-            "platform": platform.platform(), "machine": platform.machine()}
+    return {
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "devices": len(jax.devices()),
+        "device_kind": dev.device_kind,
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "load_avg": os.getloadavg(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+    }
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(v):
         return "" if v is None else str(v)
+
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -206,8 +246,7 @@ def fmt_ms(timing: dict[str, Any] | None) -> tuple[str, str]:
     """(median ms, 'min-max') of a timing dict."""
     if not timing:
         return "", ""
-    return (f"{timing['median_s'] * 1e3:.1f}",
-            f"{timing['min_s'] * 1e3:.1f}-{timing['max_s'] * 1e3:.1f}")
+    return (f"{timing['median_s'] * 1e3:.1f}", f"{timing['min_s'] * 1e3:.1f}-{timing['max_s'] * 1e3:.1f}")
 
 
 def mib(nbytes: float | None) -> str:
@@ -238,7 +277,8 @@ def finite_or_none(obj):
 def write_results(out_dir: Path, results: dict[str, Any], markdown: str) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / "results.json", out_dir / "results.md"
-    json_path.write_text(json.dumps(finite_or_none(results), indent=2, default=_json_default,
-                                    allow_nan=False) + "\n")
+    json_path.write_text(
+        json.dumps(finite_or_none(results), indent=2, default=_json_default, allow_nan=False) + "\n"
+    )
     md_path.write_text(markdown + "\n")
     return json_path, md_path

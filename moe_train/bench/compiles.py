@@ -63,8 +63,9 @@ class Sizes(MoEShape):
 
 
 FULL = Sizes(steps=100, tokens=1024, hidden=64, ffn=128, experts=32, top_k=2)
-QUICK = Sizes(steps=24, tokens=256, hidden=32, ffn=32, experts=16, top_k=2, buckets=(1.25, 2.0),
-              step_down_after=4)
+QUICK = Sizes(
+    steps=24, tokens=256, hidden=32, ffn=32, experts=16, top_k=2, buckets=(1.25, 2.0), step_down_after=4
+)
 
 
 def log(msg: str) -> None:
@@ -130,18 +131,26 @@ def dropless_run(s: Sizes, batches: Batches) -> dict[str, Any]:
     t0 = time.perf_counter()
     loads, compiles = _counting(loop)
     skew = [float(l.max() / l.mean()) for l in loads]
-    return {"steps": s.steps, "traces": len(traces), "compilations": len(compiles),
-            "compile_s": sum(compiles), "wall_s": time.perf_counter() - t0,
-            "distinct_routings": len({l.tobytes() for l in loads}),
-            "max_over_mean_load": [min(skew), max(skew)], "expected": 1,
-            "ok": len(traces) == len(compiles) == 1}
+    return {
+        "steps": s.steps,
+        "traces": len(traces),
+        "compilations": len(compiles),
+        "compile_s": sum(compiles),
+        "wall_s": time.perf_counter() - t0,
+        "distinct_routings": len({l.tobytes() for l in loads}),
+        "max_over_mean_load": [min(skew), max(skew)],
+        "expected": 1,
+        "ok": len(traces) == len(compiles) == 1,
+    }
 
 
 def _layer_step(s: Sizes, batches: Batches):
     """BucketedStep's ``make_step`` for this section: the EP layer's fwd+bwd as the bucketed
     step (the optimizer and the rest of the model left out)."""
+
     def make(cfg, mesh, counter, state_sharding, plan):
         """``train.make_train_step``'s signature; returns the jitted bucketed layer step."""
+
         def step(state, x, hold=None):  # the state never changes, so a held step is the same
             counter.traces += 1
 
@@ -149,29 +158,39 @@ def _layer_step(s: Sizes, batches: Batches):
                 y, stats = ep_moe(*ops, Routing(s.top_k), plan=plan, backend="tiled")
                 return _loss(y, stats), stats
 
-            (_, stats), _ = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
-                x, *state)
+            (_, stats), _ = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, *state)
             return state, {"overflow": stats.overflow, "max_pair_load": stats.max_pair_load}
+
         return jax.jit(step)
+
     return make
 
 
 def ep_run(s: Sizes, batches: Batches) -> dict[str, Any]:
     """The EP layer under BucketedStep over the drifting steps: compilations vs buckets."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from moe_train.train.step import StepCounter
-    mesh = sharding.make_mesh(jax.devices("cpu")[:int(np.prod(s.mesh))], s.mesh)
-    cfg = dataclasses.replace(Config(), moe=dataclasses.replace(
-        MoEConfig(), num_experts=s.experts, top_k=s.top_k, dispatcher="a2a",
-        capacity_buckets=s.buckets, bucket_step_down_after=s.step_down_after))
+
+    mesh = sharding.make_mesh(jax.devices("cpu")[: int(np.prod(s.mesh))], s.mesh)
+    cfg = dataclasses.replace(
+        Config(),
+        moe=dataclasses.replace(
+            MoEConfig(),
+            num_experts=s.experts,
+            top_k=s.top_k,
+            dispatcher="a2a",
+            capacity_buckets=s.buckets,
+            bucket_step_down_after=s.step_down_after,
+        ),
+    )
     counter = StepCounter()
     tok = NamedSharding(mesh, P(sharding.TOKEN_AXES, None))
     exp = NamedSharding(mesh, P(sharding.EP_AXES, None, None))
     gate, *experts = batches.weights
     state = (jax.device_put(gate, NamedSharding(mesh, P())), *(jax.device_put(w, exp) for w in experts))
-    bucketed = stepper.BucketedStep(cfg, mesh, counter, None,
-                                    make_step=_layer_step(s, batches))
+    bucketed = stepper.BucketedStep(cfg, mesh, counter, None, make_step=_layer_step(s, batches))
 
     def loop():
         per_step = []
@@ -179,23 +198,35 @@ def ep_run(s: Sizes, batches: Batches) -> dict[str, Any]:
             for t in range(s.steps):
                 t0, before = time.perf_counter(), counter.traces
                 _, raw = bucketed(state, jax.device_put(batches.x(t), tok))
-                per_step.append({"bucket": raw["ep_bucket"], "reruns": raw["ep_overflow_reruns"],
-                                 "compiled": counter.traces > before,
-                                 "wall_s": time.perf_counter() - t0})
+                per_step.append(
+                    {
+                        "bucket": raw["ep_bucket"],
+                        "reruns": raw["ep_overflow_reruns"],
+                        "compiled": counter.traces > before,
+                        "wall_s": time.perf_counter() - t0,
+                    }
+                )
         return per_step
 
     t0 = time.perf_counter()
     per_step, compiles = _counting(loop)
     touched = sorted(bucketed._compiled)
     labels = [bucketed.plans[i].capacity_factor for i in touched]
-    return {"steps": s.steps, "traces": counter.traces, "compilations": len(compiles),
-            "compile_s": sum(compiles), "wall_s": time.perf_counter() - t0,
-            "buckets_touched": ["worst" if f is None else f for f in labels],
-            "reruns": bucketed.reruns, "expected": len(touched),
-            "bucket_by_step": [p["bucket"] for p in per_step],
-            "steady_step_s": float(np.median([p["wall_s"] for p in per_step if not p["compiled"]]
-                                             or [float("nan")])),
-            "ok": counter.traces == len(compiles) == len(touched)}
+    return {
+        "steps": s.steps,
+        "traces": counter.traces,
+        "compilations": len(compiles),
+        "compile_s": sum(compiles),
+        "wall_s": time.perf_counter() - t0,
+        "buckets_touched": ["worst" if f is None else f for f in labels],
+        "reruns": bucketed.reruns,
+        "expected": len(touched),
+        "bucket_by_step": [p["bucket"] for p in per_step],
+        "steady_step_s": float(
+            np.median([p["wall_s"] for p in per_step if not p["compiled"]] or [float("nan")])
+        ),
+        "ok": counter.traces == len(compiles) == len(touched),
+    }
 
 
 def run(s: Sizes) -> dict[str, Any]:
@@ -205,7 +236,14 @@ def run(s: Sizes) -> dict[str, Any]:
     dropless = dropless_run(s, batches)
     log(f"dropless: {dropless['compilations']} compilation(s) over {s.steps} steps")
     ep = ep_run(s, batches)
-    log(f"ep a2a: {ep['compilations']} compilations, buckets touched {ep['buckets_touched']}, "
-        f"{ep['reruns']} reruns")
-    return {"title": TITLE, "sizes": dataclasses.asdict(s), "dropless": dropless, "ep": ep,
-            "wall_s": time.perf_counter() - t0}
+    log(
+        f"ep a2a: {ep['compilations']} compilations, buckets touched {ep['buckets_touched']}, "
+        f"{ep['reruns']} reruns"
+    )
+    return {
+        "title": TITLE,
+        "sizes": dataclasses.asdict(s),
+        "dropless": dropless,
+        "ep": ep,
+        "wall_s": time.perf_counter() - t0,
+    }

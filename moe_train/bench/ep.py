@@ -33,12 +33,14 @@ import concurrent.futures
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_train.bench.common import collective_bytes, compile_jit, fmt_ms, time_compiled
 from moe_train.bench.ep_buckets import (
@@ -113,16 +115,40 @@ class Sizes(MoEShape):
 
 # One mesh in `make bench` (each bucket of each dispatcher is a compilation; the 10-minute
 # budget of 2 cores); EP8_D2 and EP4_DP2 are kept for runs that can afford them.
-FULL = Sizes(tokens=2048, hidden=128, ffn=256, experts=32, top_k=4, steps=2, min_reps=3,
-             target_s=1.0, meshes=(EP8_D4,), routings=("uniform", "zipf", BALANCED),
-             bucket_routings=("uniform", "zipf", "zipf-sorted", BALANCED), chunk_rows=False)
+FULL = Sizes(
+    tokens=2048,
+    hidden=128,
+    ffn=256,
+    experts=32,
+    top_k=4,
+    steps=2,
+    min_reps=3,
+    target_s=1.0,
+    meshes=(EP8_D4,),
+    routings=("uniform", "zipf", BALANCED),
+    bucket_routings=("uniform", "zipf", "zipf-sorted", BALANCED),
+    chunk_rows=False,
+)
 # quick: every dispatcher once, fewer buckets (each bucket is a compilation, ~4 s on 2 cores)
-QUICK = Sizes(tokens=256, hidden=32, ffn=64, experts=16, top_k=2, steps=2, min_reps=3,
-              target_s=0.1, meshes=(EP8_D4,), routings=("uniform", "zipf", BALANCED),
-              bucket_routings=("uniform", "zipf", BALANCED), buckets=(2.0,), chunk_rows=False)
+QUICK = Sizes(
+    tokens=256,
+    hidden=32,
+    ffn=64,
+    experts=16,
+    top_k=2,
+    steps=2,
+    min_reps=3,
+    target_s=0.1,
+    meshes=(EP8_D4,),
+    routings=("uniform", "zipf", BALANCED),
+    bucket_routings=("uniform", "zipf", BALANCED),
+    buckets=(2.0,),
+    chunk_rows=False,
+)
 
 
 # ----------------------------------------------------------------------------- operands
+
 
 def tokens(s: Sizes, gate_HE: np.ndarray, routing: str, step: int) -> np.ndarray:
     """x [T, H] whose router logits x @ gate are log p + Gumbel noise (see module doc)."""
@@ -133,6 +159,7 @@ def tokens(s: Sizes, gate_HE: np.ndarray, routing: str, step: int) -> np.ndarray
 
 # ----------------------------------------------------------------------------- functions
 
+
 def _loss(y_TH, stats):
     return jnp.mean(jnp.sum(jnp.square(y_TH.astype(jnp.float32)), axis=-1)) + 0.01 * stats.aux_loss
 
@@ -141,6 +168,7 @@ def ep_step(plan: EPPlan, routing: Routing):
     def loss(x, gate, w0, w1, wo):
         y, stats = ep_moe(x, gate, w0, w1, wo, routing, plan=plan, backend=BACKEND)
         return _loss(y, stats), stats
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
 
@@ -152,10 +180,12 @@ def dense_step(routing: Routing):
     def loss(x, gate, w0, w1, wo):
         y, stats = dropless_moe(x, gate, w0, w1, wo, routing, backend=BACKEND)
         return _loss(y, stats), stats
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
 
 # ----------------------------------------------------------------------------- the bench
+
 
 class EPBench(BucketRows):
     """Compiled EP steps per (mesh, plan), their timing rows and the operands they share."""
@@ -164,8 +194,10 @@ class EPBench(BucketRows):
         self.s = s
         self.devices = jax.devices("cpu")[:NUM_DEVICES]
         if len(self.devices) < NUM_DEVICES:
-            raise RuntimeError(f"needs {NUM_DEVICES} CPU devices, found {len(self.devices)}: set "
-                               f"jax.config.update('jax_num_cpu_devices', 8) before using JAX")
+            raise RuntimeError(
+                f"needs {NUM_DEVICES} CPU devices, found {len(self.devices)}: set "
+                f"jax.config.update('jax_num_cpu_devices', 8) before using JAX"
+            )
         w = expert_weights(s.hidden, s.ffn, s.experts)
         self.weights = {k: v.astype(np.float32) for k, v in w.items()}
         self.gate64 = w["gate"]
@@ -187,9 +219,13 @@ class EPBench(BucketRows):
         rep = NamedSharding(mesh, P())
         exp = NamedSharding(mesh, P(sharding.EP_AXES, None, None))
         w = self.weights
-        return (jax.device_put(self.x(routing, step), tok), jax.device_put(w["gate"], rep),
-                jax.device_put(w["w0"], exp), jax.device_put(w["w1"], exp),
-                jax.device_put(w["wo"], exp))
+        return (
+            jax.device_put(self.x(routing, step), tok),
+            jax.device_put(w["gate"], rep),
+            jax.device_put(w["w0"], exp),
+            jax.device_put(w["w1"], exp),
+            jax.device_put(w["wo"], exp),
+        )
 
     def mesh(self, mc: MeshCfg):
         return sharding.make_mesh(self.devices, (mc.dp, mc.domains, mc.domain_size))
@@ -203,8 +239,10 @@ class EPBench(BucketRows):
             with jax.set_mesh(mesh):
                 fn, _, secs = compile_jit(ep_step(plan, r), *args)
             self._compiled[key] = fn
-            self.compile_s[f"{mc.label} {plan.dispatcher} {factor_label(plan.capacity_factor)} "
-                           f"chunks={plan.chunks}{' balanced' if r.balanced else ''}"] = secs
+            self.compile_s[
+                f"{mc.label} {plan.dispatcher} {factor_label(plan.capacity_factor)} "
+                f"chunks={plan.chunks}{' balanced' if r.balanced else ''}"
+            ] = secs
         return self._compiled[key]
 
     def precompile(self, mc: MeshCfg, mesh, plans: list[EPPlan], args, routing: str) -> None:
@@ -237,19 +275,27 @@ class EPBench(BucketRows):
         """One timed EP row: fwd+bwd time, exchange stats and bytes moved."""
         fn = self.step_fn(mc, mesh, plan, args, routing)
         with jax.set_mesh(mesh):
-            timing, out = time_compiled(fn, args, min_reps=self.s.min_reps,
-                                        target_s=self.s.target_s)
+            timing, out = time_compiled(fn, args, min_reps=self.s.min_reps, target_s=self.s.target_s)
         st = host_stats(out)
         H, n = self.s.hidden, NUM_DEVICES
         item = jnp.dtype(DTYPE).itemsize
         return {
-            "kind": "ep", "mesh": mc.label, "dp": mc.dp, "ep": mc.ep, "domains": mc.domains,
-            "domain_size": mc.domain_size, "dispatcher": plan.dispatcher, "routing": routing,
+            "kind": "ep",
+            "mesh": mc.label,
+            "dp": mc.dp,
+            "ep": mc.ep,
+            "domains": mc.domains,
+            "domain_size": mc.domain_size,
+            "dispatcher": plan.dispatcher,
+            "routing": routing,
             "bucket": factor_label(plan.capacity_factor) if plan.dispatcher != "allgather" else None,
-            "chunks": plan.chunks, "time": timing,
-            "recv_rows": float(st["recv_rows"]), "recv_slots": float(st["recv_slots"]),
+            "chunks": plan.chunks,
+            "time": timing,
+            "recv_rows": float(st["recv_rows"]),
+            "recv_slots": float(st["recv_slots"]),
             "fill": float(st["recv_rows"] / st["recv_slots"]),
-            "max_pair_load": float(st["max_pair_load"]), "overflow": bool(st["overflow"]),
+            "max_pair_load": float(st["max_pair_load"]),
+            "overflow": bool(st["overflow"]),
             "fwd_bytes_per_device": self.fwd_bytes(mc, mesh, plan, args, routing),
             # slow_rows is summed over all shards, one way; x2: dispatch and combine
             "slow_link_bytes_per_device": float(st["slow_rows"]) / n * H * item * 2,
@@ -270,9 +316,17 @@ class EPBench(BucketRows):
             fn = fns[r]
             timing, out = time_compiled(fn, args, min_reps=self.s.min_reps, target_s=self.s.target_s)
             loads = host_stats(out)["tokens_per_expert"].astype(float)
-            rows.append({"kind": "dense", "mesh": "1 device", "dispatcher": "dense (dropless_moe)",
-                         "routing": routing, "time": timing, "chunks": 1,
-                         "tokens_per_expert": loads.tolist()})
+            rows.append(
+                {
+                    "kind": "dense",
+                    "mesh": "1 device",
+                    "dispatcher": "dense (dropless_moe)",
+                    "routing": routing,
+                    "time": timing,
+                    "chunks": 1,
+                    "tokens_per_expert": loads.tolist(),
+                }
+            )
             log(f"dense {routing}: {fmt_ms(timing)[0]} ms")
         return rows
 
@@ -294,10 +348,17 @@ def run(s: Sizes) -> dict[str, Any]:
         "title": TITLE,
         "sizes": {k: v for k, v in dataclasses.asdict(s).items() if k != "meshes"},
         "meshes": [mc.label for mc in s.meshes],
-        "dtype": jnp.dtype(DTYPE).name, "backend": BACKEND, "cpu_count": os.cpu_count(),
-        "zipf_exponent": ZIPF_S, "capacity_buckets": list(s.buckets), "target_ratio": TARGET_RATIO,
-        "realized_skew": skew, "timing": timing, "buckets": buckets,
-        "compile_s": bench.compile_s, "wall_s": time.perf_counter() - t0,
+        "dtype": jnp.dtype(DTYPE).name,
+        "backend": BACKEND,
+        "cpu_count": os.cpu_count(),
+        "zipf_exponent": ZIPF_S,
+        "capacity_buckets": list(s.buckets),
+        "target_ratio": TARGET_RATIO,
+        "realized_skew": skew,
+        "timing": timing,
+        "buckets": buckets,
+        "compile_s": bench.compile_s,
+        "wall_s": time.perf_counter() - t0,
     }
     section["beside_balanced"] = beside_balanced(section)
     section["markdown"] = markdown(section)

@@ -50,8 +50,9 @@ def factor_label(f: float | None) -> str:
 class BucketRows:
     """Stepper emulation and bucket rows (mixed into ``ep.EPBench``)."""
 
-    def stepper(self, mc, mesh, dispatcher, routing, start: int = 0, chunks: int = 1,
-                steps: int | None = None) -> dict[str, Any]:
+    def stepper(
+        self, mc, mesh, dispatcher, routing, start: int = 0, chunks: int = 1, steps: int | None = None
+    ) -> dict[str, Any]:
         """Buckets as the trainer's ``jobplan.BucketPolicy`` picks them over ``steps`` batches,
         from bucket ``start`` on; "held" is the bucket the last batch ran on."""
         policy = BucketPolicy(self.factors, self.s.step_down_after)
@@ -69,21 +70,29 @@ class BucketRows:
                 except RuntimeError as err:
                     raise RuntimeError(f"{mc.label} {dispatcher}: {err}") from None
             held = policy.bucket
-            per_step.append({"bucket": factor_label(policy.factor), "factor": policy.factor,
-                             "recv_rows": float(st["recv_rows"]),
-                             "recv_slots": float(st["recv_slots"]),
-                             "max_pair_load": float(st["max_pair_load"])})
+            per_step.append(
+                {
+                    "bucket": factor_label(policy.factor),
+                    "factor": policy.factor,
+                    "recv_rows": float(st["recv_rows"]),
+                    "recv_slots": float(st["recv_slots"]),
+                    "max_pair_load": float(st["max_pair_load"]),
+                }
+            )
             policy.finished(float(st["max_pair_load"]))
-        return {"held_index": held, "held": self.factors[held], "reruns": policy.reruns,
-                "steps": per_step}
+        return {"held_index": held, "held": self.factors[held], "reruns": policy.reruns, "steps": per_step}
 
     def worst_fill(self, mc, mesh, dispatcher, routing) -> list[dict]:
         out = []
         for step in range(self.s.steps):
-            st = host_stats(self.run(mc, mesh, EPPlan(dispatcher, mc.ep, None),
-                                     self.placed(mc, mesh, routing, step), routing))
-            out.append({"factor": None, "recv_rows": float(st["recv_rows"]),
-                        "recv_slots": float(st["recv_slots"])})
+            st = host_stats(
+                self.run(
+                    mc, mesh, EPPlan(dispatcher, mc.ep, None), self.placed(mc, mesh, routing, step), routing
+                )
+            )
+            out.append(
+                {"factor": None, "recv_rows": float(st["recv_rows"]), "recv_slots": float(st["recv_slots"])}
+            )
         return out
 
     def experts(self, routing: str, step: int) -> np.ndarray:
@@ -107,8 +116,7 @@ class BucketRows:
         G, L = mc.domains, self.s.experts // mc.ep
         dom_TK = self.experts(routing, step) // (L * mc.domain_size)
         rows = int(np.sum(np.any(dom_TK[:, :, None] == np.arange(G), axis=1)))
-        one, _ = hierarchical_stages(self.s.tokens // NUM_DEVICES, self.s.top_k, L, G,
-                                     mc.domain_size, factor)
+        one, _ = hierarchical_stages(self.s.tokens // NUM_DEVICES, self.s.top_k, L, G, mc.domain_size, factor)
         return rows, NUM_DEVICES * one.peers * one.slots
 
     def mesh_rows(self, mc: MeshCfg) -> tuple[list[dict], list[dict], dict]:
@@ -127,8 +135,9 @@ class BucketRows:
                     continue
                 t0 = time.perf_counter()
                 if routing == self.s.bucket_routings[0]:  # every bucket, side by side
-                    self.precompile(mc, mesh, [EPPlan(dispatcher, mc.ep, f) for f in self.factors],
-                                    args0, routing)
+                    self.precompile(
+                        mc, mesh, [EPPlan(dispatcher, mc.ep, f) for f in self.factors], args0, routing
+                    )
                 emu = self.stepper(mc, mesh, dispatcher, routing)
                 worst = self.worst_fill(mc, mesh, dispatcher, routing)
                 if routing == "uniform":
@@ -136,21 +145,30 @@ class BucketRows:
                 if dispatcher == "hierarchical":  # add the cross-domain stage's buffer
                     for steps in (emu["steps"], worst):
                         for i, r in enumerate(steps):
-                            r["stage1_rows"], r["stage1_slots"] = self.stage1(mc, routing, i,
-                                                                              r["factor"])
+                            r["stage1_rows"], r["stage1_slots"] = self.stage1(mc, routing, i, r["factor"])
                 bound = float(np.mean([r["max_pair_load"] for r in emu["steps"]]))
-                row = {"mesh": mc.label, "ep": mc.ep, "dp": mc.dp, "dispatcher": dispatcher,
-                       "routing": routing, "held_bucket": factor_label(emu["held"]),
-                       "reruns": emu["reruns"], "steps": emu["steps"], "worst_steps": worst,
-                       "pair_load_bound": bound}
+                row = {
+                    "mesh": mc.label,
+                    "ep": mc.ep,
+                    "dp": mc.dp,
+                    "dispatcher": dispatcher,
+                    "routing": routing,
+                    "held_bucket": factor_label(emu["held"]),
+                    "reruns": emu["reruns"],
+                    "steps": emu["steps"],
+                    "worst_steps": worst,
+                    "pair_load_bound": bound,
+                }
                 row.update(buffer_ratios(emu["steps"]))
                 row.update({f"worst_{k}": v for k, v in buffer_ratios(worst).items()})
                 row["target_met"] = bool(row["buffer_over_received"] <= TARGET_RATIO)
                 bucket_rows.append(row)
-                log(f"{mc.label} {dispatcher} {routing}: bucket {row['held_bucket']} after "
+                log(
+                    f"{mc.label} {dispatcher} {routing}: bucket {row['held_bucket']} after "
                     f"{emu['reruns']} reruns, buffer/received {row['buffer_over_received']:.2f} "
                     f"(worst {row['worst_buffer_over_received']:.2f}, bound {bound:.2f}) "
-                    f"[{time.perf_counter() - t0:.0f} s]")
+                    f"[{time.perf_counter() - t0:.0f} s]"
+                )
                 if not timed:
                     continue
                 plans = [EPPlan(dispatcher, mc.ep, emu["held"])]
@@ -159,8 +177,10 @@ class BucketRows:
                 for plan in plans:
                     row = self.time_row(mc, mesh, plan, routing, args0)
                     timing_rows.append(row)
-                    log(f"{mc.label} {dispatcher} {routing} bucket "
-                        f"{factor_label(plan.capacity_factor)}: {fmt_ms(row['time'])[0]} ms")
+                    log(
+                        f"{mc.label} {dispatcher} {routing} bucket "
+                        f"{factor_label(plan.capacity_factor)}: {fmt_ms(row['time'])[0]} ms"
+                    )
         return timing_rows, bucket_rows, held_uniform
 
     def chunk_rows(self, mc: MeshCfg, held_uniform: dict[str, int]) -> list[dict]:
@@ -171,11 +191,11 @@ class BucketRows:
         for dispatcher in mc.dispatchers:
             factor = None
             if dispatcher != "allgather":
-                emu = self.stepper(mc, mesh, dispatcher, "uniform", start=held_uniform[dispatcher],
-                                   chunks=2, steps=1)
+                emu = self.stepper(
+                    mc, mesh, dispatcher, "uniform", start=held_uniform[dispatcher], chunks=2, steps=1
+                )
                 factor = emu["held"]
-            row = self.time_row(mc, mesh, EPPlan(dispatcher, mc.ep, factor, chunks=2), "uniform",
-                                args0)
+            row = self.time_row(mc, mesh, EPPlan(dispatcher, mc.ep, factor, chunks=2), "uniform", args0)
             rows.append(row)
             log(f"{mc.label} {dispatcher} chunks=2: {fmt_ms(row['time'])[0]} ms")
         return rows

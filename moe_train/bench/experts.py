@@ -22,7 +22,8 @@ with respect to x and the three weights of ``<y, dy>``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -144,7 +145,8 @@ def expert_output(backend: str) -> Callable:
         return lambda x, w0, w1, wo, aux: _swiglu_batched(x, w0, w1, wo)
     if backend == "dense-all":
         return lambda x, w0, w1, wo, aux: _swiglu_batched(
-            jnp.broadcast_to(x, (w0.shape[0], *x.shape)), w0, w1, wo)
+            jnp.broadcast_to(x, (w0.shape[0], *x.shape)), w0, w1, wo
+        )
     if backend == "dense":
         return lambda x, w0, w1, wo, aux: swiglu_mlp(x, w0[0], w1[0], wo[0]).astype(x.dtype)
     raise ValueError(f"unknown candidate {backend!r}")
@@ -176,5 +178,5 @@ def weights(case: Case, seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]
     E, H, F = case.num_experts, case.hidden, case.ffn
     k0, k1, k2 = jax.random.split(jax.random.key(seed), 3)
     dt = jnp.dtype(case.dtype)
-    draw = lambda k, s, fan: jax.random.normal(k, s, dt) * jnp.asarray(fan ** -0.5, dt)
+    draw = lambda k, s, fan: jax.random.normal(k, s, dt) * jnp.asarray(fan**-0.5, dt)
     return draw(k0, (E, H, F), H), draw(k1, (E, H, F), H), draw(k2, (E, F, H), F)

@@ -57,13 +57,37 @@ class Sizes:
 
 
 CANDIDATES = ("tiled", "ragged_dot", "mgpu", "te", "capacity", "dense-all")
-FULL = Sizes(experts=(8, 32, 64, 128), rows_per_expert=512, hidden=256, ffn=512, top_k=2,
-             routings=("uniform", "zipf", "hot"), fwd_routings=("uniform", "hot"),
-             modes=("fwd", "fwd+bwd"), candidates=CANDIDATES, min_reps=3, max_reps=7,
-             target_s=3.0, budget_s=12.0, max_assignments=16384)
-QUICK = Sizes(experts=(8,), rows_per_expert=16, hidden=32, ffn=64, top_k=2,
-              routings=("uniform", "hot"), fwd_routings=("hot",), modes=("fwd", "fwd+bwd"),
-              candidates=CANDIDATES, min_reps=3, max_reps=3, target_s=0.05, budget_s=2.0)
+FULL = Sizes(
+    experts=(8, 32, 64, 128),
+    rows_per_expert=512,
+    hidden=256,
+    ffn=512,
+    top_k=2,
+    routings=("uniform", "zipf", "hot"),
+    fwd_routings=("uniform", "hot"),
+    modes=("fwd", "fwd+bwd"),
+    candidates=CANDIDATES,
+    min_reps=3,
+    max_reps=7,
+    target_s=3.0,
+    budget_s=12.0,
+    max_assignments=16384,
+)
+QUICK = Sizes(
+    experts=(8,),
+    rows_per_expert=16,
+    hidden=32,
+    ffn=64,
+    top_k=2,
+    routings=("uniform", "hot"),
+    fwd_routings=("hot",),
+    modes=("fwd", "fwd+bwd"),
+    candidates=CANDIDATES,
+    min_reps=3,
+    max_reps=3,
+    target_s=0.05,
+    budget_s=2.0,
+)
 
 
 def log(msg: str) -> None:
@@ -78,18 +102,20 @@ def cost_factor(candidate: str, case: X.Case) -> float:
     zero-masked [rows, E x H] operand.
     """
     E, K = case.num_experts, case.experts_TK.shape[1]
-    return {"ragged_dot": float(E), "dense-all": E / K,
-            "capacity": case.capacity_factor}.get(candidate, 1.0)
+    return {"ragged_dot": float(E), "dense-all": E / K, "capacity": case.capacity_factor}.get(candidate, 1.0)
 
 
 def activation_bytes(candidate: str, case: X.Case) -> float:
     """Rough peak activation bytes of forward+backward (rows x (2F + 2H) x 3 fp32 arrays;
     ragged_dot: its masked [rows, E, H or F] expansions, in the operands' dtype)."""
     if candidate == "ragged_dot":
-        return ragged_dot_expansion_bytes(case.assignments, case.num_experts, case.hidden,
-                                          case.ffn, case.dtype)
-    rows = {"dense-all": case.num_experts * case.tokens,
-            "capacity": case.assignments * case.capacity_factor}.get(candidate, case.assignments)
+        return ragged_dot_expansion_bytes(
+            case.assignments, case.num_experts, case.hidden, case.ffn, case.dtype
+        )
+    rows = {
+        "dense-all": case.num_experts * case.tokens,
+        "capacity": case.assignments * case.capacity_factor,
+    }.get(candidate, case.assignments)
     return rows * (2 * case.ffn + 2 * case.hidden) * 4 * 3
 
 
@@ -104,16 +130,20 @@ def skip_reason(candidate: str, case: X.Case, dense_s: float, s: Sizes) -> str |
         return f"needs ~{need / 1e9:.1f} GB of activations (budget {s.max_bytes / 1e9:.1f} GB)"
     est = cost_factor(candidate, case) * dense_s * (s.min_reps + 1)
     if est > s.budget_s:
-        return (f"estimated {est:.0f} s to time (~{cost_factor(candidate, case):.0f}x dense per "
-                f"call), over the {s.budget_s:.0f} s budget")
+        return (
+            f"estimated {est:.0f} s to time (~{cost_factor(candidate, case):.0f}x dense per "
+            f"call), over the {s.budget_s:.0f} s budget"
+        )
     return None
 
 
 def make_cases(E: int, s: Sizes) -> dict[str, X.Case]:
     T = min(s.rows_per_expert * E, s.max_assignments) // s.top_k
     routings = dict.fromkeys((*s.routings, *s.fwd_routings))
-    return {r: X.Case(assignments(T, E, s.top_k, r), E, s.hidden, s.ffn, jnp.dtype(s.dtype),
-                      s.capacity_factor) for r in routings}
+    return {
+        r: X.Case(assignments(T, E, s.top_k, r), E, s.hidden, s.ffn, jnp.dtype(s.dtype), s.capacity_factor)
+        for r in routings
+    }
 
 
 def _prepare(candidate: str, cases: dict[str, X.Case], mode: str, w) -> tuple[dict, dict, float]:
@@ -141,15 +171,29 @@ def _row(cand, routing, case, mode, lay, timing, ref, secs) -> dict[str, Any]:
     loads = case.loads()
     useful = case.useful_flops(mode)
     executed = useful * lay.executed_rows / case.assignments
-    row = {"experts": case.num_experts, "tokens": case.tokens, "top_k": case.experts_TK.shape[1],
-           "assignments": case.assignments, "hidden": case.hidden, "ffn": case.ffn,
-           "dtype": jnp.dtype(case.dtype).name, "routing": routing, "mode": mode,
-           "backend": cand, "tile_rows": lay.tile_rows,
-           "block_rows": block_rows(lay) if lay.tile_rows else None,
-           "max_over_mean_load": float(loads.max() / loads.mean()),
-           "useful_flops": useful, "executed_flops": executed,
-           "padding_waste": executed / useful, "drop_rate": lay.drop_rate,
-           "compile_s": secs, "time": timing, "dense_time": ref, "skipped": None}
+    row = {
+        "experts": case.num_experts,
+        "tokens": case.tokens,
+        "top_k": case.experts_TK.shape[1],
+        "assignments": case.assignments,
+        "hidden": case.hidden,
+        "ffn": case.ffn,
+        "dtype": jnp.dtype(case.dtype).name,
+        "routing": routing,
+        "mode": mode,
+        "backend": cand,
+        "tile_rows": lay.tile_rows,
+        "block_rows": block_rows(lay) if lay.tile_rows else None,
+        "max_over_mean_load": float(loads.max() / loads.mean()),
+        "useful_flops": useful,
+        "executed_flops": executed,
+        "padding_waste": executed / useful,
+        "drop_rate": lay.drop_rate,
+        "compile_s": secs,
+        "time": timing,
+        "dense_time": ref,
+        "skipped": None,
+    }
     row.update(ratio_stats(timing, ref))
     row["tflops"] = useful / timing["median_s"] / 1e12
     return row
@@ -160,7 +204,7 @@ def group_rows(cases: dict[str, X.Case], mode: str, candidates, s: Sizes) -> lis
     base = next(iter(cases.values()))
     w = X.weights(base)
     dense_entries, dense_layouts, dense_secs = _prepare("dense", cases, mode, w)
-    (dense_fn, dense_args), = dense_entries.values()
+    ((dense_fn, dense_args),) = dense_entries.values()
     dense_s = min_time(dense_fn, dense_args)
     entries = {("dense", "-"): (dense_fn, dense_args)}
     layouts = {("dense", "-"): (dense_layouts[next(iter(cases))], dense_secs)}
@@ -168,21 +212,27 @@ def group_rows(cases: dict[str, X.Case], mode: str, candidates, s: Sizes) -> lis
     for cand in candidates:
         reason = skip_reason(cand, base, dense_s, s)
         if reason:
-            skipped.append({"experts": base.num_experts, "mode": mode, "backend": cand,
-                            "skipped": reason})
+            skipped.append({"experts": base.num_experts, "mode": mode, "backend": cand, "skipped": reason})
             continue
         try:
             ents, lays, secs = _prepare(cand, cases, mode, w)
         except jax.errors.JaxRuntimeError as err:  # e.g. RESOURCE_EXHAUSTED while compiling
-            skipped.append({"experts": base.num_experts, "mode": mode, "backend": cand,
-                            "skipped": f"failed to compile: {str(err).splitlines()[0][:300]}",
-                            "error": True})
+            skipped.append(
+                {
+                    "experts": base.num_experts,
+                    "mode": mode,
+                    "backend": cand,
+                    "skipped": f"failed to compile: {str(err).splitlines()[0][:300]}",
+                    "error": True,
+                }
+            )
             continue
         for routing in ents:
             key = (cand, routing if cand != "dense-all" else "-")
             entries[key], layouts[key] = ents[routing], (lays[routing], secs)
-    timings = time_rounds({k: v for k, v in entries.items()}, min_reps=s.min_reps,
-                          max_reps=s.max_reps, target_s=s.target_s)
+    timings = time_rounds(
+        {k: v for k, v in entries.items()}, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s
+    )
     ref = timings[("dense", "-")]
     rows = []
     for (cand, routing), timing in timings.items():
@@ -202,13 +252,20 @@ def run(s: Sizes) -> dict[str, Any]:
             t1 = time.perf_counter()
             routings = s.fwd_routings if mode == "fwd" else s.routings
             rows += group_rows({r: cases[r] for r in routings}, mode, s.candidates, s)
-            timed = [r for r in rows if r.get("experts") == E and r.get("mode") == mode
-                     and not r["skipped"] and r["backend"] == "tiled"]
-            log(f"E={E} {mode}: tiled/dense " + ", ".join(
-                f"{r['routing']} {r['ratio']:.2f}" for r in timed)
-                + f" [{time.perf_counter() - t1:.0f} s]")
-    return {"title": TITLE, "sizes": dataclasses.asdict(s), "rows": rows,
-            "wall_s": time.perf_counter() - t0}
+            timed = [
+                r
+                for r in rows
+                if r.get("experts") == E
+                and r.get("mode") == mode
+                and not r["skipped"]
+                and r["backend"] == "tiled"
+            ]
+            log(
+                f"E={E} {mode}: tiled/dense "
+                + ", ".join(f"{r['routing']} {r['ratio']:.2f}" for r in timed)
+                + f" [{time.perf_counter() - t1:.0f} s]"
+            )
+    return {"title": TITLE, "sizes": dataclasses.asdict(s), "rows": rows, "wall_s": time.perf_counter() - t0}
 
 
 def summary(rows: list[dict], backend: str = "tiled") -> dict[str, Any]:
@@ -216,16 +273,22 @@ def summary(rows: list[dict], backend: str = "tiled") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in X.MODES:
         for kind, routings in (("uniform", ("uniform",)), ("skewed", ("zipf", "hot"))):
-            sel = [r for r in rows if not r["skipped"] and r["backend"] == backend
-                   and r["mode"] == mode and r["routing"] in routings]
+            sel = [
+                r
+                for r in rows
+                if not r["skipped"]
+                and r["backend"] == backend
+                and r["mode"] == mode
+                and r["routing"] in routings
+            ]
             if sel:
                 out[f"{mode} {kind}"] = {
                     "max_ratio": max(r["ratio"] for r in sel),
-                    "max_padding_waste": max(r["padding_waste"] for r in sel)}
+                    "max_padding_waste": max(r["padding_waste"] for r in sel),
+                }
     return out
 
 
 def realistic(row: dict) -> bool:
     """The issue's realistic-shape rule: tokens x top-k >= 8 x experts x tile rows."""
     return bool(row.get("tile_rows")) and row["assignments"] >= 8 * row["experts"] * row["tile_rows"]
-

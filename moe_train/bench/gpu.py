@@ -27,7 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_train.bench import experts as X, gemm
+from moe_train.bench import experts as X
+from moe_train.bench import gemm
 from moe_train.bench.common import compile_jit, time_rounds
 from moe_train.bench.layer import dense_fn, layer_fn, layer_row, operands, too_big, unavailable
 from moe_train.moe.routings import MoEShape, assignments
@@ -56,15 +57,27 @@ class Sizes:
 
 
 DEEPSEEK_ROUTER = dict(score_function="sigmoid", num_groups=8, group_top_k=4, routed_scaling=2.5)
-FULL = Sizes(models=(
-    Model("mixtral-8x7b", MoEShape(4096, 4096, 14336, 8, 2), dict(score_function="softmax")),
-    Model("deepseek-v3", MoEShape(4096, 7168, 2048, 256, 8), DEEPSEEK_ROUTER)),
-    square=8192, gemm_routings=("uniform", "hot"))
-TINY = Sizes(models=(
-    Model("mixtral-tiny", MoEShape(256, 64, 128, 8, 2), dict(score_function="softmax")),
-    Model("deepseek-tiny", MoEShape(256, 64, 64, 16, 4),
-          dict(DEEPSEEK_ROUTER, num_groups=4, group_top_k=2))),
-    square=256, gemm_routings=("hot",), max_reps=3, target_s=0.05, budget_s=120.0)
+FULL = Sizes(
+    models=(
+        Model("mixtral-8x7b", MoEShape(4096, 4096, 14336, 8, 2), dict(score_function="softmax")),
+        Model("deepseek-v3", MoEShape(4096, 7168, 2048, 256, 8), DEEPSEEK_ROUTER),
+    ),
+    square=8192,
+    gemm_routings=("uniform", "hot"),
+)
+TINY = Sizes(
+    models=(
+        Model("mixtral-tiny", MoEShape(256, 64, 128, 8, 2), dict(score_function="softmax")),
+        Model(
+            "deepseek-tiny", MoEShape(256, 64, 64, 16, 4), dict(DEEPSEEK_ROUTER, num_groups=4, group_top_k=2)
+        ),
+    ),
+    square=256,
+    gemm_routings=("hot",),
+    max_reps=3,
+    target_s=0.05,
+    budget_s=120.0,
+)
 
 
 def log(msg: str) -> None:
@@ -74,11 +87,13 @@ def log(msg: str) -> None:
 def square_gemm(n: int, dtype, s: Sizes) -> dict[str, Any]:
     """TFLOP/s of one n x n x n dense GEMM (fp32 accumulation, output in dtype)."""
     a = jnp.ones((n, n), dtype)
-    fn, _, secs = compile_jit(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
-                                      .astype(dtype)), a, a)
-    t = time_rounds({"gemm": (fn, (a, a))}, min_reps=s.min_reps, max_reps=s.max_reps,
-                    target_s=s.target_s)["gemm"]
-    return {"n": n, "time": t, "tflops": 2.0 * n ** 3 / t["median_s"] / 1e12, "compile_s": secs}
+    fn, _, secs = compile_jit(
+        jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype)), a, a
+    )
+    t = time_rounds({"gemm": (fn, (a, a))}, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s)[
+        "gemm"
+    ]
+    return {"n": n, "time": t, "tflops": 2.0 * n**3 / t["median_s"] / 1e12, "compile_s": secs}
 
 
 def layer_rows(model: Model, s: Sizes, deadline: float) -> list[dict]:
@@ -92,39 +107,62 @@ def layer_rows(model: Model, s: Sizes, deadline: float) -> list[dict]:
         if reason is None and time.perf_counter() > deadline:
             reason = "over the run's time budget"
         if reason:
-            rows.append({**dataclasses.asdict(shape), "model": model.name, "backend": kind,
-                         "skipped": reason})
+            rows.append(
+                {**dataclasses.asdict(shape), "model": model.name, "backend": kind, "skipped": reason}
+            )
             continue
-        fns[kind], _, compile_s[kind] = compile_jit(layer_fn(kind, shape, model.router),
-                                                    *moe_ops, dy)
+        fns[kind], _, compile_s[kind] = compile_jit(layer_fn(kind, shape, model.router), *moe_ops, dy)
         fns[kind] = (fns[kind], (*moe_ops, dy))
     outs: dict = {}
-    timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s,
-                          outputs=outs)
+    timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s, outputs=outs)
     for kind, timing in timings.items():
         stats = dataclasses.asdict(jax.device_get(outs[kind][1])) if kind != "dense" else {}
-        row = layer_row(shape, kind, "-" if kind == "dense" else model.router["score_function"],
-                        timing, timings["dense"], stats, compile_s[kind])
-        row.update(model=model.name, dtype=dtype.name,
-                   tflops=row["useful_flops"] / timing["median_s"] / 1e12)
+        row = layer_row(
+            shape,
+            kind,
+            "-" if kind == "dense" else model.router["score_function"],
+            timing,
+            timings["dense"],
+            stats,
+            compile_s[kind],
+        )
+        row.update(model=model.name, dtype=dtype.name, tflops=row["useful_flops"] / timing["median_s"] / 1e12)
         rows.append(row)
     return rows
 
 
-def gemm_rows(model: Model, s: Sizes, deadline: float,
-              modes: tuple[str, ...] = ("fwd+bwd",)) -> list[dict]:
+def gemm_rows(model: Model, s: Sizes, deadline: float, modes: tuple[str, ...] = ("fwd+bwd",)) -> list[dict]:
     """The grouped GEMM alone per backend, routing and mode, like the CPU section."""
     if time.perf_counter() > deadline:
         return [{"model": model.name, "backend": "all", "skipped": "over the run's time budget"}]
     shape = model.shape
-    cases = {r: X.Case(assignments(shape.tokens, shape.experts, shape.top_k, r), shape.experts,
-                       shape.hidden, shape.ffn, jnp.dtype(s.dtype)) for r in s.gemm_routings}
-    sizes = gemm.Sizes(experts=(shape.experts,), rows_per_expert=0, hidden=shape.hidden,
-                       ffn=shape.ffn, top_k=shape.top_k, routings=s.gemm_routings,
-                       fwd_routings=(), modes=modes, candidates=("mgpu", "ragged_dot", "tiled", "te"),
-                       min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s,
-                       budget_s=max(1.0, deadline - time.perf_counter()), max_bytes=60e9,
-                       dtype=s.dtype)
+    cases = {
+        r: X.Case(
+            assignments(shape.tokens, shape.experts, shape.top_k, r),
+            shape.experts,
+            shape.hidden,
+            shape.ffn,
+            jnp.dtype(s.dtype),
+        )
+        for r in s.gemm_routings
+    }
+    sizes = gemm.Sizes(
+        experts=(shape.experts,),
+        rows_per_expert=0,
+        hidden=shape.hidden,
+        ffn=shape.ffn,
+        top_k=shape.top_k,
+        routings=s.gemm_routings,
+        fwd_routings=(),
+        modes=modes,
+        candidates=("mgpu", "ragged_dot", "tiled", "te"),
+        min_reps=s.min_reps,
+        max_reps=s.max_reps,
+        target_s=s.target_s,
+        budget_s=max(1.0, deadline - time.perf_counter()),
+        max_bytes=60e9,
+        dtype=s.dtype,
+    )
     rows = []
     for mode in modes:
         rows += gemm.group_rows(cases, mode, sizes.candidates, sizes)
@@ -143,15 +181,27 @@ def run(s: Sizes) -> dict[str, Any]:
     layers, gemms = [], []
     for model in s.models:
         layers += layer_rows(model, s, deadline)
-        log(f"{model.name} layer: " + ", ".join(f"{r['backend']} {r['tflops']:.1f} TFLOP/s"
-                                                 for r in layers if r.get("model") == model.name
-                                                 and not r["skipped"]))
+        log(
+            f"{model.name} layer: "
+            + ", ".join(
+                f"{r['backend']} {r['tflops']:.1f} TFLOP/s"
+                for r in layers
+                if r.get("model") == model.name and not r["skipped"]
+            )
+        )
     for model in s.models:
         gemms += gemm_rows(model, s, deadline)
     for r in layers:
         if not r["skipped"]:
             r["fraction_of_square_gemm"] = r["tflops"] / square["tflops"]
             r["fraction_of_dense_swiglu"] = 1.0 / r["ratio"]
-    return {"title": TITLE, "sizes": dataclasses.asdict(s), "device": str(jax.devices()[0]),
-            "device_kind": jax.devices()[0].device_kind, "square_gemm": square,
-            "layer_rows": layers, "gemm_rows": gemms, "wall_s": time.perf_counter() - t0}
+    return {
+        "title": TITLE,
+        "sizes": dataclasses.asdict(s),
+        "device": str(jax.devices()[0]),
+        "device_kind": jax.devices()[0].device_kind,
+        "square_gemm": square,
+        "layer_rows": layers,
+        "gemm_rows": gemms,
+        "wall_s": time.perf_counter() - t0,
+    }

@@ -43,8 +43,7 @@ from moe_train.parallel import sharding
 TITLE = "MoE layer and train step"
 ROUTERS = {
     "softmax": dict(score_function="softmax"),
-    "sigmoid-groups": dict(score_function="sigmoid", num_groups=4, group_top_k=2,
-                           routed_scaling=2.5),
+    "sigmoid-groups": dict(score_function="sigmoid", num_groups=4, group_top_k=2, routed_scaling=2.5),
 }
 
 
@@ -64,12 +63,28 @@ class Sizes:
 
 
 # The issue's two target shapes: 1.5x-dense at the first, 5x-ragged_dot at the second.
-FULL = Sizes(shapes=(MoEShape(8192, 512, 1024, 32, 2), MoEShape(2048, 256, 256, 32, 2)),
-             backends=("tiled", "ragged_dot", "mgpu", "te"), routers=tuple(ROUTERS),
-             min_reps=3, max_reps=5, target_s=6.0, budget_s=30.0, preset="small", step_reps=3)
-QUICK = Sizes(shapes=(MoEShape(256, 32, 64, 8, 2),), backends=("tiled", "ragged_dot", "mgpu"),
-              routers=("sigmoid-groups",), min_reps=3, max_reps=3, target_s=0.05, budget_s=5.0,
-              preset="tiny", step_reps=3)
+FULL = Sizes(
+    shapes=(MoEShape(8192, 512, 1024, 32, 2), MoEShape(2048, 256, 256, 32, 2)),
+    backends=("tiled", "ragged_dot", "mgpu", "te"),
+    routers=tuple(ROUTERS),
+    min_reps=3,
+    max_reps=5,
+    target_s=6.0,
+    budget_s=30.0,
+    preset="small",
+    step_reps=3,
+)
+QUICK = Sizes(
+    shapes=(MoEShape(256, 32, 64, 8, 2),),
+    backends=("tiled", "ragged_dot", "mgpu"),
+    routers=("sigmoid-groups",),
+    min_reps=3,
+    max_reps=3,
+    target_s=0.05,
+    budget_s=5.0,
+    preset="tiny",
+    step_reps=3,
+)
 
 
 def log(msg: str) -> None:
@@ -85,8 +100,13 @@ def operands(shape: MoEShape, dtype, seed: int = 0):
     def n(*s, scale=1.0, dt=jnp.float32):
         return (jax.random.normal(next(keys), s, jnp.dtype(dt)) * jnp.asarray(scale, dt)).astype(dt)
 
-    moe = (n(T, H, dt=dtype), n(H, E, scale=H ** -0.5), n(E, H, F, scale=H ** -0.5, dt=dtype),
-           n(E, H, F, scale=H ** -0.5, dt=dtype), n(E, F, H, scale=F ** -0.5, dt=dtype))
+    moe = (
+        n(T, H, dt=dtype),
+        n(H, E, scale=H**-0.5),
+        n(E, H, F, scale=H**-0.5, dt=dtype),
+        n(E, H, F, scale=H**-0.5, dt=dtype),
+        n(E, F, H, scale=F**-0.5, dt=dtype),
+    )
     dense = (n(T * K, H, dt=dtype), moe[2][0], moe[3][0], moe[4][0])
     return moe, dense, n(T, H), n(T * K, H)
 
@@ -115,6 +135,7 @@ def layer_fn(kind: str, shape: MoEShape, router_kw: dict, capacity_factor: float
 def dense_fn():
     def loss(x, w0, w1, wo, dy):
         return jnp.vdot(swiglu_mlp(x, w0, w1, wo), dy)
+
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
 
@@ -130,12 +151,15 @@ def too_big(kind: str, shape: MoEShape, dtype) -> str | None:
     """Why ``kind`` is not run at this shape for its memory (None: it fits)."""
     if kind != "ragged_dot":
         return None
-    need = ragged_dot_expansion_bytes(shape.tokens * shape.top_k, shape.experts, shape.hidden,
-                                      shape.ffn, dtype)
+    need = ragged_dot_expansion_bytes(
+        shape.tokens * shape.top_k, shape.experts, shape.hidden, shape.ffn, dtype
+    )
     if need <= RAGGED_DOT_MAX_BYTES:
         return None
-    return (f"XLA runs ragged_dot as a dense dot over all {shape.experts} experts: "
-            f"~{need / 2**30:.0f} GiB of masked operands")
+    return (
+        f"XLA runs ragged_dot as a dense dot over all {shape.experts} experts: "
+        f"~{need / 2**30:.0f} GiB of masked operands"
+    )
 
 
 def _skip(kind: str, shape: MoEShape, dense_s: float, s: Sizes) -> str | None:
@@ -169,13 +193,13 @@ def shape_rows(shape: MoEShape, s: Sizes) -> list[dict]:
             rows.append({**dataclasses.asdict(shape), "backend": kind, "skipped": reason})
             continue
         # every dropless backend with every router; the capacity baseline with the first
-        for router in (s.routers[:1] if kind == "capacity" else s.routers):
+        for router in s.routers[:1] if kind == "capacity" else s.routers:
             fn, _, compile_s[(kind, router)] = compile_jit(
-                layer_fn(kind, shape, ROUTERS[router], s.capacity_factor), *moe_ops, dy)
+                layer_fn(kind, shape, ROUTERS[router], s.capacity_factor), *moe_ops, dy
+            )
             fns[(kind, router)] = (fn, (*moe_ops, dy))
     outs: dict = {}
-    timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s,
-                          outputs=outs)
+    timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s, outputs=outs)
     ref = timings[("dense", "-")]
     for (kind, router), timing in timings.items():
         stats = {}
@@ -189,12 +213,19 @@ def layer_row(shape, kind, router, timing, ref, stats, secs) -> dict[str, Any]:
     """One JSON row of the layer table (times, tokens/s, ratios, drop rate, load skew)."""
     loads = stats.get("tokens_per_expert")
     n = shape.tokens * shape.top_k
-    row = {**dataclasses.asdict(shape), "backend": kind, "router": router, "time": timing,
-           "dense_time": ref, "tokens_per_s": shape.tokens / timing["median_s"],
-           "useful_flops": 18.0 * n * shape.hidden * shape.ffn, "compile_s": secs,
-           "drop_rate": float(stats.get("dropped_tokens", 0)) / n,
-           "max_over_mean_load": None if loads is None else float(loads.max() / loads.mean()),
-           "skipped": None}
+    row = {
+        **dataclasses.asdict(shape),
+        "backend": kind,
+        "router": router,
+        "time": timing,
+        "dense_time": ref,
+        "tokens_per_s": shape.tokens / timing["median_s"],
+        "useful_flops": 18.0 * n * shape.hidden * shape.ffn,
+        "compile_s": secs,
+        "drop_rate": float(stats.get("dropped_tokens", 0)) / n,
+        "max_over_mean_load": None if loads is None else float(loads.max() / loads.mean()),
+        "skipped": None,
+    }
     row.update(ratio_stats(timing, ref))
     return row
 
@@ -207,28 +238,39 @@ def _without_routed_experts(next_fun, args, kwargs, context):
     x_TH, gate_HE = args[:2]
     E = gate_HE.shape[1]
     zero = jnp.zeros((), jnp.float32)
-    stats = MoEStats(tokens_per_expert=jnp.zeros((E,), jnp.int32), aux_loss=zero,
-                     seq_aux_loss=zero, z_loss=zero, router_entropy=zero,
-                     dropped_tokens=jnp.zeros((), jnp.int32), **exchange_stats(0))
+    stats = MoEStats(
+        tokens_per_expert=jnp.zeros((E,), jnp.int32),
+        aux_loss=zero,
+        seq_aux_loss=zero,
+        z_loss=zero,
+        router_entropy=zero,
+        dropped_tokens=jnp.zeros((), jnp.int32),
+        **exchange_stats(0),
+    )
     return jnp.zeros_like(x_TH), stats
 
 
 def train_step(s: Sizes) -> dict[str, Any]:
     """The preset's train step with and without its MoE layers' work (see module doc)."""
     from moe_train.train.step import StepCounter, init_state, make_train_step
+
     cfg = config.build(s.preset, ["parallel.devices=1"])
     mesh = sharding.make_mesh(jax.devices()[:1])
     t = cfg.train
-    batch = jax.device_put(np.random.default_rng(0).integers(
-        0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), dtype=np.int32),
-        sharding.batch_sharding(mesh))
+    batch = jax.device_put(
+        np.random.default_rng(0).integers(
+            0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), dtype=np.int32
+        ),
+        sharding.batch_sharding(mesh),
+    )
     steps, states, compile_s = {}, {}, {}
     with sharding.activate(mesh):
         for name in ("full", "moe removed"):
             state = init_state(cfg, mesh)
             fn = make_train_step(cfg, mesh, StepCounter(), jax.tree.map(lambda a: a.sharding, state))
-            patch = (nn.intercept_methods(_without_routed_experts) if name != "full"
-                     else contextlib.nullcontext())
+            patch = (
+                nn.intercept_methods(_without_routed_experts) if name != "full" else contextlib.nullcontext()
+            )
             with patch:
                 steps[name], _, compile_s[name] = compile_jit(fn, state, batch)
             states[name], _ = steps[name](state, batch)  # warm-up
@@ -241,11 +283,21 @@ def train_step(s: Sizes) -> dict[str, Any]:
                 times[name].append(time.perf_counter() - t0)
     full, stub = summarize(times["full"]), summarize(times["moe removed"])
     tokens = t.batch_size * t.seq_len
-    return {"preset": s.preset, "backend": resolve_backend(cfg.moe.backend), "tokens_per_step": tokens,
-            "experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "layers": cfg.model.num_layers,
-            "hidden": cfg.model.hidden, "ffn": cfg.moe.expert_ffn, "time": full,
-            "time_moe_removed": stub, "tokens_per_s": tokens / full["median_s"],
-            "moe_fraction": 1.0 - stub["median_s"] / full["median_s"], "compile_s": compile_s}
+    return {
+        "preset": s.preset,
+        "backend": resolve_backend(cfg.moe.backend),
+        "tokens_per_step": tokens,
+        "experts": cfg.moe.num_experts,
+        "top_k": cfg.moe.top_k,
+        "layers": cfg.model.num_layers,
+        "hidden": cfg.model.hidden,
+        "ffn": cfg.moe.expert_ffn,
+        "time": full,
+        "time_moe_removed": stub,
+        "tokens_per_s": tokens / full["median_s"],
+        "moe_fraction": 1.0 - stub["median_s"] / full["median_s"],
+        "compile_s": compile_s,
+    }
 
 
 def run(s: Sizes) -> dict[str, Any]:
@@ -255,10 +307,21 @@ def run(s: Sizes) -> dict[str, Any]:
     for shape in s.shapes:
         t1 = time.perf_counter()
         rows += shape_rows(shape, s)
-        log(f"{shape}: " + ", ".join(f"{r['backend']}/{r['router']} {r['ratio']:.2f}x dense"
-                                      for r in rows if not r["skipped"] and r["tokens"] == shape.tokens
-                                      and r["backend"] != "dense") + f" [{time.perf_counter() - t1:.0f} s]")
+        log(
+            f"{shape}: "
+            + ", ".join(
+                f"{r['backend']}/{r['router']} {r['ratio']:.2f}x dense"
+                for r in rows
+                if not r["skipped"] and r["tokens"] == shape.tokens and r["backend"] != "dense"
+            )
+            + f" [{time.perf_counter() - t1:.0f} s]"
+        )
     step = train_step(s)
     log(f"train step {s.preset}: {step['tokens_per_s']:.0f} tokens/s, MoE {step['moe_fraction']:.0%}")
-    return {"title": TITLE, "sizes": dataclasses.asdict(s), "rows": rows, "train_step": step,
-            "wall_s": time.perf_counter() - t0}
+    return {
+        "title": TITLE,
+        "sizes": dataclasses.asdict(s),
+        "rows": rows,
+        "train_step": step,
+        "wall_s": time.perf_counter() - t0,
+    }

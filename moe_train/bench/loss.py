@@ -58,8 +58,11 @@ def _chunked(x_TH, head_HV, labels_T):
 
 def temp_bytes(fn, T: int, H: int, V: int) -> int | None:
     """XLA's compiled temp bytes of ``fn``'s gradients w.r.t. x and head."""
-    args = (jax.ShapeDtypeStruct((T, H), jnp.float32), jax.ShapeDtypeStruct((H, V), jnp.float32),
-            jax.ShapeDtypeStruct((T,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((T, H), jnp.float32),
+        jax.ShapeDtypeStruct((H, V), jnp.float32),
+        jax.ShapeDtypeStruct((T,), jnp.int32),
+    )
     stats = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(*args).compile().memory_analysis()
     return None if stats is None else int(stats.temp_size_in_bytes)
 
@@ -69,10 +72,16 @@ def loss_rows(s: Sizes) -> list[dict[str, Any]]:
     rows = []
     for V in s.vocabs:
         whole, chunked = (temp_bytes(f, s.tokens, s.hidden, V) for f in (_whole, _chunked))
-        rows.append({"vocab": V, "chunk": loss.default_chunk(s.tokens, V),
-                     "tile": loss.vocab_tile(V), "whole_temp_bytes": whole,
-                     "chunked_temp_bytes": chunked,
-                     "ratio": chunked / whole if whole and chunked else None})
+        rows.append(
+            {
+                "vocab": V,
+                "chunk": loss.default_chunk(s.tokens, V),
+                "tile": loss.vocab_tile(V),
+                "whole_temp_bytes": whole,
+                "chunked_temp_bytes": chunked,
+                "ratio": chunked / whole if whole and chunked else None,
+            }
+        )
     base = rows[0]["chunked_temp_bytes"]
     for r in rows:
         got = r["chunked_temp_bytes"]
@@ -91,16 +100,20 @@ def _plan_row(s: Sizes, attention: str, seq: int, micro_tokens: int) -> dict[str
     model, cluster, nodes, ep = s.job
     base = config.build(model)
     step_tokens = base.train.batch_size * base.train.seq_len
-    sets = [f"model.attention={attention}", f"train.seq_len={seq}",
-            f"train.batch_size={step_tokens // seq}"]
+    sets = [f"model.attention={attention}", f"train.seq_len={seq}", f"train.batch_size={step_tokens // seq}"]
     if micro_tokens:
         sets.append(f"train.micro_batch_size={max(micro_tokens // seq, 1)}")
     cfg = config.build(model, sets)
     est = plan(cfg, cluster, nodes, ep=ep, search=False).estimate
-    return {"attention": attention, "runs": attention_kind(cfg, load(cluster)),
-            "memory": est.setup.attention, "seq_len": seq,
-            "batch_size": step_tokens // seq, "micro_batch_tokens": est.setup.tokens,
-            "activations_bytes": est.per_device["activations"]}
+    return {
+        "attention": attention,
+        "runs": attention_kind(cfg, load(cluster)),
+        "memory": est.setup.attention,
+        "seq_len": seq,
+        "batch_size": step_tokens // seq,
+        "micro_batch_tokens": est.setup.tokens,
+        "activations_bytes": est.per_device["activations"],
+    }
 
 
 def plan_rows(s: Sizes) -> list[dict[str, Any]]:
@@ -123,26 +136,69 @@ def _gib(n: int) -> str:
 
 def markdown(s: Sizes, rows: list[dict], plans: list[dict]) -> str:
     loss_table = markdown_table(
-        ["vocab", "chunk (tokens)", "tile (columns)", "whole logits MiB", "chunked MiB",
-         f"chunked / V={s.vocabs[0]}", "chunked / whole"],
-        [[r["vocab"], r["chunk"], r["tile"], mib(r["whole_temp_bytes"]),
-          mib(r["chunked_temp_bytes"]),
-          f"{r['vs_first_vocab']:.2f}" if r["vs_first_vocab"] else "-",
-          f"{r['ratio']:.3f}" if r["ratio"] else "-"] for r in rows])
+        [
+            "vocab",
+            "chunk (tokens)",
+            "tile (columns)",
+            "whole logits MiB",
+            "chunked MiB",
+            f"chunked / V={s.vocabs[0]}",
+            "chunked / whole",
+        ],
+        [
+            [
+                r["vocab"],
+                r["chunk"],
+                r["tile"],
+                mib(r["whole_temp_bytes"]),
+                mib(r["chunked_temp_bytes"]),
+                f"{r['vs_first_vocab']:.2f}" if r["vs_first_vocab"] else "-",
+                f"{r['ratio']:.3f}" if r["ratio"] else "-",
+            ]
+            for r in rows
+        ],
+    )
     model, cluster, nodes, ep = s.job
     plan_table = markdown_table(
-        ["model.attention", "runs", "kept per token", "S", "batch",
-         "tokens per GPU micro-batch", "activations GiB", f"/ S={s.seq_lens[0]}"],
-        [[r["attention"], r["runs"], r["memory"], r["seq_len"], r["batch_size"], r["micro_batch_tokens"],
-          _gib(r["activations_bytes"]), f"{r['vs_first_seq']:.2f}"] for r in plans])
-    return (f"## {TITLE}\n\nLM loss at T={s.tokens} tokens, H={s.hidden}, fp32, forward+backward; "
-            f"XLA's compiled temp memory.\n\n{loss_table}\n\nPlanner activations per GPU, "
-            f"`{model}` on {nodes} `{cluster}` nodes, EP {ep}, the preset's tokens per step; the "
-            f"last pair keeps the preset's one-sequence micro-batches (the micro-batch grows "
-            f"with S).\n\n{plan_table}\n")
+        [
+            "model.attention",
+            "runs",
+            "kept per token",
+            "S",
+            "batch",
+            "tokens per GPU micro-batch",
+            "activations GiB",
+            f"/ S={s.seq_lens[0]}",
+        ],
+        [
+            [
+                r["attention"],
+                r["runs"],
+                r["memory"],
+                r["seq_len"],
+                r["batch_size"],
+                r["micro_batch_tokens"],
+                _gib(r["activations_bytes"]),
+                f"{r['vs_first_seq']:.2f}",
+            ]
+            for r in plans
+        ],
+    )
+    return (
+        f"## {TITLE}\n\nLM loss at T={s.tokens} tokens, H={s.hidden}, fp32, forward+backward; "
+        f"XLA's compiled temp memory.\n\n{loss_table}\n\nPlanner activations per GPU, "
+        f"`{model}` on {nodes} `{cluster}` nodes, EP {ep}, the preset's tokens per step; the "
+        f"last pair keeps the preset's one-sequence micro-batches (the micro-batch grows "
+        f"with S).\n\n{plan_table}\n"
+    )
 
 
 def run(s: Sizes) -> dict[str, Any]:
     rows, plans = loss_rows(s), plan_rows(s)
-    return {"title": TITLE, "sizes": dataclasses.asdict(s), "rows": rows, "plan_rows": plans,
-            "markdown": markdown(s, rows, plans)}
+    return {
+        "title": TITLE,
+        "sizes": dataclasses.asdict(s),
+        "rows": rows,
+        "plan_rows": plans,
+        "markdown": markdown(s, rows, plans),
+    }

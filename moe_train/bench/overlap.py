@@ -51,8 +51,7 @@ def operands(s: Sizes, seed: int = 0) -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((s.tokens, s.hidden))
     gate = rng.standard_normal((s.hidden, s.experts)) * 0.5
-    w0, w1 = (rng.standard_normal((s.experts, s.hidden, s.ffn)) / np.sqrt(s.hidden)
-              for _ in range(2))
+    w0, w1 = (rng.standard_normal((s.experts, s.hidden, s.ffn)) / np.sqrt(s.hidden) for _ in range(2))
     wo = rng.standard_normal((s.experts, s.ffn, s.hidden)) / np.sqrt(s.ffn)
     return tuple(a.astype(np.float32) for a in (x, gate, w0, w1, wo))
 
@@ -61,6 +60,7 @@ def step(plan: EPPlan, top_k: int):
     def loss(*ops):
         y, stats = ep_moe(*ops, Routing(top_k), plan=plan)
         return jnp.mean(jnp.square(y)) + 0.01 * stats.aux_loss, y
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
 
@@ -69,9 +69,15 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def dispatcher_rows(s: Sizes, dispatcher: str, ops, devices=None,
-                    domains: tuple[int, int] | None = None, variants=VARIANTS,
-                    profile_dir=None) -> list[dict[str, Any]]:
+def dispatcher_rows(
+    s: Sizes,
+    dispatcher: str,
+    ops,
+    devices=None,
+    domains: tuple[int, int] | None = None,
+    variants=VARIANTS,
+    profile_dir=None,
+) -> list[dict[str, Any]]:
     """One row per (chunks, dispatch dtype) of ``variants``, the first being the reference:
     ``dispatcher`` over ``devices`` (default: 8 CPU devices) as G domains x D devices
     (``domains``, default ``MESHES[dispatcher]``), EP G x D. With ``profile_dir``, a profiler
@@ -83,27 +89,36 @@ def dispatcher_rows(s: Sizes, dispatcher: str, ops, devices=None,
     with jax.set_mesh(mesh):
         fns = {str(v): (step(p, s.top_k), ops) for v, p in plans.items()}
         outputs: dict = {}
-        timing = time_rounds(fns, min_reps=s.min_reps,
-                             target_s=s.target_s, outputs=outputs)
-        hlo = {v: jax.jit(lambda *o, p=p: ep_moe(*o, Routing(s.top_k), plan=p)[0])
-               .lower(*ops).as_text(dialect="hlo") for v, p in plans.items()}
+        timing = time_rounds(fns, min_reps=s.min_reps, target_s=s.target_s, outputs=outputs)
+        hlo = {
+            v: jax.jit(lambda *o, p=p: ep_moe(*o, Routing(s.top_k), plan=p)[0])
+            .lower(*ops)
+            .as_text(dialect="hlo")
+            for v, p in plans.items()
+        }
         if profile_dir is not None:
             fastest = min(variants, key=lambda v: timing[str(v)]["median_s"])
-            profile({str(v): fns[str(v)] for v in dict.fromkeys((variants[0], fastest))},
-                    profile_dir)
+            profile({str(v): fns[str(v)] for v in dict.fromkeys((variants[0], fastest))}, profile_dir)
     (_, y_ref), g_ref = outputs[str(variants[0])]
     base_s = timing[str(variants[0])]["median_s"]
     rows = []
     for v in variants:
         (_, y), g = outputs[str(v)]
         moved = collective_bytes(hlo[v], lambda d: (d // D) % G)
-        rows.append({"dispatcher": dispatcher, "mesh": f"G{G}xD{D}", "chunks": v[0],
-                     "dispatch_dtype": v[1], "time": timing[str(v)],
-                     "time_ratio": timing[str(v)]["median_s"] / base_s,
-                     "y_rel_diff": _rel(y, y_ref),
-                     "grad_rel_diff": max(_rel(a, b) for a, b in zip(g, g_ref)),
-                     "fwd_bytes_per_device": moved["total"],
-                     "fwd_cross_domain_bytes": moved["cross_domain"]})
+        rows.append(
+            {
+                "dispatcher": dispatcher,
+                "mesh": f"G{G}xD{D}",
+                "chunks": v[0],
+                "dispatch_dtype": v[1],
+                "time": timing[str(v)],
+                "time_ratio": timing[str(v)]["median_s"] / base_s,
+                "y_rel_diff": _rel(y, y_ref),
+                "grad_rel_diff": max(_rel(a, b) for a, b in zip(g, g_ref)),
+                "fwd_bytes_per_device": moved["total"],
+                "fwd_cross_domain_bytes": moved["cross_domain"],
+            }
+        )
     return rows
 
 
@@ -118,16 +133,34 @@ def profile(fns: dict[str, tuple[Any, Any]], out_dir, reps: int = 3) -> None:
                     jax.block_until_ready(fn(*args))
 
 
-HEADER = ["dispatcher", "mesh", "chunks", "dispatch", "fwd+bwd ms", "x chunks=1", "max |dy|",
-          "max |dgrad|", "fwd exchange MiB/device", "cross-domain MiB"]
+HEADER = [
+    "dispatcher",
+    "mesh",
+    "chunks",
+    "dispatch",
+    "fwd+bwd ms",
+    "x chunks=1",
+    "max |dy|",
+    "max |dgrad|",
+    "fwd exchange MiB/device",
+    "cross-domain MiB",
+]
 
 
 def cells(r: dict[str, Any]) -> list[Any]:
     """One row of the section's table."""
-    return [r["dispatcher"], r["mesh"], r["chunks"], r["dispatch_dtype"],
-            f"{r['time']['median_s'] * 1e3:.2f}", f"{r['time_ratio']:.2f}",
-            f"{r['y_rel_diff']:.1e}", f"{r['grad_rel_diff']:.1e}",
-            mib(r["fwd_bytes_per_device"]), mib(r["fwd_cross_domain_bytes"])]
+    return [
+        r["dispatcher"],
+        r["mesh"],
+        r["chunks"],
+        r["dispatch_dtype"],
+        f"{r['time']['median_s'] * 1e3:.2f}",
+        f"{r['time_ratio']:.2f}",
+        f"{r['y_rel_diff']:.1e}",
+        f"{r['grad_rel_diff']:.1e}",
+        mib(r["fwd_bytes_per_device"]),
+        mib(r["fwd_cross_domain_bytes"]),
+    ]
 
 
 def run(s: Sizes) -> dict[str, Any]:
@@ -135,12 +168,14 @@ def run(s: Sizes) -> dict[str, Any]:
     rows = []
     for dispatcher in MESHES:  # each row printed as its dispatcher's rows finish
         rows += dispatcher_rows(s, dispatcher, ops)
-        for r in rows[-len(VARIANTS):]:
+        for r in rows[-len(VARIANTS) :]:
             row_done("overlap", ", ".join(f"{h} {c}" for h, c in zip(HEADER, cells(r))))
     table = markdown_table(HEADER, [cells(r) for r in rows])
-    md = (f"## {TITLE}\n\nT={s.tokens} tokens, H={s.hidden}, F={s.ffn}, E={s.experts}, "
-          f"top-{s.top_k}, fp32 activations; differences are relative to the tensor's largest "
-          f"magnitude, against chunks=1 in the activations' dtype. Chunked exchanges equal the "
-          f"unchunked ones to fp32 rounding; fp8 rows (e4m3 + a per-row scale) carry "
-          f"(H + 4) bytes per row instead of 4H here (bf16 on a GPU: 2H).\n\n{table}\n")
+    md = (
+        f"## {TITLE}\n\nT={s.tokens} tokens, H={s.hidden}, F={s.ffn}, E={s.experts}, "
+        f"top-{s.top_k}, fp32 activations; differences are relative to the tensor's largest "
+        f"magnitude, against chunks=1 in the activations' dtype. Chunked exchanges equal the "
+        f"unchunked ones to fp32 rounding; fp8 rows (e4m3 + a per-row scale) carry "
+        f"(H + 4) bytes per row instead of 4H here (bf16 on a GPU: 2H).\n\n{table}\n"
+    )
     return {"title": TITLE, "sizes": dataclasses.asdict(s), "rows": rows, "markdown": md}

@@ -47,10 +47,16 @@ def log(msg: str) -> None:
 
 
 def _cfg(s: Sizes, layers: int, scan: bool) -> config.Config:
-    return config.build("tiny", [
-        f"model.num_layers={layers}", f"model.hidden={s.hidden}",
-        f"model.first_dense_layers={s.first_dense_layers}",
-        f"model.scan_layers={str(scan).lower()}", "parallel.devices=1"])
+    return config.build(
+        "tiny",
+        [
+            f"model.num_layers={layers}",
+            f"model.hidden={s.hidden}",
+            f"model.first_dense_layers={s.first_dense_layers}",
+            f"model.scan_layers={str(scan).lower()}",
+            "parallel.devices=1",
+        ],
+    )
 
 
 def compile_cell(cfg: config.Config) -> dict[str, Any]:
@@ -60,18 +66,24 @@ def compile_cell(cfg: config.Config) -> dict[str, Any]:
     with sharding.activate(mesh, rules):
         abstract = jax.eval_shape(lambda: train.init_state(cfg, mesh))
         shardings = train.state_shardings(cfg, mesh, abstract)
-        abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                abstract, shardings)
+        abstract = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings
+        )
         step = train.make_train_step(cfg, mesh, train.StepCounter(), shardings)
-        batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32,
-                                     sharding=sharding.batch_sharding(mesh))
+        batch = jax.ShapeDtypeStruct(
+            (cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh)
+        )
         t0 = time.perf_counter()
         lowered = step.lower(abstract, batch)
         t1 = time.perf_counter()
         lowered.compile()
         t2 = time.perf_counter()
-    return {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0,
-            "hlo_kb": len(lowered.as_text()) / 1024}
+    return {
+        "lower_s": t1 - t0,
+        "compile_s": t2 - t1,
+        "total_s": t2 - t0,
+        "hlo_kb": len(lowered.as_text()) / 1024,
+    }
 
 
 def _uncached(fn, *args):
@@ -89,12 +101,21 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
     table = []
     for layers in sorted({r["layers"] for r in rows}):
         scan, loop = by[(layers, True)], by[(layers, False)]
-        table.append([layers, f"{scan['total_s']:.1f}", f"{loop['total_s']:.1f}",
-                      f"{loop['total_s'] / scan['total_s']:.2f}",
-                      f"{scan['hlo_kb']:.0f}", f"{loop['hlo_kb']:.0f}"])
+        table.append(
+            [
+                layers,
+                f"{scan['total_s']:.1f}",
+                f"{loop['total_s']:.1f}",
+                f"{loop['total_s'] / scan['total_s']:.2f}",
+                f"{scan['hlo_kb']:.0f}",
+                f"{loop['hlo_kb']:.0f}",
+            ]
+        )
     header = ["layers", "scan s", "loop s", "loop / scan", "scan HLO KiB", "loop HLO KiB"]
-    return (f"### {TITLE}\n\nLower + compile of the tiny train step (1 CPU device, fp32), "
-            f"no compilation cache.\n\n" + markdown_table(header, table))
+    return (
+        f"### {TITLE}\n\nLower + compile of the tiny train step (1 CPU device, fp32), "
+        f"no compilation cache.\n\n" + markdown_table(header, table)
+    )
 
 
 def run(s: Sizes) -> dict[str, Any]:
@@ -107,13 +128,20 @@ def run(s: Sizes) -> dict[str, Any]:
         for scan in (True, False):
             cell = _uncached(compile_cell, _cfg(s, layers, scan))
             rows.append({"layers": layers, "scan": scan, **cell})
-            log(f"{layers} layers, {'scan' if scan else 'loop'}: lower {cell['lower_s']:.1f} s, "
-                f"compile {cell['compile_s']:.1f} s")
+            log(
+                f"{layers} layers, {'scan' if scan else 'loop'}: lower {cell['lower_s']:.1f} s, "
+                f"compile {cell['compile_s']:.1f} s"
+            )
     by = {(r["layers"], r["scan"]): r["total_s"] for r in rows}
     ratio = {str(n): by[(n, False)] / by[(n, True)] for n in s.layers}
-    return {"title": TITLE, "sizes": dataclasses.asdict(s), "rows": rows,
-            "loop_over_scan": ratio, "markdown": _markdown(rows),
-            "wall_s": time.perf_counter() - t0}
+    return {
+        "title": TITLE,
+        "sizes": dataclasses.asdict(s),
+        "rows": rows,
+        "loop_over_scan": ratio,
+        "markdown": _markdown(rows),
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 if __name__ == "__main__":  # python -m moe_train.bench.scan [--quick]

@@ -39,9 +39,17 @@ from moe_train.model import flops
 
 CORPUS = KIT_ROOT / "moe_train" / "assets" / "corpus.txt"
 STEPS, EVAL_EVERY, SEEDS = 300, 50, (0, 1, 2)
-BASE = ["model.vocab_size=512", "train.batch_size=16", "train.seq_len=128",
-        "train.log_every=100000", "optim.lr=3e-3", "optim.warmup_steps=20",
-        "train.telemetry_interval_s=0", "train.tensorboard=false", "train.eval_tokens=8192"]
+BASE = [
+    "model.vocab_size=512",
+    "train.batch_size=16",
+    "train.seq_len=128",
+    "train.log_every=100000",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=20",
+    "train.telemetry_interval_s=0",
+    "train.tensorboard=false",
+    "train.eval_tokens=8192",
+]
 VARIANTS = {
     "dropless": [],
     "capacity-1.0": ["moe.capacity_factor=1.0"],
@@ -61,22 +69,42 @@ def prepare_corpus(out: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train([str(CORPUS)], trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train(
+        [str(CORPUS)],
+        trainers.BpeTrainer(
+            vocab_size=512,
+            special_tokens=["<|endoftext|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     (out / "tokenizer").mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer" / "tokenizer.json"))
     data = out / "corpus"
-    prepare.run(prepare.Options(tokenizer=str(out / "tokenizer"), inputs=(str(CORPUS),),
-                                out=data, val_fraction=0.1, workers=1), log=lambda s: None)
+    prepare.run(
+        prepare.Options(
+            tokenizer=str(out / "tokenizer"), inputs=(str(CORPUS),), out=data, val_fraction=0.1, workers=1
+        ),
+        log=lambda s: None,
+    )
     return data
 
 
 def variant_config(name: str, data: Path, seed: int, steps: int) -> config.Config:
-    return config.build("tiny", [*BASE, *VARIANTS[name], "data.source=prepared",
-                                 f"data.path={data}", f"train.steps={steps}",
-                                 f"train.eval_every={EVAL_EVERY}", f"train.seed={seed}",
-                                 f"data.seed={seed}", "parallel.devices=1"])
+    return config.build(
+        "tiny",
+        [
+            *BASE,
+            *VARIANTS[name],
+            "data.source=prepared",
+            f"data.path={data}",
+            f"train.steps={steps}",
+            f"train.eval_every={EVAL_EVERY}",
+            f"train.seed={seed}",
+            f"data.seed={seed}",
+            "parallel.devices=1",
+        ],
+    )
 
 
 def train_one(cfg: config.Config, out: Path) -> list[dict]:
@@ -91,30 +119,47 @@ def summarize(name: str, cfg: config.Config, runs: list[list[dict]]) -> dict:
     """One variant's row: parameters, final held-out loss over seeds, drops, curve."""
     finals = [[r for r in recs if "eval_loss" in r][-1]["eval_loss"] for recs in runs]
     steps = sorted({r["step"] for r in runs[0] if "eval_loss" in r})
-    curve = [statistics.mean(next(r["eval_loss"] for r in recs if r["step"] == s) for recs in runs)
-             for s in steps]
-    assigned = cfg.train.batch_size * cfg.train.seq_len * cfg.moe.top_k * (
-        cfg.model.num_layers - cfg.model.first_dense_layers)
+    curve = [
+        statistics.mean(next(r["eval_loss"] for r in recs if r["step"] == s) for recs in runs) for s in steps
+    ]
+    assigned = (
+        cfg.train.batch_size
+        * cfg.train.seq_len
+        * cfg.moe.top_k
+        * (cfg.model.num_layers - cfg.model.first_dense_layers)
+    )
     dropped = [statistics.mean(r["dropped_tokens"] for r in recs) for recs in runs]
     counts = flops.param_counts(cfg)
-    return {"variant": name, "total_params": counts["total"], "active_params": counts["active"],
-            "train_flops_per_token": flops.train_flops_per_token(cfg),
-            "eval_loss_mean": statistics.mean(finals),
-            "eval_loss_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            "eval_losses": finals, "drop_rate": statistics.mean(dropped) / assigned if assigned else 0.0,
-            "train_loss_final": statistics.mean(recs[-1]["loss"] for recs in runs),
-            "curve_steps": steps, "curve": curve}
+    return {
+        "variant": name,
+        "total_params": counts["total"],
+        "active_params": counts["active"],
+        "train_flops_per_token": flops.train_flops_per_token(cfg),
+        "eval_loss_mean": statistics.mean(finals),
+        "eval_loss_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+        "eval_losses": finals,
+        "drop_rate": statistics.mean(dropped) / assigned if assigned else 0.0,
+        "train_loss_final": statistics.mean(recs[-1]["loss"] for recs in runs),
+        "curve_steps": steps,
+        "curve": curve,
+    }
 
 
 def markdown(rows: list[dict], steps: int, seeds: int, seconds: float) -> str:
-    lines = [f"# Study: {steps} steps of 16 x 128 tokens, {seeds} seeds, {seconds / 60:.1f} min",
-             "", "| variant | total params | active params | train GFLOP/token | held-out loss "
-             "(mean ± std) | drop rate | train loss |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Study: {steps} steps of 16 x 128 tokens, {seeds} seeds, {seconds / 60:.1f} min",
+        "",
+        "| variant | total params | active params | train GFLOP/token | held-out loss "
+        "(mean ± std) | drop rate | train loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['total_params'] / 1e6:.2f}M | "
-                     f"{r['active_params'] / 1e6:.2f}M | {r['train_flops_per_token'] / 1e9:.4f} | "
-                     f"{r['eval_loss_mean']:.4f} ± {r['eval_loss_std']:.4f} | "
-                     f"{100 * r['drop_rate']:.1f}% | {r['train_loss_final']:.4f} |")
+        lines.append(
+            f"| {r['variant']} | {r['total_params'] / 1e6:.2f}M | "
+            f"{r['active_params'] / 1e6:.2f}M | {r['train_flops_per_token'] / 1e9:.4f} | "
+            f"{r['eval_loss_mean']:.4f} ± {r['eval_loss_std']:.4f} | "
+            f"{100 * r['drop_rate']:.1f}% | {r['train_loss_final']:.4f} |"
+        )
     lines += ["", "![held-out loss curves, mean over seeds](curves.png)"]
     return "\n".join(lines) + "\n"
 
@@ -143,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--seeds", type=int, default=len(SEEDS))
     args = p.parse_args(argv)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out) / stamp
     t0 = time.perf_counter()
     data = prepare_corpus(out)
@@ -152,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         cfgs = [variant_config(name, data, seed, args.steps) for seed in range(args.seeds)]
         runs = [train_one(c, out / "runs" / f"{name}-seed{seed}") for seed, c in enumerate(cfgs)]
         rows.append(summarize(name, cfgs[0], runs))
-        print(f"{name}: held-out loss {rows[-1]['eval_loss_mean']:.4f} ± "
-              f"{rows[-1]['eval_loss_std']:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"{name}: held-out loss {rows[-1]['eval_loss_mean']:.4f} ± "
+            f"{rows[-1]['eval_loss_std']:.4f} ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
     seconds = time.perf_counter() - t0
     (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     text = markdown(rows, args.steps, args.seeds, seconds)

@@ -12,26 +12,38 @@ import sys
 import time
 from pathlib import Path
 
-from moe_train.config.cli import EXIT_USAGE, OneLineParser, job_arguments
 from moe_train.compile import plugin
+from moe_train.config.cli import EXIT_USAGE, OneLineParser, job_arguments
 from topology import presets
-
 
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m moe_train.compile", description=__doc__.splitlines()[0])
-    job_arguments(p, "--preset",
-                  f"cluster preset ({', '.join(presets.list_presets())}) or a site .toml")
-    p.add_argument("--steps", type=int, default=None,
-                   help="train.steps, as for make submit (changes only the LR schedule)")
-    p.add_argument("--layers", type=int, default=None,
-                   help="compile at reduced depth: model.num_layers=N (said in the output)")
-    p.add_argument("--bucket", default="",
-                   help="compile only this capacity bucket (1, 1.25, ..., worst; planned: the "
-                        "one the memory planner judges the job by); default: every bucket")
-    p.add_argument("--peak", action="store_true",
-                   help="dump XLA's buffer assignment and print what fills each bucket's peak "
-                        "(by source scope); the dump stays in the run directory (xla/)")
+    job_arguments(p, "--preset", f"cluster preset ({', '.join(presets.list_presets())}) or a site .toml")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="train.steps, as for make submit (changes only the LR schedule)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="compile at reduced depth: model.num_layers=N (said in the output)",
+    )
+    p.add_argument(
+        "--bucket",
+        default="",
+        help="compile only this capacity bucket (1, 1.25, ..., worst; planned: the "
+        "one the memory planner judges the job by); default: every bucket",
+    )
+    p.add_argument(
+        "--peak",
+        action="store_true",
+        help="dump XLA's buffer assignment and print what fills each bucket's peak "
+        "(by source scope); the dump stays in the run directory (xla/)",
+    )
     p.add_argument("--out", default="runs/compile", help="parent of the <UTC> run directory")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
@@ -57,8 +69,9 @@ def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
     from moe_train.compile import job as job_mod
 
     try:
-        job = job_mod.configure(args.model, args.preset, args.nodes, args.ep,
-                                tuple(args.overrides), args.layers, args.steps)
+        job = job_mod.configure(
+            args.model, args.preset, args.nodes, args.ep, tuple(args.overrides), args.layers, args.steps
+        )
     except job_mod.ERRORS as err:
         return _error(err)
     if missing:
@@ -70,8 +83,7 @@ def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
         result, out_dir = run.compile_job(job, Path(args.out) / stamp, args.bucket, args.peak)
     except job_mod.ERRORS as err:
         return _error(err)
-    print(json.dumps(result, indent=1) if args.json else
-          f"{run.render(result)}\nwritten: {out_dir}")
+    print(json.dumps(result, indent=1) if args.json else f"{run.render(result)}\nwritten: {out_dir}")
     return 0
 
 

@@ -18,7 +18,8 @@ not include it).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 
@@ -28,8 +29,12 @@ from topology.targets import Target
 def gpu_facts(target: Target) -> dict:
     """``moe_train.model.attention.fused.gpu_facts`` as it reads on the target GPU."""
     major, minor = target.compute_capability
-    return {"cuda": True, "version": f"cuda (deviceless: {target.description})",
-            "cc": float(f"{major}.{minor}"), "cudnn": target.cudnn_version}
+    return {
+        "cuda": True,
+        "version": f"cuda (deviceless: {target.description})",
+        "cc": float(f"{major}.{minor}"),
+        "cudnn": target.cudnn_version,
+    }
 
 
 def _at_least(target: Target, capability: str) -> bool:

@@ -29,12 +29,41 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "reduce-scatter", "all-reduce",
-               "collective-permute")
-KERNELS = ("triton_gemm", "triton_fusion", "cublas", "cublaslt", "cudnn", "fp8_gemm",
-           "mosaic_gpu", "pallas_triton")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+COLLECTIVES = (
+    "all-to-all",
+    "ragged-all-to-all",
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "collective-permute",
+)
+KERNELS = (
+    "triton_gemm",
+    "triton_fusion",
+    "cublas",
+    "cublaslt",
+    "cudnn",
+    "fp8_gemm",
+    "mosaic_gpu",
+    "pallas_triton",
+)
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY )?%(\S+) \(.*\) -> .*\{$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
@@ -105,8 +134,7 @@ def _executed(comps: dict[str, list[Instr]], entry: str) -> dict[str, bool]:
 def _is_fp8_dot(comps: dict[str, list[Instr]], fused: str | None) -> bool:
     body = comps.get(fused or "", [])
     shapes = {i.name: i.shape for i in body}
-    return any(i.op == "dot" and any(shapes.get(o, "").startswith("f8") for o in i.operands)
-               for i in body)
+    return any(i.op == "dot" and any(shapes.get(o, "").startswith("f8") for o in i.operands) for i in body)
 
 
 def kernel_classes(ins: Instr, comps: dict[str, list[Instr]]) -> list[str]:
@@ -155,8 +183,9 @@ def inventory(text: str) -> dict:
     comps, entry = parse(text)
     kernels: Counter = Counter({k: 0 for k in KERNELS})
     colls: dict[str, Counter] = defaultdict(Counter)
-    wrapped = {i.attr(r"calls=%([^\s,]+)") for c in comps.values() for i in c
-               if i.op == "async-start"}  # their collective is counted at the async-done
+    wrapped = {
+        i.attr(r"calls=%([^\s,]+)") for c in comps.values() for i in c if i.op == "async-start"
+    }  # their collective is counted at the async-done
     for name, looped in _executed(comps, entry).items():
         by_name = {i.name: i for i in comps[name]}
         for ins in comps[name]:
@@ -164,11 +193,17 @@ def inventory(text: str) -> dict:
             found = None if name in wrapped else _collective(ins, by_name, comps)
             if found:
                 kind, is_async = found
-                colls[kind].update(count=1, bytes=shape_bytes(ins.shape), in_loops=int(looped),
-                                   **{"async" if is_async else "sync": 1})
+                colls[kind].update(
+                    count=1,
+                    bytes=shape_bytes(ins.shape),
+                    in_loops=int(looped),
+                    **{"async" if is_async else "sync": 1},
+                )
     fields = ("count", "async", "sync", "in_loops", "bytes")
-    return {"kernels": dict(kernels),
-            "collectives": {k: {f: colls[k][f] for f in fields} for k in COLLECTIVES if k in colls}}
+    return {
+        "kernels": dict(kernels),
+        "collectives": {k: {f: colls[k][f] for f in fields} for k in COLLECTIVES if k in colls},
+    }
 
 
 def start_kind(ins: Instr, comps: dict[str, list[Instr]]) -> str | None:
@@ -176,8 +211,6 @@ def start_kind(ins: Instr, comps: dict[str, list[Instr]]) -> str | None:
     if ins.op.endswith("-start") and ins.op[:-6] in COLLECTIVES:
         return None if '"is_sync":true' in ins.rest else ins.op[:-6]
     if ins.op == "async-start":
-        ops = [i.op for i in comps.get(ins.attr(r"calls=%([^\s,]+)") or "", [])
-               if i.op in COLLECTIVES]
+        ops = [i.op for i in comps.get(ins.attr(r"calls=%([^\s,]+)") or "", []) if i.op in COLLECTIVES]
         return ops[-1] if ops and '"is_sync":true' not in ins.rest else None
     return None
-

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from moe_train import config, memory
 from moe_train.config import Config, ConfigError
-from slurm import choices, layout as launch_layout
+from slurm import choices
+from slurm import layout as launch_layout
 from slurm.plan import LaunchError, Request
 from topology import presets, targets
 from topology.presets import Cluster, TopologyError
@@ -48,15 +49,23 @@ def target_of(cluster: Cluster) -> Target:
     """The target config the preset names (``gpu``); TopologyError naming those that have one."""
     if not cluster.gpu:
         with_gpu = [n for n in presets.list_presets() if presets.load(n).gpu]
-        raise TopologyError(f"cluster preset {cluster.name!r} names no GPU with an XLA:GPU "
-                            f"target config (key gpu); presets that do: {', '.join(with_gpu)}; "
-                            f"targets: {', '.join(targets.list_targets())}")
+        raise TopologyError(
+            f"cluster preset {cluster.name!r} names no GPU with an XLA:GPU "
+            f"target config (key gpu); presets that do: {', '.join(with_gpu)}; "
+            f"targets: {', '.join(targets.list_targets())}"
+        )
     return targets.load(cluster.gpu)
 
 
-def configure(model: str, preset: str, nodes: int, ep: int | None = None,
-              overrides: tuple[str, ...] = (), layers: int | None = None,
-              steps: int | None = None) -> Job:
+def configure(
+    model: str,
+    preset: str,
+    nodes: int,
+    ep: int | None = None,
+    overrides: tuple[str, ...] = (),
+    layers: int | None = None,
+    steps: int | None = None,
+) -> Job:
     """The job; ConfigError / TopologyError / LaunchError for bad input. ``ep``, ``layers``
     and ``steps`` are flags: a ``--set`` of the same key with another value is an error."""
     cluster = presets.load(preset)
@@ -65,16 +74,28 @@ def configure(model: str, preset: str, nodes: int, ep: int | None = None,
         raise LaunchError(f"--nodes must be at least 1, got {nodes}")
     if layers is not None and layers < 1:
         raise LaunchError(f"--layers must be at least 1, got {layers}")
-    given = {"--ep": ("parallel.ep", ep), "--layers": ("model.num_layers", layers),
-             "--steps": ("train.steps", steps)}
+    given = {
+        "--ep": ("parallel.ep", ep),
+        "--layers": ("model.num_layers", layers),
+        "--steps": ("train.steps", steps),
+    }
     flags = {flag: (key, str(v)) for flag, (key, v) in given.items() if v is not None}
     sets = tuple(config.merge_flags(list(overrides), flags))
     req = Request(preset=preset, model=model, nodes=nodes, sets=sets)
     cfg, _ = launch_layout.model_config(req, cluster)
     req, cfg, notes = choices.planned(req, cluster, cfg)
     plan = memory.plan(cfg, cluster, nodes)
-    return Job(model=model, cluster=cluster, target=target, nodes=nodes, layers=layers,
-               cfg=cfg, notes=tuple(notes), plan=plan, step=_predicted(req, cfg))
+    return Job(
+        model=model,
+        cluster=cluster,
+        target=target,
+        nodes=nodes,
+        layers=layers,
+        cfg=cfg,
+        notes=tuple(notes),
+        plan=plan,
+        step=_predicted(req, cfg),
+    )
 
 
 def _predicted(req: Request, cfg: Config) -> StepTime | None:

@@ -13,12 +13,14 @@ the choice says so. An explicit choice that does not trace is an error (exit 2).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from moe_train.compile import facts
 from moe_train.config import Config, ConfigError
@@ -46,7 +48,7 @@ class Kernel:
 def _first_line(err: BaseException, limit: int = 240) -> str:
     text = str(err).strip().splitlines()
     line = f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _on_devices(loss, shapes: list[tuple[int, ...]], dtype, devices: Sequence[Any]) -> None:
@@ -58,8 +60,10 @@ def _on_devices(loss, shapes: list[tuple[int, ...]], dtype, devices: Sequence[An
     def local(*args):
         return jax.lax.psum(loss(*[a[0] for a in args]), "probe")
 
-    grad = jax.grad(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(shapes),
-                                  out_specs=P()), argnums=tuple(range(len(shapes))))
+    grad = jax.grad(
+        jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(shapes), out_specs=P()),
+        argnums=tuple(range(len(shapes))),
+    )
     jax.eval_shape(grad, *[jax.ShapeDtypeStruct((len(devices), *s), dtype) for s in shapes])
 
 
@@ -74,8 +78,12 @@ def _trace_gemm(name: str, p, devices: Sequence[Any]) -> None:
         y = gemm.sorted_swiglu(x, jnp.asarray(sizes, jnp.int32), w0, w1, wo, backend=name)
         return y.astype(jnp.float32).sum()
 
-    shapes = [(rows, p.hidden), (p.experts, p.hidden, p.ffn), (p.experts, p.hidden, p.ffn),
-              (p.experts, p.ffn, p.hidden)]
+    shapes = [
+        (rows, p.hidden),
+        (p.experts, p.hidden, p.ffn),
+        (p.experts, p.hidden, p.ffn),
+        (p.experts, p.ffn, p.hidden),
+    ]
     _on_devices(loss, shapes, jnp.dtype(p.dtype), devices)
 
 
@@ -85,9 +93,11 @@ def _trace_attention(name: str, p, devices: Sequence[Any]) -> None:
     def loss(q, k, v):
         return attention.attend(q, k, v, implementation=name).astype(jnp.float32).sum()
 
-    shapes = [(p.batch, p.seq_len, p.heads, p.head_dim),
-              (p.batch, p.seq_len, p.kv_heads, p.head_dim),
-              (p.batch, p.seq_len, p.kv_heads, p.v_head_dim)]
+    shapes = [
+        (p.batch, p.seq_len, p.heads, p.head_dim),
+        (p.batch, p.seq_len, p.kv_heads, p.head_dim),
+        (p.batch, p.seq_len, p.kv_heads, p.v_head_dim),
+    ]
     _on_devices(loss, shapes, jnp.dtype(p.dtype), devices)
 
 
@@ -106,8 +116,9 @@ def traces(key: str, name: str, cfg: Config, devices: Sequence[Any]) -> str | No
     return None
 
 
-def _pick(key: str, requested: str, cands: list[str], cfg: Config, lead: str,
-          devices: Sequence[Any]) -> Kernel:
+def _pick(
+    key: str, requested: str, cands: list[str], cfg: Config, lead: str, devices: Sequence[Any]
+) -> Kernel:
     order = cands if requested == "auto" else [requested]
     failed = {}
     for name in order:
@@ -117,10 +128,14 @@ def _pick(key: str, requested: str, cands: list[str], cfg: Config, lead: str,
         failed[name] = f"{name} did not trace as the layers call it ({why})"
     else:
         rest = [c for c in cands if c not in failed]
-        raise ConfigError(f"{key}={requested}: {'; '.join(failed.values())}; choose one of: "
-                          f"{', '.join(['auto', *rest])}")
-    how = "set explicitly" if requested != "auto" else (
-        f"auto: first of {', '.join(cands)}" + (f"; {lead.removeprefix('auto: ')}" if lead else ""))
+        raise ConfigError(
+            f"{key}={requested}: {'; '.join(failed.values())}; choose one of: {', '.join(['auto', *rest])}"
+        )
+    how = (
+        "set explicitly"
+        if requested != "auto"
+        else (f"auto: first of {', '.join(cands)}" + (f"; {lead.removeprefix('auto: ')}" if lead else ""))
+    )
     absent = [] if requested != "auto" or "te" in cands or key not in GPU_ONLY else _te_absent()
     return Kernel(key, requested, order[0], name, "; ".join([how, *failed.values(), *absent]))
 
@@ -136,6 +151,8 @@ def _te_absent() -> list[str]:
 def choose(cfg: Config, target: Target, devices: Sequence[Any]) -> tuple[Config, list[Kernel]]:
     """``cfg`` with every kernel key concrete for ``target``, and each choice."""
     with facts.as_target(target, devices):
-        picked = [_pick(key, value, list(cands), cfg, lead, devices)
-                  for key, value, cands, _, _, lead in candidates.plans(cfg, "gpu")]
+        picked = [
+            _pick(key, value, list(cands), cfg, lead, devices)
+            for key, value, cands, _, _, lead in candidates.plans(cfg, "gpu")
+        ]
     return candidates.apply(cfg, {k.key: k.compiled for k in picked}), picked

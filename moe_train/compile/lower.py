@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,36 +61,46 @@ def simulated_devices(job: Job) -> list[Any]:
     from jax.experimental import topologies
 
     topo = f"1x{job.nodes}x{job.cluster.gpus_per_node}"
-    return list(topologies.get_topology_desc(job.target.name, "cuda",
-                                             target_config=job.target.text,
-                                             topology=topo).devices)
+    return list(
+        topologies.get_topology_desc(
+            job.target.name, "cuda", target_config=job.target.text, topology=topo
+        ).devices
+    )
 
 
 def mesh_config(job: Job, cfg: Config) -> Config:
     """``cfg`` on the job's devices: the loop's micro-batches, and ``parallel.domain_size``
     from the domains the launcher's allocation gets."""
     cfg = for_devices(cfg, job.devices)
-    alloc = placement.allocation(job.cluster, job.nodes, cfg.parallel.ep,
-                                 num_experts=cfg.moe.num_experts,
-                                 allow_straddle=cfg.parallel.allow_straddle)
+    alloc = placement.allocation(
+        job.cluster,
+        job.nodes,
+        cfg.parallel.ep,
+        num_experts=cfg.moe.num_experts,
+        allow_straddle=cfg.parallel.allow_straddle,
+    )
     sizes = {len(d) for d in placement.synth_domains(job.cluster, alloc)}
     if len(sizes) != 1:
-        raise ConfigError(f"the {job.nodes} nodes fill NVLink domains unevenly "
-                          f"({sorted(sizes)} GPUs); compile a node count that fills whole domains")
+        raise ConfigError(
+            f"the {job.nodes} nodes fill NVLink domains unevenly "
+            f"({sorted(sizes)} GPUs); compile a node count that fills whole domains"
+        )
     par = dataclasses.replace(cfg.parallel, domain_size=sizes.pop())
     return dataclasses.replace(cfg, parallel=par)
 
 
 def batch_arg(cfg: Config, mesh) -> Any:
     """The step's batch, abstract: int32 [B, S+1] (with segment ids when packed)."""
-    spec = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32,
-                                sharding=sharding.batch_sharding(mesh))
+    spec = jax.ShapeDtypeStruct(
+        (cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh)
+    )
     packed = cfg.data.source == "prepared" and cfg.data.packing
     return packing.make(spec, spec if packed else None)
 
 
-def compile_one(cfg: Config, mesh, plan: EPPlan | None, target, devices,
-                dump_dir: Path | None = None) -> Compiled:
+def compile_one(
+    cfg: Config, mesh, plan: EPPlan | None, target, devices, dump_dir: Path | None = None
+) -> Compiled:
     """One bucket's step; with ``dump_dir``, XLA dumps it there and the Compiled carries what
     fills its peak (``peak.read``; the dump is pruned to the files that explain it)."""
     t0 = time.perf_counter()
@@ -99,8 +110,8 @@ def compile_one(cfg: Config, mesh, plan: EPPlan | None, target, devices,
         step = make_train_step(cfg, mesh, StepCounter(), state_sharding, plan)
         hold = plan is not None and plan.capacity_factor is not None
         args = (state, batch_arg(cfg, mesh)) + (
-            (jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding.replicated(mesh)),)
-            if hold else ())
+            (jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding.replicated(mesh)),) if hold else ()
+        )
         with step.sharding.activate():
             lowered = step.jitted.trace(*args).lower()
     t1 = time.perf_counter()
@@ -109,9 +120,16 @@ def compile_one(cfg: Config, mesh, plan: EPPlan | None, target, devices,
     live = peak.read(dump_dir) if dump_dir else None
     if dump_dir:
         peak.prune(dump_dir)
-    return Compiled(bucket=bucket_name(plan), plan=plan,
-                    memory=CompiledMemory.of(compiled), trace_s=t1 - t0, compile_s=t2 - t1,
-                    hlo=compiled.as_text(), note=note, peak=live.record() if live else None)
+    return Compiled(
+        bucket=bucket_name(plan),
+        plan=plan,
+        memory=CompiledMemory.of(compiled),
+        trace_s=t1 - t0,
+        compile_s=t2 - t1,
+        hlo=compiled.as_text(),
+        note=note,
+        peak=live.record() if live else None,
+    )
 
 
 def xla_compile(lowered, options: dict | None = None) -> tuple[Any, str]:
@@ -127,7 +145,8 @@ def xla_compile(lowered, options: dict | None = None) -> tuple[Any, str]:
         matmul = found.group(0) if found else "a matmul"
         return lowered.compile({**(options or {}), **NO_TRITON_GEMM}), (
             f"compiled with xla_gpu_enable_triton_gemm=false: deviceless XLA:GPU found no "
-            f"Triton tiling for {matmul} (a GPU's autotuner picks another)")
+            f"Triton tiling for {matmul} (a GPU's autotuner picks another)"
+        )
 
 
 def bucket_name(plan: EPPlan | None) -> str:
@@ -136,8 +155,9 @@ def bucket_name(plan: EPPlan | None) -> str:
     return "worst" if factor is None else f"{factor:g}"
 
 
-def compile_buckets(job: Job, cfg: Config, devices: Sequence[Any], only: str = "",
-                    dump_root: Path | None = None) -> Iterator[Compiled]:
+def compile_buckets(
+    job: Job, cfg: Config, devices: Sequence[Any], only: str = "", dump_root: Path | None = None
+) -> Iterator[Compiled]:
     """The step of every capacity bucket of ``cfg`` (kernels concrete) on ``devices``, or of
     bucket ``only``; ConfigError naming the buckets when ``only`` is none of them. With
     ``dump_root``, each bucket's XLA dump goes to ``dump_root/xla-<bucket>``."""
@@ -145,8 +165,9 @@ def compile_buckets(job: Job, cfg: Config, devices: Sequence[Any], only: str = "
     plans = stepper.ep_plans(cfg, mesh)
     names = [bucket_name(p) for p in plans]
     if only and only not in names:
-        raise ConfigError(f"--bucket {only!r} is not a capacity bucket of this job; valid: "
-                          f"{', '.join(names)}, planned")
+        raise ConfigError(
+            f"--bucket {only!r} is not a capacity bucket of this job; valid: {', '.join(names)}, planned"
+        )
     for plan, name in zip(plans, names):
         if not only or name == only:
             dump = dump_root / f"xla-{name}" if dump_root else None

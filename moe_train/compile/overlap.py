@@ -29,8 +29,16 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from moe_train.compile.hlo import (ARRAY, COLLECTIVES, GEMM_KERNELS, Instr, kernel_classes,
-                                   parse, shape_bytes, start_kind)
+from moe_train.compile.hlo import (
+    ARRAY,
+    COLLECTIVES,
+    GEMM_KERNELS,
+    Instr,
+    kernel_classes,
+    parse,
+    shape_bytes,
+    start_kind,
+)
 
 _CONSTRAINTS = r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}"  # shapes with {layouts}
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -68,8 +76,7 @@ def runs_per_step(comps: dict[str, list[Instr]], entry: str) -> dict[str, int]:
                 for callee in re.findall(rf"{key}=\{{?((?:%[^\s,}}]+,?\s*)+)", ins.rest):
                     for c in re.findall(r"%([^\s,}]+)", callee):
                         if c in comps:
-                            todo.append((c, times * (trip if key in ("body", "condition")
-                                                     else 1)))
+                            todo.append((c, times * (trip if key in ("body", "condition") else 1)))
     return dict(out)
 
 
@@ -96,8 +103,7 @@ def gemm_flops(ins: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]
     if "triton_gemm" in kinds:
         body = comps.get(ins.attr(r"calls=%([^\s,]+)") or "", [])
         inner = {i.name: i.shape for i in body}
-        return sum(_dot_flops(i, inner, r"lhs_contracting_dims=\{([\d,]*)\}")
-                   for i in body if i.op == "dot")
+        return sum(_dot_flops(i, inner, r"lhs_contracting_dims=\{([\d,]*)\}") for i in body if i.op == "dot")
     if "cublas" in kinds or "cublaslt" in kinds:
         return _dot_flops(ins, shapes, r'"lhs_contracting_dimensions":\[([^\]]*)\]')
     if "mosaic_gpu" in kinds:
@@ -139,21 +145,21 @@ def summary(found: list[Window]) -> dict:
         ws = [w for w in found if w.kind == kind]
         if ws:
             out[kind] = {
-                "pairs": len(ws), "with_gemm": sum(w.gemm_kernels > 0 for w in ws),
+                "pairs": len(ws),
+                "with_gemm": sum(w.gemm_kernels > 0 for w in ws),
                 "gemm_kernels": sum(w.gemm_kernels for w in ws),
                 "other_kernels": sum(w.other_kernels for w in ws),
                 "bytes": sum(w.bytes * w.runs for w in ws),
                 "bytes_with_gemm": sum(w.bytes * w.runs for w in ws if w.gemm_kernels),
-                "gemm_flops": sum(w.gemm_flops * w.runs for w in ws)}
+                "gemm_flops": sum(w.gemm_flops * w.runs for w in ws),
+            }
     return out
 
 
-def hidden(found: list[Window], kind: str, link_bytes_per_s: float,
-           gemm_flops_per_s: float) -> dict:
+def hidden(found: list[Window], kind: str, link_bytes_per_s: float, gemm_flops_per_s: float) -> dict:
     """``{"comm_s", "hidden_s"}`` of one collective kind per step at these rates: its whole
     transfer time, and the most the GEMMs in its windows can hide of it."""
     ws = [w for w in found if w.kind == kind]
     comm = sum(w.bytes / link_bytes_per_s * w.runs for w in ws)
-    hide = sum(min(w.bytes / link_bytes_per_s, w.gemm_flops / gemm_flops_per_s) * w.runs
-               for w in ws)
+    hide = sum(min(w.bytes / link_bytes_per_s, w.gemm_flops / gemm_flops_per_s) * w.runs for w in ws)
     return {"comm_s": comm, "hidden_s": hide}

@@ -24,11 +24,17 @@ INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
 OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 OPERANDS = re.compile(r"\b(?:tuple|while)\((.*?)\)(?:,|$)")
 # path pieces that say how JAX got there, not where in the model
-NOISE = re.compile(r"^(jit\(step\)|jvp\(.*\)|transpose\(.*\)|closed_call|while|body|cond|"
-                   r"shard_map|checkpoint|remat|rematted_computation|jit\(.*\)|"
-                   r"pjit\(.*\)|custom_vjp_call.*|custom_jvp_call.*)$")
-STATE = (("state.opt_state", "state: optimizer"), ("state.params", "state: parameters"),
-         ("state.moe_state", "state: MoE"), ("state", "state: other"))
+NOISE = re.compile(
+    r"^(jit\(step\)|jvp\(.*\)|transpose\(.*\)|closed_call|while|body|cond|"
+    r"shard_map|checkpoint|remat|rematted_computation|jit\(.*\)|"
+    r"pjit\(.*\)|custom_vjp_call.*|custom_jvp_call.*)$"
+)
+STATE = (
+    ("state.opt_state", "state: optimizer"),
+    ("state.params", "state: parameters"),
+    ("state.moe_state", "state: MoE"),
+    ("state", "state: other"),
+)
 TOP = 12  # scopes printed
 WIDTH = 110  # characters of a scope printed (fused ops' names list every piece)
 STACKED = "[stacked] "  # _source's mark for a value written into a per-iteration stack
@@ -37,8 +43,7 @@ STACKED = "[stacked] "  # _source's mark for a value written into a per-iteratio
 def dump_options(dump_dir: Path) -> dict[str, object]:
     """XLA debug options for ``Lowered.compile``: dump the step's module, with its buffer
     assignment and live ranges, into ``dump_dir``."""
-    return {"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True,
-            "xla_dump_hlo_module_re": "jit_step"}
+    return {"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit_step"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +55,11 @@ class Peak:
     largest: tuple[tuple[str, str, int], ...]  # (buffer, scope, bytes) of the biggest buffers
 
     def record(self) -> dict:
-        return {"live_bytes": self.live_bytes,
-                "scopes": [{"scope": s, "bytes": b, "buffers": n} for s, b, n in self.scopes],
-                "largest": [{"buffer": n, "scope": s, "bytes": b} for n, s, b in self.largest]}
+        return {
+            "live_bytes": self.live_bytes,
+            "scopes": [{"scope": s, "bytes": b, "buffers": n} for s, b, n in self.scopes],
+            "largest": [{"buffer": n, "scope": s, "bytes": b} for n, s, b in self.largest],
+        }
 
 
 def scope_of(op_name: str) -> str:
@@ -223,13 +230,13 @@ def lines(rec: dict, top: int = TOP) -> list[str]:
         return []
     live = rec["live_bytes"]
     name, unit = ("GiB", 2**30) if live >= 2**30 else ("MiB", 2**20)
-    out = [f"live at the peak (XLA's buffer assignment): {live / unit:.2f} {name}; "
-           f"by source scope:"]
+    out = [f"live at the peak (XLA's buffer assignment): {live / unit:.2f} {name}; by source scope:"]
     for s in rec["scopes"][:top]:
-        out.append(f"  {s['bytes'] / unit:8.2f} {name} {100 * s['bytes'] / max(live, 1):5.1f}%  "
-                   f"{s['buffers']:4d} buffers  {s['scope'][:WIDTH]}")
+        out.append(
+            f"  {s['bytes'] / unit:8.2f} {name} {100 * s['bytes'] / max(live, 1):5.1f}%  "
+            f"{s['buffers']:4d} buffers  {s['scope'][:WIDTH]}"
+        )
     rest = rec["scopes"][top:]
     if rest:
-        out.append(f"  {sum(s['bytes'] for s in rest) / unit:8.2f} {name} in {len(rest)} more "
-                   f"scopes")
+        out.append(f"  {sum(s['bytes'] for s in rest) / unit:8.2f} {name} in {len(rest)} more scopes")
     return out

@@ -28,14 +28,16 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
 MODULES = ("jax_cuda12_plugin", "jax_plugins.xla_cuda12")
 DIR_NAME = "xla-gpu"  # under the virtualenv (sys.prefix)
-NOISE = re.compile(rb"^(WARNING: All log messages before absl::InitializeLog\(\) is called are "
-                   rb"written to STDERR|.*cudart_stub\.cc:\d+\] Could not find cuda drivers.*)$")
+NOISE = re.compile(
+    rb"^(WARNING: All log messages before absl::InitializeLog\(\) is called are "
+    rb"written to STDERR|.*cudart_stub\.cc:\d+\] Could not find cuda drivers.*)$"
+)
 
 
 def side_dir() -> Path:
@@ -50,8 +52,10 @@ def search_path() -> list[str]:
 
 
 def how_to_install(jax_version: str) -> str:
-    return (f"make compile (or make venv EXTRAS=...,compile) installs jax-cuda12-plugin and "
-            f"jax-cuda12-pjrt {jax_version} into {side_dir()}; or pip install -e '.[compile]'")
+    return (
+        f"make compile (or make venv EXTRAS=...,compile) installs jax-cuda12-plugin and "
+        f"jax-cuda12-pjrt {jax_version} into {side_dir()}; or pip install -e '.[compile]'"
+    )
 
 
 def version_problem(path: list[str]) -> str | None:
@@ -60,10 +64,12 @@ def version_problem(path: list[str]) -> str | None:
     for name in PACKAGES:
         found = [d.version for d in metadata.distributions(name=name, path=path)]
         if not found:
-            return (f"XLA:GPU compile needs the CUDA PJRT plugin ({name} is not installed); "
-                    f"{how_to_install(want)}")
+            return (
+                f"XLA:GPU compile needs the CUDA PJRT plugin ({name} is not installed); "
+                f"{how_to_install(want)}"
+            )
         if found[0] != want:
-            return (f"{name} {found[0]} does not match jax {want}; {how_to_install(want)}")
+            return f"{name} {found[0]} does not match jax {want}; {how_to_install(want)}"
     return None
 
 
@@ -87,8 +93,10 @@ def enable(xla_flags: str = "") -> str | None:
         try:
             importlib.import_module(module)
         except ImportError as err:
-            return (f"XLA:GPU compile needs the CUDA PJRT plugin, which does not import "
-                    f"({module}: {err}); {how_to_install(metadata.version('jax'))}")
+            return (
+                f"XLA:GPU compile needs the CUDA PJRT plugin, which does not import "
+                f"({module}: {err}); {how_to_install(metadata.version('jax'))}"
+            )
     return None
 
 

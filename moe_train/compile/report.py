@@ -26,9 +26,16 @@ from moe_train.compile.lower import Compiled
 from moe_train.memory import ALL_ITEMS, GIB
 from topology.steptime import link_bytes_per_s
 
-NAMES = {"triton_gemm": "Triton GEMM", "triton_fusion": "Triton other", "cublas": "cuBLAS",
-         "cublaslt": "cuBLASLt", "cudnn": "cuDNN", "fp8_gemm": "fp8 GEMM",
-         "mosaic_gpu": "Mosaic GPU", "pallas_triton": "Pallas Triton"}
+NAMES = {
+    "triton_gemm": "Triton GEMM",
+    "triton_fusion": "Triton other",
+    "cublas": "cuBLAS",
+    "cublaslt": "cuBLASLt",
+    "cudnn": "cuDNN",
+    "fp8_gemm": "fp8 GEMM",
+    "mosaic_gpu": "Mosaic GPU",
+    "pallas_triton": "Pallas Triton",
+}
 
 
 def bucket_record(job: Job, c: Compiled) -> dict:
@@ -36,16 +43,22 @@ def bucket_record(job: Job, c: Compiled) -> dict:
     usable, mem = job.plan.budget.usable_bytes, c.memory
     planned = planner_total(job, c.bucket)
     windows = overlap.windows(c.hlo)
-    return {"bucket": c.bucket, "dispatcher": None if c.plan is None else c.plan.dispatcher,
-            "trace_s": round(c.trace_s, 2), "compile_s": round(c.compile_s, 2),
-            "memory": {**dataclasses.asdict(mem), "peak": mem.peak}, "fits": mem.peak <= usable,
-            "planner": {"moe_buffers": job.plan.estimate.moe_buffers_by_bucket[c.bucket],
-                        "total": planned},
-            "xla_over_planner": round(mem.peak / planned, 3), "hlo": f"step-{c.bucket}.hlo",
-            "note": c.note,
-            **hlo.inventory(c.hlo), "overlap": overlap.summary(windows),
-            "hidden": schedule_vs_model(job, windows),
-            **({"peak_live": c.peak} if c.peak else {})}
+    return {
+        "bucket": c.bucket,
+        "dispatcher": None if c.plan is None else c.plan.dispatcher,
+        "trace_s": round(c.trace_s, 2),
+        "compile_s": round(c.compile_s, 2),
+        "memory": {**dataclasses.asdict(mem), "peak": mem.peak},
+        "fits": mem.peak <= usable,
+        "planner": {"moe_buffers": job.plan.estimate.moe_buffers_by_bucket[c.bucket], "total": planned},
+        "xla_over_planner": round(mem.peak / planned, 3),
+        "hlo": f"step-{c.bucket}.hlo",
+        "note": c.note,
+        **hlo.inventory(c.hlo),
+        "overlap": overlap.summary(windows),
+        "hidden": schedule_vs_model(job, windows),
+        **({"peak_live": c.peak} if c.peak else {}),
+    }
 
 
 def schedule_vs_model(job: Job, windows: list[overlap.Window]) -> dict:
@@ -57,19 +70,25 @@ def schedule_vs_model(job: Job, windows: list[overlap.Window]) -> dict:
         return {}
     eff, inp = st.inputs["efficiency"], st.inputs
     fp8 = inp["compute"] == "fp8"
-    gemm = (inp["peak_fp8_tflops"] * eff["fp8_gemm_efficiency"] if fp8
-            else inp["peak_bf16_tflops"] * eff["grouped_gemm_efficiency"]) * 1e12
-    model = {"all-to-all": 1 - st.a2a_exposed_s / st.a2a_s if st.a2a_s else None,
-             "fsdp": 1 - st.fsdp_exposed_s / st.fsdp_s if st.fsdp_s else None}
-    spans = {"all-to-all": job.cfg.parallel.ep, "all-gather": job.devices,
-             "reduce-scatter": job.devices}
+    gemm = (
+        inp["peak_fp8_tflops"] * eff["fp8_gemm_efficiency"]
+        if fp8
+        else inp["peak_bf16_tflops"] * eff["grouped_gemm_efficiency"]
+    ) * 1e12
+    model = {
+        "all-to-all": 1 - st.a2a_exposed_s / st.a2a_s if st.a2a_s else None,
+        "fsdp": 1 - st.fsdp_exposed_s / st.fsdp_s if st.fsdp_s else None,
+    }
+    spans = {"all-to-all": job.cfg.parallel.ep, "all-gather": job.devices, "reduce-scatter": job.devices}
     out = {}
     for kind, span in spans.items():
         h = overlap.hidden(windows, kind, link_bytes_per_s(job.cluster, span), gemm)
         if h["comm_s"]:
-            out[kind] = {**{k: round(v, 6) for k, v in h.items()},
-                         "share": round(h["hidden_s"] / h["comm_s"], 3),
-                         "model_share": model["all-to-all" if kind == "all-to-all" else "fsdp"]}
+            out[kind] = {
+                **{k: round(v, 6) for k, v in h.items()},
+                "share": round(h["hidden_s"] / h["comm_s"], 3),
+                "model_share": model["all-to-all" if kind == "all-to-all" else "fsdp"],
+            }
     return out
 
 
@@ -77,15 +96,27 @@ def result(job: Job, kernels: list[Kernel], records: list[dict], jax_version: st
     """Everything ``--json`` prints."""
     s, b, est = job.plan.estimate.setup, job.plan.budget, job.plan.estimate
     return {
-        "model": job.model, "cluster": job.cluster.name, "nodes": job.nodes,
-        "devices": job.devices, "gpu": job.target.description, "target": job.target.name,
-        "sm": job.target.sm, "ep": s.ep, "dp": s.dp, "dispatcher": s.dispatcher,
-        "num_layers": job.cfg.model.num_layers, "reduced_depth": job.layers is not None,
-        "jax": jax_version, "xla_flags": job.cluster.env.get("XLA_FLAGS", ""),
+        "model": job.model,
+        "cluster": job.cluster.name,
+        "nodes": job.nodes,
+        "devices": job.devices,
+        "gpu": job.target.description,
+        "target": job.target.name,
+        "sm": job.target.sm,
+        "ep": s.ep,
+        "dp": s.dp,
+        "dispatcher": s.dispatcher,
+        "num_layers": job.cfg.model.num_layers,
+        "reduced_depth": job.layers is not None,
+        "jax": jax_version,
+        "xla_flags": job.cluster.env.get("XLA_FLAGS", ""),
         "launcher_choices": list(job.notes),
         "kernels": [dataclasses.asdict(k) for k in kernels],
-        "device_bytes": b.device_bytes, "usable_bytes": b.usable_bytes, "reserve": b.reserve,
-        "planner_items": dict(est.per_device), "planner_bucket": est.bucket,
+        "device_bytes": b.device_bytes,
+        "usable_bytes": b.usable_bytes,
+        "reserve": b.reserve,
+        "planner_items": dict(est.per_device),
+        "planner_bucket": est.bucket,
         "peak": "argument + temp + output - alias + code (CompiledMemory.peak)",
         "buckets": records,
     }
@@ -104,31 +135,41 @@ def _unit(r: dict) -> tuple[str, int]:
 
 def _head(r: dict) -> list[str]:
     n = r["num_layers"]
-    depth = f"{n} layer{'s' if n != 1 else ''}" + (" (--layers: reduced depth)"
-                                                    if r["reduced_depth"] else "")
-    return [f"{r['model']} on {r['nodes']} {r['cluster']} node(s): {r['devices']} simulated "
-            f"{r['gpu']} ({r['sm']}), EP {r['ep']} x FSDP {r['dp']}, {r['dispatcher']} "
-            f"dispatch, {depth}; XLA:GPU of jax {r['jax']} with the preset's XLA_FLAGS",
-            *[f"kernel: {Kernel(**k).line()}" for k in r["kernels"]],
-            *[f"launcher: {n}" for n in r["launcher_choices"]]]
+    depth = f"{n} layer{'s' if n != 1 else ''}" + (" (--layers: reduced depth)" if r["reduced_depth"] else "")
+    return [
+        f"{r['model']} on {r['nodes']} {r['cluster']} node(s): {r['devices']} simulated "
+        f"{r['gpu']} ({r['sm']}), EP {r['ep']} x FSDP {r['dp']}, {r['dispatcher']} "
+        f"dispatch, {depth}; XLA:GPU of jax {r['jax']} with the preset's XLA_FLAGS",
+        *[f"kernel: {Kernel(**k).line()}" for k in r["kernels"]],
+        *[f"launcher: {n}" for n in r["launcher_choices"]],
+    ]
 
 
 def _inventory(rec: dict) -> list[str]:
     k = rec["kernels"]
     named = ", ".join(f"{NAMES[n]} {k[n]}" for n in NAMES)
     other = ", ".join(f"{n.split(':', 1)[1]} {v}" for n, v in k.items() if n not in NAMES)
-    lines = [f"kernels at bucket {rec['bucket']}: {named}" + (f"; other custom calls: {other}"
-                                                              if other else "")]
-    lines.append(f"collectives at bucket {rec['bucket']} (instances in the HLO; loop bodies "
-                 f"run once per iteration; MiB: their results summed):")
+    lines = [
+        f"kernels at bucket {rec['bucket']}: {named}" + (f"; other custom calls: {other}" if other else "")
+    ]
+    lines.append(
+        f"collectives at bucket {rec['bucket']} (instances in the HLO; loop bodies "
+        f"run once per iteration; MiB: their results summed):"
+    )
     for kind, c in rec["collectives"].items():
-        lines.append(f"  {kind:<20}{c['count']:5d}  {c['async']:4d} async {c['sync']:4d} sync  "
-                     f"{c['in_loops']:4d} in loops  {c['bytes'] / 2**20:12.2f} MiB")
-    lines.append(f"overlap at bucket {rec['bucket']} (kernels the schedule places between each "
-                 f"async start and its done):")
+        lines.append(
+            f"  {kind:<20}{c['count']:5d}  {c['async']:4d} async {c['sync']:4d} sync  "
+            f"{c['in_loops']:4d} in loops  {c['bytes'] / 2**20:12.2f} MiB"
+        )
+    lines.append(
+        f"overlap at bucket {rec['bucket']} (kernels the schedule places between each "
+        f"async start and its done):"
+    )
     for kind, o in rec.get("overlap", {}).items():
-        lines.append(f"  {kind:<20}{o['pairs']:5d} async  {o['with_gemm']:4d} with a GEMM inside  "
-                     f"{o['gemm_kernels']:5d} GEMM + {o['other_kernels']:5d} other kernels inside")
+        lines.append(
+            f"  {kind:<20}{o['pairs']:5d} async  {o['with_gemm']:4d} with a GEMM inside  "
+            f"{o['gemm_kernels']:5d} GEMM + {o['other_kernels']:5d} other kernels inside"
+        )
     return lines + _hidden_lines(rec) + peak.lines(rec.get("peak_live") or {})
 
 
@@ -137,12 +178,16 @@ def _hidden_lines(rec: dict) -> list[str]:
     rows = rec.get("hidden") or {}
     if not rows:
         return []
-    lines = [f"hidden per step at bucket {rec['bucket']} (the step-time model's link and GEMM "
-             f"rates; at most min(transfer, GEMMs inside) per window):"]
+    lines = [
+        f"hidden per step at bucket {rec['bucket']} (the step-time model's link and GEMM "
+        f"rates; at most min(transfer, GEMMs inside) per window):"
+    ]
     for kind, h in rows.items():
         model = "-" if h["model_share"] is None else f"{h['model_share']:.0%}"
-        lines.append(f"  {kind:<20}{h['hidden_s'] * 1e3:10.1f} of {h['comm_s'] * 1e3:10.1f} ms "
-                     f"({h['share']:.0%}); the step-time model assumes {model}")
+        lines.append(
+            f"  {kind:<20}{h['hidden_s'] * 1e3:10.1f} of {h['comm_s'] * 1e3:10.1f} ms "
+            f"({h['share']:.0%}); the step-time model assumes {model}"
+        )
     return lines
 
 
@@ -155,29 +200,38 @@ def render(r: dict) -> str:
         f"usable {r['usable_bytes'] / GIB:.2f} of {r['device_bytes'] / GIB:.2f} GiB "
         f"({r['reserve']})",
         f"{'bucket':<8}{'args':>8}{'temp':>8}{'out-al':>8}{'peak':>8}{'planner':>9}"
-        f"{'XLA/pl':>8}  {'verdict':<13}{'trace s':>8}{'compile s':>10}"]
+        f"{'XLA/pl':>8}  {'verdict':<13}{'trace s':>8}{'compile s':>10}",
+    ]
     for b in r["buckets"]:
         m = b["memory"]
         label = b["bucket"] + ("x" if b["bucket"] != "worst" else "")
-        lines.append(f"{label:<8}{num(m['argument'])}{num(m['temp'])}"
-                     f"{num(m['output'] - m['alias'])}{num(m['peak'])} {num(b['planner']['total'])}"
-                     f"{b['xla_over_planner']:8.2f}  {'fits' if b['fits'] else 'DOES NOT FIT':<13}"
-                     f"{b['trace_s']:8.1f}{b['compile_s']:10.1f}")
+        lines.append(
+            f"{label:<8}{num(m['argument'])}{num(m['temp'])}"
+            f"{num(m['output'] - m['alias'])}{num(m['peak'])} {num(b['planner']['total'])}"
+            f"{b['xla_over_planner']:8.2f}  {'fits' if b['fits'] else 'DOES NOT FIT':<13}"
+            f"{b['trace_s']:8.1f}{b['compile_s']:10.1f}"
+        )
     notes = [f"note at bucket {b['bucket']}: {b['note']}" for b in r["buckets"] if b.get("note")]
     judged = next((b for b in r["buckets"] if b["bucket"] == r["planner_bucket"]), r["buckets"][-1])
     return "\n".join(lines + notes + _inventory(judged))
 
 
 def _memory_text(r: dict) -> str:
-    out = [f"{r['model']} on {r['nodes']} {r['cluster']} node(s), {r['gpu']}: bytes per GPU",
-           "planner items (its total uses bucket " + r["planner_bucket"] + "): " + ", ".join(
-               f"{k} {r['planner_items'][k]}" for k in ALL_ITEMS)]
+    out = [
+        f"{r['model']} on {r['nodes']} {r['cluster']} node(s), {r['gpu']}: bytes per GPU",
+        "planner items (its total uses bucket "
+        + r["planner_bucket"]
+        + "): "
+        + ", ".join(f"{k} {r['planner_items'][k]}" for k in ALL_ITEMS),
+    ]
     for b in r["buckets"]:
         m = b["memory"]
-        out.append(f"bucket {b['bucket']}: XLA argument {m['argument']} output {m['output']} "
-                   f"alias {m['alias']} temp {m['temp']} code {m['code']} peak {m['peak']}; "
-                   f"planner moe_buffers {b['planner']['moe_buffers']} total "
-                   f"{b['planner']['total']}")
+        out.append(
+            f"bucket {b['bucket']}: XLA argument {m['argument']} output {m['output']} "
+            f"alias {m['alias']} temp {m['temp']} code {m['code']} peak {m['peak']}; "
+            f"planner moe_buffers {b['planner']['moe_buffers']} total "
+            f"{b['planner']['total']}"
+        )
     return "\n".join(out) + "\n"
 
 

@@ -18,8 +18,7 @@ from moe_train.compile.report import render
 __all__ = ["compile_job", "render"]
 
 
-def compile_job(job: Job, out_dir: Path, bucket: str = "",
-                dump: bool = False) -> tuple[dict, Path]:
+def compile_job(job: Job, out_dir: Path, bucket: str = "", dump: bool = False) -> tuple[dict, Path]:
     """Compile every bucket of ``job`` (or only ``bucket``: "planned" is the memory planner's);
     (the result dict, the directory written). ``dump``: XLA dumps each bucket under
     ``out_dir/xla/`` and the result says what fills its peak (``peak``)."""
@@ -31,7 +30,11 @@ def compile_job(job: Job, out_dir: Path, bucket: str = "",
     for c in lower.compile_buckets(job, cfg, devices, only, out_dir / "xla" if dump else None):
         compiled.append(c)
         records.append(report.bucket_record(job, c))
-        print(f"compiled bucket {c.bucket}: peak {report.size(c.memory.peak)} per GPU, "
-              f"trace {c.trace_s:.1f} s, XLA:GPU {c.compile_s:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"compiled bucket {c.bucket}: peak {report.size(c.memory.peak)} per GPU, "
+            f"trace {c.trace_s:.1f} s, XLA:GPU {c.compile_s:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     result = report.result(job, chosen, records, jax.__version__)
     return result, report.write(out_dir, result, compiled)

@@ -99,10 +99,10 @@ def _check_floats(value: Any, key: str) -> tuple[float, ...]:
     if isinstance(value, str):
         return checks.parse_floats(value, key)
     if isinstance(value, (list, tuple)) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    ):
         return tuple(sorted(float(v) for v in value))
-    raise ConfigError(f"{key}: expected a list of numbers such as [1.0, 1.25, 1.5, 2.0], "
-                      f"got {value!r}")
+    raise ConfigError(f"{key}: expected a list of numbers such as [1.0, 1.25, 1.5, 2.0], got {value!r}")
 
 
 def _check_type(value: Any, typ: type, key: str) -> Any:
@@ -122,8 +122,10 @@ def _section_update(section: Any, name: str, values: dict[str, Any], parse: bool
     for key, value in values.items():
         if f"{name}.{key}" in MOVED:
             new, choices = MOVED[f"{name}.{key}"]
-            raise ConfigError(f"{name}.{key} moved to {new}; set {new}=<{' | '.join(choices)}> "
-                              f"instead (e.g. {new}={choices[1]})")
+            raise ConfigError(
+                f"{name}.{key} moved to {new}; set {new}=<{' | '.join(choices)}> "
+                f"instead (e.g. {new}={choices[1]})"
+            )
         if f"{name}.{key}" in RENAMED:
             raise ConfigError(f"{name}.{key} is now {RENAMED[f'{name}.{key}']}; set that instead")
         if key not in valid:
@@ -151,8 +153,9 @@ def load_preset(name: str) -> Config:
     ``preset.toml`` of ``python -m moe_train.convert from-hf``)."""
     path = Path(name) if name.endswith(".toml") else PRESET_DIR / f"{name}.toml"
     if not path.is_file():
-        raise ConfigError(f"unknown preset {name!r}; valid presets: {', '.join(list_presets())}"
-                          f" or the path of a .toml file")
+        raise ConfigError(
+            f"unknown preset {name!r}; valid presets: {', '.join(list_presets())} or the path of a .toml file"
+        )
     return apply_tables(Config(), read_toml(path, ConfigError, what="preset "))
 
 
@@ -185,8 +188,11 @@ def merge_flags(overrides: list[str], flags: dict[str, tuple[str, str]] | None =
     list of overrides; a key given twice with different values is a ConfigError naming both."""
     flags = flags or {}
     given = [(f"{flag} {value}", key, value) for flag, (key, value) in flags.items()]
-    given += [(f"--set {item}", item.partition("=")[0].strip(), item.partition("=")[2])
-              for item in overrides if "=" in item]
+    given += [
+        (f"--set {item}", item.partition("=")[0].strip(), item.partition("=")[2])
+        for item in overrides
+        if "=" in item
+    ]
     seen: dict[str, tuple[str, str]] = {}  # key -> (how it was first given, value text)
     for how, key, value in given:
         if key in seen and not _same_value(key, seen[key][1], value):
@@ -195,8 +201,13 @@ def merge_flags(overrides: list[str], flags: dict[str, tuple[str, str]] | None =
     return [f"{key}={value}" for key, value in flags.values()] + list(overrides)
 
 
-def build(preset: str, overrides: list[str] = (), *, flags: dict[str, tuple[str, str]] | None = None,
-          **sections: dict[str, Any]) -> Config:
+def build(
+    preset: str,
+    overrides: list[str] = (),
+    *,
+    flags: dict[str, tuple[str, str]] | None = None,
+    **sections: dict[str, Any],
+) -> Config:
     """Preset + typed section overrides (from code) + textual ``--set`` overrides and
     command-line ``flags`` (flag -> (dotted key, value text)), validated.
 

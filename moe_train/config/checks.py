@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-INT32_MAX = 2 ** 31 - 1  # largest count XLA indexes with int32
+INT32_MAX = 2**31 - 1  # largest count XLA indexes with int32
 MAX_BUCKETS = 16  # capacity buckets (each compiles its own step)
-_DIVISOR_SCAN = 10 ** 6  # some_divisors tries candidates below this only (bounded time)
+_DIVISOR_SCAN = 10**6  # some_divisors tries candidates below this only (bounded time)
 
 
 class ConfigError(ValueError):
@@ -49,8 +50,10 @@ class Range:
             return f"an integer in {self.lo}..{self.hi}"
         if self.hi == math.inf:
             return f"a finite number {'>' if self.lo_open else '>='} {self.lo:g}"
-        return (f"a finite number in {'(' if self.lo_open else '['}{self.lo:g}, "
-                f"{self.hi:g}{')' if self.hi_open else ']'}")
+        return (
+            f"a finite number in {'(' if self.lo_open else '['}{self.lo:g}, "
+            f"{self.hi:g}{')' if self.hi_open else ']'}"
+        )
 
 
 def _int(lo: int, hi: int = INT32_MAX) -> Range:
@@ -66,43 +69,85 @@ def _positive() -> Range:
 
 
 RANGES: dict[str, Range] = {
-    "model.vocab_size": _int(1), "model.hidden": _int(1),
-    "model.num_layers": _int(1, 2 ** 16), "model.num_heads": _int(1), "model.num_kv_heads": _int(1),
-    "model.head_dim": _int(0), "model.rope_theta": _positive(), "model.norm_eps": _positive(),
-    "model.first_dense_layers": _int(0, 2 ** 16), "model.dense_ffn": _int(1),
+    "model.vocab_size": _int(1),
+    "model.hidden": _int(1),
+    "model.num_layers": _int(1, 2**16),
+    "model.num_heads": _int(1),
+    "model.num_kv_heads": _int(1),
+    "model.head_dim": _int(0),
+    "model.rope_theta": _positive(),
+    "model.norm_eps": _positive(),
+    "model.first_dense_layers": _int(0, 2**16),
+    "model.dense_ffn": _int(1),
     "model.attention_block": _int(0),
-    "model.q_lora_rank": _int(0), "model.kv_lora_rank": _int(1), "model.qk_nope_head_dim": _int(0),
-    "model.qk_rope_head_dim": _int(2), "model.v_head_dim": _int(1), "model.mtp_depth": _int(0, 16),
-    "model.mtp_loss_weight": _nonneg(), "model.mtp_loss_weight_late": _nonneg(),
-    "model.mtp_late_step": _int(0), "model.tied_logit_scale": _nonneg(),
-    "moe.num_experts": _int(1), "moe.top_k": _int(1), "moe.expert_ffn": _int(1),
-    "moe.num_shared_experts": _int(0), "moe.shared_ffn": _int(0), "moe.num_groups": _int(0),
-    "moe.group_top_k": _int(0), "moe.routed_scaling": _positive(), "moe.tile_rows": _int(0),
-    "moe.aux_loss_coef": _nonneg(), "moe.seq_aux_loss_coef": _nonneg(),
-    "moe.z_loss_coef": _nonneg(), "moe.bias_update_rate": _nonneg(), "moe.overlap_chunks": _int(1),
-    "moe.bucket_step_down_after": _int(1), "moe.capacity_factor": _nonneg(),
+    "model.q_lora_rank": _int(0),
+    "model.kv_lora_rank": _int(1),
+    "model.qk_nope_head_dim": _int(0),
+    "model.qk_rope_head_dim": _int(2),
+    "model.v_head_dim": _int(1),
+    "model.mtp_depth": _int(0, 16),
+    "model.mtp_loss_weight": _nonneg(),
+    "model.mtp_loss_weight_late": _nonneg(),
+    "model.mtp_late_step": _int(0),
+    "model.tied_logit_scale": _nonneg(),
+    "moe.num_experts": _int(1),
+    "moe.top_k": _int(1),
+    "moe.expert_ffn": _int(1),
+    "moe.num_shared_experts": _int(0),
+    "moe.shared_ffn": _int(0),
+    "moe.num_groups": _int(0),
+    "moe.group_top_k": _int(0),
+    "moe.routed_scaling": _positive(),
+    "moe.tile_rows": _int(0),
+    "moe.aux_loss_coef": _nonneg(),
+    "moe.seq_aux_loss_coef": _nonneg(),
+    "moe.z_loss_coef": _nonneg(),
+    "moe.bias_update_rate": _nonneg(),
+    "moe.overlap_chunks": _int(1),
+    "moe.bucket_step_down_after": _int(1),
+    "moe.capacity_factor": _nonneg(),
     "data.seed": _int(0),
-    "optim.lr": _positive(), "optim.min_lr_ratio": Range(float, 0.0, 1.0),
-    "optim.warmup_steps": _int(0), "optim.decay_steps": _int(0), "optim.weight_decay": _nonneg(),
+    "optim.lr": _positive(),
+    "optim.min_lr_ratio": Range(float, 0.0, 1.0),
+    "optim.warmup_steps": _int(0),
+    "optim.decay_steps": _int(0),
+    "optim.weight_decay": _nonneg(),
     "optim.b1": Range(float, 0.0, 1.0, hi_open=True),
     "optim.b2": Range(float, 0.0, 1.0, hi_open=True),
-    "optim.eps": _positive(), "optim.grad_clip": _nonneg(),
-    "train.steps": _int(1), "train.batch_size": _int(1), "train.seq_len": _int(1),
-    "train.seed": _int(0), "train.checkpoint_every": _int(0), "train.keep_checkpoints": _int(1),
+    "optim.eps": _positive(),
+    "optim.grad_clip": _nonneg(),
+    "train.steps": _int(1),
+    "train.batch_size": _int(1),
+    "train.seq_len": _int(1),
+    "train.seed": _int(0),
+    "train.checkpoint_every": _int(0),
+    "train.keep_checkpoints": _int(1),
     "train.checkpoint_minutes": _nonneg(),
-    "train.log_every": _int(1), "train.telemetry_interval_s": _nonneg(),
-    "train.eval_every": _int(0), "train.eval_tokens": _int(0),
-    "train.micro_batches": _int(1), "train.micro_batch_size": _int(0), "train.loss_chunk": _int(0),
+    "train.log_every": _int(1),
+    "train.telemetry_interval_s": _nonneg(),
+    "train.eval_every": _int(0),
+    "train.eval_tokens": _int(0),
+    "train.micro_batches": _int(1),
+    "train.micro_batch_size": _int(0),
+    "train.loss_chunk": _int(0),
     "train.max_nonfinite_skips": _int(1),
-    "parallel.devices": _int(0), "parallel.ep": _int(1), "parallel.dp": _int(0),
-    "parallel.domain_size": _int(0), "parallel.num_processes": _int(0),
-    "parallel.process_id": _int(-1), "parallel.init_timeout_s": _int(1),
+    "parallel.devices": _int(0),
+    "parallel.ep": _int(1),
+    "parallel.dp": _int(0),
+    "parallel.domain_size": _int(0),
+    "parallel.num_processes": _int(0),
+    "parallel.process_id": _int(-1),
+    "parallel.init_timeout_s": _int(1),
     "parallel.heartbeat_timeout_s": _int(1),
     # delayed scaling keeps this many amaxes per tensor (Transformer Engine's default is 1024);
     # beyond a margin of 16 the largest value already falls into e4m3's subnormals
-    "precision.amax_history": _int(1, 2 ** 16), "precision.margin": _int(0, 16),
-    "rope.factor": Range(float, 1.0), "rope.original_max_positions": _int(1),
-    "rope.beta_fast": _positive(), "rope.beta_slow": _positive(), "rope.mscale": _nonneg(),
+    "precision.amax_history": _int(1, 2**16),
+    "precision.margin": _int(0, 16),
+    "rope.factor": Range(float, 1.0),
+    "rope.original_max_positions": _int(1),
+    "rope.beta_fast": _positive(),
+    "rope.beta_slow": _positive(),
+    "rope.mscale": _nonneg(),
     "rope.mscale_all_dim": _nonneg(),
 }
 
@@ -127,22 +172,29 @@ def _shared_ffn(e: Any) -> int:
 # (what it is, formula in config keys, elements[, hint]); each must fit int32 indexing
 def _sizes(cfg: Any) -> list[tuple]:
     m, e, t = cfg.model, cfg.moe, cfg.train
-    hd = (m.qk_nope_head_dim + m.qk_rope_head_dim if m.attention_kind == "mla"
-          else m.head_dim or max(1, m.hidden // m.num_heads))
+    hd = (
+        m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.attention_kind == "mla"
+        else m.head_dim or max(1, m.hidden // m.num_heads)
+    )
     tokens = t.batch_size * t.seq_len
     return [
         ("tokens per step", "train.batch_size*train.seq_len", tokens),
-        ("routed token rows per step", "train.batch_size*train.seq_len*moe.top_k",
-         tokens * e.top_k),
+        ("routed token rows per step", "train.batch_size*train.seq_len*moe.top_k", tokens * e.top_k),
         ("the embedding", "model.vocab_size*model.hidden", m.vocab_size * m.hidden),
-        ("the query projection", "model.hidden*model.num_heads*head_dim",
-         m.hidden * m.num_heads * hd),
+        ("the query projection", "model.hidden*model.num_heads*head_dim", m.hidden * m.num_heads * hd),
         ("the dense MLP weight", "model.hidden*model.dense_ffn", m.hidden * m.dense_ffn),
-        ("the shared experts' weight", "model.hidden*moe.num_shared_experts*moe.shared_ffn",
-         m.hidden * e.num_shared_experts * _shared_ffn(e)),
-        ("one device's expert weight per layer",
-         "ceil(moe.num_experts/parallel.ep)*moe.expert_ffn*model.hidden",
-         -(-e.num_experts // cfg.parallel.ep) * e.expert_ffn * m.hidden, "raise parallel.ep or "),
+        (
+            "the shared experts' weight",
+            "model.hidden*moe.num_shared_experts*moe.shared_ffn",
+            m.hidden * e.num_shared_experts * _shared_ffn(e),
+        ),
+        (
+            "one device's expert weight per layer",
+            "ceil(moe.num_experts/parallel.ep)*moe.expert_ffn*model.hidden",
+            -(-e.num_experts // cfg.parallel.ep) * e.expert_ffn * m.hidden,
+            "raise parallel.ep or ",
+        ),
     ]
 
 
@@ -150,8 +202,10 @@ def check_sizes(cfg: Any) -> None:
     """No array or token count of the run beyond int32 indexing (after ``check_ranges``)."""
     for what, formula, n, *hint in _sizes(cfg):
         if n > INT32_MAX:
-            raise ConfigError(f"{formula}={n} ({what}) is too large: at most {INT32_MAX} "
-                              f"(int32 indexing); {''.join(hint)}shrink one of them")
+            raise ConfigError(
+                f"{formula}={n} ({what}) is too large: at most {INT32_MAX} "
+                f"(int32 indexing); {''.join(hint)}shrink one of them"
+            )
 
 
 BUCKETS_EXAMPLE = "1.0,1.25,1.5,2.0"  # capacity buckets as messages show them
@@ -163,8 +217,9 @@ def parse_floats(text: str, key: str) -> tuple[float, ...]:
     try:
         return tuple(sorted(float(f) for f in text.split(",") if f.strip()))
     except ValueError:
-        raise ConfigError(f"{key}={text!r}: expected comma-separated numbers such as "
-                          f"{BUCKETS_EXAMPLE}") from None
+        raise ConfigError(
+            f"{key}={text!r}: expected comma-separated numbers such as {BUCKETS_EXAMPLE}"
+        ) from None
 
 
 def check_buckets(factors: tuple[float, ...]) -> None:
@@ -175,8 +230,9 @@ def check_buckets(factors: tuple[float, ...]) -> None:
     if not all(math.isfinite(f) and f > 0 for f in factors):
         raise ConfigError(f"{key}: factors must be finite and positive, e.g. {BUCKETS_EXAMPLE}")
     if len(factors) > MAX_BUCKETS:
-        raise ConfigError(f"{key}: {len(factors)} factors; at most {MAX_BUCKETS} "
-                          f"(each compiles its own step)")
+        raise ConfigError(
+            f"{key}: {len(factors)} factors; at most {MAX_BUCKETS} (each compiles its own step)"
+        )
 
 
 def some_divisors(n: int, limit: int = 12) -> list[int]:
@@ -214,32 +270,52 @@ def check_rules(cfg: Any) -> None:
     m, e, t, p = cfg.model, cfg.moe, cfg.train, cfg.precision
     check_buckets(e.capacity_buckets)
     if t.batch_size % t.micro_batches:
-        raise ConfigError(f"train.micro_batches={t.micro_batches} must divide "
-                          f"train.batch_size={t.batch_size}; choose one of "
-                          f"[{divisors_text(t.batch_size)}]")
+        raise ConfigError(
+            f"train.micro_batches={t.micro_batches} must divide "
+            f"train.batch_size={t.batch_size}; choose one of "
+            f"[{divisors_text(t.batch_size)}]"
+        )
     if t.micro_batch_size and t.micro_batches != 1:
-        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} with train.micro_batches="
-                          f"{t.micro_batches}: set one of them (micro_batch_size >= 0)")
+        raise ConfigError(
+            f"train.micro_batch_size={t.micro_batch_size} with train.micro_batches="
+            f"{t.micro_batches}: set one of them (micro_batch_size >= 0)"
+        )
     if cfg.rope.scaling == "yarn":
-        _check_pair(cfg, "rope.beta_fast", "rope.beta_slow", operator.le, "must be larger than",
-                    " (the frequencies between them are blended)")
-    _check_pair(cfg, "moe.top_k", "moe.num_experts", operator.gt, "is larger than",
-                f"; choose top_k in 1..{e.num_experts}")
+        _check_pair(
+            cfg,
+            "rope.beta_fast",
+            "rope.beta_slow",
+            operator.le,
+            "must be larger than",
+            " (the frequencies between them are blended)",
+        )
+    _check_pair(
+        cfg,
+        "moe.top_k",
+        "moe.num_experts",
+        operator.gt,
+        "is larger than",
+        f"; choose top_k in 1..{e.num_experts}",
+    )
     if m.attention_kind == "mla":
         _check_mla(m)
     elif m.head_dim == 0 and m.hidden % m.num_heads:
-        raise ConfigError(f"model.num_heads={m.num_heads} does not divide model.hidden={m.hidden}; "
-                          f"valid num_heads: {divisors_text(m.hidden, at_most=256)} "
-                          f"(or set model.head_dim)")
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} does not divide model.hidden={m.hidden}; "
+            f"valid num_heads: {divisors_text(m.hidden, at_most=256)} "
+            f"(or set model.head_dim)"
+        )
     if m.attention_kind == "gqa":
         _check_pair(cfg, "model.num_kv_heads", "model.num_heads", _not_dividing, "does not divide")
     _check_pair(cfg, "model.first_dense_layers", "model.num_layers", operator.gt, "exceeds")
     _check_groups(cfg)
     _check_capacity(cfg)
     if p.fp8_recipe == "mxfp8" and p.fp8_backend == "xla":
-        raise ConfigError("precision.fp8_recipe=mxfp8 needs Transformer Engine (MXFP8 block "
-                          "scaling on Blackwell); with precision.fp8_backend=xla choose one of: "
-                          "delayed, current")
+        raise ConfigError(
+            "precision.fp8_recipe=mxfp8 needs Transformer Engine (MXFP8 block "
+            "scaling on Blackwell); with precision.fp8_backend=xla choose one of: "
+            "delayed, current"
+        )
     _check_data(cfg)
     if cfg.data.source == "bytes" and m.vocab_size < 256:
         raise ConfigError(f"data.source=bytes needs model.vocab_size >= 256, got {m.vocab_size}")
@@ -251,22 +327,28 @@ def _check_data(cfg: Any) -> None:
     if d.source in ("tokens", "bytes") and not d.path:
         raise ConfigError(f"data.source={d.source} needs data.path=<file>")
     if d.source == "prepared" and not d.path:
-        raise ConfigError("data.source=prepared needs data.path=<directory written by "
-                          "python -m moe_train.data prepare>")
+        raise ConfigError(
+            "data.source=prepared needs data.path=<directory written by python -m moe_train.data prepare>"
+        )
     if t.eval_every and d.source in ("tokens", "bytes"):
-        raise ConfigError(f"train.eval_every={t.eval_every} needs held-out data, which "
-                          f"data.source={d.source} has none of (every window may be trained on); "
-                          f"use data.source=prepared with a val split, or set train.eval_every=0")
+        raise ConfigError(
+            f"train.eval_every={t.eval_every} needs held-out data, which "
+            f"data.source={d.source} has none of (every window may be trained on); "
+            f"use data.source=prepared with a val split, or set train.eval_every=0"
+        )
     if d.source == "prepared" and d.packing and m.attention == "te":
-        raise ConfigError("model.attention=te does not take segment ids (packed documents, "
-                          "data.packing=true); choose one of: auto, chunked, xla, cudnn, or "
-                          "set data.packing=false")
+        raise ConfigError(
+            "model.attention=te does not take segment ids (packed documents, "
+            "data.packing=true); choose one of: auto, chunked, xla, cudnn, or "
+            "set data.packing=false"
+        )
 
 
 def _check_mla(m: Any) -> None:
     if m.qk_rope_head_dim % 2:
-        raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE "
-                          f"rotates pairs of dims), e.g. 64")
+        raise ConfigError(
+            f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs of dims), e.g. 64"
+        )
 
 
 def _check_capacity(cfg: Any) -> None:
@@ -275,19 +357,24 @@ def _check_capacity(cfg: Any) -> None:
     if not f:
         return
     if cfg.parallel.ep != 1:
-        raise ConfigError(f"moe.capacity_factor={f} (the token-dropping baseline) runs without "
-                          f"expert parallelism; set parallel.ep=1 or moe.capacity_factor=0")
+        raise ConfigError(
+            f"moe.capacity_factor={f} (the token-dropping baseline) runs without "
+            f"expert parallelism; set parallel.ep=1 or moe.capacity_factor=0"
+        )
     if cfg.precision.compute == "fp8":
-        raise ConfigError(f"moe.capacity_factor={f} (the token-dropping baseline) has no fp8 "
-                          f"path; choose precision.compute fp32 or bf16")
+        raise ConfigError(
+            f"moe.capacity_factor={f} (the token-dropping baseline) has no fp8 "
+            f"path; choose precision.compute fp32 or bf16"
+        )
 
 
 def _not_dividing(a: int, b: int) -> bool:
     return b % a != 0
 
 
-def _check_pair(cfg: Any, key: str, other: str, bad: Callable[[Any, Any], bool], verb: str,
-                hint: str = "") -> None:
+def _check_pair(
+    cfg: Any, key: str, other: str, bad: Callable[[Any, Any], bool], verb: str, hint: str = ""
+) -> None:
     """ConfigError "``key``=a ``verb`` ``other``=b``hint``" when ``bad(a, b)`` (two fields)."""
     a, b = _get(cfg, key), _get(cfg, other)
     if bad(a, b):
@@ -315,6 +402,8 @@ def check(cfg: Any) -> None:
 def micro_batch_size_error(cfg: Any, per: int, devices: int) -> ConfigError:
     """``train.micro_batch_size`` not dividing the sequences per device (config.for_devices)."""
     t = cfg.train
-    return ConfigError(f"train.micro_batch_size={t.micro_batch_size} does not divide the {per} "
-                       f"sequences per device (train.batch_size={t.batch_size} over {devices} "
-                       f"devices); choose one of [{divisors_text(per)}]")
+    return ConfigError(
+        f"train.micro_batch_size={t.micro_batch_size} does not divide the {per} "
+        f"sequences per device (train.batch_size={t.batch_size} over {devices} "
+        f"devices); choose one of [{divisors_text(per)}]"
+    )

@@ -26,10 +26,15 @@ def job_arguments(p: argparse.ArgumentParser, cluster_flag: str, cluster_help: s
     """--model, the cluster flag, --nodes, --ep and --set, as every job command takes them."""
     from moe_train import config
 
-    p.add_argument("--model", required=True,
-                   help=f"model preset: {', '.join(config.list_presets())}")
+    p.add_argument("--model", required=True, help=f"model preset: {', '.join(config.list_presets())}")
     p.add_argument(cluster_flag, required=True, help=cluster_help)
     p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default parallel.ep)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set train.remat=full (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set train.remat=full (repeatable)",
+    )

@@ -56,14 +56,17 @@ class ModelConfig:
     attention_block: int = 0  # query/key block rows of the chunked attention; 0 picks per length
     scan_layers: bool = True  # run repeated blocks under a scan (one compiled body); false: a Python loop
     attention_kind: str = "gqa"  # gqa (grouped-query: num_kv_heads, head_dim) | mla (multi-head latent attention, DeepSeek-V2/V3: the fields below)
-    q_lora_rank: int = 0  # mla: width of the query latent (V3: 1536); 0 projects queries straight from the hidden state
+    # mla: width of the query latent (V3: 1536); 0 projects queries straight from the hidden state
+    q_lora_rank: int = 0
     kv_lora_rank: int = 512  # mla: width of the shared key/value latent (V3: 512)
     qk_nope_head_dim: int = 128  # mla: per-head query/key dims without RoPE (V3: 128)
-    qk_rope_head_dim: int = 64  # mla: RoPE dims of each query head and of the one key all heads share (V3: 64); even
+    # mla: RoPE dims of each query head and of the one key all heads share (V3: 64); even
+    qk_rope_head_dim: int = 64
     v_head_dim: int = 128  # mla: per-head value width (V3: 128)
     mtp_depth: int = 0  # multi-token prediction modules (V3: 1): module k also predicts token i+k+1; 0: none
     mtp_loss_weight: float = 0.3  # weight of the depths' mean cross-entropy in the training loss (V3: 0.3 for its first 10T tokens)
-    mtp_loss_weight_late: float = 0.1  # the weight from train step mtp_late_step on (V3: 0.1 for its last 4.8T tokens)
+    # the weight from train step mtp_late_step on (V3: 0.1 for its last 4.8T tokens)
+    mtp_loss_weight_late: float = 0.1
     mtp_late_step: int = 0  # optimizer step from which mtp_loss_weight_late applies; 0: never
 
 
@@ -91,7 +94,8 @@ class MoEConfig:
     dispatcher: str = "auto"  # expert-parallel token exchange: auto | allgather | a2a | hierarchical
     overlap_chunks: int = 1  # split each rank's tokens into N chunks to overlap dispatch with GEMMs
     dispatch_dtype: str = "activation"  # rows sent to other devices: activation (their own dtype) | fp8 (e4m3 + a per-row scale: half of bf16's bytes; combine and gradients stay unquantized)
-    capacity_buckets: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # exchange buffers x balanced load; then worst
+    # exchange buffers x balanced load; then worst
+    capacity_buckets: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
     bucket_step_down_after: int = 20  # steps of lower load before using the next smaller bucket
     capacity_factor: float = 0.0  # > 0: the GShard-style baseline for studies: each expert takes at most factor x the balanced share of the batch's assignments and drops the rest (dropped_tokens counts them); 0: dropless (this kit's path)
 
@@ -101,7 +105,8 @@ class DataConfig:
     """Where the training tokens come from."""
 
     source: str = "synthetic"  # synthetic | tokens (pre-tokenised file) | bytes (UTF-8 text) | prepared (a directory of python -m moe_train.data prepare)
-    path: str = ""  # file for tokens/bytes, directory for prepared; relative paths resolve from the working directory
+    # file for tokens/bytes, directory for prepared; relative paths resolve from the working directory
+    path: str = ""
     token_dtype: str = "uint16"  # element type of a tokens file: uint16 | uint32
     seed: int = 0  # seed of the batch order (and of the synthetic generator)
     packing: bool = True  # prepared: documents packed into rows with segment ids; positions restart per document; attention never crosses documents; the first token of a document is not predicted from the previous one (false: plain rows that cross documents); other sources have no documents
@@ -130,7 +135,8 @@ class TrainConfig:
     batch_size: int = 8  # global batch in sequences
     seq_len: int = 64  # tokens per sequence
     seed: int = 0  # parameter initialisation seed
-    checkpoint_every: int = 0  # save every N steps; 0: off (saves still happen at the end, on signals and by checkpoint_minutes)
+    # save every N steps; 0: off (saves still happen at the end, on signals and by checkpoint_minutes)
+    checkpoint_every: int = 0
     checkpoint_minutes: float = 30.0  # also save once this much wall time passed since the last save (or the start), agreed by every process; 0: off
     keep_checkpoints: int = 3  # keep the last N checkpoints
     async_checkpoint: bool = True  # write periodic checkpoints in the background
@@ -139,13 +145,16 @@ class TrainConfig:
     eval_tokens: int = 0  # held-out tokens per evaluation, rounded up to whole batches of batch_size sequences (a smaller val split is used whole); 0: 64 sequences
     telemetry_interval_s: float = 1.0  # seconds between GPU/host samples to <out>/telemetry/; 0 disables
     remat: str = "none"  # activation checkpointing per block: none | full | matmuls | moe
-    micro_batches: int = 1  # gradient accumulation: run each step's batch as N micro-batches (activations / N)
-    micro_batch_size: int = 0  # instead of micro_batches: sequences per device in one micro-batch (any job size); 0: off
+    # gradient accumulation: run each step's batch as N micro-batches (activations / N)
+    micro_batches: int = 1
+    # instead of micro_batches: sequences per device in one micro-batch (any job size); 0: off
+    micro_batch_size: int = 0
     loss_chunk: int = 0  # tokens per device in one cross-entropy chunk (the [T, V] logits never exist whole); 0 picks from the vocab
     skip_selftest: bool = False  # do not check the chosen GPU kernels against a reference before training
     init_from: str = ""  # start a new run from these weights (a converted checkpoint, a run or one step): fresh optimizer, step 0; "": random init
     on_nonfinite: str = "stop"  # a step whose loss, gradients or updated state is NaN/inf: stop (exit 3, nothing saved past the last good checkpoint) | skip (drop that update, count it, go on)
-    max_nonfinite_skips: int = 10  # with on_nonfinite=skip: stop (exit 3) after this many consecutive skipped steps
+    # with on_nonfinite=skip: stop (exit 3) after this many consecutive skipped steps
+    max_nonfinite_skips: int = 10
     tensorboard: bool = True  # write OUT/tensorboard/ event files (every scalar of metrics.jsonl); false: off
     wandb_project: str = ""  # Weights & Biases project (offline unless WANDB_MODE says otherwise); "": off
 
@@ -158,7 +167,8 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel size: experts are split over groups of this many devices
     dp: int = 0  # data-parallel (FSDP) size; 0 means devices // ep
     weight_gather: str = "micro_batch"  # FSDP gathers over data: micro_batch (per micro-batch, least memory) | step (once per step)
-    domain_size: int = 0  # force fast-link domains of this many devices (fake domains on CPU); 0: discover them
+    # force fast-link domains of this many devices (fake domains on CPU); 0: discover them
+    domain_size: int = 0
     cluster: str = ""  # cluster preset name or site .toml: peak FLOP/s for MFU, topology checks; "": none
     allow_straddle: bool = False  # allow EP groups across NVLink domains when they cannot fit inside one
     coordinator: str = ""  # host:port of process 0; empty: from Slurm, else single-process
@@ -210,14 +220,24 @@ class Config:
 # str fields with a fixed set of values (free text: data.path, parallel.cluster,
 # parallel.coordinator, train.wandb_project, train.init_from)
 CHOICES: dict[str, tuple[str, ...]] = {
-    "moe.score_function": SCORE_FUNCTIONS, "moe.backend": BACKENDS, "moe.dispatcher": DISPATCHERS,
-    "moe.dispatch_dtype": DISPATCH_DTYPES, "moe.router": ROUTERS,
-    "data.source": DATA_SOURCES, "data.token_dtype": TOKEN_DTYPES, "model.param_dtype": DTYPES,
-    "model.attention": ATTENTION, "model.attention_kind": ATTENTION_KINDS,
-    "train.remat": REMAT_POLICIES, "parallel.weight_gather": WEIGHT_GATHERS,
-    "train.on_nonfinite": ON_NONFINITE, "precision.compute": COMPUTE,
-    "precision.fp8_recipe": FP8_RECIPES, "precision.fp8_backend": FP8_BACKENDS,
-    "rope.layout": ROPE_LAYOUTS, "rope.scaling": ROPE_SCALINGS,
+    "moe.score_function": SCORE_FUNCTIONS,
+    "moe.backend": BACKENDS,
+    "moe.dispatcher": DISPATCHERS,
+    "moe.dispatch_dtype": DISPATCH_DTYPES,
+    "moe.router": ROUTERS,
+    "data.source": DATA_SOURCES,
+    "data.token_dtype": TOKEN_DTYPES,
+    "model.param_dtype": DTYPES,
+    "model.attention": ATTENTION,
+    "model.attention_kind": ATTENTION_KINDS,
+    "train.remat": REMAT_POLICIES,
+    "parallel.weight_gather": WEIGHT_GATHERS,
+    "train.on_nonfinite": ON_NONFINITE,
+    "precision.compute": COMPUTE,
+    "precision.fp8_recipe": FP8_RECIPES,
+    "precision.fp8_backend": FP8_BACKENDS,
+    "rope.layout": ROPE_LAYOUTS,
+    "rope.scaling": ROPE_SCALINGS,
 }
 
 

@@ -20,27 +20,39 @@ from moe_train.train import signals
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_train.convert",
-                                description="Convert checkpoints between Hugging Face and the kit.")
+    p = argparse.ArgumentParser(
+        prog="python -m moe_train.convert",
+        description="Convert checkpoints between Hugging Face and the kit.",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     a = sub.add_parser("from-hf", help="a Hugging Face checkpoint -> preset.toml + orbax weights")
     a.add_argument("hf_dir", metavar="HF_DIR", help="config.json and *.safetensors")
     a.add_argument("out", metavar="OUT", help="new (or empty) output directory")
-    a.add_argument("--workers", type=int, default=1,
-                   help="processes that split the layers between them (each holds about one "
-                        "layer in memory; default 1)")
+    a.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes that split the layers between them (each holds about one layer in memory; default 1)",
+    )
     b = sub.add_parser("to-hf", help="kit weights -> a Hugging Face checkpoint directory")
     b.add_argument("ckpt", metavar="CKPT", help="a converted checkpoint, a run directory or a step")
     b.add_argument("out", metavar="HF_OUT", help="new (or empty) output directory")
-    b.add_argument("--dtype", default=None, choices=("bf16", "fp32"),
-                   help="cast every tensor to this dtype (default: keep each as stored: the "
-                        "run's model.param_dtype, a converted source's own; bf16 rounds an "
-                        "fp32 run's weights: per token, logits move by about 3e-3 of the "
-                        "token's largest logit (median; 6e-3 worst) on the test models, more "
-                        "where a token's expert choice flips)")
-    b.add_argument("--trust-unverified", action="store_true",
-                   help="export a run's checkpoint that has no manifest (unverified: saved "
-                        "before manifests existed); refused otherwise")
+    b.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bf16", "fp32"),
+        help="cast every tensor to this dtype (default: keep each as stored: the "
+        "run's model.param_dtype, a converted source's own; bf16 rounds an "
+        "fp32 run's weights: per token, logits move by about 3e-3 of the "
+        "token's largest logit (median; 6e-3 worst) on the test models, more "
+        "where a token's expert choice flips)",
+    )
+    b.add_argument(
+        "--trust-unverified",
+        action="store_true",
+        help="export a run's checkpoint that has no manifest (unverified: saved "
+        "before manifests existed); refused otherwise",
+    )
     return p
 
 
@@ -72,9 +84,14 @@ def _in_output(err: OSError, out: str) -> bool:
     if not err.filename:
         return True  # e.g. no space left while writing
     target, path = Path(out).absolute(), Path(os.fsdecode(err.filename)).absolute()
-    return (path == target or target in path.parents
-            or any(p.parent == target.parent and p.name.startswith(f".{target.name}.partial-")
-                   for p in (path, *path.parents)))
+    return (
+        path == target
+        or target in path.parents
+        or any(
+            p.parent == target.parent and p.name.startswith(f".{target.name}.partial-")
+            for p in (path, *path.parents)
+        )
+    )
 
 
 if __name__ == "__main__":

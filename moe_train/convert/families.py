@@ -35,11 +35,14 @@ class Family:
     expert_names: tuple[str, str, str]  # gate (wi_0), up (wi_1), down (wo) of one expert
 
 
-FAMILIES = {f.name: f for f in (
-    Family("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
-    Family("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
-)}
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    )
+}
 
 
 def family_of(hf: dict) -> Family:
@@ -50,9 +53,11 @@ def family_of(hf: dict) -> Family:
     for fam in FAMILIES.values():
         if fam.architecture in (hf.get("architectures") or []):
             return fam
-    raise ConfigError(f"config.json: model_type={kind!r} (architectures "
-                      f"{hf.get('architectures')}) is not supported; supported: "
-                      f"{', '.join(f'{f.name} ({f.architecture})' for f in FAMILIES.values())}")
+    raise ConfigError(
+        f"config.json: model_type={kind!r} (architectures "
+        f"{hf.get('architectures')}) is not supported; supported: "
+        f"{', '.join(f'{f.name} ({f.architecture})' for f in FAMILIES.values())}"
+    )
 
 
 def _rope(hf: dict) -> dict:
@@ -86,10 +91,13 @@ def kit_tables(fam: Family, hf: dict, *, mtp: bool) -> tuple[dict, dict]:
             raise ConfigError(f"config.json: {key.split('|')[0]} is missing (needed for {dotted})")
         put(dotted, cast(value), present[0] if present else f"{key.split('|')[0]} (default)")
 
-    for key, hf_key, cast in (("vocab_size", "vocab_size", int), ("hidden", "hidden_size", int),
-                              ("num_layers", "num_hidden_layers", int),
-                              ("num_heads", "num_attention_heads", int),
-                              ("norm_eps", "rms_norm_eps", float)):
+    for key, hf_key, cast in (
+        ("vocab_size", "vocab_size", int),
+        ("hidden", "hidden_size", int),
+        ("num_layers", "num_hidden_layers", int),
+        ("num_heads", "num_attention_heads", int),
+        ("norm_eps", "rms_norm_eps", float),
+    ):
         take(f"model.{key}", hf_key, cast)
     tied = bool(hf.get("tie_word_embeddings", False))
     put("model.tie_embeddings", tied, "tie_word_embeddings")
@@ -100,18 +108,25 @@ def kit_tables(fam: Family, hf: dict, *, mtp: bool) -> tuple[dict, dict]:
     if rope["rope_type"] == "yarn":
         _yarn(rope, put)
     if hf.get("max_position_embeddings"):
-        put("train.seq_len", min(int(hf["max_position_embeddings"]), 4096),
-            "max_position_embeddings (at most 4096)")
+        put(
+            "train.seq_len",
+            min(int(hf["max_position_embeddings"]), 4096),
+            "max_position_embeddings (at most 4096)",
+        )
     {"mixtral": _mixtral, "qwen3_moe": _qwen3, "deepseek_v3": _deepseek}[fam.name](hf, take, put, mtp)
     return {k: v for k, v in t.items() if v}, src
 
 
 def _yarn(rope: dict, put) -> None:
     put("rope.scaling", "yarn", "rope_scaling.type")
-    for kit, key, cast in (("factor", "factor", float),
-                           ("original_max_positions", "original_max_position_embeddings", int),
-                           ("beta_fast", "beta_fast", float), ("beta_slow", "beta_slow", float),
-                           ("mscale", "mscale", float), ("mscale_all_dim", "mscale_all_dim", float)):
+    for kit, key, cast in (
+        ("factor", "factor", float),
+        ("original_max_positions", "original_max_position_embeddings", int),
+        ("beta_fast", "beta_fast", float),
+        ("beta_slow", "beta_slow", float),
+        ("mscale", "mscale", float),
+        ("mscale_all_dim", "mscale_all_dim", float),
+    ):
         if rope.get(key) is not None:
             put(f"rope.{kit}", cast(rope[key]), f"rope_scaling.{key}")
 
@@ -124,8 +139,11 @@ def _gqa(hf: dict, take, put) -> None:
 
 def _balance(hf: dict, put, top_k: int) -> None:
     coef = float(hf.get("router_aux_loss_coef") or 0.0)
-    put("moe.aux_loss_coef", coef * top_k, "router_aux_loss_coef x num_experts_per_tok "
-        "(transformers' balance loss is top_k times the kit's)")
+    put(
+        "moe.aux_loss_coef",
+        coef * top_k,
+        "router_aux_loss_coef x num_experts_per_tok (transformers' balance loss is top_k times the kit's)",
+    )
 
 
 def _experts(take, num_key: str, ffn_key: str) -> None:
@@ -163,9 +181,11 @@ def _qwen3_dense_layers(hf: dict) -> int:
     step, only = int(hf.get("decoder_sparse_step") or 1), hf.get("mlp_only_layers") or []
     dense = [i for i in range(int(hf["num_hidden_layers"])) if i in only or (i + 1) % step]
     if dense != list(range(len(dense))):
-        raise ConfigError(f"config.json: mlp_only_layers={only!r} with decoder_sparse_step={step} "
-                          f"makes layers {dense} dense; the kit supports dense layers only as "
-                          "the first ones (mlp_only_layers=[0, ..., k-1], decoder_sparse_step=1)")
+        raise ConfigError(
+            f"config.json: mlp_only_layers={only!r} with decoder_sparse_step={step} "
+            f"makes layers {dense} dense; the kit supports dense layers only as "
+            "the first ones (mlp_only_layers=[0, ..., k-1], decoder_sparse_step=1)"
+        )
     return len(dense)
 
 
@@ -175,8 +195,7 @@ def _deepseek(hf: dict, take, put, mtp: bool) -> None:
     put("model.q_lora_rank", int(hf.get("q_lora_rank") or 0), "q_lora_rank")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         take(f"model.{key}", key, int)
-    put("rope.layout", "interleaved" if hf.get("rope_interleave", True) else "half",
-        "rope_interleave")
+    put("rope.layout", "interleaved" if hf.get("rope_interleave", True) else "half", "rope_interleave")
     take("model.first_dense_layers", "first_k_dense_replace", int, 0)
     take("model.dense_ffn", "intermediate_size", int)
     _experts(take, "n_routed_experts|num_local_experts", "moe_intermediate_size")
@@ -198,31 +217,42 @@ def _deepseek(hf: dict, take, put, mtp: bool) -> None:
 
 # ----------------------------------------------------------------------------- kit -> HF
 
+
 def family_for(cfg: Config) -> Family:
     """The family a kit config can be exported as; ConfigError naming what fits none."""
     m, e = cfg.model, cfg.moe
     if m.attention_kind == "mla":
         if e.shared_ffn not in (0, e.expert_ffn) and e.num_shared_experts:
-            raise ConfigError(f"to-hf: moe.shared_ffn={e.shared_ffn} differs from moe.expert_ffn="
-                              f"{e.expert_ffn}; deepseek_v3's shared experts have the routed width")
+            raise ConfigError(
+                f"to-hf: moe.shared_ffn={e.shared_ffn} differs from moe.expert_ffn="
+                f"{e.expert_ffn}; deepseek_v3's shared experts have the routed width"
+            )
         if e.score_function != "sigmoid":
-            raise ConfigError(f"to-hf: moe.score_function={e.score_function!r}: transformers' "
-                              "deepseek_v3 routes with sigmoid only")
+            raise ConfigError(
+                f"to-hf: moe.score_function={e.score_function!r}: transformers' "
+                "deepseek_v3 routes with sigmoid only"
+            )
         return FAMILIES["deepseek_v3"]
     if m.mtp_depth or e.num_shared_experts or e.score_function != "softmax":
-        raise ConfigError("to-hf: a GQA model with shared experts, MTP or sigmoid routing "
-                          "matches no supported family (mixtral, qwen3_moe; deepseek_v3 needs "
-                          "model.attention_kind=mla)")
+        raise ConfigError(
+            "to-hf: a GQA model with shared experts, MTP or sigmoid routing "
+            "matches no supported family (mixtral, qwen3_moe; deepseek_v3 needs "
+            "model.attention_kind=mla)"
+        )
     if e.num_groups:
         raise ConfigError("to-hf: moe.num_groups (group-limited routing) needs deepseek_v3")
     if m.qk_norm:
         return FAMILIES["qwen3_moe"]
     if m.first_dense_layers:
-        raise ConfigError("to-hf: mixtral has no dense layers; model.first_dense_layers needs "
-                          "model.qk_norm=true (qwen3_moe: mlp_only_layers) or deepseek_v3")
+        raise ConfigError(
+            "to-hf: mixtral has no dense layers; model.first_dense_layers needs "
+            "model.qk_norm=true (qwen3_moe: mlp_only_layers) or deepseek_v3"
+        )
     if not e.normalize_top_k:
-        raise ConfigError("to-hf: mixtral renormalises the top-k weights; set "
-                          "model.qk_norm=true (qwen3_moe) or moe.normalize_top_k=true")
+        raise ConfigError(
+            "to-hf: mixtral renormalises the top-k weights; set "
+            "model.qk_norm=true (qwen3_moe) or moe.normalize_top_k=true"
+        )
     return FAMILIES["mixtral"]
 
 
@@ -230,33 +260,53 @@ def hf_config(fam: Family, cfg: Config, dtype: str) -> dict:
     """``config.json`` for ``cfg`` as ``fam`` (``dtype``: "bfloat16" or "float32")."""
     m, e, r = cfg.model, cfg.moe, cfg.rope
     hf: dict[str, Any] = {
-        "architectures": [fam.architecture], "model_type": fam.name, "torch_dtype": dtype,
-        "vocab_size": m.vocab_size, "hidden_size": m.hidden, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads, "rms_norm_eps": m.norm_eps,
-        "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu",
-        "max_position_embeddings": max(cfg.train.seq_len, 4096), "rope_theta": m.rope_theta,
+        "architectures": [fam.architecture],
+        "model_type": fam.name,
+        "torch_dtype": dtype,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings,
+        "hidden_act": "silu",
+        "max_position_embeddings": max(cfg.train.seq_len, 4096),
+        "rope_theta": m.rope_theta,
         "num_experts_per_tok": e.top_k,
     }
     if fam.name != "mixtral":  # Mixtral's config has no such field
         hf["attention_bias"] = False
     if r.scaling == "yarn":
-        hf["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": r.factor,
-                              "original_max_position_embeddings": r.original_max_positions,
-                              "beta_fast": r.beta_fast, "beta_slow": r.beta_slow,
-                              "mscale": r.mscale, "mscale_all_dim": r.mscale_all_dim}
+        hf["rope_scaling"] = {
+            "type": "yarn",
+            "rope_type": "yarn",
+            "factor": r.factor,
+            "original_max_position_embeddings": r.original_max_positions,
+            "beta_fast": r.beta_fast,
+            "beta_slow": r.beta_slow,
+            "mscale": r.mscale,
+            "mscale_all_dim": r.mscale_all_dim,
+        }
     if fam.name != "deepseek_v3":
-        hf.update(num_key_value_heads=m.num_kv_heads, router_aux_loss_coef=e.aux_loss_coef / e.top_k,
-                  output_router_logits=False)
+        hf.update(
+            num_key_value_heads=m.num_kv_heads,
+            router_aux_loss_coef=e.aux_loss_coef / e.top_k,
+            output_router_logits=False,
+        )
         if m.head_dim:
             hf["head_dim"] = m.head_dim
     if fam.name == "mixtral":
-        hf.update(num_local_experts=e.num_experts, intermediate_size=e.expert_ffn,
-                  sliding_window=None)
+        hf.update(num_local_experts=e.num_experts, intermediate_size=e.expert_ffn, sliding_window=None)
     elif fam.name == "qwen3_moe":
-        hf.update(num_experts=e.num_experts, moe_intermediate_size=e.expert_ffn,
-                  norm_topk_prob=e.normalize_top_k, decoder_sparse_step=1,
-                  mlp_only_layers=list(range(m.first_dense_layers)), use_sliding_window=False,
-                  head_dim=m.head_dim or m.hidden // m.num_heads)
+        hf.update(
+            num_experts=e.num_experts,
+            moe_intermediate_size=e.expert_ffn,
+            norm_topk_prob=e.normalize_top_k,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(range(m.first_dense_layers)),
+            use_sliding_window=False,
+            head_dim=m.head_dim or m.hidden // m.num_heads,
+        )
         if m.first_dense_layers:
             hf["intermediate_size"] = m.dense_ffn
     else:
@@ -267,14 +317,26 @@ def hf_config(fam: Family, cfg: Config, dtype: str) -> dict:
 def _deepseek_hf(cfg: Config) -> dict:
     m, e = cfg.model, cfg.moe
     return dict(
-        num_key_value_heads=m.num_heads, q_lora_rank=m.q_lora_rank or None,
-        kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
-        qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+        num_key_value_heads=m.num_heads,
+        q_lora_rank=m.q_lora_rank or None,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
         qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim,
-        rope_interleave=cfg.rope.layout == "interleaved", first_k_dense_replace=m.first_dense_layers,
-        intermediate_size=m.dense_ffn, n_routed_experts=e.num_experts,
-        moe_intermediate_size=e.expert_ffn, n_shared_experts=e.num_shared_experts,
-        scoring_func=e.score_function, norm_topk_prob=e.normalize_top_k,
-        n_group=e.num_groups or 1, topk_group=e.group_top_k or 1,
-        routed_scaling_factor=e.routed_scaling, topk_method="noaux_tc",
-        num_nextn_predict_layers=m.mtp_depth, aux_loss_alpha=e.seq_aux_loss_coef, seq_aux=True)
+        rope_interleave=cfg.rope.layout == "interleaved",
+        first_k_dense_replace=m.first_dense_layers,
+        intermediate_size=m.dense_ffn,
+        n_routed_experts=e.num_experts,
+        moe_intermediate_size=e.expert_ffn,
+        n_shared_experts=e.num_shared_experts,
+        scoring_func=e.score_function,
+        norm_topk_prob=e.normalize_top_k,
+        n_group=e.num_groups or 1,
+        topk_group=e.group_top_k or 1,
+        routed_scaling_factor=e.routed_scaling,
+        topk_method="noaux_tc",
+        num_nextn_predict_layers=m.mtp_depth,
+        aux_loss_alpha=e.seq_aux_loss_coef,
+        seq_aux=True,
+    )

@@ -31,9 +31,9 @@ import multiprocessing
 import os
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -98,12 +98,15 @@ def _check_tensors(ckpt: HFCheckpoint, ents: list[Entry], cfg: Config) -> None:
         for name, want in zip(e.hf, e.hf_shapes()):
             got = ckpt.shape(name)  # ConfigError when missing
             if got != tuple(want):
-                raise ConfigError(f"{ckpt.dir}: tensor {name} has shape {list(got)}, "
-                                  f"the config needs {list(want)}")
+                raise ConfigError(
+                    f"{ckpt.dir}: tensor {name} has shape {list(got)}, the config needs {list(want)}"
+                )
     unused = sorted(n for n in ckpt.names() - used if not IGNORED.fullmatch(n))
     if unused:
-        raise ConfigError(f"{ckpt.dir}: tensor {unused[0]} is not used by the converted "
-                          f"model ({first_few(unused[1:], 2)}); unsupported feature?")
+        raise ConfigError(
+            f"{ckpt.dir}: tensor {unused[0]} is not used by the converted "
+            f"model ({first_few(unused[1:], 2)}); unsupported feature?"
+        )
 
 
 def _dtype_of(ckpt: HFCheckpoint, e: Entry):
@@ -125,10 +128,15 @@ def _read(ckpt: HFCheckpoint, name: str, dtype: np.dtype) -> np.ndarray:
         x = source.astype(dtype)
     bad = x.size - int(np.count_nonzero(np.isfinite(x)))
     if bad:
-        what = ("non-finite (NaN or inf)" if not np.isfinite(source).all()
-                else f"beyond the range of {dtype.name}")
-        raise ConfigError(f"{ckpt.files[name]}: tensor {name} has {bad:,} of {x.size:,} values "
-                          f"{what}; the weights are damaged, refusing to convert them")
+        what = (
+            "non-finite (NaN or inf)"
+            if not np.isfinite(source).all()
+            else f"beyond the range of {dtype.name}"
+        )
+        raise ConfigError(
+            f"{ckpt.files[name]}: tensor {name} has {bad:,} of {x.size:,} values "
+            f"{what}; the weights are damaged, refusing to convert them"
+        )
     return x
 
 
@@ -166,8 +174,11 @@ def _nest(pairs: list[tuple[tuple[str, ...], np.ndarray]]) -> dict:
 
 def preset_text(hf_dir: Path, fam: Family, tables: dict, sources: dict) -> str:
     """``preset.toml``: the kit's config of the model, each value with its HF key."""
-    lines = [f"# {fam.architecture} converted from {hf_dir} by python -m moe_train.convert "
-             "from-hf.", "# Each value names the config.json key it came from.", ""]
+    lines = [
+        f"# {fam.architecture} converted from {hf_dir} by python -m moe_train.convert from-hf.",
+        "# Each value names the config.json key it came from.",
+        "",
+    ]
     for section in SECTIONS:
         if section not in tables:
             continue
@@ -195,8 +206,9 @@ def convert_parts(hf_dir: str, tmp: str, names: list[str]) -> None:
     arrays.mkdir()
     try:
         for part in names:
-            tree = _nest([(e.kit, _assemble(ckpt, e, arrays / f"{i}.bin"))
-                          for i, e in enumerate(groups[part])])
+            tree = _nest(
+                [(e.kit, _assemble(ckpt, e, arrays / f"{i}.bin")) for i, e in enumerate(groups[part])]
+            )
             _save(Path(tmp) / WEIGHTS / part, tree)
             del tree
             for f in arrays.iterdir():
@@ -238,8 +250,9 @@ def _convert(hf_dir: Path, tmp: Path, names: list[str], workers: int) -> None:
             done.result()  # re-raises a worker's ConfigError or OSError here
 
 
-def from_hf(hf_dir: str | Path, out: str | Path, log: Callable[[str], None] = print,
-            workers: int = 1) -> Path:
+def from_hf(
+    hf_dir: str | Path, out: str | Path, log: Callable[[str], None] = print, workers: int = 1
+) -> Path:
     """Convert ``hf_dir`` into ``out`` (which must not exist or be empty), the layers split
     over ``workers`` processes (each holds about one layer)."""
     hf_dir, out = Path(hf_dir), Path(out)
@@ -250,9 +263,20 @@ def from_hf(hf_dir: str | Path, out: str | Path, log: Callable[[str], None] = pr
     with new_directory(out, "OUT") as tmp:
         _convert(hf_dir, tmp, list(_by_part(ents)), workers)
         (tmp / PRESET).write_text(preset_text(hf_dir, fam, tables, sources))
-        (tmp / "convert.json").write_text(json.dumps(
-            {"source": str(hf_dir.absolute()), "family": fam.name,
-             "architecture": fam.architecture, "hf_config": hf}, indent=2) + "\n")
-    log(f"converted {fam.architecture} ({len(ents)} tensors) from {hf_dir} into {out}"
-        f"{f' with {workers} processes' if workers > 1 else ''}")
+        (tmp / "convert.json").write_text(
+            json.dumps(
+                {
+                    "source": str(hf_dir.absolute()),
+                    "family": fam.name,
+                    "architecture": fam.architecture,
+                    "hf_config": hf,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    log(
+        f"converted {fam.architecture} ({len(ents)} tensors) from {hf_dir} into {out}"
+        f"{f' with {workers} processes' if workers > 1 else ''}"
+    )
     return out

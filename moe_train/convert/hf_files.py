@@ -22,8 +22,8 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -43,8 +43,9 @@ def read_config(hf_dir: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: not found (a Hugging Face checkpoint directory has "
-                          "config.json and *.safetensors)") from None
+        raise ConfigError(
+            f"{path}: not found (a Hugging Face checkpoint directory has config.json and *.safetensors)"
+        ) from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: not valid JSON ({err})") from None
 
@@ -62,12 +63,16 @@ def _header(path: Path) -> tuple[dict, int]:
             raise ConfigError(f"{path}: not a safetensors file (bad header)") from None
     if not isinstance(header, dict):
         raise ConfigError(f"{path}: not a safetensors file (bad header)")
-    ends = [e["data_offsets"][1] for k, e in header.items()
-            if k != "__metadata__" and isinstance(e, dict) and len(e.get("data_offsets", ())) == 2]
+    ends = [
+        e["data_offsets"][1]
+        for k, e in header.items()
+        if k != "__metadata__" and isinstance(e, dict) and len(e.get("data_offsets", ())) == 2
+    ]
     size, need = path.stat().st_size, 8 + n + max(ends, default=0)
     if size < need:  # an interrupted download or copy
-        raise ConfigError(f"{path}: truncated: its header needs {need:,} bytes, the file has "
-                          f"{size:,}; download it again")
+        raise ConfigError(
+            f"{path}: truncated: its header needs {need:,} bytes, the file has {size:,}; download it again"
+        )
     return header, 8 + n
 
 
@@ -97,8 +102,7 @@ class HFCheckpoint:
     def _header_of(self, shard: Path) -> tuple[dict, int]:
         if shard not in self.headers:
             if not shard.is_file():
-                why = f"named by {INDEX} but missing" if (self.dir / INDEX).is_file() else \
-                    "not a file"
+                why = f"named by {INDEX} but missing" if (self.dir / INDEX).is_file() else "not a file"
                 raise ConfigError(f"{shard}: {why}")
             self.headers[shard] = _header(shard)
         return self.headers[shard]
@@ -114,8 +118,7 @@ class HFCheckpoint:
             raise ConfigError(f"{self.dir}: tensor {name} is missing")
         header, _ = self._header_of(self.files[name])
         if name not in header:
-            raise ConfigError(f"{self.files[name]}: tensor {name} is missing (the index names "
-                              "this file)")
+            raise ConfigError(f"{self.files[name]}: tensor {name} is missing (the index names this file)")
         return header[name]
 
     def raw(self, name: str) -> np.ndarray:
@@ -140,21 +143,21 @@ class HFCheckpoint:
         return dequantize(w, scales.astype(np.float32), self.block, name)
 
 
-def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
-               name: str) -> np.ndarray:
+def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str) -> np.ndarray:
     """fp32 ``w * scale_inv`` where ``scale_inv[i, j]`` covers the block rows
     ``i*b0:(i+1)*b0``, columns ``j*b1:(j+1)*b1`` (the last blocks may be partial)."""
     rows, cols = w.shape
     want = (-(-rows // block[0]), -(-cols // block[1]))
     if scale_inv.shape != want:
-        raise ConfigError(f"{name}{SCALE_SUFFIX}: shape {scale_inv.shape}, expected {want} "
-                          f"for a {w.shape} weight in {block[0]}x{block[1]} blocks")
+        raise ConfigError(
+            f"{name}{SCALE_SUFFIX}: shape {scale_inv.shape}, expected {want} "
+            f"for a {w.shape} weight in {block[0]}x{block[1]} blocks"
+        )
     full = np.repeat(np.repeat(scale_inv, block[0], axis=0), block[1], axis=1)[:rows, :cols]
     return w.astype(np.float32) * full
 
 
-def write_shards(out_dir: Path, tensors: Iterable[tuple[str, np.ndarray]],
-                 max_bytes: int) -> dict:
+def write_shards(out_dir: Path, tensors: Iterable[tuple[str, np.ndarray]], max_bytes: int) -> dict:
     """Write ``(name, array)`` pairs into shards of at most ``max_bytes`` (one tensor larger
     than that gets a shard of its own) and the index; returns the index. One shard is in
     memory at a time: each is written as soon as it is full, under a temporary name, and
@@ -171,8 +174,7 @@ def write_shards(out_dir: Path, tensors: Iterable[tuple[str, np.ndarray]],
         final = f"model-{i:05d}-of-{len(written):05d}.safetensors"
         tmp.rename(out_dir / final)
         weight_map.update({name: final for name in names})
-    index = {"metadata": {"total_size": sum(sizes.values())},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return index
 

@@ -20,13 +20,14 @@ import argparse
 import dataclasses
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_train.config import ConfigError
 from moe_train.convert import weights
@@ -47,13 +48,16 @@ def load_ids(path: str, vocab: int) -> np.ndarray:
     if not isinstance(ids, np.ndarray):
         ids.close()
         raise ConfigError(f"--tokens {path}: expected one .npy array, got an .npz archive")
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[0] < 1 \
-            or ids.shape[1] < 2:
-        raise ConfigError(f"--tokens {path}: expected integer ids [B, S] with B >= 1 and S >= 2, "
-                          f"got {ids.dtype} {list(ids.shape)}")
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[0] < 1 or ids.shape[1] < 2:
+        raise ConfigError(
+            f"--tokens {path}: expected integer ids [B, S] with B >= 1 and S >= 2, "
+            f"got {ids.dtype} {list(ids.shape)}"
+        )
     if ids.min() < 0 or ids.max() >= vocab:
-        raise ConfigError(f"--tokens {path}: ids must be in [0, {vocab}) (the model's "
-                          f"vocabulary), got {ids.min()}..{ids.max()}")
+        raise ConfigError(
+            f"--tokens {path}: ids must be in [0, {vocab}) (the model's "
+            f"vocabulary), got {ids.min()}..{ids.max()}"
+        )
     return ids.astype(np.int32)
 
 
@@ -61,13 +65,21 @@ def pick_devices(n: int) -> list[jax.Device]:
     """The first ``n`` devices (0: all); ConfigError for a count this machine does not have."""
     available = jax.devices()
     if not 0 <= n <= len(available):
-        raise ConfigError(f"--devices {n}: choose 1..{len(available)} (0 or none: all "
-                          f"{len(available)} {available[0].platform} device(s))")
-    return available[:n or None]
+        raise ConfigError(
+            f"--devices {n}: choose 1..{len(available)} (0 or none: all "
+            f"{len(available)} {available[0].platform} device(s))"
+        )
+    return available[: n or None]
 
 
-def score(ckpt: str, ids: np.ndarray | None = None, *, tokens: str | None = None,
-          devices: int = 0, trust_unverified: bool = False) -> tuple[float, np.ndarray]:
+def score(
+    ckpt: str,
+    ids: np.ndarray | None = None,
+    *,
+    tokens: str | None = None,
+    devices: int = 0,
+    trust_unverified: bool = False,
+) -> tuple[float, np.ndarray]:
     """(mean next-token loss, fp32 logits [B, S, V]) of the weights at ``ckpt`` (a step
     without a manifest is refused unless ``trust_unverified``)."""
     source = weights.locate(ckpt)
@@ -93,18 +105,27 @@ def score(ckpt: str, ids: np.ndarray | None = None, *, tokens: str | None = None
     return float(loss), np.asarray(logits, np.float32)
 
 
-def weights_cli(argv: list[str] | None, *, prog: str, description: str, ckpt: tuple[str, str],
-                options: Callable[[argparse.ArgumentParser], None],
-                run: Callable[[argparse.Namespace], int]) -> int:
+def weights_cli(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+    ckpt: tuple[str, str],
+    options: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> int:
     """A command over saved weights: positional ``ckpt`` (metavar, help), ``options``, then
     ``--devices``; returns ``run(args)``, or EXIT_CONFIG after one line for a ConfigError."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("ckpt", metavar=ckpt[0], help=ckpt[1])
     options(p)
     p.add_argument("--devices", type=int, default=0, help="devices to use (default: all)")
-    p.add_argument("--trust-unverified", action="store_true",
-                   help="read a run's checkpoint that has no manifest (unverified: saved "
-                        "before manifests existed); refused otherwise")
+    p.add_argument(
+        "--trust-unverified",
+        action="store_true",
+        help="read a run's checkpoint that has no manifest (unverified: saved "
+        "before manifests existed); refused otherwise",
+    )
     args = p.parse_args(argv)
     try:
         return run(args)
@@ -114,10 +135,14 @@ def weights_cli(argv: list[str] | None, *, prog: str, description: str, ckpt: tu
 
 
 def main(argv: list[str] | None = None) -> int:
-    return weights_cli(argv, prog="python -m moe_train.score",
-                       description="Mean next-token loss and perplexity of token ids.",
-                       ckpt=("CKPT", "converted checkpoint, run directory or step"),
-                       options=_options, run=_run)
+    return weights_cli(
+        argv,
+        prog="python -m moe_train.score",
+        description="Mean next-token loss and perplexity of token ids.",
+        ckpt=("CKPT", "converted checkpoint, run directory or step"),
+        options=_options,
+        run=_run,
+    )
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -126,8 +151,9 @@ def _options(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    loss, logits = score(args.ckpt, tokens=args.tokens, devices=args.devices,
-                         trust_unverified=args.trust_unverified)
+    loss, logits = score(
+        args.ckpt, tokens=args.tokens, devices=args.devices, trust_unverified=args.trust_unverified
+    )
     B, S = logits.shape[:2]
     print(f"loss {loss:.6f}  perplexity {math.exp(loss):.4f}  ({B} x {S - 1} predicted tokens)")
     if args.logits:

@@ -28,10 +28,20 @@ import numpy as np
 from moe_train.config import Config
 from moe_train.convert.families import Family
 
-ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_a": "q_a_proj",
-        "q_b": "q_b_proj", "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj",
-        "q_norm": "q_norm", "k_norm": "k_norm", "q_a_norm": "q_a_layernorm",
-        "kv_a_norm": "kv_a_layernorm"}
+ATTN = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "q_a": "q_a_proj",
+    "q_b": "q_b_proj",
+    "kv_a": "kv_a_proj_with_mqa",
+    "kv_b": "kv_b_proj",
+    "q_norm": "q_norm",
+    "k_norm": "k_norm",
+    "q_a_norm": "q_a_layernorm",
+    "kv_a_norm": "kv_a_layernorm",
+}
 DENSE = {"wi_0": "gate_proj", "wi_1": "up_proj", "wo": "down_proj"}
 LAYER = re.compile(r"(layer|mtp)_(\d+)")
 
@@ -61,7 +71,7 @@ class Entry:
         if self.kind == "same":
             return [kit]
         if self.kind == "linear":
-            rows = int(np.prod(self.shape[:self.n_in]))
+            rows = int(np.prod(self.shape[: self.n_in]))
             return [np.ascontiguousarray(kit.reshape(rows, -1).T)]
         return [np.ascontiguousarray(kit[e].T) for e in range(kit.shape[0])]
 
@@ -70,7 +80,7 @@ class Entry:
         if self.kind == "same":
             return [self.shape]
         if self.kind == "linear":
-            rows = int(np.prod(self.shape[:self.n_in]))
+            rows = int(np.prod(self.shape[: self.n_in]))
             return [(int(np.prod(self.shape)) // rows, rows)]
         if self.kind == "experts":
             return [(self.shape[2], self.shape[1])] * self.shape[0]
@@ -97,9 +107,11 @@ def _leaves(tree, prefix=()):
 
 def _entry(fam: Family, cfg: Config, kit: tuple[str, ...], shape) -> Entry:
     path = kit[1:]
-    top = {"embed": ("model.embed_tokens.weight", "same"),
-           "final_norm": ("model.norm.weight", "same"),
-           "lm_head": ("lm_head.weight", "linear")}
+    top = {
+        "embed": ("model.embed_tokens.weight", "same"),
+        "final_norm": ("model.norm.weight", "same"),
+        "lm_head": ("lm_head.weight", "linear"),
+    }
     if path[0] in top:
         name, kind = top[path[0]]
         return Entry(kit, (name,), kind, shape)
@@ -109,8 +121,12 @@ def _entry(fam: Family, cfg: Config, kit: tuple[str, ...], shape) -> Entry:
     i = int(match[2]) + (cfg.model.num_layers if match[1] == "mtp" else 0)
     prefix, rest = f"model.layers.{i}.", path[1:]
     if match[1] == "mtp":
-        mtp = {"enorm": ("enorm.weight", "same"), "hnorm": ("hnorm.weight", "same"),
-               "eh_proj": ("eh_proj.weight", "linear"), "norm": ("shared_head.norm.weight", "same")}
+        mtp = {
+            "enorm": ("enorm.weight", "same"),
+            "hnorm": ("hnorm.weight", "same"),
+            "eh_proj": ("eh_proj.weight", "linear"),
+            "norm": ("shared_head.norm.weight", "same"),
+        }
         if rest[0] in mtp:
             name, kind = mtp[rest[0]]
             return Entry(kit, (prefix + name,), kind, shape)
@@ -139,8 +155,7 @@ def _block(fam: Family, kit, prefix: str, rest: tuple[str, ...], shape) -> Entry
     if rest[1] == "shared":
         return Entry(kit, (f"{moe}shared_experts.{DENSE[rest[2]]}.weight",), "linear", shape)
     proj = fam.expert_names[("wi_0", "wi_1", "wo").index(rest[1])]
-    return Entry(kit, tuple(f"{moe}experts.{e}.{proj}.weight" for e in range(shape[0])),
-                 "experts", shape)
+    return Entry(kit, tuple(f"{moe}experts.{e}.{proj}.weight" for e in range(shape[0])), "experts", shape)
 
 
 def extra_copies(cfg: Config) -> list[tuple[str, str]]:
@@ -148,6 +163,8 @@ def extra_copies(cfg: Config) -> list[tuple[str, str]]:
     out = []
     for k in range(cfg.model.mtp_depth):
         prefix = f"model.layers.{cfg.model.num_layers + k}."
-        out += [(prefix + "embed_tokens.weight", "model.embed_tokens.weight"),
-                (prefix + "shared_head.head.weight", "lm_head.weight")]
+        out += [
+            (prefix + "embed_tokens.weight", "model.embed_tokens.weight"),
+            (prefix + "shared_head.head.weight", "lm_head.weight"),
+        ]
     return out

@@ -19,8 +19,8 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import jax
 import ml_dtypes
@@ -44,12 +44,14 @@ SHARD_BYTES = 5 << 30  # transformers' default max_shard_size
 # checks them). Not a bound: a token whose top-k experts flip under the rounding moves more.
 BF16_MEDIAN, BF16_WORST = 3e-3, 6e-3
 _e = lambda x: f"{x:.0e}".replace("e-0", "e-")  # noqa: E731  3e-3, not 3e-03
-BF16_NOTE = (f"note: --dtype bf16 narrowed the stored float32 weights to bf16 (8 mantissa bits). "
-             f"Per token, the largest logit change relative to that token's largest logit was "
-             f"about {_e(BF16_MEDIAN)} (median) and {_e(BF16_WORST)} (worst token) on the tiny "
-             f"Mixtral and DeepSeek-V3 test models (Hugging Face's initialization); this is not a "
-             f"bound: a token whose top-k experts flip under the rounding moves more (1e-1 seen "
-             f"on the interop test models). Without --dtype every tensor keeps its stored dtype.")
+BF16_NOTE = (
+    f"note: --dtype bf16 narrowed the stored float32 weights to bf16 (8 mantissa bits). "
+    f"Per token, the largest logit change relative to that token's largest logit was "
+    f"about {_e(BF16_MEDIAN)} (median) and {_e(BF16_WORST)} (worst token) on the tiny "
+    f"Mixtral and DeepSeek-V3 test models (Hugging Face's initialization); this is not a "
+    f"bound: a token whose top-k experts flip under the rounding moves more (1e-1 seen "
+    f"on the interop test models). Without --dtype every tensor keeps its stored dtype."
+)
 
 
 def _family(source: weights.Source, cfg: Config) -> Family:
@@ -59,8 +61,9 @@ def _family(source: weights.Source, cfg: Config) -> Family:
     return family_for(cfg)
 
 
-def _leaf_reader(source: weights.Source, cfg: Config, scratch: Path,
-                 saved: dict | None) -> Callable[[tuple[str, ...]], np.ndarray]:
+def _leaf_reader(
+    source: weights.Source, cfg: Config, scratch: Path, saved: dict | None
+) -> Callable[[tuple[str, ...]], np.ndarray]:
     """A function from a looped-layout kit path to that leaf's host array (a scanned run's
     stacked leaves are staged, one at a time, in a memory-mapped file under ``scratch``),
     each checked against the step's manifest ``saved`` (None: not checked)."""
@@ -79,8 +82,9 @@ def _leaf_reader(source: weights.Source, cfg: Config, scratch: Path,
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
         path = root / weights.part_of(saved_path[1]) if converted else root
         with weights.quiet_orbax():
-            out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=args, partial_restore=True))
+            out = checkpointer.restore(
+                path, args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True)
+            )
         for key in saved_path:
             out = out[key]
         return np.asarray(out)
@@ -91,13 +95,14 @@ def _leaf_reader(source: weights.Source, cfg: Config, scratch: Path,
             if saved is not None:
                 manifest.verify_leaf(saved, "/".join(saved_path), array, str(source.path))
             return array
+
         # an OSError goes on to the CLI, which tells a read from a write (the staging file)
         return checkpoint.refuse_damage(checked, source.path, keep=(ConfigError, OSError))
 
     def leaf(kit: tuple[str, ...]) -> np.ndarray:
         if not scanned or not kit[1].startswith("layer_"):
             return verified(kit, lambda: read(kit))
-        i = int(kit[1][len("layer_"):])  # looped name -> (group, row) of the scanned tree
+        i = int(kit[1][len("layer_") :])  # looped name -> (group, row) of the scanned tree
         dense = i < cfg.model.first_dense_layers
         group, row = ("dense_layers", i) if dense else ("moe_layers", i - cfg.model.first_dense_layers)
         key = (kit[0], group, *kit[2:])
@@ -118,8 +123,9 @@ def stage(root: Path, saved_path: tuple[str, ...], path: Path) -> np.ndarray:
     meta = json.loads((root / "_METADATA").read_text())
     use_ocdbt = meta.get("use_ocdbt", True)
     context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
-    info = ocp.type_handlers.ParamInfo(name=".".join(saved_path), parent_dir=root,
-                                       use_zarr3=meta.get("use_zarr3", False), ts_context=context)
+    info = ocp.type_handlers.ParamInfo(
+        name=".".join(saved_path), parent_dir=root, use_zarr3=meta.get("use_zarr3", False), ts_context=context
+    )
     spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
     stored = ts.open(spec, context=context, open=True, read=True).result()
     shape, dtype = tuple(stored.shape), stored.dtype.numpy_dtype
@@ -133,8 +139,9 @@ def stage(root: Path, saved_path: tuple[str, ...], path: Path) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
 
-def _tensors(source, cfg: Config, fam: Family, dtype, scratch: Path, stored: set[str],
-             saved: dict | None) -> Iterator[tuple[str, np.ndarray]]:
+def _tensors(
+    source, cfg: Config, fam: Family, dtype, scratch: Path, stored: set[str], saved: dict | None
+) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) of every tensor, in the kit tree's order, then the MTP copies; cast
     to ``dtype`` (None: as stored). ``stored`` collects the dtype names as stored."""
     leaf = _leaf_reader(source, cfg, scratch, saved)
@@ -153,6 +160,7 @@ def _tensors(source, cfg: Config, fam: Family, dtype, scratch: Path, stored: set
 def _ordered(ents):
     """Entries leaf kind by leaf kind across the layers (``layer_0/attn/q``, ``layer_1/attn/q``,
     ...): a scanned checkpoint's stacked leaf is then read once, not once per layer."""
+
     def key(e):
         top = e.kit[1]
         layer = int(top.split("_")[1]) if top.startswith("layer_") else -1
@@ -165,9 +173,14 @@ def _ordered(ents):
 WIDEST_FIRST = ("float32", "float16", "bfloat16")
 
 
-def to_hf(ckpt: str | Path, out: str | Path, dtype: str | None = None,
-          log: Callable[[str], None] = print, shard_bytes: int = SHARD_BYTES,
-          trust_unverified: bool = False) -> Path:
+def to_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    log: Callable[[str], None] = print,
+    shard_bytes: int = SHARD_BYTES,
+    trust_unverified: bool = False,
+) -> Path:
     """Export the weights at ``ckpt`` into ``out`` (new or empty). ``dtype`` None keeps every
     tensor as stored (a run's ``model.param_dtype``, a converted source's own dtype), so the
     export reproduces the kit's logits; ``bf16``/``fp32`` cast them all, and the log says
@@ -184,15 +197,14 @@ def to_hf(ckpt: str | Path, out: str | Path, dtype: str | None = None,
     with new_directory(Path(out), "HF_OUT") as tmp:
         scratch = tmp / ".stacked"  # a scanned run's stacked leaf, staged one at a time
         with checkpoint.quiet_reads(weights.to_stderr, str(source.path)):
-            index = write_shards(tmp, _tensors(source, cfg, fam, np_dtype, scratch, stored,
-                                               saved), shard_bytes)
+            index = write_shards(
+                tmp, _tensors(source, cfg, fam, np_dtype, scratch, stored, saved), shard_bytes
+            )
         shutil.rmtree(scratch, ignore_errors=True)
-        torch_name = DTYPES[dtype][0] if dtype else next(
-            (d for d in WIDEST_FIRST if d in stored), "float32")
+        torch_name = DTYPES[dtype][0] if dtype else next((d for d in WIDEST_FIRST if d in stored), "float32")
         (tmp / "config.json").write_text(json.dumps(hf_config(fam, cfg, torch_name), indent=2) + "\n")
     kept = f"as stored ({', '.join(sorted(stored))})" if dtype is None else dtype
     log(f"exported {len(index['weight_map'])} tensors ({fam.architecture}, {kept}) to {out}")
     if dtype == "bf16" and "float32" in stored:
         log(BF16_NOTE)
     return out
-

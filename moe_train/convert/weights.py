@@ -65,13 +65,17 @@ def locate(path: str | Path) -> Source:
         return Source("converted", p)
     if (p / "state").is_dir() and (p / "meta").is_dir():
         return Source("step", p)
-    steps = sorted((int(d.name) for d in (p / "checkpoints").glob("*")
-                    if d.name.isdigit() and (d / "state").is_dir()), reverse=True)
+    steps = sorted(
+        (int(d.name) for d in (p / "checkpoints").glob("*") if d.name.isdigit() and (d / "state").is_dir()),
+        reverse=True,
+    )
     if steps:
         return Source("step", p / "checkpoints" / str(steps[0]))
-    raise ConfigError(f"{p}: no weights here: expected a converted checkpoint ({PRESET} and "
-                      f"{WEIGHTS}/), a run directory with checkpoints/<step>/, or one step's "
-                      "directory")
+    raise ConfigError(
+        f"{p}: no weights here: expected a converted checkpoint ({PRESET} and "
+        f"{WEIGHTS}/), a run directory with checkpoints/<step>/, or one step's "
+        "directory"
+    )
 
 
 def config_of(source: Source) -> Config:
@@ -80,8 +84,7 @@ def config_of(source: Source) -> Config:
         cfg = config.load_preset(str(source.path / PRESET))
     else:
         meta_file = source.path / "meta" / "metadata"
-        meta = checkpoint.refuse_damage(lambda: json.loads(meta_file.read_text())["config"],
-                                        meta_file)
+        meta = checkpoint.refuse_damage(lambda: json.loads(meta_file.read_text())["config"], meta_file)
         cfg = config.from_dict(meta)
     config.validate(cfg)
     return cfg
@@ -92,11 +95,14 @@ def _abstract(cfg: Config, mesh: Mesh):
     tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
     boxed = jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens), jax.random.key(0))
     shd = sharding.Sharding.of(mesh, cfg)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          nn.unbox(boxed["params"]), shd.params(boxed["params"]))
-    moe_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                            sharding=shd.replicated),
-                             boxed.get("moe_state", {}))
+    params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        nn.unbox(boxed["params"]),
+        shd.params(boxed["params"]),
+    )
+    moe_state = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shd.replicated), boxed.get("moe_state", {})
+    )
     return params, moe_state
 
 
@@ -120,7 +126,8 @@ def _manifest_of(directory: Path, source: Source, trust_unverified: bool) -> dic
         if source.kind == "converted":
             raise checkpoint.Unverified(
                 f"{err}; convert it again with python -m moe_train.convert from-hf HF_DIR OUT "
-                f"(score, eval and to-hf read it as it is with --trust-unverified)") from None
+                f"(score, eval and to-hf read it as it is with --trust-unverified)"
+            ) from None
         raise
 
 
@@ -128,23 +135,31 @@ def read_manifest(source: Source, trust_unverified: bool, log=to_stderr) -> dict
     """The manifest of the weights: a step's, or a converted checkpoint's parts' together.
     ConfigError naming the file when one is missing, unless trusted: then None (the weights
     are read unverified) and a warning."""
-    found = {d: checkpoint.refuse_damage(lambda d=d: _manifest_of(d, source, trust_unverified), d)
-             for d in _directories(source)}
+    found = {
+        d: checkpoint.refuse_damage(lambda d=d: _manifest_of(d, source, trust_unverified), d)
+        for d in _directories(source)
+    }
     missing = [d for d, saved in found.items() if saved is None]
     if missing:
-        log(f"WARNING: {missing[0] / checkpoint.MANIFEST_FILE} is missing: reading "
-            f"{source.path} unverified (--trust-unverified)")
+        log(
+            f"WARNING: {missing[0] / checkpoint.MANIFEST_FILE} is missing: reading "
+            f"{source.path} unverified (--trust-unverified)"
+        )
         return None
     if source.kind == "step":
         return found[source.path]
-    version = next((m.get("version") for m in found.values()
-                    if m.get("version") != manifest.VERSION), manifest.VERSION)
-    return {"version": version, "arrays": {name: entry for m in found.values()
-                                           for name, entry in m["arrays"].items()}}
+    version = next(
+        (m.get("version") for m in found.values() if m.get("version") != manifest.VERSION), manifest.VERSION
+    )
+    return {
+        "version": version,
+        "arrays": {name: entry for m in found.values() for name, entry in m["arrays"].items()},
+    }
 
 
-def restore(source: Source, cfg: Config, mesh: Mesh, trust_unverified: bool = False,
-            log=to_stderr) -> tuple[Any, Any]:
+def restore(
+    source: Source, cfg: Config, mesh: Mesh, trust_unverified: bool = False, log=to_stderr
+) -> tuple[Any, Any]:
     """(params, moe_state) of ``source`` as ``cfg`` wants them on ``mesh``: read straight into
     their shardings (each process reads its shards), verified against the manifest, cast to
     ``cfg``'s dtypes, the layer layout converted on the devices where it differs.
@@ -152,25 +167,30 @@ def restore(source: Source, cfg: Config, mesh: Mesh, trust_unverified: bool = Fa
     tensor whose shape differs (another model) or that is missing."""
     saved_manifest = read_manifest(source, trust_unverified, log)
     with checkpoint.quiet_reads(log, str(source.path)):
-        return checkpoint.refuse_damage(
-            lambda: _restore(source, cfg, mesh, saved_manifest), source.path)
+        return checkpoint.refuse_damage(lambda: _restore(source, cfg, mesh, saved_manifest), source.path)
 
 
 def _restore(source: Source, cfg: Config, mesh: Mesh, saved_manifest: dict | None):
     params, moe_state = _abstract(cfg, mesh)
     target = {"params": params, "moe_state": moe_state}
-    m = types.SimpleNamespace(num_layers=cfg.model.num_layers,
-                              first_dense_layers=cfg.model.first_dense_layers)
+    m = types.SimpleNamespace(
+        num_layers=cfg.model.num_layers, first_dense_layers=cfg.model.first_dense_layers
+    )
     saved_scanned = source.kind == "step" and config_of(source).model.scan_layers
     want_scanned = is_scanned(params)
     saved = target
     if saved_scanned != want_scanned:
-        saved = (to_looped(target, m, take=checkpoint.take_abstract) if want_scanned
-                 else to_scanned(target, m, stack=checkpoint.stack_abstract))
-    items = ({source.path / WEIGHTS / name: item for name, item in parts(saved).items()}
-             if source.kind == "converted" else {source.path / "state": saved})
-    restored = _merge([_read_verified(source, path, item, saved_manifest)
-                       for path, item in items.items()])
+        saved = (
+            to_looped(target, m, take=checkpoint.take_abstract)
+            if want_scanned
+            else to_scanned(target, m, stack=checkpoint.stack_abstract)
+        )
+    items = (
+        {source.path / WEIGHTS / name: item for name, item in parts(saved).items()}
+        if source.kind == "converted"
+        else {source.path / "state": saved}
+    )
+    restored = _merge([_read_verified(source, path, item, saved_manifest) for path, item in items.items()])
     if saved_scanned != want_scanned:
         convert = to_scanned if want_scanned else to_looped
         shardings = jax.tree.map(lambda x: x.sharding, target)
@@ -188,8 +208,9 @@ def _read_verified(source: Source, path: Path, item: dict, saved_manifest: dict 
         restored = _restore_item(source, path, item)
         if saved_manifest is not None:
             manifest.verify(saved_manifest, restored, str(where), partial=True)
-        return jax.tree.map(lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype),
-                            restored, item)
+        return jax.tree.map(
+            lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype), restored, item
+        )
 
     return checkpoint.refuse_damage(read, where)
 
@@ -232,8 +253,8 @@ def _restore_item(source: Source, path: Path, saved: dict) -> dict:
     args = jax.tree_util.tree_map_with_path(restore_args, saved)
     with quiet_orbax():
         restored = ocp.PyTreeCheckpointer().restore(
-            path.absolute(), args=ocp.args.PyTreeRestore(item=saved, restore_args=args,
-                                                         partial_restore=True))
+            path.absolute(), args=ocp.args.PyTreeRestore(item=saved, restore_args=args, partial_restore=True)
+        )
     return {"params": {}, "moe_state": {}, **restored}
 
 
@@ -262,16 +283,20 @@ def _check_shapes(path: Path, saved: dict, source: Source) -> dict:
     with quiet_orbax():
         meta = ocp.PyTreeCheckpointer().metadata(path.absolute())
     tree = getattr(meta, "item_metadata", None) or getattr(meta, "tree", None) or meta
-    have = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
-        _plain(tree), is_leaf=lambda x: hasattr(x, "shape"))}
+    have = {
+        jax.tree_util.keystr(k): v
+        for k, v in jax.tree_util.tree_leaves_with_path(_plain(tree), is_leaf=lambda x: hasattr(x, "shape"))
+    }
     for key, want in jax.tree_util.tree_leaves_with_path(saved):
         name = jax.tree_util.keystr(key)
         got = have.get(name)
         if got is None:
             raise ConfigError(f"{source.path}: tensor {name} is missing (another model?)")
         if tuple(got.shape) != tuple(want.shape):
-            raise ConfigError(f"{source.path}: tensor {name} has shape {tuple(got.shape)}, "
-                              f"this model needs {tuple(want.shape)}")
+            raise ConfigError(
+                f"{source.path}: tensor {name} has shape {tuple(got.shape)}, "
+                f"this model needs {tuple(want.shape)}"
+            )
     return have
 
 

@@ -82,18 +82,27 @@ class Source:
     def _rows(self, step: int, process_index: int, process_count: int) -> tuple[int, int, int]:
         try:
             step, process_index, process_count = (
-                operator.index(step), operator.index(process_index), operator.index(process_count))
+                operator.index(step),
+                operator.index(process_index),
+                operator.index(process_count),
+            )
         except TypeError:
-            raise DataError(f"batch(step={step!r}, process_index={process_index!r}, "
-                            f"process_count={process_count!r}) needs integers") from None
+            raise DataError(
+                f"batch(step={step!r}, process_index={process_index!r}, "
+                f"process_count={process_count!r}) needs integers"
+            ) from None
         if step < 0:
             raise DataError(f"batch step must be a non-negative integer, got {step!r}")
         if process_count < 1 or not 0 <= process_index < process_count:
-            raise DataError(f"process_index={process_index} is not in 0..{process_count - 1} "
-                            f"(process_count={process_count})")
+            raise DataError(
+                f"process_index={process_index} is not in 0..{process_count - 1} "
+                f"(process_count={process_count})"
+            )
         if self.batch_size % process_count:
-            raise DataError(f"train.batch_size={self.batch_size} is not divisible by the "
-                            f"{process_count} processes; use a multiple of {process_count}")
+            raise DataError(
+                f"train.batch_size={self.batch_size} is not divisible by the "
+                f"{process_count} processes; use a multiple of {process_count}"
+            )
         rows = self.batch_size // process_count
         return step, process_index * rows, (process_index + 1) * rows
 
@@ -124,8 +133,10 @@ class SyntheticSource(Source):
         self._succ_flat = self._succ.reshape(-1)
         probs = np.asarray(SYNTH_PROBS) * (1.0 - SYNTH_JUMP)
         self._cdf = np.cumsum(probs)  # edges of the k successor buckets; the rest is a jump
-        self.description = (f"synthetic: Markov chain over {v:,} tokens, {k} likely successors "
-                            f"each + {SYNTH_JUMP:.0%} jumps, seed {self.seed}")
+        self.description = (
+            f"synthetic: Markov chain over {v:,} tokens, {k} likely successors "
+            f"each + {SYNTH_JUMP:.0%} jumps, seed {self.seed}"
+        )
 
     def entropy_rate(self) -> float:
         """Nats per token of the chain (an upper bound when successors repeat)."""
@@ -176,14 +187,17 @@ class _WindowSource(Source):
         size = path.stat().st_size
         what = self._expected()
         if size % self.dtype.itemsize:
-            raise DataError(f"{shown}: {size:,} bytes is not a whole number of "
-                            f"{self.dtype.name} tokens; expected {what}")
+            raise DataError(
+                f"{shown}: {size:,} bytes is not a whole number of {self.dtype.name} tokens; expected {what}"
+            )
         self.num_tokens = size // self.dtype.itemsize
         need = self.seq_len + 1
         if self.num_tokens < need:
-            raise DataError(f"{shown}: only {self.num_tokens:,} tokens, shorter than "
-                            f"train.seq_len + 1 = {need}; expected {what} of at least "
-                            f"{need} tokens")
+            raise DataError(
+                f"{shown}: only {self.num_tokens:,} tokens, shorter than "
+                f"train.seq_len + 1 = {need}; expected {what} of at least "
+                f"{need} tokens"
+            )
         self._data = np.memmap(path, dtype=self.dtype, mode="r")
         self._shown = shown
         self.description = f"{self.kind}: {shown} ({self.num_tokens:,} tokens)"
@@ -199,7 +213,7 @@ class _WindowSource(Source):
         length = self.seq_len + 1
         starts = rng.integers(0, self.num_tokens - length + 1, size=self.batch_size)[lo:hi]
         if len(starts) * length <= 1 << 16:
-            win = np.stack([self._data[s:s + length] for s in starts])
+            win = np.stack([self._data[s : s + length] for s in starts])
         else:
             win = self._data[starts[:, None] + np.arange(length)]
         win = np.asarray(win)
@@ -209,9 +223,11 @@ class _WindowSource(Source):
         return win
 
     def _bad_id(self, value: int, index: int) -> None:
-        raise DataError(f"{self._shown}: token id {value:,} at token {index:,} is >= "
-                        f"model.vocab_size={self.vocab_size:,}; expected {self._expected()} "
-                        f"with ids below {self.vocab_size:,}")
+        raise DataError(
+            f"{self._shown}: token id {value:,} at token {index:,} is >= "
+            f"model.vocab_size={self.vocab_size:,}; expected {self._expected()} "
+            f"with ids below {self.vocab_size:,}"
+        )
 
 
 class TokensSource(_WindowSource):
@@ -226,7 +242,7 @@ class TokensSource(_WindowSource):
             return
         step = _CHUNK // self.dtype.itemsize
         for lo in range(0, self.num_tokens, step):
-            chunk = self._data[lo:lo + step]
+            chunk = self._data[lo : lo + step]
             top = int(chunk.max())
             if top >= self.vocab_size:
                 self._bad_id(top, lo + int(np.argmax(chunk >= self.vocab_size)))
@@ -249,13 +265,16 @@ class BytesSource(_WindowSource):
                 decoder.decode(self._data[lo:hi].tobytes(), final=hi == self.num_tokens)
             except UnicodeDecodeError as e:
                 at = lo - pending + e.start
-                raise DataError(f"{self._shown}: not UTF-8 text (invalid byte "
-                                f"0x{self._data[max(at, 0)]:02x} near byte {max(at, 0):,}); "
-                                f"expected {self._expected()}") from None
+                raise DataError(
+                    f"{self._shown}: not UTF-8 text (invalid byte "
+                    f"0x{self._data[max(at, 0)]:02x} near byte {max(at, 0):,}); "
+                    f"expected {self._expected()}"
+                ) from None
 
 
-def resolve_path(path: str, what: str = "file", *, directory: bool = False,
-                 empty: str = "") -> tuple[Path, str]:
+def resolve_path(
+    path: str, what: str = "file", *, directory: bool = False, empty: str = ""
+) -> tuple[Path, str]:
     """The file (or, with ``directory``, the directory) ``path`` names, and how to show it:
     cwd first, then the kit root. ``empty``: the message when ``path`` is empty."""
     if not path:
@@ -274,22 +293,26 @@ def resolve_path(path: str, what: str = "file", *, directory: bool = False,
 
 def make_source(data_cfg: DataConfig, *, vocab_size: int, seq_len: int, batch_size: int) -> Source:
     """The training batch source that ``data_cfg`` describes."""
-    for key, value in (("model.vocab_size", vocab_size), ("train.seq_len", seq_len),
-                       ("train.batch_size", batch_size)):
+    for key, value in (
+        ("model.vocab_size", vocab_size),
+        ("train.seq_len", seq_len),
+        ("train.batch_size", batch_size),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise DataError(f"{key} must be a positive integer, got {value!r}")
     seed = data_cfg.seed
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise DataError(f"data.seed must be a non-negative integer, got {seed!r}")
-    kw = dict(vocab_size=int(vocab_size), seq_len=int(seq_len), batch_size=int(batch_size),
-              seed=int(seed))
+    kw = dict(vocab_size=int(vocab_size), seq_len=int(seq_len), batch_size=int(batch_size), seed=int(seed))
     source = data_cfg.source
     if source == "synthetic":
         return SyntheticSource(**kw)
     if source == "tokens":
         if data_cfg.token_dtype not in TOKEN_DTYPES:
-            raise DataError(f"data.token_dtype={data_cfg.token_dtype!r} is not valid; "
-                            f"choose one of: {', '.join(TOKEN_DTYPES)}")
+            raise DataError(
+                f"data.token_dtype={data_cfg.token_dtype!r} is not valid; "
+                f"choose one of: {', '.join(TOKEN_DTYPES)}"
+            )
         dtype = np.dtype(data_cfg.token_dtype)
         path, shown = resolve_path(data_cfg.path, f"a flat {dtype.name} token file")
         return TokensSource(path, shown, dtype, **kw)

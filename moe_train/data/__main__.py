@@ -50,54 +50,103 @@ output DIR:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_train.data",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m moe_train.data", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    prep = sub.add_parser("prepare", help="tokenize text into train/val token shards",
-                          description="Tokenize a text corpus into train/val token shards.",
-                          epilog=POLICIES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prep = sub.add_parser(
+        "prepare",
+        help="tokenize text into train/val token shards",
+        description="Tokenize a text corpus into train/val token shards.",
+        epilog=POLICIES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     which = prep.add_mutually_exclusive_group(required=True)
-    which.add_argument("--tokenizer", metavar="TOK",
-                       help="Hugging Face tokenizer.json, or a directory holding one (a "
-                            "Hugging Face checkpoint's), or a SentencePiece .model; read locally")
-    which.add_argument("--train-tokenizer", type=int, metavar="N", default=0,
-                       help="no tokenizer yet: train a byte-level BPE of N tokens (e.g. 8192) "
-                            "on the inputs with Hugging Face tokenizers, saved as "
-                            "DIR/tokenizer.json")
-    prep.add_argument("--input", dest="inputs", required=True, nargs="+", action="extend",
-                      metavar="FILE_OR_GLOB",
-                      help="input files or globs (quote globs to keep them from the shell)")
-    prep.add_argument("--out", required=True, type=Path, metavar="DIR",
-                      help="output directory: new, empty, or an earlier run of the same job")
-    prep.add_argument("--text-field", default="text",
-                      help="JSON field / Parquet column holding the text (default: text)")
-    prep.add_argument("--split-on", choices=("blank-lines", "file"), default="blank-lines",
-                      help="plain text: documents separated by blank lines (default), or one "
-                           "document per file")
+    which.add_argument(
+        "--tokenizer",
+        metavar="TOK",
+        help="Hugging Face tokenizer.json, or a directory holding one (a "
+        "Hugging Face checkpoint's), or a SentencePiece .model; read locally",
+    )
+    which.add_argument(
+        "--train-tokenizer",
+        type=int,
+        metavar="N",
+        default=0,
+        help="no tokenizer yet: train a byte-level BPE of N tokens (e.g. 8192) "
+        "on the inputs with Hugging Face tokenizers, saved as "
+        "DIR/tokenizer.json",
+    )
+    prep.add_argument(
+        "--input",
+        dest="inputs",
+        required=True,
+        nargs="+",
+        action="extend",
+        metavar="FILE_OR_GLOB",
+        help="input files or globs (quote globs to keep them from the shell)",
+    )
+    prep.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="output directory: new, empty, or an earlier run of the same job",
+    )
+    prep.add_argument(
+        "--text-field", default="text", help="JSON field / Parquet column holding the text (default: text)"
+    )
+    prep.add_argument(
+        "--split-on",
+        choices=("blank-lines", "file"),
+        default="blank-lines",
+        help="plain text: documents separated by blank lines (default), or one document per file",
+    )
     val = prep.add_mutually_exclusive_group()
-    val.add_argument("--val-fraction", type=float, metavar="F",
-                     help=f"hold out about this fraction of documents for validation "
-                          f"(default: {prepare.DEFAULT_VAL_FRACTION}; 0 for none)")
+    val.add_argument(
+        "--val-fraction",
+        type=float,
+        metavar="F",
+        help=f"hold out about this fraction of documents for validation "
+        f"(default: {prepare.DEFAULT_VAL_FRACTION}; 0 for none)",
+    )
     val.add_argument("--val-docs", type=int, metavar="N", help="hold out exactly N documents")
-    prep.add_argument("--workers", type=int, default=0, metavar="N",
-                      help=f"tokenizer processes (default: min(CPUs, 8) = "
-                           f"{prepare.default_workers()} here); the output does not depend on it")
-    prep.add_argument("--shard-tokens", type=int, default=prepare.DEFAULT_SHARD_TOKENS,
-                      metavar="N", help=f"tokens per shard at most, unless one document is longer "
-                                        f"(default: 2**28 = {prepare.DEFAULT_SHARD_TOKENS:,})")
-    prep.add_argument("--seed", type=int, default=0,
-                      help="seed of the validation choice (default: 0)")
-    prep.add_argument("--eos-id", type=int, metavar="N",
-                      help="EOS token id, when the tokenizer does not name one")
+    prep.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"tokenizer processes (default: min(CPUs, 8) = "
+        f"{prepare.default_workers()} here); the output does not depend on it",
+    )
+    prep.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=prepare.DEFAULT_SHARD_TOKENS,
+        metavar="N",
+        help=f"tokens per shard at most, unless one document is longer "
+        f"(default: 2**28 = {prepare.DEFAULT_SHARD_TOKENS:,})",
+    )
+    prep.add_argument("--seed", type=int, default=0, help="seed of the validation choice (default: 0)")
+    prep.add_argument(
+        "--eos-id", type=int, metavar="N", help="EOS token id, when the tokenizer does not name one"
+    )
     return p
 
 
 def options(args: argparse.Namespace) -> prepare.Options:
     return prepare.Options(
-        tokenizer=args.tokenizer or "", inputs=tuple(args.inputs), out=args.out,
-        text_field=args.text_field, split_on=args.split_on, val_fraction=args.val_fraction,
-        val_docs=args.val_docs, workers=args.workers, shard_tokens=args.shard_tokens,
-        seed=args.seed, eos_id=args.eos_id, train_tokenizer=args.train_tokenizer)
+        tokenizer=args.tokenizer or "",
+        inputs=tuple(args.inputs),
+        out=args.out,
+        text_field=args.text_field,
+        split_on=args.split_on,
+        val_fraction=args.val_fraction,
+        val_docs=args.val_docs,
+        workers=args.workers,
+        shard_tokens=args.shard_tokens,
+        seed=args.seed,
+        eos_id=args.eos_id,
+        train_tokenizer=args.train_tokenizer,
+    )
 
 
 class _Terminated(Exception):
@@ -125,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         _error(str(err))
         return signals.EXIT_OUTPUT
     except BrokenProcessPool:
-        _error("a tokenizer worker process died (out of memory? killed?); rerun to resume, "
-               "perhaps with fewer --workers")
+        _error(
+            "a tokenizer worker process died (out of memory? killed?); rerun to resume, "
+            "perhaps with fewer --workers"
+        )
         return signals.EXIT_BUG
     except KeyboardInterrupt:
         _error("interrupted; complete shards are kept: rerun the same command to resume")

@@ -89,7 +89,7 @@ def conjugate(text: str, form: str) -> str:
 def capitalize(s: str) -> str:
     for i, ch in enumerate(s):
         if ch.isalpha():
-            return s[:i] + ch.upper() + s[i + 1:]
+            return s[:i] + ch.upper() + s[i + 1 :]
     return s
 
 
@@ -174,8 +174,10 @@ class Writer:
 
     def fill(self, template: str, **given: str) -> str:
         """Expand the {slots} of ``template`` left to right; ``given`` ones are not drawn."""
+
         def one(m: re.Match) -> str:
             return given[m.group(1)] if m.group(1) in given else self.slot(m.group(1))
+
         return re.sub(r"\{(\w+)\}", one, template)
 
     def band(self, table: dict) -> int:
@@ -309,7 +311,7 @@ class Writer:
     def instructions(self) -> str:
         self.used, self.para = {}, {}
         opener = self.rng.choice(G.openers)
-        order = G.steps[:self.rng.randint(2, 4)] + ["Finally"]
+        order = G.steps[: self.rng.randint(2, 4)] + ["Finally"]
         sents = [self.fill(opener)]
         for step in order:
             extra = self.expand(G.step)
@@ -366,12 +368,13 @@ def check(path: Path = DEFAULT_OUT) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_train.data.corpus",
-                                 description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help=f"output file (default {DEFAULT_OUT})")
-    ap.add_argument("--check", action="store_true",
-                    help="do not write; exit 1 if the file differs from the generator's output")
+    ap = argparse.ArgumentParser(prog="python -m moe_train.data.corpus", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output file (default {DEFAULT_OUT})")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="do not write; exit 1 if the file differs from the generator's output",
+    )
     args = ap.parse_args(argv)
     if args.check:
         ok = check(args.out)

@@ -48,18 +48,25 @@ def eval_batches(cfg: Config) -> tuple[list[Any], str]:
     if d.source == "prepared":
         from moe_train.data.packed import val_rows
 
-        batch, real, shown = val_rows(d.path, vocab_size=m.vocab_size, seq_len=t.seq_len,
-                                      rows=rows, packed=bool(d.packing))
+        batch, real, shown = val_rows(
+            d.path, vocab_size=m.vocab_size, seq_len=t.seq_len, rows=rows, packed=bool(d.packing)
+        )
         batches = [packing.rows(batch, lo, lo + B) for lo in range(0, rows, B)]
-        batches = batches[:max(1, -(-real // B))]  # no batch of padding only
-        return batches, (f"the val split of {shown} ({min(real, rows)} rows of "
-                         f"{t.seq_len + 1} tokens{', packed' if d.packing else ''})")
+        batches = batches[: max(1, -(-real // B))]  # no batch of padding only
+        return batches, (
+            f"the val split of {shown} ({min(real, rows)} rows of "
+            f"{t.seq_len + 1} tokens{', packed' if d.packing else ''})"
+        )
     if d.source == "synthetic":
-        src = SyntheticSource(vocab_size=m.vocab_size, seq_len=t.seq_len, batch_size=B,
-                              seed=d.seed)
-        batches = [np.ascontiguousarray(src._generate(
-            np.random.default_rng([d.seed, _HELD_OUT_TAG, i]), 0, B), dtype=np.int32)
-            for i in range(rows // B)]
+        src = SyntheticSource(vocab_size=m.vocab_size, seq_len=t.seq_len, batch_size=B, seed=d.seed)
+        batches = [
+            np.ascontiguousarray(
+                src._generate(np.random.default_rng([d.seed, _HELD_OUT_TAG, i]), 0, B), dtype=np.int32
+            )
+            for i in range(rows // B)
+        ]
         return batches, f"{rows} held-out synthetic walks of {t.seq_len + 1} tokens"
-    raise DataError(f"train.eval_every needs held-out data; data.source={d.source} has none "
-                    f"(use data.source=prepared with a val split)")
+    raise DataError(
+        f"train.eval_every needs held-out data; data.source={d.source} has none "
+        f"(use data.source=prepared with a val split)"
+    )

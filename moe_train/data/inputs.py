@@ -83,16 +83,17 @@ def expand(patterns: Sequence[str]) -> list[Input]:
             if glob.has_magic(pattern):
                 raise DataError(f"--input {pattern}: matches no file")
             is_dir = Path(pattern).is_dir()
-            raise DataError(f"--input {pattern}: "
-                            f"{'a directory; name its files or a glob' if is_dir else 'not found'}")
+            raise DataError(
+                f"--input {pattern}: {'a directory; name its files or a glob' if is_dir else 'not found'}"
+            )
         for name in files:
             path = Path(name).resolve()
             if path in found:
-                raise DataError(f"--input {pattern}: {name} is already an input (as "
-                                f"{found[path]}); name each file once")
+                raise DataError(
+                    f"--input {pattern}: {name} is already an input (as {found[path]}); name each file once"
+                )
             found[path] = name
-    return [Input(path, shown, path.stat().st_size, *input_format(path))
-            for path, shown in found.items()]
+    return [Input(path, shown, path.stat().st_size, *input_format(path)) for path, shown in found.items()]
 
 
 class _Counted(io.RawIOBase):
@@ -126,8 +127,7 @@ class _Counted(io.RawIOBase):
 class Reader:
     """Reads the documents of one input; ``consumed`` is how many of its bytes are read."""
 
-    def __init__(self, inp: Input, *, split_on: str = "blank-lines", text_field: str = "text",
-                 hasher=None):
+    def __init__(self, inp: Input, *, split_on: str = "blank-lines", text_field: str = "text", hasher=None):
         self.inp, self.split_on, self.text_field = inp, split_on, text_field
         self.empty = 0  # documents skipped as empty
         self._hasher = hasher
@@ -184,8 +184,10 @@ def _decode(raw: bytes, inp: Input, offset: int, lineno: int) -> str:
 
 def _utf8_error(inp: Input, raw: bytes, at: int, offset: int, lineno: int) -> DataError:
     where = " of the decompressed stream" if inp.gzip else ""
-    return DataError(f"{inp.shown}:{lineno}: invalid UTF-8 at byte offset {offset + at}{where} "
-                     f"(byte 0x{raw[at]:02x}); inputs must be strict UTF-8 text")
+    return DataError(
+        f"{inp.shown}:{lineno}: invalid UTF-8 at byte offset {offset + at}{where} "
+        f"(byte 0x{raw[at]:02x}); inputs must be strict UTF-8 text"
+    )
 
 
 def _lines(stream, inp: Input) -> Iterator[tuple[int, bytes, str]]:
@@ -228,12 +230,15 @@ def _jsonl(stream, inp: Input, field: str) -> Iterator[str]:
         obj = _json_object(text, inp, lineno)
         if field not in obj:
             have = ", ".join(list(obj)[:10]) or "none"
-            raise DataError(f"{inp.shown}:{lineno}: no {field!r} field (fields: {have}); "
-                            f"choose the text field with --text-field")
+            raise DataError(
+                f"{inp.shown}:{lineno}: no {field!r} field (fields: {have}); "
+                f"choose the text field with --text-field"
+            )
         value = obj[field]
         if not isinstance(value, str):
-            raise DataError(f"{inp.shown}:{lineno}: field {field!r} is a JSON "
-                            f"{type(value).__name__}, not a string")
+            raise DataError(
+                f"{inp.shown}:{lineno}: field {field!r} is a JSON {type(value).__name__}, not a string"
+            )
         if b"\\u" in raw or b"\\U" in raw:
             _no_surrogates(value, inp, lineno)
         yield value
@@ -244,11 +249,15 @@ def _json_object(text: str, inp: Input, lineno: int) -> dict:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
-        raise DataError(f"{inp.shown}:{lineno}: not JSON ({err.msg} at column {err.colno}); "
-                        f"expected one JSON object per line") from None
+        raise DataError(
+            f"{inp.shown}:{lineno}: not JSON ({err.msg} at column {err.colno}); "
+            f"expected one JSON object per line"
+        ) from None
     if not isinstance(obj, dict):
-        raise DataError(f"{inp.shown}:{lineno}: a JSON {type(obj).__name__}, not an object; "
-                        f"expected one JSON object per line")
+        raise DataError(
+            f"{inp.shown}:{lineno}: a JSON {type(obj).__name__}, not an object; "
+            f"expected one JSON object per line"
+        )
     return obj
 
 
@@ -256,8 +265,10 @@ def _no_surrogates(value: str, inp: Input, lineno: int) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise DataError(f"{inp.shown}:{lineno}: the text has a lone surrogate "
-                        f"(\\u{ord(value[err.start]):04x}), which is not valid Unicode") from None
+        raise DataError(
+            f"{inp.shown}:{lineno}: the text has a lone surrogate "
+            f"(\\u{ord(value[err.start]):04x}), which is not valid Unicode"
+        ) from None
 
 
 def _parquet_table(reader: Reader, stack):
@@ -265,8 +276,9 @@ def _parquet_table(reader: Reader, stack):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{reader.inp.shown}: Parquet inputs need pyarrow, which is not "
-                        f"installed; pip install pyarrow") from None
+        raise DataError(
+            f"{reader.inp.shown}: Parquet inputs need pyarrow, which is not installed; pip install pyarrow"
+        ) from None
     source = reader.inp.path
     if reader.inp.gzip:
         source = stack.enter_context(tempfile.TemporaryFile())
@@ -291,12 +303,18 @@ def _parquet(reader: Reader) -> Iterator[str]:
         pf = _parquet_table(reader, stack)
         schema = pf.schema_arrow
         if field not in schema.names:
-            raise DataError(f"{inp.shown}: no column {field!r} (columns: "
-                            f"{', '.join(schema.names[:10]) or 'none'}); choose the text column "
-                            f"with --text-field")
+            raise DataError(
+                f"{inp.shown}: no column {field!r} (columns: "
+                f"{', '.join(schema.names[:10]) or 'none'}); choose the text column "
+                f"with --text-field"
+            )
         kind = schema.field(field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-                or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
+        if not (
+            pa.types.is_string(kind)
+            or pa.types.is_large_string(kind)
+            or pa.types.is_binary(kind)
+            or pa.types.is_large_binary(kind)
+        ):
             raise DataError(f"{inp.shown}: column {field!r} is {kind}, not text")
         total, row = max(pf.metadata.num_rows, 1), 0
         for batch in pf.iter_batches(batch_size=4096, columns=[field]):
@@ -306,9 +324,11 @@ def _parquet(reader: Reader) -> Iterator[str]:
                 try:
                     yield value.decode("utf-8")
                 except UnicodeDecodeError as err:
-                    raise DataError(f"{inp.shown}: row {row} (counting from 0): invalid UTF-8 at "
-                                    f"byte offset {err.start} of {field!r}; inputs must be strict "
-                                    f"UTF-8 text") from None
+                    raise DataError(
+                        f"{inp.shown}: row {row} (counting from 0): invalid UTF-8 at "
+                        f"byte offset {err.start} of {field!r}; inputs must be strict "
+                        f"UTF-8 text"
+                    ) from None
                 row += 1
             reader._parquet_fraction = row / total
 

@@ -44,8 +44,7 @@ _EPOCHS_KEPT = 2  # a batch spans at most two epochs when R >= B
 def resolve_dir(path: str) -> tuple[Path, str]:
     """The prepared directory ``data.path`` names, and how to show it (cwd, then kit root)."""
     what = "a directory written by python -m moe_train.data prepare"
-    return resolve_path(path, what, directory=True,
-                        empty=f"data.source=prepared needs data.path=<{what}>")
+    return resolve_path(path, what, directory=True, empty=f"data.source=prepared needs data.path=<{what}>")
 
 
 def open_checked(path: str, name: str, vocab_size: int) -> tuple[Split, str]:
@@ -53,9 +52,11 @@ def open_checked(path: str, name: str, vocab_size: int) -> tuple[Split, str]:
     root, shown = resolve_dir(path)
     split = open_split(root, name)
     if split.vocab_size > vocab_size:
-        raise DataError(f"data.path={shown}: prepared with a vocabulary of "
-                        f"{split.vocab_size:,} tokens, more than model.vocab_size="
-                        f"{vocab_size:,}; set model.vocab_size >= {split.vocab_size:,}")
+        raise DataError(
+            f"data.path={shown}: prepared with a vocabulary of "
+            f"{split.vocab_size:,} tokens, more than model.vocab_size="
+            f"{vocab_size:,}; set model.vocab_size >= {split.vocab_size:,}"
+        )
     return split, shown
 
 
@@ -84,8 +85,8 @@ class Stream:
                 lo, hi = max(int(starts[i]), int(cum[k])), min(int(ends[i]), int(cum[k + 1]))
                 at = int(doc_starts[self.order[k]]) + lo - int(cum[k])
                 seg += 1
-                tokens[i, col:col + hi - lo] = self.split.tokens[at:at + hi - lo]
-                segments[i, col:col + hi - lo] = seg
+                tokens[i, col : col + hi - lo] = self.split.tokens[at : at + hi - lo]
+                segments[i, col : col + hi - lo] = seg
                 col += hi - lo
             segments[i, col:] = seg + 1
         return tokens, segments
@@ -101,14 +102,18 @@ class PreparedSource(Source):
         n, need = self.split.num_tokens, self.seq_len + 1
         self.rows_per_epoch = (n - 1) // self.seq_len
         if self.rows_per_epoch < 1:
-            raise DataError(f"data.path={shown}: the train split holds {n:,} tokens, fewer than "
-                            f"train.seq_len + 1 = {need}; prepare more text or lower seq_len")
+            raise DataError(
+                f"data.path={shown}: the train split holds {n:,} tokens, fewer than "
+                f"train.seq_len + 1 = {need}; prepare more text or lower seq_len"
+            )
         self._epochs: dict[int, tuple[Stream, np.ndarray]] = {}
         self._lock = threading.Lock()
         self._prefetch = Prefetcher(self._build)
-        self.description = (f"prepared: {shown} ({len(self.split):,} documents, {n:,} tokens, "
-                            f"{self.rows_per_epoch:,} rows an epoch, "
-                            f"{'packed with segment ids' if packed else 'not packed'})")
+        self.description = (
+            f"prepared: {shown} ({len(self.split):,} documents, {n:,} tokens, "
+            f"{self.rows_per_epoch:,} rows an epoch, "
+            f"{'packed with segment ids' if packed else 'not packed'})"
+        )
 
     def batch(self, step: int, *, process_index: int = 0, process_count: int = 1):
         """This process's rows of the global batch of ``step``: int32 ``[B // P, seq_len + 1]``,
@@ -142,9 +147,11 @@ class PreparedSource(Source):
             tokens[sel], segments[sel] = stream.rows(row_order[row_of[sel]] * S, S + 1)
         top = int(tokens.max(initial=0))
         if top >= self.vocab_size:
-            raise DataError(f"{self.split.root}: token id {top:,} in the batch of step {step} is "
-                            f">= model.vocab_size={self.vocab_size:,} (a damaged shard? run "
-                            f"open_split(..., verify=True))")
+            raise DataError(
+                f"{self.split.root}: token id {top:,} in the batch of step {step} is "
+                f">= model.vocab_size={self.vocab_size:,} (a damaged shard? run "
+                f"open_split(..., verify=True))"
+            )
         return packing.make(tokens, segments if self.packed else None)
 
 
@@ -154,9 +161,11 @@ def val_rows(path: str, *, vocab_size: int, seq_len: int, rows: int, packed: boo
     root, shown = resolve_dir(path)
     splits = read_manifest(root)["splits"]
     if not splits.get("val", {}).get("documents"):
-        raise DataError(f"train.eval_every needs held-out data but data.path={shown} has no "
-                        f"val split; prepare it with --val-fraction or --val-docs, or set "
-                        f"train.eval_every=0")
+        raise DataError(
+            f"train.eval_every needs held-out data but data.path={shown} has no "
+            f"val split; prepare it with --val-fraction or --val-docs, or set "
+            f"train.eval_every=0"
+        )
     split, _ = open_checked(path, "val", vocab_size)
     stream = Stream(split, np.arange(len(split)))
     tokens, segments = stream.rows(np.arange(rows, dtype=np.int64) * seq_len, seq_len + 1)

@@ -59,8 +59,9 @@ def positions(segment_ids_BS):
     """int32 [B, S]: each token's offset from the start of its segment (runs of equal ids)."""
     B, S = segment_ids_BS.shape
     t_S = jnp.arange(S, dtype=jnp.int32)
-    starts_BS = jnp.concatenate([jnp.ones((B, 1), bool),
-                                 segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]], axis=1)
+    starts_BS = jnp.concatenate(
+        [jnp.ones((B, 1), bool), segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]], axis=1
+    )
     first_BS = jax.lax.cummax(jnp.where(starts_BS, t_S, 0), axis=1)
     return t_S - first_BS
 

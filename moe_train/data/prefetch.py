@@ -20,8 +20,9 @@ JAX's asynchronous dispatch in any case.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 DEPTH = 2  # steps computed ahead: the next step's batch plus one for a slow read
 

@@ -38,12 +38,18 @@ from pathlib import Path
 
 from moe_train.data import (
     DataError,
-    inputs as inputs_mod,
     shards,
-    split as split_mod,
-    tokenizer as tok_mod,
     train_tokenizer,
     verify,
+)
+from moe_train.data import (
+    inputs as inputs_mod,
+)
+from moe_train.data import (
+    split as split_mod,
+)
+from moe_train.data import (
+    tokenizer as tok_mod,
 )
 from moe_train.data.prepared import FORMAT, FORMAT_VERSION
 from moe_train.data.progress import Progress
@@ -88,8 +94,7 @@ class Options:
     def checked(self) -> Options:
         """These options with defaults filled in; a :class:`DataError` for a bad value."""
         if self.split_on not in inputs_mod.SPLIT_ON:
-            raise DataError(f"--split-on {self.split_on!r}: choose one of "
-                            f"{', '.join(inputs_mod.SPLIT_ON)}")
+            raise DataError(f"--split-on {self.split_on!r}: choose one of {', '.join(inputs_mod.SPLIT_ON)}")
         if self.val_fraction is not None and self.val_docs is not None:
             raise DataError("--val-fraction and --val-docs exclude each other; give one")
         fraction = self.val_fraction
@@ -97,18 +102,26 @@ class Options:
             fraction = DEFAULT_VAL_FRACTION
         if fraction is not None and not 0.0 <= fraction < 1.0:
             raise DataError(f"--val-fraction {fraction} is not in [0, 1)")
-        for flag, value, low in (("--val-docs", self.val_docs, 0), ("--workers", self.workers, 0),
-                                 ("--shard-tokens", self.shard_tokens, 1), ("--seed", self.seed, 0),
-                                 ("--eos-id", self.eos_id, 0)):
+        for flag, value, low in (
+            ("--val-docs", self.val_docs, 0),
+            ("--workers", self.workers, 0),
+            ("--shard-tokens", self.shard_tokens, 1),
+            ("--seed", self.seed, 0),
+            ("--eos-id", self.eos_id, 0),
+        ):
             if value is not None and value < low:
                 raise DataError(f"{flag} {value} must be at least {low}")
         if self.train_tokenizer:
             train_tokenizer.check_size(self.train_tokenizer)
         if not self.text_field:
             raise DataError("--text-field is empty; name the field that holds the text")
-        return dataclasses.replace(self, val_fraction=fraction, out=Path(self.out),
-                                   workers=self.workers or default_workers(),
-                                   inputs=tuple(self.inputs))
+        return dataclasses.replace(
+            self,
+            val_fraction=fraction,
+            out=Path(self.out),
+            workers=self.workers or default_workers(),
+            inputs=tuple(self.inputs),
+        )
 
     def val_rule(self) -> split_mod.ValRule:
         if self.val_docs is not None:
@@ -141,16 +154,23 @@ class Summary:
     def lines(self) -> list[str]:
         rate = self.tokenized / self.seconds if self.seconds > 0 else 0.0
         done = "repaired" if self.repaired else "prepared"
-        head = (f"{self.out}: already prepared, every shard verified" if self.already else
-                f"{done} {self.out} in {self.seconds:.1f} s ({rate:,.0f} tokens/s)")
+        head = (
+            f"{self.out}: already prepared, every shard verified"
+            if self.already
+            else f"{done} {self.out} in {self.seconds:.1f} s ({rate:,.0f} tokens/s)"
+        )
         rows = [head] + [f"  rebuilt {r}" for r in self.repaired]
         for name, c in self.splits.items():
             kept = f", {c.kept_shards} kept from an earlier run" if c.kept_shards else ""
-            rows.append(f"  {name}: {c.documents:,} documents, {c.tokens:,} tokens "
-                        f"({self.dtype}), {c.shards} shard{'s' * (c.shards != 1)}{kept}")
-        rows.append(f"  vocabulary: {self.vocab_size:,} tokens ({self.tokenizer}); a run with "
-                    f"--set data.source=prepared --set data.path={self.out} takes "
-                    f"model.vocab_size={self.vocab_size} from its {MANIFEST}")
+            rows.append(
+                f"  {name}: {c.documents:,} documents, {c.tokens:,} tokens "
+                f"({self.dtype}), {c.shards} shard{'s' * (c.shards != 1)}{kept}"
+            )
+        rows.append(
+            f"  vocabulary: {self.vocab_size:,} tokens ({self.tokenizer}); a run with "
+            f"--set data.source=prepared --set data.path={self.out} takes "
+            f"model.vocab_size={self.vocab_size} from its {MANIFEST}"
+        )
         return rows
 
 
@@ -164,12 +184,19 @@ def job_record(opts: Options, tok: tok_mod.TokenizerInfo, files, checked, rule) 
     return {
         **trained,
         "format_version": FORMAT_VERSION,
-        "tokenizer": {"kind": tok.spec.kind, "sha256": tok.sha256,
-                      "config_sha256": tok.config_sha256, "library": tok.library,
-                      "eos_id": tok.eos_id, "vocab_size": tok.vocab_size},
+        "tokenizer": {
+            "kind": tok.spec.kind,
+            "sha256": tok.sha256,
+            "config_sha256": tok.config_sha256,
+            "library": tok.library,
+            "eos_id": tok.eos_id,
+            "vocab_size": tok.vocab_size,
+        },
         "dtype": tok.dtype.name,
-        "inputs": [{"sha256": c.sha256, "size": f.size, "format": f.format, "gzip": f.gzip}
-                   for f, c in zip(files, checked)],
+        "inputs": [
+            {"sha256": c.sha256, "size": f.size, "format": f.format, "gzip": f.gzip}
+            for f, c in zip(files, checked)
+        ],
         "text_field": opts.text_field,
         "split_on": opts.split_on,
         "val": rule.describe(),
@@ -185,24 +212,25 @@ def claim(out: Path, job: dict, allowed: tuple[str, ...] = ()) -> None:
     """Make ``out`` this job's directory, or refuse one that holds another job's output
     (files named in ``allowed``, e.g. the tokenizer this job trained there, may be in it)."""
     if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} is a file; expected a directory (new, empty, or an "
-                        f"earlier run of the same prepare)")
+        raise DataError(
+            f"--out {out} is a file; expected a directory (new, empty, or an earlier run of the same prepare)"
+        )
     job_path = out / JOB_FILE
     if job_path.is_file():
         try:
             old = json.loads(job_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
-            raise DataError(f"{job_path}: unreadable ({err}); delete --out {out} to start "
-                            f"over") from None
+            raise DataError(f"{job_path}: unreadable ({err}); delete --out {out} to start over") from None
         if old != job:
             keys = [k for k in job if not isinstance(old, dict) or old.get(k) != job[k]]
-            raise DataError(f"--out {out} holds a prepare of other inputs or options "
-                            f"({', '.join(keys) or 'format'} differ); use another --out, or "
-                            f"delete it to start over")
+            raise DataError(
+                f"--out {out} holds a prepare of other inputs or options "
+                f"({', '.join(keys) or 'format'} differ); use another --out, or "
+                f"delete it to start over"
+            )
         return
     if out.is_dir() and any(p.name not in allowed for p in out.iterdir()):
-        raise DataError(f"--out {out} is not empty and has no {JOB_FILE}; use a new or "
-                        f"empty directory")
+        raise DataError(f"--out {out} is not empty and has no {JOB_FILE}; use a new or empty directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
         shards.atomic_write(job_path, _dump(job))
@@ -245,41 +273,78 @@ def _check_all(workers: Workers, files, opts: Options, stream) -> list[inputs_mo
     return checked
 
 
-def manifest(opts: Options, tok: tok_mod.TokenizerInfo, files, checked, rule,
-             records: dict[str, list[shards.ShardRecord]]) -> dict:
+def manifest(
+    opts: Options,
+    tok: tok_mod.TokenizerInfo,
+    files,
+    checked,
+    rule,
+    records: dict[str, list[shards.ShardRecord]],
+) -> dict:
     """``DIR/manifest.json``: what the directory holds and how it was made."""
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
-        "tokenizer": {"path": tok.spec.path, "kind": tok.spec.kind, "sha256": tok.sha256,
-                      "config": tok.config_path, "config_sha256": tok.config_sha256,
-                      "library": tok.library, "eos_token": tok.eos_token,
-                      "eos_source": tok.eos_source},
-        "eos_id": tok.eos_id, "vocab_size": tok.vocab_size, "dtype": tok.dtype.name,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tokenizer": {
+            "path": tok.spec.path,
+            "kind": tok.spec.kind,
+            "sha256": tok.sha256,
+            "config": tok.config_path,
+            "config_sha256": tok.config_sha256,
+            "library": tok.library,
+            "eos_token": tok.eos_token,
+            "eos_source": tok.eos_source,
+        },
+        "eos_id": tok.eos_id,
+        "vocab_size": tok.vocab_size,
+        "dtype": tok.dtype.name,
         "byte_order": "little",
         "policy": {
-            "split_on": opts.split_on, "text_field": opts.text_field,
-            "plain_text": ("one document per file" if opts.split_on == "file" else
-                           "documents separated by one or more blank lines"),
+            "split_on": opts.split_on,
+            "text_field": opts.text_field,
+            "plain_text": (
+                "one document per file"
+                if opts.split_on == "file"
+                else "documents separated by one or more blank lines"
+            ),
             "utf8": "strict (an invalid byte is an error)",
             "empty": "documents with no non-whitespace character are skipped",
-            "eos": "appended after every document", "special_tokens": "none added"},
-        "inputs": [{"path": str(f.path), "format": f.format, "gzip": f.gzip, "size": f.size,
-                    "sha256": c.sha256, "documents": c.documents, "empty": c.empty}
-                   for f, c in zip(files, checked)],
+            "eos": "appended after every document",
+            "special_tokens": "none added",
+        },
+        "inputs": [
+            {
+                "path": str(f.path),
+                "format": f.format,
+                "gzip": f.gzip,
+                "size": f.size,
+                "sha256": c.sha256,
+                "documents": c.documents,
+                "empty": c.empty,
+            }
+            for f, c in zip(files, checked)
+        ],
         "val": rule.describe(),
         "shard_tokens": opts.shard_tokens,
-        "splits": {name: {"documents": sum(r.documents for r in rs),
-                          "tokens": sum(r.tokens for r in rs), "shards": len(rs),
-                          "files": [r.to_json(name) for r in rs]}
-                   for name, rs in records.items()},
+        "splits": {
+            name: {
+                "documents": sum(r.documents for r in rs),
+                "tokens": sum(r.tokens for r in rs),
+                "shards": len(rs),
+                "files": [r.to_json(name) for r in rs],
+            }
+            for name, rs in records.items()
+        },
     }
 
 
 def _summary(out: Path, man: dict, **kw) -> Summary:
-    splits = {name: SplitCounts(s["documents"], s["tokens"], s["shards"])
-              for name, s in man["splits"].items()}
-    return Summary(out, splits, man["dtype"], vocab_size=man["vocab_size"],
-                   tokenizer=man["tokenizer"]["path"], **kw)
+    splits = {
+        name: SplitCounts(s["documents"], s["tokens"], s["shards"]) for name, s in man["splits"].items()
+    }
+    return Summary(
+        out, splits, man["dtype"], vocab_size=man["vocab_size"], tokenizer=man["tokenizer"]["path"], **kw
+    )
 
 
 def run(opts: Options, *, log: Callable[[str], None] = print, stream=None) -> Summary:
@@ -288,8 +353,9 @@ def run(opts: Options, *, log: Callable[[str], None] = print, stream=None) -> Su
     opts = opts.checked()
     files = inputs_mod.expand(opts.inputs)
     if opts.train_tokenizer:
-        path = train_tokenizer.ensure(opts.out, files, opts.train_tokenizer, log=log,
-                                      split_on=opts.split_on, text_field=opts.text_field)
+        path = train_tokenizer.ensure(
+            opts.out, files, opts.train_tokenizer, log=log, split_on=opts.split_on, text_field=opts.text_field
+        )
         opts = dataclasses.replace(opts, tokenizer=str(path))
     tok = tok_mod.load(opts.tokenizer, opts.eos_id)
     workers = Workers(opts.workers, tok)
@@ -310,18 +376,22 @@ def run(opts: Options, *, log: Callable[[str], None] = print, stream=None) -> Su
 def _run(opts: Options, tok: tok_mod.TokenizerInfo, files, workers: Workers, stream) -> Summary:
     checked = _check_all(workers, files, opts, stream)
     rule = opts.val_rule().with_count(sum(c.documents for c in checked))
-    claim(opts.out, job_record(opts, tok, files, checked, rule),
-          allowed=(train_tokenizer.FILE,) if opts.train_tokenizer else ())
+    claim(
+        opts.out,
+        job_record(opts, tok, files, checked, rule),
+        allowed=(train_tokenizer.FILE,) if opts.train_tokenizer else (),
+    )
     found = _verified(opts.out)
     if found is not None:
         if not found[1]:
             return _summary(opts.out, found[0], already=True)
         return _repair(opts, tok, (files, checked, rule), workers, *found, stream)
     kept = {name: shards.finished(opts.out / name, tok.dtype) for name in SPLITS}
-    writers = {name: shards.ShardWriter(opts.out / name, tok.dtype, opts.shard_tokens,
-                                        first=len(kept[name])) for name in SPLITS}
-    targets = {name: [(sum(r.documents for r in kept[name]), math.inf, writers[name])]
-               for name in SPLITS}
+    writers = {
+        name: shards.ShardWriter(opts.out / name, tok.dtype, opts.shard_tokens, first=len(kept[name]))
+        for name in SPLITS
+    }
+    targets = {name: [(sum(r.documents for r in kept[name]), math.inf, writers[name])] for name in SPLITS}
     job, seconds = tokenize(opts, (files, checked, rule), workers, targets, stream)
     records = {name: kept[name] + writers[name].records for name in SPLITS}
     man = manifest(opts, tok, files, checked, rule, records)
@@ -332,8 +402,15 @@ def _run(opts: Options, tok: tok_mod.TokenizerInfo, files, workers: Workers, str
     return summary
 
 
-def _repair(opts: Options, tok: tok_mod.TokenizerInfo, inputs: tuple, workers: Workers,
-            man: dict, bad: list[verify.Bad], stream) -> Summary:
+def _repair(
+    opts: Options,
+    tok: tok_mod.TokenizerInfo,
+    inputs: tuple,
+    workers: Workers,
+    man: dict,
+    bad: list[verify.Bad],
+    stream,
+) -> Summary:
     """Rebuild the shards of a finished directory that failed verification, each from its own
     documents (the manifest counts them), and verify them against the manifest again."""
     targets: dict[str, list] = {name: [] for name in SPLITS}
@@ -345,8 +422,10 @@ def _repair(opts: Options, tok: tok_mod.TokenizerInfo, inputs: tuple, workers: W
     job, seconds = tokenize(opts, inputs, workers, targets, stream)
     still = verify.check(opts.out, man, SPLITS)
     if still:
-        raise DataError(f"{verify.describe(still)} after rebuilding it (another tokenizer "
-                        f"library version?); prepare into a new --out")
+        raise DataError(
+            f"{verify.describe(still)} after rebuilding it (another tokenizer "
+            f"library version?); prepare into a new --out"
+        )
     summary = _summary(opts.out, man, seconds=seconds, tokenized=job.tokens)
     summary.repaired = [f"{b.path.relative_to(opts.out)}: {b.why}" for b in bad]
     return summary

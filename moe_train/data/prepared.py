@@ -59,16 +59,19 @@ class Tokens:
             return np.empty(0, self.dtype)
         first = int(np.searchsorted(self._offsets, start, side="right")) - 1
         last = int(np.searchsorted(self._offsets, stop - 1, side="right")) - 1
-        pieces = [self._parts[k][max(start - self._offsets[k], 0):stop - self._offsets[k]]
-                  for k in range(first, last + 1)]
+        pieces = [
+            self._parts[k][max(start - self._offsets[k], 0) : stop - self._offsets[k]]
+            for k in range(first, last + 1)
+        ]
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 class Split:
     """One split (``train`` or ``val``) of a prepared directory."""
 
-    def __init__(self, root: Path, name: str, manifest: dict, shards: list[np.ndarray],
-                 doc_starts: np.ndarray):
+    def __init__(
+        self, root: Path, name: str, manifest: dict, shards: list[np.ndarray], doc_starts: np.ndarray
+    ):
         self.root, self.name, self.manifest = root, name, manifest
         self.eos_id = int(manifest["eos_id"])
         self.vocab_size = int(manifest["vocab_size"])
@@ -88,11 +91,13 @@ class Split:
         """The token ids of document ``d`` (counting from 0 within the split), EOS last."""
         if not 0 <= d < len(self):
             raise IndexError(f"document {d} out of range for {len(self):,} documents")
-        return self.tokens[int(self.doc_starts[d]):int(self.doc_starts[d + 1])]
+        return self.tokens[int(self.doc_starts[d]) : int(self.doc_starts[d + 1])]
 
     def __repr__(self) -> str:
-        return (f"<Split {self.name} of {self.root}: {len(self):,} documents, "
-                f"{self.num_tokens:,} {self.dtype.name} tokens in {len(self.shards)} shards>")
+        return (
+            f"<Split {self.name} of {self.root}: {len(self):,} documents, "
+            f"{self.num_tokens:,} {self.dtype.name} tokens in {len(self.shards)} shards>"
+        )
 
 
 def read_manifest(root: str | Path) -> dict:
@@ -101,15 +106,19 @@ def read_manifest(root: str | Path) -> dict:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise DataError(f"{path} not found: {root} is not a finished prepared corpus (run "
-                        f"python -m moe_train.data prepare, or rerun it to finish)") from None
+        raise DataError(
+            f"{path} not found: {root} is not a finished prepared corpus (run "
+            f"python -m moe_train.data prepare, or rerun it to finish)"
+        ) from None
     except (OSError, ValueError) as err:
         raise DataError(f"{path}: unreadable ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError(f"{path}: not a manifest of python -m moe_train.data prepare")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{path}: format version {manifest.get('format_version')!r}; this kit "
-                        f"reads version {FORMAT_VERSION}; prepare the corpus again")
+        raise DataError(
+            f"{path}: format version {manifest.get('format_version')!r}; this kit "
+            f"reads version {FORMAT_VERSION}; prepare the corpus again"
+        )
     return manifest
 
 
@@ -120,15 +129,19 @@ def _open_shard(root: Path, entry: dict, dtype: np.dtype):
     if idx is None:
         raise DataError(f"{idx_path}: missing or not a shard index; prepare the corpus again")
     size = bin_path.stat().st_size if bin_path.is_file() else -1
-    if (size != entry["tokens"] * dtype.itemsize or int(idx[-1]) != entry["tokens"]
-            or idx.size - 1 != entry["documents"]):
-        raise DataError(f"{bin_path}: does not match the manifest ({entry['tokens']:,} tokens, "
-                        f"{entry['documents']:,} documents expected); prepare the corpus again")
+    if (
+        size != entry["tokens"] * dtype.itemsize
+        or int(idx[-1]) != entry["tokens"]
+        or idx.size - 1 != entry["documents"]
+    ):
+        raise DataError(
+            f"{bin_path}: does not match the manifest ({entry['tokens']:,} tokens, "
+            f"{entry['documents']:,} documents expected); prepare the corpus again"
+        )
     return np.memmap(bin_path, dtype=dtype, mode="r"), idx
 
 
-def open_split(root: str | Path, name: str = "train", *,
-               verify: bool | str = "cached") -> Split:
+def open_split(root: str | Path, name: str = "train", *, verify: bool | str = "cached") -> Split:
     """Split ``name`` of the prepared corpus in ``root`` (memory-mapped, read-only), every
     shard checked against the manifest: ``verify="cached"`` (the default) its sha256 unless
     ``moe_train.data.verify``'s cache holds the file at this size, mtime and inode, ``True`` its
@@ -142,8 +155,10 @@ def open_split(root: str | Path, name: str = "train", *,
     if verify:
         bad = verify_mod.check(root, manifest, [name], trust_cache=verify == "cached")
         if bad:
-            raise DataError(f"{verify_mod.describe(bad)}; rerun the python -m "
-                            f"moe_train.data prepare command of {root} to rebuild it")
+            raise DataError(
+                f"{verify_mod.describe(bad)}; rerun the python -m "
+                f"moe_train.data prepare command of {root} to rebuild it"
+            )
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
     parts, starts, offset = [], [], 0
     for entry in manifest["splits"][name]["files"]:

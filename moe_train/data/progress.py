@@ -33,8 +33,7 @@ def duration(seconds: float) -> str:
     return f"{s}s"
 
 
-def line(phase: str, docs: int, tokens: int, elapsed: float, done_bytes: int,
-         total_bytes: int) -> str:
+def line(phase: str, docs: int, tokens: int, elapsed: float, done_bytes: int, total_bytes: int) -> str:
     """One line, e.g. ``tokenize: 1,200 docs, 3.40M tokens, 1.10M tok/s, 42% of 9.30MB, ETA 9s``."""
     parts = [f"{phase}: {docs:,} docs"]
     if tokens:

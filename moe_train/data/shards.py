@@ -44,9 +44,15 @@ class ShardRecord:
     idx_sha256: str
 
     def to_json(self, split: str) -> dict:
-        return {"name": self.name, "bin": f"{split}/{self.name}.bin",
-                "idx": f"{split}/{self.name}.idx.npy", "documents": self.documents,
-                "tokens": self.tokens, "sha256": self.sha256, "idx_sha256": self.idx_sha256}
+        return {
+            "name": self.name,
+            "bin": f"{split}/{self.name}.bin",
+            "idx": f"{split}/{self.name}.idx.npy",
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "sha256": self.sha256,
+            "idx_sha256": self.idx_sha256,
+        }
 
 
 def fsync_dir(path: Path, *, tolerant: bool = False) -> None:
@@ -110,8 +116,11 @@ def is_complete(split_dir: Path, name: str, dtype: np.dtype) -> bool:
     """Whether shard ``name`` is complete: a valid index whose token count matches the .bin."""
     idx = load_index(split_dir / f"{name}.idx.npy")
     bin_path = split_dir / f"{name}.bin"
-    return (idx is not None and bin_path.is_file()
-            and bin_path.stat().st_size == int(idx[-1]) * np.dtype(dtype).itemsize)
+    return (
+        idx is not None
+        and bin_path.is_file()
+        and bin_path.stat().st_size == int(idx[-1]) * np.dtype(dtype).itemsize
+    )
 
 
 def complete_record(split_dir: Path, name: str, dtype: np.dtype) -> ShardRecord | None:
@@ -120,8 +129,7 @@ def complete_record(split_dir: Path, name: str, dtype: np.dtype) -> ShardRecord 
         return None
     bin_path, idx_path = split_dir / f"{name}.bin", split_dir / f"{name}.idx.npy"
     idx = load_index(idx_path)
-    return ShardRecord(name, int(idx.size - 1), int(idx[-1]), file_sha256(bin_path),
-                       file_sha256(idx_path))
+    return ShardRecord(name, int(idx.size - 1), int(idx[-1]), file_sha256(bin_path), file_sha256(idx_path))
 
 
 def finished(split_dir: Path, dtype: np.dtype) -> list[ShardRecord]:
@@ -180,9 +188,15 @@ class ShardWriter:
         os.replace(self._tmp(".bin"), self.dir / f"{name}.bin")
         index = idx_bytes(np.array(self._starts + [self._tokens], dtype="<i8"))
         atomic_write(self.dir / f"{name}.idx.npy", index)
-        self.records.append(ShardRecord(name, len(self._starts), self._tokens,
-                                        self._hasher.hexdigest(),
-                                        hashlib.sha256(index).hexdigest()))
+        self.records.append(
+            ShardRecord(
+                name,
+                len(self._starts),
+                self._tokens,
+                self._hasher.hexdigest(),
+                hashlib.sha256(index).hexdigest(),
+            )
+        )
         self.next_index += 1
         self._starts, self._tokens = [], 0
 

@@ -66,18 +66,28 @@ class ValRule:
     def describe(self) -> dict:
         """The rule as written to the manifest."""
         if self.docs is not None:
-            return {"rule": "docs", "docs": self.docs, "seed": self.seed,
-                    "hash": "the N smallest splitmix64(splitmix64(seed) ^ index)"}
-        return {"rule": "fraction", "fraction": self.fraction, "seed": self.seed,
-                "hash": "splitmix64(splitmix64(seed) ^ index) < fraction * 2**64"}
+            return {
+                "rule": "docs",
+                "docs": self.docs,
+                "seed": self.seed,
+                "hash": "the N smallest splitmix64(splitmix64(seed) ^ index)",
+            }
+        return {
+            "rule": "fraction",
+            "fraction": self.fraction,
+            "seed": self.seed,
+            "hash": "splitmix64(splitmix64(seed) ^ index) < fraction * 2**64",
+        }
 
     def with_count(self, documents: int) -> ValRule:
         """The rule for a corpus of ``documents`` documents (picks the ``--val-docs`` set)."""
         if self.docs is None:
             return self
         if self.docs > documents:
-            raise DataError(f"--val-docs {self.docs:,} is more than the {documents:,} documents "
-                            f"in the inputs; use a smaller N or --val-fraction")
+            raise DataError(
+                f"--val-docs {self.docs:,} is more than the {documents:,} documents "
+                f"in the inputs; use a smaller N or --val-fraction"
+            )
         chosen = frozenset(smallest(self.seed, documents, self.docs))
         return dataclasses.replace(self, chosen=chosen)
 

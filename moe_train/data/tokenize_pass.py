@@ -15,7 +15,9 @@ import collections
 
 import numpy as np
 
-from moe_train.data import DataError, inputs as inputs_mod, split as split_mod
+from moe_train.data import DataError
+from moe_train.data import inputs as inputs_mod
+from moe_train.data import split as split_mod
 from moe_train.data.progress import Progress
 from moe_train.data.shards import ShardWriter
 from moe_train.data.workers import Workers
@@ -29,8 +31,9 @@ class Pass:
     """Routes documents to splits and ranges, batches them to the workers, writes results in
     order. ``targets``: see the module docstring."""
 
-    def __init__(self, workers: Workers, rule: split_mod.ValRule, targets: dict[str, list],
-                 progress: Progress):
+    def __init__(
+        self, workers: Workers, rule: split_mod.ValRule, targets: dict[str, list], progress: Progress
+    ):
         self.workers, self.rule, self.targets, self.progress = workers, rule, targets, progress
         self.index = 0  # documents seen, over all inputs
         self.seen = dict.fromkeys(SPLITS, 0)  # documents seen per split
@@ -69,7 +72,7 @@ class Pass:
             flat, lengths = future.result()
             ends = np.cumsum(lengths)
             for writer, end, n in zip(routes, ends, lengths):
-                writer.add(flat[end - n:end])
+                writer.add(flat[end - n : end])
             self.docs += len(routes)
             self.tokens += int(ends[-1])
 
@@ -83,8 +86,10 @@ class Pass:
             if count % BATCH_DOCS == 0:
                 self.progress.update(self.docs, self.tokens, self.done_bytes + reader.consumed)
         if count != expected:
-            raise DataError(f"{f.shown}: changed while being prepared ({expected:,} documents "
-                            f"when checked, {count:,} now); run prepare again")
+            raise DataError(
+                f"{f.shown}: changed while being prepared ({expected:,} documents "
+                f"when checked, {count:,} now); run prepare again"
+            )
         self.done_bytes += f.size
 
 

@@ -63,8 +63,9 @@ class TokenizerInfo:
 def token_dtype(vocab_size: int) -> np.dtype:
     """Little-endian ``uint16`` when every id fits (vocab <= 65536), else ``uint32``."""
     if vocab_size > MAX_VOCAB:
-        raise DataError(f"vocabulary of {vocab_size:,} tokens does not fit uint32 token ids "
-                        f"(at most {MAX_VOCAB:,})")
+        raise DataError(
+            f"vocabulary of {vocab_size:,} tokens does not fit uint32 token ids (at most {MAX_VOCAB:,})"
+        )
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
@@ -87,12 +88,16 @@ def locate(tok: str) -> TokenizerSpec:
         elif (p / "tokenizer.model").is_file():
             p = p / "tokenizer.model"
         else:
-            raise DataError(f"--tokenizer {tok}: directory holds no tokenizer.json or "
-                            f"tokenizer.model; expected a Hugging Face tokenizer.json, a "
-                            f"directory holding one, or a SentencePiece .model")
+            raise DataError(
+                f"--tokenizer {tok}: directory holds no tokenizer.json or "
+                f"tokenizer.model; expected a Hugging Face tokenizer.json, a "
+                f"directory holding one, or a SentencePiece .model"
+            )
     elif not p.exists():
-        raise DataError(f"--tokenizer {tok}: not found; expected a Hugging Face tokenizer.json, "
-                        f"a directory holding one, or a SentencePiece .model")
+        raise DataError(
+            f"--tokenizer {tok}: not found; expected a Hugging Face tokenizer.json, "
+            f"a directory holding one, or a SentencePiece .model"
+        )
     kind = "sentencepiece" if p.suffix == ".model" else "huggingface"
     return TokenizerSpec(kind, str(p.resolve()))
 
@@ -115,8 +120,7 @@ def load(tok: str, eos_id: int | None = None) -> TokenizerInfo:
     try:
         backend = load_backend(spec)
     except Exception as err:  # the libraries raise bare Exception / RuntimeError / OSError
-        raise DataError(f"--tokenizer {tok}: cannot load it as a {what} "
-                        f"({_first_line(err)})") from None
+        raise DataError(f"--tokenizer {tok}: cannot load it as a {what} ({_first_line(err)})") from None
     if spec.kind == "sentencepiece":
         vocab = int(backend.get_piece_size())
         library = f"sentencepiece {metadata.version('sentencepiece')}"
@@ -130,16 +134,26 @@ def load(tok: str, eos_id: int | None = None) -> TokenizerInfo:
     else:
         found = _hf_eos(backend, Path(spec.path).parent)
     if found is None:
-        raise DataError(f"--tokenizer {tok}: no EOS token found (no tokenizer_config.json "
-                        f"eos_token, none of {', '.join(EOS_CANDIDATES)}); pass --eos-id N")
+        raise DataError(
+            f"--tokenizer {tok}: no EOS token found (no tokenizer_config.json "
+            f"eos_token, none of {', '.join(EOS_CANDIDATES)}); pass --eos-id N"
+        )
     eid, token, source, config = found
     if not 0 <= eid < vocab:
         raise DataError(f"--eos-id {eid} is not a token id of {tok} (0..{vocab - 1})")
     token_dtype(vocab)
-    return TokenizerInfo(spec=spec, shown=tok, sha256=sha256_file(Path(spec.path)),
-                         config_path=str(config) if config else None,
-                         config_sha256=sha256_file(config) if config else None, library=library,
-                         eos_id=eid, eos_token=token, eos_source=source, vocab_size=vocab)
+    return TokenizerInfo(
+        spec=spec,
+        shown=tok,
+        sha256=sha256_file(Path(spec.path)),
+        config_path=str(config) if config else None,
+        config_sha256=sha256_file(config) if config else None,
+        library=library,
+        eos_id=eid,
+        eos_token=token,
+        eos_source=source,
+        vocab_size=vocab,
+    )
 
 
 def _spm_eos(sp):
@@ -160,15 +174,15 @@ def _hf_eos(tokenizer, folder: Path):
         try:
             eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
         except (OSError, ValueError, AttributeError) as err:
-            raise DataError(f"{config}: not a readable tokenizer_config.json "
-                            f"({_first_line(err)})") from None
+            raise DataError(f"{config}: not a readable tokenizer_config.json ({_first_line(err)})") from None
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str) and eos:
             tid = tokenizer.token_to_id(eos)
             if tid is None:
-                raise DataError(f"{config}: eos_token {eos!r} is not in the tokenizer's "
-                                f"vocabulary; pass --eos-id N")
+                raise DataError(
+                    f"{config}: eos_token {eos!r} is not in the tokenizer's vocabulary; pass --eos-id N"
+                )
             return int(tid), eos, "tokenizer_config.json eos_token", config
     for token in EOS_CANDIDATES:
         tid = tokenizer.token_to_id(token)
@@ -198,6 +212,6 @@ class Encoder:
         ends = np.cumsum(lengths)
         flat = np.empty(int(ends[-1]) if len(ends) else 0, self.dtype)
         for doc, end in zip(ids, ends):
-            flat[end - 1 - len(doc):end - 1] = doc
+            flat[end - 1 - len(doc) : end - 1] = doc
         flat[ends - 1] = self.eos_id
         return flat, lengths

@@ -31,8 +31,8 @@ import dataclasses
 import fcntl
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -72,8 +72,7 @@ def _files(manifest: dict, splits) -> list[_File]:
 
 
 def _entry(st: os.stat_result, sha256: str) -> dict:
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
-            "sha256": sha256}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "sha256": sha256}
 
 
 def _check_one(root: Path, f: _File, cache: dict, seen: dict) -> Bad | None:
@@ -84,8 +83,9 @@ def _check_one(root: Path, f: _File, cache: dict, seen: dict) -> Bad | None:
     except OSError:
         return Bad(f.split, f.shard, path, "missing")
     if f.size is not None and st.st_size != f.size:
-        return Bad(f.split, f.shard, path, f"does not match the manifest ({st.st_size:,} "
-                                           f"bytes, {f.size:,} expected)")
+        return Bad(
+            f.split, f.shard, path, f"does not match the manifest ({st.st_size:,} bytes, {f.size:,} expected)"
+        )
     if cache.get(f.rel) == _entry(st, f.sha256):
         seen[f.rel] = cache[f.rel]
         return None
@@ -94,8 +94,7 @@ def _check_one(root: Path, f: _File, cache: dict, seen: dict) -> Bad | None:
     except OSError as err:
         return Bad(f.split, f.shard, path, f"unreadable ({err.strerror or err})")
     if digest != f.sha256:
-        return Bad(f.split, f.shard, path, "sha256 differs from the manifest (changed in "
-                                           "place or corrupted)")
+        return Bad(f.split, f.shard, path, "sha256 differs from the manifest (changed in place or corrupted)")
     seen[f.rel] = _entry(st, f.sha256)
     return None
 
@@ -107,8 +106,11 @@ def check(root: str | Path, manifest: dict, splits, *, trust_cache: bool = True)
     with _locked(root):
         cache = _load(root)
         seen: dict[str, dict] = {}
-        bad = [b for f in _files(manifest, splits)
-               if (b := _check_one(root, f, cache if trust_cache else {}, seen)) is not None]
+        bad = [
+            b
+            for f in _files(manifest, splits)
+            if (b := _check_one(root, f, cache if trust_cache else {}, seen)) is not None
+        ]
         failed = {str(b.path.relative_to(root)) for b in bad}
         listed = {f.rel for f in _files(manifest, manifest["splits"])}
         merged = {k: v for k, v in {**cache, **seen}.items() if k in listed and k not in failed}
@@ -133,8 +135,7 @@ def _save(root: Path, files: dict[str, dict]) -> None:
     """Write the cache; a directory that cannot be written keeps none (no error)."""
     data = json.dumps({"format": FORMAT, "files": dict(sorted(files.items()))}, indent=1)
     with contextlib.suppress(OSError):
-        shards.atomic_write(root / CACHE, (data + "\n").encode("utf-8"), tolerant=True,
-                            unique=True)
+        shards.atomic_write(root / CACHE, (data + "\n").encode("utf-8"), tolerant=True, unique=True)
 
 
 @contextlib.contextmanager

@@ -39,8 +39,11 @@ class Workers:
         self._encoder = None
         if n > 1:
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                n, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                initargs=(tok.spec, tok.eos_id, tok.dtype.str))
+                n,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(tok.spec, tok.eos_id, tok.dtype.str),
+            )
         else:
             self._encoder = tok_mod.Encoder(tok.spec, tok.eos_id, tok.dtype.str)
 

@@ -53,22 +53,23 @@ from moe_train.parallel import sharding
 from moe_train.train.step import micro_batches
 
 
-def batch_loss(params, fp8_state, moe_state, batch, model: Transformer, cfg: Config,
-               devices: int = 1):
+def batch_loss(params, fp8_state, moe_state, batch, model: Transformer, cfg: Config, devices: int = 1):
     """(sum of the scored tokens' cross-entropies, their count) of one batch, fp32."""
     variables = {"params": params, "moe_state": moe_state}
     if fp8_state:
         variables[FP8_COLLECTION] = fp8_state
     tokens_BS1, segments_BS1 = packing.parts(batch)
     segment_ids_BS = None if segments_BS1 is None else segments_BS1[:, :-1]
-    head, _ = model.apply(variables, packing.model_inputs(tokens_BS1), logits=False,
-                          segment_ids_BS=segment_ids_BS)
+    head, _ = model.apply(
+        variables, packing.model_inputs(tokens_BS1), logits=False, segment_ids_BS=segment_ids_BS
+    )
     labels_BS = packing.next_token_labels(tokens_BS1, segments_BS1)
     B, S, H = head.x_BSH.shape
     V = cfg.model.vocab_size
     chunk = loss.sharded_chunk(B * S, V, devices, cfg.train.loss_chunk)
-    ce, _ = loss.lm_loss(head.x_BSH.reshape(B * S, H), head.head_HV, labels_BS.reshape(-1),
-                         chunk=chunk, logit_scale=head.scale)
+    ce, _ = loss.lm_loss(
+        head.x_BSH.reshape(B * S, H), head.head_HV, labels_BS.reshape(-1), chunk=chunk, logit_scale=head.scale
+    )
     count = jnp.sum((labels_BS >= 0) & (labels_BS < V)).astype(jnp.float32)
     return ce * count, count
 
@@ -107,8 +108,9 @@ def place(batch: Any, mesh: Mesh) -> Any:
     per = rows // count
     local = packing.rows(batch, index * per, (index + 1) * per)
     batch_sh = sharding.batch_sharding(mesh)
-    return jax.tree.map(lambda a: jax.make_array_from_process_local_data(
-        batch_sh, np.ascontiguousarray(a)), local)
+    return jax.tree.map(
+        lambda a: jax.make_array_from_process_local_data(batch_sh, np.ascontiguousarray(a)), local
+    )
 
 
 def evaluate(cfg: Config, mesh: Mesh, params, moe_state, batches, fp8_state=None) -> dict:
@@ -137,7 +139,7 @@ class InRun:
         self.batches, self.description = eval_batches(cfg)  # a DataError: before any write
 
     @classmethod
-    def of(cls, cfg: Config) -> "InRun | None":
+    def of(cls, cfg: Config) -> InRun | None:
         """The run's evaluations, None with ``train.eval_every=0``."""
         return cls(cfg) if cfg.train.eval_every else None
 
@@ -146,19 +148,19 @@ class InRun:
         return n == self.last or n % self.every == 0
 
     def line(self) -> str:
-        return (f"evaluating every {self.every} steps and at step {self.last} on "
-                f"{self.description}, {len(self.batches)} batch(es)")
+        return (
+            f"evaluating every {self.every} steps and at step {self.last} on "
+            f"{self.description}, {len(self.batches)} batch(es)"
+        )
 
     def __call__(self, cfg: Config, mesh: Mesh, state) -> dict:
         """``evaluate`` of a train state, with the seconds it took (``eval_s``)."""
         t0 = time.perf_counter()
-        out = evaluate(cfg, mesh, state.params, state.moe_state, self.batches,
-                       fp8_state=state.fp8_state)
+        out = evaluate(cfg, mesh, state.params, state.moe_state, self.batches, fp8_state=state.fp8_state)
         return {**out, "eval_s": time.perf_counter() - t0}
 
 
-def eval_config(saved: Config, data_dir: str, *, devices: int, batch_size: int,
-                tokens: int) -> Config:
+def eval_config(saved: Config, data_dir: str, *, devices: int, batch_size: int, tokens: int) -> Config:
     """The weights' config set up to evaluate on ``data_dir``'s val split on ``devices``."""
     t, d, p = saved.train, saved.data, saved.parallel
     rows = batch_size or devices * max(1, 8 // devices)
@@ -166,18 +168,32 @@ def eval_config(saved: Config, data_dir: str, *, devices: int, batch_size: int,
     cfg = dataclasses.replace(
         saved,
         data=dataclasses.replace(d, source="prepared", path=data_dir),
-        train=dataclasses.replace(t, batch_size=rows, micro_batches=1, micro_batch_size=0,
-                                  eval_tokens=tokens or t.eval_tokens, init_from=""),
+        train=dataclasses.replace(
+            t,
+            batch_size=rows,
+            micro_batches=1,
+            micro_batch_size=0,
+            eval_tokens=tokens or t.eval_tokens,
+            init_from="",
+        ),
         parallel=dataclasses.replace(p, devices=devices, ep=1, dp=0, cluster=""),
-        precision=dataclasses.replace(saved.precision, compute=compute))
+        precision=dataclasses.replace(saved.precision, compute=compute),
+    )
     config.validate(cfg)
     if rows % devices:
         raise ConfigError(f"--batch-size {rows} must be a multiple of the {devices} devices")
     return cfg
 
 
-def evaluate_weights(path: str, data_dir: str, *, devices: int = 0, batch_size: int = 0,
-                     tokens: int = 0, trust_unverified: bool = False) -> dict:
+def evaluate_weights(
+    path: str,
+    data_dir: str,
+    *,
+    devices: int = 0,
+    batch_size: int = 0,
+    tokens: int = 0,
+    trust_unverified: bool = False,
+) -> dict:
     """{"eval_loss", "eval_ppl", "eval_tokens", "data"} of the weights at ``path`` (a step
     without a manifest is refused unless ``trust_unverified``)."""
     from moe_train.convert import weights
@@ -186,8 +202,9 @@ def evaluate_weights(path: str, data_dir: str, *, devices: int = 0, batch_size: 
 
     source = weights.locate(path)
     devs = pick_devices(devices)
-    cfg = eval_config(weights.config_of(source), data_dir, devices=len(devs),
-                      batch_size=batch_size, tokens=tokens)
+    cfg = eval_config(
+        weights.config_of(source), data_dir, devices=len(devs), batch_size=batch_size, tokens=tokens
+    )
     batches, description = eval_batches(cfg)  # a DataError (ConfigError) before any restore
     mesh = sharding.make_mesh(devs)
     params, moe_state = weights.restore(source, cfg, mesh, trust_unverified)

@@ -27,30 +27,44 @@ from moe_train.train import signals
 
 
 def main(argv: list[str] | None = None) -> int:
-    return weights_cli(argv, prog="python -m moe_train.eval",
-                       description="Held-out loss and perplexity of saved weights.",
-                       ckpt=("RUN_OR_CKPT", "run directory, step or converted checkpoint"),
-                       options=_options, run=_run)
+    return weights_cli(
+        argv,
+        prog="python -m moe_train.eval",
+        description="Held-out loss and perplexity of saved weights.",
+        ckpt=("RUN_OR_CKPT", "run directory, step or converted checkpoint"),
+        options=_options,
+        run=_run,
+    )
 
 
 def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, metavar="DIR", help="a prepared corpus (its val split)")
-    p.add_argument("--tokens", type=int, default=0,
-                   help="held-out tokens to score (default: the run's train.eval_tokens, or 64 "
-                        "sequences)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=0,
+        help="held-out tokens to score (default: the run's train.eval_tokens, or 64 sequences)",
+    )
     p.add_argument("--batch-size", type=int, default=0, help="sequences per batch (default 8)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _run(args: argparse.Namespace) -> int:
-    out = evaluate_weights(args.ckpt, args.data, devices=args.devices,
-                           batch_size=args.batch_size, tokens=args.tokens,
-                           trust_unverified=args.trust_unverified)
+    out = evaluate_weights(
+        args.ckpt,
+        args.data,
+        devices=args.devices,
+        batch_size=args.batch_size,
+        tokens=args.tokens,
+        trust_unverified=args.trust_unverified,
+    )
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"eval_loss {out['eval_loss']:.6f}  eval_ppl {out['eval_ppl']:.4f}  "
-              f"({out['eval_tokens']} tokens of {out['data']})")
+        print(
+            f"eval_loss {out['eval_loss']:.6f}  eval_ppl {out['eval_ppl']:.4f}  "
+            f"({out['eval_tokens']} tokens of {out['data']})"
+        )
     return signals.EXIT_OK
 
 

@@ -39,8 +39,9 @@ import json
 import os
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 
@@ -66,8 +67,10 @@ class Context:
         a TPU admits one process at a time, and this one holds it."""
         if self.platform != "tpu":
             return ""
-        return ("a TPU admits one process at a time and this check holds it: run "
-                "`python -m moe_train --preset tiny` on its own")
+        return (
+            "a TPU admits one process at a time and this check holds it: run "
+            "`python -m moe_train --preset tiny` on its own"
+        )
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -127,8 +130,10 @@ def run_section(sec: Section, ctx_of: Callable[[float], Context]) -> dict[str, A
 def write(out_dir: Path, results: dict[str, Any], markdown: str) -> None:
     """results.json and results.md, each replaced atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in (("results.json", json.dumps(results, indent=1, default=str) + "\n"),
-                       ("results.md", markdown)):
+    for name, text in (
+        ("results.json", json.dumps(results, indent=1, default=str) + "\n"),
+        ("results.md", markdown),
+    ):
         tmp = out_dir / f".{name}.tmp"
         tmp.write_text(text)
         os.replace(tmp, out_dir / name)

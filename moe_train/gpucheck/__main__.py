@@ -10,8 +10,19 @@ from pathlib import Path
 
 from moe_train.gpucheck import Context, Section, budget_scale, failed, run_section, write
 
-SECTION_NAMES = ("env", "gemm_numerics", "gemm_speed", "attention", "fp8", "training", "ep",
-                 "overlap", "gpu_tests", "compute", "compile")
+SECTION_NAMES = (
+    "env",
+    "gemm_numerics",
+    "gemm_speed",
+    "attention",
+    "fp8",
+    "training",
+    "ep",
+    "overlap",
+    "gpu_tests",
+    "compute",
+    "compile",
+)
 
 
 def sections() -> list[Section]:
@@ -19,29 +30,36 @@ def sections() -> list[Section]:
     section leaves unused goes to the next, so the whole run stays within the sum)."""
     from moe_train.gpucheck import calibrate, compiled, kernels, overlap, runs
 
-    return [Section("env", "Environment", 5, kernels.environment),
-            Section("gemm_numerics", "Grouped GEMM numerics (bf16 vs fp32 reference)", 70,
-                    kernels.gemm_numerics),
-            Section("gemm_speed", "Grouped GEMM speed (vs dense bf16)", 55, kernels.gemm_speed),
-            Section("attention", "Attention implementations", 30, kernels.attention),
-            Section("fp8", "fp8 projections and loss band", 55, kernels.fp8),
-            Section("training", "Training per backend", 130, runs.training),
-            Section("ep", "Expert parallelism", 50, runs.expert_parallel),
-            Section("overlap", "Overlap chunks and fp8 dispatch, with a profile", 50,
-                    overlap.section),
-            Section("gpu_tests", "GPU-marked tests", 45, runs.gpu_tests),
-            Section("compute", "Compute calibration for make plan", 10, calibrate.section),
-            Section("compile", "make compile's deviceless XLA:GPU compile vs this GPU's", 60,
-                    compiled.section)]
+    return [
+        Section("env", "Environment", 5, kernels.environment),
+        Section("gemm_numerics", "Grouped GEMM numerics (bf16 vs fp32 reference)", 70, kernels.gemm_numerics),
+        Section("gemm_speed", "Grouped GEMM speed (vs dense bf16)", 55, kernels.gemm_speed),
+        Section("attention", "Attention implementations", 30, kernels.attention),
+        Section("fp8", "fp8 projections and loss band", 55, kernels.fp8),
+        Section("training", "Training per backend", 130, runs.training),
+        Section("ep", "Expert parallelism", 50, runs.expert_parallel),
+        Section("overlap", "Overlap chunks and fp8 dispatch, with a profile", 50, overlap.section),
+        Section("gpu_tests", "GPU-marked tests", 45, runs.gpu_tests),
+        Section("compute", "Compute calibration for make plan", 10, calibrate.section),
+        Section("compile", "make compile's deviceless XLA:GPU compile vs this GPU's", 60, compiled.section),
+    ]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m moe_train.gpucheck",
-                                 description="What works on this GPU node, and how fast.")
-    ap.add_argument("--out", type=Path, default=Path("runs/gpucheck"),
-                    help="results go to OUT/<UTC>/results.{json,md} (default: runs/gpucheck)")
-    ap.add_argument("--only", default=",".join(SECTION_NAMES),
-                    help=f"comma-separated sections (default: all of {', '.join(SECTION_NAMES)})")
+    ap = argparse.ArgumentParser(
+        prog="python -m moe_train.gpucheck", description="What works on this GPU node, and how fast."
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/gpucheck"),
+        help="results go to OUT/<UTC>/results.{json,md} (default: runs/gpucheck)",
+    )
+    ap.add_argument(
+        "--only",
+        default=",".join(SECTION_NAMES),
+        help=f"comma-separated sections (default: all of {', '.join(SECTION_NAMES)})",
+    )
     args = ap.parse_args(argv)
     args.only = [s for s in args.only.split(",") if s]
     bad = sorted(set(args.only) - set(SECTION_NAMES))
@@ -67,22 +85,38 @@ def main(argv: list[str] | None = None) -> int:
     stamp = utc_stamp()
     out_dir = args.out / stamp
     platform, count = jax.default_backend(), len(jax.devices())
-    results = {"created_utc": stamp, "platform": platform, "device_kind": jax.devices()[0].device_kind,
-               "devices": count, "sections": []}
+    results = {
+        "created_utc": stamp,
+        "platform": platform,
+        "device_kind": jax.devices()[0].device_kind,
+        "devices": count,
+        "sections": [],
+    }
     t0, scale, spare = time.perf_counter(), budget_scale(platform), 0.0
     for sec in (s for s in sections() if s.name in args.only):
         budget = sec.budget_s * scale + spare  # with what the sections before left unused
         print(f"[gpu-check] {sec.name}: {sec.title} (budget {budget:.0f} s)", flush=True)
-        res = run_section(sec, lambda _: Context(
-            platform, count, out_dir, time.perf_counter() + budget,
-            results["device_kind"], tuple(results["sections"])))
+        res = run_section(
+            sec,
+            lambda _: Context(
+                platform,
+                count,
+                out_dir,
+                time.perf_counter() + budget,
+                results["device_kind"],
+                tuple(results["sections"]),
+            ),
+        )
         res["budget_s"] = budget
         spare = max(0.0, budget - res["seconds"])
         results["sections"].append(res)
         results["wall_s"] = time.perf_counter() - t0
         write(out_dir, results, markdown(results))
-        print(f"[gpu-check] {sec.name}: {res['status']} in {res['seconds']:.1f} s"
-              + (f" ({res['reason']})" if res.get("reason") else ""), flush=True)
+        print(
+            f"[gpu-check] {sec.name}: {res['status']} in {res['seconds']:.1f} s"
+            + (f" ({res['reason']})" if res.get("reason") else ""),
+            flush=True,
+        )
     print(markdown(results), flush=True)
     print(f"results: {out_dir}", flush=True)
     return 1 if failed(results) else 0

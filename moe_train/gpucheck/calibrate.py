@@ -38,10 +38,11 @@ def square_matmul_flops_per_s(n: int = SQUARE, reps: int = REPS, chain: int = CH
     import jax.numpy as jnp
 
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16) * (n ** -0.5)  # |c| stays ~1
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16) * (n**-0.5)  # |c| stays ~1
 
     def step(_, c):
         return jnp.dot(c, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
     f = jax.jit(lambda a: jax.lax.fori_loop(0, chain, step, a))
     f(a).block_until_ready()
     best = float("inf")
@@ -49,29 +50,36 @@ def square_matmul_flops_per_s(n: int = SQUARE, reps: int = REPS, chain: int = CH
         t0 = time.perf_counter()
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    return 2.0 * n ** 3 * chain / best
+    return 2.0 * n**3 * chain / best
 
 
 def grouped_rate(earlier: tuple[dict[str, Any], ...]) -> tuple[float, str] | None:
     """(useful FLOP/s, what ran) of the gemm_speed section's fastest passing fwd+bwd row under
     uniform routing: its useful expert FLOPs over its time. (Not its ratio to the section's
     dense GEMM chain: on an H200 mgpu ran at 0.64x that chain, which is no GEMM peak.)"""
-    rows = [r for r in _section(earlier, "gemm_speed").get("rows", [])
-            if r.get("status") == PASS and r.get("mode") == "fwd+bwd"
-            and r.get("routing") == "uniform" and r.get("useful_flops") and r.get("time_ms")]
+    rows = [
+        r
+        for r in _section(earlier, "gemm_speed").get("rows", [])
+        if r.get("status") == PASS
+        and r.get("mode") == "fwd+bwd"
+        and r.get("routing") == "uniform"
+        and r.get("useful_flops")
+        and r.get("time_ms")
+    ]
     if not rows:
         return None
     best = max(rows, key=lambda r: r["useful_flops"] / r["time_ms"])
-    return (best["useful_flops"] / (best["time_ms"] / 1e3),
-            f"{best['backend']} grouped GEMM fwd+bwd, {best.get('model', '')} experts, uniform routing")
+    return (
+        best["useful_flops"] / (best["time_ms"] / 1e3),
+        f"{best['backend']} grouped GEMM fwd+bwd, {best.get('model', '')} experts, uniform routing",
+    )
 
 
 def _section(earlier: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
     return next((sec for sec in earlier if sec.get("name") == name), {})
 
 
-def attention_rate(earlier: tuple[dict[str, Any], ...],
-                   platform: str) -> tuple[float, str] | None:
+def attention_rate(earlier: tuple[dict[str, Any], ...], platform: str) -> tuple[float, str] | None:
     """(model FLOP/s, what ran) of the attention row of the implementation ``auto`` picks on
     ``platform`` for the section's problem; None when it did not pass or was not timed."""
     from moe_train.model import attention
@@ -80,37 +88,58 @@ def attention_rate(earlier: tuple[dict[str, Any], ...],
     p = sec.get("problem")
     if not p:
         return None
-    name, _ = attention.resolve("auto", platform=platform, dtype=p["dtype"],
-                                head_dim=p["head_dim"], v_head_dim=p["v_head_dim"],
-                                seq_len=p["seq_len"])
-    row = next((r for r in sec.get("rows", []) if r.get("implementation") == name
-                and r.get("status") == PASS and r.get("time_ms")), None)
+    name, _ = attention.resolve(
+        "auto",
+        platform=platform,
+        dtype=p["dtype"],
+        head_dim=p["head_dim"],
+        v_head_dim=p["v_head_dim"],
+        seq_len=p["seq_len"],
+    )
+    row = next(
+        (
+            r
+            for r in sec.get("rows", [])
+            if r.get("implementation") == name and r.get("status") == PASS and r.get("time_ms")
+        ),
+        None,
+    )
     if row is None:
         return None
     # forward: B S^2 N (Dqk + Dv) (QK^T and AV, halved by the causal mask); x3 with backward
     flops = 3.0 * p["batch"] * p["seq_len"] ** 2 * p["heads"] * (p["head_dim"] + p["v_head_dim"])
-    return flops / (row["time_ms"] / 1e3), (f"{name} causal attention fwd+bwd, S {p['seq_len']}, "
-                                            f"{p['heads']} heads of {p['head_dim']}, {p['dtype']}")
+    return flops / (row["time_ms"] / 1e3), (
+        f"{name} causal attention fwd+bwd, S {p['seq_len']}, "
+        f"{p['heads']} heads of {p['head_dim']}, {p['dtype']}"
+    )
 
 
 def fp8_rate(earlier: tuple[dict[str, Any], ...]) -> tuple[float, str] | None:
     """(FLOP/s, what ran) of the fastest passing fp8 projection with fp8 GEMMs in its HLO."""
-    rows = [r for r in _section(earlier, "fp8").get("rows", [])
-            if r.get("status") == PASS and (r.get("fp8_gemm_calls") or r.get("fp8_dots"))
-            and r.get("time_ms")
-            and r.get("shape")]
+    rows = [
+        r
+        for r in _section(earlier, "fp8").get("rows", [])
+        if r.get("status") == PASS
+        and (r.get("fp8_gemm_calls") or r.get("fp8_dots"))
+        and r.get("time_ms")
+        and r.get("shape")
+    ]
     if not rows:
         return None
     best = min(rows, key=lambda r: r["time_ms"] / math.prod(r["shape"]))
     M, H, F = best["shape"]
-    return (6.0 * M * H * F / (best["time_ms"] / 1e3),
-            f"{best['backend']} fp8 projection fwd+bwd, {M}x{H}x{F}")
+    return (
+        6.0 * M * H * F / (best["time_ms"] / 1e3),
+        f"{best['backend']} fp8 projection fwd+bwd, {M}x{H}x{F}",
+    )
 
 
 def file_text(measured: dict[str, float], why: dict[str, str], base: compute.Compute) -> str:
     """A compute file: ``measured`` fields (with ``why``) over ``base``'s values."""
-    lines = ["# Written by make gpu-check from its measurements; other fields are the shipped "
-             "defaults.", "[compute]"]
+    lines = [
+        "# Written by make gpu-check from its measurements; other fields are the shipped defaults.",
+        "[compute]",
+    ]
     values = {k: measured.get(k, getattr(base, k)) for k in compute.FIELDS}
     lines += [f"{k} = {min(1.0, max(1e-6, v)):.4f}" for k, v in values.items()]
     lines += ["", "[compute.source]"]
@@ -120,45 +149,55 @@ def file_text(measured: dict[str, float], why: dict[str, str], base: compute.Com
     return "\n".join(lines) + "\n"
 
 
-def _measured_rates(ctx: Context, peak: float, measured: dict[str, float],
-                    why: dict[str, str]) -> None:
+def _measured_rates(ctx: Context, peak: float, measured: dict[str, float], why: dict[str, str]) -> None:
     """The attention and fp8 shares from the earlier sections' timings, where they ran."""
     found = attention_rate(ctx.earlier, ctx.platform)
     if found:
         rate, what = found
         measured["attention_efficiency"] = rate / peak
-        why["attention_efficiency"] = (f"gpu-check: {what} at {rate / 1e12:.0f} model TFLOP/s "
-                                       f"of {peak / 1e12:.0f}")
+        why["attention_efficiency"] = (
+            f"gpu-check: {what} at {rate / 1e12:.0f} model TFLOP/s of {peak / 1e12:.0f}"
+        )
     fp8_peak = peaks.peak_flops(ctx.device_kind, "fp8")
     found = fp8_rate(ctx.earlier) if fp8_peak else None
     if found:
         rate, what = found
         measured["fp8_gemm_efficiency"] = rate / fp8_peak
-        why["fp8_gemm_efficiency"] = (f"gpu-check: {what} at {rate / 1e12:.0f} of "
-                                      f"{fp8_peak / 1e12:.0f} TFLOP/s fp8")
+        why["fp8_gemm_efficiency"] = (
+            f"gpu-check: {what} at {rate / 1e12:.0f} of {fp8_peak / 1e12:.0f} TFLOP/s fp8"
+        )
 
 
 def section(ctx: Context) -> dict[str, Any]:
     """Measure, then write ``<out>/compute.toml`` (PASS) or say why not (SKIP)."""
     peak = peaks.peak_flops(ctx.device_kind, "bfloat16") if ctx.on_gpu else None
     if peak is None:
-        return skip(f"no dense bf16 peak for {ctx.platform} {ctx.device_kind!r} "
-                    "(topology.peaks): nothing to divide by")
+        return skip(
+            f"no dense bf16 peak for {ctx.platform} {ctx.device_kind!r} "
+            "(topology.peaks): nothing to divide by"
+        )
     rate = square_matmul_flops_per_s()
     measured = {"gemm_efficiency": rate / peak}
-    why = {"gemm_efficiency": f"gpu-check: {SQUARE}^3 bf16 matmul at {rate / 1e12:.0f} of "
-                              f"{peak / 1e12:.0f} TFLOP/s on {ctx.device_kind}"}
+    why = {
+        "gemm_efficiency": f"gpu-check: {SQUARE}^3 bf16 matmul at {rate / 1e12:.0f} of "
+        f"{peak / 1e12:.0f} TFLOP/s on {ctx.device_kind}"
+    }
     found = grouped_rate(ctx.earlier)
     if found:
         grouped, what = found
         measured["grouped_gemm_efficiency"] = grouped / peak
-        why["grouped_gemm_efficiency"] = (f"gpu-check: {what} at {grouped / 1e12:.0f} of "
-                                          f"{peak / 1e12:.0f} TFLOP/s")
+        why["grouped_gemm_efficiency"] = (
+            f"gpu-check: {what} at {grouped / 1e12:.0f} of {peak / 1e12:.0f} TFLOP/s"
+        )
     _measured_rates(ctx, peak, measured, why)
     path = Path(ctx.out_dir) / "compute.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(file_text(measured, why, compute.load()))
     compute.load(path)  # what it wrote reads back
-    return {"status": PASS, "reason": "", "file": str(path), "tflops_square": rate / 1e12,
-            "rows": [{"field": k, "value": v, "status": PASS, "source": why[k]}
-                     for k, v in measured.items()]}
+    return {
+        "status": PASS,
+        "reason": "",
+        "file": str(path),
+        "tflops_square": rate / 1e12,
+        "rows": [{"field": k, "value": v, "status": PASS, "source": why[k]} for k, v in measured.items()],
+    }

@@ -23,9 +23,19 @@ from typing import Any
 
 from moe_train.gpucheck import FAIL, PASS, Context, skip
 
-JOB = ("mixtral-8x7b", ["model.num_layers=1", "train.batch_size=2", "train.micro_batch_size=1",
-                        "parallel.devices=1", "train.skip_selftest=true", "train.log_every=1000",
-                        "train.checkpoint_every=0", "train.checkpoint_minutes=0"])
+JOB = (
+    "mixtral-8x7b",
+    [
+        "model.num_layers=1",
+        "train.batch_size=2",
+        "train.micro_batch_size=1",
+        "parallel.devices=1",
+        "train.skip_selftest=true",
+        "train.log_every=1000",
+        "train.checkpoint_every=0",
+        "train.checkpoint_minutes=0",
+    ],
+)
 STEPS = 3
 MEM_RTOL = 0.10  # deviceless vs on-device compile, each memory field
 CHILD_MEM_FRACTION = "0.7"  # of the GPU, for the trainer run (its state is ~27 GB)
@@ -50,15 +60,15 @@ def _deviceless(name: str) -> dict[str, int]:
     from topology import targets
 
     target = targets.load(name)
-    devices = list(topologies.get_topology_desc(target.name, "cuda", target_config=target.text,
-                                                topology="1x1x1").devices)
+    devices = list(
+        topologies.get_topology_desc(target.name, "cuda", target_config=target.text, topology="1x1x1").devices
+    )
     cfg = config.for_devices(config.build(JOB[0], JOB[1]), 1)
     cfg, _ = kernels.choose(cfg, target, devices)
     mesh = layout.build(cfg, devices).mesh
     plan = next(iter(stepper.ep_plans(cfg, mesh)))
     mem = lower.compile_one(cfg, mesh, plan, target, devices).memory
-    return {"argument": mem.argument, "temp": mem.temp, "output": mem.output - mem.alias,
-            "peak": mem.peak}
+    return {"argument": mem.argument, "temp": mem.temp, "output": mem.output - mem.alias, "peak": mem.peak}
 
 
 def _on_device(ctx: Context) -> tuple[dict[str, int] | None, int | None, str]:
@@ -80,9 +90,12 @@ def _on_device(ctx: Context) -> tuple[dict[str, int] | None, int | None, str]:
     if run["rc"] != 0 or not recs or "compiled_peak_bytes" not in recs[0]:
         return None, None, f"trainer exit {run['rc']}: {' | '.join(run['tail'])}"
     first = recs[0]
-    mem = {"argument": first["compiled_argument_bytes"], "temp": first["compiled_temp_bytes"],
-           "output": first["compiled_output_bytes"] - first["compiled_alias_bytes"],
-           "peak": first["compiled_peak_bytes"]}
+    mem = {
+        "argument": first["compiled_argument_bytes"],
+        "temp": first["compiled_temp_bytes"],
+        "output": first["compiled_output_bytes"] - first["compiled_alias_bytes"],
+        "peak": first["compiled_peak_bytes"],
+    }
     peaks = [r["device_peak_bytes"] for r in recs if r.get("device_peak_bytes")]
     return mem, (max(peaks) if peaks else None), ""
 
@@ -103,13 +116,24 @@ def section(ctx: Context) -> dict[str, Any]:
     for f in FIELDS:
         ratio = sim[f] / real[f] if real[f] else None
         ok = ratio is not None and abs(ratio - 1) <= MEM_RTOL or sim[f] == real[f]
-        rows.append({"field": f, "deviceless_gib": sim[f] / 2**30, "on_device_gib": real[f] / 2**30,
-                     "ratio": ratio, "status": PASS if ok else FAIL,
-                     "reason": "" if ok else f"deviceless/on-device {ratio} outside 1 +- {MEM_RTOL}"})
+        rows.append(
+            {
+                "field": f,
+                "deviceless_gib": sim[f] / 2**30,
+                "on_device_gib": real[f] / 2**30,
+                "ratio": ratio,
+                "status": PASS if ok else FAIL,
+                "reason": "" if ok else f"deviceless/on-device {ratio} outside 1 +- {MEM_RTOL}",
+            }
+        )
     bad = [r["reason"] for r in rows if r["status"] == FAIL]
-    return {"status": FAIL if bad else PASS, "reason": "; ".join(bad), "rows": rows,
-            "job": f"{JOB[0]} {' '.join(JOB[1])}", "target": name,
-            "deviceless_compile_s": round(time.perf_counter() - t0, 1),
-            "device_peak_gib": None if device_peak is None else device_peak / 2**30,
-            "device_peak_over_compiled": (None if device_peak is None
-                                          else device_peak / real["peak"])}
+    return {
+        "status": FAIL if bad else PASS,
+        "reason": "; ".join(bad),
+        "rows": rows,
+        "job": f"{JOB[0]} {' '.join(JOB[1])}",
+        "target": name,
+        "deviceless_compile_s": round(time.perf_counter() - t0, 1),
+        "device_peak_gib": None if device_peak is None else device_peak / 2**30,
+        "device_peak_over_compiled": (None if device_peak is None else device_peak / real["peak"]),
+    }

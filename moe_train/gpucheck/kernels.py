@@ -27,10 +27,14 @@ GROUPED = ("tiled", "ragged_dot", "mgpu", "te")
 # name: (tokens, hidden, ffn, experts, top_k) on a GPU / without one
 # (DeepSeek-like keeps V3's expert shape and top-8 with 32 of its 256 experts: the fp32
 # reference and the gradients of all 256 would need ~135 GB; make bench-gpu times all 256.)
-SHAPES = {"gpu": {"mixtral-like": (512, 4096, 14336, 8, 2), "deepseek-like": (256, 7168, 2048, 32, 8)},
-          "cpu": {"mixtral-like": (64, 64, 128, 8, 2), "deepseek-like": (64, 64, 64, 16, 4)}}
-ATTENTION = {"gpu": checks.AttentionProblem(1, 4096, 32, 8, 128, 128, "bfloat16"),
-             "cpu": checks.AttentionProblem(1, 256, 4, 2, 32, 32, "float32")}
+SHAPES = {
+    "gpu": {"mixtral-like": (512, 4096, 14336, 8, 2), "deepseek-like": (256, 7168, 2048, 32, 8)},
+    "cpu": {"mixtral-like": (64, 64, 128, 8, 2), "deepseek-like": (64, 64, 64, 16, 4)},
+}
+ATTENTION = {
+    "gpu": checks.AttentionProblem(1, 4096, 32, 8, 128, 128, "bfloat16"),
+    "cpu": checks.AttentionProblem(1, 256, 4, 2, 32, 32, "float32"),
+}
 FP8_SHAPE = {"gpu": (4096, 4096, 4096), "cpu": (64, 128, 128)}
 TIME_REPS = 5
 
@@ -61,8 +65,9 @@ def _te() -> dict[str, Any]:
     err = precision_te._import_error()
     if err:
         return {"imports": False, "error": err}
-    recipes = {r: precision_te.unavailable_reason(r) or "supported"
-               for r in precision_te.MIN_COMPUTE_CAPABILITY}
+    recipes = {
+        r: precision_te.unavailable_reason(r) or "supported" for r in precision_te.MIN_COMPUTE_CAPABILITY
+    }
     return {"imports": True, "version": _version("transformer_engine"), "recipes": recipes}
 
 
@@ -73,17 +78,26 @@ def environment(ctx: Context) -> dict[str, Any]:
     dev = jax.devices()[0]
     stats = dev.memory_stats() or {}
     driver, total = _nvml() if ctx.on_gpu else (None, None)
-    info = {"platform": ctx.platform, "device_kind": dev.device_kind, "devices": ctx.device_count,
-            "sm_count": getattr(dev, "core_count", None),
-            "compute_capability": getattr(dev, "compute_capability", None),
-            "memory_bytes": total,  # the GPU's (NVML); JAX's allocator may take a share of it
-            "allocator_limit_bytes": stats.get("bytes_limit"), "driver": driver,
-            "jax": jax.__version__, "jaxlib": _version("jaxlib"),
-            "xla_platform_version": str(getattr(dev.client, "platform_version", "")),
-            "cudnn": gpu_facts().get("cudnn"), "python": host_platform.python_version(),
-            "packages": {p: _version(p) for p in ("flax", "optax", "orbax-checkpoint",
-                                                  "nvidia-ml-py", "submitit", "pytest")},
-            "transformer_engine": _te() if ctx.on_gpu else {"imports": False, "error": "no GPU"}}
+    info = {
+        "platform": ctx.platform,
+        "device_kind": dev.device_kind,
+        "devices": ctx.device_count,
+        "sm_count": getattr(dev, "core_count", None),
+        "compute_capability": getattr(dev, "compute_capability", None),
+        "memory_bytes": total,  # the GPU's (NVML); JAX's allocator may take a share of it
+        "allocator_limit_bytes": stats.get("bytes_limit"),
+        "driver": driver,
+        "jax": jax.__version__,
+        "jaxlib": _version("jaxlib"),
+        "xla_platform_version": str(getattr(dev.client, "platform_version", "")),
+        "cudnn": gpu_facts().get("cudnn"),
+        "python": host_platform.python_version(),
+        "packages": {
+            p: _version(p)
+            for p in ("flax", "optax", "orbax-checkpoint", "nvidia-ml-py", "submitit", "pytest")
+        },
+        "transformer_engine": _te() if ctx.on_gpu else {"imports": False, "error": "no GPU"},
+    }
     if not ctx.on_gpu:
         return {"status": PASS, "reason": f"no GPU: jax.default_backend() is {ctx.platform!r}", **info}
     missing = [k for k in ("sm_count", "compute_capability", "memory_bytes", "driver") if not info[k]]
@@ -126,8 +140,15 @@ def gemm_numerics(ctx: Context) -> dict[str, Any]:
                 p = checks.GemmProblem(T, H, F, E, K, "bfloat16", routing)
                 t0 = time.perf_counter()  # the first routing's includes the compilations
                 res = checks.check_gemm(backend, p, cand=cand)
-                rows.append(_result_row(res, shape=shape, backend=backend, routing=routing,
-                                        seconds=round(time.perf_counter() - t0, 2)))
+                rows.append(
+                    _result_row(
+                        res,
+                        shape=shape,
+                        backend=backend,
+                        routing=routing,
+                        seconds=round(time.perf_counter() - t0, 2),
+                    )
+                )
     checks._expert_weights.cache_clear()  # give the device memory back to the next sections
     return verdict(rows, dtype="bfloat16", tolerance=checks.TOLERANCE["bfloat16"])
 
@@ -144,14 +165,25 @@ def gemm_speed(ctx: Context) -> dict[str, Any]:
             continue
         for r in gpu.gemm_rows(model, sizes, ctx.deadline, modes=("fwd", "fwd+bwd")):
             if r.get("skipped"):
-                rows.append({"model": r["model"], "backend": r["backend"], "mode": r.get("mode"),
-                             "status": FAIL if r.get("error") else SKIP, "reason": r["skipped"]})
+                rows.append(
+                    {
+                        "model": r["model"],
+                        "backend": r["backend"],
+                        "mode": r.get("mode"),
+                        "status": FAIL if r.get("error") else SKIP,
+                        "reason": r["skipped"],
+                    }
+                )
             else:
-                rows.append({k: r.get(k) for k in ("model", "backend", "routing", "mode", "ratio",
-                                                   "useful_flops")}
-                            | {"time_ms": r["time"]["median_s"] * 1e3, "status": PASS})
-    return verdict([r for r in rows if r.get("backend") != "dense"], dtype=sizes.dtype,
-                   note="ratio = backend time / dense GEMM chain time (1.0 is the dense limit)")
+                rows.append(
+                    {k: r.get(k) for k in ("model", "backend", "routing", "mode", "ratio", "useful_flops")}
+                    | {"time_ms": r["time"]["median_s"] * 1e3, "status": PASS}
+                )
+    return verdict(
+        [r for r in rows if r.get("backend") != "dense"],
+        dtype=sizes.dtype,
+        note="ratio = backend time / dense GEMM chain time (1.0 is the dense limit)",
+    )
 
 
 def _temp_bytes(fn, args) -> int | None:
@@ -165,8 +197,9 @@ def attention(ctx: Context) -> dict[str, Any]:
 
     p = ATTENTION["gpu" if ctx.on_gpu else "cpu"]
     rows = []
-    for name, reason in attn.available(platform=ctx.platform, dtype=p.dtype, head_dim=p.head_dim,
-                                       v_head_dim=p.v_head_dim).items():
+    for name, reason in attn.available(
+        platform=ctx.platform, dtype=p.dtype, head_dim=p.head_dim, v_head_dim=p.v_head_dim
+    ).items():
         if reason:
             rows.append({"implementation": name, "status": SKIP, "reason": reason})
         elif ctx.left() <= 0:
@@ -176,9 +209,15 @@ def attention(ctx: Context) -> dict[str, Any]:
             row = _result_row(res, implementation=name, seq_len=p.seq_len, dtype=p.dtype)
             if res.ok:
                 q, k, v, dy = checks.attention_operands(p)
-                row["temp_bytes_fwd_bwd"] = _temp_bytes(jax.grad(lambda q, k, v: jnp.vdot(
-                    attn.attend(q, k, v, implementation=name).astype(jnp.float32), dy),
-                    argnums=(0, 1, 2)), (q, k, v))
+                row["temp_bytes_fwd_bwd"] = _temp_bytes(
+                    jax.grad(
+                        lambda q, k, v: jnp.vdot(
+                            attn.attend(q, k, v, implementation=name).astype(jnp.float32), dy
+                        ),
+                        argnums=(0, 1, 2),
+                    ),
+                    (q, k, v),
+                )
             rows.append(row)
     return verdict(rows, problem=dataclasses.asdict(p))
 
@@ -201,12 +240,17 @@ def hlo_gemms(hlo_text: str) -> dict[str, Any]:
     fp8_dots = 0
     for result, lhs_type, lhs, rhs_type, rhs in DOT.findall(hlo_text):
         dots[result] = dots.get(result, 0) + 1
-        fp8_dots += all((t or types.get(op, "")).startswith("f8")
-                        for t, op in ((lhs_type, lhs), (rhs_type, rhs)))
+        fp8_dots += all(
+            (t or types.get(op, "")).startswith("f8") for t, op in ((lhs_type, lhs), (rhs_type, rhs))
+        )
     fp8_calls = FP8_GEMM.findall(hlo_text)
-    return {"fp8_gemm_calls": sorted(set(fp8_calls)), "fp8_gemms": len(fp8_calls) + fp8_dots,
-            "custom_calls": sorted(set(CUSTOM_CALL.findall(hlo_text))), "dots": dots,
-            "fp8_dots": fp8_dots}
+    return {
+        "fp8_gemm_calls": sorted(set(fp8_calls)),
+        "fp8_gemms": len(fp8_calls) + fp8_dots,
+        "custom_calls": sorted(set(CUSTOM_CALL.findall(hlo_text))),
+        "dots": dots,
+        "fp8_dots": fp8_dots,
+    }
 
 
 def _fp8_backends(ctx: Context) -> dict[str, str | None]:
@@ -234,16 +278,19 @@ def _fp8_row(ctx: Context, backend: str) -> dict[str, Any]:
     def fwd_bwd(x, w, dy):
         y, vjp = jax.vjp(probe, x, w)
         return y, vjp(dy)
+
     found = hlo_gemms(jax.jit(fwd_bwd).lower(x, w, dy).compile().as_text())
     row.update(found)
     if ctx.on_gpu and found["fp8_gemms"] < 3:
-        row.update(status=FAIL, reason=f"{found['fp8_gemms']} fp8 GEMMs where y, dx and dw "
-                                       f"need 3 in the optimized HLO: dots {found['dots']}, "
-                                       f"{found['fp8_dots']} on fp8 operands, custom calls "
-                                       f"{found['custom_calls']}")
+        row.update(
+            status=FAIL,
+            reason=f"{found['fp8_gemms']} fp8 GEMMs where y, dx and dw "
+            f"need 3 in the optimized HLO: dots {found['dots']}, "
+            f"{found['fp8_dots']} on fp8 operands, custom calls "
+            f"{found['custom_calls']}",
+        )
     elif not ctx.on_gpu:
-        row["note"] = (f"{ctx.platform}: fp8 numerics emulated (q/dq around bf16/fp32 dots), "
-                       "no fp8 GEMMs")
+        row["note"] = f"{ctx.platform}: fp8 numerics emulated (q/dq around bf16/fp32 dots), no fp8 GEMMs"
     return row
 
 
@@ -253,7 +300,8 @@ def fp8(ctx: Context) -> dict[str, Any]:
 
     rows = []
     for backend, reason in _fp8_backends(ctx).items():
-        rows.append({"backend": backend, "status": SKIP, "reason": reason} if reason
-                    else _fp8_row(ctx, backend))
+        rows.append(
+            {"backend": backend, "status": SKIP, "reason": reason} if reason else _fp8_row(ctx, backend)
+        )
     rows += runs.fp8_loss_band(ctx)
     return verdict(rows, tolerance=checks.FP8_TOLERANCE)

@@ -35,10 +35,8 @@ def sizes(ctx: Context, n: int):
     from moe_train.bench.overlap import Sizes
 
     if ctx.on_gpu:
-        return Sizes(tokens=4096 * n, hidden=2048, ffn=1024, experts=64, top_k=4, min_reps=5,
-                     target_s=3.0)
-    return Sizes(tokens=32 * n, hidden=16, ffn=16, experts=2 * n, top_k=2, min_reps=1,
-                 target_s=0.01)
+        return Sizes(tokens=4096 * n, hidden=2048, ffn=1024, experts=64, top_k=4, min_reps=5, target_s=3.0)
+    return Sizes(tokens=32 * n, hidden=16, ffn=16, experts=2 * n, top_k=2, min_reps=1, target_s=0.01)
 
 
 def operands(s) -> tuple:
@@ -48,20 +46,28 @@ def operands(s) -> tuple:
     from moe_train.bench import overlap
 
     x, gate, w0, w1, wo = overlap.operands(s)
-    return (jnp.asarray(x, jnp.bfloat16), jnp.asarray(gate),
-            *(jnp.asarray(w, jnp.bfloat16) for w in (w0, w1, wo)))
+    return (
+        jnp.asarray(x, jnp.bfloat16),
+        jnp.asarray(gate),
+        *(jnp.asarray(w, jnp.bfloat16) for w in (w0, w1, wo)),
+    )
 
 
 def _checked(row: dict[str, Any]) -> dict[str, Any]:
     y_bound, g_bound = BOUNDS[row["dispatch_dtype"]]
     ok = row["y_rel_diff"] <= y_bound and row["grad_rel_diff"] <= g_bound
-    reason = "" if ok else (f"chunks={row['chunks']} {row['dispatch_dtype']}: output "
-                            f"{row['y_rel_diff']:.1e} (bound {y_bound:.0e}), grads "
-                            f"{row['grad_rel_diff']:.1e} (bound {g_bound:.0e}) from chunks=1")
+    reason = (
+        ""
+        if ok
+        else (
+            f"chunks={row['chunks']} {row['dispatch_dtype']}: output "
+            f"{row['y_rel_diff']:.1e} (bound {y_bound:.0e}), grads "
+            f"{row['grad_rel_diff']:.1e} (bound {g_bound:.0e}) from chunks=1"
+        )
+    )
     timing = row["time"]
     row = {k: v for k, v in row.items() if k != "time"}
-    return {**row, "fwd_bwd_ms": timing["median_s"] * 1e3, "status": PASS if ok else FAIL,
-            "reason": reason}
+    return {**row, "fwd_bwd_ms": timing["median_s"] * 1e3, "status": PASS if ok else FAIL, "reason": reason}
 
 
 def section(ctx: Context, devices=None) -> dict[str, Any]:
@@ -72,17 +78,29 @@ def section(ctx: Context, devices=None) -> dict[str, Any]:
 
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < 2:
-        return skip(f"one {ctx.platform} device here: the exchange needs two or more "
-                    "(make bench --only overlap runs it on 8 fake CPU devices)")
+        return skip(
+            f"one {ctx.platform} device here: the exchange needs two or more "
+            "(make bench --only overlap runs it on 8 fake CPU devices)"
+        )
     n = max(d for d in (2, 4, 8) if d <= len(devices))
     s = sizes(ctx, n)
     trace = ctx.out_dir / TRACE_DIR
     trace.mkdir(parents=True, exist_ok=True)
-    rows = [_checked(r) for r in overlap.dispatcher_rows(
-        s, "a2a", operands(s), devices=devices[:n], domains=(1, n), variants=VARIANTS,
-        profile_dir=trace)]
+    rows = [
+        _checked(r)
+        for r in overlap.dispatcher_rows(
+            s, "a2a", operands(s), devices=devices[:n], domains=(1, n), variants=VARIANTS, profile_dir=trace
+        )
+    ]
     chunked = [r for r in rows if r["dispatch_dtype"] == "activation" and r["chunks"] > 1]
     best = min(chunked, key=lambda r: r["time_ratio"])
-    return verdict(rows, devices=n, tokens=s.tokens, hidden=s.hidden, experts=s.experts,
-                   best_chunks=best["chunks"], overlap_gain=1.0 - best["time_ratio"],
-                   trace=str(trace))
+    return verdict(
+        rows,
+        devices=n,
+        tokens=s.tokens,
+        hidden=s.hidden,
+        experts=s.experts,
+        best_chunks=best["chunks"],
+        overlap_gain=1.0 - best["time_ratio"],
+        trace=str(trace),
+    )

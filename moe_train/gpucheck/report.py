@@ -25,8 +25,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         cols += [k for k in r if k not in cols and k not in ("status", "reason", "tail")]
     header = ["status", *cols, "reason"]
-    return markdown_table(header, [[r.get(c) if c == "status" else _fmt(r.get(c)) for c in header]
-                                   for r in rows])
+    return markdown_table(
+        header, [[r.get(c) if c == "status" else _fmt(r.get(c)) for c in header] for r in rows]
+    )
 
 
 def _rows_tables(rows: list[dict[str, Any]]) -> str:
@@ -44,15 +45,22 @@ def _rows_tables(rows: list[dict[str, Any]]) -> str:
 
 
 def render(results: dict[str, Any]) -> str:
-    out = [f"# gpu-check {results['created_utc']}: {results['device_kind']} "
-           f"({results['devices']} {results['platform']} device(s)), wall "
-           f"{results.get('wall_s', 0):.0f} s\n"]
-    out.append(markdown_table(["section", "status", "seconds", "reason"],
-                              [[s["name"], s["status"], f"{s['seconds']:.1f}",
-                                _fmt(s.get("reason") or "")] for s in results["sections"]]))
+    out = [
+        f"# gpu-check {results['created_utc']}: {results['device_kind']} "
+        f"({results['devices']} {results['platform']} device(s)), wall "
+        f"{results.get('wall_s', 0):.0f} s\n"
+    ]
+    out.append(
+        markdown_table(
+            ["section", "status", "seconds", "reason"],
+            [
+                [s["name"], s["status"], f"{s['seconds']:.1f}", _fmt(s.get("reason") or "")]
+                for s in results["sections"]
+            ],
+        )
+    )
     for i, s in enumerate(results["sections"], 1):
-        out.append(f"\n## {i}. {s['title']}: {s['status']} ({s['seconds']:.1f} s of "
-                   f"{s['budget_s']:.0f} s)\n")
+        out.append(f"\n## {i}. {s['title']}: {s['status']} ({s['seconds']:.1f} s of {s['budget_s']:.0f} s)\n")
         if s.get("reason"):
             out.append(f"{s['reason']}\n")
         numbers = {k: v for k, v in s.items() if k not in HIDDEN}

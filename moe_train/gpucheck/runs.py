@@ -35,24 +35,42 @@ def steps(ctx: Context, what: str) -> int:
 def trainer(ctx: Context, name: str, preset: str, n_steps: int, sets: list[str]) -> dict[str, Any]:
     """Run the trainer; returns rc, the metrics records, the wall time and the output tail."""
     out = ctx.out_dir / "train" / name
-    cmd = [sys.executable, "-m", "moe_train", "--preset", preset, "--out", str(out),
-           "--steps", str(n_steps), *[a for s in sets for a in ("--set", s)]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_train",
+        "--preset",
+        preset,
+        "--out",
+        str(out),
+        "--steps",
+        str(n_steps),
+        *[a for s in sets for a in ("--set", s)],
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    }
     # this process keeps what its own sections allocated: the child takes part of the rest
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", CHILD_MEM_FRACTION)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                              timeout=max(ctx.left(), 1.0), check=False)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=max(ctx.left(), 1.0), check=False
+        )
         rc, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as err:
         rc, text = None, f"timed out after {err.timeout:.0f} s"
     metrics = out / "metrics.jsonl"
     recs = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    return {"rc": rc, "records": recs, "seconds": time.perf_counter() - t0,
-            "tail": text.strip().splitlines()[-3:], "out": out,
-            "kernels": text.splitlines()[0] if text else ""}
+    return {
+        "rc": rc,
+        "records": recs,
+        "seconds": time.perf_counter() - t0,
+        "tail": text.strip().splitlines()[-3:],
+        "out": out,
+        "kernels": text.splitlines()[0] if text else "",
+    }
 
 
 def _rel_diff(a: list[float], b: list[float]) -> float:
@@ -69,16 +87,29 @@ def _run_row(ctx: Context, run: dict[str, Any], n_steps: int, backend: str, pres
     last = recs[-1]
     tele = run["out"] / "telemetry" / "rank0.jsonl"
     nvml = tele.is_file() and '"gpu_util_pct"' in tele.read_text()
-    row.update(first_loss=recs[0]["loss"], last_loss=last["loss"],
-               dropped=sum(r["dropped_tokens"] for r in recs), compilations=last["compilations"],
-               mfu=last["mfu"], tokens_per_s=last["tokens_per_s"], telemetry=tele.is_file(),
-               nvml=nvml, selftest_s=recs[0].get("selftest_s"))
-    problems = [p for p, bad in (
-        # one compilation, plus one per capacity bucket an EP exchange overflowed into
-        ("tokens dropped", row["dropped"] != 0),
-        ("recompiled", last["compilations"] != 1 + last.get("ep_overflow_reruns", 0)),
-        ("no MFU", ctx.on_gpu and last["mfu"] is None), ("no telemetry", not tele.is_file()),
-        ("no NVML fields in telemetry", ctx.on_gpu and not nvml)) if bad]
+    row.update(
+        first_loss=recs[0]["loss"],
+        last_loss=last["loss"],
+        dropped=sum(r["dropped_tokens"] for r in recs),
+        compilations=last["compilations"],
+        mfu=last["mfu"],
+        tokens_per_s=last["tokens_per_s"],
+        telemetry=tele.is_file(),
+        nvml=nvml,
+        selftest_s=recs[0].get("selftest_s"),
+    )
+    problems = [
+        p
+        for p, bad in (
+            # one compilation, plus one per capacity bucket an EP exchange overflowed into
+            ("tokens dropped", row["dropped"] != 0),
+            ("recompiled", last["compilations"] != 1 + last.get("ep_overflow_reruns", 0)),
+            ("no MFU", ctx.on_gpu and last["mfu"] is None),
+            ("no telemetry", not tele.is_file()),
+            ("no NVML fields in telemetry", ctx.on_gpu and not nvml),
+        )
+        if bad
+    ]
     return {**row, "status": FAIL if problems else PASS, "reason": ", ".join(problems)}
 
 
@@ -108,10 +139,21 @@ def _preset_runs(ctx: Context, preset: str, n_steps: int, compute: str) -> list[
             continue
         # the first run of a preset runs the trainer's kernel self-test; the others skip it
         # (gemm_numerics checked every backend at larger sizes already)
-        run = trainer(ctx, f"{preset}-{b}", preset, n_steps, [
-            f"moe.backend={b}", f"precision.compute={compute}", "parallel.devices=1",
-            "train.log_every=1000", "train.checkpoint_every=0", "train.checkpoint_minutes=0",
-            *(["train.skip_selftest=true"] if i else [])])
+        run = trainer(
+            ctx,
+            f"{preset}-{b}",
+            preset,
+            n_steps,
+            [
+                f"moe.backend={b}",
+                f"precision.compute={compute}",
+                "parallel.devices=1",
+                "train.log_every=1000",
+                "train.checkpoint_every=0",
+                "train.checkpoint_minutes=0",
+                *(["train.skip_selftest=true"] if i else []),
+            ],
+        )
         rows.append(_run_row(ctx, run, n_steps, b, preset))
         if rows[-1]["status"] == PASS:
             losses[b] = [r["loss"] for r in run["records"]]
@@ -120,8 +162,9 @@ def _preset_runs(ctx: Context, preset: str, n_steps: int, compute: str) -> list[
         if r.get("backend") in losses and r["backend"] != ref:
             r["max_rel_loss_diff_vs_" + ref] = d = _rel_diff(losses[r["backend"]], losses[ref])
             if d > LOSS_RTOL[compute]:
-                r.update(status=FAIL, reason=f"loss differs from {ref} by {d:.2e} "
-                                             f"(bound {LOSS_RTOL[compute]:.0e})")
+                r.update(
+                    status=FAIL, reason=f"loss differs from {ref} by {d:.2e} (bound {LOSS_RTOL[compute]:.0e})"
+                )
     return rows
 
 
@@ -134,8 +177,13 @@ def training(ctx: Context) -> dict[str, Any]:
     if ctx.on_gpu:
         rows += _preset_runs(ctx, "small", steps(ctx, "small"), compute)
     else:
-        rows.append({"preset": "small", "status": SKIP,
-                     "reason": "no GPU: the small preset takes minutes per backend on CPU"})
+        rows.append(
+            {
+                "preset": "small",
+                "status": SKIP,
+                "reason": "no GPU: the small preset takes minutes per backend on CPU",
+            }
+        )
     return verdict(rows, compute=compute)
 
 
@@ -151,11 +199,16 @@ def expert_parallel(ctx: Context) -> dict[str, Any]:
     for ep in (1, n):  # EP 1 on one device: the reference the tests hold EP to
         if ctx.left() < MIN_RUN_S["tiny"]:
             return verdict([over_budget(ep=ep)])
-        runs[ep] = trainer(ctx, f"ep{ep}", "tiny", steps(ctx, "ep"), [
-            f"parallel.devices={ep}", f"parallel.ep={ep}", "precision.compute=fp32",
-            "train.log_every=1000"])
-    rows = [_run_row(ctx, runs[ep], steps(ctx, "ep"), "auto", f"tiny ep={ep} on {ep} device(s)")
-            for ep in runs]
+        runs[ep] = trainer(
+            ctx,
+            f"ep{ep}",
+            "tiny",
+            steps(ctx, "ep"),
+            [f"parallel.devices={ep}", f"parallel.ep={ep}", "precision.compute=fp32", "train.log_every=1000"],
+        )
+    rows = [
+        _run_row(ctx, runs[ep], steps(ctx, "ep"), "auto", f"tiny ep={ep} on {ep} device(s)") for ep in runs
+    ]
     if all(r["status"] == PASS for r in rows):
         d = _rel_diff(*[[r["loss"] for r in runs[ep]["records"]] for ep in (n, 1)])
         rows[-1]["max_rel_loss_diff_vs_ep1"] = d
@@ -176,21 +229,25 @@ def gpu_tests(ctx: Context) -> dict[str, Any]:
         return skip(f"no tests/ beside the package ({ROOT})")
     # only the modules that hold gpu-marked tests: the others may import what a GPU container
     # lacks (submitit), and one collection error would stop the whole run
-    files = [str(f) for f in sorted((ROOT / "tests").glob("test_*.py"))
-             if "pytest.mark.gpu" in f.read_text()]
+    files = [str(f) for f in sorted((ROOT / "tests").glob("test_*.py")) if "pytest.mark.gpu" in f.read_text()]
     if not files:
         return skip("no gpu-marked tests under tests/")
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False,
-                              timeout=max(ctx.left(), 1.0))
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=ROOT, check=False, timeout=max(ctx.left(), 1.0)
+        )
     except subprocess.TimeoutExpired:
         return {"status": FAIL, "reason": "the gpu-marked tests outran the section's budget"}
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed|skipped)", ln)), "")
     ok = proc.returncode in (0, 5)  # 5: none collected
-    return {"status": PASS if ok else FAIL, "reason": "" if ok else summary or lines[-1:],
-            "summary": summary, "tail": lines[-15:] if not ok else []}
+    return {
+        "status": PASS if ok else FAIL,
+        "reason": "" if ok else summary or lines[-1:],
+        "summary": summary,
+        "tail": lines[-15:] if not ok else [],
+    }
 
 
 # The README's band for fp8 against bf16 on tiny (tests/test_precision.py holds the same).
@@ -202,14 +259,12 @@ def fp8_loss_band(ctx: Context) -> list[dict[str, Any]]:
     n = steps(ctx, "band")
     if ctx.child_blocked:
         return [{"run": "tiny bf16 and fp8 loss band", "status": SKIP, "reason": ctx.child_blocked}]
-    base = ["parallel.devices=1", "train.log_every=1000", "optim.decay_steps=45",
-            "precision.amax_history=64"]
+    base = ["parallel.devices=1", "train.log_every=1000", "optim.decay_steps=45", "precision.amax_history=64"]
     runs = {}
     for compute in ("bf16", "fp8"):
         if ctx.left() < MIN_RUN_S["tiny"]:
             return [over_budget(run=f"tiny {compute} loss band")]
-        runs[compute] = trainer(ctx, f"band-{compute}", "tiny", n,
-                                [f"precision.compute={compute}", *base])
+        runs[compute] = trainer(ctx, f"band-{compute}", "tiny", n, [f"precision.compute={compute}", *base])
     rows = [_run_row(ctx, runs[c], n, "auto", f"tiny {c}") for c in runs]
     if any(r["status"] != PASS for r in rows):
         return rows
@@ -217,8 +272,13 @@ def fp8_loss_band(ctx: Context) -> list[dict[str, Any]]:
     step_gap = _rel_diff(got, ref)
     tail_gap = abs(sum(got[-10:]) - sum(ref[-10:])) / abs(sum(ref[-10:]))
     ok = step_gap <= FP8_STEP_RTOL and tail_gap <= FP8_TAIL_RTOL
-    band = {"run": f"fp8 vs bf16 loss, tiny, {n} steps", "max_step_gap": step_gap,
-            "last10_gap": tail_gap, "bounds": [FP8_STEP_RTOL, FP8_TAIL_RTOL],
-            "fp8_kernels": runs["fp8"]["kernels"], "status": PASS if ok else FAIL,
-            "reason": "" if ok else f"outside the band: per step {step_gap:.2%}, last ten {tail_gap:.2%}"}
+    band = {
+        "run": f"fp8 vs bf16 loss, tiny, {n} steps",
+        "max_step_gap": step_gap,
+        "last10_gap": tail_gap,
+        "bounds": [FP8_STEP_RTOL, FP8_TAIL_RTOL],
+        "fp8_kernels": runs["fp8"]["kernels"],
+        "status": PASS if ok else FAIL,
+        "reason": "" if ok else f"outside the band: per step {step_gap:.2%}, last ten {tail_gap:.2%}",
+    }
     return [*rows, band]

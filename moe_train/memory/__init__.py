@@ -117,8 +117,20 @@ from moe_train.memory.job import PlanError, setup_for
 from moe_train.memory.verdict import GIB, Alternative, Budget, Verdict, budget, judge
 from topology.presets import Cluster, load
 
-__all__ = ["ALL_ITEMS", "ITEMS", "GIB", "Alternative", "Budget", "Estimate", "Plan", "PlanError", "Setup",
-           "Verdict", "check_fits", "plan"]
+__all__ = [
+    "ALL_ITEMS",
+    "ITEMS",
+    "GIB",
+    "Alternative",
+    "Budget",
+    "Estimate",
+    "Plan",
+    "PlanError",
+    "Setup",
+    "Verdict",
+    "check_fits",
+    "plan",
+]
 
 
 @dataclass(frozen=True)
@@ -132,9 +144,16 @@ class Plan:
     verdict: Verdict  # fits or not, and the cheapest change
 
 
-def plan(cfg: Config, cluster: Cluster | str, nodes: int, *, ep: int | None = None,
-         devices: int | None = None, reserve_gib: float | None = None,
-         search: bool = True) -> Plan:
+def plan(
+    cfg: Config,
+    cluster: Cluster | str,
+    nodes: int,
+    *,
+    ep: int | None = None,
+    devices: int | None = None,
+    reserve_gib: float | None = None,
+    search: bool = True,
+) -> Plan:
     """Estimate ``cfg`` on ``nodes`` nodes of ``cluster`` (or ``devices`` GPUs) with EP ``ep``
     (default ``parallel.ep``). Raises PlanError (a ConfigError) for jobs the trainer refuses."""
     cluster = load(cluster) if isinstance(cluster, str) else cluster

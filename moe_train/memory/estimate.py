@@ -7,16 +7,15 @@ Nothing here imports JAX: the planner runs anywhere the config loads.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from moe_train.config import Config, for_devices, head_dim
 from moe_train.memory import rows, step_gather
 from moe_train.model import flops
 from moe_train.parallel import jobplan
 
-ITEMS = ("params", "grads", "optimizer", "activations", "moe_buffers", "precision_copies",
-         "other")
+ITEMS = ("params", "grads", "optimizer", "activations", "moe_buffers", "precision_copies", "other")
 # parallel.weight_gather=step's compute-dtype copy of the weights, held for the whole step
 # (0 in micro_batch mode). Kept out of ITEMS, whose every entry the CLI's text report lists
 # with a note of its own; ALL_ITEMS is every key of Estimate.per_device but "total".
@@ -78,6 +77,7 @@ class Estimate:
 
 # ----------------------------------------------------------------------------- state
 
+
 def param_split(cfg: Config, s: Setup) -> tuple[int, int, int]:
     """(routed expert, FSDP-sharded, replicated) parameter counts of the job ``s``, MTP
     modules included: replicated are the norm scales and, on more than one device, any weight
@@ -119,8 +119,12 @@ def fp8_state_bytes(cfg: Config, s: Setup) -> int:
     attention = FP8_SITES["attention"]  # GQA's q, k, v, o; MLA's q_a, q_b (or q), kv_a, kv_b, o
     if m.attention_kind == "mla":
         attention = 3 * (5 if m.q_lora_rank else 4)
-    sites = ((m.num_layers + m.mtp_depth) * attention + n_dense * FP8_SITES["dense"]
-             + n_moe * (FP8_SITES["moe"] + shared) + m.mtp_depth * 3)  # + each eh_proj
+    sites = (
+        (m.num_layers + m.mtp_depth) * attention
+        + n_dense * FP8_SITES["dense"]
+        + n_moe * (FP8_SITES["moe"] + shared)
+        + m.mtp_depth * 3
+    )  # + each eh_proj
     return sites * (1 + cfg.precision.amax_history) * 4
 
 
@@ -129,8 +133,9 @@ def state_bytes(cfg: Config, s: Setup) -> dict[str, int]:
     params = sum(n * size // ways for n, size, ways, _ in weight_shards(cfg, s))
     _, n_moe = _layer_kinds(cfg)
     seqs = cfg.train.batch_size // s.devices
-    other = (n_moe * cfg.moe.num_experts * 4 + seqs * (cfg.train.seq_len + 1) * 4 + 64
-             + fp8_state_bytes(cfg, s))
+    other = (
+        n_moe * cfg.moe.num_experts * 4 + seqs * (cfg.train.seq_len + 1) * 4 + 64 + fp8_state_bytes(cfg, s)
+    )
     # gradient accumulation carries the running sum beside each micro-batch's gradients
     grads = params * (2 if cfg.train.micro_batches > 1 else 1)
     return dict(params=params, grads=grads, optimizer=2 * params, other=other)
@@ -141,12 +146,21 @@ def step_copy_bytes(cfg: Config, s: Setup) -> int:
     ``micro_batch`` mode; ``moe_train.memory.step_gather``)."""
     router = _layer_kinds(cfg)[1] * cfg.model.hidden * cfg.moe.num_experts  # MTP's too
     norms = sum(n for n, _, _, kind in weight_shards(cfg, s) if kind == "norm")  # MTP's too
-    return step_gather.copy_bytes(cfg, s.devices, s.ep, s.dp, s.a,
-                                  PARAM_BYTES[cfg.model.param_dtype], param_split(cfg, s),
-                                  router, norms)
+    return step_gather.copy_bytes(
+        cfg,
+        s.devices,
+        s.ep,
+        s.dp,
+        s.a,
+        PARAM_BYTES[cfg.model.param_dtype],
+        param_split(cfg, s),
+        router,
+        norms,
+    )
 
 
 # ----------------------------------------------------------------------------- per token
+
 
 def _scores(cfg: Config, s: Setup) -> int:
     """Attention scores per token per layer. ``scores`` (xla): [heads, seq] logits, exp,
@@ -211,6 +225,7 @@ def token_bytes(cfg: Config, s: Setup) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- aggregate
 
+
 def _layer_kinds(cfg: Config) -> tuple[int, int]:
     """(dense layers, MoE layers), the MTP modules' blocks included (MoE blocks, or dense ones
     in a model without MoE layers)."""
@@ -228,14 +243,21 @@ def activation_bytes(cfg: Config, s: Setup) -> int:
     saved = {
         "none": full,
         "full": {"moe": t["block_input"], "dense": t["block_input"]},
-        "matmuls": {"moe": t["matmul_attention"] + t["matmul_moe"],
-                    "dense": t["matmul_attention"] + t["matmul_dense"]},
+        "matmuls": {
+            "moe": t["matmul_attention"] + t["matmul_moe"],
+            "dense": t["matmul_attention"] + t["matmul_dense"],
+        },
         "moe": {"moe": t["block_input"] + t["moe"], "dense": t["block_input"] + t["dense"]},
     }[s.remat]
     biggest = max(full["moe"] if n_moe else 0, full["dense"] if n_dense else 0)
     working = 0 if s.remat == "none" else biggest  # the block being recomputed
-    per_token = (n_moe * saved["moe"] + n_dense * saved["dense"] + working
-                 + (1 + cfg.model.mtp_depth) * t["head"] + cfg.model.mtp_depth * t["mtp_input"])
+    per_token = (
+        n_moe * saved["moe"]
+        + n_dense * saved["dense"]
+        + working
+        + (1 + cfg.model.mtp_depth) * t["head"]
+        + cfg.model.mtp_depth * t["mtp_input"]
+    )
     return s.tokens * per_token + head_chunk_bytes(cfg, s)
 
 
@@ -247,9 +269,12 @@ def _weight_copies(cfg: Config, s: Setup, experts: bool = True) -> dict[str, int
     shared = e.num_shared_experts * (e.shared_ffn or e.expert_ffn)
     gate = H * e.num_experts * 4 if s.devices > 1 else 0  # the fp32 router, all-gathered
     routed = (e.num_experts // s.ep) * 3 * H * e.expert_ffn * a if experts else 0
-    return dict(attention=flops.attention_params(m)[0] * a,
-                moe=routed + gate + 3 * H * shared * a,
-                dense=3 * H * m.dense_ffn * a, head=H * m.vocab_size * a)
+    return dict(
+        attention=flops.attention_params(m)[0] * a,
+        moe=routed + gate + 3 * H * shared * a,
+        dense=3 * H * m.dense_ffn * a,
+        head=H * m.vocab_size * a,
+    )
 
 
 def _step_copies(cfg: Config, s: Setup) -> dict[str, int]:
@@ -266,8 +291,9 @@ def _step_copies(cfg: Config, s: Setup) -> dict[str, int]:
 
 def _layer_weights(w: dict[str, int], n_dense: int, n_moe: int) -> int:
     """Bytes of the largest layer's weight copies (attention plus its MLP or MoE)."""
-    return max(w["attention"] + (w["moe"] if n_moe else w["dense"]),
-               w["attention"] + (w["dense"] if n_dense else 0))
+    return max(
+        w["attention"] + (w["moe"] if n_moe else w["dense"]), w["attention"] + (w["dense"] if n_dense else 0)
+    )
 
 
 def precision_copy_bytes(cfg: Config, s: Setup) -> int:
@@ -316,15 +342,23 @@ def estimate(cfg: Config, s: Setup) -> Estimate:
     per["activations"] = activation_bytes(cfg, s)
     per["precision_copies"] = precision_copy_bytes(cfg, s)
     factors = jobplan.bucket_factors(s.dispatcher, cfg.moe.capacity_buckets)
-    by_bucket = {("worst" if f is None else f"{f:g}"): rows.moe_buffer_bytes(cfg, s, f, _layer_kinds(cfg)[1]) for f in factors}
+    by_bucket = {
+        ("worst" if f is None else f"{f:g}"): rows.moe_buffer_bytes(cfg, s, f, _layer_kinds(cfg)[1])
+        for f in factors
+    }
     bucket = "worst" if len(factors) == 1 else f"{factors[-2]:g}"
     per["moe_buffers"] = by_bucket[bucket]
     per[STEP_WEIGHTS] = step_copy_bytes(cfg, s)
     per["grads"] += _step_grad_bytes(cfg, s, per)
     per = {k: per[k] for k in ALL_ITEMS}
     per["total"] = sum(per.values())
-    return Estimate(setup=s, per_device=per, moe_buffers_by_bucket=by_bucket, bucket=bucket,
-                    params_total=flops.param_counts(cfg)["total_with_mtp"])
+    return Estimate(
+        setup=s,
+        per_device=per,
+        moe_buffers_by_bucket=by_bucket,
+        bucket=bucket,
+        params_total=flops.param_counts(cfg)["total_with_mtp"],
+    )
 
 
 def _step_grad_bytes(cfg: Config, s: Setup, per: Mapping[str, int]) -> int:

@@ -69,8 +69,7 @@ def attention_kind(cfg: Config, cluster: Cluster) -> str:
     if name != "auto":
         return name
     d, j, _ = attention_dims(m)  # MLA: cuDNN refuses v head dim != q/k head dim
-    if (not cluster.nominal and cfg.precision.compute != "fp32" and d == j and d % 8 == 0
-            and d <= 256):
+    if not cluster.nominal and cfg.precision.compute != "fp32" and d == j and d % 8 == 0 and d <= 256:
         return "cudnn"
     from moe_train.model.attention import CHUNKED_MIN_SEQ
 
@@ -109,14 +108,16 @@ def loss_tile(cfg: Config) -> int:
 def check_placement(cfg: Config, cluster: Cluster, nodes: int, ep: int) -> None:
     """PlanError when EP groups of ``ep`` cannot be placed on ``nodes`` whole nodes."""
     try:
-        allocation(cluster, nodes, ep, num_experts=cfg.moe.num_experts,
-                   allow_straddle=cfg.parallel.allow_straddle)
+        allocation(
+            cluster, nodes, ep, num_experts=cfg.moe.num_experts, allow_straddle=cfg.parallel.allow_straddle
+        )
     except PlacementError as err:
         raise PlanError(str(err)) from None
 
 
-def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = None,
-              devices: int | None = None) -> Setup:
+def setup_for(
+    cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = None, devices: int | None = None
+) -> Setup:
     """The Setup of ``cfg`` on ``nodes`` nodes of ``cluster`` (or ``devices`` GPUs of one)."""
     if nodes < 1:
         raise PlanError(f"nodes must be >= 1, got {nodes}")
@@ -136,13 +137,23 @@ def setup_for(cfg: Config, cluster: Cluster, nodes: int, *, ep: int | None = Non
     backend = _backend(cfg, cluster)
     local_experts = cfg.moe.num_experts // ep
     m = tile_rows(cfg, tokens * cfg.moe.top_k, local_experts, cluster.nominal)
-    return Setup(devices=devices, ep=ep, dp=dp, tokens=tokens, remat=cfg.train.remat,
-                 compute=cfg.precision.compute, backend=backend,
-                 tile_rows=m if backend == "tiled" else 0,
-                 dispatcher=_dispatcher(cfg, devices, ep, groups), domains=groups,
-                 domain_size=ep // groups, attention=attention_memory(cfg, cluster),
-                 loss_chunk=loss_chunk(cfg, tokens), loss_tile=loss_tile(cfg),
-                 platform="cpu" if cluster.nominal else "gpu")
+    return Setup(
+        devices=devices,
+        ep=ep,
+        dp=dp,
+        tokens=tokens,
+        remat=cfg.train.remat,
+        compute=cfg.precision.compute,
+        backend=backend,
+        tile_rows=m if backend == "tiled" else 0,
+        dispatcher=_dispatcher(cfg, devices, ep, groups),
+        domains=groups,
+        domain_size=ep // groups,
+        attention=attention_memory(cfg, cluster),
+        loss_chunk=loss_chunk(cfg, tokens),
+        loss_tile=loss_tile(cfg),
+        platform="cpu" if cluster.nominal else "gpu",
+    )
 
 
 def with_remat(cfg: Config, remat: str) -> Config:
@@ -152,8 +163,7 @@ def with_remat(cfg: Config, remat: str) -> Config:
 
 def with_micro_batches(cfg: Config, n: int) -> Config:
     """``cfg`` with ``train.micro_batches`` replaced (and ``micro_batch_size`` off)."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=n,
-                                                              micro_batch_size=0))
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=n, micro_batch_size=0))
 
 
 def with_batch(cfg: Config, batch_size: int) -> Config:
@@ -164,4 +174,3 @@ def with_batch(cfg: Config, batch_size: int) -> Config:
 def with_ep(cfg: Config, ep: int) -> Config:
     """``cfg`` with ``parallel.ep`` replaced (and ``parallel.dp`` left to follow)."""
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, dp=0))
-

@@ -46,8 +46,17 @@ def in_group(cfg: Config, devices: int, ep: int) -> bool:
     return ep > 1 and cfg.model.hidden % devices == 0
 
 
-def copy_bytes(cfg: Config, devices: int, ep: int, dp: int, a: int, pb: int,
-               split: tuple[int, int, int], router: int, norms: int) -> int:
+def copy_bytes(
+    cfg: Config,
+    devices: int,
+    ep: int,
+    dp: int,
+    a: int,
+    pb: int,
+    split: tuple[int, int, int],
+    router: int,
+    norms: int,
+) -> int:
     """Per-device bytes of the step's copy. ``split``: (routed expert, FSDP-sharded,
     replicated) parameter counts (``estimate.param_split``); ``router``: router weights
     among the FSDP-sharded ones; ``norms``: norm scales among the replicated ones."""
@@ -57,8 +66,7 @@ def copy_bytes(cfg: Config, devices: int, ep: int, dp: int, a: int, pb: int,
     ways = ep if in_group(cfg, devices, ep) else 1
     moved = lambda n, b: n * b if dp > 1 or b != pb else 0  # noqa: E731 (new buffer only)
     matrices = routed // ep * a + (fsdp - router) // ways * a
-    return (matrices + moved(router // ways, 4) + (rep - norms) * a * (a != pb)
-            + norms * 4 * (pb != 4))
+    return matrices + moved(router // ways, 4) + (rep - norms) * a * (a != pb) + norms * 4 * (pb != 4)
 
 
 def largest_cast(cfg: Config, devices: int, ep: int, a: int) -> int:
@@ -73,5 +81,4 @@ def largest_cast(cfg: Config, devices: int, ep: int, a: int) -> int:
     n_moe = m.num_layers - m.first_dense_layers
     n_moe = n_moe if m.scan_layers else min(1, n_moe)
     experts = n_moe * (e.num_experts // ep) * m.hidden * e.expert_ffn
-    return 4 * max(experts, n_dense * m.hidden * m.dense_ffn // ways,
-                   m.vocab_size * m.hidden // ways)
+    return 4 * max(experts, n_dense * m.hidden * m.dense_ffn // ways, m.vocab_size * m.hidden // ways)

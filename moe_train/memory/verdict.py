@@ -26,7 +26,7 @@ from moe_train.memory.estimate import ALL_ITEMS, Estimate, estimate
 from moe_train.parallel import jobplan
 from topology.presets import Cluster
 
-GIB = 2 ** 30
+GIB = 2**30
 DEFAULT_FRACTION = 0.90
 REMAT_ORDER = ("moe", "matmuls", "full")  # least recompute first
 assert set(REMAT_ORDER) < set(REMAT_POLICIES)
@@ -102,66 +102,84 @@ def _first_fit(label, candidates, usable: int) -> Alternative | None:
     return best
 
 
-def alternatives(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
-                 usable: int, current: int) -> list[Alternative]:
+def alternatives(
+    cfg: Config, cluster: Cluster, nodes: int, devices: int | None, usable: int, current: int
+) -> list[Alternative]:
     """Single changes that lower ``current``, cheapest first (module docstring); with remat
     ``full`` combined when no single available change fits."""
     n = devices or nodes * cluster.gpus_per_node
     total = lambda c: _total(c, cluster, nodes, devices)  # noqa: E731
     E = cfg.moe.num_experts
-    eps = [e for e in range(cfg.parallel.ep + 1, min(n, E) + 1)
-           if jobplan.ep_fault(n, e, E) is None]
-    out = [_first_fit(lambda e: f"parallel.ep={e}",
-                      ((e, total(job.with_ep(cfg, e))) for e in eps), usable)]
-    out += [_first_fit(lambda r: f"train.remat={r}", [(r, total(job.with_remat(cfg, r)))], usable)
-            for r in REMAT_ORDER if r != cfg.train.remat]
-    out += [_micro_alt(cfg, cluster, nodes, devices, n, usable),
-            _batch_alt(cfg, cluster, nodes, devices, n, usable),
-            _nodes_alt(cfg, cluster, nodes, devices, usable)]
+    eps = [e for e in range(cfg.parallel.ep + 1, min(n, E) + 1) if jobplan.ep_fault(n, e, E) is None]
+    out = [_first_fit(lambda e: f"parallel.ep={e}", ((e, total(job.with_ep(cfg, e))) for e in eps), usable)]
+    out += [
+        _first_fit(lambda r: f"train.remat={r}", [(r, total(job.with_remat(cfg, r)))], usable)
+        for r in REMAT_ORDER
+        if r != cfg.train.remat
+    ]
+    out += [
+        _micro_alt(cfg, cluster, nodes, devices, n, usable),
+        _batch_alt(cfg, cluster, nodes, devices, n, usable),
+        _nodes_alt(cfg, cluster, nodes, devices, usable),
+    ]
     out = [a for a in out if a is not None and a.total_bytes < current]
     if not any(a.fits and a.available for a in out) and cfg.train.remat != "full":
         full = job.with_remat(cfg, "full")
-        for alt in (_batch_alt(full, cluster, nodes, devices, n, usable),
-                    _nodes_alt(full, cluster, nodes, devices, usable)):
+        for alt in (
+            _batch_alt(full, cluster, nodes, devices, n, usable),
+            _nodes_alt(full, cluster, nodes, devices, usable),
+        ):
             if alt is not None and alt.total_bytes < current:
-                out.append(Alternative("train.remat=full + " + alt.change, alt.total_bytes,
-                                       alt.fits))
+                out.append(Alternative("train.remat=full + " + alt.change, alt.total_bytes, alt.fits))
     return out
 
 
-def _micro_alt(cfg: Config, cluster: Cluster, nodes: int, devices: int | None, n: int,
-               usable: int) -> Alternative | None:
+def _micro_alt(
+    cfg: Config, cluster: Cluster, nodes: int, devices: int | None, n: int, usable: int
+) -> Alternative | None:
     """The fewest ``train.micro_batches`` (dividing the sequences per device) that fit."""
     per = cfg.train.batch_size // n
     counts = [k for k in range(cfg.train.micro_batches + 1, per + 1) if per % k == 0]
-    return _first_fit(lambda k: f"train.micro_batches={k}",
-                      ((k, _total(job.with_micro_batches(cfg, k), cluster, nodes, devices))
-                       for k in counts), usable)
+    return _first_fit(
+        lambda k: f"train.micro_batches={k}",
+        ((k, _total(job.with_micro_batches(cfg, k), cluster, nodes, devices)) for k in counts),
+        usable,
+    )
 
 
-def _batch_alt(cfg: Config, cluster: Cluster, nodes: int, devices: int | None, n: int,
-               usable: int) -> Alternative | None:
+def _batch_alt(
+    cfg: Config, cluster: Cluster, nodes: int, devices: int | None, n: int, usable: int
+) -> Alternative | None:
     """The largest smaller ``train.batch_size`` (a multiple of the devices) that fits."""
     per = cfg.train.batch_size // n
     sizes = [n * k for k in range(per - 1, 0, -1)]
-    return _first_fit(lambda b: f"train.batch_size={b}",
-                      ((b, _total(job.with_batch(cfg, b), cluster, nodes, devices)) for b in sizes),
-                      usable)
+    return _first_fit(
+        lambda b: f"train.batch_size={b}",
+        ((b, _total(job.with_batch(cfg, b), cluster, nodes, devices)) for b in sizes),
+        usable,
+    )
 
 
-def _nodes_alt(cfg: Config, cluster: Cluster, nodes: int, devices: int | None,
-               usable: int) -> Alternative | None:
+def _nodes_alt(
+    cfg: Config, cluster: Cluster, nodes: int, devices: int | None, usable: int
+) -> Alternative | None:
     """The fewest more nodes (the batch still dividing over the GPUs) that fit."""
     if devices is not None and devices < cluster.gpus_per_node:
         nodes = 1  # a partial node grows to whole nodes
     top = max(cfg.train.batch_size // cluster.gpus_per_node, nodes)
     counts = range(nodes + (devices is None), top + 1)
-    return _first_fit(lambda k: f"nodes={k}",
-                      ((k, _total(cfg, cluster, k, None)) for k in counts), usable)
+    return _first_fit(lambda k: f"nodes={k}", ((k, _total(cfg, cluster, k, None)) for k in counts), usable)
 
 
-def judge(cfg: Config, est: Estimate, bud: Budget, cluster: Cluster, nodes: int,
-          devices: int | None, search: bool = True) -> Verdict:
+def judge(
+    cfg: Config,
+    est: Estimate,
+    bud: Budget,
+    cluster: Cluster,
+    nodes: int,
+    devices: int | None,
+    search: bool = True,
+) -> Verdict:
     """The verdict for ``est`` against ``bud``; alternatives only when it does not fit."""
     per = est.per_device
     total, usable = per["total"], bud.usable_bytes
@@ -169,16 +187,25 @@ def judge(cfg: Config, est: Estimate, bud: Budget, cluster: Cluster, nodes: int,
     worst = total - per["moe_buffers"] + est.moe_buffers_by_bucket["worst"]
     fits = total <= usable
     base = total - per["moe_buffers"]
-    bucket_fits = next((b for b, v in reversed(est.moe_buffers_by_bucket.items())
-                        if base + v <= usable), None)
-    alts = (tuple(alternatives(cfg, cluster, nodes, devices, usable, total))
-            if search and not fits else ())
+    bucket_fits = next(
+        (b for b, v in reversed(est.moe_buffers_by_bucket.items()) if base + v <= usable), None
+    )
+    alts = tuple(alternatives(cfg, cluster, nodes, devices, usable, total)) if search and not fits else ()
     change = next((a.change for a in alts if a.fits and a.available), None)
-    return Verdict(fits=fits, total_bytes=total, usable_bytes=usable,
-                   device_bytes=bud.device_bytes, spare_bytes=usable - total, largest=largest,
-                   largest_bytes=per[largest], change=change, alternatives=alts,
-                   worst_case_bytes=worst, bucket_fits=bucket_fits, message=_message(fits, total, usable, largest,
-                                                            per[largest], change, worst, est))
+    return Verdict(
+        fits=fits,
+        total_bytes=total,
+        usable_bytes=usable,
+        device_bytes=bud.device_bytes,
+        spare_bytes=usable - total,
+        largest=largest,
+        largest_bytes=per[largest],
+        change=change,
+        alternatives=alts,
+        worst_case_bytes=worst,
+        bucket_fits=bucket_fits,
+        message=_message(fits, total, usable, largest, per[largest], change, worst, est),
+    )
 
 
 def _message(fits, total, usable, largest, largest_bytes, change, worst, est) -> str:
@@ -186,10 +213,13 @@ def _message(fits, total, usable, largest, largest_bytes, change, worst, est) ->
     if fits:
         text = f"fits with {g(usable - total)} to spare ({g(total)} of {g(usable)} usable per GPU)"
         if worst > usable and est.bucket != "worst":
-            text += (f"; worst-case MoE buffers would need {g(worst)}: a step overflowing the "
-                     f"{est.bucket}x bucket would run out of memory")
+            text += (
+                f"; worst-case MoE buffers would need {g(worst)}: a step overflowing the "
+                f"{est.bucket}x bucket would run out of memory"
+            )
         return text
-    text = (f"does not fit: needs {g(total)} per GPU, {g(usable)} usable; largest item: "
-            f"{largest} ({g(largest_bytes)})")
-    return text + (f"; cheapest change that fits: {change}" if change else
-                   "; no single change tried fits")
+    text = (
+        f"does not fit: needs {g(total)} per GPU, {g(usable)} usable; largest item: "
+        f"{largest} ({g(largest_bytes)})"
+    )
+    return text + (f"; cheapest change that fits: {change}" if change else "; no single change tried fits")

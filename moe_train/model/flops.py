@@ -87,8 +87,7 @@ def _mtp(cfg: Config, attention: int, attention_norms: int) -> tuple[int, int, i
         router, routed, active_routed, shared = _moe_layer(cfg)
         mlp, active_mlp = router + routed + shared, router + active_routed + shared
     common = 2 * H * H + norms + attention
-    return (m.mtp_depth * (common + mlp), m.mtp_depth * (common + active_mlp),
-            m.mtp_depth * norms)
+    return (m.mtp_depth * (common + mlp), m.mtp_depth * (common + active_mlp), m.mtp_depth * norms)
 
 
 def param_counts(cfg: Config) -> dict[str, int]:
@@ -109,8 +108,9 @@ def param_counts(cfg: Config) -> dict[str, int]:
     total, active = common + routed, common + active_routed
     mtp, mtp_active, mtp_norms = _mtp(cfg, attn, attn_norms)
     mtp_routed = m.mtp_depth * _moe_layer(cfg)[1] if n_moe else 0
-    matmul_active = (active - norms - (0 if m.tie_embeddings else embedding)
-                     + mtp_active - mtp_norms + m.mtp_depth * H * V)
+    matmul_active = (
+        active - norms - (0 if m.tie_embeddings else embedding) + mtp_active - mtp_norms + m.mtp_depth * H * V
+    )
     return {
         "total": total,
         "active": active,
@@ -136,8 +136,7 @@ def attention_flops_per_token(cfg: Config) -> float:
     """Causal QK^T + AV in the forward pass, per token, summed over layers and MTP depths."""
     m = cfg.model
     dqk, dv, _ = attention_dims(m)
-    return float((m.num_layers + m.mtp_depth) * 2 * cfg.train.seq_len * m.num_heads
-                 * (dqk + dv) / 2)
+    return float((m.num_layers + m.mtp_depth) * 2 * cfg.train.seq_len * m.num_heads * (dqk + dv) / 2)
 
 
 def forward_flops_per_token(cfg: Config) -> float:

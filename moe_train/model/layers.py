@@ -22,10 +22,17 @@ ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
 
 # FSDP-sharded weight axes -> the (unsharded) axis a weight has while in use
 # (every axis moe_train.parallel.sharding may split; the router is gathered by the MoE layer)
-IN_USE = {"embed": "activation_embed", "q_lora": "activation_latent",
-          "kv_lora": "activation_latent", "kv_lora_rope": "activation_latent",
-          "heads": "activation_heads", "kv_heads": "activation_kv_heads", "mlp": "activation_mlp",
-          "vocab": "activation_vocab", "mtp_concat": "activation_mtp_concat"}
+IN_USE = {
+    "embed": "activation_embed",
+    "q_lora": "activation_latent",
+    "kv_lora": "activation_latent",
+    "kv_lora_rope": "activation_latent",
+    "heads": "activation_heads",
+    "kv_heads": "activation_kv_heads",
+    "mlp": "activation_mlp",
+    "vocab": "activation_vocab",
+    "mtp_concat": "activation_mtp_concat",
+}
 
 
 def gathered(w, axes: tuple[str, ...], dtype):
@@ -63,16 +70,22 @@ def _cast_gather_bwd(dtype, master, axes, use_axes, rules, _, g):
 _cast_gather.defvjp(_cast_gather_fwd, _cast_gather_bwd)
 
 
-def fan_in_init(fan_in_axes: tuple[int, ...] = (-2,), out_axes: tuple[int, ...] = (-1,),
-                batch_axes: tuple[int, ...] = ()):
+def fan_in_init(
+    fan_in_axes: tuple[int, ...] = (-2,), out_axes: tuple[int, ...] = (-1,), batch_axes: tuple[int, ...] = ()
+):
     """Truncated normal of variance 1 / fan-in (``fan_in_axes`` of the weight's shape)."""
     return nn.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal", in_axis=fan_in_axes, out_axis=out_axes,
-        batch_axis=batch_axes)
+        1.0, "fan_in", "truncated_normal", in_axis=fan_in_axes, out_axis=out_axes, batch_axis=batch_axes
+    )
 
 
-def weight(mod: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
-           fan_in_axes: tuple[int, ...] = (0,)):
+def weight(
+    mod: nn.Module,
+    name: str,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    fan_in_axes: tuple[int, ...] = (0,),
+):
     """A projection weight of ``mod`` with logical ``axes``; its output axes are those after
     ``fan_in_axes`` (which lead). Master dtype ``model.param_dtype``."""
     out_axes = tuple(range(len(fan_in_axes), len(shape)))
@@ -88,9 +101,12 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones,
-                                                                  (self.axis_name,)),
-                           (x.shape[-1],), jnp.float32)
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            (x.shape[-1],),
+            jnp.float32,
+        )
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (x32 * scale).astype(x.dtype)
@@ -110,8 +126,9 @@ class SwiGLU(nn.Module):
         wi_0 = weight(self, "wi_0", (m.hidden, self.ffn), up)
         wi_1 = weight(self, "wi_1", (m.hidden, self.ffn), up)
         wo = weight(self, "wo", (self.ffn, m.hidden), down)
-        h_BSF = (nn.silu(precision.dot(pol, "wi_0", x_BSH, gathered(wi_0, up, dt)))
-                 * precision.dot(pol, "wi_1", x_BSH, gathered(wi_1, up, dt)))
+        h_BSF = nn.silu(precision.dot(pol, "wi_0", x_BSH, gathered(wi_0, up, dt))) * precision.dot(
+            pol, "wi_1", x_BSH, gathered(wi_1, up, dt)
+        )
         return precision.dot(pol, "wo", h_BSF, gathered(wo, down, dt))
 
 
@@ -128,12 +145,23 @@ class CausalAttention(nn.Module):
         m, pol = self.cfg.model, precision.policy(self.cfg)
         q_BSND, k_BSKD, v_BSKJ = self.qkv(x_BSH, positions_BS)
         D = q_BSND.shape[-1]
-        impl, _ = attention.resolve(m.attention, platform=jax.default_backend(), dtype=pol.dtype,
-                                    head_dim=D, v_head_dim=v_BSKJ.shape[-1],
-                                    seq_len=x_BSH.shape[1])
-        o_BSNJ = attention.attend(q_BSND, k_BSKD, v_BSKJ, implementation=impl,
-                                  segment_ids_BS=segment_ids_BS, block=m.attention_block,
-                                  scale=rope.softmax_scale_factor(self.cfg.rope) / math.sqrt(D))
+        impl, _ = attention.resolve(
+            m.attention,
+            platform=jax.default_backend(),
+            dtype=pol.dtype,
+            head_dim=D,
+            v_head_dim=v_BSKJ.shape[-1],
+            seq_len=x_BSH.shape[1],
+        )
+        o_BSNJ = attention.attend(
+            q_BSND,
+            k_BSKD,
+            v_BSKJ,
+            implementation=impl,
+            segment_ids_BS=segment_ids_BS,
+            block=m.attention_block,
+            scale=rope.softmax_scale_factor(self.cfg.rope) / math.sqrt(D),
+        )
         o_axes = ("heads", "head_dim", "embed")
         wo = weight(self, "o", (*o_BSNJ.shape[2:], m.hidden), o_axes, fan_in_axes=(0, 1))
         return precision.dot(pol, "o", o_BSNJ, gathered(wo, o_axes, pol.dtype), n=2)

@@ -107,9 +107,17 @@ def sharded_chunk(num_tokens: int, vocab: int, devices: int, per_device: int = 0
     return min(num_tokens, devices * (per_device or default_chunk(local, vocab)))
 
 
-def lm_loss(x_TH, head_HV, labels_T, *, chunk: int = 0, logit_scale: float = 1.0,
-            z_loss_coef: float = 0.0, weights_T=None,
-            vocab_chunk: int = 0) -> tuple[jax.Array, dict]:
+def lm_loss(
+    x_TH,
+    head_HV,
+    labels_T,
+    *,
+    chunk: int = 0,
+    logit_scale: float = 1.0,
+    z_loss_coef: float = 0.0,
+    weights_T=None,
+    vocab_chunk: int = 0,
+) -> tuple[jax.Array, dict]:
     """Mean token cross-entropy of logits = (x_TH @ head_HV) * logit_scale, computed in fp32
     (x and head may be bf16: the matmul accumulates in fp32 with preferred_element_type), in
     chunks of `chunk` tokens (0 = default_chunk(T, V)) by tiles of ``vocab_tile(V,
@@ -128,11 +136,9 @@ def lm_loss(x_TH, head_HV, labels_T, *, chunk: int = 0, logit_scale: float = 1.0
     T, H = x_TH.shape
     V = head_HV.shape[1]
     if T < 1 or head_HV.shape[0] != H or labels_T.shape != (T,):
-        raise ValueError(f"lm_loss shapes: x {x_TH.shape}, head {head_HV.shape}, "
-                         f"labels {labels_T.shape}")
+        raise ValueError(f"lm_loss shapes: x {x_TH.shape}, head {head_HV.shape}, labels {labels_T.shape}")
     if chunk < 0 or vocab_chunk < 0:
-        raise ValueError(f"lm_loss chunk and vocab_chunk must be >= 0 (0 picks), got "
-                         f"{chunk}, {vocab_chunk}")
+        raise ValueError(f"lm_loss chunk and vocab_chunk must be >= 0 (0 picks), got {chunk}, {vocab_chunk}")
     chunk = min(chunk or default_chunk(T, V), T)
     valid_T = (labels_T >= 0) & (labels_T < V)
     w_T = jnp.ones((T,), jnp.float32) if weights_T is None else weights_T.astype(jnp.float32)
@@ -173,8 +179,10 @@ def _loop(step, carry, n: int):
 
 
 def _logits(x_CH, head_HV, scale: float):
-    return jax.lax.dot_general(x_CH, head_HV, (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32) * scale
+    return (
+        jax.lax.dot_general(x_CH, head_HV, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        * scale
+    )
 
 
 def _operands(x_TH, head_HV):
@@ -208,6 +216,7 @@ def _tiles(x_CH, head_HV, width: int, scale: float, body, carry):
 
 def _chunk_lse_and_picked(x_CH, labels_C, head_HV, width: int, scale: float):
     """(logsumexp over the vocab, the label's logit) of one chunk's tokens, tile by tile."""
+
     def body(carry, tile):
         lse_C, picked_C = carry
         logits_CW, start, first, fresh_W = tile
@@ -228,14 +237,13 @@ def _ce_and_z_fwd(x_TH, head_HV, labels_T, w_T, chunk: int, width: int, scale: f
     x_CGH, labels_CG = _to_chunks(x_mm, chunk), _to_chunks(labels_T, chunk)
 
     def per_chunk(_, g):
-        return None, _chunk_lse_and_picked(_chunk(x_CGH, g), _chunk(labels_CG, g), head,
-                                           width, scale)
+        return None, _chunk_lse_and_picked(_chunk(x_CGH, g), _chunk(labels_CG, g), head, width, scale)
 
     _, out_GC = _loop(per_chunk, None, x_CGH.shape[1])
     lse_T, picked_T = (_from_chunks(a_GC.T, T) for a_GC in out_GC)
     denom = jnp.maximum(jnp.sum(w_T), 1.0)
     ce = jnp.sum(w_T * (lse_T - picked_T)) / denom
-    logit_z = jnp.sum(w_T * lse_T ** 2) / denom
+    logit_z = jnp.sum(w_T * lse_T**2) / denom
     return (ce, logit_z), (x_TH, head_HV, labels_T, w_T / denom, lse_T)
 
 
@@ -245,8 +253,9 @@ def _dlogits(inputs, logits_CW, start, fresh_W, head_dtype, width: int, scale: f
     labels_C, coef_C, lse_C = inputs
     p_CW = jnp.exp(logits_CW - lse_C[:, None])
     onehot_CW = (labels_C - start)[:, None] == jnp.arange(width, dtype=jnp.int32)
-    dlogits_CW = coef_C[:, None] * (p_CW * (g_ce + 2.0 * g_z * lse_C[:, None])
-                                    - jnp.where(onehot_CW, g_ce, 0.0))
+    dlogits_CW = coef_C[:, None] * (
+        p_CW * (g_ce + 2.0 * g_z * lse_C[:, None]) - jnp.where(onehot_CW, g_ce, 0.0)
+    )
     return (jnp.where(fresh_W, dlogits_CW, 0.0) * scale).astype(head_dtype)
 
 
@@ -257,8 +266,7 @@ def _ce_and_z_bwd(chunk: int, width: int, scale: float, residuals, cotangents):
     x_in, head_in, labels_T, coef_T, lse_T = residuals
     g_ce, g_z = cotangents
     x_TH, head = _operands(x_in, head_in)
-    x_CGH, labels_CG, coef_CG, lse_CG = (_to_chunks(a, chunk)
-                                         for a in (x_TH, labels_T, coef_T, lse_T))
+    x_CGH, labels_CG, coef_CG, lse_CG = (_to_chunks(a, chunk) for a in (x_TH, labels_T, coef_T, lse_T))
     H, V = head.shape
 
     def per_tile(carry, v):
@@ -272,12 +280,15 @@ def _ce_and_z_bwd(chunk: int, width: int, scale: float, residuals, cotangents):
             dhead_HW, dx_CGH = carry
             x_CH = _chunk(x_CGH, g)
             inputs = (_chunk(labels_CG, g), _chunk(coef_CG, g), _chunk(lse_CG, g))
-            dlogits_CW = _dlogits(inputs, _logits(x_CH, head_HW, scale), start, fresh_W,
-                                  head.dtype, width, scale, g_ce, g_z)
+            dlogits_CW = _dlogits(
+                inputs, _logits(x_CH, head_HW, scale), start, fresh_W, head.dtype, width, scale, g_ce, g_z
+            )
             dx_CH = _chunk(dx_CGH, g) + jax.lax.dot_general(
-                dlogits_CW, head_HW, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            dhead_HW = dhead_HW + jax.lax.dot_general(x_CH, dlogits_CW, (((0,), (0,)), ((), ())),
-                                                      preferred_element_type=jnp.float32)
+                dlogits_CW, head_HW, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            dhead_HW = dhead_HW + jax.lax.dot_general(
+                x_CH, dlogits_CW, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
             return (dhead_HW, jax.lax.dynamic_update_index_in_dim(dx_CGH, dx_CH, g, axis=1)), None
 
         dhead0 = _zeros_varying_like((H, width), x_TH, head, g_ce, g_z)

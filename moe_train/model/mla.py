@@ -47,19 +47,21 @@ class MLA(CausalAttention):
         kv_axes = ("embed", "kv_lora_rope")
         kv_a = weight(self, "kv_a", (m.hidden, m.kv_lora_rank + I), kv_axes)
         c_BSZ, k_rope_BSI = jnp.split(
-            precision.dot(pol, "kv_a", x_BSH, gathered(kv_a, kv_axes, pol.dtype)),
-            [m.kv_lora_rank], axis=-1)
+            precision.dot(pol, "kv_a", x_BSH, gathered(kv_a, kv_axes, pol.dtype)), [m.kv_lora_rank], axis=-1
+        )
         c_BSZ = RMSNorm(m.norm_eps, name="kv_a_norm")(c_BSZ)
         up_axes = ("kv_lora", "heads", "head_dim")
         kv_b = weight(self, "kv_b", (m.kv_lora_rank, N, U + J), up_axes)
         k_nope_BSNU, v_BSNJ = jnp.split(
-            precision.dot(pol, "kv_b", c_BSZ, gathered(kv_b, up_axes, pol.dtype)), [U], axis=-1)
+            precision.dot(pol, "kv_b", c_BSZ, gathered(kv_b, up_axes, pol.dtype)), [U], axis=-1
+        )
         r = self.cfg.rope
         q_rope_BSNI = rope.apply(q_BSND[..., U:], m.rope_theta, r, positions_BS)
         q_BSND = jnp.concatenate([q_BSND[..., :U], q_rope_BSNI], axis=-1)
         k_rope_BS1I = rope.apply(k_rope_BSI[:, :, None, :], m.rope_theta, r, positions_BS)
         k_BSND = jnp.concatenate(
-            [k_nope_BSNU, jnp.broadcast_to(k_rope_BS1I, (*k_nope_BSNU.shape[:3], I))], axis=-1)
+            [k_nope_BSNU, jnp.broadcast_to(k_rope_BS1I, (*k_nope_BSNU.shape[:3], I))], axis=-1
+        )
         return q_BSND, k_BSND, v_BSNJ
 
     def _queries(self, x_BSH, N: int, D: int):

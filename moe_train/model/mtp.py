@@ -48,10 +48,12 @@ class MTPModule(nn.Module):
         h_BSH = RMSNorm(m.norm_eps, name="hnorm")(h_BSH)
         axes = ("mtp_concat", "embed")
         w = weight(self, "eh_proj", (2 * m.hidden, m.hidden), axes)
-        x_BSH = precision.dot(pol, "eh_proj", jnp.concatenate([e_BSH, h_BSH], axis=-1),
-                              gathered(w, axes, pol.dtype))
-        x_BSH, stats = self.block_cls(self.cfg, dense=self.dense, ep_plan=self.ep_plan,
-                                      name="block")(x_BSH, segment_ids_BS, positions_BS)
+        x_BSH = precision.dot(
+            pol, "eh_proj", jnp.concatenate([e_BSH, h_BSH], axis=-1), gathered(w, axes, pol.dtype)
+        )
+        x_BSH, stats = self.block_cls(self.cfg, dense=self.dense, ep_plan=self.ep_plan, name="block")(
+            x_BSH, segment_ids_BS, positions_BS
+        )
         return x_BSH, RMSNorm(m.norm_eps, name="norm")(x_BSH), stats
 
 
@@ -60,8 +62,9 @@ def mtp_weight(m: Any, step):
     ``mtp_loss_weight_late`` from ``mtp_late_step`` on (0: never)."""
     if not m.mtp_late_step:
         return jnp.float32(m.mtp_loss_weight)
-    return jnp.where(step >= m.mtp_late_step, jnp.float32(m.mtp_loss_weight_late),
-                     jnp.float32(m.mtp_loss_weight))
+    return jnp.where(
+        step >= m.mtp_late_step, jnp.float32(m.mtp_loss_weight_late), jnp.float32(m.mtp_loss_weight)
+    )
 
 
 def shifted(batch_BS1, depth: int, segments_BS1=None):
@@ -73,14 +76,13 @@ def shifted(batch_BS1, depth: int, segments_BS1=None):
     B, S = batch_BS1.shape[0], batch_BS1.shape[1] - 1
     pad = jnp.full((B, depth + 1), -1, batch_BS1.dtype)
     ext_BS = jnp.concatenate([batch_BS1, pad], axis=1)  # [B, S + 1 + D + 1]
-    ids = jnp.stack([ext_BS[:, k:k + S] for k in range(1, depth + 1)])
-    labels = jnp.stack([ext_BS[:, k + 1:k + 1 + S] for k in range(1, depth + 1)])
+    ids = jnp.stack([ext_BS[:, k : k + S] for k in range(1, depth + 1)])
+    labels = jnp.stack([ext_BS[:, k + 1 : k + 1 + S] for k in range(1, depth + 1)])
     if segments_BS1 is not None:
-        seg_BS = jnp.concatenate([segments_BS1, jnp.full((B, depth + 1), -1,
-                                                         segments_BS1.dtype)], axis=1)
+        seg_BS = jnp.concatenate([segments_BS1, jnp.full((B, depth + 1), -1, segments_BS1.dtype)], axis=1)
         own_BS = seg_BS[:, :S]
-        ids = jnp.where(jnp.stack([seg_BS[:, k:k + S] == own_BS
-                                   for k in range(1, depth + 1)]), ids, -1)
-        labels = jnp.where(jnp.stack([seg_BS[:, k + 1:k + 1 + S] == own_BS
-                                      for k in range(1, depth + 1)]), labels, -1)
+        ids = jnp.where(jnp.stack([seg_BS[:, k : k + S] == own_BS for k in range(1, depth + 1)]), ids, -1)
+        labels = jnp.where(
+            jnp.stack([seg_BS[:, k + 1 : k + 1 + S] == own_BS for k in range(1, depth + 1)]), labels, -1
+        )
     return jnp.maximum(ids, 0), labels

@@ -74,6 +74,7 @@ class Policy:
 
 # ----------------------------------------------------------------------------- scaling
 
+
 def init_meta(history: int) -> dict:
     """Fresh scaling state of one tensor: scale 1, empty amax history."""
     return {"scale": jnp.ones((), jnp.float32), "amax_history": jnp.zeros((history,), jnp.float32)}
@@ -89,7 +90,7 @@ def update_meta(x, meta: dict, q_dtype, recipe: Recipe) -> dict:
     history_A = meta["amax_history"]
     past = jnp.max(history_A)
     use = amax if recipe.current else jnp.where(past > 0, past, amax)
-    scale = use * (2.0 ** recipe.margin) / fp8_max(q_dtype)
+    scale = use * (2.0**recipe.margin) / fp8_max(q_dtype)
     scale = jnp.where((use > 0) & jnp.isfinite(use), scale, meta["scale"])
     return {"scale": scale, "amax_history": jnp.roll(history_A, 1).at[0].set(amax)}
 
@@ -150,6 +151,7 @@ quantize_grad.defvjp(_quantize_grad_fwd, _quantize_grad_bwd)
 
 # ----------------------------------------------------------------------------- policy
 
+
 def _te_reason(p: PrecisionConfig, platform: str) -> str | None:
     """Why Transformer Engine's fp8 cannot be used here (None when it can)."""
     if platform != "gpu":
@@ -168,8 +170,9 @@ def _resolve(p: PrecisionConfig, platform: str) -> tuple[str, str]:
     if p.fp8_backend == "te" and reason:
         raise ConfigError(f"precision.fp8_backend=te: {reason}; choose one of: auto, xla")
     if p.fp8_recipe == "mxfp8" and reason:
-        raise ConfigError(f"precision.fp8_recipe=mxfp8 needs Transformer Engine: {reason}; "
-                          f"choose one of: delayed, current")
+        raise ConfigError(
+            f"precision.fp8_recipe=mxfp8 needs Transformer Engine: {reason}; choose one of: delayed, current"
+        )
     if p.fp8_backend == "xla":
         return "xla", "precision.fp8_backend=xla"
     if reason:
@@ -183,9 +186,14 @@ def policy(cfg: Config, platform: str | None = None) -> Policy:
     backend, _ = _resolve(p, platform or jax.default_backend())
     # MXFP8 block scales are TE's alone; the experts' per-tensor q/dq then scales currently.
     recipe = Recipe(current=p.fp8_recipe != "delayed", margin=p.margin)
-    return Policy(dtype=jnp.dtype(compute_dtype(p)), fp8=p.compute == "fp8",
-                  backend=backend if p.compute == "fp8" else "none", recipe=recipe,
-                  history=p.amax_history, recipe_name=p.fp8_recipe)
+    return Policy(
+        dtype=jnp.dtype(compute_dtype(p)),
+        fp8=p.compute == "fp8",
+        backend=backend if p.compute == "fp8" else "none",
+        recipe=recipe,
+        history=p.amax_history,
+        recipe_name=p.fp8_recipe,
+    )
 
 
 def describe(cfg: Config, platform: str) -> str:
@@ -195,12 +203,15 @@ def describe(cfg: Config, platform: str) -> str:
     if p.compute != "fp8":
         return f"precision: {p.compute} compute, fp32 master weights, router and losses"
     dense = "Transformer Engine" if backend == "te" else "XLA fp8 q/dq"
-    return (f"precision: fp8 ({p.fp8_recipe} scaling, amax history {p.amax_history}, margin "
-            f"{p.margin}) in bf16; dense projections: {dense} ({why}); experts: XLA fp8 q/dq; "
-            f"fp32 master weights, router and losses; bf16 embedding and LM head")
+    return (
+        f"precision: fp8 ({p.fp8_recipe} scaling, amax history {p.amax_history}, margin "
+        f"{p.margin}) in bf16; dense projections: {dense} ({why}); experts: XLA fp8 q/dq; "
+        f"fp32 master weights, router and losses; bf16 embedding and LM head"
+    )
 
 
 # ----------------------------------------------------------------------------- in the model
+
 
 def _meta(mod: nn.Module, name: str, pol: Policy) -> dict:
     return mod.variable(FP8_COLLECTION, name, init_meta, pol.history).value
@@ -259,13 +270,23 @@ def _fp8_matmul_bwd(n, recipe, res, g_y):
     qx, qw, new_x, new_w, meta_g, w_dtype = res
     qg, new_g = _quantized(g_y, meta_g, E5M2, recipe)
     batch = qx.ndim - n  # x = [batch..., k...], w = [k..., out...], g = [batch..., out...]
-    dx = jax.lax.dot_general(qg, qw, ((tuple(range(batch, g_y.ndim)), tuple(range(n, qw.ndim))),
-                                      ((), ())), preferred_element_type=jnp.float32)
-    dw = jax.lax.dot_general(qx, qg, ((tuple(range(batch)), tuple(range(batch))), ((), ())),
-                             preferred_element_type=jnp.float32)
+    dx = jax.lax.dot_general(
+        qg,
+        qw,
+        ((tuple(range(batch, g_y.ndim)), tuple(range(n, qw.ndim))), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+    dw = jax.lax.dot_general(
+        qx, qg, ((tuple(range(batch)), tuple(range(batch))), ((), ())), preferred_element_type=jnp.float32
+    )
     s_g = new_g["scale"]
-    return ((dx * (s_g * new_w["scale"])).astype(g_y.dtype),
-            (dw * (new_x["scale"] * s_g)).astype(w_dtype.dtype), new_x, new_w, new_g)
+    return (
+        (dx * (s_g * new_w["scale"])).astype(g_y.dtype),
+        (dw * (new_x["scale"] * s_g)).astype(w_dtype.dtype),
+        new_x,
+        new_w,
+        new_g,
+    )
 
 
 fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
@@ -283,6 +304,5 @@ def dot(pol: Policy, name: str, x, w, n: int = 1):
     if pol.backend == "te":
         from moe_train.model import precision_te
 
-        return precision_te.dot(name, x, w, _dims(x.ndim, n), pol.recipe_name, pol.history,
-                                pol.recipe.margin)
+        return precision_te.dot(name, x, w, _dims(x.ndim, n), pol.recipe_name, pol.history, pol.recipe.margin)
     return Fp8Dot(pol, n, name=f"{name}_fp8")(x, w)

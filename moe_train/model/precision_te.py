@@ -60,9 +60,9 @@ def dot_general_cls(recipe_name: str, history: int, margin: int):
 
     hybrid = recipe.Format.HYBRID
     make = {
-        "delayed": lambda: recipe.DelayedScaling(margin=margin, fp8_format=hybrid,
-                                                 amax_history_len=history,
-                                                 amax_compute_algo="max"),
+        "delayed": lambda: recipe.DelayedScaling(
+            margin=margin, fp8_format=hybrid, amax_history_len=history, amax_compute_algo="max"
+        ),
         "current": lambda: recipe.Float8CurrentScaling(fp8_format=hybrid),
         "mxfp8": lambda: recipe.MXFP8BlockScaling(),
     }

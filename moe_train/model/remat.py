@@ -48,7 +48,7 @@ checkpoint written under one policy resumes under another.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax

@@ -42,8 +42,7 @@ def yarn_ramp(r: Any, dim: int, theta: float) -> jax.Array:
     """Per frequency [D/2], 1 where the original frequency is kept (fast), 0 where it is
     interpolated (slow), linear in between."""
     low = max(math.floor(_correction_dim(r.beta_fast, dim, theta, r.original_max_positions)), 0)
-    high = min(math.ceil(_correction_dim(r.beta_slow, dim, theta, r.original_max_positions)),
-               dim - 1)
+    high = min(math.ceil(_correction_dim(r.beta_slow, dim, theta, r.original_max_positions)), dim - 1)
     high = high + 0.001 if low == high else high
     ramp = (jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low)
     return 1.0 - jnp.clip(ramp, 0.0, 1.0)

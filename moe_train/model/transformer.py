@@ -25,7 +25,8 @@ layout (params, moe_state, fp8 state, Adam moments, a whole train state) between
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -97,8 +98,9 @@ class MoEBlock(nn.Module):
         m, e = self.cfg.model, self.cfg.moe
         pdt, part = jnp.dtype(m.param_dtype), nn.with_logical_partitioning
         E, H, F = e.num_experts, m.hidden, e.expert_ffn
-        gate_HE = self.param("gate", part(nn.initializers.normal(0.02), ("embed", "expert_gate")),
-                             (H, E), jnp.float32)
+        gate_HE = self.param(
+            "gate", part(nn.initializers.normal(0.02), ("embed", "expert_gate")), (H, E), jnp.float32
+        )
         expert_init = fan_in_init((1,), (2,), (0,))
         wi_0_EHF = self.param("wi_0", part(expert_init, ("expert", "embed", "mlp")), (E, H, F), pdt)
         wi_1_EHF = self.param("wi_1", part(expert_init, ("expert", "embed", "mlp")), (E, H, F), pdt)
@@ -111,8 +113,10 @@ class MoEBlock(nn.Module):
         expert_x_TH = None
         if pol.fp8:  # the router keeps x_TH; the experts get e4m3 rows and weights
             expert_x_TH = precision.quantize_operand(self, "expert_input", x_TH, pol)
-            w = tuple(precision.quantize_operand(self, f"{n}_kernel", w_, pol)
-                      for n, w_ in zip(("wi_0", "wi_1", "wo"), w))
+            w = tuple(
+                precision.quantize_operand(self, f"{n}_kernel", w_, pol)
+                for n, w_ in zip(("wi_0", "wi_1", "wo"), w)
+            )
         y_TH, stats = self.routed(x_TH, gate_HE, w, bias_E, S, expert_x_TH)
         if pol.fp8:  # e5m2 gradient into the experts' output
             y_TH = precision.quantize_cotangent(self, "expert_output_grad", y_TH, pol)
@@ -130,10 +134,16 @@ class MoEBlock(nn.Module):
         e = self.cfg.moe
         operands = (x_TH, gate_HE, *w, Routing.of(e))
         if e.capacity_factor:  # the token-dropping baseline of studies (ep 1, no fp8)
-            return capacity_moe(*operands, capacity_factor=e.capacity_factor,
-                                seq_len=seq_len, expert_bias=bias_E)
-        kwargs = dict(expert_bias=bias_E, backend=e.backend, tile_rows=e.tile_rows or None,
-                      seq_len=seq_len, expert_input=expert_x_TH)
+            return capacity_moe(
+                *operands, capacity_factor=e.capacity_factor, seq_len=seq_len, expert_bias=bias_E
+            )
+        kwargs = dict(
+            expert_bias=bias_E,
+            backend=e.backend,
+            tile_rows=e.tile_rows or None,
+            seq_len=seq_len,
+            expert_input=expert_x_TH,
+        )
         if self.ep_plan is None:
             return dropless_moe(*operands, **kwargs)
         return ep_moe(*operands, plan=self.ep_plan, **kwargs)
@@ -143,8 +153,9 @@ def _attention_sublayer(block: nn.Module, x_BSH, segment_ids_BS=None, positions_
     """``attn(attn_norm(x))`` as submodules of ``block`` (a function, so ``train.remat=moe``
     can rematerialise it alone); ``attn`` is GQA or MLA (``model.attention_kind``)."""
     kind = MLA if block.cfg.model.attention_kind == "mla" else Attention
-    return kind(block.cfg, name="attn")(RMSNorm(block.cfg.model.norm_eps, name="attn_norm")(x_BSH),
-                                        segment_ids_BS, positions_BS)
+    return kind(block.cfg, name="attn")(
+        RMSNorm(block.cfg.model.norm_eps, name="attn_norm")(x_BSH), segment_ids_BS, positions_BS
+    )
 
 
 class Block(nn.Module):
@@ -162,8 +173,9 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BSH, segment_ids_BS=None, positions_BS=None):
         m = self.cfg.model
-        sublayer = remat.wrap_attention(_attention_sublayer, self.cfg.train.remat,
-                                        prevent_cse=not m.scan_layers)
+        sublayer = remat.wrap_attention(
+            _attention_sublayer, self.cfg.train.remat, prevent_cse=not m.scan_layers
+        )
         x_BSH = x_BSH + sublayer(self, x_BSH, segment_ids_BS, positions_BS)
         h_BSH = RMSNorm(m.norm_eps, name="mlp_norm")(x_BSH)
         if self.dense:
@@ -175,8 +187,10 @@ class Block(nn.Module):
 
 def layer_groups(m) -> tuple[tuple[str, bool, range], ...]:
     """(scanned group name, dense, layer indices) of every non-empty group, in depth order."""
-    groups = (("dense_layers", True, range(0, m.first_dense_layers)),
-              ("moe_layers", False, range(m.first_dense_layers, m.num_layers)))
+    groups = (
+        ("dense_layers", True, range(0, m.first_dense_layers)),
+        ("moe_layers", False, range(m.first_dense_layers, m.num_layers)),
+    )
     return tuple(g for g in groups if len(g[2]))
 
 
@@ -184,10 +198,14 @@ def scanned(block_cls: type[nn.Module], length: int) -> type[nn.Module]:
     """``block_cls`` run ``length`` times under ``nn.scan``: one compiled body, every layer
     collection stacked on a leading ``layers`` axis, a fresh init key per layer; the
     arguments after the carry (segment ids, positions) are the same in every layer."""
-    return nn.scan(block_cls, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
-                   split_rngs={"params": True}, length=length,
-                   in_axes=(nn.broadcast, nn.broadcast),
-                   metadata_params={nn.PARTITION_NAME: "layers"})
+    return nn.scan(
+        block_cls,
+        variable_axes={c: 0 for c in LAYER_COLLECTIONS},
+        split_rngs={"params": True},
+        length=length,
+        in_axes=(nn.broadcast, nn.broadcast),
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
 
 
 class LMHead(NamedTuple):
@@ -201,8 +219,10 @@ class LMHead(NamedTuple):
 
 def head_logits(h: LMHead):
     """fp32 logits [B, S, V] of ``h`` (fp32 accumulation, as ``moe_train.model.loss.lm_loss``)."""
-    return jax.lax.dot_general(h.x_BSH, h.head_HV, (((2,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32) * h.scale
+    return (
+        jax.lax.dot_general(h.x_BSH, h.head_HV, (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        * h.scale
+    )
 
 
 def _stacked(stats):
@@ -230,13 +250,17 @@ class Transformer(nn.Module):
     ep_plan: EPPlan | None = None  # expert-parallel MoE layers on the context mesh
 
     @nn.compact
-    def __call__(self, tokens_BS, logits: bool = True, mtp_ids_DBS=None, segment_ids_BS=None,
-                 positions_BS=None):
+    def __call__(
+        self, tokens_BS, logits: bool = True, mtp_ids_DBS=None, segment_ids_BS=None, positions_BS=None
+    ):
         m = self.cfg.model
         dt = precision.policy(self.cfg).dtype  # bf16 under fp8: embedding and head unquantized
-        embed_VH = self.param("embed", nn.with_logical_partitioning(
-            nn.initializers.normal(1.0), ("vocab", "embed")), (m.vocab_size, m.hidden),
-            jnp.dtype(m.param_dtype))
+        embed_VH = self.param(
+            "embed",
+            nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+            (m.vocab_size, m.hidden),
+            jnp.dtype(m.param_dtype),
+        )
         table_VH = gathered(embed_VH, ("vocab", "embed"), dt)
         x_BSH = nn.with_logical_constraint(table_VH[tokens_BS], ACTIVATION_AXES)
         if segment_ids_BS is not None and positions_BS is None:
@@ -252,10 +276,14 @@ class Transformer(nn.Module):
         if m.tie_embeddings:
             # The embedding is initialised at unit scale; 1/sqrt(H) keeps tied logits O(1)
             # (model.tied_logit_scale=0); released tied checkpoints use 1.
-            head = LMHead(x_BSH, table_VH.T, m.tied_logit_scale or m.hidden ** -0.5, mtp_DBSH)
+            head = LMHead(x_BSH, table_VH.T, m.tied_logit_scale or m.hidden**-0.5, mtp_DBSH)
         else:
-            head_HV = self.param("lm_head", nn.with_logical_partitioning(
-                fan_in_init(), ("embed", "vocab")), (m.hidden, m.vocab_size), jnp.dtype(m.param_dtype))
+            head_HV = self.param(
+                "lm_head",
+                nn.with_logical_partitioning(fan_in_init(), ("embed", "vocab")),
+                (m.hidden, m.vocab_size),
+                jnp.dtype(m.param_dtype),
+            )
             head = LMHead(x_BSH, gathered(head_HV, ("embed", "vocab"), dt), 1.0, mtp_DBSH)
         return (head_logits(head) if logits else head), stats_L
 
@@ -269,12 +297,14 @@ class Transformer(nn.Module):
         for name, dense, layers in layer_groups(m):
             if scan:
                 x_BSH, stats = scanned(block_cls, len(layers))(
-                    self.cfg, dense=dense, ep_plan=self.ep_plan, name=name)(x_BSH, *seq)
+                    self.cfg, dense=dense, ep_plan=self.ep_plan, name=name
+                )(x_BSH, *seq)
                 layer_stats += [] if dense else [stats]
                 continue
             for i in layers:
-                x_BSH, stats = block_cls(self.cfg, dense=dense, ep_plan=self.ep_plan,
-                                         name=f"layer_{i}")(x_BSH, *seq)
+                x_BSH, stats = block_cls(self.cfg, dense=dense, ep_plan=self.ep_plan, name=f"layer_{i}")(
+                    x_BSH, *seq
+                )
                 layer_stats += [] if dense else [_stacked(stats)]
         return x_BSH, _concat(layer_stats)
 
@@ -286,8 +316,9 @@ class Transformer(nn.Module):
         outs, layer_stats = [], [] if stats_L is None else [stats_L]
         for k in range(m.mtp_depth):
             emb_BSH = nn.with_logical_constraint(table_VH[ids_DBS[k]], ACTIVATION_AXES)
-            h_BSH, normed_BSH, stats = MTPModule(self.cfg, block_cls, dense, self.ep_plan,
-                                                 name=f"mtp_{k}")(h_BSH, emb_BSH, *seq)
+            h_BSH, normed_BSH, stats = MTPModule(self.cfg, block_cls, dense, self.ep_plan, name=f"mtp_{k}")(
+                h_BSH, emb_BSH, *seq
+            )
             outs.append(normed_BSH)
             layer_stats += [] if dense else [_stacked(stats)]
         return jnp.stack(outs), _concat(layer_stats)
@@ -302,6 +333,7 @@ def _concat(layer_stats: list):
 
 # ----------------------------------------------------------------------------- layouts
 
+
 def _is_layered(looped: bool) -> Callable[[Any], bool]:
     if looped:
         return lambda t: isinstance(t, dict) and any(LAYER_NAME.fullmatch(str(k)) for k in t)
@@ -312,6 +344,7 @@ def to_scanned(tree, m, stack: Callable = jnp.stack):
     """``tree`` with every dict of ``layer_{i}`` entries turned into the scanned groups
     (``stack(list of per-layer leaves)`` stacks one leaf). A collection may hold only some
     groups' layers (moe_state: the MoE layers); a group is all there or not at all."""
+
     def convert(d):
         if not _is_layered(True)(d):
             return d
@@ -330,6 +363,7 @@ def to_scanned(tree, m, stack: Callable = jnp.stack):
 def to_looped(tree, m, take: Callable = lambda x, j: x[j]):
     """The inverse of ``to_scanned``: each group's [L, ...] leaves split into ``layer_{i}``
     entries (``take(leaf, j)`` is layer j of the group)."""
+
     def convert(d):
         if not _is_layered(False)(d):
             return d

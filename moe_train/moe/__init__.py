@@ -22,8 +22,22 @@ from moe_train.moe.router import Routing, route, route_tokens, router_logits, ro
 from moe_train.moe.stats import MoEStats
 
 __all__ = [
-    "BACKENDS", "BackendUnavailable", "MoEStats", "Routing", "available_backends",
-    "capacity_moe", "default_tile_rows", "dense_reference_moe", "dropless_moe", "ep_moe",
-    "expert_capacity", "resolve_backend", "route", "route_tokens", "router_logits",
-    "router_stats", "swiglu_mlp", "tiled_padding",
+    "BACKENDS",
+    "BackendUnavailable",
+    "MoEStats",
+    "Routing",
+    "available_backends",
+    "capacity_moe",
+    "default_tile_rows",
+    "dense_reference_moe",
+    "dropless_moe",
+    "ep_moe",
+    "expert_capacity",
+    "resolve_backend",
+    "route",
+    "route_tokens",
+    "router_logits",
+    "router_stats",
+    "swiglu_mlp",
+    "tiled_padding",
 ]

@@ -20,8 +20,7 @@ from moe_train.moe.permute import weighted_sum
 from moe_train.moe.router import Routing, route_tokens
 
 
-def expert_capacity(num_tokens: int, top_k: int, num_experts: int,
-                    capacity_factor: float = 1.0) -> int:
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float = 1.0) -> int:
     """C = ceil(capacity_factor * T * K / E), at least 1."""
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
@@ -39,8 +38,19 @@ def slot_positions(experts_TK: jax.Array, num_experts: int) -> jax.Array:
     return position_N.reshape(K, T).T
 
 
-def capacity_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Routing, *,
-                 capacity_factor=1.0, capacity=None, seq_len=None, expert_bias=None):
+def capacity_moe(
+    x_TH,
+    gate_kernel_HE,
+    wi_0_EHF,
+    wi_1_EHF,
+    wo_EFH,
+    routing: Routing,
+    *,
+    capacity_factor=1.0,
+    capacity=None,
+    seq_len=None,
+    expert_bias=None,
+):
     """Token-dropping SwiGLU MoE routed as dropless_moe routes.
 
     capacity (int) overrides capacity_factor. Returns (y, stats); stats as dropless_moe's
@@ -54,24 +64,25 @@ def capacity_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Rout
     C = int(capacity) if capacity is not None else expert_capacity(T, top_k, E, capacity_factor)
     with jax.named_scope("route"):
         weights_TK, experts_TK, stats = route_tokens(
-            x_TH, gate_kernel_HE, routing, expert_bias=expert_bias, seq_len=seq_len)
+            x_TH, gate_kernel_HE, routing, expert_bias=expert_bias, seq_len=seq_len
+        )
     with jax.named_scope("permute"):
         position_TK = slot_positions(experts_TK, E)
         kept_TK = position_TK < C
         slot_TK = jnp.where(kept_TK, experts_TK * C + position_TK, E * C)  # E*C: dropped
         token_TK = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[:, None], (T, top_k))
-        token_S = jnp.zeros((E * C,), jnp.int32).at[slot_TK.reshape(-1)].set(
-            token_TK.reshape(-1), mode="drop")
+        token_S = (
+            jnp.zeros((E * C,), jnp.int32).at[slot_TK.reshape(-1)].set(token_TK.reshape(-1), mode="drop")
+        )
         filled_S = jnp.zeros((E * C,), bool).at[slot_TK.reshape(-1)].set(True, mode="drop")
         x_ECH = jnp.where(filled_S[:, None], x_TH[token_S], 0).reshape(E, C, H)
     with jax.named_scope("grouped_gemm"):
-        a0_ECF = jnp.einsum("ech,ehf->ecf", x_ECH, wi_0_EHF.astype(dtype),
-                            preferred_element_type=jnp.float32)
-        a1_ECF = jnp.einsum("ech,ehf->ecf", x_ECH, wi_1_EHF.astype(dtype),
-                            preferred_element_type=jnp.float32)
+        a0_ECF = jnp.einsum("ech,ehf->ecf", x_ECH, wi_0_EHF.astype(dtype), preferred_element_type=jnp.float32)
+        a1_ECF = jnp.einsum("ech,ehf->ecf", x_ECH, wi_1_EHF.astype(dtype), preferred_element_type=jnp.float32)
         h_ECF = (jax.nn.silu(a0_ECF) * a1_ECF).astype(dtype)
-        y_ECH = jnp.einsum("ecf,efh->ech", h_ECF, wo_EFH.astype(dtype),
-                           preferred_element_type=jnp.float32).astype(dtype)
+        y_ECH = jnp.einsum(
+            "ecf,efh->ech", h_ECF, wo_EFH.astype(dtype), preferred_element_type=jnp.float32
+        ).astype(dtype)
     with jax.named_scope("unpermute"):
         y_SH = y_ECH.reshape(E * C, H)
         y_NH = y_SH[jnp.minimum(slot_TK, E * C - 1)].reshape(-1, H)

@@ -35,8 +35,10 @@ GPU_MAX_BLOCK_ROWS = 512
 MAX_BLOCK_TILES = 16
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MGPU_ALIGN = 64  # H and F must be multiples of this (block_k and block_n of the kernels)
-_TE_HINT = ("install Transformer Engine for JAX on a CUDA machine: "
-            "pip install --no-build-isolation 'transformer_engine[jax]'")
+_TE_HINT = (
+    "install Transformer Engine for JAX on a CUDA machine: "
+    "pip install --no-build-isolation 'transformer_engine[jax]'"
+)
 
 
 class BackendUnavailable(RuntimeError):
@@ -44,6 +46,7 @@ class BackendUnavailable(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- selection
+
 
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
@@ -62,8 +65,10 @@ def _te_import_error() -> str | None:
 @functools.cache
 def _mgpu_import_error() -> str | None:
     try:
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: F401
-        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: F401
+        from jax.experimental.pallas.ops.gpu import (
+            ragged_dot_mgpu,  # noqa: F401
+            transposed_ragged_dot_mgpu,  # noqa: F401
+        )
     except Exception as err:
         return f"cannot import the Pallas Mosaic-GPU kernels ({type(err).__name__}: {err})"
     return None
@@ -93,8 +98,7 @@ def available_backends(dtype=None, hidden=None, ffn=None) -> tuple[str, ...]:
     return tuple(b for b in BACKENDS[1:] if _unavailable_reason(b, dtype, hidden, ffn) is None)
 
 
-def resolve_backend(name: str, dtype=None, *, hidden: int | None = None,
-                    ffn: int | None = None) -> str:
+def resolve_backend(name: str, dtype=None, *, hidden: int | None = None, ffn: int | None = None) -> str:
     """Map a backend name to a concrete backend that can run here.
 
     "auto": CPU (or any non-GPU) -> tiled; GPU with bf16/fp16 -> te if Transformer Engine
@@ -118,7 +122,8 @@ def resolve_backend(name: str, dtype=None, *, hidden: int | None = None,
     if reason is not None:
         raise BackendUnavailable(
             f"MoE backend {name!r} is unavailable: {reason}. "
-            f"Available here: {available_backends(dtype, hidden, ffn)}")
+            f"Available here: {available_backends(dtype, hidden, ffn)}"
+        )
     return name
 
 
@@ -129,6 +134,7 @@ def ragged_dot_expansion_bytes(rows: int, experts: int, hidden: int, ffn: int, d
 
 
 # ----------------------------------------------------------------------------- tiled
+
 
 def default_block_rows(tile_rows: int, platform: str | None = None) -> int:
     """Largest row block of the tiled backend: tile_rows * 2**j, at most 16 tiles and at
@@ -146,13 +152,14 @@ def default_block_rows(tile_rows: int, platform: str | None = None) -> int:
 
 # ----------------------------------------------------------------------------- sorted rows
 
+
 def _ragged_dot(lhs_NK, rhs_EKF, group_sizes_E):
-    return jax.lax.ragged_dot(lhs_NK, rhs_EKF, group_sizes_E,
-                              preferred_element_type=jnp.float32)
+    return jax.lax.ragged_dot(lhs_NK, rhs_EKF, group_sizes_E, preferred_element_type=jnp.float32)
 
 
 def _te_gmm(lhs_NK, rhs_EKF, group_sizes_E):
     from transformer_engine.jax.dense import grouped_dense
+
     return grouped_dense(lhs_NK, rhs_EKF, group_sizes_E, contracting_dims=((1,), (1,)))
 
 
@@ -163,10 +170,19 @@ def _mgpu_blocks(n: int) -> int:
 def _mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E, transpose_rhs=False):
     """Hopper ragged_dot: out[N, F] (or [N, K'] with rhs [E, K', K] when transposed)."""
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+
     n_out = rhs_EKF.shape[1] if transpose_rhs else rhs_EKF.shape[2]
-    return ragged_dot(lhs_NK, rhs_EKF, group_sizes=group_sizes_E, block_m=128,
-                      block_n=_mgpu_blocks(n_out), block_k=_MGPU_ALIGN,
-                      max_concurrent_steps=4, grid_block_n=1, transpose_rhs=transpose_rhs)
+    return ragged_dot(
+        lhs_NK,
+        rhs_EKF,
+        group_sizes=group_sizes_E,
+        block_m=128,
+        block_n=_mgpu_blocks(n_out),
+        block_k=_MGPU_ALIGN,
+        max_concurrent_steps=4,
+        grid_block_n=1,
+        transpose_rhs=transpose_rhs,
+    )
 
 
 def _typed_like(out, *operands):
@@ -188,18 +204,23 @@ def _mgpu_gmm_fwd(lhs_NK, rhs_EKF, group_sizes_E):
 
 def _mgpu_gmm_bwd(res, dy_NF):
     """dX = dY @ W[e]^T (ragged_dot, transpose_rhs); dW[e] = X_e^T @ dY_e (transposed)."""
-    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import (
-        transposed_ragged_dot)
+    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
+
     lhs_NK, rhs_EKF, group_sizes_E = res
     dy_NF = dy_NF.astype(lhs_NK.dtype)
     dx_NK = _mgpu_forward(dy_NF, rhs_EKF, group_sizes_E, transpose_rhs=True)
     K, F = rhs_EKF.shape[1:]
-    dw_EKF = transposed_ragged_dot(lhs_NK, dy_NF, group_sizes=group_sizes_E,
-                                   block_m=_mgpu_blocks(K), block_n=_mgpu_blocks(F),
-                                   block_k=_MGPU_ALIGN, max_concurrent_steps=4,
-                                   grid_block_n=1)
-    return (_typed_like(dx_NK, lhs_NK), _typed_like(dw_EKF.astype(rhs_EKF.dtype), rhs_EKF),
-            None)
+    dw_EKF = transposed_ragged_dot(
+        lhs_NK,
+        dy_NF,
+        group_sizes=group_sizes_E,
+        block_m=_mgpu_blocks(K),
+        block_n=_mgpu_blocks(F),
+        block_k=_MGPU_ALIGN,
+        max_concurrent_steps=4,
+        grid_block_n=1,
+    )
+    return (_typed_like(dx_NK, lhs_NK), _typed_like(dw_EKF.astype(rhs_EKF.dtype), rhs_EKF), None)
 
 
 _mgpu_gmm.defvjp(_mgpu_gmm_fwd, _mgpu_gmm_bwd)
@@ -207,8 +228,14 @@ _mgpu_gmm.defvjp(_mgpu_gmm_fwd, _mgpu_gmm_bwd)
 _GMM = {"ragged_dot": _ragged_dot, "mgpu": _mgpu_gmm, "te": _te_gmm}
 
 
-def sorted_swiglu(x_NH: jax.Array, group_sizes_E: jax.Array, wi_0_EHF: jax.Array,
-                  wi_1_EHF: jax.Array, wo_EFH: jax.Array, backend: str) -> jax.Array:
+def sorted_swiglu(
+    x_NH: jax.Array,
+    group_sizes_E: jax.Array,
+    wi_0_EHF: jax.Array,
+    wi_1_EHF: jax.Array,
+    wo_EFH: jax.Array,
+    backend: str,
+) -> jax.Array:
     """SwiGLU experts on rows sorted by expert with `group_sizes_E` rows each -> [N, H].
 
     Inside ``shard_map`` every operand is first typed as varying along every mesh axis any
@@ -218,8 +245,13 @@ def sorted_swiglu(x_NH: jax.Array, group_sizes_E: jax.Array, wi_0_EHF: jax.Array
     trace at EP > 1: "Custom VJP bwd rule must produce an output with the same type".)"""
     gmm = _GMM[backend]
     dtype = x_NH.dtype
-    ops = (x_NH, wi_0_EHF.astype(dtype), wi_1_EHF.astype(dtype), wo_EFH.astype(dtype),
-           group_sizes_E.astype(jnp.int32))
+    ops = (
+        x_NH,
+        wi_0_EHF.astype(dtype),
+        wi_1_EHF.astype(dtype),
+        wo_EFH.astype(dtype),
+        group_sizes_E.astype(jnp.int32),
+    )
     axes = varying_axes(*ops)
     x_NH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E = (vary(a, axes) for a in ops)
     a0_NF = gmm(x_NH, w0_EHF, group_sizes_E).astype(jnp.float32)
@@ -228,8 +260,15 @@ def sorted_swiglu(x_NH: jax.Array, group_sizes_E: jax.Array, wi_0_EHF: jax.Array
     return gmm(h_NF, wo_EFH, group_sizes_E).astype(dtype)
 
 
-def grouped_swiglu(x_RH: jax.Array, plan, wi_0_EHF: jax.Array, wi_1_EHF: jax.Array,
-                   wo_EFH: jax.Array, backend: str, block_rows: int | None = None) -> jax.Array:
+def grouped_swiglu(
+    x_RH: jax.Array,
+    plan,
+    wi_0_EHF: jax.Array,
+    wi_1_EHF: jax.Array,
+    wo_EFH: jax.Array,
+    backend: str,
+    block_rows: int | None = None,
+) -> jax.Array:
     """Dispatch to a concrete backend; `plan` is the permute.Dispatch for x_RH's layout.
 
     The tiled backend reads the tile rows m from the layout (R = B*m) and runs blocks of up
@@ -240,8 +279,15 @@ def grouped_swiglu(x_RH: jax.Array, plan, wi_0_EHF: jax.Array, wi_1_EHF: jax.Arr
         if plan.tile_expert_B is None:
             raise ValueError("the tiled backend needs a plan built with tile_rows")
         m = x_RH.shape[0] // plan.tile_expert_B.shape[0]  # R = B * m
-        return tiled_swiglu(x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, tile_rows=m,
-                            block_rows=block_rows or default_block_rows(m))
+        return tiled_swiglu(
+            x_RH,
+            plan.group_sizes_E,
+            wi_0_EHF,
+            wi_1_EHF,
+            wo_EFH,
+            tile_rows=m,
+            block_rows=block_rows or default_block_rows(m),
+        )
     if backend not in _GMM:
         raise ValueError(f"not a concrete backend: {backend!r}; resolve it first")
     return sorted_swiglu(x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, backend)

@@ -70,8 +70,9 @@ def check_expert_shapes(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH) -> tup
         raise ValueError(f"wi_0 must be [E={E}, H={H}, F], got {wi_0_EHF.shape}")
     F = wi_0_EHF.shape[2]
     if wi_1_EHF.shape != (E, H, F) or wo_EFH.shape != (E, F, H):
-        raise ValueError(f"expected wi_1 {(E, H, F)} and wo {(E, F, H)}, "
-                         f"got {wi_1_EHF.shape} and {wo_EFH.shape}")
+        raise ValueError(
+            f"expected wi_1 {(E, H, F)} and wo {(E, F, H)}, got {wi_1_EHF.shape} and {wo_EFH.shape}"
+        )
     return H, E, F
 
 
@@ -95,8 +96,7 @@ def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
             plan = plan._replace(group_sizes_E=plan.group_sizes_E[:L], tile_expert_B=tiles)
         x_RH = permute(arrived.x_AH, plan)
     with jax.named_scope("grouped_gemm"):
-        y_RH = grouped_swiglu(x_RH, plan, experts.wi_0_LHF, experts.wi_1_LHF, experts.wo_LFH,
-                              experts.backend)
+        y_RH = grouped_swiglu(x_RH, plan, experts.wi_0_LHF, experts.wi_1_LHF, experts.wo_LFH, experts.backend)
     with jax.named_scope("unpermute"):
         return unpermute(y_RH, plan, arrived.weights_AJ, out_dtype=arrived.out_dtype)
 
@@ -105,11 +105,13 @@ def exchange_steps(exchange, x_TH, weights_TK, experts_TK, experts: Experts, chu
     """dispatch -> expert steps -> combine, on ``chunks`` consecutive token chunks (independent
     exchanges that XLA's scheduler can overlap with the other chunks' GEMMs): (y_TH, stats)."""
     if chunks > 1:
-        outs = [exchange_steps(exchange, *part, experts) for part in
-                zip(jnp.split(x_TH, chunks), jnp.split(weights_TK, chunks),
-                    jnp.split(experts_TK, chunks))]
-        return (jnp.concatenate([y for y, _ in outs]),
-                moe_stats.combine_exchanges([s for _, s in outs]))
+        outs = [
+            exchange_steps(exchange, *part, experts)
+            for part in zip(
+                jnp.split(x_TH, chunks), jnp.split(weights_TK, chunks), jnp.split(experts_TK, chunks)
+            )
+        ]
+        return (jnp.concatenate([y for y, _ in outs]), moe_stats.combine_exchanges([s for _, s in outs]))
     with jax.named_scope("dispatch"):
         arrived, sent = exchange.dispatch(x_TH, weights_TK, experts_TK)
     y = expert_steps(arrived, experts)
@@ -117,22 +119,44 @@ def exchange_steps(exchange, x_TH, weights_TK, experts_TK, experts: Experts, chu
         return exchange.combine(y, sent)
 
 
-def moe_steps(x_TH, xe_TH, gate_HE, experts: Experts, routing: Routing, exchange, *,
-              expert_bias=None, seq_len=None, axes=None, chunks: int = 1):
+def moe_steps(
+    x_TH,
+    xe_TH,
+    gate_HE,
+    experts: Experts,
+    routing: Routing,
+    exchange,
+    *,
+    expert_bias=None,
+    seq_len=None,
+    axes=None,
+    chunks: int = 1,
+):
     """The whole pipeline on one shard's tokens: (y_TH, MoEStats over the whole batch).
     ``axes``: the mesh axes the batch is split over (inside ``shard_map``), else None."""
     with jax.named_scope("route"):
-        weights_TK, experts_TK, stats = route_tokens(x_TH, gate_HE, routing,
-                                                     expert_bias=expert_bias, seq_len=seq_len,
-                                                     axis_names=axes)
+        weights_TK, experts_TK, stats = route_tokens(
+            x_TH, gate_HE, routing, expert_bias=expert_bias, seq_len=seq_len, axis_names=axes
+        )
     y_TH, ex = exchange_steps(exchange, xe_TH, weights_TK, experts_TK, experts, chunks)
     stats = stats.replace(**ex)
     return y_TH, stats if axes is None else moe_stats.across_shards(stats, axes)
 
 
-def dropless_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Routing, *,
-                 expert_bias=None, backend="auto", tile_rows=None, seq_len=None,
-                 expert_input=None):
+def dropless_moe(
+    x_TH,
+    gate_kernel_HE,
+    wi_0_EHF,
+    wi_1_EHF,
+    wo_EFH,
+    routing: Routing,
+    *,
+    expert_bias=None,
+    backend="auto",
+    tile_rows=None,
+    seq_len=None,
+    expert_input=None,
+):
     """Dropless top-k SwiGLU mixture of experts on one device.
 
     y[t] = sum over chosen e of w[t, e] * (silu(x[t] @ wi_0[e]) * (x[t] @ wi_1[e])) @ wo[e].
@@ -160,13 +184,27 @@ def dropless_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Rout
     m = (tile_rows or default_tile_rows(x_TH.shape[0] * routing.top_k, E)) if name == "tiled" else None
     experts = Experts(wi_0_EHF, wi_1_EHF, wo_EFH, name, m)
     xe_TH = x_TH if expert_input is None else expert_input.reshape(-1, H)
-    y_TH, stats = moe_steps(x_TH, xe_TH, gate_kernel_HE, experts, routing, Local(),
-                            expert_bias=expert_bias, seq_len=seq_len)
+    y_TH, stats = moe_steps(
+        x_TH, xe_TH, gate_kernel_HE, experts, routing, Local(), expert_bias=expert_bias, seq_len=seq_len
+    )
     return y_TH.reshape(*lead_shape, H), stats
 
 
-def ep_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Routing, *, plan: EPPlan,
-           expert_bias=None, backend="auto", tile_rows=None, seq_len=None, expert_input=None):
+def ep_moe(
+    x_TH,
+    gate_kernel_HE,
+    wi_0_EHF,
+    wi_1_EHF,
+    wo_EFH,
+    routing: Routing,
+    *,
+    plan: EPPlan,
+    expert_bias=None,
+    backend="auto",
+    tile_rows=None,
+    seq_len=None,
+    expert_input=None,
+):
     """``dropless_moe`` on the context mesh: the same pipeline on every shard under
     ``shard_map``, with ``plan``'s dispatcher between the shards; same arguments and result.
 
@@ -181,20 +219,30 @@ def ep_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Routing, *
     # does; a shard receives T*K rows when routing is balanced.
     mesh = jax.sharding.get_abstract_mesh().shape
     shard_rows = x_TH.shape[0] // math.prod(mesh.values()) * routing.top_k
-    m = (tile_rows or default_tile_rows(shard_rows // plan.chunks, E // plan.ep)) \
-        if name == "tiled" else None
+    m = (tile_rows or default_tile_rows(shard_rows // plan.chunks, E // plan.ep)) if name == "tiled" else None
     exchange = dispatcher(Context(plan, E // plan.ep, mesh[EXPERT_X], mesh[EXPERT]))
     bias_E = jnp.zeros((E,), jnp.float32) if expert_bias is None else expert_bias
 
     def shard(x_TH, xe_TH, gate_HE, w0, w1, wo, bias_E):
-        return moe_steps(x_TH, xe_TH, gate_HE, Experts(w0, w1, wo, name, m), routing, exchange,
-                         expert_bias=bias_E, seq_len=seq_len, axes=TOKEN_AXES, chunks=plan.chunks)
+        return moe_steps(
+            x_TH,
+            xe_TH,
+            gate_HE,
+            Experts(w0, w1, wo, name, m),
+            routing,
+            exchange,
+            expert_bias=bias_E,
+            seq_len=seq_len,
+            axes=TOKEN_AXES,
+            chunks=plan.chunks,
+        )
 
     # Inside the map each shard holds its tokens and its experts' whole weights.
     tokens = logical_spec("activation_batch", "activation_embed")
     experts = logical_spec("expert", None, None)
     stat_specs = moe_stats.MoEStats(**{k: P() for k in moe_stats.KIND})
-    fn = jax.shard_map(shard, in_specs=(tokens, tokens, P(), experts, experts, experts, P()),
-                       out_specs=(tokens, stat_specs))
+    fn = jax.shard_map(
+        shard, in_specs=(tokens, tokens, P(), experts, experts, experts, P()), out_specs=(tokens, stat_specs)
+    )
     xe_TH = x_TH if expert_input is None else expert_input
     return fn(x_TH, xe_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, bias_E)

@@ -67,8 +67,7 @@ def sort_assignments(experts_TK: jax.Array, num_experts: int):
     return order_N, experts_N[order_N], group_sizes_E
 
 
-def make_dispatch(experts_TK: jax.Array, num_experts: int,
-                  tile_rows: int | None = None) -> Dispatch:
+def make_dispatch(experts_TK: jax.Array, num_experts: int, tile_rows: int | None = None) -> Dispatch:
     """Plan for sorted rows (tile_rows=None, R = N) or the tiled layout (R = B*m)."""
     T, K = experts_TK.shape
     N = T * K
@@ -84,10 +83,10 @@ def make_dispatch(experts_TK: jax.Array, num_experts: int,
         rank_N = jnp.arange(N, dtype=jnp.int32) - group_start_E[sorted_experts_N]
         dest_N = padded_start_E[sorted_experts_N] + rank_N
         tile_expert_B = tile_experts(padded_start_E, B, tile_rows)
-    token_R = jnp.zeros((R,), jnp.int32).at[dest_N].set(
-        order_N // K, unique_indices=True, indices_are_sorted=True)
-    valid_R = jnp.zeros((R,), bool).at[dest_N].set(
-        True, unique_indices=True, indices_are_sorted=True)
+    token_R = (
+        jnp.zeros((R,), jnp.int32).at[dest_N].set(order_N // K, unique_indices=True, indices_are_sorted=True)
+    )
+    valid_R = jnp.zeros((R,), bool).at[dest_N].set(True, unique_indices=True, indices_are_sorted=True)
     row_N = jnp.zeros((N,), jnp.int32).at[order_N].set(dest_N, unique_indices=True)
     return Dispatch(token_R, valid_R, row_N, group_sizes_E, tile_expert_B)
 
@@ -106,8 +105,7 @@ def tile_experts(padded_start_E: jax.Array, num_tiles: int, tile_rows: int) -> j
 
 
 @jax.custom_vjp
-def take_rows(x_TH: jax.Array, index_R: jax.Array, valid_R: jax.Array,
-              readers_TK: jax.Array) -> jax.Array:
+def take_rows(x_TH: jax.Array, index_R: jax.Array, valid_R: jax.Array, readers_TK: jax.Array) -> jax.Array:
     """``x_TH[index_R]`` [R, H] with zero rows where ``valid_R`` is False: a gather from
     ``x_TH`` with one zero row appended, which the invalid rows read. A gather followed by a
     select would hold an [R, H] select forward and another of the cotangent backward;
@@ -146,8 +144,9 @@ def readers_of(slot_N: jax.Array, rows: int) -> jax.Array:
     """[rows, 1]: the one n whose ``slot_N[n]`` is each row (``len(slot_N)`` where none is):
     the readers of a gather by ``slot_N`` (``take_rows``)."""
     N = slot_N.shape[0]
-    return jnp.full((rows,), N, jnp.int32).at[slot_N].set(
-        jnp.arange(N, dtype=jnp.int32), mode="drop")[:, None]
+    return (
+        jnp.full((rows,), N, jnp.int32).at[slot_N].set(jnp.arange(N, dtype=jnp.int32), mode="drop")[:, None]
+    )
 
 
 def permute(x_TH: jax.Array, plan: Dispatch) -> jax.Array:
@@ -163,8 +162,9 @@ def weighted_sum(y_NH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array
     return jnp.einsum("tkh,tk->th", y_TKH, weights_TK.astype(jnp.float32)).astype(out_dtype)
 
 
-def unpermute(y_RH: jax.Array, plan: Dispatch, weights_TK: jax.Array | None = None,
-              out_dtype=None) -> jax.Array:
+def unpermute(
+    y_RH: jax.Array, plan: Dispatch, weights_TK: jax.Array | None = None, out_dtype=None
+) -> jax.Array:
     """Back to assignment order: y[t] = sum_k weights[t, k] * y_R[row of (t, k)] (fp32 sums);
     without weights, the row of every assignment n [N, H] as it is."""
     N, R = plan.row_N.shape[0], y_RH.shape[0]

@@ -29,8 +29,9 @@ def dense_combine_weights(weights_TK: jax.Array, experts_TK: jax.Array, num_expe
     return jnp.einsum("tke,tk->te", one_hot_TKE, weights_TK.astype(jnp.float32))
 
 
-def dense_reference_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Routing, *,
-                        seq_len=None, expert_bias=None):
+def dense_reference_moe(
+    x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routing: Routing, *, seq_len=None, expert_bias=None
+):
     """Python loop over experts: y = sum_e combine[:, e] * swiglu_e(x).
 
     Routes as dropless_moe does and returns (y, stats) like it.
@@ -40,10 +41,11 @@ def dense_reference_moe(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, routin
     x_TH = x_TH.reshape(-1, H)
     E = gate_kernel_HE.shape[-1]
     weights_TK, experts_TK, stats = route_tokens(
-        x_TH, gate_kernel_HE, routing, expert_bias=expert_bias, seq_len=seq_len)
+        x_TH, gate_kernel_HE, routing, expert_bias=expert_bias, seq_len=seq_len
+    )
     combine_TE = dense_combine_weights(weights_TK, experts_TK, E)
     y_TH = jnp.zeros(x_TH.shape, jnp.float32)
     for e in range(E):
         out_TH = swiglu_mlp(x_TH, wi_0_EHF[e], wi_1_EHF[e], wo_EFH[e])
-        y_TH = y_TH + combine_TE[:, e:e + 1] * out_TH.astype(x_TH.dtype).astype(jnp.float32)
+        y_TH = y_TH + combine_TE[:, e : e + 1] * out_TH.astype(x_TH.dtype).astype(jnp.float32)
     return y_TH.astype(x_TH.dtype).reshape(*lead_shape, H), stats

@@ -33,16 +33,24 @@ class Routing:
     balanced: bool = False  # forced balance (benchmarks): token t takes experts (t*K + j) mod E
 
     @classmethod
-    def of(cls, moe: Any) -> "Routing":
+    def of(cls, moe: Any) -> Routing:
         """The routing of a ``moe_train.config.MoEConfig``."""
-        return cls(moe.top_k, moe.score_function, moe.normalize_top_k, moe.num_groups,
-                   moe.group_top_k, moe.routed_scaling, moe.router == "balanced")
+        return cls(
+            moe.top_k,
+            moe.score_function,
+            moe.normalize_top_k,
+            moe.num_groups,
+            moe.group_top_k,
+            moe.routed_scaling,
+            moe.router == "balanced",
+        )
 
 
 def router_logits(x_TH: jax.Array, gate_kernel_HE: jax.Array) -> jax.Array:
     """fp32 logits [T, E] = x @ gate, both operands cast to fp32."""
-    return jnp.dot(x_TH.astype(jnp.float32), gate_kernel_HE.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+    return jnp.dot(
+        x_TH.astype(jnp.float32), gate_kernel_HE.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
 
 
 def router_scores(logits_TE: jax.Array, score_function: str) -> jax.Array:
@@ -69,8 +77,7 @@ def _limit_groups(choice_TE: jax.Array, num_groups: int, group_top_k: int) -> ja
     choice_TGX = choice_TE.reshape(T, num_groups, per_group)
     group_score_TG = jax.lax.top_k(choice_TGX, min(2, per_group))[0].sum(axis=-1)
     _, best_groups_TJ = jax.lax.top_k(group_score_TG, group_top_k)
-    keep_TG = jnp.zeros((T, num_groups), bool).at[
-        jnp.arange(T)[:, None], best_groups_TJ].set(True)
+    keep_TG = jnp.zeros((T, num_groups), bool).at[jnp.arange(T)[:, None], best_groups_TJ].set(True)
     keep_TE = jnp.repeat(keep_TG, per_group, axis=1)
     return jnp.where(keep_TE, choice_TE, -jnp.inf)
 
@@ -149,9 +156,15 @@ def _seq_aux_loss(p_TE: jax.Array, experts_TK: jax.Array, seq_len: int | None) -
     return jnp.mean(jnp.sum(f_QE * P_QE, axis=-1))
 
 
-def router_stats(logits_TE: jax.Array, scores_TE: jax.Array, experts_TK: jax.Array, *,
-                 score_function: str = "softmax", seq_len: int | None = None,
-                 axis_names: tuple[str, ...] | None = None) -> MoEStats:
+def router_stats(
+    logits_TE: jax.Array,
+    scores_TE: jax.Array,
+    experts_TK: jax.Array,
+    *,
+    score_function: str = "softmax",
+    seq_len: int | None = None,
+    axis_names: tuple[str, ...] | None = None,
+) -> MoEStats:
     """Load statistics and unscaled router losses (``MoEStats``; its exchange fields are
     those of a layer without an exchange: every assignment computed where it was routed).
 
@@ -161,6 +174,7 @@ def router_stats(logits_TE: jax.Array, scores_TE: jax.Array, experts_TK: jax.Arr
     With ``axis_names`` (inside shard_map) the tokens are this shard's part of the batch and
     every statistic is over the whole batch: sums are psum-reduced over those mesh axes.
     """
+
     def total(v):
         return v if axis_names is None else jax.lax.psum(v, axis_names)
 
@@ -180,18 +194,31 @@ def router_stats(logits_TE: jax.Array, scores_TE: jax.Array, experts_TK: jax.Arr
         z_loss=total(jnp.sum(jnp.square(lse_T))) / tokens,
         router_entropy=total(jnp.sum(entropy_T)) / tokens,
         dropped_tokens=jnp.zeros((), jnp.int32),
-        **exchange_stats(tokens * K))
+        **exchange_stats(tokens * K),
+    )
 
 
-def route_tokens(x_TH: jax.Array, gate_kernel_HE: jax.Array, routing: Routing, *,
-                 expert_bias: jax.Array | None = None, seq_len: int | None = None,
-                 axis_names: tuple[str, ...] | None = None):
+def route_tokens(
+    x_TH: jax.Array,
+    gate_kernel_HE: jax.Array,
+    routing: Routing,
+    *,
+    expert_bias: jax.Array | None = None,
+    seq_len: int | None = None,
+    axis_names: tuple[str, ...] | None = None,
+):
     """logits -> route -> stats in one call: returns (weights_TK, experts_TK, stats).
 
     ``axis_names`` (inside ``shard_map``): the mesh axes the batch is split over; the
     statistics are then over the whole batch (``router_stats``)."""
     logits_TE = router_logits(x_TH, gate_kernel_HE)
     weights_TK, experts_TK, scores_TE = route(logits_TE, routing, expert_bias)
-    stats = router_stats(logits_TE, scores_TE, experts_TK, score_function=routing.score_function,
-                         seq_len=seq_len, axis_names=axis_names)
+    stats = router_stats(
+        logits_TE,
+        scores_TE,
+        experts_TK,
+        score_function=routing.score_function,
+        seq_len=seq_len,
+        axis_names=axis_names,
+    )
     return weights_TK, experts_TK, stats

@@ -53,16 +53,14 @@ def log_preference(num_experts: int, routing: str) -> np.ndarray:
     return -ZIPF_S * np.log1p(rank)
 
 
-def gumbel_logits(num_tokens: int, num_experts: int, routing: str | np.ndarray,
-                  seed: int = 0) -> np.ndarray:
+def gumbel_logits(num_tokens: int, num_experts: int, routing: str | np.ndarray, seed: int = 0) -> np.ndarray:
     """Router logits [T, E] = log p + Gumbel noise; ``routing`` is a name or a log p [E]."""
     pref = log_preference(num_experts, routing) if isinstance(routing, str) else routing
     rng = np.random.default_rng(1000 + seed)
     return pref + rng.gumbel(size=(num_tokens, num_experts))
 
 
-def assignments(num_tokens: int, num_experts: int, top_k: int, routing: str,
-                seed: int = 0) -> np.ndarray:
+def assignments(num_tokens: int, num_experts: int, top_k: int, routing: str, seed: int = 0) -> np.ndarray:
     """Expert ids [T, K] int32, distinct per token, drawn as the module doc describes."""
     logits = gumbel_logits(num_tokens, num_experts, routing, seed)
     return np.argsort(-logits, axis=1, kind="stable")[:, :top_k].astype(np.int32)
@@ -89,7 +87,9 @@ def expert_weights(hidden: int, ffn: int, experts: int, seed: int = 0) -> dict[s
     """Random fp64 gate [H, E] and expert weights w0, w1 [E, H, F], wo [E, F, H]."""
     rng = np.random.default_rng(seed)
     H, F, E = hidden, ffn, experts
-    return {"gate": rng.standard_normal((H, E)) / np.sqrt(H),
-            "w0": rng.standard_normal((E, H, F)) / np.sqrt(H),
-            "w1": rng.standard_normal((E, H, F)) / np.sqrt(H),
-            "wo": rng.standard_normal((E, F, H)) / np.sqrt(F)}
+    return {
+        "gate": rng.standard_normal((H, E)) / np.sqrt(H),
+        "w0": rng.standard_normal((E, H, F)) / np.sqrt(H),
+        "w1": rng.standard_normal((E, H, F)) / np.sqrt(H),
+        "wo": rng.standard_normal((E, F, H)) / np.sqrt(F),
+    }

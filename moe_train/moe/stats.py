@@ -42,7 +42,7 @@ class MoEStats:
     max_pair_load: jax.Array = _stat(MAX)  # largest (source, destination) load / balanced load
     slow_rows: jax.Array = _stat(SUM)  # token rows sent across fast-link domains, one way
 
-    def replace(self, **kw) -> "MoEStats":
+    def replace(self, **kw) -> MoEStats:
         return dataclasses.replace(self, **kw)
 
 
@@ -53,9 +53,13 @@ EXCHANGE = ("overflow", "recv_rows", "recv_slots", "max_pair_load", "slow_rows")
 def exchange_stats(rows: float, **kw) -> dict:
     """The exchange fields of a dispatch that received ``rows`` rows into as many slots and
     crossed no domain, with ``kw`` in their place."""
-    out = {"overflow": jnp.zeros((), bool), "recv_rows": jnp.float32(rows),
-           "recv_slots": jnp.float32(rows), "max_pair_load": jnp.float32(0),
-           "slow_rows": jnp.float32(0)}
+    out = {
+        "overflow": jnp.zeros((), bool),
+        "recv_rows": jnp.float32(rows),
+        "recv_slots": jnp.float32(rows),
+        "max_pair_load": jnp.float32(0),
+        "slow_rows": jnp.float32(0),
+    }
     out.update(kw)
     return out
 
@@ -102,14 +106,20 @@ def metrics(stats_L: MoEStats | None, num_experts: int) -> dict[str, jax.Array]:
     """The step's MoE metrics from the stats of every MoE layer (stacked [L, ...]):
     per-layer loads, the counts summed over layers, the worst-case values over layers."""
     if stats_L is None:
-        return {"tokens_per_expert": jnp.zeros((0, num_experts), jnp.int32),
-                "dropped_tokens": jnp.zeros((), jnp.int32), "overflow": jnp.zeros((), bool),
-                "max_pair_load": jnp.float32(0), "recv_buffer_fill": jnp.float32(jnp.nan),
-                "ep_slow_link_rows": jnp.float32(0)}
+        return {
+            "tokens_per_expert": jnp.zeros((0, num_experts), jnp.int32),
+            "dropped_tokens": jnp.zeros((), jnp.int32),
+            "overflow": jnp.zeros((), bool),
+            "max_pair_load": jnp.float32(0),
+            "recv_buffer_fill": jnp.float32(jnp.nan),
+            "ep_slow_link_rows": jnp.float32(0),
+        }
     rows, slots = stats_L.recv_rows.sum(), stats_L.recv_slots.sum()
-    return {"tokens_per_expert": stats_L.tokens_per_expert,
-            "dropped_tokens": stats_L.dropped_tokens.sum().astype(jnp.int32),
-            "overflow": jnp.any(stats_L.overflow),
-            "max_pair_load": stats_L.max_pair_load.max(),
-            "recv_buffer_fill": jnp.where(slots > 0, rows / jnp.maximum(slots, 1), jnp.nan),
-            "ep_slow_link_rows": stats_L.slow_rows.sum()}
+    return {
+        "tokens_per_expert": stats_L.tokens_per_expert,
+        "dropped_tokens": stats_L.dropped_tokens.sum().astype(jnp.int32),
+        "overflow": jnp.any(stats_L.overflow),
+        "max_pair_load": stats_L.max_pair_load.max(),
+        "recv_buffer_fill": jnp.where(slots > 0, rows / jnp.maximum(slots, 1), jnp.nan),
+        "ep_slow_link_rows": stats_L.slow_rows.sum(),
+    }

@@ -139,8 +139,7 @@ def _expert_w01(w0_EHF, w1_EHF, e):
     return jnp.concatenate([w0_EHF[e], w1_EHF[e]], axis=1)
 
 
-def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows,
-             save_a: bool = True):
+def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows, save_a: bool = True):
     """(y [R, H] in x's dtype, a [R, 2F] fp32 residual, or None without ``save_a``).
 
     Without a backward pass (inference, evaluation) ``a`` is not written: storing it costs
@@ -168,8 +167,7 @@ def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows,
     return y, a if save_a else None
 
 
-def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_rows,
-              block_rows):
+def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_rows, block_rows):
     """(dx [R, H], dw0, dw1 [E, H, F], dwo [E, F, H]); weight grads in the weights' dtype."""
     E, H, F = w0_EHF.shape
     F2 = 2 * F
@@ -195,9 +193,12 @@ def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_ro
         inner = (dx, _zeros((H, F2), F32, axes), _zeros((F, H), F32, axes))
         dx, dw01, dwo = for_blocks(start, rows, sizes, block, inner)
         dw0, dw1 = jnp.split(dw01, 2, axis=1)
-        return (dx, dw0_all.at[e].set(dw0.astype(dw0_all.dtype)),
-                dw1_all.at[e].set(dw1.astype(dw1_all.dtype)),
-                dwo_all.at[e].set(dwo.astype(dwo_all.dtype)))
+        return (
+            dx,
+            dw0_all.at[e].set(dw0.astype(dw0_all.dtype)),
+            dw1_all.at[e].set(dw1.astype(dw1_all.dtype)),
+            dwo_all.at[e].set(dwo.astype(dwo_all.dtype)),
+        )
 
     init = tuple(_zeros(a.shape, a.dtype, axes) for a in (x_RH, w0_EHF, w1_EHF, wo_EFH))
     return for_experts(group_sizes_E, tile_rows, expert, init)
@@ -205,8 +206,7 @@ def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_ro
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _tiled(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows):
-    return _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows,
-                    save_a=False)[0]
+    return _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows, save_a=False)[0]
 
 
 def _tiled_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows):
@@ -216,17 +216,23 @@ def _tiled_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_row
 
 def _tiled_bwd(tile_rows, block_rows, res, dy_RH):
     x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a = res
-    grads = _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a, dy_RH, tile_rows,
-                      block_rows)
+    grads = _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a, dy_RH, tile_rows, block_rows)
     return (*grads, None)
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-def tiled_swiglu(x_RH: jax.Array, group_sizes_E: jax.Array, wi_0_EHF: jax.Array,
-                 wi_1_EHF: jax.Array, wo_EFH: jax.Array, *, tile_rows: int,
-                 block_rows: int) -> jax.Array:
+def tiled_swiglu(
+    x_RH: jax.Array,
+    group_sizes_E: jax.Array,
+    wi_0_EHF: jax.Array,
+    wi_1_EHF: jax.Array,
+    wo_EFH: jax.Array,
+    *,
+    tile_rows: int,
+    block_rows: int,
+) -> jax.Array:
     """SwiGLU experts on the tile-padded layout [R, H] -> [R, H] (x's dtype).
 
     ``group_sizes_E`` may cover only the first E' experts of the layout (E' = weights' E):
@@ -236,8 +242,13 @@ def tiled_swiglu(x_RH: jax.Array, group_sizes_E: jax.Array, wi_0_EHF: jax.Array,
     # Blocks larger than R never run (a span has at most R rows): the same blocks run for
     # every R, so results do not depend on the buffer size.
     block_rows = min(block_rows, x_RH.shape[0])
-    ops = (x_RH, wi_0_EHF.astype(dtype), wi_1_EHF.astype(dtype), wo_EFH.astype(dtype),
-           group_sizes_E.astype(jnp.int32))
+    ops = (
+        x_RH,
+        wi_0_EHF.astype(dtype),
+        wi_1_EHF.astype(dtype),
+        wo_EFH.astype(dtype),
+        group_sizes_E.astype(jnp.int32),
+    )
     axes = varying_axes(*ops)
     return _tiled(*(vary(a, axes) for a in ops), tile_rows, block_rows)
 

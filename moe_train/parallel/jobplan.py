@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from moe_train.config.checks import ConfigError, divisors_text, some_divisors
 from moe_train.config.schema import DISPATCHERS  # moe.dispatcher choices
@@ -50,16 +51,16 @@ def domain_hit(domains: int, top_k: int) -> float:
     return 1.0 - (1.0 - 1.0 / domains) ** top_k
 
 
-def a2a_stage(tokens: int, top_k: int, local_experts: int, ep: int,
-              factor: float | None) -> Stage:
+def a2a_stage(tokens: int, top_k: int, local_experts: int, ep: int, factor: float | None) -> Stage:
     """The flat all-to-all over the whole EP group: each assignment goes to its expert's shard.
     Worst case: all of a shard's tokens, each at most min(K, L) times, to one destination."""
     balanced = tokens * top_k / ep
     return Stage(bucket_slots(factor, balanced, tokens * min(top_k, local_experts)), balanced, ep)
 
 
-def hierarchical_stages(tokens: int, top_k: int, local_experts: int, domains: int,
-                        domain_size: int, factor: float | None) -> tuple[Stage, Stage]:
+def hierarchical_stages(
+    tokens: int, top_k: int, local_experts: int, domains: int, domain_size: int, factor: float | None
+) -> tuple[Stage, Stage]:
     """The two-stage exchange: stage 1 sends each token once to every remote domain holding one
     of its experts (worst case: all T tokens to one domain); stage 2 fans the received rows out
     inside the domain (worst case: every received row, min(K, L) times, to one shard)."""
@@ -67,8 +68,7 @@ def hierarchical_stages(tokens: int, top_k: int, local_experts: int, domains: in
     hit = domain_hit(G, K)
     one = Stage(bucket_slots(factor, T * hit, T), T * hit, G)
     two_balanced = T * K / D
-    two = Stage(bucket_slots(factor, two_balanced, G * one.slots * min(K, local_experts)),
-                two_balanced, D)
+    two = Stage(bucket_slots(factor, two_balanced, G * one.slots * min(K, local_experts)), two_balanced, D)
     return one, two
 
 
@@ -117,16 +117,19 @@ def dispatcher(requested: str, devices: int, ep: int, domains: int) -> str:
     domains uses for ``moe.dispatcher=requested``: local | allgather | a2a | hierarchical.
     One device or ep 1: local; auto: hierarchical once a group spans several domains."""
     if requested not in DISPATCHERS:
-        raise ConfigError(f"moe.dispatcher={requested!r} is not valid; choose one of: "
-                          f"{', '.join(DISPATCHERS)}")
+        raise ConfigError(
+            f"moe.dispatcher={requested!r} is not valid; choose one of: {', '.join(DISPATCHERS)}"
+        )
     if devices == 1 or ep == 1:
         return "local"
     if requested == "auto":
         return "hierarchical" if domains > 1 else "a2a"
     if requested == "hierarchical" and domains == 1:
-        raise ConfigError(f"moe.dispatcher=hierarchical needs an EP group spanning several "
-                          f"domains: parallel.ep={ep} fits one fast-link domain; lower "
-                          f"parallel.domain_size or use moe.dispatcher=a2a")
+        raise ConfigError(
+            f"moe.dispatcher=hierarchical needs an EP group spanning several "
+            f"domains: parallel.ep={ep} fits one fast-link domain; lower "
+            f"parallel.domain_size or use moe.dispatcher=a2a"
+        )
     return requested
 
 
@@ -139,6 +142,7 @@ def bucket_factors(dispatcher: str, buckets: Sequence[float]) -> tuple[float | N
 
 
 # ----------------------------------------------------------------------------- divisibility
+
 
 def ep_fault(devices: int, ep: int, num_experts: int) -> str | None:
     """Which rule EP size ``ep`` breaks: "devices" (it must divide them; ep < 1 too),
@@ -159,12 +163,16 @@ def check_ep(devices: int, ep: int, num_experts: int) -> None:
     """ConfigError unless ``ep`` divides the ``devices`` and the ``num_experts``."""
     fault = ep_fault(devices, ep, num_experts)
     if fault == "devices":
-        raise ConfigError(f"parallel.ep={ep} does not divide the {devices} devices; valid ep "
-                          f"(dividing them and moe.num_experts={num_experts}): "
-                          f"{valid_eps(devices, num_experts)}")
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide the {devices} devices; valid ep "
+            f"(dividing them and moe.num_experts={num_experts}): "
+            f"{valid_eps(devices, num_experts)}"
+        )
     if fault == "experts":
-        raise ConfigError(f"moe.num_experts={num_experts} is not divisible by parallel.ep={ep}; "
-                          f"valid ep for {devices} devices: {valid_eps(devices, num_experts)}")
+        raise ConfigError(
+            f"moe.num_experts={num_experts} is not divisible by parallel.ep={ep}; "
+            f"valid ep for {devices} devices: {valid_eps(devices, num_experts)}"
+        )
 
 
 def check_dp(devices: int, ep: int, dp: int) -> int:
@@ -172,17 +180,21 @@ def check_dp(devices: int, ep: int, dp: int) -> int:
     ``ep`` is not ``devices`` (after ``check_ep``)."""
     want = devices // ep
     if dp and dp != want:
-        raise ConfigError(f"parallel.dp={dp} x parallel.ep={ep} = {dp * ep} but the mesh has "
-                          f"{devices} devices; set parallel.dp={want} (or 0)")
+        raise ConfigError(
+            f"parallel.dp={dp} x parallel.ep={ep} = {dp * ep} but the mesh has "
+            f"{devices} devices; set parallel.dp={want} (or 0)"
+        )
     return want
 
 
 def check_width(hidden: int, dp: int) -> None:
     """ConfigError unless the data-parallel (FSDP) size ``dp`` divides ``model.hidden``."""
     if hidden % dp:
-        raise ConfigError(f"model.hidden={hidden} is not divisible by the data-parallel size {dp} "
-                          f"(devices / parallel.ep); valid data-parallel sizes: "
-                          f"{divisors_text(hidden)}")
+        raise ConfigError(
+            f"model.hidden={hidden} is not divisible by the data-parallel size {dp} "
+            f"(devices / parallel.ep); valid data-parallel sizes: "
+            f"{divisors_text(hidden)}"
+        )
 
 
 def nearest_batches(batch: int, multiple: int) -> list[int]:
@@ -195,12 +207,12 @@ def nearest_batches(batch: int, multiple: int) -> list[int]:
 def batches_text(batch: int, multiple: int, seq_len: int = 0) -> str:
     """``nearest_batches`` for messages, each with the tokens per step it gives (``seq_len``
     tokens per sequence; 0: sizes only)."""
+
     def tokens(b: int) -> str:
         n = b * seq_len
         return f" ({n / 1e6:.1f}M tokens per step)" if n >= 1e6 else f" ({n:,} tokens per step)"
 
-    return " or ".join(f"{b}{tokens(b) if seq_len else ''}"
-                       for b in nearest_batches(batch, multiple))
+    return " or ".join(f"{b}{tokens(b) if seq_len else ''}" for b in nearest_batches(batch, multiple))
 
 
 def check_batch(batch: int, devices: int, micro_batches: int = 1, seq_len: int = 0) -> None:
@@ -209,15 +221,19 @@ def check_batch(batch: int, devices: int, micro_batches: int = 1, seq_len: int =
     that do (with their tokens per step when ``seq_len`` is given)."""
     if batch % devices:
         fits = [d for d in some_divisors(batch, 64) if d <= devices]
-        raise ConfigError(f"train.batch_size={batch} is not divisible by {devices} devices; "
-                          f"nearest that are: {batches_text(batch, devices, seq_len)} (or "
-                          f"parallel.devices in {fits})")
+        raise ConfigError(
+            f"train.batch_size={batch} is not divisible by {devices} devices; "
+            f"nearest that are: {batches_text(batch, devices, seq_len)} (or "
+            f"parallel.devices in {fits})"
+        )
     per = batch // devices
     if per % micro_batches:
-        raise ConfigError(f"train.micro_batches={micro_batches} does not divide the {per} "
-                          f"sequences per device (train.batch_size={batch} over {devices} "
-                          f"devices); choose one of [{divisors_text(per)}] or train.batch_size="
-                          f"{batches_text(batch, devices * micro_batches, seq_len)}")
+        raise ConfigError(
+            f"train.micro_batches={micro_batches} does not divide the {per} "
+            f"sequences per device (train.batch_size={batch} over {devices} "
+            f"devices); choose one of [{divisors_text(per)}] or train.batch_size="
+            f"{batches_text(batch, devices * micro_batches, seq_len)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

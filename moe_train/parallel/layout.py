@@ -13,8 +13,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -41,10 +41,12 @@ def domains(cfg: Config, devices: Sequence[jax.Device]) -> tuple[list[list[int]]
     if size:
         order = sorted(ids)
         if len(order) % size:
-            raise ConfigError(f"parallel.domain_size={size} does not divide the {len(order)} "
-                              f"devices; choose one of "
-                              f"{', '.join(str(s) for s in range(1, len(order) + 1) if len(order) % s == 0)}")
-        groups = [order[i:i + size] for i in range(0, len(order), size)]
+            raise ConfigError(
+                f"parallel.domain_size={size} does not divide the {len(order)} "
+                f"devices; choose one of "
+                f"{', '.join(str(s) for s in range(1, len(order) + 1) if len(order) % s == 0)}"
+            )
+        groups = [order[i : i + size] for i in range(0, len(order), size)]
         return groups, f"{len(order)} devices in {len(groups)} fake domains of {size}", []
     records = [r for r in discovery.discover() if r.device_id in ids]
     warnings = []
@@ -55,8 +57,7 @@ def domains(cfg: Config, devices: Sequence[jax.Device]) -> tuple[list[list[int]]
 
 def build(cfg: Config, devices: Sequence[jax.Device]) -> Layout:
     """The mesh for ``devices`` (every process calls this together: discovery gathers)."""
-    dp, ep = sharding.mesh_shape(cfg.parallel, len(devices), cfg.moe.num_experts,
-                                 cfg.model.hidden)
+    dp, ep = sharding.mesh_shape(cfg.parallel, len(devices), cfg.moe.num_experts, cfg.model.hidden)
     groups, summary, warnings = domains(cfg, devices)
     try:
         plan = placement.place(groups, ep, dp, allow_straddle=cfg.parallel.allow_straddle)
@@ -65,5 +66,4 @@ def build(cfg: Config, devices: Sequence[jax.Device]) -> Layout:
     by_id = {d.id: d for d in devices}
     ordered = [by_id[i] for i in plan.order]
     mesh = sharding.make_mesh(ordered, (dp, plan.expert_x, plan.expert))
-    return Layout(mesh=mesh, placement=plan, lines=(summary, *plan.notes),
-                  warnings=tuple(warnings))
+    return Layout(mesh=mesh, placement=plan, lines=(summary, *plan.notes), warnings=tuple(warnings))

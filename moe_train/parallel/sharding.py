@@ -24,12 +24,13 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_train.config import Config, ModelConfig, MoEConfig, ParallelConfig, head_dim
 from moe_train.parallel import jobplan
@@ -60,13 +61,27 @@ FIXED_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 # Weight axes split by their widths, in this order: MLA's latents (``kv_lora_rope``: kv_a's
 # output, the latent and the RoPE key), the model width, then the rest.
-SPLIT_ORDER = ("q_lora", "kv_lora", "kv_lora_rope", "embed", "heads", "kv_heads", "mlp", "vocab",
-               "mtp_concat", "expert_gate")
+SPLIT_ORDER = (
+    "q_lora",
+    "kv_lora",
+    "kv_lora_rope",
+    "embed",
+    "heads",
+    "kv_heads",
+    "mlp",
+    "vocab",
+    "mtp_concat",
+    "expert_gate",
+)
 WHOLE = ("head_dim", "norm")  # never split (head_dim also names the qk-norm scales)
 # The table where the device count divides every width: expert weights take the EP axes for
 # `expert`, so their width falls back to `data`; every other weight's width over every device.
-LOGICAL_RULES = (*FIXED_RULES, ("embed", TOKEN_AXES), ("embed", DATA),
-                 *((name, None) for name in SPLIT_ORDER + WHOLE if name != "embed"))
+LOGICAL_RULES = (
+    *FIXED_RULES,
+    ("embed", TOKEN_AXES),
+    ("embed", DATA),
+    *((name, None) for name in SPLIT_ORDER + WHOLE if name != "embed"),
+)
 
 
 Axes = tuple[tuple[str, int], ...]  # a weight's (logical axis, width) per dimension
@@ -80,17 +95,23 @@ def weights(m: ModelConfig, e: MoEConfig | None = None) -> list[tuple[int, Axes]
     dense, moe = m.first_dense_layers, m.num_layers - m.first_dense_layers
     dense, moe = (dense, moe + m.mtp_depth) if moe else (dense + m.mtp_depth, 0)
     blocks, norm = dense + moe, (("norm", H),)
-    out = [(1, (("vocab", m.vocab_size), ("embed", H))), (1 + 2 * blocks + 3 * m.mtp_depth, norm),
-           (0 if m.tie_embeddings else 1, (("embed", H), ("vocab", m.vocab_size))),
-           (m.mtp_depth, (("mtp_concat", 2 * H), ("embed", H)))]
+    out = [
+        (1, (("vocab", m.vocab_size), ("embed", H))),
+        (1 + 2 * blocks + 3 * m.mtp_depth, norm),
+        (0 if m.tie_embeddings else 1, (("embed", H), ("vocab", m.vocab_size))),
+        (m.mtp_depth, (("mtp_concat", 2 * H), ("embed", H))),
+    ]
     out += [(blocks * n, w) for n, w in _attention(m)]
     mlp = (("embed", H), ("mlp", m.dense_ffn))
     out += [(2 * dense, mlp), (dense, mlp[::-1])]
     if e is not None and moe:
         expert = (("expert", e.num_experts), ("embed", H), ("mlp", e.expert_ffn))
         shared = (("embed", H), ("mlp", e.num_shared_experts * (e.shared_ffn or e.expert_ffn)))
-        out += [(moe, (("embed", H), ("expert_gate", e.num_experts))), (2 * moe, expert),
-                (moe, (expert[0], expert[2], expert[1]))]
+        out += [
+            (moe, (("embed", H), ("expert_gate", e.num_experts))),
+            (2 * moe, expert),
+            (moe, (expert[0], expert[2], expert[1])),
+        ]
         out += [(2 * moe, shared), (moe, shared[::-1])] if e.num_shared_experts else []
     return [(n, w) for n, w in out if n]
 
@@ -101,24 +122,34 @@ def _attention(m: ModelConfig) -> list[tuple[int, Axes]]:
     if m.attention_kind != "mla":
         D, K = head_dim(m), m.num_kv_heads
         kv = (("embed", H), ("kv_heads", K), ("head_dim", D))
-        return [(1, (("embed", H), ("heads", N), ("head_dim", D))), (2, kv),
-                (1, (("heads", N), ("head_dim", D), ("embed", H))),
-                (2 if m.qk_norm else 0, (("head_dim", D),))]
-    W, Z, U, I, J = (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim,
-                     m.v_head_dim)
-    q = ([(1, (("embed", H), ("q_lora", W))), (1, (("norm", W),)),
-          (1, (("q_lora", W), ("heads", N), ("head_dim", U + I)))] if W
-         else [(1, (("embed", H), ("heads", N), ("head_dim", U + I)))])
-    return q + [(1, (("embed", H), ("kv_lora_rope", Z + I))), (1, (("norm", Z),)),
-                (1, (("kv_lora", Z), ("heads", N), ("head_dim", U + J))),
-                (1, (("heads", N), ("head_dim", J), ("embed", H)))]
+        return [
+            (1, (("embed", H), ("heads", N), ("head_dim", D))),
+            (2, kv),
+            (1, (("heads", N), ("head_dim", D), ("embed", H))),
+            (2 if m.qk_norm else 0, (("head_dim", D),)),
+        ]
+    W, Z, U, I, J = (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim)
+    q = (
+        [
+            (1, (("embed", H), ("q_lora", W))),
+            (1, (("norm", W),)),
+            (1, (("q_lora", W), ("heads", N), ("head_dim", U + I))),
+        ]
+        if W
+        else [(1, (("embed", H), ("heads", N), ("head_dim", U + I)))]
+    )
+    return q + [
+        (1, (("embed", H), ("kv_lora_rope", Z + I))),
+        (1, (("norm", Z),)),
+        (1, (("kv_lora", Z), ("heads", N), ("head_dim", U + J))),
+        (1, (("heads", N), ("head_dim", J), ("embed", H))),
+    ]
 
 
 def _groups(sizes: Mapping[str, int]) -> list[str | tuple[str, ...]]:
     """Every group of mesh axes (in mesh order), the largest first (more axes first among
     equals, so every device reads as TOKEN_AXES): one axis as its name."""
-    subsets = [c for k in range(len(MESH_AXES), 0, -1)
-               for c in itertools.combinations(MESH_AXES, k)]
+    subsets = [c for k in range(len(MESH_AXES), 0, -1) for c in itertools.combinations(MESH_AXES, k)]
     subsets.sort(key=lambda c: -math.prod(sizes[a] for a in c))  # stable: more axes first
     return [c if len(c) > 1 else c[0] for c in subsets]
 
@@ -134,8 +165,13 @@ def logical_rules(cfg: Config | ModelConfig, sizes: Mapping[str, int]):
     for _, axes in weights(m, e):
         for name, width in axes:
             widths.setdefault(name, set()).add(width)
-    split = tuple((name, g) for name in SPLIT_ORDER if name in widths for g in _groups(sizes)
-                  if all(w % mesh_size(g, sizes) == 0 for w in widths[name]))
+    split = tuple(
+        (name, g)
+        for name in SPLIT_ORDER
+        if name in widths
+        for g in _groups(sizes)
+        if all(w % mesh_size(g, sizes) == 0 for w in widths[name])
+    )
     return FIXED_RULES + split + tuple((name, None) for name in SPLIT_ORDER + WHOLE)
 
 
@@ -152,8 +188,7 @@ def split_ways(names: Sequence[str | None], rules, sizes: Mapping[str, int]) -> 
     return math.prod(mesh_size(a, sizes) for a in nn.logical_to_mesh_axes(names, rules))
 
 
-def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int,
-               hidden: int) -> tuple[int, int]:
+def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int, hidden: int) -> tuple[int, int]:
     """(dp, ep) for ``num_devices``; ConfigError names sizes that would work.
 
     How an EP group splits into ``expert_x`` x ``expert`` follows from the NVLink domains it
@@ -213,7 +248,7 @@ class Sharding:
     rules: tuple  # logical_rules for the model on this mesh's axis sizes
 
     @classmethod
-    def of(cls, mesh: Mesh, cfg: Config | ModelConfig) -> "Sharding":
+    def of(cls, mesh: Mesh, cfg: Config | ModelConfig) -> Sharding:
         """For the run's config ``cfg`` on ``mesh`` (``cfg.model`` alone: ``logical_rules``)."""
         return cls(mesh, logical_rules(cfg, dict(mesh.shape)))
 
@@ -233,7 +268,7 @@ class Sharding:
     def replicated(self) -> NamedSharding:
         return replicated(self.mesh)
 
-    def wrap(self, jitted) -> "InContext":
+    def wrap(self, jitted) -> InContext:
         """``jitted`` (a ``jax.jit`` function) traced, lowered and run in this context, so
         its callers need no context of their own."""
         return InContext(jitted, self)

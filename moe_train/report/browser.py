@@ -27,14 +27,26 @@ from pathlib import Path
 from typing import Any
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-         "--no-default-browser-check", "--hide-scrollbars", "--remote-debugging-pipe")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--hide-scrollbars",
+    "--remote-debugging-pipe",
+)
 MAX_SHOT_HEIGHT = 20000  # px; taller pages are cut in the screenshot
-_TRAMPOLINE = ("import os, sys; os.dup2(int(sys.argv[1]), 3); os.dup2(int(sys.argv[2]), 4); "
-               "os.execvp(sys.argv[3], sys.argv[3:])")
-IMAGES_JS = ("JSON.stringify(Array.from(document.images).map(i => ({id: i.id, complete: i.complete,"
-             " width: i.naturalWidth, height: i.naturalHeight, shown: i.getBoundingClientRect().width}))"
-             ")")
+_TRAMPOLINE = (
+    "import os, sys; os.dup2(int(sys.argv[1]), 3); os.dup2(int(sys.argv[2]), 4); "
+    "os.execvp(sys.argv[3], sys.argv[3:])"
+)
+IMAGES_JS = (
+    "JSON.stringify(Array.from(document.images).map(i => ({id: i.id, complete: i.complete,"
+    " width: i.naturalWidth, height: i.naturalHeight, shown: i.getBoundingClientRect().width}))"
+    ")"
+)
 
 
 @dataclass(frozen=True)
@@ -113,8 +125,10 @@ def _errors(events: list[dict]) -> list[str]:
     for ev in events:
         p = ev.get("params", {})
         if ev.get("method") == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
-            out.append("console: " + " ".join(str(a.get("value", a.get("description", "")))
-                                               for a in p.get("args", [])))
+            out.append(
+                "console: "
+                + " ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", []))
+            )
         elif ev.get("method") == "Runtime.exceptionThrown":
             out.append("exception: " + str(p.get("exceptionDetails", {}).get("text")))
         elif ev.get("method") == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
@@ -128,29 +142,45 @@ def _inspect(pipe: _Pipe, url: str, screenshot: Path | None, width: int) -> Rend
     session = pipe.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
     for domain in ("Page", "Runtime", "Log"):
         pipe.call(f"{domain}.enable", session=session)
-    pipe.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": 900,
-                                                     "deviceScaleFactor": 1, "mobile": False}, session)
+    pipe.call(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+        session,
+    )
     pipe.call("Page.navigate", {"url": url}, session)
     pipe.wait_event("Page.loadEventFired")
 
     def evaluate(expr: str) -> Any:
-        return pipe.call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
-                         session)["result"].get("value")
+        return pipe.call("Runtime.evaluate", {"expression": expr, "returnByValue": True}, session)[
+            "result"
+        ].get("value")
 
     images = json.loads(evaluate(IMAGES_JS))
     title = evaluate("document.title")
     if screenshot is not None:
         size = pipe.call("Page.getLayoutMetrics", session=session)["cssContentSize"]
-        clip = {"x": 0, "y": 0, "width": width, "scale": 1,
-                "height": min(int(size["height"]), MAX_SHOT_HEIGHT)}
-        shot = pipe.call("Page.captureScreenshot", {"format": "png", "clip": clip,
-                                                    "captureBeyondViewport": True}, session)
+        clip = {
+            "x": 0,
+            "y": 0,
+            "width": width,
+            "scale": 1,
+            "height": min(int(size["height"]), MAX_SHOT_HEIGHT),
+        }
+        shot = pipe.call(
+            "Page.captureScreenshot", {"format": "png", "clip": clip, "captureBeyondViewport": True}, session
+        )
         screenshot.write_bytes(base64.b64decode(shot["data"]))
     return Rendered(title, tuple(images), tuple(_errors(pipe.events)), screenshot)
 
 
-def render(html_path: Path, screenshot: Path | None = None, *, browser: str | None = None,
-           width: int = 1200, timeout_s: float = 60.0) -> Rendered:
+def render(
+    html_path: Path,
+    screenshot: Path | None = None,
+    *,
+    browser: str | None = None,
+    width: int = 1200,
+    timeout_s: float = 60.0,
+) -> Rendered:
     """Load ``html_path`` in headless Chromium; BrowserError when it cannot."""
     browser = browser or find_browser()
     if browser is None:
@@ -160,10 +190,24 @@ def render(html_path: Path, screenshot: Path | None = None, *, browser: str | No
     with tempfile.TemporaryDirectory(prefix="moe_report_browser_") as profile:
         # a tiny Python trampoline puts our pipe ends on fds 3 and 4 and execs the browser
         # (no preexec_fn: this process may run threads, e.g. a telemetry sampler)
-        cmd = [sys.executable, "-c", _TRAMPOLINE, str(to_r), str(from_w), browser, *FLAGS,
-               f"--user-data-dir={profile}", "about:blank"]
-        proc = subprocess.Popen(cmd, pass_fds=(to_r, from_w), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cmd = [
+            sys.executable,
+            "-c",
+            _TRAMPOLINE,
+            str(to_r),
+            str(from_w),
+            browser,
+            *FLAGS,
+            f"--user-data-dir={profile}",
+            "about:blank",
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            pass_fds=(to_r, from_w),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_r)
         os.close(from_w)
         pipe = _Pipe(to_w, from_r, timeout_s)
@@ -196,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {line}")
     for img in bad:
         print(f"image not shown: {img}")
-    print(f"{len(result.images) - len(bad)}/{len(result.images)} images shown, "
-          f"{len(result.errors)} errors; screenshot {result.screenshot}")
+    print(
+        f"{len(result.images) - len(bad)}/{len(result.images)} images shown, "
+        f"{len(result.errors)} errors; screenshot {result.screenshot}"
+    )
     return 1 if bad or result.errors else 0
 
 

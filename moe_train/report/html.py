@@ -8,7 +8,8 @@ import base64
 import datetime as dt
 import html
 import json
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from moe_train.report.plots import Figure
 from moe_train.telemetry.files import RunData
@@ -50,9 +51,16 @@ def table(rows: Iterable[Sequence[Any]], header: Sequence[str] | None = None) ->
     if header:
         out.append("<tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
     for row in rows:
-        out.append("<tr>" + "".join(
-            f"<td class=n>{esc(fmt(c))}</td>" if isinstance(c, (int, float)) and not isinstance(c, bool)
-            else f"<td>{esc(fmt(c))}</td>" for c in row) + "</tr>")
+        out.append(
+            "<tr>"
+            + "".join(
+                f"<td class=n>{esc(fmt(c))}</td>"
+                if isinstance(c, (int, float)) and not isinstance(c, bool)
+                else f"<td>{esc(fmt(c))}</td>"
+                for c in row
+            )
+            + "</tr>"
+        )
     out.append("</table>")
     return "".join(out)
 
@@ -65,35 +73,70 @@ def summary_section(summary: dict[str, Any]) -> str:
     """Job-wide figures, per-rank table and stragglers."""
     j = summary["job"]
     mfu = j["mfu"]
-    rows = [("tokens/s (median, steady steps)", j["tokens_per_s"]),
-            ("step time s (median, steady steps)", j["step_time_s"]),
-            ("TFLOP/s per device", j["tflops_per_device"]),
-            ("peak TFLOP/s per device", j["peak_tflops_per_device"]),
-            ("MFU", None if mfu is None else f"{100 * mfu:.2f}%"),
-            ("GPU utilization", _stat(j["gpu_util_pct"])),
-            ("host CPU utilization", _stat(j["host_cpu_pct"])),
-            ("mean power per GPU (W)", j["mean_power_w"]), ("total power (W)", j["total_power_w"]),
-            ("energy (J)", j["energy_j"]), ("energy per token (J/token)", j["energy_per_token_j"]),
-            ("tokens trained", j["tokens"]),
-            ("steps (steady / compiled)", f"{j['steps']} ({j['steady_steps']} / {len(j['compiled_steps'])})"),
-            ("ranks found / expected", f"{j['ranks_found']} / {j['ranks_expected']}"
-             + (f", missing {j['missing_ranks']}" if j["missing_ranks"] else ""))]
-    ranks = [(r["rank"], r["host"], r["nvml"], r["samples"], _stat(r["gpu_util_pct"]),
-              _stat(r["host_cpu_pct"]), r["power_w_mean"], r["energy_per_token_j"],
-              r["step_time_s_median"], r["sample_ms_mean"]) for r in summary["ranks"]]
-    header = ("rank", "host", "nvml", "samples", "GPU util", "host CPU", "power W", "J/token",
-              "median step s", "sample ms")
+    rows = [
+        ("tokens/s (median, steady steps)", j["tokens_per_s"]),
+        ("step time s (median, steady steps)", j["step_time_s"]),
+        ("TFLOP/s per device", j["tflops_per_device"]),
+        ("peak TFLOP/s per device", j["peak_tflops_per_device"]),
+        ("MFU", None if mfu is None else f"{100 * mfu:.2f}%"),
+        ("GPU utilization", _stat(j["gpu_util_pct"])),
+        ("host CPU utilization", _stat(j["host_cpu_pct"])),
+        ("mean power per GPU (W)", j["mean_power_w"]),
+        ("total power (W)", j["total_power_w"]),
+        ("energy (J)", j["energy_j"]),
+        ("energy per token (J/token)", j["energy_per_token_j"]),
+        ("tokens trained", j["tokens"]),
+        ("steps (steady / compiled)", f"{j['steps']} ({j['steady_steps']} / {len(j['compiled_steps'])})"),
+        (
+            "ranks found / expected",
+            f"{j['ranks_found']} / {j['ranks_expected']}"
+            + (f", missing {j['missing_ranks']}" if j["missing_ranks"] else ""),
+        ),
+    ]
+    ranks = [
+        (
+            r["rank"],
+            r["host"],
+            r["nvml"],
+            r["samples"],
+            _stat(r["gpu_util_pct"]),
+            _stat(r["host_cpu_pct"]),
+            r["power_w_mean"],
+            r["energy_per_token_j"],
+            r["step_time_s_median"],
+            r["sample_ms_mean"],
+        )
+        for r in summary["ranks"]
+    ]
+    header = (
+        "rank",
+        "host",
+        "nvml",
+        "samples",
+        "GPU util",
+        "host CPU",
+        "power W",
+        "J/token",
+        "median step s",
+        "sample ms",
+    )
     strag = summary["stragglers"]
     lines = "".join(f"<li>rank {s['rank']}: {esc(s['why'])}</li>" for s in strag)
-    return ("<h2 id=summary>Summary</h2>" + table(rows, ("figure", "value"))
-            + "<h3>Per rank</h3>" + table(ranks, header)
-            + "<h3>Stragglers</h3>" + (f"<ul>{lines}</ul>" if strag else "<p class=ok>none</p>"))
+    return (
+        "<h2 id=summary>Summary</h2>"
+        + table(rows, ("figure", "value"))
+        + "<h3>Per rank</h3>"
+        + table(ranks, header)
+        + "<h3>Stragglers</h3>"
+        + (f"<ul>{lines}</ul>" if strag else "<p class=ok>none</p>")
+    )
 
 
 def quality_section(data: RunData, summary: dict[str, Any]) -> str:
     """Skipped lines, missing files and ranks, NVML status and unsupported fields."""
-    items = [f"{n} line(s) skipped in <code>{esc(f)}</code> (cut or unreadable)"
-             for f, n in data.skipped.items()]
+    items = [
+        f"{n} line(s) skipped in <code>{esc(f)}</code> (cut or unreadable)" for f, n in data.skipped.items()
+    ]
     items += [esc(p) for p in data.problems]
     missing = summary["job"]["missing_ranks"]
     if missing:
@@ -106,17 +149,24 @@ def quality_section(data: RunData, summary: dict[str, Any]) -> str:
     head = f"<p>Skipped lines: <b id=skipped-lines>{total}</b></p>"
     if not items:
         return "<h2 id=quality>Data quality</h2>" + head + "<p class=ok>all files complete</p>"
-    return ("<h2 id=quality>Data quality</h2>" + head
-            + "<div class=warn><ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul></div>")
+    return (
+        "<h2 id=quality>Data quality</h2>"
+        + head
+        + "<div class=warn><ul>"
+        + "".join(f"<li>{i}</li>" for i in items)
+        + "</ul></div>"
+    )
 
 
 def figure_html(fig: Figure) -> str:
     """A figure with its PNG embedded as a base64 data URI."""
     data = base64.b64encode(fig.path.read_bytes()).decode("ascii")
-    return (f"<figure><h3>{esc(fig.title)}</h3>"
-            f"<img id=\"fig-{esc(fig.name)}\" alt=\"{esc(fig.title)}\" src=\"data:image/png;base64,{data}\">"
-            f"<figcaption>{esc(fig.caption)} &middot; <code>report/{esc(fig.path.name)}</code>"
-            f"</figcaption></figure>")
+    return (
+        f"<figure><h3>{esc(fig.title)}</h3>"
+        f'<img id="fig-{esc(fig.name)}" alt="{esc(fig.title)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{esc(fig.caption)} &middot; <code>report/{esc(fig.path.name)}</code>"
+        f"</figcaption></figure>"
+    )
 
 
 def config_section(config: dict[str, Any] | None) -> str:
@@ -139,10 +189,14 @@ def cluster_section(config: dict[str, Any] | None, layout: dict[str, Any] | None
     else:
         out.append("<p>No cluster preset (<code>parallel.cluster</code> is empty).</p>")
     if layout:
-        rows = [("mesh", layout.get("mesh")), ("EP groups", layout.get("ep_groups")),
-                ("NVLink domains", layout.get("domains")), ("straddling", layout.get("straddling")),
-                ("notes", "; ".join(layout.get("notes") or [])),
-                ("warnings", "; ".join(layout.get("warnings") or []) or "none")]
+        rows = [
+            ("mesh", layout.get("mesh")),
+            ("EP groups", layout.get("ep_groups")),
+            ("NVLink domains", layout.get("domains")),
+            ("straddling", layout.get("straddling")),
+            ("notes", "; ".join(layout.get("notes") or [])),
+            ("warnings", "; ".join(layout.get("warnings") or []) or "none"),
+        ]
         out.append("<h3>Layout (layout.json)</h3>" + table(rows))
     return "".join(out)
 
@@ -154,12 +208,19 @@ def _preset_table(name: str) -> str:
         c = presets.load(name)
     except presets.TopologyError as err:
         return f"<p class=warn>cluster preset {esc(name)!r} does not load: {esc(err)}</p>"
-    rows = [("name", c.name), ("description", c.description), ("source", c.source),
-            ("nominal numbers", c.nominal), ("GPUs per node", c.gpus_per_node),
-            ("NVLink domain (GPUs)", c.domain_size), ("NVLink GB/s per GPU", c.nvlink_gbps_per_gpu),
-            ("network GB/s per GPU", c.nic_gbps_per_gpu),
-            ("peak bf16 TFLOP/s", c.peak_bf16_flops / 1e12), ("peak fp8 TFLOP/s", c.peak_fp8_flops / 1e12),
-            ("sbatch", " ".join(c.sbatch_args()))]
+    rows = [
+        ("name", c.name),
+        ("description", c.description),
+        ("source", c.source),
+        ("nominal numbers", c.nominal),
+        ("GPUs per node", c.gpus_per_node),
+        ("NVLink domain (GPUs)", c.domain_size),
+        ("NVLink GB/s per GPU", c.nvlink_gbps_per_gpu),
+        ("network GB/s per GPU", c.nic_gbps_per_gpu),
+        ("peak bf16 TFLOP/s", c.peak_bf16_flops / 1e12),
+        ("peak fp8 TFLOP/s", c.peak_fp8_flops / 1e12),
+        ("sbatch", " ".join(c.sbatch_args())),
+    ]
     return f"<h3>Cluster preset {esc(name)}</h3>" + table(rows)
 
 
@@ -167,19 +228,32 @@ def page(data: RunData, summary: dict[str, Any], figures: list[Figure]) -> str:
     """The whole report page."""
     progress = summary["progress"]
     done = progress["last_step"] is not None and progress["last_step"] == progress["total_steps"]
-    state = ("complete" if done else "partial (still running, stopped or crashed)")
-    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    nav = " &middot; ".join(f"<a href=#{a}>{t}</a>" for a, t in (
-        ("summary", "summary"), ("quality", "data quality"), ("figures", "figures"),
-        ("config", "config"), ("cluster", "cluster")))
-    return "".join([
-        "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
-        "<link rel=icon href=\"data:,\">",
-        f"<title>moe-train report: {esc(data.run_dir.name)}</title><style>{CSS}</style></head><body>",
-        f"<h1>moe-train run report: <code>{esc(data.run_dir)}</code></h1>",
-        f"<p>Step {esc(progress['last_step'])} of {esc(progress['total_steps'])}: {state}. "
-        f"Generated {now}. {len(figures)} figures.</p><p>{nav}</p>",
-        summary_section(summary), quality_section(data, summary),
-        "<h2 id=figures>Figures</h2>", "".join(figure_html(f) for f in figures) or "<p>no data yet</p>",
-        config_section(data.config), cluster_section(data.config, data.layout),
-        "</body></html>\n"])
+    state = "complete" if done else "partial (still running, stopped or crashed)"
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    nav = " &middot; ".join(
+        f"<a href=#{a}>{t}</a>"
+        for a, t in (
+            ("summary", "summary"),
+            ("quality", "data quality"),
+            ("figures", "figures"),
+            ("config", "config"),
+            ("cluster", "cluster"),
+        )
+    )
+    return "".join(
+        [
+            "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
+            '<link rel=icon href="data:,">',
+            f"<title>moe-train report: {esc(data.run_dir.name)}</title><style>{CSS}</style></head><body>",
+            f"<h1>moe-train run report: <code>{esc(data.run_dir)}</code></h1>",
+            f"<p>Step {esc(progress['last_step'])} of {esc(progress['total_steps'])}: {state}. "
+            f"Generated {now}. {len(figures)} figures.</p><p>{nav}</p>",
+            summary_section(summary),
+            quality_section(data, summary),
+            "<h2 id=figures>Figures</h2>",
+            "".join(figure_html(f) for f in figures) or "<p>no data yet</p>",
+            config_section(data.config),
+            cluster_section(data.config, data.layout),
+            "</body></html>\n",
+        ]
+    )

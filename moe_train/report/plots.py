@@ -7,9 +7,10 @@ Records lacking a field are skipped point by point.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import matplotlib
 
@@ -60,9 +61,11 @@ def training(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
     if not metrics:
         return []
     fig, axes = plt.subplots(3, 1, figsize=(9, 6.5), sharex=True)
-    for ax, keys, label in ((axes[0], ("loss", "eval_loss", "mtp_loss", "total_loss"), "loss"),
-                            (axes[1], ("aux_loss", "seq_aux_loss"), "aux loss"),
-                            (axes[2], ("lr",), "learning rate")):
+    for ax, keys, label in (
+        (axes[0], ("loss", "eval_loss", "mtp_loss", "total_loss"), "loss"),
+        (axes[1], ("aux_loss", "seq_aux_loss"), "aux loss"),
+        (axes[2], ("lr",), "learning rate"),
+    ):
         for key in keys:
             xs, ys = _series(metrics, key)
             if xs:
@@ -73,11 +76,18 @@ def training(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
         if len(keys) > 1:
             ax.legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("step")
-    return [_save(fig, out_dir, "training", "Loss, aux loss and learning rate",
-                  "loss is the next-token cross-entropy; eval_loss (with train.eval_every) the "
-                  "same on held-out data; mtp_loss (with multi-token prediction) "
-                  "the mean cross-entropy of the MTP depths; total_loss adds the weighted MTP, "
-                  "aux and z losses")]
+    return [
+        _save(
+            fig,
+            out_dir,
+            "training",
+            "Loss, aux loss and learning rate",
+            "loss is the next-token cross-entropy; eval_loss (with train.eval_every) the "
+            "same on held-out data; mtp_loss (with multi-token prediction) "
+            "the mean cross-entropy of the MTP depths; total_loss adds the weighted MTP, "
+            "aux and z losses",
+        )
+    ]
 
 
 def _loads(metrics: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -105,14 +115,26 @@ def expert_heatmaps(steps: np.ndarray, loads: np.ndarray, out_dir: Path) -> list
     for layer in range(loads.shape[1]):
         rel = loads[:, layer, :] / np.maximum(loads[:, layer, :].mean(axis=1, keepdims=True), 1e-9)
         fig, ax = plt.subplots(figsize=(9, 2.2 + 0.02 * rel.shape[1]))
-        im = ax.imshow(rel.T, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
-                       extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, rel.shape[1] - 0.5))
+        im = ax.imshow(
+            rel.T,
+            aspect="auto",
+            origin="lower",
+            cmap="viridis",
+            interpolation="nearest",
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, rel.shape[1] - 0.5),
+        )
         fig.colorbar(im, ax=ax, label="load / mean")
         ax.set_xlabel("step")
         ax.set_ylabel("expert")
-        figures.append(_save(fig, out_dir, f"experts_layer{layer}",
-                             f"Tokens per expert, MoE layer {layer}",
-                             f"{rel.shape[1]} experts; 1.0 is a perfectly balanced expert"))
+        figures.append(
+            _save(
+                fig,
+                out_dir,
+                f"experts_layer{layer}",
+                f"Tokens per expert, MoE layer {layer}",
+                f"{rel.shape[1]} experts; 1.0 is a perfectly balanced expert",
+            )
+        )
     return figures
 
 
@@ -131,8 +153,15 @@ def load_balance(steps: np.ndarray, loads: np.ndarray, out_dir: Path) -> list[Fi
     ax.set_ylabel("max / mean load")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    return [_save(fig, out_dir, "load_balance", "Expert load balance",
-                  "the busiest expert's tokens over the mean; 1.0 is perfect balance")]
+    return [
+        _save(
+            fig,
+            out_dir,
+            "load_balance",
+            "Expert load balance",
+            "the busiest expert's tokens over the mean; 1.0 is perfect balance",
+        )
+    ]
 
 
 def throughput(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
@@ -141,58 +170,100 @@ def throughput(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
         return []
     compiled = [r for r in metrics if r.get("compiled")]
     fig, axes = plt.subplots(2, 1, figsize=(9, 5), sharex=True)
-    for ax, key, scale, label in ((axes[0], "step_time_s", 1e3, "step time (ms)"),
-                                  (axes[1], "tokens_per_s", 1.0, "tokens/s")):
+    for ax, key, scale, label in (
+        (axes[0], "step_time_s", 1e3, "step time (ms)"),
+        (axes[1], "tokens_per_s", 1.0, "tokens/s"),
+    ):
         xs, ys = _series(metrics, key)
         ax.plot(xs, np.array(ys) * scale, marker="." if len(xs) < 50 else None, label=key)
         cx, cy = _series(compiled, key)
         if cx:
-            ax.scatter(cx, np.array(cy) * scale, color="red", marker="x", s=60, zorder=3,
-                       label="step compiled")
+            ax.scatter(
+                cx, np.array(cy) * scale, color="red", marker="x", s=60, zorder=3, label="step compiled"
+            )
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if any(v > 0 for v in _series(metrics, "step_time_s")[1]):
         axes[0].set_yscale("log")
     axes[-1].set_xlabel("step")
-    return [_save(fig, out_dir, "throughput", "Step time and throughput",
-                  f"{len(compiled)} step(s) compiled (red x); step time on a log scale")]
+    return [
+        _save(
+            fig,
+            out_dir,
+            "throughput",
+            "Step time and throughput",
+            f"{len(compiled)} step(s) compiled (red x); step time on a log scale",
+        )
+    ]
 
 
-def _rank_lines(ax: Any, telemetry: dict[int, list[dict]], key: str, t0: float,
-                scale: float = 1.0, style: str = "-", label: str = "") -> bool:
+def _rank_lines(
+    ax: Any,
+    telemetry: dict[int, list[dict]],
+    key: str,
+    t0: float,
+    scale: float = 1.0,
+    style: str = "-",
+    label: str = "",
+) -> bool:
     """Plot ``key`` over time for every rank; False when no rank has it."""
     drawn = False
     many = len(telemetry) > MAX_LEGEND_RANKS
     for i, (rank, recs) in enumerate(telemetry.items()):
         xs, ys = _series(recs, key, x="time")
         if xs:  # one colour per rank in every panel; tx/rx differ by line style
-            ax.plot(np.array(xs) - t0, np.array(ys) * scale, style, color=f"C{i % 10}",
-                    lw=0.6 if many else 1.2, label=None if many else f"rank {rank}{label}")
+            ax.plot(
+                np.array(xs) - t0,
+                np.array(ys) * scale,
+                style,
+                color=f"C{i % 10}",
+                lw=0.6 if many else 1.2,
+                label=None if many else f"rank {rank}{label}",
+            )
             drawn = True
     return drawn
 
 
 def compile_spans(records: list[dict[str, Any]], compiled: set[int]) -> list[tuple[float, float]]:
     """(start, end) times of the steps in ``compiled``, from one rank's step marks."""
-    marks = [m for r in records if r.get("kind") == "sample" for m in (r.get("steps") or ())
-             if isinstance(m, list) and len(m) == 2 and _num(m[1]) is not None]
+    marks = [
+        m
+        for r in records
+        if r.get("kind") == "sample"
+        for m in (r.get("steps") or ())
+        if isinstance(m, list) and len(m) == 2 and _num(m[1]) is not None
+    ]
     return [(a[1], b[1]) for a, b in zip(marks, marks[1:]) if a[0] in compiled and b[1] >= a[1]]
 
 
-def _time_panels(telemetry: dict[int, list[dict]], rows: list[tuple[str, list, float]],
-                 out_dir: Path, name: str, title: str, caption: str,
-                 compiled: set[int] = frozenset()) -> list[Figure]:
+def _time_panels(
+    telemetry: dict[int, list[dict]],
+    rows: list[tuple[str, list, float]],
+    out_dir: Path,
+    name: str,
+    title: str,
+    caption: str,
+    compiled: set[int] = frozenset(),
+) -> list[Figure]:
     """One panel per row (label, [(key, style, label suffix)], scale) with data; x = seconds."""
-    times = [r["time"] for recs in telemetry.values() for r in recs
-             if r.get("kind") == "sample" and _num(r.get("time")) is not None]
-    present = [row for row in rows
-               if any(_series(recs, key, x="time")[0] for recs in telemetry.values() for key, *_ in row[1])]
+    times = [
+        r["time"]
+        for recs in telemetry.values()
+        for r in recs
+        if r.get("kind") == "sample" and _num(r.get("time")) is not None
+    ]
+    present = [
+        row
+        for row in rows
+        if any(_series(recs, key, x="time")[0] for recs in telemetry.values() for key, *_ in row[1])
+    ]
     if not times or not present:
         return []
     t0 = min(times)
-    fig, axes = plt.subplots(len(present), 1, figsize=(9, 1.9 * len(present) + 0.8), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(present), 1, figsize=(9, 1.9 * len(present) + 0.8), sharex=True, squeeze=False
+    )
     spans = compile_spans(next(iter(telemetry.values())), compiled)
     for ax, (ylabel, keys, scale) in zip(axes[:, 0], present):
         for i, (a, b) in enumerate(spans):
@@ -210,36 +281,57 @@ def _time_panels(telemetry: dict[int, list[dict]], rows: list[tuple[str, list, f
 # Figures over time, one line per rank: (name, title, caption, panels); a panel is (y label,
 # [(telemetry key, line style, legend suffix)], scale). Panels no rank has data for are left out.
 TIME_FIGURES = (
-    ("gpu", "GPUs over time",
-     "one line per rank (NVML); NVLink over all links, tx solid, rx dashed; "
-     "shaded: steps that compiled (rank 0's clock)",
-     [("GPU util (%)", [("gpu_util_pct", "-", "")], 1.0),
-      ("power (W)", [("power_w", "-", "")], 1.0),
-      ("memory used (GB)", [("mem_used_bytes", "-", "")], 1e-9),
-      ("NVLink (GB/s)", [("nvlink_tx_gbps", "-", " tx"), ("nvlink_rx_gbps", "--", " rx")], 1.0),
-      ("PCIe (GB/s)", [("pcie_tx_gbps", "-", " tx"), ("pcie_rx_gbps", "--", " rx")], 1.0),
-      ("GPM SM / tensor (%)", [("gpm_sm_active_pct", "-", " SM"),
-                               ("gpm_tensor_active_pct", "--", " tensor")], 1.0)]),
-    ("host", "Hosts over time",
-     "one line per rank (the process's host); shaded: steps that compiled",
-     [("host CPU (%)", [("host_cpu_pct", "-", "")], 1.0),
-      ("process CPU (% of a core)", [("proc_cpu_pct", "-", "")], 1.0),
-      ("process RSS (GB)", [("rss_bytes", "-", "")], 1e-9),
-      ("load (1 min)", [("load1", "-", "")], 1.0)]),
+    (
+        "gpu",
+        "GPUs over time",
+        "one line per rank (NVML); NVLink over all links, tx solid, rx dashed; "
+        "shaded: steps that compiled (rank 0's clock)",
+        [
+            ("GPU util (%)", [("gpu_util_pct", "-", "")], 1.0),
+            ("power (W)", [("power_w", "-", "")], 1.0),
+            ("memory used (GB)", [("mem_used_bytes", "-", "")], 1e-9),
+            ("NVLink (GB/s)", [("nvlink_tx_gbps", "-", " tx"), ("nvlink_rx_gbps", "--", " rx")], 1.0),
+            ("PCIe (GB/s)", [("pcie_tx_gbps", "-", " tx"), ("pcie_rx_gbps", "--", " rx")], 1.0),
+            (
+                "GPM SM / tensor (%)",
+                [("gpm_sm_active_pct", "-", " SM"), ("gpm_tensor_active_pct", "--", " tensor")],
+                1.0,
+            ),
+        ],
+    ),
+    (
+        "host",
+        "Hosts over time",
+        "one line per rank (the process's host); shaded: steps that compiled",
+        [
+            ("host CPU (%)", [("host_cpu_pct", "-", "")], 1.0),
+            ("process CPU (% of a core)", [("proc_cpu_pct", "-", "")], 1.0),
+            ("process RSS (GB)", [("rss_bytes", "-", "")], 1e-9),
+            ("load (1 min)", [("load1", "-", "")], 1.0),
+        ],
+    ),
 )
 
 
-def over_time(telemetry: dict[int, list[dict]], out_dir: Path,
-              compiled: set[int] = frozenset()) -> list[Figure]:
+def over_time(
+    telemetry: dict[int, list[dict]], out_dir: Path, compiled: set[int] = frozenset()
+) -> list[Figure]:
     """The ``TIME_FIGURES``: GPU utilization, power, memory, NVLink and GPM activity, then host
     CPU, process CPU, resident memory and load, over time per rank."""
-    return [fig for name, title, caption, rows in TIME_FIGURES
-            for fig in _time_panels(telemetry, rows, out_dir, name, title, caption, compiled)]
+    return [
+        fig
+        for name, title, caption, rows in TIME_FIGURES
+        for fig in _time_panels(telemetry, rows, out_dir, name, title, caption, compiled)
+    ]
 
 
 def all_figures(metrics: list[dict], telemetry: dict[int, list[dict]], out_dir: Path) -> list[Figure]:
     """Every figure the data allows, in report order."""
     out_dir.mkdir(parents=True, exist_ok=True)
     compiled = {r["step"] for r in metrics if r.get("compiled")}
-    return [*training(metrics, out_dir), *experts(metrics, out_dir), *throughput(metrics, out_dir),
-            *over_time(telemetry, out_dir, compiled)]
+    return [
+        *training(metrics, out_dir),
+        *experts(metrics, out_dir),
+        *throughput(metrics, out_dir),
+        *over_time(telemetry, out_dir, compiled),
+    ]

@@ -33,8 +33,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np
@@ -59,8 +59,13 @@ class Choice:
     results: tuple[Result, ...]  # the checks that ran (empty when skipped)
 
     def record(self) -> dict:
-        return {"key": self.key, "requested": self.requested, "chosen": self.chosen,
-                "why": self.why, "checks": [dataclasses.asdict(r) for r in self.results]}
+        return {
+            "key": self.key,
+            "requested": self.requested,
+            "chosen": self.chosen,
+            "why": self.why,
+            "checks": [dataclasses.asdict(r) for r in self.results],
+        }
 
 
 def _agree(results: list[Result]) -> list[Result]:
@@ -88,17 +93,28 @@ def _pick(passed: list[Result], by_speed: bool, recorded: str | None) -> tuple[R
     best = passed[0]
     if by_speed:
         for r in passed[1:]:
-            if r.time_s is not None and best.time_s is not None and \
-                    r.time_s < best.time_s * (1 - SPEED_MARGIN):
+            if (
+                r.time_s is not None
+                and best.time_s is not None
+                and r.time_s < best.time_s * (1 - SPEED_MARGIN)
+            ):
                 best = r
         if len(passed) > 1:
             return best, "fastest that passed"
     return best, "first that passed"
 
 
-def choose(key: str, requested: str, cands: list[str], check: Callable[[str, int], Result], *,
-           skip: bool, by_speed: bool = False, recorded: str | None = None,
-           lead: str = "") -> Choice:
+def choose(
+    key: str,
+    requested: str,
+    cands: list[str],
+    check: Callable[[str, int], Result],
+    *,
+    skip: bool,
+    by_speed: bool = False,
+    recorded: str | None = None,
+    lead: str = "",
+) -> Choice:
     """Check ``cands`` (for ``auto``) or ``requested`` and return the choice.
 
     ``check(name, time_reps)`` runs one candidate; ``lead`` says why the first candidate
@@ -109,15 +125,16 @@ def choose(key: str, requested: str, cands: list[str], check: Callable[[str, int
             return Choice(key, requested, requested, "explicit; self-test skipped", ())
         (res,) = _agree([check(requested, 0)])
         if not res.ok:
-            raise ConfigError(f"{key}={requested} failed its self-test on {_device()}: "
-                              f"{res.line()}; use {key}=auto (it tries {', '.join(cands)}) "
-                              f"or set train.skip_selftest=true to use it unchecked")
+            raise ConfigError(
+                f"{key}={requested} failed its self-test on {_device()}: "
+                f"{res.line()}; use {key}=auto (it tries {', '.join(cands)}) "
+                f"or set train.skip_selftest=true to use it unchecked"
+            )
         return Choice(key, requested, requested, f"explicit; self-test {res.line()}", (res,))
     if not cands:
         raise ConfigError(f"{key}=auto: no candidate can run on {_device()}")
     if skip:
-        return Choice(key, requested, cands[0], f"auto: first of {', '.join(cands)}; "
-                                                f"self-test skipped", ())
+        return Choice(key, requested, cands[0], f"auto: first of {', '.join(cands)}; self-test skipped", ())
     reps = TIME_REPS if by_speed else 0
     results: list[Result] = []
     for name in cands:
@@ -126,13 +143,16 @@ def choose(key: str, requested: str, cands: list[str], check: Callable[[str, int
             break
     passed = [r for r in results if r.ok]
     if not passed:
-        raise ConfigError(f"{key}=auto: every candidate failed its self-test on {_device()}: "
-                          + "; ".join(r.line() for r in results))
+        raise ConfigError(
+            f"{key}=auto: every candidate failed its self-test on {_device()}: "
+            + "; ".join(r.line() for r in results)
+        )
     best, how = _pick(passed, by_speed, recorded)
     notes = [r.line() for r in results if not r.ok]
     lead = lead.removeprefix("auto: ")
-    why = (f"auto: {lead + '; ' if lead else ''}{how}: {best.line()}"
-           + (f"; skipped {'; '.join(notes)}" if notes else ""))
+    why = f"auto: {lead + '; ' if lead else ''}{how}: {best.line()}" + (
+        f"; skipped {'; '.join(notes)}" if notes else ""
+    )
     return Choice(key, requested, best.name, why, tuple(results))
 
 
@@ -150,8 +170,11 @@ def _recorded(out_dir: Path | None, cfg: Config) -> dict[str, str]:
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     now = C.configured(cfg)
-    return {c["key"]: c["chosen"] for c in kept
-            if isinstance(c, dict) and now.get(c.get("key")) == c.get("requested")}
+    return {
+        c["key"]: c["chosen"]
+        for c in kept
+        if isinstance(c, dict) and now.get(c.get("key")) == c.get("requested")
+    }
 
 
 def run(cfg: Config, out_dir: Path | None = None) -> tuple[Config, str, dict]:
@@ -163,17 +186,28 @@ def run(cfg: Config, out_dir: Path | None = None) -> tuple[Config, str, dict]:
     skip = cfg.train.skip_selftest
     recorded = _recorded(out_dir, cfg)
     with jax.default_device(jax.local_devices()[0]):
-        choices = [choose(key, value, cands, check, skip=skip, by_speed=by_speed,
-                          recorded=recorded.get(key), lead=lead)
-                   for key, value, cands, check, by_speed, lead in C.plans(cfg, platform)]
+        choices = [
+            choose(
+                key, value, cands, check, skip=skip, by_speed=by_speed, recorded=recorded.get(key), lead=lead
+            )
+            for key, value, cands, check, by_speed, lead in C.plans(cfg, platform)
+        ]
     seconds = time.perf_counter() - t0
     exec_cfg = C.apply(cfg, {c.key: c.chosen for c in choices})
     what = "; ".join(f"{c.key}={c.chosen} ({c.why})" for c in choices)
-    line = (f"kernels on {_device()}: {what} [self-test {seconds:.2f} s]" if not skip else
-            f"kernels on {_device()}: {what} [train.skip_selftest=true]")
-    record = {"device": _device(), "platform": platform, "skip_selftest": skip,
-              "selftest_s": seconds, "head_dim": attention_dims(cfg.model)[0],
-              "choices": [c.record() for c in choices]}
+    line = (
+        f"kernels on {_device()}: {what} [self-test {seconds:.2f} s]"
+        if not skip
+        else f"kernels on {_device()}: {what} [train.skip_selftest=true]"
+    )
+    record = {
+        "device": _device(),
+        "platform": platform,
+        "skip_selftest": skip,
+        "selftest_s": seconds,
+        "head_dim": attention_dims(cfg.model)[0],
+        "choices": [c.record() for c in choices],
+    }
     return exec_cfg, line, record
 
 

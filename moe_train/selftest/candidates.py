@@ -17,7 +17,7 @@ alignment of the expert shapes, the tile rows) and shrinks what only costs time:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from moe_train.config import Config, ConfigError, attention_dims, compute_dtype
 from moe_train.model import precision
@@ -27,8 +27,11 @@ MAX_WIDTH = 256  # hidden / expert ffn of the grouped-GEMM problem (multiple of 
 MAX_EXPERTS = 8
 TOKENS = {"gpu": 256, "cpu": 64}  # tokens of the grouped-GEMM problem
 SEQ = {"gpu": 256, "cpu": 64}  # sequence length of the attention problem
-GEMM_ORDER = {"half": ("te", "mgpu", "tiled", "ragged_dot"), "fp32": ("tiled", "ragged_dot"),
-              "cpu": ("tiled", "ragged_dot")}
+GEMM_ORDER = {
+    "half": ("te", "mgpu", "tiled", "ragged_dot"),
+    "fp32": ("tiled", "ragged_dot"),
+    "cpu": ("tiled", "ragged_dot"),
+}
 ATTENTION_ORDER = ("cudnn", "te", "chunked", "xla")
 
 # (key, configured value, candidates fastest first, check(name, time_reps), time them?, why
@@ -38,8 +41,11 @@ Plan = tuple[str, str, list[str], Callable[[str, int], checks.Result], bool, str
 
 def configured(cfg: Config) -> dict[str, str]:
     """The configured value of every kernel key."""
-    return {"moe.backend": cfg.moe.backend, "model.attention": cfg.model.attention,
-            "precision.fp8_backend": cfg.precision.fp8_backend}
+    return {
+        "moe.backend": cfg.moe.backend,
+        "model.attention": cfg.model.attention,
+        "precision.fp8_backend": cfg.precision.fp8_backend,
+    }
 
 
 def apply(cfg: Config, chosen: dict[str, str]) -> Config:
@@ -65,18 +71,24 @@ def gemm_candidates(cfg: Config, platform: str) -> list[str]:
     ok = [b for b in order if gemm._unavailable_reason(b, dtype, H, e.expert_ffn) is None]
     if e.backend != "auto" and e.backend not in ok:
         reason = gemm._unavailable_reason(e.backend, dtype, H, e.expert_ffn)
-        raise ConfigError(f"moe.backend={e.backend} cannot run here: {reason}; choose one of: "
-                          f"{', '.join(['auto', *ok])}")
+        raise ConfigError(
+            f"moe.backend={e.backend} cannot run here: {reason}; choose one of: {', '.join(['auto', *ok])}"
+        )
     return ok
 
 
 def gemm_problem(cfg: Config, platform: str) -> checks.GemmProblem:
     e, experts = cfg.moe, _small(cfg.moe.num_experts, MAX_EXPERTS)
     return checks.GemmProblem(
-        tokens=TOKENS.get(platform, TOKENS["cpu"]), hidden=_small(cfg.model.hidden, MAX_WIDTH),
-        ffn=_small(e.expert_ffn, MAX_WIDTH), experts=experts,
-        top_k=max(1, min(e.top_k, experts - 1)), dtype=compute_dtype(cfg.precision),
-        routing="hot-empty", tile_rows=e.tile_rows)
+        tokens=TOKENS.get(platform, TOKENS["cpu"]),
+        hidden=_small(cfg.model.hidden, MAX_WIDTH),
+        ffn=_small(e.expert_ffn, MAX_WIDTH),
+        experts=experts,
+        top_k=max(1, min(e.top_k, experts - 1)),
+        dtype=compute_dtype(cfg.precision),
+        routing="hot-empty",
+        tile_rows=e.tile_rows,
+    )
 
 
 def attention_candidates(cfg: Config, platform: str, seq_len: int) -> tuple[list[str], str]:
@@ -98,9 +110,15 @@ def attention_problem(cfg: Config, platform: str) -> checks.AttentionProblem:
     ratio = m.num_heads // kv_heads
     kv = _small(kv_heads, 2)
     return checks.AttentionProblem(
-        batch=1, seq_len=_small(cfg.train.seq_len, SEQ.get(platform, SEQ["cpu"])),
-        heads=kv * _small(ratio, 4), kv_heads=kv, head_dim=d, v_head_dim=j,
-        dtype=compute_dtype(cfg.precision), block=m.attention_block)
+        batch=1,
+        seq_len=_small(cfg.train.seq_len, SEQ.get(platform, SEQ["cpu"])),
+        heads=kv * _small(ratio, 4),
+        kv_heads=kv,
+        head_dim=d,
+        v_head_dim=j,
+        dtype=compute_dtype(cfg.precision),
+        block=m.attention_block,
+    )
 
 
 def fp8_candidates(cfg: Config, platform: str) -> list[str]:
@@ -114,15 +132,31 @@ def fp8_candidates(cfg: Config, platform: str) -> list[str]:
 def plans(cfg: Config, platform: str) -> Iterator[Plan]:
     """A ``Plan`` per kernel the run uses."""
     gp = gemm_problem(cfg, platform)
-    yield ("moe.backend", cfg.moe.backend, gemm_candidates(cfg, platform),
-           lambda name, reps: checks.check_gemm(name, gp, time_reps=reps), platform == "gpu",
-           "")
+    yield (
+        "moe.backend",
+        cfg.moe.backend,
+        gemm_candidates(cfg, platform),
+        lambda name, reps: checks.check_gemm(name, gp, time_reps=reps),
+        platform == "gpu",
+        "",
+    )
     ap = attention_problem(cfg, platform)
     cands, why = attention_candidates(cfg, platform, cfg.train.seq_len)
-    yield ("model.attention", cfg.model.attention, cands,
-           lambda name, reps: checks.check_attention(name, ap, time_reps=reps), False, why)
+    yield (
+        "model.attention",
+        cfg.model.attention,
+        cands,
+        lambda name, reps: checks.check_attention(name, ap, time_reps=reps),
+        False,
+        why,
+    )
     if cfg.precision.compute == "fp8":
         p = cfg.precision
-        yield ("precision.fp8_backend", p.fp8_backend, fp8_candidates(cfg, platform),
-               lambda name, reps: checks.check_fp8(name, p.fp8_recipe, p.amax_history, p.margin,
-                                                   time_reps=reps), False, "")
+        yield (
+            "precision.fp8_backend",
+            p.fp8_backend,
+            fp8_candidates(cfg, platform),
+            lambda name, reps: checks.check_fp8(name, p.fp8_recipe, p.amax_history, p.margin, time_reps=reps),
+            False,
+            "",
+        )

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,11 @@ def tolerance(dtype) -> float:
     precision a TPU multiplies float32 operands in one bfloat16 pass (a TPU v5e: 4.4e-3 in the
     routed SwiGLU's dw1, 4.2e-3 in attention's dq), so float32 there gets bfloat16's bound."""
     name = jnp.dtype(dtype).name
-    if (name == "float32" and jax.default_backend() == "tpu"
-            and jax.config.jax_default_matmul_precision in TPU_ONE_PASS):
+    if (
+        name == "float32"
+        and jax.default_backend() == "tpu"
+        and jax.config.jax_default_matmul_precision in TPU_ONE_PASS
+    ):
         return TOLERANCE["bfloat16"]
     return TOLERANCE[name]
 
@@ -67,8 +70,10 @@ class Result:
         worst = max(self.errors, key=lambda k: self.errors[k] / self.tolerance[k])
         t = f", {self.time_s * 1e3:.2f} ms" if self.time_s is not None else ""
         verdict = "ok" if self.ok else "FAILED"
-        return (f"{self.name} {verdict} (max rel err {self.errors[worst]:.2e} in {worst}, "
-                f"bound {self.tolerance[worst]:.0e}{t})")
+        return (
+            f"{self.name} {verdict} (max rel err {self.errors[worst]:.2e} in {worst}, "
+            f"bound {self.tolerance[worst]:.0e}{t})"
+        )
 
 
 HOST_ERR_MAX = 1 << 22  # elements: larger arrays are compared on their device
@@ -96,8 +101,9 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
 
 
-def compare(kind: str, name: str, got: dict, want: dict, tol: dict[str, float],
-            time_s: float | None = None) -> Result:
+def compare(
+    kind: str, name: str, got: dict, want: dict, tol: dict[str, float], time_s: float | None = None
+) -> Result:
     errors = {k: rel_err(got[k], want[k]) for k in want}
     ok = all(errors[k] <= tol[k] for k in errors)
     return Result(kind, name, ok, errors, {k: tol[k] for k in errors}, time_s)
@@ -125,12 +131,13 @@ def _normal(rng: np.random.Generator, shape, dtype=F32, scale=1.0) -> jax.Array:
     """Normals in ``dtype`` on the device: small ones drawn by numpy (no compilation), large
     ones (expert weights of real models: billions of elements) by jax.random on the device."""
     if int(np.prod(shape)) <= HOST_DRAW_MAX:
-        return jnp.asarray((rng.standard_normal(shape, np.float32) * scale)).astype(dtype)
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * scale).astype(dtype)
     key = jax.random.key(int(rng.integers(1 << 31)))
-    return (jax.random.normal(key, shape, jnp.dtype(dtype)) * jnp.asarray(scale, dtype))
+    return jax.random.normal(key, shape, jnp.dtype(dtype)) * jnp.asarray(scale, dtype)
 
 
 # ----------------------------------------------------------------------------- grouped GEMM
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmProblem(MoEShape):
@@ -157,8 +164,11 @@ def routing_ids(p: GemmProblem) -> np.ndarray:
 def _expert_weights(E: int, H: int, F: int, dtype: str, seed: int) -> tuple[jax.Array, ...]:
     """w0, w1 [E, H, F] and wo [E, F, H] (kept for the next check of the same shape)."""
     rng, dt = np.random.default_rng(seed + 1), jnp.dtype(dtype)
-    return (_normal(rng, (E, H, F), dt, H ** -0.5), _normal(rng, (E, H, F), dt, H ** -0.5),
-            _normal(rng, (E, F, H), dt, F ** -0.5))
+    return (
+        _normal(rng, (E, H, F), dt, H**-0.5),
+        _normal(rng, (E, H, F), dt, H**-0.5),
+        _normal(rng, (E, F, H), dt, F**-0.5),
+    )
 
 
 def gemm_operands(p: GemmProblem) -> dict[str, jax.Array]:
@@ -168,9 +178,15 @@ def gemm_operands(p: GemmProblem) -> dict[str, jax.Array]:
     logits_TK = rng.standard_normal((T, p.top_k))
     w_TK = np.exp(logits_TK) / np.exp(logits_TK).sum(-1, keepdims=True)
     w0, w1, wo = _expert_weights(p.experts, H, p.ffn, jnp.dtype(p.dtype).name, p.seed)
-    return {"x": _normal(rng, (T, H), jnp.dtype(p.dtype)), "w0": w0, "w1": w1, "wo": wo,
-            "experts": jnp.asarray(routing_ids(p)), "weights": jnp.asarray(w_TK, F32),
-            "dy": _normal(rng, (T, H))}
+    return {
+        "x": _normal(rng, (T, H), jnp.dtype(p.dtype)),
+        "w0": w0,
+        "w1": w1,
+        "wo": wo,
+        "experts": jnp.asarray(routing_ids(p)),
+        "weights": jnp.asarray(w_TK, F32),
+        "dy": _normal(rng, (T, H)),
+    }
 
 
 def gemm_layer(backend: str, num_experts: int, tile_rows: int) -> Callable:
@@ -178,11 +194,11 @@ def gemm_layer(backend: str, num_experts: int, tile_rows: int) -> Callable:
     from moe_train.moe import gemm, layer, permute
 
     def fn(x, w0, w1, wo, experts, weights):
-        m = (tile_rows or layer.default_tile_rows(experts.size, num_experts)
-             if backend == "tiled" else None)
+        m = tile_rows or layer.default_tile_rows(experts.size, num_experts) if backend == "tiled" else None
         plan = permute.make_dispatch(experts, num_experts, m)
         y_R = gemm.grouped_swiglu(permute.permute(x, plan), plan, w0, w1, wo, backend)
         return permute.unpermute(y_R, plan, weights, out_dtype=x.dtype)
+
     return fn
 
 
@@ -202,10 +218,12 @@ def _reference_vjp(x, w0, w1, wo, experts, slot, capacity, weights, dy):
         E, T, K = w0.shape[0], *experts.shape
         tok = jnp.broadcast_to(jnp.arange(T)[:, None], (T, K))
         rows_ECH = jnp.zeros((E, capacity, x.shape[1]), F32).at[experts, slot].set(x[tok].astype(F32))
-        h = jax.nn.silu(jnp.einsum("ech,ehf->ecf", rows_ECH, w0.astype(F32))) * \
-            jnp.einsum("ech,ehf->ecf", rows_ECH, w1.astype(F32))
+        h = jax.nn.silu(jnp.einsum("ech,ehf->ecf", rows_ECH, w0.astype(F32))) * jnp.einsum(
+            "ech,ehf->ecf", rows_ECH, w1.astype(F32)
+        )
         out_ECH = jnp.einsum("ecf,efh->ech", h, wo.astype(F32))
         return jnp.einsum("tkh,tk->th", out_ECH[experts, slot], weights)
+
     with jax.default_matmul_precision("highest"):
         y, vjp = jax.vjp(layer, x, w0, w1, wo)
         return y, vjp(dy)
@@ -221,10 +239,12 @@ def gemm_reference(x, w0, w1, wo, experts, weights, dy):
 
 def _vjp_fn(fn: Callable, n_diff: int) -> Callable:
     """jit of (diff args..., rest..., dy) -> (y, grads of <y, dy> w.r.t. the first n_diff)."""
+
     def run(*args):
         *ops, dy = args
         y, vjp = jax.vjp(lambda *d: fn(*d, *ops[n_diff:]), *ops[:n_diff])
         return y, vjp(dy.astype(y.dtype))
+
     return jax.jit(run)
 
 
@@ -234,8 +254,7 @@ def gemm_vjp(backend: str, num_experts: int, tile_rows: int = 0) -> Callable:
     return _vjp_fn(gemm_layer(backend, num_experts, tile_rows), 4)
 
 
-def check_gemm(backend: str, p: GemmProblem, *, time_reps: int = 0,
-               cand: Callable | None = None) -> Result:
+def check_gemm(backend: str, p: GemmProblem, *, time_reps: int = 0, cand: Callable | None = None) -> Result:
     """``backend``'s routed SwiGLU (forward, dx, dw0, dw1, dwo) against the fp32 reference
     (``cand``: a prebuilt ``gemm_vjp`` of the same backend)."""
     kind = "moe.backend"
@@ -256,6 +275,7 @@ def check_gemm(backend: str, p: GemmProblem, *, time_reps: int = 0,
 
 # ----------------------------------------------------------------------------- attention
 
+
 @dataclasses.dataclass(frozen=True)
 class AttentionProblem:
     """Causal GQA attention on [B, S, N, D] queries and [B, S, G, D] keys/values."""
@@ -274,10 +294,12 @@ class AttentionProblem:
 def attention_operands(p: AttentionProblem) -> tuple[jax.Array, ...]:
     rng = np.random.default_rng(p.seed)
     dt, B, S = jnp.dtype(p.dtype), p.batch, p.seq_len
-    return (_normal(rng, (B, S, p.heads, p.head_dim), dt),
-            _normal(rng, (B, S, p.kv_heads, p.head_dim), dt),
-            _normal(rng, (B, S, p.kv_heads, p.v_head_dim), dt),
-            _normal(rng, (B, S, p.heads, p.v_head_dim)))
+    return (
+        _normal(rng, (B, S, p.heads, p.head_dim), dt),
+        _normal(rng, (B, S, p.kv_heads, p.head_dim), dt),
+        _normal(rng, (B, S, p.kv_heads, p.v_head_dim), dt),
+        _normal(rng, (B, S, p.heads, p.v_head_dim)),
+    )
 
 
 def check_attention(name: str, p: AttentionProblem, *, time_reps: int = 0) -> Result:
@@ -287,14 +309,13 @@ def check_attention(name: str, p: AttentionProblem, *, time_reps: int = 0) -> Re
     kind = "model.attention"
     try:
         args = attention_operands(p)
-        cand = _vjp_fn(lambda q, k, v: attention.attend(q, k, v, implementation=name,
-                                                            block=p.block), 3)
+        cand = _vjp_fn(lambda q, k, v: attention.attend(q, k, v, implementation=name, block=p.block), 3)
         y, grads = jax.block_until_ready(cand(*args))
 
         def ref(q, k, v):
             with jax.default_matmul_precision("highest"):
-                return attention.attend(q.astype(F32), k.astype(F32), v.astype(F32),
-                                        implementation="xla")
+                return attention.attend(q.astype(F32), k.astype(F32), v.astype(F32), implementation="xla")
+
         y_ref, grads_ref = _vjp_fn(ref, 3)(*args)
         secs = median_time(cand, args, time_reps) if time_reps else None
     except Exception as err:  # noqa: BLE001
@@ -307,15 +328,21 @@ def check_attention(name: str, p: AttentionProblem, *, time_reps: int = 0) -> Re
 
 # ----------------------------------------------------------------------------- fp8
 
+
 def fp8_probe(backend: str, recipe_name: str, history: int, margin: int) -> Callable:
     """(x [M, H], w [H, F]) -> y through ``precision.dot`` under fp8 with ``backend``."""
     import flax.linen as nn
 
     from moe_train.model import precision
 
-    pol = precision.Policy(dtype=jnp.dtype(jnp.bfloat16), fp8=True, backend=backend,
-                           recipe=precision.Recipe(current=recipe_name != "delayed", margin=margin),
-                           history=history, recipe_name=recipe_name)
+    pol = precision.Policy(
+        dtype=jnp.dtype(jnp.bfloat16),
+        fp8=True,
+        backend=backend,
+        recipe=precision.Recipe(current=recipe_name != "delayed", margin=margin),
+        history=history,
+        recipe_name=recipe_name,
+    )
 
     class Probe(nn.Module):
         @nn.compact
@@ -329,19 +356,27 @@ def fp8_probe(backend: str, recipe_name: str, history: int, margin: int) -> Call
     def fn(x, w):
         y, _ = probe.apply(state, x, w, mutable=[precision.FP8_COLLECTION])
         return y
+
     return fn
 
 
-def check_fp8(backend: str, recipe_name: str = "delayed", history: int = 16, margin: int = 0,
-              shape: tuple[int, int, int] = (64, 128, 128), *, time_reps: int = 0,
-              fn: Callable | None = None) -> Result:
+def check_fp8(
+    backend: str,
+    recipe_name: str = "delayed",
+    history: int = 16,
+    margin: int = 0,
+    shape: tuple[int, int, int] = (64, 128, 128),
+    *,
+    time_reps: int = 0,
+    fn: Callable | None = None,
+) -> Result:
     """One fp8 dense projection (y, dx, dw) against fp32 ``x @ w`` within fp8 tolerances."""
     kind = "precision.fp8_backend"
     M, H, F = shape
     try:
         rng = np.random.default_rng(3)
         x = _normal(rng, (M, H), jnp.bfloat16)
-        w = _normal(rng, (H, F), jnp.bfloat16, H ** -0.5)
+        w = _normal(rng, (H, F), jnp.bfloat16, H**-0.5)
         dy = _normal(rng, (M, F))
         cand = _vjp_fn(fn or fp8_probe(backend, recipe_name, history, margin), 2)
         y, grads = jax.block_until_ready(cand(x, w, dy))
@@ -349,6 +384,7 @@ def check_fp8(backend: str, recipe_name: str = "delayed", history: int = 16, mar
         def ref(x, w):
             with jax.default_matmul_precision("highest"):
                 return x.astype(F32) @ w.astype(F32)
+
         y_ref, grads_ref = _vjp_fn(ref, 2)(x, w, dy)
         secs = median_time(cand, (x, w, dy), time_reps) if time_reps else None
     except Exception as err:  # noqa: BLE001

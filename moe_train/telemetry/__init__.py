@@ -19,8 +19,9 @@ training loop (the loop starts the sampler) or the report (which reads these fil
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from moe_train.telemetry.sampler import NullSampler, Sampler, Target
 
@@ -29,8 +30,15 @@ __all__ = ["NullSampler", "Sampler", "Target", "start", "target_for"]
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # jax.Device.platform values NVML may know
 
 
-def target_for(out_dir: Path, interval_s: float, devices: Sequence[Any], *, rank: int,
-               process_count: int, env: Mapping[str, str] | None = None) -> Target:
+def target_for(
+    out_dir: Path,
+    interval_s: float,
+    devices: Sequence[Any],
+    *,
+    rank: int,
+    process_count: int,
+    env: Mapping[str, str] | None = None,
+) -> Target:
     """The sampler target of a process whose devices are ``devices`` (jax.Device-like).
 
     The first device is sampled (one GPU per process is the supported layout; a process with
@@ -42,9 +50,11 @@ def target_for(out_dir: Path, interval_s: float, devices: Sequence[Any], *, rank
     env = os.environ if env is None else env
     first = devices[0] if devices else None
     platform = getattr(first, "platform", "none")
-    context: dict[str, Any] = {"platform": platform,
-                               "device_kind": getattr(first, "device_kind", None),
-                               "local_devices": len(devices)}
+    context: dict[str, Any] = {
+        "platform": platform,
+        "device_kind": getattr(first, "device_kind", None),
+        "local_devices": len(devices),
+    }
     if len(devices) > 1:
         context["note"] = f"{len(devices)} devices in this process; telemetry samples the first"
     index, reason = None, f"JAX platform is {platform}"
@@ -55,14 +65,26 @@ def target_for(out_dir: Path, interval_s: float, devices: Sequence[Any], *, rank
             index, reason = mapped[0], ""
         else:
             reason = "cannot map the device to an NVML index (CUDA_VISIBLE_DEVICES by UUID?)"
-    return Target(path=Path(out_dir) / "telemetry" / f"rank{rank}.jsonl", interval_s=interval_s,
-                  rank=rank, process_count=process_count, gpu_index=index,
-                  no_gpu_reason=reason, context=context)
+    return Target(
+        path=Path(out_dir) / "telemetry" / f"rank{rank}.jsonl",
+        interval_s=interval_s,
+        rank=rank,
+        process_count=process_count,
+        gpu_index=index,
+        no_gpu_reason=reason,
+        context=context,
+    )
 
 
-def start(out_dir: Path, interval_s: float, devices: Sequence[Any] = (), *,
-          log: Callable[[str], None] = print, nvml: Any = None,
-          hold: bool = False) -> Sampler | NullSampler:
+def start(
+    out_dir: Path,
+    interval_s: float,
+    devices: Sequence[Any] = (),
+    *,
+    log: Callable[[str], None] = print,
+    nvml: Any = None,
+    hold: bool = False,
+) -> Sampler | NullSampler:
     """Start this process's sampler; a NullSampler when ``interval_s <= 0`` or on any error."""
     if not interval_s or interval_s <= 0:
         return NullSampler()
@@ -70,8 +92,9 @@ def start(out_dir: Path, interval_s: float, devices: Sequence[Any] = (), *,
         import jax
 
         devices = list(devices) or jax.local_devices()
-        target = target_for(out_dir, interval_s, devices, rank=jax.process_index(),
-                            process_count=jax.process_count())
+        target = target_for(
+            out_dir, interval_s, devices, rank=jax.process_index(), process_count=jax.process_count()
+        )
         return Sampler(target, log=log, nvml=nvml, hold=hold).start()
     except Exception as err:  # telemetry never fails the run
         log(f"telemetry: not started ({type(err).__name__}: {err}); training goes on")

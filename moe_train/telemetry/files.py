@@ -13,39 +13,74 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 # What a run directory holds (any one of them): a directory with none is not a run's --out.
-RUN_FILES = ("config.json", "metrics.jsonl", "telemetry", "summary.json", "layout.json",
-             "kernels.json", "checkpoints")
+RUN_FILES = (
+    "config.json",
+    "metrics.jsonl",
+    "telemetry",
+    "summary.json",
+    "layout.json",
+    "kernels.json",
+    "checkpoints",
+)
 
 
 def _number(value: Any) -> bool:
     """A JSON number (NaN and inf included: a diverged step records them; an integer within
     int64, as NumPy takes it) or null."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return -2 ** 63 <= value < 2 ** 63
+        return -(2**63) <= value < 2**63
     return value is None or isinstance(value, float)
 
 
 def _loads(value: Any) -> bool:
     """``tokens_per_expert``: null, or equally long lists of numbers, one per MoE layer."""
-    return value is None or (isinstance(value, list) and all(
-        isinstance(row, list) and len(row) == len(value[0])
-        and all(_number(x) and x is not None for x in row) for row in value))
+    return value is None or (
+        isinstance(value, list)
+        and all(
+            isinstance(row, list)
+            and len(row) == len(value[0])
+            and all(_number(x) and x is not None for x in row)
+            for row in value
+        )
+    )
 
 
 # metrics.jsonl fields the summary and the report compute with, and the check each value must
 # pass; a record failing one (a foreign or hand-edited line) is skipped and counted as a cut
 # line is, so no reader meets a string where it adds numbers.
 METRIC_FIELDS: dict[str, Callable[[Any], bool]] = {
-    **dict.fromkeys(("loss", "total_loss", "mtp_loss", "aux_loss", "seq_aux_loss", "z_loss",
-                     "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_device",
-                     "mfu", "max_over_mean_load", "eval_loss", "eval_ppl", "eval_tokens",
-                     "eval_s", "dropped_tokens", "compilations", "selftest_s"), _number),
+    **dict.fromkeys(
+        (
+            "loss",
+            "total_loss",
+            "mtp_loss",
+            "aux_loss",
+            "seq_aux_loss",
+            "z_loss",
+            "grad_norm",
+            "lr",
+            "step_time_s",
+            "tokens_per_s",
+            "tflops_per_device",
+            "mfu",
+            "max_over_mean_load",
+            "eval_loss",
+            "eval_ppl",
+            "eval_tokens",
+            "eval_s",
+            "dropped_tokens",
+            "compilations",
+            "selftest_s",
+        ),
+        _number,
+    ),
     "tokens_per_expert": _loads,
     "compiled": lambda v: v is None or isinstance(v, bool),
 }
@@ -53,16 +88,24 @@ METRIC_FIELDS: dict[str, Callable[[Any], bool]] = {
 # of a start line (the summary lists the ranks below it that wrote nothing).
 MAX_PROCESSES = 1 << 20
 TELEMETRY_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "time": _number, "steps": lambda v: v is None or isinstance(v, list),
-    "process_count": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
-                                             and 0 < v <= MAX_PROCESSES)}
+    "time": _number,
+    "steps": lambda v: v is None or isinstance(v, list),
+    "process_count": lambda v: (
+        v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_PROCESSES)
+    ),
+}
 
 
 # config.json values the summary and the report compute with, and their types; a config.json
 # where one has another type (or a section is not a table) is listed in ``problems`` and not used.
-CONFIG_FIELDS: dict[str, type] = {"train.steps": int, "train.batch_size": int,
-                                  "train.seq_len": int, "parallel.cluster": str,
-                                  "model.dtype": str, "precision.compute": str}
+CONFIG_FIELDS: dict[str, type] = {
+    "train.steps": int,
+    "train.batch_size": int,
+    "train.seq_len": int,
+    "parallel.cluster": str,
+    "model.dtype": str,
+    "precision.compute": str,
+}
 
 
 def _valid(record: dict[str, Any], fields: dict[str, Callable[[Any], bool]]) -> bool:
@@ -172,8 +215,7 @@ def _telemetry(run_dir: Path, skipped: dict[str, int], problems: list[str]) -> d
         except OSError as err:
             problems.append(f"telemetry/{path.name}: unreadable ({err})")
             continue
-        kept = [r for r in records if isinstance(r.get("kind"), str)
-                and _valid(r, TELEMETRY_FIELDS)]
+        kept = [r for r in records if isinstance(r.get("kind"), str) and _valid(r, TELEMETRY_FIELDS)]
         bad += len(records) - len(kept)
         out[int(match.group(1))] = kept
         if bad:
@@ -192,8 +234,15 @@ def load_run(run_dir: Path | str) -> RunData:
     layout_problems: list[str] = []
     layout = read_json(run_dir / "layout.json", layout_problems)
     problems += [p for p in layout_problems if not p.endswith("missing")]
-    return RunData(run_dir=run_dir, metrics=metrics, telemetry=telemetry, config=config,
-                   layout=layout, skipped=skipped, problems=tuple(problems))
+    return RunData(
+        run_dir=run_dir,
+        metrics=metrics,
+        telemetry=telemetry,
+        config=config,
+        layout=layout,
+        skipped=skipped,
+        problems=tuple(problems),
+    )
 
 
 def samples(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -206,8 +255,13 @@ def starts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("kind") == "start"]
 
 
-def run_dir_main(prog: str, description: str | None, argv: list[str] | None,
-                 work: Callable[[Path], list[str] | None], help: str | None = None) -> int:
+def run_dir_main(
+    prog: str,
+    description: str | None,
+    argv: list[str] | None,
+    work: Callable[[Path], list[str] | None],
+    help: str | None = None,
+) -> int:
     """``python -m <prog> RUN_DIR``: print ``work(RUN_DIR)``'s lines and exit 0; exit 1 when it
     returns None, 2 (after a line on stderr, before anything is written) when RUN_DIR is not a
     directory or holds none of a run's files (``RUN_FILES``)."""
@@ -218,8 +272,11 @@ def run_dir_main(prog: str, description: str | None, argv: list[str] | None,
         print(f"error: {run_dir} is not a directory", file=sys.stderr)
         return 2
     if not any((run_dir / name).exists() for name in RUN_FILES):
-        print(f"error: {run_dir} is not a run directory: it holds none of "
-              f"{', '.join(RUN_FILES)}; give a training run's --out", file=sys.stderr)
+        print(
+            f"error: {run_dir} is not a run directory: it holds none of "
+            f"{', '.join(RUN_FILES)}; give a training run's --out",
+            file=sys.stderr,
+        )
         return 2
     lines = work(run_dir)
     if lines is None:

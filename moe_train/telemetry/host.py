@@ -23,6 +23,7 @@ class HostProbe:
     def __init__(self):
         try:
             import psutil
+
             self._psutil = psutil
             self._proc = psutil.Process()
             self._proc.cpu_percent(None)  # the first call only sets the baseline

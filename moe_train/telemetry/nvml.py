@@ -32,16 +32,22 @@ field's value type) when the wrapped difference is under half that range, else a
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 UINT_MAX = 0xFFFFFFFF  # scopeId of the NVLink throughput fields: the sum over all links
 KIB = 1024
 GB = 1e9
 # NVML_VALUE_TYPE_* -> (attribute of c_nvmlValue_t, counter width in bits; None: not a counter)
 VALUE_TYPES: dict[int, tuple[str, int | None]] = {
-    0: ("dVal", None), 1: ("uiVal", 32), 2: ("ulVal", 64), 3: ("ullVal", 64),
-    4: ("sllVal", 63), 5: ("siVal", 31), 6: ("usVal", 16),
+    0: ("dVal", None),
+    1: ("uiVal", 32),
+    2: ("ulVal", 64),
+    3: ("ullVal", 64),
+    4: ("sllVal", 63),
+    5: ("siVal", 31),
+    6: ("usVal", 16),
 }
 # field name -> pynvml constant name of the GPM metric
 GPM_METRICS = {
@@ -49,8 +55,10 @@ GPM_METRICS = {
     "gpm_tensor_active_pct": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
     "gpm_dram_bw_pct": "NVML_GPM_METRIC_DRAM_BW_UTIL",
 }
-NVLINK_FIELDS = {"nvlink_tx_gbps": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX",
-                 "nvlink_rx_gbps": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"}
+NVLINK_FIELDS = {
+    "nvlink_tx_gbps": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX",
+    "nvlink_rx_gbps": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
+}
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ class Unsupported:
 class Opened:
     """What ``open_gpu`` found."""
 
-    gpu: "NvmlGpu | None"  # the GPU to sample; None when NVML or the GPU is unavailable
+    gpu: NvmlGpu | None  # the GPU to sample; None when NVML or the GPU is unavailable
     status: str  # "ok", or why there is no GPU ("unavailable: ..." / "unused: ...")
 
 
@@ -138,8 +146,11 @@ class NvmlGpu:
     def describe(self) -> dict[str, Any]:
         """Name, UUID and memory of the GPU, for the telemetry file's first line."""
         out: dict[str, Any] = {"gpu_index": self.index}
-        for key, fn in (("gpu_name", "nvmlDeviceGetName"), ("gpu_uuid", "nvmlDeviceGetUUID"),
-                        ("gpu_architecture", "nvmlDeviceGetArchitecture")):
+        for key, fn in (
+            ("gpu_name", "nvmlDeviceGetName"),
+            ("gpu_uuid", "nvmlDeviceGetUUID"),
+            ("gpu_architecture", "nvmlDeviceGetArchitecture"),
+        ):
             try:
                 value = getattr(self.nvml, fn)(self.handle)
                 out[key] = value.decode() if isinstance(value, bytes) else value
@@ -245,8 +256,10 @@ class NvmlGpu:
         if self._gpm is None:
             support = n.nvmlGpmQueryDeviceSupport(self.handle)
             if not support.isSupportedDevice:
-                return {name: Unsupported("GPM not supported on this GPU (needs Hopper or newer)")
-                        for name in GPM_METRICS}
+                return {
+                    name: Unsupported("GPM not supported on this GPU (needs Hopper or newer)")
+                    for name in GPM_METRICS
+                }
             self._gpm = [n.nvmlGpmSampleAlloc(), n.nvmlGpmSampleAlloc()]
         previous, current = self._gpm
         n.nvmlGpmSampleGet(self.handle, current)
@@ -265,6 +278,9 @@ class NvmlGpu:
         out: dict[str, Any] = {}
         for i, name in enumerate(wanted):
             metric = request.metrics[i]
-            out[name] = (float(metric.value) if metric.nvmlReturn == 0
-                         else Unsupported(error_text(n.NVMLError(metric.nvmlReturn))))
+            out[name] = (
+                float(metric.value)
+                if metric.nvmlReturn == 0
+                else Unsupported(error_text(n.NVMLError(metric.nvmlReturn)))
+            )
         return out

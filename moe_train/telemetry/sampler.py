@@ -25,9 +25,10 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from moe_train.telemetry import nvml as nvml_probe
 from moe_train.telemetry.host import HostProbe
@@ -49,8 +50,9 @@ class Target:
 class Sampler:
     """Samples in a daemon thread from ``start()`` to ``stop()``; never raises into training."""
 
-    def __init__(self, target: Target, *, log: Callable[[str], None] = print, nvml: Any = None,
-                 hold: bool = False):
+    def __init__(
+        self, target: Target, *, log: Callable[[str], None] = print, nvml: Any = None, hold: bool = False
+    ):
         self.target = target
         # hold: keep lines in memory until ``release()`` (the trainer releases once its first
         # step ran: a start that fails its checks leaves the run directory as it was)
@@ -68,7 +70,7 @@ class Sampler:
         self.sample_s: list[float] = []  # seconds each sample took
         self.error: str | None = None  # why sampling stopped early, if it did
 
-    def start(self) -> "Sampler":
+    def start(self) -> Sampler:
         """Start the thread (returns at once; NVML is initialised in the thread)."""
         self._thread = threading.Thread(target=self._run, name="moe-train-telemetry", daemon=True)
         self._thread.start()
@@ -94,8 +96,7 @@ class Sampler:
     def _run(self) -> None:
         gpu, host = None, None
         try:
-            opened = nvml_probe.open_gpu(self.target.gpu_index, self.target.no_gpu_reason,
-                                         self._nvml)
+            opened = nvml_probe.open_gpu(self.target.gpu_index, self.target.no_gpu_reason, self._nvml)
             gpu, host = opened.gpu, HostProbe()
             self._write(self._start_line(opened))
             while True:
@@ -116,10 +117,17 @@ class Sampler:
 
     def _start_line(self, opened: nvml_probe.Opened) -> dict[str, Any]:
         t = self.target
-        line = {"kind": "start", "time": time.time(), "rank": t.rank,
-                "process_count": t.process_count, "pid": os.getpid(),
-                "host": socket.gethostname(), "interval_s": t.interval_s,
-                "nvml": opened.status, **dict(t.context)}
+        line = {
+            "kind": "start",
+            "time": time.time(),
+            "rank": t.rank,
+            "process_count": t.process_count,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "interval_s": t.interval_s,
+            "nvml": opened.status,
+            **dict(t.context),
+        }
         if opened.gpu is not None:
             line.update(opened.gpu.describe())
         return line
@@ -146,9 +154,13 @@ class Sampler:
 
     def _stop_line(self) -> dict[str, Any]:
         ms = [s * 1e3 for s in self.sample_s]
-        return {"kind": "stop", "time": time.time(), "samples": len(ms),
-                "sample_ms_mean": sum(ms) / len(ms) if ms else None,
-                "sample_ms_max": max(ms) if ms else None}
+        return {
+            "kind": "stop",
+            "time": time.time(),
+            "samples": len(ms),
+            "sample_ms_mean": sum(ms) / len(ms) if ms else None,
+            "sample_ms_max": max(ms) if ms else None,
+        }
 
     def _write(self, rec: dict[str, Any]) -> None:
         if not self._released.is_set():

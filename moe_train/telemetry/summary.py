@@ -28,8 +28,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -41,13 +42,18 @@ STRAGGLER_STEP_RATIO = 1.05  # median step time over the job's median step time
 
 def stats(values: Iterable[Any]) -> dict[str, float] | None:
     """Mean, 5th and 95th percentile of the finite numbers in ``values``; None if there are none."""
-    arr = np.array([v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)],
-                   dtype=float)
+    arr = np.array(
+        [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)], dtype=float
+    )
     arr = arr[np.isfinite(arr)]
     if arr.size == 0:
         return None
-    return {"mean": float(arr.mean()), "p5": float(np.percentile(arr, 5)),
-            "p95": float(np.percentile(arr, 95)), "n": int(arr.size)}
+    return {
+        "mean": float(arr.mean()),
+        "p5": float(np.percentile(arr, 5)),
+        "p95": float(np.percentile(arr, 95)),
+        "n": int(arr.size),
+    }
 
 
 def _median(values: Iterable[Any]) -> float | None:
@@ -104,14 +110,17 @@ def throughput(data: RunData, peak: float | None) -> dict[str, Any]:
     """Median tokens/s, TFLOP/s per device and MFU over the steady steps."""
     recs = steady(data.metrics)
     tflops = _median(r.get("tflops_per_device") for r in recs)
-    return {"steps": len(data.metrics), "steady_steps": len(recs),
-            "compiled_steps": [r["step"] for r in data.metrics if r.get("compiled")],
-            "tokens": tokens_trained(data),
-            "tokens_per_s": _median(r.get("tokens_per_s") for r in recs),
-            "step_time_s": _median(r.get("step_time_s") for r in recs),
-            "tflops_per_device": tflops,
-            "peak_tflops_per_device": peak / 1e12 if peak else None,
-            "mfu": tflops * 1e12 / peak if (peak and tflops is not None) else None}
+    return {
+        "steps": len(data.metrics),
+        "steady_steps": len(recs),
+        "compiled_steps": [r["step"] for r in data.metrics if r.get("compiled")],
+        "tokens": tokens_trained(data),
+        "tokens_per_s": _median(r.get("tokens_per_s") for r in recs),
+        "step_time_s": _median(r.get("step_time_s") for r in recs),
+        "tflops_per_device": tflops,
+        "peak_tflops_per_device": peak / 1e12 if peak else None,
+        "mfu": tflops * 1e12 / peak if (peak and tflops is not None) else None,
+    }
 
 
 def step_durations(records: list[dict[str, Any]]) -> dict[int, float]:
@@ -153,8 +162,9 @@ def _energy(records: list[dict[str, Any]]) -> float | None:
     return total + session if seen else None
 
 
-def rank_summary(rank: int, records: list[dict[str, Any]], compiled: set[int],
-                 tokens_per_rank: float) -> dict[str, Any]:
+def rank_summary(
+    rank: int, records: list[dict[str, Any]], compiled: set[int], tokens_per_rank: float
+) -> dict[str, Any]:
     """One rank's figures from its telemetry lines."""
     recs = samples(records)
     window, which = _window(recs, compiled)
@@ -162,9 +172,13 @@ def rank_summary(rank: int, records: list[dict[str, Any]], compiled: set[int],
     durations = step_durations(records)
     energy = _energy(records)
     return {
-        "rank": rank, "host": first.get("host"), "nvml": first.get("nvml"),
-        "gpu_name": first.get("gpu_name"), "device_kind": first.get("device_kind"),
-        "samples": len(recs), "window": which,
+        "rank": rank,
+        "host": first.get("host"),
+        "nvml": first.get("nvml"),
+        "gpu_name": first.get("gpu_name"),
+        "device_kind": first.get("device_kind"),
+        "samples": len(recs),
+        "window": which,
         "gpu_util_pct": stats(s.get("gpu_util_pct") for s in window),
         "host_cpu_pct": stats(s.get("host_cpu_pct") for s in window),
         "power_w_mean": _mean(s.get("power_w") for s in window),
@@ -172,8 +186,9 @@ def rank_summary(rank: int, records: list[dict[str, Any]], compiled: set[int],
         "energy_per_token_j": energy / tokens_per_rank if (energy is not None and tokens_per_rank) else None,
         "step_time_s_median": _median(v for k, v in durations.items() if k not in compiled),
         "sample_ms_mean": _mean(s.get("sample_ms") for s in recs),
-        "unsupported": {r["field"]: r.get("error") for r in records
-                        if r.get("kind") == "unsupported" and "field" in r},
+        "unsupported": {
+            r["field"]: r.get("error") for r in records if r.get("kind") == "unsupported" and "field" in r
+        },
         "errors": [r.get("error") for r in records if r.get("kind") == "error"],
     }
 
@@ -190,15 +205,19 @@ def stragglers(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     util = {r["rank"]: r["gpu_util_pct"]["mean"] for r in ranks if r["gpu_util_pct"]}
     if len(util) > 1:
         mid = statistics.median(util.values())
-        out += [{"rank": k, "why": f"GPU utilization {v:.0f}% vs job median {mid:.0f}%"}
-                for k, v in sorted(util.items(), key=lambda kv: kv[1])
-                if v < mid - STRAGGLER_UTIL_GAP_PCT]
+        out += [
+            {"rank": k, "why": f"GPU utilization {v:.0f}% vs job median {mid:.0f}%"}
+            for k, v in sorted(util.items(), key=lambda kv: kv[1])
+            if v < mid - STRAGGLER_UTIL_GAP_PCT
+        ]
     steps = {r["rank"]: r["step_time_s_median"] for r in ranks if r["step_time_s_median"]}
     if len(steps) > 1:
         mid = statistics.median(steps.values())
-        out += [{"rank": k, "why": f"median step {v * 1e3:.1f} ms vs job median {mid * 1e3:.1f} ms"}
-                for k, v in sorted(steps.items(), key=lambda kv: -kv[1])
-                if v > STRAGGLER_STEP_RATIO * mid]
+        out += [
+            {"rank": k, "why": f"median step {v * 1e3:.1f} ms vs job median {mid * 1e3:.1f} ms"}
+            for k, v in sorted(steps.items(), key=lambda kv: -kv[1])
+            if v > STRAGGLER_STEP_RATIO * mid
+        ]
     return out
 
 
@@ -208,41 +227,68 @@ def _expected_ranks(data: RunData, process_count: int | None) -> int:
     return max([process_count or 0, *counts, len(data.telemetry)])
 
 
-def build(data: RunData, *, peak_flops: float | None = None,
-          process_count: int | None = None) -> dict[str, Any]:
+def build(
+    data: RunData, *, peak_flops: float | None = None, process_count: int | None = None
+) -> dict[str, Any]:
     """The summary of ``data`` (see the module docstring); ``peak_flops`` overrides the lookup."""
     kinds = [s.get("device_kind") for recs in data.telemetry.values() for s in starts(recs)]
-    peak = peak_flops or peak_for(data.config, next((k for k in kinds if k), None)) \
+    peak = (
+        peak_flops
+        or peak_for(data.config, next((k for k in kinds if k), None))
         or _peak_from_metrics(data.metrics)
+    )
     tput = throughput(data, peak)
     expected = _expected_ranks(data, process_count)
     compiled = set(tput["compiled_steps"])
-    ranks = [rank_summary(r, recs, compiled, tput["tokens"] / max(expected, 1))
-             for r, recs in data.telemetry.items()]
+    ranks = [
+        rank_summary(r, recs, compiled, tput["tokens"] / max(expected, 1))
+        for r, recs in data.telemetry.items()
+    ]
     missing = [r for r in range(expected) if r not in data.telemetry]
     energies = [r["energy_j"] for r in ranks]
     energy = sum(energies) if energies and None not in energies else None
     powers = [r["power_w_mean"] for r in ranks if r["power_w_mean"] is not None]
-    job = {**tput, "ranks_expected": expected, "ranks_found": len(ranks), "missing_ranks": missing,
-           "gpu_util_pct": stats(s.get("gpu_util_pct") for recs in data.telemetry.values()
-                                 for s in _window(samples(recs), compiled)[0]),
-           "host_cpu_pct": stats(s.get("host_cpu_pct") for recs in data.telemetry.values()
-                                 for s in _window(samples(recs), compiled)[0]),
-           "mean_power_w": float(np.mean(powers)) if powers else None,
-           "total_power_w": float(np.sum(powers)) if powers else None,
-           "energy_j": energy,
-           "energy_per_token_j": energy / tput["tokens"] if (energy is not None and tput["tokens"]
-                                                             and not missing) else None}
+    job = {
+        **tput,
+        "ranks_expected": expected,
+        "ranks_found": len(ranks),
+        "missing_ranks": missing,
+        "gpu_util_pct": stats(
+            s.get("gpu_util_pct")
+            for recs in data.telemetry.values()
+            for s in _window(samples(recs), compiled)[0]
+        ),
+        "host_cpu_pct": stats(
+            s.get("host_cpu_pct")
+            for recs in data.telemetry.values()
+            for s in _window(samples(recs), compiled)[0]
+        ),
+        "mean_power_w": float(np.mean(powers)) if powers else None,
+        "total_power_w": float(np.sum(powers)) if powers else None,
+        "energy_j": energy,
+        "energy_per_token_j": energy / tput["tokens"]
+        if (energy is not None and tput["tokens"] and not missing)
+        else None,
+    }
     total = (data.config or {}).get("train", {}).get("steps")
-    return {"run_dir": str(data.run_dir), "generated_at": time.time(),
-            "progress": {"last_step": data.metrics[-1]["step"] if data.metrics else None,
-                         "total_steps": total},
-            "job": job, "ranks": ranks, "stragglers": stragglers(ranks),
-            "data_quality": {"skipped_lines": dict(data.skipped), "problems": list(data.problems)}}
+    return {
+        "run_dir": str(data.run_dir),
+        "generated_at": time.time(),
+        "progress": {"last_step": data.metrics[-1]["step"] if data.metrics else None, "total_steps": total},
+        "job": job,
+        "ranks": ranks,
+        "stragglers": stragglers(ranks),
+        "data_quality": {"skipped_lines": dict(data.skipped), "problems": list(data.problems)},
+    }
 
 
-def write(run_dir: Path | str, *, peak_flops: float | None = None,
-          process_count: int | None = None, log: Callable[[str], None] = print) -> Path | None:
+def write(
+    run_dir: Path | str,
+    *,
+    peak_flops: float | None = None,
+    process_count: int | None = None,
+    log: Callable[[str], None] = print,
+) -> Path | None:
     """Build and write ``<run_dir>/summary.json``; never raises (logs and returns None)."""
     try:
         summary = build(load_run(run_dir), peak_flops=peak_flops, process_count=process_count)
@@ -264,19 +310,22 @@ def describe(summary: dict[str, Any]) -> list[str]:
         return "n/a" if v is None else f"{v:{spec}}{unit}"
 
     util = j["gpu_util_pct"] or {}
-    return [f"steps {summary['progress']['last_step']} of {summary['progress']['total_steps']}, "
-            f"ranks {j['ranks_found']}/{j['ranks_expected']}"
-            + (f" (missing {j['missing_ranks']})" if j["missing_ranks"] else ""),
-            f"tokens/s {fmt(j['tokens_per_s'], ',.0f')}, TFLOP/s per device "
-            f"{fmt(j['tflops_per_device'])}, MFU {fmt(j['mfu'] and 100 * j['mfu'], '.1f', '%')}",
-            f"GPU util mean {fmt(util.get('mean'), '.0f', '%')}, power {fmt(j['mean_power_w'], '.0f', ' W')}"
-            f" per GPU, energy {fmt(j['energy_per_token_j'])} J/token",
-            "stragglers: " + (", ".join(f"rank {s['rank']} ({s['why']})" for s in summary["stragglers"])
-                              or "none")]
+    return [
+        f"steps {summary['progress']['last_step']} of {summary['progress']['total_steps']}, "
+        f"ranks {j['ranks_found']}/{j['ranks_expected']}"
+        + (f" (missing {j['missing_ranks']})" if j["missing_ranks"] else ""),
+        f"tokens/s {fmt(j['tokens_per_s'], ',.0f')}, TFLOP/s per device "
+        f"{fmt(j['tflops_per_device'])}, MFU {fmt(j['mfu'] and 100 * j['mfu'], '.1f', '%')}",
+        f"GPU util mean {fmt(util.get('mean'), '.0f', '%')}, power {fmt(j['mean_power_w'], '.0f', ' W')}"
+        f" per GPU, energy {fmt(j['energy_per_token_j'])} J/token",
+        "stragglers: "
+        + (", ".join(f"rank {s['rank']} ({s['why']})" for s in summary["stragglers"]) or "none"),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m moe_train.telemetry.summary RUN_DIR``: (re)write RUN_DIR/summary.json and print it short."""
+
     def work(run_dir: Path) -> list[str] | None:
         path = write(run_dir)
         return None if path is None else [*describe(json.loads(path.read_text())), f"wrote {path}"]

@@ -42,12 +42,14 @@ import shutil
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_train.config import Config, ConfigError, to_dict
 from moe_train.model.transformer import is_scanned, to_looped, to_scanned
@@ -62,8 +64,16 @@ STRUCTURAL = {
 # Model fields that are not: the attention kernel changes no state, a checkpoint of the
 # other layer layout is converted on restore, and the MTP loss weight may change on resume
 # (DeepSeek-V3 lowered it from 0.3 to 0.1 late in its run).
-NOT_STRUCTURAL = {"model": ("attention", "attention_block", "scan_layers", "mtp_loss_weight",
-                            "mtp_loss_weight_late", "mtp_late_step")}
+NOT_STRUCTURAL = {
+    "model": (
+        "attention",
+        "attention_block",
+        "scan_layers",
+        "mtp_loss_weight",
+        "mtp_loss_weight_late",
+        "mtp_late_step",
+    )
+}
 
 
 def _fp8_state(precision: dict[str, Any]) -> str | None:
@@ -71,8 +81,7 @@ def _fp8_state(precision: dict[str, Any]) -> str | None:
     fp8 (a config saved before [precision] existed counts as fp32); fp32 <-> bf16 resume."""
     if precision.get("compute") != "fp8":
         return None
-    return (f"fp8, {precision.get('fp8_backend')} backend, "
-            f"{precision.get('amax_history')}-step amax history")
+    return f"fp8, {precision.get('fp8_backend')} backend, {precision.get('amax_history')}-step amax history"
 
 
 def structure(cfg_dict: dict[str, Any]) -> dict[str, Any]:
@@ -89,11 +98,12 @@ def structure(cfg_dict: dict[str, Any]) -> dict[str, Any]:
 def check_compatible(saved_cfg: dict[str, Any], cfg: Config, directory: Path) -> None:
     """Raise ConfigError when a checkpoint's structure differs from this run's config."""
     saved, now = structure(saved_cfg), structure(to_dict(cfg))
-    diffs = [f"{k}={saved[k]!r} (checkpoint) vs {now[k]!r} (this run)"
-             for k in now if saved.get(k) != now[k]]
+    diffs = [f"{k}={saved[k]!r} (checkpoint) vs {now[k]!r} (this run)" for k in now if saved.get(k) != now[k]]
     if diffs:
-        raise ConfigError(f"checkpoint in {directory} is incompatible with this config: "
-                          f"{'; '.join(diffs)}; use another --out or the checkpoint's config")
+        raise ConfigError(
+            f"checkpoint in {directory} is incompatible with this config: "
+            f"{'; '.join(diffs)}; use another --out or the checkpoint's config"
+        )
 
 
 def _saved_scanned(saved_cfg: dict[str, Any]) -> bool:
@@ -104,15 +114,15 @@ def _saved_scanned(saved_cfg: dict[str, Any]) -> bool:
 def stack_abstract(xs: list[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
     """Per-layer abstract arrays as one [L, ...] array, the layer axis unsharded."""
     x, sh = xs[0], xs[0].sharding
-    return jax.ShapeDtypeStruct((len(xs), *x.shape), x.dtype,
-                                sharding=NamedSharding(sh.mesh, P(None, *sh.spec)))
+    return jax.ShapeDtypeStruct(
+        (len(xs), *x.shape), x.dtype, sharding=NamedSharding(sh.mesh, P(None, *sh.spec))
+    )
 
 
 def take_abstract(x: jax.ShapeDtypeStruct, _: int) -> jax.ShapeDtypeStruct:
     """One layer of an abstract [L, ...] array."""
     sh = x.sharding
-    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype,
-                                sharding=NamedSharding(sh.mesh, P(*sh.spec[1:])))
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=NamedSharding(sh.mesh, P(*sh.spec[1:])))
 
 
 class NonFiniteState(Exception):
@@ -134,8 +144,10 @@ def read_manifest(step_dir: Path, trust_unverified: bool = False) -> dict[str, A
     if not path.is_file():
         if trust_unverified:
             return None
-        raise Unverified(f"{path} is missing: the checkpoint's arrays cannot be verified "
-                         f"(saved before manifests existed, or damaged)")
+        raise Unverified(
+            f"{path} is missing: the checkpoint's arrays cannot be verified "
+            f"(saved before manifests existed, or damaged)"
+        )
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -159,8 +171,10 @@ def quiet_reads(log: Callable[[str], None], what: str):
         gc.collect()  # abandoned reads are finalized here, while they are still counted
         sys.unraisablehook = previous
         if ignored:
-            log(f"note: reading {what}: {len(ignored)} exception(s) ignored by the storage "
-                f"libraries ({', '.join(sorted(set(ignored)))}), not shown")
+            log(
+                f"note: reading {what}: {len(ignored)} exception(s) ignored by the storage "
+                f"libraries ({', '.join(sorted(set(ignored)))}), not shown"
+            )
 
 
 # What reading a damaged checkpoint raises: Orbax, JSON, a missing file, and TensorStore's
@@ -174,8 +188,9 @@ def is_damage(err: BaseException) -> bool:
     text = str(err)
     if any(mark in text for mark in NOT_DAMAGE):
         return False
-    return isinstance(err, READ_ERRORS) or (type(err) is Exception and (
-        "TensorStore" in text or "error while reading" in text))
+    return isinstance(err, READ_ERRORS) or (
+        type(err) is Exception and ("TensorStore" in text or "error while reading" in text)
+    )
 
 
 class Checkpointer:
@@ -185,10 +200,11 @@ class Checkpointer:
         self.directory = Path(out_dir).absolute() / "checkpoints"
         self.rejected = Path(out_dir).absolute() / "checkpoints-rejected"
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=use_async, create=True,
-            cleanup_tmp_directories=True)
-        self._mngr = ocp.CheckpointManager(self.directory, options=options,
-                                           item_names=("state", "meta", "manifest"))
+            max_to_keep=keep, enable_async_checkpointing=use_async, create=True, cleanup_tmp_directories=True
+        )
+        self._mngr = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "meta", "manifest")
+        )
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
@@ -212,7 +228,8 @@ class Checkpointer:
         converting a checkpoint written in the other layer layout. Raises CorruptCheckpoint
         when the step has no manifest (unless trusted) or the arrays read do not match it."""
         abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template
+        )
         saved_manifest = self.read_manifest(step, trust_unverified)
         saved_cfg = self.read_meta(step)["config"]
         scanned = is_scanned(template.params)
@@ -221,8 +238,12 @@ class Checkpointer:
             if saved_manifest is not None:
                 manifest.verify(saved_manifest, restored, f"checkpoint {step}")
             return restored
-        m = types.SimpleNamespace(**{k: saved_cfg["model"][k]  # structural: this run's too
-                                     for k in ("num_layers", "first_dense_layers")})
+        m = types.SimpleNamespace(
+            **{
+                k: saved_cfg["model"][k]  # structural: this run's too
+                for k in ("num_layers", "first_dense_layers")
+            }
+        )
         if scanned:
             saved, convert = to_looped(abstract, m, take=take_abstract), to_scanned
         else:
@@ -239,8 +260,9 @@ class Checkpointer:
         # Saved by a release whose config had no [precision] and whose train state had no
         # fp8_state (never an fp8 run: check_compatible refuses those): restore the other
         # fields and keep the template's empty one.
-        rest = {f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract)
-                if f.name != "fp8_state"}
+        rest = {
+            f.name: getattr(abstract, f.name) for f in dataclasses.fields(abstract) if f.name != "fp8_state"
+        }
         return abstract.replace(**self._restore_item(step, rest))
 
     def _restore_item(self, step: int, abstract: Any) -> Any:
@@ -260,16 +282,24 @@ class Checkpointer:
         fingerprint = manifest.fingerprint(state)
         bad = manifest.non_finite(fingerprint)
         if bad:
-            raise NonFiniteState(f"the state of step {step} has non-finite values in "
-                                 f"{len(bad)} arrays (e.g. {bad[0]}); not saved")
-        self._mngr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
-            manifest=ocp.args.JsonSave(fingerprint)), force=True)
+            raise NonFiniteState(
+                f"the state of step {step} has non-finite values in "
+                f"{len(bad)} arrays (e.g. {bad[0]}); not saved"
+            )
+        self._mngr.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave(meta),
+                manifest=ocp.args.JsonSave(fingerprint),
+            ),
+            force=True,
+        )
 
     def move_aside(self, step: int, reason: str) -> Path:
         """Move checkpoint ``step`` out of the manager's sight into ``checkpoints-rejected/``
         (with a ``REASON`` file); it is never deleted. Process 0 moves; all reload."""
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
         target = self.rejected / f"{step}-{stamp}"
         if jax.process_index() == 0:
             self.rejected.mkdir(parents=True, exist_ok=True)
@@ -357,8 +387,14 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:200]}"
 
 
-def try_step(ckpt: Checkpointer, step: int, template: Any, cfg: Config,
-             log: Callable[[str], None], trust_unverified: bool = False) -> tuple[Any, str | None]:
+def try_step(
+    ckpt: Checkpointer,
+    step: int,
+    template: Any,
+    cfg: Config,
+    log: Callable[[str], None],
+    trust_unverified: bool = False,
+) -> tuple[Any, str | None]:
     """(restored state, None), or (None, why it cannot be used) for a damaged or unverified
     checkpoint. A checkpoint of another model raises ConfigError (a mistake, not damage)."""
     with quiet_reads(log, f"checkpoint {step}"):

@@ -37,44 +37,77 @@ from moe_train.train import distributed, rundir, signals, supervise
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m moe_train", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="tiny",
-                   help=f"model preset: {', '.join(config.list_presets())}, or a .toml file's "
-                        "path (default: tiny)")
-    p.add_argument("--out", required=True, type=Path,
-                   help="run directory (resumes from its latest checkpoint if there is one)")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        help=f"model preset: {', '.join(config.list_presets())}, or a .toml file's path (default: tiny)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="run directory (resumes from its latest checkpoint if there is one)",
+    )
     p.add_argument("--steps", type=int, help="total steps (same as --set train.steps=N)")
-    p.add_argument("--devices", type=int,
-                   help="devices per process; on CPU, that many fake host devices "
-                        "(parallel.devices = N x processes)")
-    p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="address of process 0 for a multi-process run (parallel.coordinator)")
-    p.add_argument("--num-processes", type=int, metavar="N",
-                   help="processes in the job (parallel.num_processes)")
-    p.add_argument("--process-id", type=int, metavar="I",
-                   help="this process's rank, 0..N-1 (parallel.process_id)")
-    p.add_argument("--fresh", action="store_true",
-                   help="start at step 0: first empty --out if it holds a previous run of this "
-                        "kit (only the trainer's own files; anything else exits 2, nothing "
-                        "removed); single-process runs")
-    p.add_argument("--resume-step", type=int, metavar="N",
-                   help="resume from checkpoint N instead of the newest verified one")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set moe.top_k=4 (repeatable)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        help="devices per process; on CPU, that many fake host devices (parallel.devices = N x processes)",
+    )
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="address of process 0 for a multi-process run (parallel.coordinator)",
+    )
+    p.add_argument(
+        "--num-processes", type=int, metavar="N", help="processes in the job (parallel.num_processes)"
+    )
+    p.add_argument(
+        "--process-id", type=int, metavar="I", help="this process's rank, 0..N-1 (parallel.process_id)"
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start at step 0: first empty --out if it holds a previous run of this "
+        "kit (only the trainer's own files; anything else exits 2, nothing "
+        "removed); single-process runs",
+    )
+    p.add_argument(
+        "--resume-step",
+        type=int,
+        metavar="N",
+        help="resume from checkpoint N instead of the newest verified one",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set moe.top_k=4 (repeatable)",
+    )
     return p
 
 
 # flag -> the config key it sets; a flag and a --set of the same key must agree
-FLAG_KEYS = {"steps": "train.steps", "devices": "parallel.devices",
-             "coordinator": "parallel.coordinator", "num_processes": "parallel.num_processes",
-             "process_id": "parallel.process_id"}
+FLAG_KEYS = {
+    "steps": "train.steps",
+    "devices": "parallel.devices",
+    "coordinator": "parallel.coordinator",
+    "num_processes": "parallel.num_processes",
+    "process_id": "parallel.process_id",
+}
 
 
 def resolve(args: argparse.Namespace) -> config.Config:
     """The run's config. On a prepared corpus (``data.source=prepared``) ``model.vocab_size``
     is the corpus's (its ``manifest.json``) unless ``--set model.vocab_size=N`` gives it
     (a vocabulary smaller than the corpus's still exits 2, when the data opens)."""
-    flags = {f"--{name.replace('_', '-')}": (key, str(getattr(args, name)))
-             for name, key in FLAG_KEYS.items() if getattr(args, name) is not None}
+    flags = {
+        f"--{name.replace('_', '-')}": (key, str(getattr(args, name)))
+        for name, key in FLAG_KEYS.items()
+        if getattr(args, name) is not None
+    }
     cfg = config.build(args.preset, list(args.overrides), flags=flags)
     vocab = prepared_vocab(cfg, args.overrides)
     if vocab is None or vocab == cfg.model.vocab_size:
@@ -87,7 +120,8 @@ def prepared_vocab(cfg: config.Config, overrides: list[str]) -> int | None:
     ``model.vocab_size`` (None: not a prepared corpus, set, or no readable manifest: the
     data source then reports the problem)."""
     if cfg.data.source != "prepared" or any(
-            item.partition("=")[0].strip() == "model.vocab_size" for item in overrides):
+        item.partition("=")[0].strip() == "model.vocab_size" for item in overrides
+    ):
         return None
     try:
         vocab = json.loads((Path(cfg.data.path) / "manifest.json").read_text())["vocab_size"]
@@ -96,8 +130,9 @@ def prepared_vocab(cfg: config.Config, overrides: list[str]) -> int | None:
     return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
-def _per_process_devices(cfg: config.Config, args: argparse.Namespace,
-                         info: distributed.ProcessInfo) -> tuple[config.Config, int]:
+def _per_process_devices(
+    cfg: config.Config, args: argparse.Namespace, info: distributed.ProcessInfo
+) -> tuple[config.Config, int]:
     """(config with parallel.devices counting all processes' devices, devices per process).
 
     ``--devices N`` is per process; ``parallel.devices`` counts global devices, so with P
@@ -108,8 +143,10 @@ def _per_process_devices(cfg: config.Config, args: argparse.Namespace,
         devices = args.devices * count
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, devices=devices))
     if devices % count:
-        raise config.ConfigError(f"parallel.devices={devices} is not divisible by {count} processes; "
-                                 f"use a multiple of {count} (or --devices per process)")
+        raise config.ConfigError(
+            f"parallel.devices={devices} is not divisible by {count} processes; "
+            f"use a multiple of {count} (or --devices per process)"
+        )
     return cfg, devices // count
 
 
@@ -121,6 +158,7 @@ def _logger(info: distributed.ProcessInfo):
     def log(line: str) -> None:
         if line.startswith("error"):
             print(f"[process {info.process_index} of {info.process_count}] {line}", flush=True)
+
     return log
 
 
@@ -224,18 +262,29 @@ def _main(argv: list[str]) -> int:
     if source == "single":
         return _train(args, cfg)
     signals.STOP.resume = resume_text(argv, multi=True)
-    return supervise.run(argv, supervise.Job(
-        process_id=kwargs["process_id"], num_processes=kwargs["num_processes"],
-        coordinator=kwargs.get("coordinator_address", ""),
-        heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s, out_dir=args.out))
+    return supervise.run(
+        argv,
+        supervise.Job(
+            process_id=kwargs["process_id"],
+            num_processes=kwargs["num_processes"],
+            coordinator=kwargs.get("coordinator_address", ""),
+            heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s,
+            out_dir=args.out,
+        ),
+    )
 
 
 def _fresh(args: argparse.Namespace, source: str) -> None:
     """``--fresh``: empty a previous run of this kit in ``--out`` (``rundir.start_fresh``)."""
     if args.resume_step is not None or source != "single":
-        raise config.ConfigError("--fresh starts a single-process run at step 0; drop "
-                                 + ("--resume-step" if args.resume_step is not None else
-                                    "--fresh (or empty --out yourself) for a multi-process run"))
+        raise config.ConfigError(
+            "--fresh starts a single-process run at step 0; drop "
+            + (
+                "--resume-step"
+                if args.resume_step is not None
+                else "--fresh (or empty --out yourself) for a multi-process run"
+            )
+        )
     if rundir.start_fresh(args.out):
         print(f"--fresh: removed the previous run in {args.out}", flush=True)
 
@@ -277,16 +326,20 @@ def _train(args: argparse.Namespace, cfg: config.Config | None = None) -> int:
         info = distributed.initialize(cfg.parallel)
         cfg, local_devices = _per_process_devices(cfg, args, info)
         if prepared_vocab(cfg, args.overrides) is not None:
-            _logger(info)(f"model.vocab_size={cfg.model.vocab_size}: the vocabulary of the "
-                          f"prepared corpus {cfg.data.path} (its manifest.json; --set "
-                          f"model.vocab_size=N sets another)")
+            _logger(info)(
+                f"model.vocab_size={cfg.model.vocab_size}: the vocabulary of the "
+                f"prepared corpus {cfg.data.path} (its manifest.json; --set "
+                f"model.vocab_size=N sets another)"
+            )
         if local_devices:
             jax.config.update("jax_num_cpu_devices", local_devices)
         _quiet_libraries()
         if info.multi:  # a peer that hangs would block this process in a collective for ever
-            distributed.start_watchdog(distributed.watchdog_timeout_s(cfg.parallel),
-                                       startup_timeout_s=distributed.startup_timeout_s(cfg.parallel),
-                                       label=f"process {info.process_index} of {info.process_count}")
+            distributed.start_watchdog(
+                distributed.watchdog_timeout_s(cfg.parallel),
+                startup_timeout_s=distributed.startup_timeout_s(cfg.parallel),
+                label=f"process {info.process_index} of {info.process_count}",
+            )
         from moe_train.train.loop import run
 
         code = run(cfg, args.out, log=_logger(info), resume_step=args.resume_step)
@@ -319,6 +372,10 @@ def _leave(err: Exception, info: distributed.ProcessInfo) -> None:
     if peer:
         _error(peer, info)
     else:
-        print(f"[process {info.process_index} of {info.process_count}] {traceback.format_exc()}",
-              file=sys.stderr, end="", flush=True)
+        print(
+            f"[process {info.process_index} of {info.process_count}] {traceback.format_exc()}",
+            file=sys.stderr,
+            end="",
+            flush=True,
+        )
     distributed.exit_now(distributed.EXIT_DISTRIBUTED if peer else signals.EXIT_BUG)

@@ -43,7 +43,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from moe_train.config import ConfigError, ParallelConfig
 from moe_train.train import signals
@@ -94,8 +94,10 @@ def _slurm_tasks(env: Mapping[str, str]) -> tuple[int, int] | None:
 def _check_coordinator(address: str) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"parallel.coordinator={address!r} is not host:port "
-                          f"(e.g. 10.0.0.1:1234, the address of process 0)")
+        raise ConfigError(
+            f"parallel.coordinator={address!r} is not host:port "
+            f"(e.g. 10.0.0.1:1234, the address of process 0)"
+        )
 
 
 def plan(p: ParallelConfig, env: Mapping[str, str]) -> tuple[str, dict]:
@@ -108,40 +110,52 @@ def plan(p: ParallelConfig, env: Mapping[str, str]) -> tuple[str, dict]:
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} must be at least 1 (seconds)")
     slurm = _slurm_tasks(env)
-    timeouts = dict(heartbeat_timeout_seconds=p.heartbeat_timeout_s,
-                    shutdown_timeout_seconds=watchdog_timeout_s(p),
-                    # our own guard (``initialize``) gives up at init_timeout_s with a clear
-                    # line; JAX's deadline only has to be later (it aborts the process).
-                    initialization_timeout=p.init_timeout_s + 10)
+    timeouts = dict(
+        heartbeat_timeout_seconds=p.heartbeat_timeout_s,
+        shutdown_timeout_seconds=watchdog_timeout_s(p),
+        # our own guard (``initialize``) gives up at init_timeout_s with a clear
+        # line; JAX's deadline only has to be later (it aborts the process).
+        initialization_timeout=p.init_timeout_s + 10,
+    )
     if p.coordinator:
         _check_coordinator(p.coordinator)
         n, pid = p.num_processes, p.process_id
         if slurm is not None:  # fill what is unset from Slurm; what is set wins
             n = n if n > 0 else slurm[0]
             pid = pid if pid >= 0 else slurm[1]
-        missing = [k for k, v in (("parallel.num_processes", n > 0), ("parallel.process_id", pid >= 0))
-                   if not v]
+        missing = [
+            k for k, v in (("parallel.num_processes", n > 0), ("parallel.process_id", pid >= 0)) if not v
+        ]
         if missing:
-            raise ConfigError(f"parallel.coordinator={p.coordinator} needs {' and '.join(missing)} "
-                              f"(processes in the job, and this process's rank 0..N-1)")
+            raise ConfigError(
+                f"parallel.coordinator={p.coordinator} needs {' and '.join(missing)} "
+                f"(processes in the job, and this process's rank 0..N-1)"
+            )
         if not 0 <= pid < n:
-            raise ConfigError(f"parallel.process_id={pid} is not in 0..{n - 1} "
-                              f"(parallel.num_processes={n})")
-        return "explicit", dict(coordinator_address=p.coordinator, num_processes=n, process_id=pid,
-                                cluster_detection_method="deactivate", **timeouts)
+            raise ConfigError(f"parallel.process_id={pid} is not in 0..{n - 1} (parallel.num_processes={n})")
+        return "explicit", dict(
+            coordinator_address=p.coordinator,
+            num_processes=n,
+            process_id=pid,
+            cluster_detection_method="deactivate",
+            **timeouts,
+        )
     if slurm is not None and (slurm[0] > 1 or p.num_processes > 1):
         n = p.num_processes if p.num_processes > 0 else slurm[0]
         pid = p.process_id if p.process_id >= 0 else slurm[1]
         if not 0 <= pid < n:
-            raise ConfigError(f"parallel.process_id={pid} is not in 0..{n - 1} "
-                              f"(parallel.num_processes={n}, from Slurm where unset)")
+            raise ConfigError(
+                f"parallel.process_id={pid} is not in 0..{n - 1} "
+                f"(parallel.num_processes={n}, from Slurm where unset)"
+            )
         # coordinator and local device ids: JAX's Slurm detection
-        return "slurm", dict(num_processes=n, process_id=pid, cluster_detection_method="slurm",
-                             **timeouts)
+        return "slurm", dict(num_processes=n, process_id=pid, cluster_detection_method="slurm", **timeouts)
     if p.num_processes > 1 or p.process_id > 0:
-        raise ConfigError(f"parallel.num_processes={p.num_processes} / parallel.process_id="
-                          f"{p.process_id} need parallel.coordinator (host:port of process 0) "
-                          f"outside a Slurm step")
+        raise ConfigError(
+            f"parallel.num_processes={p.num_processes} / parallel.process_id="
+            f"{p.process_id} need parallel.coordinator (host:port of process 0) "
+            f"outside a Slurm step"
+        )
     return "single", {}
 
 
@@ -198,16 +212,17 @@ def initialize(p: ParallelConfig, env: Mapping[str, str] | None = None) -> Proce
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     n, pid = kwargs["num_processes"], kwargs["process_id"]
     where = kwargs.get("coordinator_address") or "the Slurm step's first host"
-    guard = threading.Timer(p.init_timeout_s, _init_timed_out,
-                            args=(where, pid, n, p.init_timeout_s))
+    guard = threading.Timer(p.init_timeout_s, _init_timed_out, args=(where, pid, n, p.init_timeout_s))
     guard.daemon = True
     guard.start()
     try:
         jax.distributed.initialize(**kwargs)
     except (RuntimeError, ValueError) as err:  # JaxRuntimeError is a RuntimeError
         detail = " ".join(str(err).split())
-        raise DistributedError(f"process {pid} of {n}: could not start the JAX distributed "
-                               f"runtime with coordinator {where}: {detail}") from None
+        raise DistributedError(
+            f"process {pid} of {n}: could not start the JAX distributed "
+            f"runtime with coordinator {where}: {detail}"
+        ) from None
     finally:
         guard.cancel()
     coordinator = kwargs.get("coordinator_address") or _detected_coordinator()
@@ -226,15 +241,25 @@ def _detected_coordinator() -> str:
 
 
 def _init_timed_out(where: str, pid: int, n: int, timeout: int) -> None:
-    role = ("waiting for the other processes to connect" if pid == 0
-            else "is process 0 running and reachable?")
-    _say(f"error: process {pid} of {n}: no connection to the JAX coordinator {where} with all "
-         f"{n} processes within parallel.init_timeout_s={timeout} s ({role})")
+    role = "waiting for the other processes to connect" if pid == 0 else "is process 0 running and reachable?"
+    _say(
+        f"error: process {pid} of {n}: no connection to the JAX coordinator {where} with all "
+        f"{n} processes within parallel.init_timeout_s={timeout} s ({role})"
+    )
     exit_now(EXIT_DISTRIBUTED)
 
 
-_PEER_FAILURE_MARKS = ("gloo", "nccl", "connection reset", "connection closed", "socket closed",
-                       "broken pipe", "coordination service", "heartbeat", "barrier failed")
+_PEER_FAILURE_MARKS = (
+    "gloo",
+    "nccl",
+    "connection reset",
+    "connection closed",
+    "socket closed",
+    "broken pipe",
+    "coordination service",
+    "heartbeat",
+    "barrier failed",
+)
 # JAX raises collective failures as JaxRuntimeError (a RuntimeError), or, where it converts a
 # result to numpy (e.g. ``multihost_utils.process_allgather``), as a ValueError; orbax wraps
 # a failed barrier in a TimeoutError whose cause says why.
@@ -249,8 +274,10 @@ def peer_failure(err: BaseException) -> str | None:
     while err is not None and seen < 8:
         text = " ".join(str(err).split())
         if isinstance(err, _PEER_FAILURE_TYPES) and any(m in text.lower() for m in _PEER_FAILURE_MARKS):
-            return (f"a collective with the other processes failed, most likely a peer died "
-                    f"(see its log): {text[:300]}")
+            return (
+                f"a collective with the other processes failed, most likely a peer died "
+                f"(see its log): {text[:300]}"
+            )
         err, seen = err.__cause__ or err.__context__, seen + 1
     return None
 
@@ -284,10 +311,17 @@ class Watchdog:
     then ``os._exit(exit_code)`` (no cleanup: peers may be blocked in a collective for ever).
     """
 
-    def __init__(self, timeout_s: float, *, startup_timeout_s: float | None = None,
-                 label: str = "", exit_code: int = EXIT_DISTRIBUTED,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_expire: Callable[[str], None] | None = None, poll_s: float = 1.0):
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        startup_timeout_s: float | None = None,
+        label: str = "",
+        exit_code: int = EXIT_DISTRIBUTED,
+        clock: Callable[[], float] = time.monotonic,
+        on_expire: Callable[[str], None] | None = None,
+        poll_s: float = 1.0,
+    ):
         if timeout_s <= 0:
             raise ValueError(f"watchdog timeout_s={timeout_s} must be positive")
         self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
@@ -301,7 +335,7 @@ class Watchdog:
         self.fired = False
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread = threading.Thread(target=self._run, name="moe-train-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -337,12 +371,16 @@ class Watchdog:
     def message(self) -> str:
         who = f"{self.label}: " if self.label else ""
         if self._last is None:
-            return (f"error: {who}no training step finished within {self.startup_timeout_s:g} s of "
-                    f"start-up; a peer process is stuck or died (limit: parallel.init_timeout_s "
-                    f"+ 2 x parallel.heartbeat_timeout_s); exiting")
+            return (
+                f"error: {who}no training step finished within {self.startup_timeout_s:g} s of "
+                f"start-up; a peer process is stuck or died (limit: parallel.init_timeout_s "
+                f"+ 2 x parallel.heartbeat_timeout_s); exiting"
+            )
         after = f"step {self.last_step}" if self.last_step is not None else "the last progress"
-        return (f"error: {who}no progress for {self.timeout_s:g} s after {after}; a peer process "
-                f"is stuck or died (limit: 2 x parallel.heartbeat_timeout_s); exiting")
+        return (
+            f"error: {who}no progress for {self.timeout_s:g} s after {after}; a peer process "
+            f"is stuck or died (limit: 2 x parallel.heartbeat_timeout_s); exiting"
+        )
 
     def _default_expire(self, message: str) -> None:
         _say(message)
@@ -357,8 +395,7 @@ class Watchdog:
 _watchdog: Watchdog | None = None
 
 
-def start_watchdog(timeout_s: float, *, startup_timeout_s: float | None = None,
-                   label: str = "") -> Watchdog:
+def start_watchdog(timeout_s: float, *, startup_timeout_s: float | None = None, label: str = "") -> Watchdog:
     """Start the process-wide step watchdog (replacing a previous one) and return it."""
     global _watchdog
     stop_watchdog()

@@ -69,31 +69,33 @@ class StepGather:
     dtype: Any  # dtype of each gathered copy: the compute dtype, or the master's (FP32_AXES)
 
     @classmethod
-    def of(cls, boxed_params, master_shardings, compute_dtype) -> "StepGather":
+    def of(cls, boxed_params, master_shardings, compute_dtype) -> StepGather:
         """From the logically-boxed parameters (their axis names) and their shardings."""
         mesh = jax.tree.leaves(master_shardings)[0].mesh
 
         def sharded(alone_too):
-            return jax.tree.map(lambda s: NamedSharding(mesh, without_data(s.spec, alone_too)),
-                                master_shardings)
+            return jax.tree.map(
+                lambda s: NamedSharding(mesh, without_data(s.spec, alone_too)), master_shardings
+            )
 
         def dtype_of(boxed):
             names = tuple(getattr(boxed, "names", ()))  # an unboxed leaf: no names
             master = getattr(boxed, "value", boxed).dtype
             return jnp.dtype(compute_dtype if cast_in_use(names) else master)
 
-        dtype = jax.tree.map(dtype_of, boxed_params,
-                             is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+        dtype = jax.tree.map(dtype_of, boxed_params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
         return cls(master=master_shardings, use=sharded(True), reduce=sharded(False), dtype=dtype)
 
     def gather(self, params):
         """The step's copy of the master ``params``: cast, then gathered over ``data``."""
-        return jax.tree.map(lambda p, dt, sh: jax.lax.with_sharding_constraint(p.astype(dt), sh),
-                            params, self.dtype, self.use)
+        return jax.tree.map(
+            lambda p, dt, sh: jax.lax.with_sharding_constraint(p.astype(dt), sh), params, self.dtype, self.use
+        )
 
     def reduced(self, grads, params):
         """A micro-batch's gradient with respect to the gathered copy, summed over the
         devices in fp32 and sharded as the master ``params``, in their dtype."""
+
         def one(g, p, red, master):
             g = jax.lax.with_sharding_constraint(g.astype(jnp.float32), red)
             return jax.lax.with_sharding_constraint(g, master).astype(p.dtype)

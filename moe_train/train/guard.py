@@ -25,7 +25,8 @@ the newer ones that failed verification on the way (or the ``train.init_from`` w
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from moe_train.train.resume import Resumed
 
@@ -45,10 +46,14 @@ def origin(resumed: Resumed | None, init_from: str) -> str:
     """Where this start's weights came from, for the divergence message ("" when fresh)."""
     if resumed is None:
         return f"the run started from train.init_from={init_from}" if init_from else ""
-    parts = [f"this start resumed from {resumed.directory}"
-             + (" (unverified: it has no manifest)" if resumed.unverified else "")]
-    parts += [f"checkpoint {r.step} failed verification at this start ({r.reason}) and was "
-              f"moved to {r.moved_to}" for r in resumed.rejected]
+    parts = [
+        f"this start resumed from {resumed.directory}"
+        + (" (unverified: it has no manifest)" if resumed.unverified else "")
+    ]
+    parts += [
+        f"checkpoint {r.step} failed verification at this start ({r.reason}) and was moved to {r.moved_to}"
+        for r in resumed.rejected
+    ]
     return "; ".join(parts)
 
 
@@ -63,23 +68,33 @@ class NonFiniteGuard:
     def check(self, step: int, raw: dict[str, Any]) -> dict[str, Any]:
         """Fields for the step's record; raises Divergence when the run must stop."""
         if not bool(raw["params_finite"]) and step == self.first + 1:
-            raise Divergence(f"step {step}: the initial weights are non-finite (NaN or inf "
-                             f"before any update of this start); nothing was trained or saved")
+            raise Divergence(
+                f"step {step}: the initial weights are non-finite (NaN or inf "
+                f"before any update of this start); nothing was trained or saved"
+            )
         if not bool(raw["params_finite"]):
-            raise Divergence(f"step {step}: the parameters are non-finite after the update of "
-                             f"step {step - 1}, whose loss and gradients were finite (learning "
-                             f"rate too high?); not saved")
+            raise Divergence(
+                f"step {step}: the parameters are non-finite after the update of "
+                f"step {step - 1}, whose loss and gradients were finite (learning "
+                f"rate too high?); not saved"
+            )
         if not bool(raw["nonfinite"]):
             self.in_a_row = 0
             return {"skipped": False, "nonfinite_skips": self.total}
         if self.mode == "stop":
-            raise Divergence(f"step {step}: {_what(raw)}; the update was not applied and "
-                             f"nothing was saved (train.on_nonfinite=stop; lower optim.lr, "
-                             f"raise optim.warmup_steps or set train.on_nonfinite=skip)")
+            raise Divergence(
+                f"step {step}: {_what(raw)}; the update was not applied and "
+                f"nothing was saved (train.on_nonfinite=stop; lower optim.lr, "
+                f"raise optim.warmup_steps or set train.on_nonfinite=skip)"
+            )
         self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
         if self.in_a_row > self.limit:
-            raise Divergence(f"step {step}: {_what(raw)}; {self.in_a_row} non-finite steps in "
-                             f"a row (train.max_nonfinite_skips={self.limit}); not saved")
-        self.log(f"WARNING: step {step}: {_what(raw)}; update skipped ({self.in_a_row} in a row, "
-                 f"{self.total} this start; train.max_nonfinite_skips={self.limit})")
+            raise Divergence(
+                f"step {step}: {_what(raw)}; {self.in_a_row} non-finite steps in "
+                f"a row (train.max_nonfinite_skips={self.limit}); not saved"
+            )
+        self.log(
+            f"WARNING: step {step}: {_what(raw)}; update skipped ({self.in_a_row} in a row, "
+            f"{self.total} this start; train.max_nonfinite_skips={self.limit})"
+        )
         return {"skipped": True, "nonfinite_skips": self.total}

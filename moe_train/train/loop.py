@@ -22,21 +22,32 @@ from __future__ import annotations
 import json
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np
 
-from moe_train import eval as evaluate, python_command, selftest, telemetry
+from moe_train import eval as evaluate
+from moe_train import python_command, selftest, telemetry
 from moe_train.config import Config, ConfigError, for_devices, save_json, to_dict
 from moe_train.convert import weights
 from moe_train.data import make_source
 from moe_train.model import flops, precision
 from moe_train.parallel import jobplan, layout, sharding
 from moe_train.telemetry import summary
-from moe_train.train import (checkpoint, distributed, metrics, progress, resume, rundir, runlock,
-                             signals, stepper, tracking)
+from moe_train.train import (
+    checkpoint,
+    distributed,
+    metrics,
+    progress,
+    resume,
+    rundir,
+    runlock,
+    signals,
+    stepper,
+    tracking,
+)
 from moe_train.train.guard import Divergence, NonFiniteGuard, origin
 from moe_train.train.signals import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, OutputError  # noqa: F401
 from moe_train.train.step import StepCounter, init_state
@@ -50,8 +61,10 @@ def select_devices(cfg: Config) -> list[jax.Device]:
     available = jax.devices()
     n = cfg.parallel.devices or len(available)
     if n > len(available):
-        raise ConfigError(f"parallel.devices={n} but only {len(available)} "
-                          f"{available[0].platform} device(s) are visible; choose 1..{len(available)}")
+        raise ConfigError(
+            f"parallel.devices={n} but only {len(available)} "
+            f"{available[0].platform} device(s) are visible; choose 1..{len(available)}"
+        )
     jobplan.check_batch(cfg.train.batch_size, n, cfg.train.micro_batches)
     return available[:n]
 
@@ -85,25 +98,36 @@ def _lock(out_dir: Path, log: Log) -> runlock.RunLock | None:
     return lock
 
 
-def _write_run_files(cfg: Config, out_dir: Path, plan: layout.Layout, kernels: dict,
-                     log: Log) -> None:
+def _write_run_files(cfg: Config, out_dir: Path, plan: layout.Layout, kernels: dict, log: Log) -> None:
     """config.json, kernels.json, layout.json (process 0): after the first step traced."""
     for line in plan.lines:
         log(f"layout: {line}")
     for line in plan.warnings:
         log(f"WARNING: {line}")
     if cfg.moe.router == "balanced":
-        log("WARNING: moe.router=balanced: forced-balance routing, for benchmarks only (the "
-            "experts are chosen by token position, not learned)")
+        log(
+            "WARNING: moe.router=balanced: forced-balance routing, for benchmarks only (the "
+            "experts are chosen by token position, not learned)"
+        )
     if jax.process_index() != 0:
         return
     save_json(cfg, out_dir / "config.json")
     selftest.write(out_dir, kernels)
     p = plan.placement
-    (out_dir / "layout.json").write_text(json.dumps({
-        "mesh": dict(plan.mesh.shape), "ep_groups": p.ep_groups, "domains": p.domains,
-        "straddling": p.straddling, "notes": list(plan.lines), "warnings": list(plan.warnings),
-    }, indent=1) + "\n")
+    (out_dir / "layout.json").write_text(
+        json.dumps(
+            {
+                "mesh": dict(plan.mesh.shape),
+                "ep_groups": p.ep_groups,
+                "domains": p.domains,
+                "straddling": p.straddling,
+                "notes": list(plan.lines),
+                "warnings": list(plan.warnings),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 def run(cfg: Config, out_dir: Path, log: Log = print, resume_step: int | None = None) -> int:
@@ -124,8 +148,9 @@ def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
     stepper.ep_plans(job_cfg, plan.mesh)  # dispatcher and capacity buckets, before any write
     t = cfg.train
     # The data (and held-out data) before the kernel self-test: a DataError ends it sooner.
-    source = make_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
-                         batch_size=t.batch_size)
+    source = make_source(
+        cfg.data, vocab_size=cfg.model.vocab_size, seq_len=t.seq_len, batch_size=t.batch_size
+    )
     try:
         evals = evaluate.InRun.of(cfg)
         with progress.waiting(log, "running the kernel self-test", after_s=2, done=False):
@@ -161,8 +186,10 @@ def _stopped_in_start_up(log: Log, where: str) -> int | None:
     signum = signals.STOP.agreed()
     if signum is None:
         return None
-    log(f"stopped by signal {signals.name(signum)} during start-up, {where}; nothing was "
-        f"changed; {signals.resume_hint()}")
+    log(
+        f"stopped by signal {signals.name(signum)} during start-up, {where}; nothing was "
+        f"changed; {signals.resume_hint()}"
+    )
     return signals.exit_code(signum)
 
 
@@ -220,13 +247,18 @@ class Start:
             return err
         self.ckpt.reload()
         kept = self.ckpt.latest_step()
-        return OutputError(f"{out}; {'no checkpoint is complete' if kept is None else f'checkpoint {kept} is intact'}")
+        return OutputError(
+            f"{out}; {'no checkpoint is complete' if kept is None else f'checkpoint {kept} is intact'}"
+        )
 
     def last_good(self) -> str:
         """Where the weights came from and where a rerun resumes (the divergence message)."""
         step = self.ckpt.latest_step()
-        rerun = ("no checkpoint was saved yet: a rerun starts from step 0" if step is None
-                 else f"the last good checkpoint is step {step}: a rerun resumes there")
+        rerun = (
+            "no checkpoint was saved yet: a rerun starts from step 0"
+            if step is None
+            else f"the last good checkpoint is step {step}: a rerun resumes there"
+        )
         return "; ".join(x for x in (self.origin, rerun) if x)
 
 
@@ -237,9 +269,13 @@ class Loop:
         self.s, self.state, self.cfg = start, state, start.cfg
         self.first = int(state.step)
         self.counter = StepCounter()
-        self.step_fn = progress.WatchedStep(BucketedStep(  # a line for every compile
-            self.cfg, start.mesh, self.counter, jax.tree.map(lambda x: x.sharding, state)),
-            start.log, self.first)
+        self.step_fn = progress.WatchedStep(
+            BucketedStep(  # a line for every compile
+                self.cfg, start.mesh, self.counter, jax.tree.map(lambda x: x.sharding, state)
+            ),
+            start.log,
+            self.first,
+        )
         self.guard = NonFiniteGuard(self.cfg.train, start.log, first=self.first)
         self.writer, self.sampler = None, telemetry.NullSampler()
         self.tracker: tracking.Tracker | None = None  # TensorBoard / W&B, process 0
@@ -256,15 +292,21 @@ class Loop:
             s.log(f"nothing to do: {s.out_dir} is already at step {self.first} of {t.steps}")
             return EXIT_OK
         m = s.mesh
-        s.log(f"training {s.source.description} on {m.devices.size} {m.devices.flat[0].platform} "
-              f"device(s) (mesh {dict(m.shape)}, {jax.process_count()} process(es)), "
-              f"steps {self.first + 1}-{t.steps}, batch {t.batch_size}x{t.seq_len}")
+        s.log(
+            f"training {s.source.description} on {m.devices.size} {m.devices.flat[0].platform} "
+            f"device(s) (mesh {dict(m.shape)}, {jax.process_count()} process(es)), "
+            f"steps {self.first + 1}-{t.steps}, batch {t.batch_size}x{t.seq_len}"
+        )
         if s.evals is not None:
             s.log(s.evals.line())
         # Sampling from the first step (compile included), written once that step ran.
-        self.sampler = telemetry.start(s.out_dir, t.telemetry_interval_s, log=s.log, hold=True,
-                                       devices=[d for d in m.devices.flat
-                                                if d.process_index == jax.process_index()])
+        self.sampler = telemetry.start(
+            s.out_dir,
+            t.telemetry_interval_s,
+            log=s.log,
+            hold=True,
+            devices=[d for d in m.devices.flat if d.process_index == jax.process_index()],
+        )
         try:
             status = self._steps()
         except Divergence as err:
@@ -272,8 +314,16 @@ class Loop:
             return EXIT_DIVERGED
         finally:
             self._close()
-        s.log(metrics.summary(self.records, first_step=self.first, description=s.source.description,
-                              out_dir=s.out_dir, status=status, checkpoint=self.saves.last_saved()))
+        s.log(
+            metrics.summary(
+                self.records,
+                first_step=self.first,
+                description=s.source.description,
+                out_dir=s.out_dir,
+                status=status,
+                checkpoint=self.saves.last_saved(),
+            )
+        )
         _write_summary(s.out_dir, self.peak, s.log)
         if self.stopped_by is not None:
             s.log(signals.resume_hint())
@@ -318,10 +368,17 @@ class Loop:
         ``batch``; an evaluation step's with ``evaluation``), the non-finite guard (raises
         Divergence), metrics.jsonl and the log."""
         t, s = self.cfg.train, self.s
-        rec = metrics.step_record(n, done.raw, step_time_s=done.seconds,
-                                  tokens=t.batch_size * t.seq_len, flops_per_token=self.fpt,
-                                  devices=s.mesh.devices.size, peak_flops=self.peak,
-                                  compilations=done.traces, mtp=self.cfg.model.mtp_depth > 0)
+        rec = metrics.step_record(
+            n,
+            done.raw,
+            step_time_s=done.seconds,
+            tokens=t.batch_size * t.seq_len,
+            flops_per_token=self.fpt,
+            devices=s.mesh.devices.size,
+            peak_flops=self.peak,
+            compilations=done.traces,
+            mtp=self.cfg.model.mtp_depth > 0,
+        )
         rec["compiled"] = done.compiled
         peak_bytes = metrics.device_peak_bytes(jax.local_devices())
         if peak_bytes is not None:  # a GPU's allocator: the real peak, beside compiled_peak_bytes
@@ -340,17 +397,20 @@ class Loop:
         """The step traced and ran once: its compile-time checks passed, so now write the
         run's files, truncate metrics.jsonl to the resumed step and release telemetry."""
         s = self.s
-        rec.update(_compiled_memory(self.step_fn, self.state, batch, s.log),
-                   selftest_s=s.kernels["selftest_s"])
+        rec.update(
+            _compiled_memory(self.step_fn, self.state, batch, s.log), selftest_s=s.kernels["selftest_s"]
+        )
         try:
             _write_run_files(s.configured, s.out_dir, s.plan, s.kernels, s.log)
-            self.writer = metrics.MetricsWriter(s.out_dir / "metrics.jsonl", self.first,
-                                                enabled=jax.process_index() == 0, log=s.log)
+            self.writer = metrics.MetricsWriter(
+                s.out_dir / "metrics.jsonl", self.first, enabled=jax.process_index() == 0, log=s.log
+            )
         except OSError as err:
             raise signals.output_error(err, s.out_dir) or err
         if jax.process_index() == 0:  # never raises: a failure is one warning, tracking off
-            self.tracker = tracking.Tracker(s.out_dir, self.first, self.cfg.train,
-                                            config=s.meta["config"], log=s.log)
+            self.tracker = tracking.Tracker(
+                s.out_dir, self.first, self.cfg.train, config=s.meta["config"], log=s.log
+            )
         self.sampler.release()
 
     def _write(self, rec: dict) -> None:
@@ -390,5 +450,6 @@ def _write_summary(out_dir: Path, peak: float | None, log: Log) -> None:
     if jax.process_index() == 0:
         path = summary.write(out_dir, peak_flops=peak, process_count=jax.process_count(), log=log)
         if path is not None:
-            log(f"Summary: {path}; report: {python_command()} -m moe_train.report "
-                f"{shlex.quote(str(out_dir))}")
+            log(
+                f"Summary: {path}; report: {python_command()} -m moe_train.report {shlex.quote(str(out_dir))}"
+            )

@@ -61,8 +61,9 @@ def _leaf_sums(x: jax.Array, offset: Any = 0) -> jax.Array:
     bits = _bits_u32(x).reshape(-1)
     weight = jnp.arange(1, bits.size + 1, dtype=jnp.uint32) + jnp.uint32(offset)
     finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
-    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32),
-                      finite.astype(jnp.uint32)])
+    return jnp.stack(
+        [jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32), finite.astype(jnp.uint32)]
+    )
 
 
 @jax.jit
@@ -94,8 +95,13 @@ def fingerprint(tree: Any) -> dict[str, Any]:
     arrays = {}
     for name, x, s in zip(names, leaves, sums):
         s = np.asarray(s)
-        arrays[name] = {"shape": list(x.shape), "dtype": str(x.dtype), "sum": int(s[0]),
-                        "weighted": int(s[1]), "finite": bool(s[2])}
+        arrays[name] = {
+            "shape": list(x.shape),
+            "dtype": str(x.dtype),
+            "sum": int(s[0]),
+            "weighted": int(s[1]),
+            "finite": bool(s[2]),
+        }
     return {"version": VERSION, "arrays": arrays}
 
 
@@ -110,11 +116,16 @@ def leaf_entry(x: np.ndarray, block: int = BLOCK) -> dict[str, Any]:
     flat = np.asarray(x).reshape(-1)
     total, weighted, finite = 0, 0, True
     for start in range(0, flat.size, block):
-        s = np.asarray(_block_sums(flat[start:start + block], np.uint32(start % 2**32)))
+        s = np.asarray(_block_sums(flat[start : start + block], np.uint32(start % 2**32)))
         total, weighted = (total + int(s[0])) % 2**32, (weighted + int(s[1])) % 2**32
         finite = finite and bool(s[2])
-    return {"shape": list(x.shape), "dtype": str(x.dtype), "sum": total, "weighted": weighted,
-            "finite": finite}
+    return {
+        "shape": list(x.shape),
+        "dtype": str(x.dtype),
+        "sum": total,
+        "weighted": weighted,
+        "finite": finite,
+    }
 
 
 def host_fingerprint(tree: Any) -> dict[str, Any]:
@@ -144,16 +155,17 @@ def _compare(saved: dict[str, Any], got: dict[str, Any], where: str, partial: bo
     """Raise CorruptCheckpoint naming ``where`` when ``got`` does not match ``saved`` (with
     ``partial``, only the arrays ``got`` holds are compared)."""
     if saved.get("version") != VERSION:
-        raise CorruptCheckpoint(f"{where}: manifest version {saved.get('version')!r} "
-                                f"is not {VERSION}")
+        raise CorruptCheckpoint(f"{where}: manifest version {saved.get('version')!r} is not {VERSION}")
     if partial:
-        saved = {**saved, "arrays": {k: v for k, v in saved["arrays"].items()
-                                     if k in got["arrays"]}}
+        saved = {**saved, "arrays": {k: v for k, v in saved["arrays"].items() if k in got["arrays"]}}
     diffs = differences(saved, got)
     if diffs:
         shown = first_few(diffs, 3, "; ", " (+{} more)")
-        count = f"{len(diffs)} of {len(got['arrays'])} arrays read do" if len(got["arrays"]) > 1 \
+        count = (
+            f"{len(diffs)} of {len(got['arrays'])} arrays read do"
+            if len(got["arrays"]) > 1
             else "the array read does"
+        )
         raise CorruptCheckpoint(f"{where}: {count} not match the manifest: {shown}")
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os  # noqa: F401  (tests patch metrics.os; the writes are shards.atomic_write)
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +25,7 @@ def load_stats(tokens_per_expert_LE: np.ndarray) -> dict[str, Any]:
     if loads.size == 0:
         return {"tokens_per_expert": [], "max_over_mean_load": None}
     ratio = loads.max(axis=1) / np.maximum(loads.mean(axis=1), 1e-9)
-    return {"tokens_per_expert": loads.astype(int).tolist(),
-            "max_over_mean_load": float(ratio.max())}
+    return {"tokens_per_expert": loads.astype(int).tolist(), "max_over_mean_load": float(ratio.max())}
 
 
 def device_peak_bytes(devices) -> int | None:
@@ -36,9 +36,18 @@ def device_peak_bytes(devices) -> int | None:
     return max(peaks) if peaks else None
 
 
-def step_record(step: int, raw: dict[str, Any], *, step_time_s: float, tokens: int,
-                flops_per_token: float, devices: int, peak_flops: float | None,
-                compilations: int, mtp: bool = False) -> dict[str, Any]:
+def step_record(
+    step: int,
+    raw: dict[str, Any],
+    *,
+    step_time_s: float,
+    tokens: int,
+    flops_per_token: float,
+    devices: int,
+    peak_flops: float | None,
+    compilations: int,
+    mtp: bool = False,
+) -> dict[str, Any]:
     """The JSON-ready metrics of one step from the step's device outputs (already on host)."""
     tokens_per_s = tokens / step_time_s if step_time_s > 0 else float("nan")
     tflops = flops_per_token * tokens_per_s / devices / 1e12
@@ -47,22 +56,29 @@ def step_record(step: int, raw: dict[str, Any], *, step_time_s: float, tokens: i
         rec[key] = float(raw[key])
     if "mtp_loss" in raw:  # multi-token prediction's mean cross-entropy; None without MTP
         rec["mtp_loss"] = float(raw["mtp_loss"]) if mtp else None
-    rec.update(step_time_s=step_time_s, tokens_per_s=tokens_per_s, tflops_per_device=tflops,
-               mfu=(tflops * 1e12 / peak_flops) if peak_flops else None)
+    rec.update(
+        step_time_s=step_time_s,
+        tokens_per_s=tokens_per_s,
+        tflops_per_device=tflops,
+        mfu=(tflops * 1e12 / peak_flops) if peak_flops else None,
+    )
     rec.update(load_stats(raw["tokens_per_expert"]))
     fill = float(raw["recv_buffer_fill"])  # the MoE metrics: moe_train.moe.stats.metrics
-    rec.update(dropped_tokens=int(raw["dropped_tokens"]), compilations=compilations,
-               ep_bucket=raw.get("ep_bucket"), ep_overflow_reruns=int(raw.get("ep_overflow_reruns", 0)),
-               recv_buffer_fill=None if math.isnan(fill) else fill,
-               ep_slow_link_rows=float(raw["ep_slow_link_rows"]))
+    rec.update(
+        dropped_tokens=int(raw["dropped_tokens"]),
+        compilations=compilations,
+        ep_bucket=raw.get("ep_bucket"),
+        ep_overflow_reruns=int(raw.get("ep_overflow_reruns", 0)),
+        recv_buffer_fill=None if math.isnan(fill) else fill,
+        ep_slow_link_rows=float(raw["ep_slow_link_rows"]),
+    )
     return rec
 
 
 ETA_WINDOW = 50  # the ETA is the steps left x the median step time of the last N records
 
 
-def progress_line(rec: dict[str, Any], total_steps: int,
-                  recent: list[dict[str, Any]] | None = None) -> str:
+def progress_line(rec: dict[str, Any], total_steps: int, recent: list[dict[str, Any]] | None = None) -> str:
     """The per-step log line. ``recent``: this start's records so far (``rec`` among them);
     the ETA uses the median ``step_time_s`` of the last ``ETA_WINDOW`` that did not compile
     (none yet, e.g. at the first step: no ETA)."""
@@ -71,12 +87,14 @@ def progress_line(rec: dict[str, Any], total_steps: int,
     eta = eta_s(rec["step"], total_steps, recent if recent else [rec])
     mtp, held = rec.get("mtp_loss"), rec.get("eval_loss")
     held = "" if held is None else f"| eval {held:.4f} (ppl {rec['eval_ppl']:.4g}) "
-    return (f"step {rec['step']:>{width}}/{total_steps} | loss {rec['loss']:.4f} "
-            f"{'' if mtp is None else f'| mtp {mtp:.4f} '}{held}"
-            f"| aux {rec['aux_loss']:.3f} | {rec['tokens_per_s']:>9,.0f} tok/s "
-            f"| load max/mean {load if load is None else f'{load:.2f}'} "
-            f"| {rec['step_time_s'] * 1e3:7.1f} ms"
-            f"{'' if eta is None else f' | eta {format_duration(eta)}'}")
+    return (
+        f"step {rec['step']:>{width}}/{total_steps} | loss {rec['loss']:.4f} "
+        f"{'' if mtp is None else f'| mtp {mtp:.4f} '}{held}"
+        f"| aux {rec['aux_loss']:.3f} | {rec['tokens_per_s']:>9,.0f} tok/s "
+        f"| load max/mean {load if load is None else f'{load:.2f}'} "
+        f"| {rec['step_time_s'] * 1e3:7.1f} ms"
+        f"{'' if eta is None else f' | eta {format_duration(eta)}'}"
+    )
 
 
 def eta_s(step: int, total_steps: int, records: list[dict[str, Any]]) -> float | None:
@@ -86,13 +104,19 @@ def eta_s(step: int, total_steps: int, records: list[dict[str, Any]]) -> float |
     overflow rerun) adds its time over the median, spread over the steps so far, to every
     step left: recompiles seen so far are expected at the same rate. None without a step
     that did not compile."""
-    times = [r["step_time_s"] for r in records[-ETA_WINDOW:]
-             if not r.get("compiled") and math.isfinite(r["step_time_s"])]
+    times = [
+        r["step_time_s"]
+        for r in records[-ETA_WINDOW:]
+        if not r.get("compiled") and math.isfinite(r["step_time_s"])
+    ]
     if not times:
         return None
     median = float(np.median(times))
-    extra = sum(max(r["step_time_s"] - median, 0.0) for r in records[1:]
-                if r.get("compiled") and math.isfinite(r["step_time_s"]))
+    extra = sum(
+        max(r["step_time_s"] - median, 0.0)
+        for r in records[1:]
+        if r.get("compiled") and math.isfinite(r["step_time_s"])
+    )
     return max(total_steps - step, 0) * (median + extra / max(len(records) - 1, 1))
 
 
@@ -120,8 +144,7 @@ class MetricsWriter:
     ``"step"`` (torn by a crash or a full disk) are dropped with one warning through ``log``.
     """
 
-    def __init__(self, path: Path, start_step: int, enabled: bool = True,
-                 log: Callable[[str], None] = print):
+    def __init__(self, path: Path, start_step: int, enabled: bool = True, log: Callable[[str], None] = print):
         self.path = path
         self._log = log
         self._f = None
@@ -153,8 +176,10 @@ class MetricsWriter:
         if torn:
             more = f" and {len(torn) - 10} more" if len(torn) > 10 else ""
             shown = ", ".join(map(str, torn[:10])) + more
-            self._log(f"WARNING: {self.path.name}: dropped {len(torn)} unreadable line(s) "
-                      f"(torn by a crash?) at line(s) {shown} of {self.path}")
+            self._log(
+                f"WARNING: {self.path.name}: dropped {len(torn)} unreadable line(s) "
+                f"(torn by a crash?) at line(s) {shown} of {self.path}"
+            )
         new = b"".join(line + b"\n" for line in keep)
         if new != data:  # also mends a last line without its newline (an append would join it)
             atomic_write(self.path, new, tolerant=True)
@@ -179,14 +204,24 @@ def _step_of(line: bytes) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def summary(records: list[dict[str, Any]], *, first_step: int, description: str,
-            out_dir: Path, status: str, checkpoint: tuple[int, float] | None = None) -> str:
+def summary(
+    records: list[dict[str, Any]],
+    *,
+    first_step: int,
+    description: str,
+    out_dir: Path,
+    status: str,
+    checkpoint: tuple[int, float] | None = None,
+) -> str:
     """One paragraph on the run: loss change, throughput after compilation, balance, and
     ``checkpoint``: (step, seconds ago) of the last checkpoint this start saved."""
     if not records:
         return f"No steps ran ({status}). Run directory: {out_dir}."
-    saved = ("" if checkpoint is None else
-             f" (the last: step {checkpoint[0]}, saved {format_duration(checkpoint[1])} ago)")
+    saved = (
+        ""
+        if checkpoint is None
+        else f" (the last: step {checkpoint[0]}, saved {format_duration(checkpoint[1])} ago)"
+    )
     first, last = records[0], records[-1]
     steady = records[1:] or records
     tok_s = float(np.median([r["tokens_per_s"] for r in steady]))
@@ -194,16 +229,22 @@ def summary(records: list[dict[str, Any]], *, first_step: int, description: str,
     fall = 100.0 * (first["loss"] - last["loss"]) / first["loss"] if first["loss"] else math.nan
     mfu = last["mfu"]
     evals = [r for r in records if r.get("eval_loss") is not None]
-    held = (f"held-out loss {evals[-1]['eval_loss']:.4f} (perplexity "
-            f"{evals[-1]['eval_ppl']:.4g}) at step {evals[-1]['step']}; " if evals else "")
-    return (f"Trained steps {first_step + 1}-{last['step']} of {description} ({status}). "
-            f"Loss went from {first['loss']:.4f} to {last['loss']:.4f} ({fall:.1f}% {'lower' if fall >= 0 else 'HIGHER'}); "
-            f"{held}"
-            f"median throughput after the first step {tok_s:,.0f} tokens/s "
-            f"({last['tflops_per_device']:.3g} TFLOP/s per device"
-            f"{'' if mfu is None else f', MFU {100 * mfu:.1f}%'}); "
-            f"expert load max/mean {np.mean(loads) if loads else float('nan'):.2f} on average, "
-            f"{sum(r['dropped_tokens'] for r in records)} tokens dropped; "
-            f"the step compiled {last['compilations']} time(s). "
-            f"Metrics: {out_dir / 'metrics.jsonl'}; config: {out_dir / 'config.json'}; "
-            f"checkpoints: {out_dir / 'checkpoints'}{saved}.")
+    held = (
+        f"held-out loss {evals[-1]['eval_loss']:.4f} (perplexity "
+        f"{evals[-1]['eval_ppl']:.4g}) at step {evals[-1]['step']}; "
+        if evals
+        else ""
+    )
+    return (
+        f"Trained steps {first_step + 1}-{last['step']} of {description} ({status}). "
+        f"Loss went from {first['loss']:.4f} to {last['loss']:.4f} ({fall:.1f}% {'lower' if fall >= 0 else 'HIGHER'}); "
+        f"{held}"
+        f"median throughput after the first step {tok_s:,.0f} tokens/s "
+        f"({last['tflops_per_device']:.3g} TFLOP/s per device"
+        f"{'' if mfu is None else f', MFU {100 * mfu:.1f}%'}); "
+        f"expert load max/mean {np.mean(loads) if loads else float('nan'):.2f} on average, "
+        f"{sum(r['dropped_tokens'] for r in records)} tokens dropped; "
+        f"the step compiled {last['compilations']} time(s). "
+        f"Metrics: {out_dir / 'metrics.jsonl'}; config: {out_dir / 'config.json'}; "
+        f"checkpoints: {out_dir / 'checkpoints'}{saved}."
+    )

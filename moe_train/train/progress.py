@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 Log = Callable[[str], None]
 EVERY_S = 10.0  # heartbeat interval: no silence longer than this
@@ -29,9 +29,16 @@ class Waiting:
     (optional): a predicate; the first line is printed as soon as it holds (instead of
     after ``after_s``), with the text ``describe()`` returns then."""
 
-    def __init__(self, log: Log, what: str, after_s: float = 1.0, every_s: float = EVERY_S,
-                 started: Callable[[], bool] | None = None,
-                 describe: Callable[[], str] | None = None, done: bool = True):
+    def __init__(
+        self,
+        log: Log,
+        what: str,
+        after_s: float = 1.0,
+        every_s: float = EVERY_S,
+        started: Callable[[], bool] | None = None,
+        describe: Callable[[], str] | None = None,
+        done: bool = True,
+    ):
         self.log, self.what, self.after_s, self.every_s = log, what, after_s, every_s
         self.started, self.describe, self.done = started, describe, done
         self.announced_at: float | None = None  # when the first line was printed
@@ -39,7 +46,7 @@ class Waiting:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="moe_train-progress", daemon=True)
 
-    def __enter__(self) -> "Waiting":
+    def __enter__(self) -> Waiting:
         self.t0 = time.perf_counter()
         self._thread.start()
         return self
@@ -94,10 +101,13 @@ class WatchedStep:
         f, counter = self.step_fn, self.step_fn.counter
         before = (counter.traces, f.reruns, f.label())
         confirming = n - 1 if confirming is None else confirming
-        watch = Waiting(self.log, "compiling the train step",
-                        started=lambda: counter.traces != before[0],
-                        describe=lambda: "compiling the train step for " + self._why(
-                            before, n, confirming), done=False)
+        watch = Waiting(
+            self.log,
+            "compiling the train step",
+            started=lambda: counter.traces != before[0],
+            describe=lambda: "compiling the train step for " + self._why(before, n, confirming),
+            done=False,
+        )
         with watch:
             out = call(*args)
         if counter.traces != before[0]:
@@ -111,8 +121,10 @@ class WatchedStep:
             new, label = counter.traces - before[0], f.label()
             times = "" if new == 1 else f" {new} times (each bucket it overflowed reran on the next)"
             now = "" if label is None else f"; capacity bucket now {label}"
-            self.log(f"compiled the train step{times} in {took:.1f} s ({counter.traces} "
-                     f"compile(s) in this process so far{now})")
+            self.log(
+                f"compiled the train step{times} in {took:.1f} s ({counter.traces} "
+                f"compile(s) in this process so far{now})"
+            )
         return out
 
     def _why(self, before: tuple, n: int, confirming: int) -> str:
@@ -121,11 +133,12 @@ class WatchedStep:
         if traces == 0:
             return f"step {n}, the first step (XLA compiles it once; later steps reuse it)"
         if f.reruns != reruns:
-            return (f"a rerun of step {confirming}: it overflowed its expert-parallel "
-                    f"receive buffers (capacity bucket {label}), so it reruns, dropless, on "
-                    f"the next bucket, {f.label()} (each bucket compiles once)")
-        return (f"step {n} on capacity bucket {f.label()}, used for the first time (each "
-                f"bucket compiles once)")
+            return (
+                f"a rerun of step {confirming}: it overflowed its expert-parallel "
+                f"receive buffers (capacity bucket {label}), so it reruns, dropless, on "
+                f"the next bucket, {f.label()} (each bucket compiles once)"
+            )
+        return f"step {n} on capacity bucket {f.label()}, used for the first time (each bucket compiles once)"
 
 
 def waiting(log: Log, what: str, after_s: float = 1.0, done: bool = True) -> Waiting:

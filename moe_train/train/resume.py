@@ -21,8 +21,9 @@ rejected on the way, for the log and the divergence message (``moe_train.train.g
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from moe_train.config import Config, ConfigError
 from moe_train.train.checkpoint import Checkpointer, try_step
@@ -49,32 +50,37 @@ class Resumed:
 
 def _unusable(ckpt: Checkpointer, failures: list[tuple[int, str]]) -> ConfigError:
     listed = "; ".join(f"step {s}: {why}" for s, why in failures)
-    return ConfigError(f"no checkpoint in {ckpt.directory} can be restored ({listed}); move "
-                       f"them away (or use another --out) to start from scratch, or "
-                       f"--resume-step N for one you trust")
+    return ConfigError(
+        f"no checkpoint in {ckpt.directory} can be restored ({listed}); move "
+        f"them away (or use another --out) to start from scratch, or "
+        f"--resume-step N for one you trust"
+    )
 
 
-def _explicit(ckpt: Checkpointer, step: int, template: Any, cfg: Config,
-              log: Callable[[str], None]) -> Resumed:
+def _explicit(
+    ckpt: Checkpointer, step: int, template: Any, cfg: Config, log: Callable[[str], None]
+) -> Resumed:
     steps = ckpt.all_steps()
     if step not in steps:
-        raise ConfigError(f"--resume-step {step}: no such checkpoint in {ckpt.directory}; "
-                          f"saved steps: {', '.join(map(str, steps)) or 'none'}")
+        raise ConfigError(
+            f"--resume-step {step}: no such checkpoint in {ckpt.directory}; "
+            f"saved steps: {', '.join(map(str, steps)) or 'none'}"
+        )
     state, why = try_step(ckpt, step, template, cfg, log, trust_unverified=True)
     if state is None:
         raise _unusable(ckpt, [(step, why)])
     unverified = ckpt.read_manifest(step, trust_unverified=True) is None
     if unverified:
-        log(f"WARNING: checkpoint {step} has no manifest: resumed unverified, as "
-            f"--resume-step {step} asks")
+        log(f"WARNING: checkpoint {step} has no manifest: resumed unverified, as --resume-step {step} asks")
     for newer in [s for s in steps if s > step]:
         where = ckpt.move_aside(newer, f"newer than --resume-step {step}")
         log(f"checkpoint {newer} is newer than --resume-step {step}: moved to {where}")
     return Resumed(state, ckpt.directory / str(step), unverified=unverified)
 
 
-def choose(ckpt: Checkpointer, template: Any, cfg: Config, resume_step: int | None,
-           log: Callable[[str], None]) -> Resumed | None:
+def choose(
+    ckpt: Checkpointer, template: Any, cfg: Config, resume_step: int | None, log: Callable[[str], None]
+) -> Resumed | None:
     """What to continue from, or None when the run has no checkpoint."""
     if resume_step is not None:
         return _explicit(ckpt, resume_step, template, cfg, log)
@@ -88,8 +94,10 @@ def choose(ckpt: Checkpointer, template: Any, cfg: Config, resume_step: int | No
         for bad, reason in failures:
             where = ckpt.move_aside(bad, reason)
             rejected.append(Rejected(bad, reason, where))
-            log(f"WARNING: checkpoint {bad} cannot be used ({reason}); moved to {where}; "
-                f"resuming from step {step}")
+            log(
+                f"WARNING: checkpoint {bad} cannot be used ({reason}); moved to {where}; "
+                f"resuming from step {step}"
+            )
         return Resumed(state, ckpt.directory / str(step), tuple(rejected))
     if failures:
         raise _unusable(ckpt, failures)

@@ -26,11 +26,24 @@ from moe_train.config import Config, ConfigError
 from moe_train.train import runlock
 
 # Every top-level entry a run directory of this kit may hold
-RUN_FILES = frozenset({
-    runlock.LOCK_NAME, "config.json", "kernels.json", "layout.json", "metrics.jsonl",
-    "summary.json", "checkpoints", "checkpoints-rejected", "telemetry", "tensorboard", "wandb",
-    "logs", "report.html", "report",
-})
+RUN_FILES = frozenset(
+    {
+        runlock.LOCK_NAME,
+        "config.json",
+        "kernels.json",
+        "layout.json",
+        "metrics.jsonl",
+        "summary.json",
+        "checkpoints",
+        "checkpoints-rejected",
+        "telemetry",
+        "tensorboard",
+        "wandb",
+        "logs",
+        "report.html",
+        "report",
+    }
+)
 
 
 def not_a_run(out_dir: Path) -> str | None:
@@ -58,8 +71,10 @@ def start_fresh(out_dir: Path) -> bool:
     out_dir = Path(out_dir)
     why = not_a_run(out_dir)
     if why is not None:
-        raise ConfigError(f"--fresh: {why}; nothing was removed. Choose another --out (make "
-                          f"smoke OUT=new/dir), or remove it yourself if it is yours to delete")
+        raise ConfigError(
+            f"--fresh: {why}; nothing was removed. Choose another --out (make "
+            f"smoke OUT=new/dir), or remove it yourself if it is yours to delete"
+        )
     if not out_dir.exists() or not any(out_dir.iterdir()):
         return False
     lock = runlock.acquire(out_dir)  # RunDirLocked (exit 2) while a trainer runs there
@@ -91,8 +106,7 @@ def _resumable_steps(ckpt_dir: Path) -> list[int]:
     """The finished checkpoints' steps, newest first (Orbax's temporary ones left out)."""
     if not ckpt_dir.is_dir():
         return []
-    return sorted((int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and p.is_dir()),
-                  reverse=True)
+    return sorted((int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and p.is_dir()), reverse=True)
 
 
 def _saved_config(step_dir: Path) -> dict | None:

@@ -67,15 +67,17 @@ from moe_train.train.signals import OutputError
 
 LOCK_NAME = "run.lock"
 # lockf on a file system without (coherent) lock support fails with one of these.
-UNSUPPORTED_ERRNOS = frozenset(e for e in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS,
-                                           errno.EINVAL, getattr(errno, "ENOTSUP", None))
-                               if e is not None)
+UNSUPPORTED_ERRNOS = frozenset(
+    e
+    for e in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, getattr(errno, "ENOTSUP", None))
+    if e is not None
+)
 # lockf(LOCK_NB) reports a lock held by another process with one of these.
 HELD_ERRNOS = frozenset((errno.EACCES, errno.EAGAIN))
 
 # Locks this process holds, by the lock file's resolved path and its (st_dev, st_ino). POSIX
 # locks are per process, so this is the only way to see our own lock (see the docstring).
-_HELD: dict[Any, "RunLock"] = {}
+_HELD: dict[Any, RunLock] = {}
 _HELD_GUARD = threading.Lock()
 
 
@@ -102,7 +104,7 @@ def holder_info() -> dict[str, Any]:
 
 
 def _utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def describe(holder: dict[str, Any] | None) -> str:
@@ -125,8 +127,14 @@ class RunLock:
     releasing (crash, kill) rather than cleanly.
     """
 
-    def __init__(self, out_dir: Path, fd: int | None, holder: dict[str, Any],
-                 previous: dict[str, Any] | None, warning: str | None = None):
+    def __init__(
+        self,
+        out_dir: Path,
+        fd: int | None,
+        holder: dict[str, Any],
+        previous: dict[str, Any] | None,
+        warning: str | None = None,
+    ):
         self.out_dir = out_dir
         self.path = out_dir / LOCK_NAME
         self.holder = holder
@@ -172,7 +180,7 @@ class RunLock:
         finally:
             os.close(fd)  # closing drops the lock in any case
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -260,14 +268,17 @@ def _unenforced(out_dir: Path, fd: int, holder: dict[str, Any], err: OSError) ->
         pass
     finally:
         os.close(fd)
-    warning = (f"file system of {out_dir} does not support locks (Lustre without -o flock?); "
-               f"one trainer per directory is not enforced [{_reason(err)}]")
+    warning = (
+        f"file system of {out_dir} does not support locks (Lustre without -o flock?); "
+        f"one trainer per directory is not enforced [{_reason(err)}]"
+    )
     return RunLock(out_dir, None, holder, previous=previous, warning=warning)
 
 
 def _locked_message(out_dir: Path, holder: dict[str, Any] | None) -> str:
-    return (f"run directory {out_dir} is in use by {describe(holder)}; "
-            f"wait for it, stop it, or use another --out")
+    return (
+        f"run directory {out_dir} is in use by {describe(holder)}; wait for it, stop it, or use another --out"
+    )
 
 
 def _write_record(fd: int, record: dict[str, Any]) -> None:

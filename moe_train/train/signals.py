@@ -34,13 +34,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 EXIT_OK, EXIT_BUG, EXIT_CONFIG, EXIT_DIVERGED, EXIT_DISTRIBUTED, EXIT_OUTPUT = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
-HINT = ("interrupted (Ctrl-C): stopping cleanly, the current step finishes and is saved; "
-        "Ctrl-C again ends at once without saving\n")
+HINT = (
+    "interrupted (Ctrl-C): stopping cleanly, the current step finishes and is saved; "
+    "Ctrl-C again ends at once without saving\n"
+)
 
 
 class StopFlag:
@@ -71,8 +73,9 @@ class StopFlag:
             read, write = os.pipe()
             os.set_blocking(write, False)
             self._wakeup = (signal.set_wakeup_fd(write, warn_on_full_buffer=False), write)
-            threading.Thread(target=self._count_interrupts, args=(read,), daemon=True,
-                             name="moe-train-interrupts").start()
+            threading.Thread(
+                target=self._count_interrupts, args=(read,), daemon=True, name="moe-train-interrupts"
+            ).start()
         return True
 
     def _handle(self, signum, frame) -> None:
@@ -99,9 +102,12 @@ class StopFlag:
                 hook()
             except Exception:
                 pass
-        _say(2, f"error: interrupted twice (Ctrl-C): ended at once, without saving (complete "
-                f"checkpoints are kept, a partial one is removed at the next start); "
-                f"{resume_hint()}\n")
+        _say(
+            2,
+            f"error: interrupted twice (Ctrl-C): ended at once, without saving (complete "
+            f"checkpoints are kept, a partial one is removed at the next start); "
+            f"{resume_hint()}\n",
+        )
         os._exit(EXIT_INTERRUPTED)
 
     def restore(self) -> None:
@@ -171,8 +177,10 @@ def output_error(err: BaseException, what: str) -> OutputError | None:
     while seen is not None:
         text = str(seen)
         if isinstance(seen, OSError) and seen.errno in OUTPUT_ERRNOS:
-            return OutputError(f"cannot write {what}: {seen.strerror or text} "
-                               f"({getattr(seen, 'filename', None) or 'the run directory'})")
+            return OutputError(
+                f"cannot write {what}: {seen.strerror or text} "
+                f"({getattr(seen, 'filename', None) or 'the run directory'})"
+            )
         hit = next((m for m in OUTPUT_MARKS if m in text), None)
         if hit:
             return OutputError(f"cannot write {what}: {hit} ({' '.join(text.split())[:200]})")
@@ -181,5 +189,10 @@ def output_error(err: BaseException, what: str) -> OutputError | None:
 
 
 OUTPUT_ERRNOS = {13, 28, 27, 30, 122, 1, 20, 21}  # EACCES ENOSPC EFBIG EROFS EDQUOT EPERM ENOTDIR EISDIR
-OUTPUT_MARKS = ("No space left on device", "File too large", "Disk quota exceeded",
-                "Read-only file system", "Permission denied")
+OUTPUT_MARKS = (
+    "No space left on device",
+    "File too large",
+    "Disk quota exceeded",
+    "Read-only file system",
+    "Permission denied",
+)

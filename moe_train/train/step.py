@@ -22,7 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_train.config import Config, compute_dtype
 from moe_train.data import packing
@@ -63,27 +64,36 @@ class CompiledMemory:
 
     def metrics(self) -> dict[str, int]:
         """For the run's metrics: ``compiled_peak_bytes``, ``compiled_temp_bytes``, ..."""
-        return {"compiled_peak_bytes": self.peak, "compiled_temp_bytes": self.temp,
-                "compiled_argument_bytes": self.argument, "compiled_output_bytes": self.output,
-                "compiled_alias_bytes": self.alias}
+        return {
+            "compiled_peak_bytes": self.peak,
+            "compiled_temp_bytes": self.temp,
+            "compiled_argument_bytes": self.argument,
+            "compiled_output_bytes": self.output,
+            "compiled_alias_bytes": self.alias,
+        }
 
     def line(self) -> str:
         """One log line, GiB."""
-        gib = 2.0 ** 30
-        return (f"compiled step memory per device: peak {self.peak / gib:.2f} GiB (arguments "
-                f"{self.argument / gib:.2f}, temp {self.temp / gib:.2f}, outputs not aliased "
-                f"{(self.output - self.alias) / gib:.2f})")
+        gib = 2.0**30
+        return (
+            f"compiled step memory per device: peak {self.peak / gib:.2f} GiB (arguments "
+            f"{self.argument / gib:.2f}, temp {self.temp / gib:.2f}, outputs not aliased "
+            f"{(self.output - self.alias) / gib:.2f})"
+        )
 
     @classmethod
-    def of(cls, compiled) -> "CompiledMemory | None":
+    def of(cls, compiled) -> CompiledMemory | None:
         """From a compiled executable's ``memory_analysis()`` (None where it has none)."""
         stats = compiled.memory_analysis()
         if stats is None:
             return None
-        return cls(argument=int(stats.argument_size_in_bytes),
-                   output=int(stats.output_size_in_bytes), alias=int(stats.alias_size_in_bytes),
-                   temp=int(stats.temp_size_in_bytes),
-                   code=int(stats.generated_code_size_in_bytes))
+        return cls(
+            argument=int(stats.argument_size_in_bytes),
+            output=int(stats.output_size_in_bytes),
+            alias=int(stats.alias_size_in_bytes),
+            temp=int(stats.temp_size_in_bytes),
+            code=int(stats.generated_code_size_in_bytes),
+        )
 
 
 def compiled_memory(jitted, *args) -> CompiledMemory | None:
@@ -105,13 +115,18 @@ def schedule(cfg: Config) -> optax.Schedule:
     o = cfg.optim
     decay = o.decay_steps or max(cfg.train.steps - o.warmup_steps, 1)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
-        decay_steps=o.warmup_steps + decay, end_value=o.lr * o.min_lr_ratio)
+        init_value=0.0,
+        peak_value=o.lr,
+        warmup_steps=o.warmup_steps,
+        decay_steps=o.warmup_steps + decay,
+        end_value=o.lr * o.min_lr_ratio,
+    )
 
 
 def _decay_mask(params):
     """Weight decay on matrices only (not norm scales); a scanned group's leading layer axis
     does not count."""
+
     def is_matrix(path, p):
         stacked = any(getattr(k, "key", None) in GROUPS for k in path)
         return p.ndim - stacked >= 2
@@ -122,8 +137,9 @@ def _decay_mask(params):
 def optimizer(cfg: Config) -> optax.GradientTransformation:
     o = cfg.optim
     parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
-    parts.append(optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
-                             weight_decay=o.weight_decay, mask=_decay_mask))
+    parts.append(
+        optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=_decay_mask)
+    )
     return optax.chain(*parts)
 
 
@@ -131,6 +147,7 @@ def boxed_params(cfg: Config):
     """The parameters' shapes, dtypes and logical axis names (``nn.LogicallyPartitioned``
     leaves), without computing them (nothing runs eagerly: ``moe_train.compile`` traces on
     simulated devices, where eager work cannot run)."""
+
     def init():
         tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
         return Transformer(cfg).init(jax.random.key(0), tokens)["params"]
@@ -144,12 +161,20 @@ def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState
     shd = sharding.Sharding.of(mesh, cfg)
     param_sh, rep = shd.params(boxed), shd.replicated
     tx = optimizer(cfg)  # its state's structure, from an abstract init (its counters are arrays)
-    opt_sh = optax.tree_map_params(lambda params: jax.eval_shape(tx.init, params),
-                                   lambda _, sh: sh, abstract.opt_state, param_sh,
-                                   transform_non_params=lambda _: rep)
-    return TrainState(step=rep, params=param_sh, opt_state=opt_sh,
-                      moe_state=jax.tree.map(lambda _: rep, abstract.moe_state),
-                      fp8_state=jax.tree.map(lambda _: rep, abstract.fp8_state))
+    opt_sh = optax.tree_map_params(
+        lambda params: jax.eval_shape(tx.init, params),
+        lambda _, sh: sh,
+        abstract.opt_state,
+        param_sh,
+        transform_non_params=lambda _: rep,
+    )
+    return TrainState(
+        step=rep,
+        params=param_sh,
+        opt_state=opt_sh,
+        moe_state=jax.tree.map(lambda _: rep, abstract.moe_state),
+        fp8_state=jax.tree.map(lambda _: rep, abstract.fp8_state),
+    )
 
 
 def _state_maker(cfg: Config):
@@ -160,12 +185,17 @@ def _state_maker(cfg: Config):
         variables = model.init(key, jnp.zeros((1, cfg.train.seq_len), jnp.int32))
         unknown = set(variables) - {"params", "moe_state", FP8_COLLECTION}
         if unknown:  # e.g. a Transformer Engine release that keeps state elsewhere
-            raise RuntimeError(f"the model created variable collections the train state does "
-                               f"not carry: {sorted(unknown)}")
+            raise RuntimeError(
+                f"the model created variable collections the train state does not carry: {sorted(unknown)}"
+            )
         params = nn.unbox(variables["params"])
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=tx.init(params), moe_state=variables.get("moe_state", {}),
-                          fp8_state=nn.unbox(variables.get(FP8_COLLECTION, {})))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            moe_state=variables.get("moe_state", {}),
+            fp8_state=nn.unbox(variables.get(FP8_COLLECTION, {})),
+        )
 
     return make
 
@@ -187,12 +217,14 @@ def abstract_state(cfg: Config, mesh: Mesh) -> TrainState:
     on ``mesh``; nothing is computed (the deviceless compile's train-state argument)."""
     abstract = jax.eval_shape(_state_maker(cfg), jax.eval_shape(lambda: _init_key(cfg)))
     shardings = state_shardings(cfg, mesh, abstract)
-    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                        abstract, shardings)
+    return jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings
+    )
 
 
-def _loss_fn(params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Config,
-             devices: int = 1, mtp_weight=0.0):
+def _loss_fn(
+    params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Config, devices: int = 1, mtp_weight=0.0
+):
     """Total loss and its parts; the cross-entropy is chunked (``moe_train.model.loss``): the
     [B, S, V] logits never exist whole; each chunk holds ``train.loss_chunk`` tokens of each
     of the ``devices`` the batch is split over. With MTP (``moe_train.model.mtp``) the total adds
@@ -204,25 +236,30 @@ def _loss_fn(params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Co
         variables[FP8_COLLECTION] = fp8_state
     depth = cfg.model.mtp_depth
     tokens_BS1, segments_BS1 = packing.parts(batch_BS)
-    mtp_ids, mtp_labels = (mtp.shifted(tokens_BS1, depth, segments_BS1) if depth
-                           else (None, None))
+    mtp_ids, mtp_labels = mtp.shifted(tokens_BS1, depth, segments_BS1) if depth else (None, None)
     segment_ids_BS = None if segments_BS1 is None else segments_BS1[:, :-1]
-    head, stats = model.apply(variables, tokens_BS1[:, :-1], logits=False, mtp_ids_DBS=mtp_ids,
-                              segment_ids_BS=segment_ids_BS)
+    head, stats = model.apply(
+        variables, tokens_BS1[:, :-1], logits=False, mtp_ids_DBS=mtp_ids, segment_ids_BS=segment_ids_BS
+    )
     B, S, H = head.x_BSH.shape
     chunk = loss.sharded_chunk(B * S, cfg.model.vocab_size, devices, cfg.train.loss_chunk)
 
     def ce_of(x_BSH, labels_BS):
-        return loss.lm_loss(x_BSH.reshape(B * S, H), head.head_HV, labels_BS.reshape(-1),
-                            chunk=chunk, logit_scale=head.scale)[0]
+        return loss.lm_loss(
+            x_BSH.reshape(B * S, H), head.head_HV, labels_BS.reshape(-1), chunk=chunk, logit_scale=head.scale
+        )[0]
 
     ce = ce_of(head.x_BSH, packing.next_token_labels(tokens_BS1, segments_BS1))
-    mtp_ce = (sum(ce_of(head.mtp_DBSH[k], mtp_labels[k]) for k in range(depth)) / depth
-              if depth else jnp.float32(0.0))
+    mtp_ce = (
+        sum(ce_of(head.mtp_DBSH[k], mtp_labels[k]) for k in range(depth)) / depth
+        if depth
+        else jnp.float32(0.0)
+    )
     e = cfg.moe
     aux, seq_aux, z = moe_stats.losses(stats)
-    total = (ce + e.aux_loss_coef * aux + e.seq_aux_loss_coef * seq_aux + e.z_loss_coef * z
-             + mtp_weight * mtp_ce)
+    total = (
+        ce + e.aux_loss_coef * aux + e.seq_aux_loss_coef * seq_aux + e.z_loss_coef * z + mtp_weight * mtp_ce
+    )
     return total, dict(ce=ce, mtp=mtp_ce, aux=aux, seq_aux=seq_aux, z=z, stats=stats)
 
 
@@ -239,7 +276,7 @@ def update_bias(moe_state, tokens_per_expert_LE, rate: float):
         in_mtp = name.startswith("mtp_")  # an MTP module's block: {"block": {"moe": ...}}
         bias = (moe_state[name]["block"] if in_mtp else moe_state[name])["moe"]["expert_bias"]
         rows = bias.shape[0] if name == "moe_layers" else 1  # the scanned group: [L, E]
-        step = step_LE[row:row + rows] if name == "moe_layers" else step_LE[row]
+        step = step_LE[row : row + rows] if name == "moe_layers" else step_LE[row]
         new = {"moe": {"expert_bias": bias + step}}
         out[name] = {"block": new} if in_mtp else new
         row += rows
@@ -267,8 +304,16 @@ def micro_batches(batch_BS, n: int, mesh: Mesh):
     return jax.tree.map(split, batch_BS)
 
 
-def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh: Mesh,
-               step_gather: StepGather | None = None):
+def accumulate(
+    loss_grads,
+    params,
+    fp8_state,
+    moe_state,
+    batch_BS,
+    n: int,
+    mesh: Mesh,
+    step_gather: StepGather | None = None,
+):
     """``loss_grads`` over the batch as ``n`` micro-batches run in turn (gradient
     accumulation): ((mean total loss, aux), (mean gradients, fp8 state)). Only one
     micro-batch's activations are live at a time. The fp8 scaling state passes from each
@@ -294,8 +339,7 @@ def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh:
         return (jax.tree.map(jnp.add, grads_sum, grads), fp8), (total, aux)
 
     zeros = jax.tree.map(jnp.zeros_like, master)
-    (grads, fp8), (total_n, aux_n) = jax.lax.scan(body, (zeros, fp8_state),
-                                                  micro_batches(batch_BS, n, mesh))
+    (grads, fp8), (total_n, aux_n) = jax.lax.scan(body, (zeros, fp8_state), micro_batches(batch_BS, n, mesh))
     aux = {k: v.mean(0) for k, v in aux_n.items() if k != "stats"}
     aux["stats"] = None if aux_n["stats"] is None else moe_stats.combine(aux_n["stats"])
     return (total_n.mean(), aux), (jax.tree.map(lambda g: g / n, grads), fp8)
@@ -303,8 +347,7 @@ def accumulate(loss_grads, params, fp8_state, moe_state, batch_BS, n: int, mesh:
 
 def all_finite(tree) -> jax.Array:
     """Whether every floating-point value in ``tree`` is finite (a bool scalar)."""
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-             if jnp.issubdtype(x.dtype, jnp.inexact)]
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
@@ -319,8 +362,9 @@ def guard_nonfinite(old: TrainState, new: TrainState, total, grad_norm, skip: bo
     return jax.tree.map(lambda k, n: jnp.where(bad, k, n), keep, new), bad
 
 
-def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState,
-                    ep_plan: EPPlan | None = None):
+def make_train_step(
+    cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState, ep_plan: EPPlan | None = None
+):
     """The jitted step ``(state, batch) -> (state, metrics)`` with the state donated; where
     ``ep_plan`` can overflow (a capacity bucket), ``(state, batch, hold) -> (state, metrics)``.
 
@@ -346,19 +390,36 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
             return grad_fn(params, fp8_state, moe_state, batch_BS, model, cfg, mesh.size, w)
 
         (total, aux), (grads, fp8_state) = accumulate(
-            loss_grads, state.params, state.fp8_state, state.moe_state, batch_BS,
-            cfg.train.micro_batches, mesh, step_gather)
+            loss_grads,
+            state.params,
+            state.fp8_state,
+            state.moe_state,
+            batch_BS,
+            cfg.train.micro_batches,
+            mesh,
+            step_gather,
+        )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         moe = moe_stats.metrics(aux["stats"], cfg.moe.num_experts)
         moe_state = update_bias(state.moe_state, moe["tokens_per_expert"], cfg.moe.bias_update_rate)
-        metrics = dict(loss=aux["ce"], mtp_loss=aux["mtp"], total_loss=total, aux_loss=aux["aux"],
-                       seq_aux_loss=aux["seq_aux"], z_loss=aux["z"],
-                       grad_norm=optax.tree.norm(grads), lr=lr_at(state.step), **moe)
-        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                         moe_state=moe_state, fp8_state=fp8_state)
+        metrics = dict(
+            loss=aux["ce"],
+            mtp_loss=aux["mtp"],
+            total_loss=total,
+            aux_loss=aux["aux"],
+            seq_aux_loss=aux["seq_aux"],
+            z_loss=aux["z"],
+            grad_norm=optax.tree.norm(grads),
+            lr=lr_at(state.step),
+            **moe,
+        )
+        new = TrainState(
+            step=state.step + 1, params=params, opt_state=opt_state, moe_state=moe_state, fp8_state=fp8_state
+        )
         new, metrics["nonfinite"] = guard_nonfinite(
-            state, new, total, metrics["grad_norm"], skip=cfg.train.on_nonfinite == "skip")
+            state, new, total, metrics["grad_norm"], skip=cfg.train.on_nonfinite == "skip"
+        )
         # The previous update's result, read where the forward pass reads it anyway (a check
         # of the new parameters here would keep XLA from updating them in place: +4%).
         metrics["params_finite"] = all_finite(state.params)
@@ -368,13 +429,19 @@ def make_train_step(cfg: Config, mesh: Mesh, counter: StepCounter, state_shardin
         return new, metrics
 
     can_overflow = ep_plan is not None and ep_plan.capacity_factor is not None
-    step_gather = (StepGather.of(boxed_params(cfg), state_sharding.params,
-                                 compute_dtype(cfg.precision))
-                   if cfg.parallel.weight_gather == "step" else None)
+    step_gather = (
+        StepGather.of(boxed_params(cfg), state_sharding.params, compute_dtype(cfg.precision))
+        if cfg.parallel.weight_gather == "step"
+        else None
+    )
     options = remat.compiler_options(cfg.train.remat, mesh.devices.flat[0].platform)
     shd = sharding.Sharding.of(mesh, cfg)
-    return shd.wrap(jax.jit(step, donate_argnums=0,
-                            in_shardings=(state_sharding, shd.batch)
-                            + ((shd.replicated,) if can_overflow else ()),
-                            out_shardings=(state_sharding, shd.replicated),
-                            compiler_options=options))
+    return shd.wrap(
+        jax.jit(
+            step,
+            donate_argnums=0,
+            in_shardings=(state_sharding, shd.batch) + ((shd.replicated,) if can_overflow else ()),
+            out_shardings=(state_sharding, shd.replicated),
+            compiler_options=options,
+        )
+    )

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,22 +85,27 @@ class BucketedStep:
     loop (the next step was already dispatched), which changes buffers, never results.
     """
 
-    def __init__(self, cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState,
-                 make_step: Callable[..., Any] = make_train_step):
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        counter: StepCounter,
+        state_sharding: TrainState,
+        make_step: Callable[..., Any] = make_train_step,
+    ):
         """``make_step(cfg, mesh, counter, state_sharding, plan)`` jits one bucket's step
         (``train.make_train_step``; the compile benchmark passes its EP layer step)."""
         self.cfg, self.mesh, self.counter, self.state_sharding = cfg, mesh, counter, state_sharding
         self.make_step = make_step
         self.plans = ep_plans(cfg, mesh)
         self.policy = jobplan.BucketPolicy(
-            [None if p is None else p.capacity_factor for p in self.plans],
-            cfg.moe.bucket_step_down_after)
+            [None if p is None else p.capacity_factor for p in self.plans], cfg.moe.bucket_step_down_after
+        )
         self._compiled: dict[int, Any] = {}
         self._pending: _InFlight | None = None
         self._confirmed_at = float("-inf")
         # Made here, not in a step: its (tiny) compilation falls outside any timed step.
-        self._false = jax.jit(lambda: jnp.zeros((), jnp.bool_),
-                              out_shardings=sharding.replicated(mesh))()
+        self._false = jax.jit(lambda: jnp.zeros((), jnp.bool_), out_shardings=sharding.replicated(mesh))()
 
     @property
     def bucket(self) -> int:
@@ -113,8 +119,9 @@ class BucketedStep:
 
     def _fn(self, bucket: int):
         if bucket not in self._compiled:
-            self._compiled[bucket] = self.make_step(self.cfg, self.mesh, self.counter,
-                                                    self.state_sharding, self.plans[bucket])
+            self._compiled[bucket] = self.make_step(
+                self.cfg, self.mesh, self.counter, self.state_sharding, self.plans[bucket]
+            )
         return self._compiled[bucket]
 
     def _holds(self, bucket: int) -> bool:
@@ -160,8 +167,9 @@ class BucketedStep:
         state, done = self.drain(state)
         return state, done.raw
 
-    def _dispatch(self, state: TrainState, batch, hold,
-                  again: _InFlight | None = None) -> tuple[TrainState, _InFlight]:
+    def _dispatch(
+        self, state: TrainState, batch, hold, again: _InFlight | None = None
+    ) -> tuple[TrainState, _InFlight]:
         """Queues the step of ``batch`` on the current bucket (``again``: a step dispatched
         before, whose start time and traces carry over)."""
         bucket, before = self.policy.bucket, self.counter.traces
@@ -175,8 +183,9 @@ class BucketedStep:
         """The host copy of a step's metrics: the only point where the host waits."""
         return jax.device_get(raw)
 
-    def _confirm(self, state: TrainState, prev: _InFlight,
-                 nxt: _InFlight | None) -> tuple[TrainState, Confirmed]:
+    def _confirm(
+        self, state: TrainState, prev: _InFlight, nxt: _InFlight | None
+    ) -> tuple[TrainState, Confirmed]:
         """Reads ``prev``'s flags. While it overflowed, ``nxt`` (held by that flag: it
         changed nothing) is dropped, ``prev`` reruns on the next bucket and ``nxt`` is
         dispatched again after it."""

@@ -60,8 +60,13 @@ MARKER = "MOE_TRAIN_SUPERVISED"  # set in the child's environment: "run the trai
 HOLD_S = 5.0  # runtime noise waits this long on stderr before it is shown (or filed away)
 FORWARDED = signals.STOP_SIGNALS  # SIGTERM, SIGUSR2, SIGINT
 _GLOG = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
-_FATAL_STARTS = ("*** Check failure stack trace", "Fatal Python error", "*** SIG",
-                 "*** Begin stack trace", "terminate called")
+_FATAL_STARTS = (
+    "*** Check failure stack trace",
+    "Fatal Python error",
+    "*** SIG",
+    "*** Begin stack trace",
+    "terminate called",
+)
 _NOISE_STARTS = ("ERROR:absl:", "WARNING:absl:", "Exception in thread", "Traceback (most recent")
 _OURS = ("error:", "[process ")  # lines of the trainer itself: never held
 
@@ -69,6 +74,7 @@ _OURS = ("error:", "[process ")  # lines of the trainer itself: never held
 @dataclasses.dataclass(frozen=True)
 class Job:
     """What the supervisor needs to know to name things in its one line."""
+
     process_id: int
     num_processes: int
     coordinator: str  # host:port, "" when JAX's Slurm detection picks it
@@ -144,7 +150,8 @@ class StderrFilter:
         record = _GLOG.match(line)
         if self.fatal_seen:  # keep the fatal record's continuation lines, up to the next block
             self._collecting = self._collecting and not (
-                record or line.startswith(_FATAL_STARTS + _NOISE_STARTS) or len(self.fatal) > 40)
+                record or line.startswith(_FATAL_STARTS + _NOISE_STARTS) or len(self.fatal) > 40
+            )
             if self._collecting:
                 self.fatal.append(line)
             return True
@@ -207,14 +214,17 @@ def describe(fatal: list[str], signum: int | None, job: Job) -> str:
     task = re.search(r"Task (\d+) heartbeat timeout", text)
     if unhealthy or task:
         peers = ", ".join((unhealthy or task).group(1).replace(",", " ").split())
-        what = (f"peer process {peers} stopped sending heartbeats for {hb} s (it died, hung or "
-                f"was preempted; see its log)")
+        what = (
+            f"peer process {peers} stopped sending heartbeats for {hb} s (it died, hung or "
+            f"was preempted; see its log)"
+        )
     elif re.search(r"DEADLINE_EXCEEDED.*CoordinationService/Heartbeat", text):
-        what = (f"the JAX coordinator (process 0{where}) stopped answering heartbeats for {hb} s "
-                f"(it hung, died or is unreachable; see its log)")
+        what = (
+            f"the JAX coordinator (process 0{where}) stopped answering heartbeats for {hb} s "
+            f"(it hung, died or is unreachable; see its log)"
+        )
     elif re.search(r"leader task|Failed to send RPC to coordination service|Socket closed", text):
-        what = (f"lost the JAX coordinator (process 0{where}): it died or is unreachable "
-                f"(see its log)")
+        what = f"lost the JAX coordinator (process 0{where}): it died or is unreachable (see its log)"
     elif text:
         status = text.split("absl::Status: ", 1)[-1]
         what = f"the JAX distributed runtime failed: {status[:240]}"
@@ -277,13 +287,20 @@ def run(argv: list[str], job: Job, command: list[str] | None = None) -> int:
     """Run ``python -m moe_train *argv`` (or ``command``: tests) as a supervised child; return
     this process's exit code."""
     parent = os.getpid()
-    child = subprocess.Popen(command or [sys.executable, "-m", "moe_train", *argv],
-                             env=dict(os.environ, **{MARKER: "1"}), stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             preexec_fn=lambda: _in_child(parent))
+    child = subprocess.Popen(
+        command or [sys.executable, "-m", "moe_train", *argv],
+        env=dict(os.environ, **{MARKER: "1"}),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: _in_child(parent),
+    )
     pending = signals.STOP.signum  # a stop signal that came before the child existed
-    previous = {sig: signal.signal(sig, lambda signum, frame: _forward(child, signum))
-                for sig in FORWARDED if signal.getsignal(sig) is not signal.SIG_IGN}
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: _forward(child, signum))
+        for sig in FORWARDED
+        if signal.getsignal(sig) is not signal.SIG_IGN
+    }
     signals.STOP.before_abort.append(child.kill)  # a second Ctrl-C: the child goes first
     if pending:
         _forward(child, pending)
@@ -298,8 +315,10 @@ def run(argv: list[str], job: Job, command: list[str] | None = None) -> int:
 def _supervise(child: subprocess.Popen, job: Job) -> int:
     """Pass the child's output through until it ends; its exit code as ours (``outcome``)."""
     filt = StderrFilter()
-    pumps = [threading.Thread(target=_pump, args=(child.stdout, _stdout), daemon=True),
-             threading.Thread(target=_pump, args=(child.stderr, filt.feed), daemon=True)]
+    pumps = [
+        threading.Thread(target=_pump, args=(child.stdout, _stdout), daemon=True),
+        threading.Thread(target=_pump, args=(child.stderr, filt.feed), daemon=True),
+    ]
     for t in pumps:
         t.start()
     while True:

@@ -55,8 +55,9 @@ import hashlib
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -70,10 +71,20 @@ HISTOGRAM_BINS = 64  # linear bins of a load histogram: about 1 kB per layer and
 
 # Record keys with a fixed group; others are grouped by their name (``tag_of``).
 GROUPS = {
-    "grad_norm": "train", "lr": "train", "skipped": "train", "nonfinite_skips": "train",
-    "step_time_s": "perf", "tokens_per_s": "perf", "tflops_per_device": "perf", "mfu": "perf",
-    "compilations": "perf", "compiled": "perf", "selftest_s": "perf",
-    "max_over_mean_load": "moe", "dropped_tokens": "moe", "recv_buffer_fill": "moe",
+    "grad_norm": "train",
+    "lr": "train",
+    "skipped": "train",
+    "nonfinite_skips": "train",
+    "step_time_s": "perf",
+    "tokens_per_s": "perf",
+    "tflops_per_device": "perf",
+    "mfu": "perf",
+    "compilations": "perf",
+    "compiled": "perf",
+    "selftest_s": "perf",
+    "max_over_mean_load": "moe",
+    "dropped_tokens": "moe",
+    "recv_buffer_fill": "moe",
 }
 NOT_SCALARS = {"step", "tokens_per_expert"}  # the x axis, and the per-layer loads
 
@@ -83,7 +94,7 @@ def tag_of(key: str) -> str:
     if key in GROUPS:
         return f"{GROUPS[key]}/{key}"
     if key.startswith("eval_"):
-        return f"eval/{key[len('eval_'):]}"
+        return f"eval/{key[len('eval_') :]}"
     if key.endswith("loss"):
         return f"train/{key}"
     if key.startswith("compiled_") and key.endswith("_bytes"):
@@ -175,14 +186,22 @@ class _TensorBoard(_Backend):
             from tensorboardX import summary
             from tensorboardX.proto.summary_pb2 import Summary
         except ImportError as err:
-            log(f"WARNING: TensorBoard is off for this run: tensorboardX cannot be imported "
-                f"({err}); pip install tensorboardX, or set train.tensorboard=false")
+            log(
+                f"WARNING: TensorBoard is off for this run: tensorboardX cannot be imported "
+                f"({err}); pip install tensorboardX, or set train.tensorboard=false"
+            )
             return
         self._summary, self._Summary = summary, Summary
         # opens the event file: fails here if the directory cannot be written
-        self._open(lambda: tensorboardX.SummaryWriter(
-            str(directory), purge_step=purge_step, max_queue=MAX_QUEUE,
-            flush_secs=FLUSH_SECS, filename_suffix=f".{time.time_ns()}"))
+        self._open(
+            lambda: tensorboardX.SummaryWriter(
+                str(directory),
+                purge_step=purge_step,
+                max_queue=MAX_QUEUE,
+                flush_secs=FLUSH_SECS,
+                filename_suffix=f".{time.time_ns()}",
+            )
+        )
 
     def write(self, step: int, values: dict[str, float], loads: Any = None) -> None:
         """One event at ``step``: the scalars, and a load histogram per layer if ``loads``."""
@@ -190,27 +209,35 @@ class _TensorBoard(_Backend):
             self._failed(RuntimeError("the tensorboardX writer thread died (see its traceback)"))
             return
         try:
-            summary = self._Summary(value=[self._Summary.Value(tag=tag, simple_value=value)
-                                           for tag, value in values.items()])
+            summary = self._Summary(
+                value=[self._Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()]
+            )
             for layer, row in enumerate(np.asarray(loads if loads is not None else [], float)):
                 if row.size:
-                    summary.value.extend(self._summary.histogram(
-                        f"moe/layer_{layer}/tokens_per_expert", row,
-                        min(HISTOGRAM_BINS, row.size)).value)
+                    summary.value.extend(
+                        self._summary.histogram(
+                            f"moe/layer_{layer}/tokens_per_expert", row, min(HISTOGRAM_BINS, row.size)
+                        ).value
+                    )
             self._writer.file_writer.add_summary(summary, global_step=step)
         except Exception as err:
             self._failed(err)
 
     def close(self) -> None:
         """Flush and close the event file (the writer thread ends)."""
-        self._end(lambda writer: writer.close(), f"TensorBoard: closing {self.directory}",
-                  "; events flushed before are readable")
+        self._end(
+            lambda writer: writer.close(),
+            f"TensorBoard: closing {self.directory}",
+            "; events flushed before are readable",
+        )
 
     def _failed(self, err: BaseException) -> None:
         """Log the failure once and stop writing; what was flushed stays readable."""
         writer, self._writer = self._writer, None
-        self._log(f"WARNING: TensorBoard is off for the rest of this run: cannot write "
-                  f"{self.directory}: {type(err).__name__}: {err}")
+        self._log(
+            f"WARNING: TensorBoard is off for the rest of this run: cannot write "
+            f"{self.directory}: {type(err).__name__}: {err}"
+        )
         if writer is not None and _worker_alive(writer):  # closing a dead one could block
             try:
                 writer.close()
@@ -234,12 +261,22 @@ class _WandB(_Backend):
         try:
             import wandb  # optional: never a dependency of this package
         except ImportError as err:
-            log(f"WARNING: W&B is off for this run: train.wandb_project={project!r} but wandb "
-                f"cannot be imported ({err}); pip install wandb, or set train.wandb_project=''")
+            log(
+                f"WARNING: W&B is off for this run: train.wandb_project={project!r} but wandb "
+                f"cannot be imported ({err}); pip install wandb, or set train.wandb_project=''"
+            )
             return
-        self._open(lambda: wandb.init(project=project, dir=str(out_dir), config=config or {},
-                                      resume="allow", id=run_id(out_dir), name=Path(out_dir).name,
-                                      mode=os.environ.get("WANDB_MODE") or "offline"))
+        self._open(
+            lambda: wandb.init(
+                project=project,
+                dir=str(out_dir),
+                config=config or {},
+                resume="allow",
+                id=run_id(out_dir),
+                name=Path(out_dir).name,
+                mode=os.environ.get("WANDB_MODE") or "offline",
+            )
+        )
 
     def write(self, step: int, values: dict[str, float]) -> None:
         # W&B keeps steps increasing: steps a crashed start logged past the resumed one are
@@ -265,15 +302,14 @@ class Tracker:
     the resolved config as a dict (W&B's run config). Nothing here raises on I/O errors.
     """
 
-    def __init__(self, out_dir: Path, start_step: int, train, *,
-                 config: dict[str, Any] | None = None, log: Log = print):
+    def __init__(
+        self, out_dir: Path, start_step: int, train, *, config: dict[str, Any] | None = None, log: Log = print
+    ):
         out_dir = Path(out_dir)
         self._first, self._last = start_step + 1, train.steps
         self._histogram_every = max(train.log_every, HISTOGRAM_EVERY)
-        self._tb = (_TensorBoard(out_dir / TB_DIR, start_step + 1, log)
-                    if train.tensorboard else None)
-        self._wandb = (_WandB(train.wandb_project, out_dir, config, log)
-                       if train.wandb_project else None)
+        self._tb = _TensorBoard(out_dir / TB_DIR, start_step + 1, log) if train.tensorboard else None
+        self._wandb = _WandB(train.wandb_project, out_dir, config, log) if train.wandb_project else None
 
     @property
     def active(self) -> bool:
@@ -301,4 +337,3 @@ class Tracker:
         for backend in (self._tb, self._wandb):
             if backend is not None:
                 backend.close()
-

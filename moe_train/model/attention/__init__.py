@@ -62,34 +62,38 @@ def default_block(seq_len: int) -> int:
 
 def available(*, platform: str, dtype, head_dim: int, v_head_dim: int) -> dict[str, str | None]:
     """Implementation -> None if it can run here, else the reason it cannot."""
-    return {"xla": None,
-            "cudnn": cudnn_unavailable(platform, dtype, head_dim, v_head_dim),
-            "chunked": None,
-            "te": te_unavailable(platform, dtype, head_dim, v_head_dim)}
+    return {
+        "xla": None,
+        "cudnn": cudnn_unavailable(platform, dtype, head_dim, v_head_dim),
+        "chunked": None,
+        "te": te_unavailable(platform, dtype, head_dim, v_head_dim),
+    }
 
 
-def resolve(name: str, *, platform: str, dtype, head_dim: int, v_head_dim: int,
-            seq_len: int) -> tuple[str, str]:
+def resolve(
+    name: str, *, platform: str, dtype, head_dim: int, v_head_dim: int, seq_len: int
+) -> tuple[str, str]:
     """(concrete implementation, why) for ``model.attention=name`` on this machine."""
     if name not in ATTENTION:
-        raise ConfigError(f"unknown model.attention={name!r}; choose one of: "
-                          f"{', '.join(ATTENTION)}")
-    why_not = available(platform=platform, dtype=dtype, head_dim=head_dim,
-                        v_head_dim=v_head_dim)
+        raise ConfigError(f"unknown model.attention={name!r}; choose one of: {', '.join(ATTENTION)}")
+    why_not = available(platform=platform, dtype=dtype, head_dim=head_dim, v_head_dim=v_head_dim)
     ok = [n for n in IMPLEMENTATIONS if why_not[n] is None]
     if name != "auto":
         if why_not[name]:
-            raise ConfigError(f"model.attention={name} {why_not[name]}; choose one of: "
-                              f"{', '.join(ok)}")
+            raise ConfigError(f"model.attention={name} {why_not[name]}; choose one of: {', '.join(ok)}")
         return name, f"model.attention={name} (set explicitly)"
     if why_not["cudnn"] is None:
         return "cudnn", "auto: cuDNN flash attention runs here (NVIDIA GPU, half precision)"
     if seq_len >= CHUNKED_MIN_SEQ:
-        return "chunked", (f"auto: cudnn {why_not['cudnn']}; seq_len {seq_len} >= "
-                           f"{CHUNKED_MIN_SEQ}, from where chunked beats full scores (step "
-                           "time measured on CPU; memory linear in S)")
-    return "xla", (f"auto: cudnn {why_not['cudnn']}; seq_len {seq_len} < {CHUNKED_MIN_SEQ}, "
-                   "below which full scores are as fast as chunked (measured on CPU)")
+        return "chunked", (
+            f"auto: cudnn {why_not['cudnn']}; seq_len {seq_len} >= "
+            f"{CHUNKED_MIN_SEQ}, from where chunked beats full scores (step "
+            "time measured on CPU; memory linear in S)"
+        )
+    return "xla", (
+        f"auto: cudnn {why_not['cudnn']}; seq_len {seq_len} < {CHUNKED_MIN_SEQ}, "
+        "below which full scores are as fast as chunked (measured on CPU)"
+    )
 
 
 def _check_shapes(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS) -> None:
@@ -97,17 +101,26 @@ def _check_shapes(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS) -> None:
         raise ValueError("attend needs q [B, S, N, D], k [B, S, K, D] and v [B, S, K, J]")
     (B, S, N, D), (Bk, Sk, K, Dk) = q_BSND.shape, k_BSKD.shape
     if (Bk, Sk) != (B, S) or v_BSKJ.shape[:3] != k_BSKD.shape[:3] or Dk != D:
-        raise ValueError(f"attend: mismatched q {q_BSND.shape}, k {k_BSKD.shape}, "
-                         f"v {v_BSKJ.shape} (self-attention: same B and S, q/k share D)")
+        raise ValueError(
+            f"attend: mismatched q {q_BSND.shape}, k {k_BSKD.shape}, "
+            f"v {v_BSKJ.shape} (self-attention: same B and S, q/k share D)"
+        )
     if N % K:
         raise ValueError(f"attend: {K} key/value heads do not divide {N} query heads")
     if segment_ids_BS is not None and segment_ids_BS.shape != (B, S):
-        raise ValueError(f"attend: segment_ids_BS must be [B, S] = {(B, S)}, "
-                         f"got {segment_ids_BS.shape}")
+        raise ValueError(f"attend: segment_ids_BS must be [B, S] = {(B, S)}, got {segment_ids_BS.shape}")
 
 
-def attend(q_BSND, k_BSKD, v_BSKJ, *, implementation: str, segment_ids_BS=None, block: int = 0,
-           scale: float | None = None):
+def attend(
+    q_BSND,
+    k_BSKD,
+    v_BSKJ,
+    *,
+    implementation: str,
+    segment_ids_BS=None,
+    block: int = 0,
+    scale: float | None = None,
+):
     """Causal attention, GQA (N query heads, K kv heads, K divides N); returns [B, S, N, J].
 
     ``implementation``: a concrete one (xla, cudnn, chunked, te), already resolved.
@@ -124,11 +137,14 @@ def attend(q_BSND, k_BSKD, v_BSKJ, *, implementation: str, segment_ids_BS=None, 
     if implementation == "xla":
         return xla_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, scale=scale)
     if implementation == "chunked":
-        return chunked_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, scale=scale,
-                                 block=block or default_block(q_BSND.shape[1]))
+        return chunked_attention(
+            q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, scale=scale, block=block or default_block(q_BSND.shape[1])
+        )
     if implementation == "cudnn":
         return cudnn_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, scale=scale)
     if implementation == "te":
         return te_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, scale=scale)
-    raise ValueError(f"attend: implementation must be one of {IMPLEMENTATIONS} (resolve "
-                     f"'auto' first), got {implementation!r}")
+    raise ValueError(
+        f"attend: implementation must be one of {IMPLEMENTATIONS} (resolve "
+        f"'auto' first), got {implementation!r}"
+    )

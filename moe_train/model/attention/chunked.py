@@ -79,13 +79,13 @@ def _forward(q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, scale):
             m_new = jnp.maximum(m, s.max(-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
-            pv = jnp.einsum("bkgqr,bkrj->bkgqj", p.astype(v_PBKRJ.dtype), v_PBKRJ[j],
-                            preferred_element_type=F32)
+            pv = jnp.einsum(
+                "bkgqr,bkrj->bkgqj", p.astype(v_PBKRJ.dtype), v_PBKRJ[j], preferred_element_type=F32
+            )
             return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
         rows = q_BKGQD.shape[:-1]
-        init = (jnp.full(rows, NEG, F32), jnp.zeros(rows, F32),
-                jnp.zeros((*rows, v_PBKRJ.shape[-1]), F32))
+        init = (jnp.full(rows, NEG, F32), jnp.zeros(rows, F32), jnp.zeros((*rows, v_PBKRJ.shape[-1]), F32))
         carry = jax.lax.fori_loop(0, i, lambda j, c: step(j, c, False), init)
         m, l, acc = step(i, carry, True)
         return None, ((acc / l[..., None]).astype(v_PBKRJ.dtype), m + jnp.log(l))
@@ -109,8 +109,9 @@ def _backward(scale, res, do_PBKGQJ):
             q_BKGQD, do_BKGQJ = q_PBKGQD[i], do_PBKGQJ[i]
             s = _masked_scores(q_BKGQD, k_BKRD, seg_PBQ, i, j, diagonal, scale)
             p = jnp.exp(s - lse_PBKGQ[i][..., None])
-            dv = dv + jnp.einsum("bkgqr,bkgqj->bkrj", p.astype(do_BKGQJ.dtype), do_BKGQJ,
-                                 preferred_element_type=F32)
+            dv = dv + jnp.einsum(
+                "bkgqr,bkgqj->bkrj", p.astype(do_BKGQJ.dtype), do_BKGQJ, preferred_element_type=F32
+            )
             dp = jnp.einsum("bkgqj,bkrj->bkgqr", do_BKGQJ, v_BKRJ, preferred_element_type=F32)
             ds = (p * (dp - delta_PBKGQ[i][..., None]) * scale).astype(q_BKGQD.dtype)
             dq_i = jnp.einsum("bkgqr,bkrd->bkgqd", ds, k_BKRD, preferred_element_type=F32)
@@ -124,8 +125,7 @@ def _backward(scale, res, do_PBKGQJ):
 
     dq_buf = jnp.zeros(q_PBKGQD.shape, F32)
     dq_buf, (dk, dv) = jax.lax.scan(key_block, dq_buf, (jnp.arange(P), k_PBKRD, v_PBKRJ))
-    return (dq_buf.astype(q_PBKGQD.dtype), dk.astype(k_PBKRD.dtype), dv.astype(v_PBKRJ.dtype),
-            None)
+    return (dq_buf.astype(q_PBKGQD.dtype), dk.astype(k_PBKRD.dtype), dv.astype(v_PBKRJ.dtype), None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -48,11 +48,16 @@ def gpu_facts() -> dict:
     cudnn = None
     try:
         from jax._src.lib import cuda_versions  # what jax's own cuDNN check reads
+
         cudnn = cuda_versions.cudnn_get_version() if cuda_versions is not None else None
     except Exception:  # noqa: BLE001 (missing or broken CUDA plugin)
         cudnn = None
-    return {"cuda": "cuda" in version.lower(), "version": version,
-            "cc": float(cc) if cc is not None else None, "cudnn": cudnn}
+    return {
+        "cuda": "cuda" in version.lower(),
+        "version": version,
+        "cc": float(cc) if cc is not None else None,
+        "cudnn": cudnn,
+    }
 
 
 def _gpu_reason(platform: str, dtype) -> str | None:
@@ -63,8 +68,7 @@ def _gpu_reason(platform: str, dtype) -> str | None:
     if not facts.get("cuda"):
         return f"needs an NVIDIA (CUDA) GPU, found {facts.get('version') or 'none'}"
     if jnp.dtype(dtype) not in HALF:
-        return (f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name} "
-                "(set precision.compute=bf16)")
+        return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name} (set precision.compute=bf16)"
     if facts["cc"] is not None and facts["cc"] < 8.0:
         return f"needs compute capability >= 8.0 (Ampere), found sm_{facts['cc']}"
     return None
@@ -79,8 +83,10 @@ def cudnn_unavailable(platform: str, dtype, head_dim: int, v_head_dim: int) -> s
     if facts["cudnn"] is None:
         return "needs cuDNN, which jax does not detect"
     if head_dim != v_head_dim:
-        return (f"needs the value head dim equal to the query/key head dim "
-                f"(jax.nn.dot_product_attention; got {head_dim} and {v_head_dim})")
+        return (
+            f"needs the value head dim equal to the query/key head dim "
+            f"(jax.nn.dot_product_attention; got {head_dim} and {v_head_dim})"
+        )
     limit = 256 if (facts["cc"] or 0) >= 9.0 else 128
     if head_dim % 8 or head_dim > limit:
         return f"needs a head dim that is a multiple of 8 and <= {limit} here, got {head_dim}"
@@ -90,16 +96,18 @@ def cudnn_unavailable(platform: str, dtype, head_dim: int, v_head_dim: int) -> s
 def cudnn_attention(q_BSND, k_BSKD, v_BSKD, segment_ids_BS, *, scale: float):
     """cuDNN flash attention (causal, GQA); returns [B, S, N, D]."""
     if segment_ids_BS is None:
-        return jax.nn.dot_product_attention(q_BSND, k_BSKD, v_BSKD, scale=scale,
-                                            is_causal=True, implementation="cudnn")
+        return jax.nn.dot_product_attention(
+            q_BSND, k_BSKD, v_BSKD, scale=scale, is_causal=True, implementation="cudnn"
+        )
     S = q_BSND.shape[1]
     if S % 2:  # cuDNN trains with a bias only at even lengths; the pad is causally hidden
         widths = ((0, 0), (0, 1), (0, 0), (0, 0))
         q_BSND, k_BSKD, v_BSKD = (jnp.pad(x, widths) for x in (q_BSND, k_BSKD, v_BSKD))
         segment_ids_BS = jnp.pad(segment_ids_BS, ((0, 0), (0, 1)), mode="edge")
     mask_B1SS = (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None]
-    out = jax.nn.dot_product_attention(q_BSND, k_BSKD, v_BSKD, mask=mask_B1SS, scale=scale,
-                                       is_causal=True, implementation="cudnn")
+    out = jax.nn.dot_product_attention(
+        q_BSND, k_BSKD, v_BSKD, mask=mask_B1SS, scale=scale, is_causal=True, implementation="cudnn"
+    )
     return out[:, :S]
 
 
@@ -140,26 +148,35 @@ def _fused_requested():
 def te_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, *, scale: float):
     """Transformer Engine's fused attention (causal, GQA); returns [B, S, N, J]."""
     if segment_ids_BS is not None:
-        raise ConfigError("model.attention=te does not take segment ids (TE packs documents "
-                          "only through its experimental THD layout); choose one of: chunked, "
-                          "xla, cudnn (where it runs)")
+        raise ConfigError(
+            "model.attention=te does not take segment ids (TE packs documents "
+            "only through its experimental THD layout); choose one of: chunked, "
+            "xla, cudnn (where it runs)"
+        )
     from transformer_engine.jax.flax import DotProductAttention
 
     B, S, N, D = q_BSND.shape
-    module = DotProductAttention(head_dim=D, num_attention_heads=N,
-                                 num_gqa_groups=k_BSKD.shape[2], attention_dropout=0.0,
-                                 attn_mask_type="causal", qkv_layout="bshd_bshd_bshd",
-                                 scale_factor=scale, transpose_batch_sequence=False,
-                                 dtype=q_BSND.dtype)
+    module = DotProductAttention(
+        head_dim=D,
+        num_attention_heads=N,
+        num_gqa_groups=k_BSKD.shape[2],
+        attention_dropout=0.0,
+        attn_mask_type="causal",
+        qkv_layout="bshd_bshd_bshd",
+        scale_factor=scale,
+        transpose_batch_sequence=False,
+        dtype=q_BSND.dtype,
+    )
     with _fused_requested(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = module.apply({}, q_BSND, k_BSKD, v_BSKJ, deterministic=True)
     words = ("unfused", "fall back", "fallback")
-    fallback = [str(w.message) for w in caught
-                if any(word in str(w.message).lower() for word in words)]
+    fallback = [str(w.message) for w in caught if any(word in str(w.message).lower() for word in words)]
     if fallback:
-        raise ConfigError(f"model.attention=te: Transformer Engine has no fused kernel for "
-                          f"q {q_BSND.shape} k {k_BSKD.shape} v {v_BSKJ.shape} "
-                          f"{q_BSND.dtype} ({fallback[0].splitlines()[0]}); choose one of: "
-                          "chunked, xla, cudnn (where it runs)")
+        raise ConfigError(
+            f"model.attention=te: Transformer Engine has no fused kernel for "
+            f"q {q_BSND.shape} k {k_BSKD.shape} v {v_BSKJ.shape} "
+            f"{q_BSND.dtype} ({fallback[0].splitlines()[0]}); choose one of: "
+            "chunked, xla, cudnn (where it runs)"
+        )
     return out

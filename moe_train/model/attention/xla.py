@@ -21,8 +21,7 @@ def xla_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, *, scale: float):
     B, S, N, D = q_BSND.shape
     K, J = k_BSKD.shape[2], v_BSKJ.shape[3]
     q_BSKGD = q_BSND.reshape(B, S, K, N // K, D)
-    s_BKGSS = jnp.einsum("bqkgd,brkd->bkgqr", q_BSKGD, k_BSKD,
-                         preferred_element_type=jnp.float32) * scale
+    s_BKGSS = jnp.einsum("bqkgd,brkd->bkgqr", q_BSKGD, k_BSKD, preferred_element_type=jnp.float32) * scale
     mask = jnp.tril(jnp.ones((S, S), bool))
     if segment_ids_BS is not None:
         same_BSS = segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :]

@@ -74,8 +74,9 @@ def pack(x_XH, dest_XJ, local_XJ, n_dest: int, C: int, L: int) -> Packed:
     order_N = jnp.argsort(dest_N * L + local_N, stable=True)
     counts = jnp.bincount(dest_N, length=n_dest + 1).astype(jnp.int32)
     start = jnp.cumsum(counts) - counts
-    pos_N = jnp.zeros((N,), jnp.int32).at[order_N].set(
-        jnp.arange(N, dtype=jnp.int32) - start[dest_N[order_N]])
+    pos_N = (
+        jnp.zeros((N,), jnp.int32).at[order_N].set(jnp.arange(N, dtype=jnp.int32) - start[dest_N[order_N]])
+    )
     slot_N = jnp.where((dest_N < n_dest) & (pos_N < C), dest_N * C + pos_N, R)
     x_RH = gather_rows(x_XH, slot_N, J, R)
     ids_R = jnp.full((R,), L, jnp.int32).at[slot_N].set(local_N, mode="drop")
@@ -102,16 +103,22 @@ def unpack(y_RH, slot_N):
 
 def pair_stats(recv_counts, C: int, balanced: float) -> dict:
     """Exchange stats of one bucketed exchange from the counts each source sent here."""
-    return {"overflow": jnp.any(recv_counts > C),
-            "recv_rows": jnp.sum(jnp.minimum(recv_counts, C)).astype(jnp.float32),
-            "recv_slots": jnp.float32(recv_counts.shape[0] * C),
-            "max_pair_load": jnp.max(recv_counts).astype(jnp.float32) / balanced}
+    return {
+        "overflow": jnp.any(recv_counts > C),
+        "recv_rows": jnp.sum(jnp.minimum(recv_counts, C)).astype(jnp.float32),
+        "recv_slots": jnp.float32(recv_counts.shape[0] * C),
+        "max_pair_load": jnp.max(recv_counts).astype(jnp.float32) / balanced,
+    }
 
 
 def dispatcher(ctx: Context):
     """The dispatcher object for ``ctx.plan.dispatcher``."""
     from moe_train.moe.dispatch import a2a, allgather, hierarchical, local
 
-    kinds = {"local": local.Local, "allgather": allgather.AllGather, "a2a": a2a.A2A,
-             "hierarchical": hierarchical.Hierarchical}
+    kinds = {
+        "local": local.Local,
+        "allgather": allgather.AllGather,
+        "a2a": a2a.A2A,
+        "hierarchical": hierarchical.Hierarchical,
+    }
     return kinds[ctx.plan.dispatcher](ctx)

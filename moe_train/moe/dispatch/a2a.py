@@ -38,8 +38,7 @@ class A2A:
         arrived = Arrived(rows, all_to_all(sent.ids_R, EP_AXES)[:, None], None, x_TH.dtype)
         domain = jax.lax.axis_index(EXPERT_X)
         stats = pair_stats(recv_counts, stage.slots, stage.balanced)
-        stats["slow_rows"] = jnp.sum(experts_TK // L // self.ctx.domain_size != domain
-                                     ).astype(jnp.float32)
+        stats["slow_rows"] = jnp.sum(experts_TK // L // self.ctx.domain_size != domain).astype(jnp.float32)
         return arrived, (sent.slot_N, weights_TK, x_TH.dtype, stats)
 
     def combine(self, y_RH, sent):

@@ -25,13 +25,13 @@ class AllGather:
     def dispatch(self, x_TH, weights_TK, experts_TK):
         L = self.ctx.local_experts
         rank = jax.lax.axis_index(EP_AXES)
-        x_AH = send_rows(lambda r: jax.lax.all_gather(r, EP_AXES, tiled=True), x_TH,
-                         self.ctx.plan.dispatch_dtype)
+        x_AH = send_rows(
+            lambda r: jax.lax.all_gather(r, EP_AXES, tiled=True), x_TH, self.ctx.plan.dispatch_dtype
+        )
         e_AK = jax.lax.all_gather(experts_TK, EP_AXES, tiled=True)
         w_AK = jax.lax.all_gather(weights_TK, EP_AXES, tiled=True)
         mine_AK = e_AK // L == rank
-        arrived = Arrived(x_AH, jnp.where(mine_AK, e_AK % L, L), jnp.where(mine_AK, w_AK, 0.0),
-                          jnp.float32)
+        arrived = Arrived(x_AH, jnp.where(mine_AK, e_AK % L, L), jnp.where(mine_AK, w_AK, 0.0), jnp.float32)
         return arrived, (x_TH.shape[0], x_TH.dtype, e_AK.size, jnp.sum(mine_AK))
 
     def combine(self, part_AH, sent):
@@ -39,4 +39,5 @@ class AllGather:
         y_TH = jax.lax.psum_scatter(part_AH, EP_AXES, scatter_dimension=0, tiled=True)
         remote = T * (self.ctx.domains - 1) * self.ctx.domain_size  # tokens from other domains
         return y_TH.astype(dtype), exchange_stats(
-            gathered, recv_rows=mine.astype(jnp.float32), slow_rows=jnp.float32(remote))
+            gathered, recv_rows=mine.astype(jnp.float32), slow_rows=jnp.float32(remote)
+        )

@@ -16,8 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_train.moe.dispatch import (Arrived, Context, all_to_all, gather_rows, pack, pair_stats,
-                                    unpack)
+from moe_train.moe.dispatch import Arrived, Context, all_to_all, gather_rows, pack, pair_stats, unpack
 from moe_train.moe.dispatch.fp8 import send_rows
 from moe_train.moe.permute import weighted_sum
 from moe_train.parallel import jobplan
@@ -44,10 +43,16 @@ class Hierarchical:
         slot = jnp.where(ok_TG, jnp.arange(G) * C1 + pos_TG, G * C1).reshape(-1)
         in_dom_TGK = dom_TK[:, None, :] == jnp.arange(G)[None, :, None]
         send_x = gather_rows(x_TH, slot, G, G * C1)
-        send_e = jnp.full((G * C1, K), -1, jnp.int32).at[slot].set(
-            jnp.where(in_dom_TGK, experts_TK[:, None, :], -1).reshape(T * G, K), mode="drop")
-        send_w = jnp.zeros((G * C1, K), jnp.float32).at[slot].set(
-            jnp.where(in_dom_TGK, weights_TK[:, None, :], 0.0).reshape(T * G, K), mode="drop")
+        send_e = (
+            jnp.full((G * C1, K), -1, jnp.int32)
+            .at[slot]
+            .set(jnp.where(in_dom_TGK, experts_TK[:, None, :], -1).reshape(T * G, K), mode="drop")
+        )
+        send_w = (
+            jnp.zeros((G * C1, K), jnp.float32)
+            .at[slot]
+            .set(jnp.where(in_dom_TGK, weights_TK[:, None, :], 0.0).reshape(T * G, K), mode="drop")
+        )
         return send_x, send_e, send_w, slot, ok_TG, need_TG
 
     def dispatch(self, x_TH, weights_TK, experts_TK):
@@ -56,7 +61,8 @@ class Hierarchical:
         one, two = jobplan.hierarchical_stages(T, K, L, G, D, self.ctx.plan.capacity_factor)
         with jax.named_scope("pack"):
             send_x, send_e, send_w, slot1, ok_TG, need_TG = self._stage_one(
-                x_TH, weights_TK, experts_TK, one.slots)
+                x_TH, weights_TK, experts_TK, one.slots
+            )
         recv_counts1 = all_to_all(need_TG.sum(axis=0).astype(jnp.int32), SLOW)
         r_e = all_to_all(send_e, SLOW)
         fp8 = self.ctx.plan.dispatch_dtype
@@ -71,17 +77,19 @@ class Hierarchical:
         stats = pair_stats(recv_counts2, two.slots, two.balanced)
         first = pair_stats(recv_counts1, one.slots, one.balanced)
         domain = jax.lax.axis_index(SLOW)
-        stats.update(overflow=stats["overflow"] | first["overflow"],
-                     max_pair_load=jnp.maximum(stats["max_pair_load"], first["max_pair_load"]),
-                     slow_rows=(need_TG.sum() - need_TG[:, domain].sum()).astype(jnp.float32))
-        return arrived, (sent2.slot_N, jnp.where(dest2 < D, r_w, 0.0), slot1, ok_TG,
-                         x_TH.dtype, stats)
+        stats.update(
+            overflow=stats["overflow"] | first["overflow"],
+            max_pair_load=jnp.maximum(stats["max_pair_load"], first["max_pair_load"]),
+            slow_rows=(need_TG.sum() - need_TG[:, domain].sum()).astype(jnp.float32),
+        )
+        return arrived, (sent2.slot_N, jnp.where(dest2 < D, r_w, 0.0), slot1, ok_TG, x_TH.dtype, stats)
 
     def combine(self, y_R2H, sent):
         slot2, w2, slot1, ok_TG, dtype, stats = sent
         part_R1H = weighted_sum(unpack(all_to_all(y_R2H, FAST), slot2), w2, jnp.float32)
         back_R1H = all_to_all(part_R1H, SLOW)
         T, G = ok_TG.shape
-        y_TGH = jnp.where(ok_TG[..., None], back_R1H[jnp.minimum(slot1, back_R1H.shape[0] - 1)]
-                          .reshape(T, G, -1), 0)
+        y_TGH = jnp.where(
+            ok_TG[..., None], back_R1H[jnp.minimum(slot1, back_R1H.shape[0] - 1)].reshape(T, G, -1), 0
+        )
         return y_TGH.sum(axis=1).astype(dtype), stats
