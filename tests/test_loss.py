@@ -369,3 +369,29 @@ def test_bad_arguments_raise():
         lm_loss(x, head, labels, chunk=-1)
     with pytest.raises(ValueError, match="shapes"):
         lm_loss(x, head.T, labels)
+
+
+def test_one_call_over_stacked_token_sets_equals_one_call_per_set():
+    """token_losses over the main head's and an MTP depth's tokens side by side (one loop
+    over the head, as the train step calls it) gives each set's mean and gradients as
+    separate lm_loss calls do; labels past the vocab count for nothing."""
+    from moe_train.model.loss import token_losses
+
+    x0, head, l0 = _inputs(seed=1)
+    x1, _, l1 = _inputs(seed=2)
+    l1 = l1.at[-3:].set(-1)  # ignored, as MTP's labels past the batch
+
+    def separate(x0, x1, head):
+        return lm_loss(x0, head, l0, chunk=8)[0] + 0.3 * lm_loss(x1, head, l1, chunk=8)[0]
+
+    def joint(x0, x1, head):
+        labels = jnp.concatenate([l0, l1])
+        nll = token_losses(jnp.concatenate([x0, x1]), head, labels, chunk=8)[0].reshape(2, T)
+        w = (labels.reshape(2, T) >= 0).astype(jnp.float32)
+        ce = (w * nll).sum(1) / w.sum(1)
+        return ce[0] + 0.3 * ce[1]
+
+    want, got = (jax.value_and_grad(f, argnums=(0, 1, 2))(x0, x1, head) for f in (separate, joint))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(g, w, atol=F32_TOL * float(jnp.abs(w).max()))

@@ -1,6 +1,7 @@
 """The memory planner: exact state bytes and close totals against XLA's compiled memory
 analysis on CPU, published model sizes, verdicts, alternatives, CLI and errors."""
 
+import dataclasses
 import json
 import math
 import re
@@ -505,3 +506,22 @@ def test_micro_batch_size_that_does_not_divide_is_a_plan_error():
     cfg = config.build("mixtral-8x7b", ["train.micro_batch_size=3"])
     with pytest.raises(PlanError, match="micro_batch_size=3 does not divide the 8 sequences"):
         plan(cfg, "h100-dgx", 8, ep=8)
+
+
+def test_gpu_planner_holds_each_mtp_blocks_deferred_weight_gradient_operands():
+    """GPU presets under full remat: the MTP block's dispatched rows x, dy (2H) and a0, a1, h
+    (3F) in the compute dtype per MTP depth, beside the layer being recomputed; nothing
+    without MTP or on CPU (XLA:GPU's scheduler defers those weight-gradient GEMMs)."""
+    from moe_train.memory import job, rows
+
+    sets = ["model.num_layers=4", "train.remat=full", "train.micro_batch_size=1", "parallel.ep=64"]
+    cluster = presets.load("h100-dgx")
+    cfg = config.for_devices(config.build("deepseek-v3", sets), 64)
+    s = job.setup_for(cfg, cluster, 8, ep=64)
+    R, _ = rows.moe_rows(cfg, s, 4.0)
+    H, F = cfg.model.hidden, cfg.moe.expert_ffn
+    assert rows.deferred_mtp_bytes(cfg, s, 4.0) == R * (2 * H + 3 * F) * 2
+    no_mtp = config.for_devices(config.build("deepseek-v3", sets + ["model.mtp_depth=0"]), 64)
+    assert rows.deferred_mtp_bytes(no_mtp, s, 4.0) == 0
+    cpu = dataclasses.replace(s, platform="cpu")
+    assert rows.deferred_mtp_bytes(cfg, cpu, 4.0) == 0

@@ -84,7 +84,10 @@ GPU presets (``Setup.platform`` "gpu": the estimate models XLA:GPU, checked agai
 (grads: the reduced shards, copy / dp, in place of the fp32 micro-batch gradient, plus one
 layer's share in flight), and the whole-vocabulary buffers at the end of the backward pass
 are counted in the precision copies: the embedding's gathered copy and the gradients of
-the head and the embedding, V*H*a each (untied).
+the head and the embedding, V*H*a each (untied). Under full/matmuls remat each MTP block's
+expert weight-gradient operands, R * (2H + 3F) * a, are held through the main layers'
+backward (XLA:GPU's scheduler defers those GEMMs, which only the optimizer needs, while
+memory allows: ``rows.deferred_mtp_bytes``).
 
 Validation (tests/test_memory.py; tiny preset, 3 layers, 16 x 128 tokens, XLA:CPU):
 the state equals XLA's compiled argument size to within 52 bytes (step counters) on 1 device,

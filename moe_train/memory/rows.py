@@ -76,4 +76,18 @@ def moe_buffer_bytes(cfg: Config, s: Setup, factor: float | None, n_moe: int) ->
         return 0
     kept, transient = moe_layer_bytes(cfg, s, factor)
     layers = n_moe + 1 if s.remat in ("none", "moe") else (1 if s.gpu else 2)
-    return layers * kept + transient
+    return layers * kept + transient + deferred_mtp_bytes(cfg, s, factor)
+
+
+def deferred_mtp_bytes(cfg: Config, s: Setup, factor: float | None) -> int:
+    """On GPU under ``full``/``matmuls`` remat: each MTP block's expert weight-gradient
+    operands, held through the main layers' backward pass. The MTP block runs outside the
+    layer loop and only the optimizer reads its weight gradients, so XLA:GPU's
+    latency-hiding scheduler, below its memory limit, defers those GEMMs past the main
+    layers' backward and keeps their operands: the dispatched rows x and dy (2 H) and a0, a1
+    and h (3 F), in the compute dtype (deepseek-v3 at 4 layers, 8 h100-dgx, EP 64, 4x
+    bucket: 5.0 GiB of such buffers in XLA's peak live set, ``make compile PEAK=1``)."""
+    if not (s.gpu and cfg.model.mtp_depth and s.remat in ("full", "matmuls")):
+        return 0
+    rows, _ = moe_rows(cfg, s, factor)
+    return cfg.model.mtp_depth * rows * (2 * cfg.model.hidden + 3 * cfg.moe.expert_ffn) * s.a

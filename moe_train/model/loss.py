@@ -133,6 +133,25 @@ def lm_loss(
     ignored (weight 0), see the module docstring. ``chunk``, ``vocab_chunk`` and
     ``logit_scale`` are static Python numbers.
     """
+    nll_T, lse_T = token_losses(
+        x_TH, head_HV, labels_T, chunk=chunk, logit_scale=logit_scale, vocab_chunk=vocab_chunk
+    )
+    V = head_HV.shape[1]
+    valid_T = (labels_T >= 0) & (labels_T < V)
+    w_T = jnp.ones(labels_T.shape, jnp.float32) if weights_T is None else weights_T.astype(jnp.float32)
+    w_T = jax.lax.stop_gradient(jnp.where(valid_T, w_T, 0.0))
+    denom = jnp.maximum(jnp.sum(w_T), 1.0)
+    ce = jnp.sum(w_T * nll_T) / denom
+    logit_z = jnp.sum(w_T * lse_T**2) / denom
+    return ce + z_loss_coef * logit_z, {"ce": ce, "logit_z": logit_z}
+
+
+def token_losses(x_TH, head_HV, labels_T, *, chunk: int = 0, logit_scale: float = 1.0, vocab_chunk: int = 0):
+    """Per token: (cross-entropy ``lse - logit[label]``, logsumexp ``lse``), both fp32 [T], of
+    logits = (x_TH @ head_HV) * logit_scale, chunked and tiled as ``lm_loss`` (which takes
+    their weighted means). A label outside [0, V) scores as label 0: weight such tokens 0.
+    One call over several token sets (the main head's and the MTP depths', concatenated)
+    loops over the head once, so its [H, V] gradient exists once, not once per set."""
     T, H = x_TH.shape
     V = head_HV.shape[1]
     if T < 1 or head_HV.shape[0] != H or labels_T.shape != (T,):
@@ -140,13 +159,9 @@ def lm_loss(
     if chunk < 0 or vocab_chunk < 0:
         raise ValueError(f"lm_loss chunk and vocab_chunk must be >= 0 (0 picks), got {chunk}, {vocab_chunk}")
     chunk = min(chunk or default_chunk(T, V), T)
-    valid_T = (labels_T >= 0) & (labels_T < V)
-    w_T = jnp.ones((T,), jnp.float32) if weights_T is None else weights_T.astype(jnp.float32)
-    w_T = jax.lax.stop_gradient(jnp.where(valid_T, w_T, 0.0))
-    labels_T = jnp.where(valid_T, labels_T, 0).astype(jnp.int32)
-    operands = _same_variance(x_TH, head_HV, labels_T, w_T)
-    ce, logit_z = _ce_and_z(*operands, chunk, vocab_tile(V, vocab_chunk), float(logit_scale))
-    return ce + z_loss_coef * logit_z, {"ce": ce, "logit_z": logit_z}
+    labels_T = jnp.where((labels_T >= 0) & (labels_T < V), labels_T, 0).astype(jnp.int32)
+    operands = _same_variance(x_TH, head_HV, labels_T)
+    return _nll_and_lse(*operands, chunk, vocab_tile(V, vocab_chunk), float(logit_scale))
 
 
 def _to_chunks(a_T, chunk: int):
@@ -190,9 +205,9 @@ def _operands(x_TH, head_HV):
     return x_TH.astype(dt), head_HV.astype(dt)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ce_and_z(x_TH, head_HV, labels_T, w_T, chunk: int, width: int, scale: float):
-    return _ce_and_z_fwd(x_TH, head_HV, labels_T, w_T, chunk, width, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _nll_and_lse(x_TH, head_HV, labels_T, chunk: int, width: int, scale: float):
+    return _nll_and_lse_fwd(x_TH, head_HV, labels_T, chunk, width, scale)[0]
 
 
 def _tiles(x_CH, head_HV, width: int, scale: float, body, carry):
@@ -231,7 +246,7 @@ def _chunk_lse_and_picked(x_CH, labels_C, head_HV, width: int, scale: float):
     return _tiles(x_CH, head_HV, width, scale, body, (zero_C - jnp.inf, zero_C))
 
 
-def _ce_and_z_fwd(x_TH, head_HV, labels_T, w_T, chunk: int, width: int, scale: float):
+def _nll_and_lse_fwd(x_TH, head_HV, labels_T, chunk: int, width: int, scale: float):
     x_mm, head = _operands(x_TH, head_HV)
     T = x_TH.shape[0]
     x_CGH, labels_CG = _to_chunks(x_mm, chunk), _to_chunks(labels_T, chunk)
@@ -241,32 +256,28 @@ def _ce_and_z_fwd(x_TH, head_HV, labels_T, w_T, chunk: int, width: int, scale: f
 
     _, out_GC = _loop(per_chunk, None, x_CGH.shape[1])
     lse_T, picked_T = (_from_chunks(a_GC.T, T) for a_GC in out_GC)
-    denom = jnp.maximum(jnp.sum(w_T), 1.0)
-    ce = jnp.sum(w_T * (lse_T - picked_T)) / denom
-    logit_z = jnp.sum(w_T * lse_T**2) / denom
-    return (ce, logit_z), (x_TH, head_HV, labels_T, w_T / denom, lse_T)
+    return (lse_T - picked_T, lse_T), (x_TH, head_HV, labels_T, lse_T)
 
 
-def _dlogits(inputs, logits_CW, start, fresh_W, head_dtype, width: int, scale: float, g_ce, g_z):
-    """One tile's logits cotangent, in the matmul dtype: d/dlogits of coef * (g_ce * (lse -
-    logit[label]) + g_z * lse^2), zero on the tile's columns that an earlier tile owns."""
-    labels_C, coef_C, lse_C = inputs
+def _dlogits(inputs, logits_CW, start, fresh_W, head_dtype, width: int, scale: float):
+    """One tile's logits cotangent, in the matmul dtype: d/dlogits of g_nll * (lse -
+    logit[label]) + g_lse * lse per token, zero on the tile's columns an earlier tile owns."""
+    labels_C, g_nll_C, g_lse_C, lse_C = inputs
     p_CW = jnp.exp(logits_CW - lse_C[:, None])
     onehot_CW = (labels_C - start)[:, None] == jnp.arange(width, dtype=jnp.int32)
-    dlogits_CW = coef_C[:, None] * (
-        p_CW * (g_ce + 2.0 * g_z * lse_C[:, None]) - jnp.where(onehot_CW, g_ce, 0.0)
-    )
+    dlogits_CW = p_CW * (g_nll_C + g_lse_C)[:, None] - jnp.where(onehot_CW, g_nll_C[:, None], 0.0)
     return (jnp.where(fresh_W, dlogits_CW, 0.0) * scale).astype(head_dtype)
 
 
-def _ce_and_z_bwd(chunk: int, width: int, scale: float, residuals, cotangents):
+def _nll_and_lse_bwd(chunk: int, width: int, scale: float, residuals, cotangents):
     """Vocab tiles outside, chunks inside: each tile's [H, W] head gradient is summed over
     the chunks in fp32, then added once into the [H, V] gradient, which is carried in the
     head's dtype (not in fp32 through every chunk); ``dx`` is carried in fp32 across tiles."""
-    x_in, head_in, labels_T, coef_T, lse_T = residuals
-    g_ce, g_z = cotangents
+    x_in, head_in, labels_T, lse_T = residuals
+    g_nll_T, g_lse_T = (g.astype(jnp.float32) for g in cotangents)
     x_TH, head = _operands(x_in, head_in)
-    x_CGH, labels_CG, coef_CG, lse_CG = (_to_chunks(a, chunk) for a in (x_TH, labels_T, coef_T, lse_T))
+    chunked = (_to_chunks(a, chunk) for a in (x_TH, labels_T, g_nll_T, g_lse_T, lse_T))
+    x_CGH, labels_CG, g_nll_CG, g_lse_CG, lse_CG = chunked
     H, V = head.shape
 
     def per_tile(carry, v):
@@ -279,9 +290,9 @@ def _ce_and_z_bwd(chunk: int, width: int, scale: float, residuals, cotangents):
         def per_chunk(carry, g):
             dhead_HW, dx_CGH = carry
             x_CH = _chunk(x_CGH, g)
-            inputs = (_chunk(labels_CG, g), _chunk(coef_CG, g), _chunk(lse_CG, g))
+            inputs = tuple(_chunk(a, g) for a in (labels_CG, g_nll_CG, g_lse_CG, lse_CG))
             dlogits_CW = _dlogits(
-                inputs, _logits(x_CH, head_HW, scale), start, fresh_W, head.dtype, width, scale, g_ce, g_z
+                inputs, _logits(x_CH, head_HW, scale), start, fresh_W, head.dtype, width, scale
             )
             dx_CH = _chunk(dx_CGH, g) + jax.lax.dot_general(
                 dlogits_CW, head_HW, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -291,17 +302,19 @@ def _ce_and_z_bwd(chunk: int, width: int, scale: float, residuals, cotangents):
             )
             return (dhead_HW, jax.lax.dynamic_update_index_in_dim(dx_CGH, dx_CH, g, axis=1)), None
 
-        dhead0 = _zeros_varying_like((H, width), x_TH, head, g_ce, g_z)
+        dhead0 = _zeros_varying_like((H, width), x_TH, head, g_nll_T, g_lse_T)
         (dhead_HW, dx_CGH), _ = _loop(per_chunk, (dhead0, dx_CGH), x_CGH.shape[1])
         # added, not written: the last tile overlaps the one before (zeros on its columns)
         old_HW = jax.lax.dynamic_slice_in_dim(dhead_HV, start, width, axis=1)
         new_HW = (old_HW + dhead_HW).astype(dhead_HV.dtype)
         return (dx_CGH, jax.lax.dynamic_update_slice_in_dim(dhead_HV, new_HW, start, axis=1)), None
 
-    dx0 = _zeros_varying_like(x_CGH.shape, x_TH, head, g_ce, g_z)
-    dhead0 = _zeros_varying_like(head.shape, x_TH, head, g_ce, g_z).astype(head_in.dtype)
+    dx0 = _zeros_varying_like(x_CGH.shape, x_TH, head, g_nll_T, g_lse_T)
+    # from the head, not a constant: XLA:GPU scheduled a constant [H, V] zero buffer (and a
+    # double-buffer twin) early and held them through the backward pass (make compile PEAK=1)
+    dhead0 = (head.astype(jnp.float32) * 0.0 + _empty_sum(x_TH, g_nll_T, g_lse_T)).astype(head_in.dtype)
     (dx_CGH, dhead_HV), _ = _loop(per_tile, (dx0, dhead0), _cdiv(V, width))
-    return (_from_chunks(dx_CGH, x_TH.shape[0]).astype(x_in.dtype), dhead_HV, None, None)
+    return (_from_chunks(dx_CGH, x_TH.shape[0]).astype(x_in.dtype), dhead_HV, None)
 
 
 def _empty_sum(*arrays):
@@ -324,4 +337,4 @@ def _zeros_varying_like(shape, *arrays):
     return jnp.zeros(shape, jnp.float32) + _empty_sum(*arrays)
 
 
-_ce_and_z.defvjp(_ce_and_z_fwd, _ce_and_z_bwd)
+_nll_and_lse.defvjp(_nll_and_lse_fwd, _nll_and_lse_bwd)

@@ -241,19 +241,8 @@ def _loss_fn(
     head, stats = model.apply(
         variables, tokens_BS1[:, :-1], logits=False, mtp_ids_DBS=mtp_ids, segment_ids_BS=segment_ids_BS
     )
-    B, S, H = head.x_BSH.shape
-    chunk = loss.sharded_chunk(B * S, cfg.model.vocab_size, devices, cfg.train.loss_chunk)
-
-    def ce_of(x_BSH, labels_BS):
-        return loss.lm_loss(
-            x_BSH.reshape(B * S, H), head.head_HV, labels_BS.reshape(-1), chunk=chunk, logit_scale=head.scale
-        )[0]
-
-    ce = ce_of(head.x_BSH, packing.next_token_labels(tokens_BS1, segments_BS1))
-    mtp_ce = (
-        sum(ce_of(head.mtp_DBSH[k], mtp_labels[k]) for k in range(depth)) / depth
-        if depth
-        else jnp.float32(0.0)
+    ce, mtp_ce = _cross_entropies(
+        head, packing.next_token_labels(tokens_BS1, segments_BS1), mtp_labels, cfg, devices
     )
     e = cfg.moe
     aux, seq_aux, z = moe_stats.losses(stats)
@@ -261,6 +250,33 @@ def _loss_fn(
         ce + e.aux_loss_coef * aux + e.seq_aux_loss_coef * seq_aux + e.z_loss_coef * z + mtp_weight * mtp_ce
     )
     return total, dict(ce=ce, mtp=mtp_ce, aux=aux, seq_aux=seq_aux, z=z, stats=stats)
+
+
+def _cross_entropies(head, labels_BS, mtp_labels_DBS, cfg: Config, devices: int):
+    """(next-token cross-entropy, mean of the MTP depths' cross-entropies; 0 without MTP),
+    each the mean over its valid labels, from one ``loss.token_losses`` call over the main
+    head's and every depth's tokens side by side ([B, (1+D) S]: each device keeps its rows),
+    so the loop over the shared head and its [H, V] gradient run once per step, not 1+D times."""
+    xs, labels = [head.x_BSH], [labels_BS]
+    if mtp_labels_DBS is not None:
+        xs += list(head.mtp_DBSH)
+        labels += list(mtp_labels_DBS)
+    B, S, H = head.x_BSH.shape
+    G, V = len(xs), head.head_HV.shape[1]
+    labels_BGS = jnp.stack(labels, axis=1)
+    chunk = loss.sharded_chunk(B * G * S, V, devices, cfg.train.loss_chunk)
+    nll_T, _ = loss.token_losses(
+        jnp.stack(xs, axis=1).reshape(B * G * S, H),
+        head.head_HV,
+        labels_BGS.reshape(-1),
+        chunk=chunk,
+        logit_scale=head.scale,
+    )
+    w_BGS = ((labels_BGS >= 0) & (labels_BGS < V)).astype(jnp.float32)
+    ce_G = jnp.sum(w_BGS * nll_T.reshape(B, G, S), axis=(0, 2)) / jnp.maximum(
+        jnp.sum(w_BGS, axis=(0, 2)), 1.0
+    )
+    return ce_G[0], (jnp.mean(ce_G[1:]) if G > 1 else jnp.float32(0.0))
 
 
 def update_bias(moe_state, tokens_per_expert_LE, rate: float):

@@ -89,7 +89,8 @@ class Hierarchical:
         part_R1H = weighted_sum(unpack(all_to_all(y_R2H, FAST), slot2), w2, jnp.float32)
         back_R1H = all_to_all(part_R1H, SLOW)
         T, G = ok_TG.shape
-        y_TGH = jnp.where(
-            ok_TG[..., None], back_R1H[jnp.minimum(slot1, back_R1H.shape[0] - 1)].reshape(T, G, -1), 0
-        )
+        # slot1 is G*C1 (past the rows) where ok_TG is False: those rows come back zero; a
+        # gather both ways (autodiff's scatter-add into an fp32 zero [G*C1, H] buffer let
+        # XLA:GPU hoist eight of them, 0.44 GiB each, deepseek-v3's MTP block: make compile)
+        y_TGH = unpack(back_R1H, slot1).reshape(T, G, -1)
         return y_TGH.sum(axis=1).astype(dtype), stats
