@@ -96,7 +96,20 @@ def decided(req: Request, cluster: presets.Cluster, cfg: config.Config, top: int
         job_req = dataclasses.replace(req, sets=(*req.sets, *items), ep=ep)
         job_cfg, _ = layout.model_config(job_req, cluster)
     chosen = tuple(_choice(key, cfg, job_cfg, fixed, best) for key in _keys(cfg, fixed))
+    if req.ep_fitted:
+        chosen = tuple(_fitted(c, req) if c.key == EP_KEY else c for c in chosen)
     return Decided(job_req, job_cfg, chosen, found, summary(found))
+
+
+def _fitted(c: Choice, req: Request) -> Choice:
+    """The EP choice where the model preset's EP did not divide the job's GPUs."""
+    return Choice(
+        c.key,
+        c.value,
+        PLANNER,
+        f"{PREFIX[c.key]}: {c.key}={c.value}, the planner's choice (the model preset's "
+        f"{req.ep_fitted} does not divide this job's GPUs; --ep N to set it)",
+    )
 
 
 def _choice(

@@ -12,6 +12,7 @@ no Slurm: ``slurm.plan.plan`` adds those to make the JobSpec, ``slurm.show`` pri
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,7 +60,7 @@ def decide(req: Request, top: int = 1) -> Decision:
         raise LaunchError(f"--nodes must be at least 1, got {req.nodes}")
     if req.compute:
         _check_compute(req.compute)
-    cfg, _ = _model_config(req, cluster)
+    req, cfg = _model_config(req, cluster)
     chosen = choices.decided(req, cluster, cfg, top)  # rendered as the launcher's --set
     req, cfg, ep = chosen.req, chosen.cfg, chosen.cfg.parallel.ep
     segment, notes = layout.placement(req, cluster, ep, cfg)
@@ -98,19 +99,38 @@ def _check_compute(path: str) -> None:
         raise LaunchError(str(err)) from None
 
 
-def _model_config(req: Request, cluster: presets.Cluster) -> tuple[config.Config, int]:
+def _model_config(req: Request, cluster: presets.Cluster) -> tuple[Request, config.Config]:
     """``layout.model_config``, then the batch against the GPUs and micro-batches
-    (``jobplan.check_batch``, whose message names the nearest batch sizes that split)."""
+    (``jobplan.check_batch``, whose message names the nearest batch sizes that split). A
+    model preset's ``parallel.ep`` that does not divide the job's GPUs (the user set no EP)
+    gives way to the largest valid EP below it (``Request.ep_fitted``), which the search
+    then treats as the preset's."""
     gpus = req.nodes * cluster.gpus_per_node
     try:
-        cfg, ep = layout.model_config(req, cluster)
+        cfg, _ = layout.model_config(req, cluster)
     except LaunchError:
         bare = _bare_config(req)  # the layout's refusal may be the batch: name the sizes
-        if bare is not None and not jobplan.ep_fault(gpus, bare.parallel.ep, bare.moe.num_experts):
+        fault = None if bare is None else jobplan.ep_fault(gpus, bare.parallel.ep, bare.moe.num_experts)
+        if bare is not None and not fault:
             _check_batch(bare, gpus)
-        raise
+        fitted = _fitted_ep(req, cluster, bare) if fault == "devices" else None
+        if fitted is None:
+            raise
+        req = dataclasses.replace(req, ep=fitted, ep_fitted=bare.parallel.ep)
+        cfg, _ = layout.model_config(req, cluster)
     _check_batch(cfg, gpus)
-    return cfg, ep
+    return req, cfg
+
+
+def _fitted_ep(req: Request, cluster: presets.Cluster, bare: config.Config) -> int | None:
+    """The largest EP below the model preset's that the job's GPUs and the experts allow,
+    where the user fixed no EP (None: the user did, or none is valid)."""
+    from topology.placement import valid_eps_for_nodes
+
+    if req.ep is not None or "parallel.ep" in search.user_keys(req) or "parallel.dp" in search.user_keys(req):
+        return None
+    valid = [e for e in valid_eps_for_nodes(cluster, req.nodes, bare.moe.num_experts) if e < bare.parallel.ep]
+    return max(valid) if valid else None
 
 
 def _bare_config(req: Request) -> config.Config | None:

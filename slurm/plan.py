@@ -56,6 +56,9 @@ class Request:
     sets: tuple[str, ...] = ()  # "section.key=value" trainer overrides
     out: str = ""  # run directory; "": runs/slurm/<job name>-<UTC time>
     ep: int | None = None  # expert-parallel size; None: the model config's parallel.ep
+    # ep stands in for the model preset's parallel.ep, which does not divide the job's GPUs
+    # (the largest valid EP below it): searched like the preset's, not kept as the user's
+    ep_fitted: int = 0  # the model preset's parallel.ep it replaced; 0: none replaced
     time: str = ""  # wall-clock limit; "": site file, else DEFAULT_TIME
     partition: str = ""  # "": site file
     account: str = ""  # "": site file

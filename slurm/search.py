@@ -124,7 +124,7 @@ def user_keys(req: Request) -> frozenset[str]:
     """The keys of the user's --set items, with parallel.ep where --ep (or parallel.dp) fixes
     it."""
     keys = {item.partition("=")[0].strip() for item in req.sets}
-    if req.ep is not None or "parallel.dp" in keys:
+    if (req.ep is not None and not req.ep_fitted) or "parallel.dp" in keys:
         keys.add(EP_KEY)
     return frozenset(keys)
 

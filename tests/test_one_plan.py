@@ -190,3 +190,22 @@ def test_micro_batches_that_do_not_split_name_batch_sizes_that_do():
         ],
     )[2]
     assert all(b % (64 * 16) == 0 for b in _named_sizes(err)) and _named_sizes(err)
+
+
+def test_a_preset_ep_that_does_not_divide_the_gpus_gives_way_to_the_largest_that_does():
+    """DeepSeek-V3's preset EP 64 on 4 h100-dgx nodes (32 GPUs): the plan takes EP 32, says
+    why, and keeps it searchable (not the user's)."""
+    from slurm import decide
+    from slurm.plan import Request
+
+    d = decide.decide(Request(preset="h100-dgx", model="deepseek-v3", nodes=4))
+    ep = next(c for c in d.choices if c.key == "parallel.ep")
+    assert d.cfg.parallel.ep == 32 and "64 does not divide" in ep.note and ep.source != "user"
+
+
+def test_an_ep_the_user_set_that_does_not_divide_the_gpus_is_refused():
+    from slurm import decide
+    from slurm.plan import LaunchError, Request
+
+    with pytest.raises(LaunchError, match="ep 64 does not divide the 32 GPUs.*valid ep: .*32"):
+        decide.decide(Request(preset="h100-dgx", model="deepseek-v3", nodes=4, ep=64))
