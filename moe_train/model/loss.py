@@ -42,6 +42,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from moe_train.moe.permute import zeros_after
+
 CHUNK_LOGITS_BYTES = 16 << 20  # fp32 logits of one tile (the backward holds a few such buffers)
 VOCAB_TILE = 2048  # most vocab columns of one tile: larger vocabularies are split
 MIN_CHUNK_TOKENS = 512  # below this the tile's matmul is bound by re-reading the head
@@ -310,9 +312,10 @@ def _nll_and_lse_bwd(chunk: int, width: int, scale: float, residuals, cotangents
         return (dx_CGH, jax.lax.dynamic_update_slice_in_dim(dhead_HV, new_HW, start, axis=1)), None
 
     dx0 = _zeros_varying_like(x_CGH.shape, x_TH, head, g_nll_T, g_lse_T)
-    # from the head, not a constant: XLA:GPU scheduled a constant [H, V] zero buffer (and a
-    # double-buffer twin) early and held them through the backward pass (make compile PEAK=1)
-    dhead0 = (head.astype(jnp.float32) * 0.0 + _empty_sum(x_TH, g_nll_T, g_lse_T)).astype(head_in.dtype)
+    # made from the head, not a constant held from early on (``permute.zeros_after``)
+    dhead0 = (zeros_after(head.shape, jnp.float32, head) + _empty_sum(x_TH, g_nll_T, g_lse_T)).astype(
+        head_in.dtype
+    )
     (dx_CGH, dhead_HV), _ = _loop(per_tile, (dx0, dhead0), _cdiv(V, width))
     return (_from_chunks(dx_CGH, x_TH.shape[0]).astype(x_in.dtype), dhead_HV, None)
 

@@ -104,6 +104,22 @@ def tile_experts(padded_start_E: jax.Array, num_tiles: int, tile_rows: int) -> j
     return jnp.clip(owner_B, 0, E - 1).astype(jnp.int32)
 
 
+def zeros_after(shape, dtype, after: jax.Array) -> jax.Array:
+    """Zeros of ``shape`` that XLA cannot make before ``after`` exists. A constant zero buffer
+    (a loop carry's init, an accumulator) has no operands, and XLA:GPU's scheduler, below its
+    memory limit, made such buffers early and held them (hoisted out of loops, fused side by
+    side): deepseek-v3 at 4 layers held attention's dq accumulators, the [H, V] head
+    gradient's and 21 of the tiled experts' [R, H] outputs at once (``make compile PEAK=1``).
+    ``after * 0`` elementwise where the shapes match (0 also where ``after`` is not finite);
+    else 0 from its first element, which must be on this device (inside shard_map, or
+    replicated), or the partitioner moves it."""
+    if tuple(after.shape) != tuple(shape):
+        after = after.reshape(-1)[0]
+    a = jax.lax.stop_gradient(after)
+    zero = jnp.where(jnp.isfinite(a), a * 0, 0).astype(dtype)
+    return jnp.broadcast_to(zero, shape) if zero.shape != tuple(shape) else zero
+
+
 @jax.custom_vjp
 def take_rows(x_TH: jax.Array, index_R: jax.Array, valid_R: jax.Array, readers_TK: jax.Array) -> jax.Array:
     """``x_TH[index_R]`` [R, H] with zero rows where ``valid_R`` is False: a gather from

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moe_train.moe.permute import zeros_after
+
 F32 = jnp.float32
 
 
@@ -108,10 +110,12 @@ def vary(a, axes: tuple):
     return lax.pcast(a, missing, to="varying") if missing else a
 
 
-def _zeros(shape, dtype, axes: tuple):
-    """Zeros typed as varying along ``axes``, so loop carries keep one type under shard_map."""
-    z = jnp.zeros(shape, dtype)
-    return lax.pcast(z, axes, to="varying") if axes else z
+def _zeros(shape, dtype, axes: tuple, after: jax.Array):
+    """Zeros typed as varying along ``axes``, so loop carries keep one type under shard_map;
+    made after ``after`` (``permute.zeros_after``: not scheduled early and held)."""
+    z = zeros_after(shape, dtype, after)
+    missing = tuple(ax for ax in axes if ax not in varying_axes(z))
+    return lax.pcast(z, missing, to="varying") if missing else z
 
 
 def _rows(a, offset, size):
@@ -162,7 +166,7 @@ def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows,
         return for_blocks(start, rows, sizes, block, carry)
 
     axes = varying_axes(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E)
-    init = (_zeros((R, H), x_RH.dtype, axes), _zeros((R, F2) if save_a else (), F32, axes))
+    init = (_zeros((R, H), x_RH.dtype, axes, x_RH), _zeros((R, F2) if save_a else (), F32, axes, x_RH))
     y, a = for_experts(group_sizes_E, tile_rows, expert, init)
     return y, a if save_a else None
 
@@ -190,7 +194,7 @@ def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_ro
             dw01 = dw01 + _dot(x_b, da, ((0,), (0,)))
             return _put(dx, _dot(da, w01, ((1,), (1,))), offset), dw01, dwo
 
-        inner = (dx, _zeros((H, F2), F32, axes), _zeros((F, H), F32, axes))
+        inner = (dx, _zeros((H, F2), F32, axes, dy_RH), _zeros((F, H), F32, axes, dy_RH))
         dx, dw01, dwo = for_blocks(start, rows, sizes, block, inner)
         dw0, dw1 = jnp.split(dw01, 2, axis=1)
         return (
@@ -200,7 +204,9 @@ def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_ro
             dwo_all.at[e].set(dwo.astype(dwo_all.dtype)),
         )
 
-    init = tuple(_zeros(a.shape, a.dtype, axes) for a in (x_RH, w0_EHF, w1_EHF, wo_EFH))
+    init = (_zeros(x_RH.shape, dtype, axes, dy_RH),) + tuple(
+        _zeros(w.shape, w.dtype, axes, dy_RH) for w in (w0_EHF, w1_EHF, wo_EFH)
+    )
     return for_experts(group_sizes_E, tile_rows, expert, init)
 
 

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_train.moe.permute import zeros_after
+
 F32 = jnp.float32
 NEG = -0.7 * float(np.finfo(np.float32).max)  # masked score (finite; see the module doc)
 
@@ -123,10 +125,7 @@ def _backward(scale, res, do_PBKGQJ):
         dq_buf, dk, dv = jax.lax.fori_loop(j + 1, P, lambda i, c: step(i, c, False), carry)
         return dq_buf, (dk, dv)
 
-    # zeros computed from q, not a constant: XLA:GPU scheduled the constant zero buffers of
-    # every attention call early and held them (deepseek-v3 at 4 layers: 12 of 0.38 GiB live
-    # at its peak, make compile PEAK=1); q * 0 exists only once q does
-    dq_buf = q_PBKGQD.astype(F32) * 0.0
+    dq_buf = zeros_after(q_PBKGQD.shape, F32, q_PBKGQD)  # not a constant held from early on
     dq_buf, (dk, dv) = jax.lax.scan(key_block, dq_buf, (jnp.arange(P), k_PBKRD, v_PBKRJ))
     return (dq_buf.astype(q_PBKGQD.dtype), dk.astype(k_PBKRD.dtype), dv.astype(v_PBKRJ.dtype), None)
 
