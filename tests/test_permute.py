@@ -85,3 +85,13 @@ def test_a_row_nobody_reads_gets_no_gradient():
     )(x)
     np.testing.assert_array_equal(got[1:], 0)
     np.testing.assert_array_equal(got[0], 2 * jnp.ones(H))
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (5,), (2, 3, 4)])
+def test_zeros_after_are_zeros_of_the_shape_even_from_non_finite_values(shape):
+    from moe_train.moe.permute import zeros_after
+
+    after = jnp.array([[jnp.inf, jnp.nan, -2.0, 1.0]] * 3, jnp.bfloat16)
+    z = zeros_after(shape, jnp.float32, after)
+    assert z.shape == shape and z.dtype == jnp.float32
+    assert not jnp.signbit(z).any() and (z == 0).all()

@@ -116,7 +116,7 @@ def zeros_after(shape, dtype, after: jax.Array) -> jax.Array:
     if tuple(after.shape) != tuple(shape):
         after = after.reshape(-1)[0]
     a = jax.lax.stop_gradient(after)
-    zero = jnp.where(jnp.isfinite(a), a * 0, 0).astype(dtype)
+    zero = jnp.where(jnp.isfinite(a), jnp.abs(a) * 0, 0).astype(dtype)  # +0, not -0
     return jnp.broadcast_to(zero, shape) if zero.shape != tuple(shape) else zero
 
 
