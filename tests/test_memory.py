@@ -177,8 +177,10 @@ def test_estimate_follows_precision_compute_and_fp8_saves_nothing():
 
 
 def test_remat_full_estimate_brackets_xla_cpu():
-    """XLA:CPU hoists some recomputation: its peak lies between the planner's remat=full
-    estimate (a memory-aware schedule) and its no-remat estimate."""
+    """XLA:CPU's peak of the looped blocks under full remat lies within 0.75x-1.3x of the
+    planner's remat=full estimate (measured 0.83x: the tiled experts' and attention's zero
+    buffers are made from data, ``permute.zeros_after``; 1.25x before) and below its
+    no-remat estimate."""
     # looped: a scanned backward loop keeps XLA:CPU from hoisting recomputation at all
     base = [
         "parallel.devices=1",
@@ -189,7 +191,7 @@ def test_remat_full_estimate_brackets_xla_cpu():
     ]
     full = config.build("tiny", [*base, "train.remat=full"])
     xla = xla_memory(full).peak
-    assert planned(full).verdict.total_bytes <= xla
+    assert 0.75 <= xla / planned(full).verdict.total_bytes <= 1.3
     assert xla <= planned(config.build("tiny", base)).verdict.total_bytes
 
 

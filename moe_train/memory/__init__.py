@@ -5,7 +5,8 @@ cluster, nodes)`` -> ``Verdict`` (for the launcher); ``python -m moe_train.memor
 
 Notation (per GPU): N GPUs, P = ``parallel.ep``, dp = N / P (FSDP), T = batch_size *
 seq_len / N / micro_batches tokens (one micro-batch's: only one is live at a time;
-``train.micro_batch_size`` sequences give micro_batches = batch_size / N / micro_batch_size), S = seq_len, H hidden, q = heads * head_dim, kv = kv_heads * head_dim,
+``train.micro_batch_size`` sequences give micro_batches = batch_size / N / micro_batch_size),
+S = seq_len, H hidden, q = heads * head_dim, kv = kv_heads * head_dim,
 nh heads, E experts, L = E / P local experts, K top-k, F expert_ffn, V vocab, a = bytes of
 activations and weight copies by ``precision.compute`` (4 fp32, 2 bf16, 2 fp8: its XLA
 quantize-dequantize keeps bf16 values), pb = bytes of ``model.param_dtype``.
@@ -67,7 +68,8 @@ slots C = min(worst, 8*ceil(f * balanced / 8)) as moe_train.parallel.jobplan.buc
   the worst case (no bucket) are reported beside it.
 
 Precision copies (weights as used: all-gathered over FSDP and cast to the compute dtype;
-none when dp = 1 and a = pb, except under fp8, whose weights are quantized copies): per layer attention 2H(q+kv)*a, MoE L*3HF*a + fp32 router
+none when dp = 1 and a = pb, except under fp8, whose weights are quantized copies): per layer
+attention 2H(q+kv)*a, MoE L*3HF*a + fp32 router
 H*E*4 (dp > 1) + shared 3H*width*a, dense 3H*dense_ffn*a. Kept for every layer under none,
 the MoE/dense ones under moe (attention re-gathered), two layers under full/matmuls; plus the
 lm_head copy H*V*a and one layer's unsharded fp32 weight gradients before reduce-scatter.
@@ -94,14 +96,16 @@ the state equals XLA's compiled argument size to within 52 bytes (step counters)
 on 8 devices with EP 8 and with EP 2 x FSDP 4. For remat none the total is 1.08x..1.17x
 XLA's compiled peak (tested within 0.95x..1.3x: the estimate errs high). Under remat the
 estimate models a memory-aware schedule. With the Python loop of blocks
-(``model.scan_layers=false``) XLA:CPU hoists part of the recomputation: its peak under full
-remat is 1.25x the estimate on 1 device and 2.2x with EP 8 (where full remat compiles to more
+(``model.scan_layers=false``) XLA:CPU hoisted part of the recomputation: its peak under full
+remat was 1.25x the estimate on 1 device (0.83x since zero buffers are made from data,
+``permute.zeros_after``) and 2.2x with EP 8 (where full remat compiles to more
 temp than none: 30.0 vs 21.7 MiB); under moe it is 0.76x..0.87x. Scanned layers keep the
 recomputation in the backward loop (XLA's peak under full remat 0.81x the estimate). The
 same band holds for chunked attention at 512 tokens and a 32,768-token vocab in loss chunks
 of 512 tokens (2,048 tokens a step). With that vocab at the preset's 512 tokens the estimate
 is 0.82x: XLA:CPU's peak is then in the AdamW update, which copies the old [V, H] embedding
-and head and the head's mu and nu (not modelled; the loss's own tile is 2 MiB there). Under scan with weights used as stored (one device, compute dtype = param
+and head and the head's mu and nu (not modelled; the loss's own tile is 2 MiB there). Under
+scan with weights used as stored (one device, compute dtype = param
 dtype) three layers' weights are counted as copies: the scanned body's slices in the forward
 and backward passes and the layer gradient written into the stack.
 

@@ -53,10 +53,22 @@ def _dispatcher(cfg: Config, devices: int, ep: int, domains: int) -> str:
 
 
 def _backend(cfg: Config, cluster: Cluster) -> str:
-    """``tiled`` on CPU presets or when asked for; else the GPU grouped GEMMs on sorted rows."""
+    """``tiled`` on CPU presets or when asked for; ``auto`` as ``moe.gemm.resolve_backend``
+    picks it on the preset's GPU: ``mgpu`` (sorted rows) on Hopper (sm_90), else ``tiled``
+    (Blackwell: ``make compile`` compiles tiled there; Transformer Engine, first where the
+    image has it, is not modelled); any other named backend: the grouped GEMMs on sorted rows."""
     if cfg.moe.backend == "tiled" or (cfg.moe.backend == "auto" and cluster.nominal):
         return "tiled"
+    if cfg.moe.backend == "auto" and cluster.gpu and not _hopper(cluster.gpu):
+        return "tiled"
     return "sorted"
+
+
+def _hopper(gpu: str) -> bool:
+    """Whether the preset's XLA:GPU target is sm_90 (where the ``mgpu`` kernels run)."""
+    from topology import targets
+
+    return targets.load(gpu).compute_capability[0] == 9
 
 
 def attention_kind(cfg: Config, cluster: Cluster) -> str:
