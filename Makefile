@@ -54,7 +54,7 @@ XLA_GPU := $(VENV)/xla-gpu
 PIP_EXTRAS := $(subst $(space),$(comma),$(filter-out compile,$(subst $(comma),$(space),$(EXTRAS))))
 XLA_GPU_INSTALL = $(PY) -m pip install -q --no-deps --upgrade -c requirements.lock --target $(XLA_GPU) jax-cuda12-plugin jax-cuda12-pjrt && touch $(XLA_GPU)/.installed
 
-.PHONY: help venv smoke train submit smoke-cluster golden test test-fast bench bench-gpu gpu-check study plan compile probe report \
+.PHONY: help venv smoke train submit smoke-cluster golden test test-fast lint format bench bench-gpu gpu-check study plan compile probe report \
 	cluster-up cluster-down \
 	container container-import preflight clean
 
@@ -97,6 +97,24 @@ test: $(STAMP) ## run the whole test suite over TEST_WORKERS workers (GPU and Sl
 
 test-fast: $(STAMP) ## the test suite without tests marked slow
 	@$(RUN_CMD) $(PY) -m pytest -m 'not slow' $(XDIST_ARGS) $(PYTEST_ARGS)
+
+# the lint extra (ruff, pyright: pyproject.toml) on top of what EXTRAS installed; pyright checks
+# against .venv's packages, so lint needs $(STAMP) too
+LINT_STAMP := $(VENV)/.lint-installed
+$(LINT_STAMP): pyproject.toml requirements.lock | $(STAMP)
+	@echo "installing the lint extra (ruff, pyright) into $(VENV)"
+	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -c requirements.lock -e '.[lint]'
+	@touch $@
+
+# (PYRIGHT_PYTHON_IGNORE_WARNINGS: pyright's wrapper otherwise asks PyPI for a newer pyright)
+lint: $(STAMP) $(LINT_STAMP) ## ruff (lint and format check) and pyright (basic), as CI runs them
+	@$(RUN_CMD) $(VENV)/bin/ruff check .
+	@$(RUN_CMD) $(VENV)/bin/ruff format --check .
+	@export PYRIGHT_PYTHON_IGNORE_WARNINGS=1; $(RUN_CMD) $(VENV)/bin/pyright
+
+format: $(STAMP) $(LINT_STAMP) ## rewrite the code in ruff's format and apply ruff's safe fixes
+	@$(RUN_CMD) $(VENV)/bin/ruff format .
+	@$(RUN_CMD) $(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP) ## CPU benchmarks (grouped GEMM, MoE layer, EP on 8 fake devices, compiles); runs/bench/<UTC>/
 	@$(RUN_CMD) $(PY) -m moe_train.bench
@@ -146,5 +164,5 @@ container-import: ## IMAGE=<registry image> -> runs/containers/<name>.sqsh with 
 preflight: $(STAMP) ## check this node (inside the container): GPUs, TE, NCCL, IMEX, NVML
 	@$(RUN_CMD) $(PY) -m containers.preflight --preset "$$PRESET"
 
-clean: ## remove the virtualenv and pytest's cache (runs/ holds your runs and checkpoints: it stays; remove it yourself)
-	@$(RUN_CMD) rm -rf -- $(VENV) .pytest_cache
+clean: ## remove the virtualenv, pytest's and ruff's caches (runs/ holds your runs and checkpoints: it stays; remove it yourself)
+	@$(RUN_CMD) rm -rf -- $(VENV) .pytest_cache .ruff_cache

@@ -140,7 +140,7 @@ def verify(before: dict[str, str], after: dict[str, str]) -> tuple[list[str], li
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: snapshot | constraints | requirements | verify (see the module doc)."""
-    p = argparse.ArgumentParser(prog="pins.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pins.py", description=(__doc__ or "").partition("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("snapshot", help="print installed distributions as JSON")
     c = sub.add_parser("constraints", help="print the pip constraints file")

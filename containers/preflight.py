@@ -343,7 +343,7 @@ def table(checks: list[Check]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the checks, print the report, return the exit code."""
-    p = argparse.ArgumentParser(prog="preflight", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="preflight", description=(__doc__ or "").partition("\n")[0])
     p.add_argument(
         "--expect-gpus",
         type=int,

@@ -113,8 +113,8 @@ def _model_config(req: Request, cluster: presets.Cluster) -> tuple[Request, conf
         fault = None if bare is None else jobplan.ep_fault(gpus, bare.parallel.ep, bare.moe.num_experts)
         if bare is not None and not fault:
             _check_batch(bare, gpus)
-        fitted = _fitted_ep(req, cluster, bare) if fault == "devices" else None
-        if fitted is None:
+        fitted = _fitted_ep(req, cluster, bare) if fault == "devices" and bare is not None else None
+        if fitted is None or bare is None:
             raise
         req = dataclasses.replace(req, ep=fitted, ep_fitted=bare.parallel.ep)
         cfg, _ = layout.model_config(req, cluster)

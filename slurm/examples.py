@@ -99,7 +99,9 @@ def update() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m slurm.examples", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m slurm.examples", description=(__doc__ or "").partition("\n")[0]
+    )
     p.add_argument("--update-golden", action="store_true", help="rewrite slurm/golden/*.sbatch")
     p.add_argument("preset", nargs="?", help="print this preset's example instead")
     args = p.parse_args(argv)

@@ -135,10 +135,11 @@ def parse_time(text: str) -> int:
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
     if not m:
         raise LaunchError(f"time {text!r} is not a Slurm time; use HH:MM:SS, D-HH:MM:SS or minutes")
-    days, a, b, c = (int(g) if g else None for g in m.groups())
+    days, b, c = (int(g) if g else None for g in m.group(1, 3, 4))
+    a = int(m.group(2))  # the one group every form has
     if days is None and b is None:
         seconds = a * 60  # plain minutes
-    elif days is None and c is None:
+    elif days is None and c is None and b is not None:
         seconds = a * 60 + b  # MM:SS
     else:
         seconds = (days or 0) * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)

@@ -314,12 +314,14 @@ def _rank(
             continue
         s = dataclasses.replace(s, buckets=fit[2])
         cfg = _apply(ctx.base, s)
+        step = steptime.predict(cfg, ctx.cluster, eff, step_jobs[s.ep])
+        assert step is not None, "a timed job has a prediction"
         out.append(
             Candidate(
                 s,
                 cfg,
                 _changes(s, base, ctx),
-                steptime.predict(cfg, ctx.cluster, eff, step_jobs[s.ep]),
+                step,
                 fit[0],
                 fit[1],
             )
@@ -347,7 +349,8 @@ def search(req: Request, cluster: presets.Cluster, cfg: config.Config, top: int 
     jobs = space(ctx, fixed)
     step_jobs = {ep: _step_job(req, ep) for ep in dict.fromkeys(s.ep for s in jobs)}
     base = _settings(ctx.base)
-    if step_jobs.get(base.ep) is None:
+    base_job = step_jobs.get(base.ep)
+    if base_job is None:
         return None
     timed = _timed(ctx, jobs, step_jobs, CHUNKS_KEY not in fixed, eff)
     if not timed:
@@ -364,7 +367,8 @@ def search(req: Request, cluster: presets.Cluster, cfg: config.Config, top: int 
     )  # the last resorts, in order
     best = rank(timed, top=1, cut=can_cut)
     faster = best and ranked and best[0].step.step_s < CUT_GAIN * ranked[0].step.step_s
-    base_step = steptime.predict(ctx.base, cluster, eff, step_jobs[base.ep])
+    base_step = steptime.predict(ctx.base, cluster, eff, base_job)
+    assert base_step is not None, "timed jobs came from predictions"
     searched = (
         EP_KEY,
         GATHER_KEY,

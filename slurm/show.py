@@ -313,7 +313,7 @@ def to_json(s: Shown) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m slurm.show", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m slurm.show", description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--preset", required=True, help="cluster preset name or a site's cluster .toml")
     p.add_argument("--model", required=True, help="model preset (moe_train/config/presets)")
     p.add_argument("--nodes", type=int, required=True, help="nodes in the job")

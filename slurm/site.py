@@ -14,7 +14,9 @@ command-line flags override the file::
     container_python = "python3"   # the image's Python
     max_requeues = 3               # requeues after preemption, timeout or a hung step
 
-Unknown keys and values of the wrong type are refused (exit 2) like everything else.
+Unknown keys, values of the wrong type and numbers out of range are refused (exit 2, one line
+naming the key) like everything else. The one number, ``max_requeues``, is an integer in
+[0, 1000]: TOML's ``nan`` and ``inf`` are floats, refused as not an integer.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from topology.presets import read_toml
+from moe_train.base.tomlfile import read_toml
 
 SITE_ENV = "MOE_TRAIN_SITE"
 DEFAULT_SITE = Path("~/.config/moe-train/site.toml")
 DEFAULT_WORKDIR = "/opt/moe-train"
 DEFAULT_CONTAINER_PYTHON = "python3"
 DEFAULT_MAX_REQUEUES = 3
+MAX_REQUEUES = 1000  # a job requeued more often than this cannot run; a larger bound is a typo
 
 
 class SiteError(ValueError):
@@ -102,8 +105,9 @@ def from_dict(data: Mapping[str, Any], where: str) -> Site:
     mounts = data.get("mounts", [])
     if not all(isinstance(m, str) for m in mounts):
         raise SiteError(f'site file {where}: mounts must be a list of strings "src:dst[:flags]"')
-    if data.get("max_requeues", 0) < 0:
-        raise SiteError(f"site file {where}: max_requeues must be >= 0, got {data['max_requeues']}")
+    requeues = data.get("max_requeues", 0)
+    if not 0 <= requeues <= MAX_REQUEUES:
+        raise SiteError(f"site file {where}: max_requeues must be in [0, {MAX_REQUEUES}], got {requeues}")
     values = {f.name: data[f.name] for f in fields(Site) if f.name in data}
     values["mounts"] = tuple(mounts)
     return Site(path=where, **values)

@@ -3,7 +3,8 @@
 Everything is validated before anything is submitted (cluster preset, model config with
 ``--set`` overrides, EP size, ``--segment`` choice, image, names); a problem prints one
 ``error:`` line on stderr and exits 2. A value given twice (``--ep 8`` and ``--set
-parallel.ep=7``, or ``--set`` twice) with different values is such a problem, naming both. On success it prints ``job <id>`` and ``OUT=<run dir>``;
+parallel.ep=7``, or ``--set`` twice) with different values is such a problem, naming both.
+On success it prints ``job <id>`` and ``OUT=<run dir>``;
 ``--wait`` then follows the job and exits with its status; ``--dry-run`` prints the exact
 sbatch script and srun command instead of submitting.
 
@@ -32,7 +33,7 @@ KIT_ROOT = Path(__file__).resolve().parent.parent  # this checkout: host runs st
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m slurm.submit", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m slurm.submit", description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--preset", required=True, help="cluster preset name or a site's cluster .toml")
     p.add_argument("--model", default="", help="model preset (moe_train/config/presets); not with --smoke")
     p.add_argument("--nodes", type=int, default=0, help="nodes to allocate")

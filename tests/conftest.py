@@ -1,5 +1,7 @@
-"""Shared test setup: fake CPU devices, a persistent compilation cache, and the groups that
-let ``make test`` spread the suite over every core (pytest-xdist, ``--dist loadgroup``).
+"""Shared test setup: fake CPU devices, a persistent compilation cache, the groups that let
+``make test`` spread the suite over every core (pytest-xdist, ``--dist loadgroup``), and the
+fixtures several test modules use (a trained tokenizer, cluster presets, the local Slurm
+cluster). Plain helpers (tiny configs, metrics, command lines, corpora) are in helpers.py.
 
 Devices and cache are set before any test touches a JAX backend. The cache only skips
 recompiling the same programs (it is keyed on the compiled HLO); it never changes results.
@@ -63,3 +65,77 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+# --------------------------------------------------------------------------- shared fixtures
+# (read-only things several test modules use; the plain helpers are in helpers.py)
+
+
+@pytest.fixture(scope="session")
+def bpe(tmp_path_factory) -> Path:
+    """Byte-level BPE (lossless) with ``</s>`` among its special tokens."""
+    from helpers import train_bpe
+
+    return train_bpe(tmp_path_factory.mktemp("bpe") / "tokenizer.json", ["<unk>", "</s>"])
+
+
+@pytest.fixture(scope="session")
+def spm_model(tmp_path_factory) -> Path:
+    """SentencePiece BPE, identity normalisation and byte fallback: lossless on any text."""
+    import sentencepiece
+    from helpers import CORPUS
+
+    folder = tmp_path_factory.mktemp("spm")
+    (folder / "train.txt").write_text(CORPUS.read_text(encoding="utf-8")[:150_000])
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(folder / "train.txt"),
+        model_prefix=str(folder / "spm"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        minloglevel=2,
+    )
+    return folder / "spm.model"
+
+
+@pytest.fixture(scope="session")
+def h100():
+    """The h100-dgx cluster preset."""
+    from topology import presets
+
+    return presets.load("h100-dgx")
+
+
+@pytest.fixture(scope="session")
+def gb200():
+    """The gb200-nvl72 cluster preset."""
+    from topology import presets
+
+    return presets.load("gb200-nvl72")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """Skip the test unless the local Slurm cluster answers and its node can run jobs."""
+    import shutil
+    import subprocess
+
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        pytest.skip(
+            "Slurm is not installed (no sinfo/sbatch on PATH); "
+            "start the local cluster as root: bash slurm/local_cluster.sh start"
+        )
+    script = Path(__file__).resolve().parent.parent / "slurm" / "local_cluster.sh"
+    try:
+        r = subprocess.run(["bash", str(script), "status"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.skip("`slurm/local_cluster.sh status` did not answer within 30 s")
+    if r.returncode != 0:
+        why = (r.stdout + r.stderr).strip() or f"exit code {r.returncode}"
+        pytest.skip(
+            f"the local Slurm cluster is not running ({why}); "
+            "start it as root: bash slurm/local_cluster.sh start"
+        )

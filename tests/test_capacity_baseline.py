@@ -2,35 +2,30 @@
 large enough to drop nothing takes the dropless step; a tight one drops and says how many;
 it refuses expert parallelism and fp8."""
 
-import json
-
 import numpy as np
 import pytest
+from helpers import QUIET, records, tiny
 
 from moe_train import config
 from moe_train.config import ConfigError
 from moe_train.train.loop import EXIT_OK, run
 
 
-def records(cfg, out):
-    assert run(cfg, out, log=lambda s: None) == EXIT_OK
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def tiny(*extra):
-    return config.build("tiny", ["train.steps=2", "parallel.devices=1", "train.log_every=100", *extra])
+def run_records(cfg, out):
+    assert run(cfg, out, **QUIET) == EXIT_OK
+    return records(out)
 
 
 def test_a_factor_that_drops_nothing_takes_the_dropless_step(tmp_path):
     # capacity = factor x T*K/E = 8 x 512*2/8 = 1024 >= T: no expert can overflow
-    capped = records(tiny("moe.capacity_factor=8"), tmp_path / "capped")
-    dropless = records(tiny(), tmp_path / "dropless")
+    capped = run_records(tiny("moe.capacity_factor=8"), tmp_path / "capped")
+    dropless = run_records(tiny(), tmp_path / "dropless")
     assert [r["dropped_tokens"] for r in capped] == [0, 0]
     np.testing.assert_allclose([r["loss"] for r in capped], [r["loss"] for r in dropless], rtol=1e-5)
 
 
 def test_a_tight_factor_drops_and_counts_the_dropped_assignments(tmp_path):
-    recs = records(tiny("moe.capacity_factor=0.5"), tmp_path / "tight")
+    recs = run_records(tiny("moe.capacity_factor=0.5"), tmp_path / "tight")
     # half the balanced load per expert: at least half of the T*K assignments are dropped
     assert all(r["dropped_tokens"] >= 8 * 64 * 2 * 2 // 2 for r in recs)  # 2 MoE layers
     assert all(np.isfinite(r["loss"]) for r in recs)

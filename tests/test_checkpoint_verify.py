@@ -1,4 +1,4 @@
-"""Every reader of a checkpoint's arrays verifies it first (``moe_train.train.checkpoint``).
+"""Every reader of a checkpoint's arrays verifies it first (``moe_train.checkpoints.checkpoint``).
 
 Real runs write real orbax checkpoints here; the faults are done to their files: the manifest
 deleted (an unverified checkpoint), another step's state put under a step's manifest (every
@@ -11,40 +11,23 @@ part's data file, a part's manifest deleted. Resume falls back past them; ``trai
 
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import QUIET, losses, one_error_line, run_module, score_cli, token_ids, write_tokens
+from helpers import tiny_saving as tiny
 
 from moe_train import config
+from moe_train.base.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK
+from moe_train.checkpoints import checkpoint, manifest
 from moe_train.config import ConfigError
 from moe_train.convert.score import score
 from moe_train.convert.to_hf import to_hf
-from moe_train.train import checkpoint, manifest
 from moe_train.train.loop import run
-from moe_train.train.signals import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK
-
-ROOT = Path(__file__).resolve().parent.parent
-QUIET = dict(log=lambda s: None)
-
-
-def tiny(*overrides: str, steps: int) -> config.Config:
-    return config.build(
-        "tiny",
-        [
-            f"train.steps={steps}",
-            "parallel.devices=1",
-            "train.log_every=100",
-            "train.checkpoint_every=2",
-            "train.async_checkpoint=false",
-            "train.telemetry_interval_s=0",
-            *overrides,
-        ],
-    )
 
 
 @pytest.fixture(scope="module")
@@ -74,20 +57,17 @@ def swap_state(out: Path, step: int, other: int) -> None:
     shutil.copytree(step_dir(out, other) / "state", step_dir(out, step) / "state")
 
 
+def change_optimizer_state(out: Path, step: int) -> None:
+    """Step ``step``'s optimizer moments changed under its own manifest (damage that leaves them
+    readable); the parameters and the expert bias untouched."""
+    state = (step_dir(out, step) / "state").absolute()
+    tree = ocp.PyTreeCheckpointer().restore(state)
+    tree["opt_state"] = jax.tree.map(lambda a: a + 1 if a.dtype.kind == "f" else a, tree["opt_state"])
+    ocp.PyTreeCheckpointer().save(state, tree, force=True)
+
+
 def rejected(out: Path) -> list[str]:
     return sorted(p.name.split("-")[0] for p in (out / "checkpoints-rejected").iterdir())
-
-
-def cli(module: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True, cwd=ROOT
-    )
-
-
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    return lines[0]
 
 
 # --------------------------------------------------------------------------- resume
@@ -122,6 +102,13 @@ def test_a_divergence_names_the_checkpoint_resumed_from_and_the_one_that_failed(
     )
 
 
+def test_resume_falls_back_past_a_changed_optimizer_state(copy):
+    change_optimizer_state(copy, 6)
+    lines = []
+    assert run(tiny(steps=8), copy, log=lines.append) == EXIT_OK
+    assert f"resumed from {step_dir(copy, 4)} (step 4)" in lines and rejected(copy) == ["6"]
+
+
 def test_resume_step_resumes_an_unverified_checkpoint_with_a_warning(copy):
     drop_manifest(copy, 4)
     lines = []
@@ -150,6 +137,31 @@ def test_init_from_verifies_the_weights_as_stored_then_casts_them(six_steps, tmp
     assert run(cfg, tmp_path / "new", **QUIET) == EXIT_OK
 
 
+def test_init_from_refusing_an_unverified_checkpoint_names_the_key_that_trusts_it(copy, tmp_path):
+    drop_manifest(copy, 6)
+    with pytest.raises(ConfigError, match=r"; train\.init_from_trust_unverified=true reads it as it is$"):
+        run(tiny(f"train.init_from={copy}", steps=1), tmp_path / "new", **QUIET)
+
+
+def test_init_from_trust_unverified_starts_from_the_weights_as_they_are(copy, six_steps, tmp_path):
+    drop_manifest(copy, 6)
+    trusted = tiny(f"train.init_from={copy}", "train.init_from_trust_unverified=true", steps=1)
+    assert run(trusted, tmp_path / "trusted", **QUIET) == EXIT_OK
+    assert run(tiny(f"train.init_from={six_steps}", steps=1), tmp_path / "verified", **QUIET) == EXIT_OK
+    assert losses(tmp_path / "trusted") == losses(tmp_path / "verified")
+
+
+def test_init_from_trust_unverified_warns_naming_the_missing_file(copy, tmp_path):
+    drop_manifest(copy, 6)
+    lines = []
+    cfg = tiny(f"train.init_from={copy}", "train.init_from_trust_unverified=true", steps=1)
+    run(cfg, tmp_path / "new", log=lines.append)
+    assert (
+        f"WARNING: {step_dir(copy, 6) / 'manifest' / 'metadata'} is missing: reading "
+        f"{step_dir(copy, 6)} unverified (train.init_from_trust_unverified=true)"
+    ) in lines
+
+
 def test_non_finite_initial_weights_are_named_as_the_cause(copy):
     """NaN can reach a start only unverified: ``--resume-step`` of a step without a manifest
     (``train.init_from`` refuses such weights, and a manifest records non-finite arrays)."""
@@ -170,7 +182,9 @@ def test_non_finite_initial_weights_are_named_as_the_cause(copy):
 # --------------------------------------------------------------------------- converted weights
 
 
-from test_score import converted, kit  # noqa: E402,F401  (fixtures: a converted Mixtral, a copy)
+import test_score  # noqa: E402
+
+converted, kit = test_score.converted, test_score.kit  # fixtures: a converted Mixtral, a copy
 
 
 def init_from(kit: Path, out: Path) -> int:
@@ -189,37 +203,35 @@ def init_from(kit: Path, out: Path) -> int:
     return run(cfg, out, **QUIET)
 
 
+def assert_init_from_refuses(kit: Path, out: Path, match: str) -> None:
+    """``train.init_from`` of ``kit`` stops with a ConfigError that matches ``match``."""
+    with pytest.raises(ConfigError, match=match):
+        init_from(kit, out)
+
+
 def test_init_from_refuses_damaged_converted_weights_naming_the_part(kit, tmp_path):
     from test_convert import damage
 
     part = re.escape(str(damage(kit)))
-    with pytest.raises(
-        ConfigError,
-        match=rf"^{part}: .* do not match the manifest: "
-        r"params/layer_1/\S+ checksum differs",
-    ):
-        init_from(kit, tmp_path / "new")
-
-
-def test_init_from_refuses_converted_weights_without_a_manifest_saying_convert_again(kit, tmp_path):
-    from test_convert import drop_manifest
-
-    missing = re.escape(str(drop_manifest(kit)))
-    with pytest.raises(
-        ConfigError,
-        match=rf"^{missing} is missing: .*; convert it again with "
-        r"python -m moe_train.convert from-hf",
-    ):
-        init_from(kit, tmp_path / "new")
+    match = rf"^{part}: .* do not match the manifest: params/layer_1/\S+ checksum differs"
+    assert_init_from_refuses(kit, tmp_path / "new", match)
 
 
 def test_to_hf_of_damaged_converted_weights_exits_2_and_writes_nothing(kit, tmp_path):
     from test_convert import damage
 
     damage(kit)
-    proc = cli("moe_train.convert", "to-hf", kit, tmp_path / "hf")
-    assert proc.returncode == EXIT_CONFIG and str(kit) in one_error_line(proc)
+    proc = run_module("moe_train.convert", "to-hf", kit, tmp_path / "hf")
+    assert proc.returncode == EXIT_CONFIG and str(kit) in one_error_line(proc.stderr)
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial-*"))
+
+
+def test_init_from_refuses_converted_weights_without_a_manifest_saying_convert_again(kit, tmp_path):
+    from test_convert import drop_manifest
+
+    missing = re.escape(str(drop_manifest(kit)))
+    match = rf"^{missing} is missing: .*; convert it again with python -m moe_train.convert from-hf"
+    assert_init_from_refuses(kit, tmp_path / "new", match)
 
 
 def test_to_hf_refuses_converted_weights_without_a_manifest(kit, tmp_path):
@@ -245,37 +257,31 @@ def test_to_hf_trust_unverified_exports_converted_weights_as_verified(kit, conve
 # --------------------------------------------------------------------------- score, to-hf
 
 
-def ids() -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, (2, 17)).astype(np.int32)
-
-
 def test_score_of_a_damaged_checkpoint_exits_2_naming_it(copy, tmp_path):
     swap_state(copy, 6, 2)
-    np.save(tmp_path / "ids.npy", ids())
-    proc = cli("moe_train.score", copy, "--tokens", tmp_path / "ids.npy", "--devices", "1")
-    assert proc.returncode == EXIT_CONFIG and str(step_dir(copy, 6)) in one_error_line(proc)
+    proc = score_cli(copy, write_tokens(tmp_path / "ids.npy", token_ids()), "--devices", "1")
+    assert proc.returncode == EXIT_CONFIG and str(step_dir(copy, 6)) in one_error_line(proc.stderr)
 
 
 def test_score_of_a_checkpoint_without_a_manifest_exits_2_naming_the_file(copy, tmp_path):
     drop_manifest(copy, 6)
-    np.save(tmp_path / "ids.npy", ids())
-    proc = cli("moe_train.score", copy, "--tokens", tmp_path / "ids.npy", "--devices", "1")
+    proc = score_cli(copy, write_tokens(tmp_path / "ids.npy", token_ids()), "--devices", "1")
     assert proc.returncode == EXIT_CONFIG
-    assert f"{step_dir(copy, 6) / 'manifest' / 'metadata'} is missing" in one_error_line(proc)
+    assert f"{step_dir(copy, 6) / 'manifest' / 'metadata'} is missing" in one_error_line(proc.stderr)
 
 
 def test_trust_unverified_scores_a_checkpoint_without_a_manifest_as_it_is(copy, six_steps):
     drop_manifest(copy, 6)
     assert (
-        score(str(copy), ids(), devices=1, trust_unverified=True)[0]
-        == score(str(six_steps), ids(), devices=1)[0]
+        score(str(copy), token_ids(), devices=1, trust_unverified=True)[0]
+        == score(str(six_steps), token_ids(), devices=1)[0]
     )
 
 
 def test_to_hf_of_a_damaged_checkpoint_exits_2_and_writes_nothing(copy, tmp_path):
     swap_state(copy, 6, 2)
-    proc = cli("moe_train.convert", "to-hf", copy, tmp_path / "hf")
-    assert proc.returncode == EXIT_CONFIG and str(step_dir(copy, 6)) in one_error_line(proc)
+    proc = run_module("moe_train.convert", "to-hf", copy, tmp_path / "hf")
+    assert proc.returncode == EXIT_CONFIG and str(step_dir(copy, 6)) in one_error_line(proc.stderr)
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial-*"))
 
 
@@ -285,14 +291,35 @@ def test_to_hf_refuses_a_checkpoint_without_a_manifest(copy, tmp_path):
         to_hf(copy, tmp_path / "hf", log=lambda s: None)
 
 
+def same_export(a: Path, b: Path) -> bool:
+    """Whether two ``to-hf`` outputs hold the same safetensors files, byte for byte."""
+    files = sorted(p.name for p in b.glob("*.safetensors"))
+    return bool(files) and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+
+
 def test_to_hf_trust_unverified_exports_the_same_tensors(copy, six_steps, tmp_path):
     drop_manifest(copy, 6)
     to_hf(copy, tmp_path / "trusted", log=lambda s: None, trust_unverified=True)
     to_hf(six_steps, tmp_path / "intact", log=lambda s: None)
-    files = sorted(p.name for p in (tmp_path / "intact").glob("*.safetensors"))
-    assert files and all(
-        (tmp_path / "trusted" / f).read_bytes() == (tmp_path / "intact" / f).read_bytes() for f in files
-    )
+    assert same_export(tmp_path / "trusted", tmp_path / "intact")
+
+
+# A changed optimizer state is caught by resume (above); score and to-hf never read it (each
+# array they read is verified), so it cannot change what they give.
+
+
+def test_score_of_a_checkpoint_whose_optimizer_state_changed_is_the_intact_score(copy, six_steps):
+    change_optimizer_state(copy, 6)
+    assert score(str(copy), token_ids(), devices=1)[0] == score(str(six_steps), token_ids(), devices=1)[0]
+
+
+def test_to_hf_of_a_checkpoint_whose_optimizer_state_changed_exports_the_intact_tensors(
+    copy, six_steps, tmp_path
+):
+    change_optimizer_state(copy, 6)
+    to_hf(copy, tmp_path / "changed", log=lambda s: None)
+    to_hf(six_steps, tmp_path / "intact", log=lambda s: None)
+    assert same_export(tmp_path / "changed", tmp_path / "intact")
 
 
 # --------------------------------------------------------------------------- the pieces

@@ -2,30 +2,20 @@
 
 import io
 import json
-import os
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, run_module
 
 from moe_train.train import cli as cli_module
 
-ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--set", "train.seq_len=16", "--set", "train.batch_size=2", "--set", "train.log_every=100"]
 
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [sys.executable, "-m", "moe_train", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_module("moe_train", *args, cwd=cwd, timeout=300)
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -149,11 +139,11 @@ def test_resume_step_reaches_the_trainer(tmp_path, fake_run):
 
 
 def test_unwritable_output_is_one_line_and_exit_5(tmp_path, fake_run, capsys):
+    from moe_train.base import exits
     from moe_train.train import cli as cli_module
-    from moe_train.train import signals
 
-    fake_run["raise"] = signals.OutputError(f"cannot write {tmp_path / 'r'}: No space left on device")
-    assert cli_module.main(["--out", str(tmp_path / "r")]) == signals.EXIT_OUTPUT
+    fake_run["raise"] = exits.OutputError(f"cannot write {tmp_path / 'r'}: No space left on device")
+    assert cli_module.main(["--out", str(tmp_path / "r")]) == exits.EXIT_OUTPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "No space left" in err[0]
 
@@ -191,7 +181,7 @@ def _write_in_turns(stream, lines: list[str], threads: int) -> None:
     def work(me: int) -> None:
         for i, line in enumerate(lines):
             with turn:
-                turn.wait_for(lambda: state["next"] == i * threads + me)
+                turn.wait_for(lambda i=i: state["next"] == i * threads + me)
                 stream.write(line + "\n")
                 state["next"] += 1
                 turn.notify_all()

@@ -9,7 +9,6 @@ with the reason where the plugin is not installed (``make venv EXTRAS=...,compil
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,12 +16,13 @@ from pathlib import Path
 
 import jax
 import pytest
+from helpers import MIXTRAL_H100, run_module
+from helpers import sets as sets_of
 
 from moe_train import config
 from moe_train.compile import facts, hlo, plugin, report
-from moe_train.parallel import layout
 from moe_train.train import step
-from topology import presets, targets
+from topology import device_mesh, presets, targets
 from topology.presets import TopologyError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,29 +30,14 @@ PLUGIN = plugin.version_problem(plugin.search_path())
 needs_plugin = pytest.mark.skipif(PLUGIN is not None, reason=f"no CUDA PJRT plugin: {PLUGIN}")
 # bf16 compute: the GPU kernels (cuDNN attention, Triton GEMMs); one capacity bucket + worst
 TINY = (
-    "--model",
-    "tiny",
-    "--nodes",
-    "1",
-    "--ep",
-    "8",
-    "--set",
-    "precision.compute=bf16",
-    "--set",
-    "moe.capacity_buckets=1",
+    *"--model tiny --nodes 1 --ep 8".split(),
+    *sets_of("precision.compute=bf16", "moe.capacity_buckets=1"),
     "--json",
 )
 
 
 def compile_cli(*args: str, env: dict | None = None, timeout: int = 600):
-    return subprocess.run(
-        [sys.executable, "-m", "moe_train.compile", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+    return run_module("moe_train.compile", *args, env=env, timeout=timeout)
 
 
 def one_line_error(proc, *needles: str) -> str:
@@ -164,21 +149,8 @@ def test_reduced_depth_is_stated_and_the_table_renders(compiled):
 # the preset's one-sequence micro-batches, kept as set: the job the ratios were measured on
 # (the planner's search would otherwise pick its own micro-batches)
 MIXTRAL = (
-    "--preset",
-    "h100-dgx",
-    "--model",
-    "mixtral-8x7b",
-    "--nodes",
-    "8",
-    "--ep",
-    "8",
-    "--layers",
-    "4",
-    "--set",
-    "moe.capacity_buckets=1",
-    "--set",
-    "train.micro_batch_size=1",
-    "--json",
+    *MIXTRAL_H100,
+    *("--layers", "4", "--set", "moe.capacity_buckets=1", "--set", "train.micro_batch_size=1", "--json"),
 )
 
 
@@ -241,24 +213,9 @@ def paths(tmp_path_factory):
     for preset in ("h100-dgx", "b200-hgx"):
         for name, (model, nodes, ep, sets) in PATHS.items():
             parent = tmp_path_factory.mktemp(f"{preset}-{name}")
-            proc = compile_cli(
-                "--preset",
-                preset,
-                "--model",
-                model,
-                "--nodes",
-                str(nodes),
-                "--ep",
-                str(ep),
-                *[x for s in sets for x in ("--set", s)],
-                "--set",
-                "moe.capacity_buckets=1",
-                "--bucket",
-                "worst",
-                "--json",
-                "--out",
-                str(parent),
-            )
+            job = f"--preset {preset} --model {model} --nodes {nodes} --ep {ep}".split()
+            rest = ["--bucket", "worst", "--json", "--out", str(parent)]
+            proc = compile_cli(*job, *sets_of(*sets, "moe.capacity_buckets=1"), *rest)
             assert proc.returncode == 0, (preset, name, proc.stderr[-3000:])
             (run_dir,) = parent.iterdir()
             out[preset, name] = (json.loads(proc.stdout), run_dir)
@@ -330,7 +287,7 @@ ENTRY %main (a: f8e4m3fn[4,8], b: f8e4m3fn[8,2], c: f32[64]) -> f32[4,2] {
   %mg = f32[4,2]{1,0} custom-call(%a), custom_call_target="mosaic_gpu_v2"
   ROOT %s = f32[4,2]{1,0} custom-call(%g), custom_call_target="__cub$DeviceRadixSort"
 }
-"""
+"""  # noqa: E501  (HLO text as XLA prints it, one instruction a line)
 
 
 def test_the_parser_classifies_kernels_and_collectives():
@@ -397,7 +354,7 @@ def test_the_trace_sees_the_target_gpu_and_then_this_machine_again():
 
 def test_abstract_state_is_init_states_shapes_and_shardings():
     cfg = config.build("tiny", ["parallel.ep=8"])
-    mesh = layout.build(config.for_devices(cfg, 8), jax.devices()[:8]).mesh
+    mesh = device_mesh.build(config.for_devices(cfg, 8), jax.devices()[:8]).mesh
     real, abstract = step.init_state(cfg, mesh), step.abstract_state(cfg, mesh)
     got = jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), abstract)
     assert jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), real) == got
@@ -435,17 +392,8 @@ def test_bad_input_is_one_line_and_exit_2(args, needles):
 
 @needs_plugin
 def test_a_bucket_the_job_does_not_have_is_one_line_naming_them(tmp_path):
-    proc = compile_cli(
-        "--preset",
-        "h100-dgx",
-        *TINY[:6],
-        "--bucket",
-        "7",
-        "--set",
-        "moe.capacity_buckets=1",
-        "--out",
-        str(tmp_path),
-    )
+    args = ["--bucket", "7", "--set", "moe.capacity_buckets=1", "--out", str(tmp_path)]
+    proc = compile_cli("--preset", "h100-dgx", *TINY[:6], *args)
     one_line_error(proc, "--bucket '7'", "valid: 1, worst, planned")
 
 

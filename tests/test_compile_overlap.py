@@ -28,7 +28,7 @@ ENTRY %main (a: bf16[4,8], b: bf16[8,2], x: bf16[16,4]) -> f32[4,2] {
   %d3 = f32[64]{0} all-reduce-done(%s3)
   ROOT %r = f32[4,2]{1,0} custom-call(%a, %b), custom_call_target="__cublas$gemm"
 }
-"""
+"""  # noqa: E501  (HLO text as XLA prints it, one instruction a line)
 
 # a loop of 6 iterations whose body runs a grouped GEMM under an all-to-all; the entry runs a
 # cuBLAS GEMM under an all-gather
@@ -57,7 +57,7 @@ ENTRY %main (a: bf16[4,8], b: bf16[8,2]) -> f32[4,2] {
   %d = bf16[4,8]{1,0} all-gather-done(%s)
   ROOT %r = f32[4,2]{1,0} copy(%c)
 }
-"""
+"""  # noqa: E501  (HLO text as XLA prints it, one instruction a line)
 
 
 def test_the_summary_counts_the_kernels_between_each_async_start_and_done():

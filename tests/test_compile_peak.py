@@ -30,7 +30,7 @@ ENTRY %main (param.1: f32[8,8]) -> f32[8,8] {
   %grad = f32[8,8]{1,0} fusion(%param.1), kind=kLoop, calls=%fused_grad
   ROOT %out = f32[8,8]{1,0} copy(%grad), metadata={op_name="jit(step)/transpose(jvp(Transformer))/moe_layers/attn/dot_general"}
 }
-"""
+"""  # noqa: E501  (HLO text as XLA prints it, one instruction a line)
 
 LIVE = """Peak memory
   Live ranges at 7 (peak):

@@ -13,6 +13,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import records, run_module
 from safetensors.numpy import load_file, save_file
 
 from moe_train import config
@@ -50,14 +51,19 @@ def rand(rng, *shape, dtype=np.float32):
     return rng.normal(size=shape).astype(dtype)
 
 
-def mixtral_tensors(seed=0, dtype=np.float32) -> dict:
-    """Mixtral's own tensor names (modeling_mixtral / the released files), [out, in]."""
-    rng = np.random.default_rng(seed)
-    t = {
+def outer_tensors(rng) -> dict:
+    """The embedding, final norm and head of every family's layout (drawn in this order)."""
+    return {
         "model.embed_tokens.weight": rand(rng, V, H),
         "model.norm.weight": rand(rng, H),
         "lm_head.weight": rand(rng, V, H),
     }
+
+
+def mixtral_tensors(seed=0, dtype=np.float32) -> dict:
+    """Mixtral's own tensor names (modeling_mixtral / the released files), [out, in]."""
+    rng = np.random.default_rng(seed)
+    t = outer_tensors(rng)
     for i in range(L):
         p = f"model.layers.{i}."
         t.update(
@@ -244,7 +250,7 @@ def test_each_part_carries_the_trainers_manifest_of_what_was_written(tmp_path):
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    from moe_train.train import manifest
+    from moe_train.checkpoints import manifest
 
     kit = convert_mixtral(tmp_path)
     parts = ("model", "layer_0", "layer_1")
@@ -323,11 +329,7 @@ def deepseek_tensors(seed=0, fp8=True) -> dict:
     """DeepSeek-V3's released layout: layer L is the MTP module; expert and attention
     projections in fp8 e4m3 with a weight_scale_inv per 128x128 block."""
     rng = np.random.default_rng(seed)
-    t = {
-        "model.embed_tokens.weight": rand(rng, V, H),
-        "model.norm.weight": rand(rng, H),
-        "lm_head.weight": rand(rng, V, H),
-    }
+    t = outer_tensors(rng)
     for i in range(L):
         t |= deepseek_block(rng, f"model.layers.{i}.", moe=i >= 1)
     p = f"model.layers.{L}."
@@ -401,7 +403,7 @@ def test_a_converted_deepseek_trains_with_init_from(tmp_path):
         ],
     )
     assert run(cfg, tmp_path / "run", log=lambda s: None) == EXIT_OK
-    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    rec = records(tmp_path / "run")[0]
     assert np.isfinite(rec["loss"]) and np.isfinite(rec["mtp_loss"])
 
 
@@ -474,12 +476,7 @@ def test_cli_exits_2_with_one_line_and_refuses_a_full_out(tmp_path):
     hf = write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors())
     (tmp_path / "kit").mkdir()
     (tmp_path / "kit" / "keep.txt").write_text("mine")
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_train.convert", "from-hf", str(hf), str(tmp_path / "kit")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = run_module("moe_train.convert", "from-hf", hf, tmp_path / "kit")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "not an empty directory" in proc.stderr
     assert (tmp_path / "kit" / "keep.txt").read_text() == "mine"
@@ -498,14 +495,12 @@ def test_a_shard_that_is_not_a_file_is_named(tmp_path):
 def test_a_nan_expert_weight_is_named_with_its_file(tmp_path):
     t = mixtral_tensors()
     t["model.layers.1.block_sparse_moe.experts.3.w2.weight"][2, 5] = np.nan
-    convert_error(
-        tmp_path,
-        MIXTRAL,
-        t,
+    want = (
         r"model-00001-of-00001\.safetensors: tensor "
         r"model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight has 1 of 128 "
-        r"values non-finite \(NaN or inf\)",
+        r"values non-finite \(NaN or inf\)"
     )
+    convert_error(tmp_path, MIXTRAL, t, want)
 
 
 def test_an_infinite_bf16_head_weight_is_named(tmp_path):
@@ -517,12 +512,8 @@ def test_an_infinite_bf16_head_weight_is_named(tmp_path):
 def test_an_infinite_fp8_block_scale_names_the_weight_it_scales(tmp_path):
     t = deepseek_tensors()
     t["model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"][0, 0] = np.inf
-    convert_error(
-        tmp_path,
-        DEEPSEEK,
-        t,
-        r"tensor model\.layers\.1\.mlp\.experts\.0\.down_proj\.weight has .* non-finite",
-    )
+    want = r"tensor model\.layers\.1\.mlp\.experts\.0\.down_proj\.weight has .* non-finite"
+    convert_error(tmp_path, DEEPSEEK, t, want)
 
 
 def test_a_float64_weight_beyond_float32_is_refused_as_out_of_range(tmp_path):
@@ -537,12 +528,7 @@ def test_cli_refuses_a_nan_weight_with_one_line_exit_2(tmp_path):
     t = mixtral_tensors()
     t["model.layers.0.self_attn.q_proj.weight"][0, 0] = np.nan
     hf = write_hf(tmp_path / "hf", MIXTRAL, t)
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_train.convert", "from-hf", str(hf), str(tmp_path / "kit")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = run_module("moe_train.convert", "from-hf", hf, tmp_path / "kit")
     assert (proc.returncode, len(proc.stderr.strip().splitlines())) == (2, 1), proc.stderr
     assert proc.stderr.startswith(
         f"error: {hf}/model-00001-of-00001.safetensors: tensor "
@@ -616,7 +602,8 @@ def test_peak_memory_stays_near_one_tensor(tmp_path):
         "import threading, time, sys\n"
         "peak = [0]\n"
         "def rss():\n"
-        "    return int([l for l in open('/proc/self/status') if l.startswith('RssAnon')][0].split()[1]) * 1024\n"
+        "    return int([l for l in open('/proc/self/status') if l.startswith('RssAnon')][0].split()[1])"
+        " * 1024\n"
         "def watch():\n"
         "    while True:\n"
         "        peak[0] = max(peak[0], rss()); time.sleep(0.005)\n"

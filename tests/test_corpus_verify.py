@@ -1,7 +1,7 @@
 """A prepared corpus's shards are verified against the manifest (size and sha256) the first
 time they are opened, and the result is remembered next to the corpus by size and mtime so
 later opens pay a stat (``moe_train.data.verify``). Real corpora made by ``prepare`` with a
-real tokenizer (the helpers of tests/test_prepare.py)."""
+real tokenizer (tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,26 @@ import time
 from pathlib import Path
 
 import pytest
-from test_faults import _read_only
-from test_prepare import DOCS, ROOT, bpe, flip_byte, run, write_txt  # noqa: F401  (bpe: a fixture)
+from helpers import (
+    DOCS,
+    ROOT,
+    flip_byte,
+    make_read_only,
+    make_writable,
+    prepare_run,
+    sets,
+    train_cli,
+    write_txt,
+)
 
 from moe_train.data import DataError, prepared, verify
 
 
 @pytest.fixture
-def corpus(bpe, tmp_path) -> Path:  # noqa: F811
+def corpus(bpe, tmp_path) -> Path:
     """A prepared corpus of a few train shards and a val split."""
     out = tmp_path / "corpus"
-    run(bpe, [write_txt(tmp_path / "a.txt", DOCS)], out, shard_tokens=1500, val_fraction=0.1)
+    prepare_run(bpe, [write_txt(tmp_path / "a.txt", DOCS)], out, shard_tokens=1500, val_fraction=0.1)
     return out
 
 
@@ -96,11 +105,10 @@ def test_a_malformed_record_file_is_ignored_and_rewritten(corpus):
 @pytest.fixture
 def read_only(corpus):
     """``corpus`` with its top directory unwritable (its split folders stay writable)."""
-    if not _read_only(corpus):
+    if not make_read_only(corpus):
         pytest.skip("cannot make a directory read-only for root here (no chattr +i)")
     yield corpus
-    subprocess.run(["chattr", "-i", str(corpus)], capture_output=True)
-    corpus.chmod(0o755)
+    make_writable(corpus)
 
 
 def test_a_read_only_corpus_opens_and_nothing_is_written_there(read_only):
@@ -138,33 +146,17 @@ def test_a_second_process_waits_for_the_one_verifying(corpus):
 
 def test_training_on_a_changed_shard_exits_2_naming_it(corpus):
     flip_byte(corpus / "train/shard_00001.bin")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_train",
-            "--preset",
-            "tiny",
-            "--out",
-            str(corpus.parent / "run"),
-            "--set",
+    proc = train_cli(
+        corpus.parent / "run",
+        *sets(
             "data.source=prepared",
-            "--set",
             f"data.path={corpus}",
-            "--set",
             "model.vocab_size=512",
-            "--set",
             "train.steps=2",
-            "--set",
             "train.seq_len=32",
-            "--set",
             "parallel.devices=1",
-            "--set",
             "train.skip_selftest=true",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+        ),
         timeout=600,
     )
     lines = proc.stderr.strip().splitlines()

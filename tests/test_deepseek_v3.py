@@ -2,10 +2,9 @@
 same losses under FSDP and expert parallelism as on one device, under every remat policy,
 and in the looped layout; the real preset's shape and plan."""
 
-import json
-
 import numpy as np
 import pytest
+from helpers import records
 
 from moe_train import config
 from moe_train.model import remat
@@ -20,7 +19,7 @@ def losses(tmp_path, name, *extra):
         [f"train.steps={STEPS}", "train.log_every=100", "train.batch_size=8", "train.seq_len=32", *extra],
     )
     assert run(cfg, tmp_path / name, log=lambda s: None) == EXIT_OK
-    recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    recs = records(tmp_path / name)
     return np.asarray([[r["loss"], r["mtp_loss"], r["grad_norm"]] for r in recs])
 
 
@@ -97,9 +96,6 @@ def test_gqa_fields_are_ignored_by_mla_and_their_rules_too():
 
 @pytest.mark.slow
 def test_resume_is_bitwise_with_mla_and_mtp(tmp_path):
-    def records(out):
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
     def cfg(steps):
         return config.build(
             "deepseek-v3-tiny",

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from moe_train.base import exits
 from moe_train.config import ConfigError, ParallelConfig
-from moe_train.train import cli, distributed, signals, supervise
+from moe_train.train import cli, distributed, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM_STEP = {
@@ -391,7 +392,7 @@ def test_fatal_record_is_never_shown_and_names_the_peer(tmp_path, capsys):
     clock.t += 100
     f.tick()
     assert shown == [] and f.fatal_seen
-    assert supervise.outcome(-6, f, job(tmp_path)) == signals.EXIT_DISTRIBUTED
+    assert supervise.outcome(-6, f, job(tmp_path)) == exits.EXIT_DISTRIBUTED
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(
         "error: process 0 of 2: peer process 1 stopped sending heartbeats"

@@ -1,28 +1,22 @@
 """``python -m moe_train.eval``: a saved run's held-out loss equals the one its run logged, and
 bad weights or data exit 2 with one line. Prepared corpora are built with a small real BPE
-(the helpers of tests/test_prepare.py)."""
+(tests/helpers.py)."""
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_prepare import _train_bpe, paragraphs, write_jsonl
-from test_prepare import run as prepare_run
+from helpers import QUIET, paragraphs, prepare_run, records, run_module, tiny, train_bpe, write_jsonl
 
-from moe_train import config
 from moe_train.eval import evaluate_weights
 from moe_train.train.loop import EXIT_OK, run
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("eval")
-    tok = _train_bpe(root / "tok/tokenizer.json", ["<unk>", "</s>"], vocab=300)
+    tok = train_bpe(root / "tok/tokenizer.json", ["<unk>", "</s>"], vocab=300)
     data = write_jsonl(root / "docs.jsonl", [f"doc {i}: {d}" for i, d in enumerate(paragraphs(80))])
     prepare_run(tok, [data], root / "prep", val_fraction=0.25)
     prepare_run(tok, [data], root / "no_val", val_fraction=0.0)
@@ -32,25 +26,19 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
-    cfg = config.build(
-        "tiny",
-        [
-            "data.source=prepared",
-            f"data.path={corpus / 'prep'}",
-            "model.vocab_size=320",
-            "train.steps=2",
-            "train.eval_every=2",
-            "train.seq_len=32",
-            "parallel.devices=1",
-            "train.log_every=100",
-        ],
+    cfg = tiny(
+        "data.source=prepared",
+        f"data.path={corpus / 'prep'}",
+        "model.vocab_size=320",
+        "train.eval_every=2",
+        "train.seq_len=32",
     )
-    assert run(cfg, out, log=lambda s: None) == EXIT_OK
+    assert run(cfg, out, **QUIET) == EXIT_OK
     return out
 
 
 def test_eval_of_a_run_equals_the_eval_loss_it_logged(trained, corpus):
-    logged = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    logged = records(trained)
     want = [r for r in logged if "eval_loss" in r][-1]
     got = evaluate_weights(str(trained), str(corpus / "prep"), devices=1, batch_size=8)
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
@@ -64,9 +52,7 @@ def test_two_devices_evaluate_as_one(trained, corpus):
 
 
 def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "moe_train.eval", *map(str, args)], capture_output=True, text=True, cwd=ROOT
-    )
+    return run_module("moe_train.eval", *args)
 
 
 def test_cli_prints_loss_and_perplexity(trained, corpus):

@@ -6,49 +6,32 @@ values) and checks the exit code, the message, and that the losses after resumin
 uninterrupted run's. Multi-process kills are in ``test_multiprocess.py``.
 """
 
-import json
 import os
 import resource
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import QUIET, make_read_only, make_writable, records, start_train_cli
+from helpers import one_error_line as error_line
+from helpers import tiny_saving as tiny
 
 from moe_train import config
-from moe_train.train import checkpoint
+from moe_train.base.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, EXIT_OUTPUT
+from moe_train.checkpoints import checkpoint
 from moe_train.train import loop as run_mod
 from moe_train.train import step as train
-from moe_train.train.signals import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, EXIT_OUTPUT
 
-ROOT = Path(__file__).resolve().parent.parent
-QUIET = dict(log=lambda s: None)
 POISON = 255  # a byte never seen in the UTF-8 corpus: the poisoned step's first token
 
 
-def tiny(*overrides: str, steps: int = 4) -> config.Config:
-    return config.build(
-        "tiny",
-        [
-            f"train.steps={steps}",
-            "parallel.devices=1",
-            "train.log_every=100",
-            "train.checkpoint_every=2",
-            "train.async_checkpoint=false",
-            "train.telemetry_interval_s=0",
-            *overrides,
-        ],
-    )
-
-
 def losses(out: Path) -> dict[int, float]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    return {r["step"]: r["loss"] for r in records(out)}
 
 
 def saved_steps(out: Path) -> list[int]:
@@ -142,7 +125,7 @@ def test_skip_drops_the_nan_update_and_goes_on(tmp_path, poison_at):
     poison_at(3)
     lines = []
     assert run_mod.run(tiny("train.on_nonfinite=skip", steps=6), tmp_path, log=lines.append) == EXIT_OK
-    recs = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    recs = records(tmp_path)
     assert [r["skipped"] for r in recs] == [False, False, True, False, False, False]
     assert any(line.startswith("WARNING: step 3: ") and "update skipped" in line for line in lines)
 
@@ -283,34 +266,8 @@ def test_exit_2_on_a_new_directory_leaves_nothing(tmp_path):
 
 
 def cli(out: Path, *args: str, steps: int = 4, preexec=None, **kw) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "moe_train",
-        "--preset",
-        "tiny",
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--devices",
-        "1",
-        "--set",
-        "train.checkpoint_every=2",
-        "--set",
-        "train.telemetry_interval_s=0",
-        *args,
-    ]
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=preexec,
-        **kw,
-    )
+    sets = ["--set", "train.checkpoint_every=2", "--set", "train.telemetry_interval_s=0"]
+    return start_train_cli(out, "--steps", steps, "--devices", 1, *sets, *args, preexec_fn=preexec, **kw)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
@@ -319,10 +276,23 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]
 
 
 def one_error_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    line = error_line(stderr)
     assert "Traceback" not in stderr
-    return lines[0]
+    return line
+
+
+@pytest.mark.slow
+def test_resuming_past_a_truncated_checkpoint_file_prints_nothing_to_stderr(tmp_path, four_steps):
+    """The storage libraries' "Exception ignored" dumps while reading it stay off the console
+    (``checkpoint.quiet_reads``); the fallback itself is the one WARNING line on stdout."""
+    out = copy_run(four_steps, tmp_path)
+    DAMAGE["truncated data file"](out / "checkpoints" / "4")
+    code, stdout, stderr = finish(cli(out, steps=6))
+    assert (code, stderr.splitlines(), "WARNING: checkpoint 4 cannot be used" in stdout) == (
+        EXIT_OK,
+        [],
+        True,
+    )
 
 
 BAD_VALUES = [
@@ -365,7 +335,7 @@ def test_a_second_trainer_on_the_same_directory_exits_2_naming_the_first(tmp_pat
     first.send_signal(signal.SIGTERM)
     first_code, _, _ = finish(first)
     assert code == EXIT_CONFIG and f"in use by pid {first.pid}" in one_error_line(err)
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records(tmp_path)]
     assert first_code == EXIT_OK and steps == list(range(1, len(steps) + 1))
 
 
@@ -389,27 +359,15 @@ def test_an_out_that_is_a_file_exits_5(tmp_path):
     assert code == EXIT_OUTPUT and str(tmp_path / "out") in one_error_line(err)
 
 
-def _read_only(path: Path) -> bool:
-    """Make ``path`` unwritable even for root (chattr +i); False where that is impossible."""
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-        return True
-    return (
-        shutil.which("chattr") is not None
-        and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
-    )
-
-
 def test_an_unwritable_out_exits_5(tmp_path):
     out = tmp_path / "ro"
     out.mkdir()
-    if not _read_only(out):
+    if not make_read_only(out):
         pytest.skip("cannot make a directory read-only for root here (no chattr +i)")
     try:
         code, _, err = finish(cli(out))
     finally:
-        subprocess.run(["chattr", "-i", str(out)], capture_output=True)
-        out.chmod(0o755)
+        make_writable(out)
     assert code == EXIT_OUTPUT and "run.lock" in one_error_line(err)
 
 

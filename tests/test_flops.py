@@ -16,21 +16,21 @@ from topology.peaks import device_model, peak_flops
 
 # A 1-layer model small enough to count on paper: V=10, H=4, 2 query heads and 1 KV head of
 # width 2, 3 experts of width 5, top-1.
-HAND = dict(
-    model=dict(
-        vocab_size=10,
-        hidden=4,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        first_dense_layers=0,
-        qk_norm=False,
-        tie_embeddings=False,
-    ),
-    moe=dict(num_experts=3, top_k=1, expert_ffn=5, num_shared_experts=0, shared_ffn=0),
-    train=dict(seq_len=8),
-    data=dict(source="synthetic"),
-)
+HAND = {
+    "model": {
+        "vocab_size": 10,
+        "hidden": 4,
+        "num_layers": 1,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "first_dense_layers": 0,
+        "qk_norm": False,
+        "tie_embeddings": False,
+    },
+    "moe": {"num_experts": 3, "top_k": 1, "expert_ffn": 5, "num_shared_experts": 0, "shared_ffn": 0},
+    "train": {"seq_len": 8},
+    "data": {"source": "synthetic"},
+}
 
 
 def hand_cfg(**changes: dict) -> config.Config:

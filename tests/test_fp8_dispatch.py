@@ -12,7 +12,7 @@ from test_ep import assert_close_to_scale, mesh_for, operands, run_ep
 from moe_train import config
 from moe_train.moe.dispatch.fp8 import dequantize_rows, quantize_rows, send_rows
 from moe_train.parallel.jobplan import EPPlan
-from moe_train.train.stepper import ep_plans
+from moe_train.parallel.sharding import ep_plans
 
 FWD_REL, GRAD_REL = 4e-2, 0.15  # measured 2.4e-2 and 9.4e-2 on these operands
 

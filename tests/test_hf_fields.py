@@ -4,17 +4,13 @@ field or an unsupported value is refused with exit 2, naming it. The field lists
 transformers' config classes and of the released ``config.json`` files."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_module
 
 from moe_train.config import ConfigError
 from moe_train.convert import fields
 from moe_train.convert.families import FAMILIES, kit_tables
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # The released config.json files (Mixtral-8x7B-v0.1, Qwen3-30B-A3B, DeepSeek-V3), as published.
 RELEASED = {
@@ -213,12 +209,7 @@ def test_the_cli_exits_2_naming_an_unknown_field(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({**RELEASED["mixtral"], "moe_new_knob": 3}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_train.convert", "from-hf", str(hf), str(tmp_path / "kit")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = run_module("moe_train.convert", "from-hf", hf, tmp_path / "kit")
     assert proc.returncode == 2 and "moe_new_knob" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "kit").exists()
 

@@ -5,6 +5,9 @@ statement of every module, also those inside functions, followed transitively (i
 - The training path (the loop and everything it runs) never imports the benchmarks.
 - The model and the MoE layer never import the loop, the launcher or the planners.
 - ``topology`` and the planners never import the loop.
+- No package imports itself through others: the packages (``moe_train``'s subpackages,
+  ``topology``, ``slurm``, ``containers``) form no cycle, so each can be read, tested and
+  imported first on its own; ``moe_train.base`` is the floor every one of them may import.
 """
 
 from __future__ import annotations
@@ -103,6 +106,72 @@ def violations(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str
     )
 
 
+def package_of(name: str) -> str | None:
+    """The package module ``name`` belongs to: ``moe_train.<sub>`` for a module of a subpackage
+    of ``moe_train``, else its top-level package; None for ``moe_train``'s own top-level
+    modules (its ``__init__`` and the entry points, which no package imports)."""
+    parts = name.split(".")
+    if parts[0] != "moe_train":
+        return parts[0]
+    sub = ".".join(parts[:2])
+    return sub if len(parts) > 1 and modules()[sub].name == "__init__.py" else None
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Package -> the other packages its modules import (directly)."""
+    out: dict[str, set[str]] = {}
+    for name, deps in graph().items():
+        if (a := package_of(name)) is not None:
+            out.setdefault(a, set()).update(b for d in deps if (b := package_of(d)) not in (None, a))
+    return out
+
+
+def _reach(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for d in edges.get(todo.pop(), set()) - seen:
+            seen.add(d)
+            todo.append(d)
+    return seen
+
+
+def package_cycles() -> list[tuple[str, ...]]:
+    """Each group of packages that import one another (a strongly connected component of
+    ``package_graph``, more than one package), its members sorted."""
+    edges = package_graph()
+    reach = {p: _reach(edges, p) for p in edges}
+    groups = {tuple(sorted({p} | {q for q in reach[p] if p in reach.get(q, set())})) for p in edges}
+    return sorted(g for g in groups if len(g) > 1)
+
+
+def _module_edge(a: str, b: str) -> str:
+    """One import that makes package ``a`` import package ``b``."""
+    return next(
+        f"{m} imports {d}"
+        for m in sorted(graph())
+        if package_of(m) == a
+        for d in sorted(graph()[m])
+        if package_of(d) == b
+    )
+
+
+def _a_cycle(members: tuple[str, ...]) -> str:
+    """A shortest import cycle through ``members[0]``, each step with one module edge that
+    makes it: what to look at when the test fails."""
+    edges, start = package_graph(), members[0]
+    paths, todo = {start: [start]}, [start]
+    while todo:
+        p = todo.pop(0)
+        for q in sorted(edges[p]):
+            if q == start:
+                hops = [*paths[p], start]
+                return "; ".join(_module_edge(a, b) for a, b in zip(hops, hops[1:]))
+            if q in members and q not in paths:
+                paths[q] = [*paths[p], q]
+                todo.append(q)
+    return ", ".join(members)
+
+
 def test_the_graph_sees_the_packages():
     assert {"moe_train.train.loop", "moe_train.model.transformer", "topology.plan"} <= set(graph())
     assert "moe_train.model.transformer" in reached("moe_train.train.loop")
@@ -128,6 +197,23 @@ def test_a_forbidden_edge_is_found(monkeypatch):
     assert "moe_train.moe.router -> moe_train.train.loop" in violations(("moe_train.moe",), LOOP)
 
 
+def test_no_package_imports_itself_through_others():
+    cycles = package_cycles()
+    assert cycles == [], "; ".join(_a_cycle(c) for c in cycles)
+
+
+def test_a_package_cycle_is_found(monkeypatch):
+    """The check can fail: the config importing the loop (lazily, in a function) closes a cycle."""
+    edges = {k: set(v) for k, v in graph().items()}
+    edges["moe_train.config.checks"].add("moe_train.train.loop")
+    monkeypatch.setattr(sys.modules[__name__], "graph", lambda: edges)
+    assert any({"moe_train.config", "moe_train.train"} <= set(c) for c in package_cycles())
+
+
+def test_the_base_imports_no_package_of_the_kit():
+    assert package_graph()["moe_train.base"] == set()
+
+
 def test_starting_the_loop_loads_no_benchmark_module():
     code = (
         "import sys, moe_train.train.loop, moe_train.selftest; "
@@ -146,6 +232,8 @@ def test_starting_the_loop_loads_no_benchmark_module():
         "moe_train.data.packing",
         "moe_train.model.flops",
         "moe_train.moe.routings",
+        "moe_train.checkpoints.checkpoint",
+        "topology.device_mesh",
     ],
 )
 def test_a_low_level_module_imports_first(module):

@@ -15,15 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import QUIET, ROOT
+from helpers import tiny_saving as tiny
 from test_distributed import SUPERVISOR, wait_for
-from test_faults import QUIET, cli, finish, losses, saved_steps, tiny
+from test_faults import cli, finish, losses, saved_steps
 from test_train import _wait_for_steps
 
+from moe_train.base.exits import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK
 from moe_train.train import cli as cli_module
 from moe_train.train import loop as run_mod
-from moe_train.train.signals import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK
 
-ROOT = Path(__file__).resolve().parent.parent
 HINT = "interrupted (Ctrl-C)"  # what the first Ctrl-C prints
 STEPS = 60  # enough that a SIGINT after step 3 lands mid-run (tiny: ~20 ms a step on CPU)
 

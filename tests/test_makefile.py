@@ -72,3 +72,11 @@ def test_clean_leaves_the_runs_directory():
         ["make", "--no-print-directory", "-n", "clean"], cwd=ROOT, capture_output=True, text=True, timeout=60
     ).stdout
     assert "rm -rf" in recipe and ".venv" in recipe and not re.search(r"\bruns\b", recipe)
+
+
+def test_lint_and_format_install_the_lint_extra_then_run_ruff_and_pyright():
+    recipe = make("-n", "-B", "lint", "format").stdout  # -B: as from a clone without the extra
+    assert "-e '.[lint]'" in recipe, recipe
+    commands = ("ruff check .", "ruff format --check .", "pyright", "ruff format .", "ruff check --fix .")
+    for command in commands:
+        assert f"/bin/{command}\n" in recipe, (command, recipe)

@@ -15,10 +15,10 @@ from moe_train.memory import GIB, ITEMS, PlanError, Verdict, check_fits, plan
 from moe_train.memory.__main__ import main
 from moe_train.memory.estimate import ALL_ITEMS, STEP_WEIGHTS
 from moe_train.model import flops
-from moe_train.parallel import layout, sharding
+from moe_train.parallel import sharding
+from moe_train.parallel.sharding import ep_plans
 from moe_train.train import step as train
-from moe_train.train.stepper import ep_plans
-from topology import presets
+from topology import device_mesh, presets
 
 SHAPE = ["train.batch_size=16", "train.seq_len=128", "model.num_layers=3"]
 # planner total / XLA:CPU compiled peak: measured 1.02..1.16 (errs high)
@@ -29,7 +29,7 @@ BARE = ["train.remat=none", "train.micro_batch_size=0"]
 
 def xla_memory(cfg) -> train.CompiledMemory:
     """Compiled memory of ``cfg``'s step on its devices, at the largest finite bucket."""
-    mesh = layout.build(cfg, jax.devices()[: cfg.parallel.devices]).mesh
+    mesh = device_mesh.build(cfg, jax.devices()[: cfg.parallel.devices]).mesh
     with sharding.activate(mesh):
         abstract = jax.eval_shape(lambda: train.init_state(cfg, mesh))
         shardings = train.state_shardings(cfg, mesh, abstract)
@@ -307,27 +307,11 @@ def test_presets_state_gpu_memory():
     assert {n: presets.load(n).gpu_memory_gib for n in want} == want
 
 
+MIXTRAL_JOB = "--model mixtral-8x7b --cluster h100-dgx --nodes 8 --ep 8".split()
+
+
 def test_cli_json(capsys):
-    assert (
-        main(
-            [
-                "--model",
-                "mixtral-8x7b",
-                "--cluster",
-                "h100-dgx",
-                "--nodes",
-                "8",
-                "--ep",
-                "8",
-                "--set",
-                "train.batch_size=64",
-                "--set",
-                "train.remat=full",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    assert main([*MIXTRAL_JOB, "--set", "train.batch_size=64", "--set", "train.remat=full", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["per_device_bytes"]) >= {
         "params",
@@ -367,23 +351,7 @@ def test_cli_errors_are_one_line_exit_2(capsys, args, match):
 
 
 def test_cli_text_lists_the_step_copy(capsys):
-    assert (
-        main(
-            [
-                "--model",
-                "mixtral-8x7b",
-                "--cluster",
-                "h100-dgx",
-                "--nodes",
-                "8",
-                "--ep",
-                "8",
-                "--set",
-                "parallel.weight_gather=step",
-            ]
-        )
-        == 0
-    )
+    assert main([*MIXTRAL_JOB, "--set", "parallel.weight_gather=step"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[0] == STEP_WEIGHTS)
     assert float(line.split()[1]) > 0 and "once per step" in line
 

@@ -131,11 +131,15 @@ def _run(backend_case, case):
     return _results(backend_case)[case]
 
 
+def _and_reference(backend_case, case):
+    """``_run`` of ``case`` on the backend, and on the dense reference."""
+    return _run(backend_case, case), _run(None, case)
+
+
 @pytest.mark.parametrize("router_case", ROUTER_CASES)
 @pytest.mark.parametrize("backend_case", BACKEND_CASES)
 def test_forward_matches_reference(backend_case, router_case):
-    y, _, _ = _run(backend_case, router_case)
-    y_ref, _, _ = _run(None, router_case)
+    (y, _, _), (y_ref, _, _) = _and_reference(backend_case, router_case)
     np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
 
 
@@ -143,8 +147,7 @@ def test_forward_matches_reference(backend_case, router_case):
 @pytest.mark.parametrize("router_case", ROUTER_CASES)
 @pytest.mark.parametrize("backend_case", BACKEND_CASES)
 def test_grads_match_reference(backend_case, router_case, arg):
-    _, _, grads = _run(backend_case, router_case)
-    _, _, grads_ref = _run(None, router_case)
+    (_, _, grads), (_, _, grads_ref) = _and_reference(backend_case, router_case)
     assert float(jnp.abs(grads_ref[arg]).max()) > 0
     np.testing.assert_allclose(grads[arg], grads_ref[arg], atol=GRAD_TOL[arg], rtol=1e-4)
 
@@ -152,8 +155,7 @@ def test_grads_match_reference(backend_case, router_case, arg):
 @pytest.mark.parametrize("params_case", ADVERSARIAL)
 @pytest.mark.parametrize("backend_case", BACKEND_CASES)
 def test_adversarial_routing_forward_and_grads(backend_case, params_case):
-    y, stats, grads = _run(backend_case, params_case)
-    y_ref, _, grads_ref = _run(None, params_case)
+    (y, stats, grads), (y_ref, _, grads_ref) = _and_reference(backend_case, params_case)
     np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
     for arg in ARG_NAMES:
         np.testing.assert_allclose(grads[arg], grads_ref[arg], atol=GRAD_TOL[arg], rtol=1e-4)

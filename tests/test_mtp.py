@@ -2,13 +2,12 @@
 of the report's equations (21-25), the weight schedule, the MTP layer's stats and expert bias,
 and the metrics a run records."""
 
-import json
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import records
 
 from moe_train import config
 from moe_train.model import mtp
@@ -142,7 +141,7 @@ def test_expert_bias_update_reaches_the_mtp_block(scan):
 def test_a_run_records_mtp_loss_and_the_mtp_layer_loads(tmp_path):
     cfg = config.build("deepseek-v3-tiny", ["train.steps=2", "parallel.devices=1"])
     assert run(cfg, tmp_path, log=lambda s: None) == EXIT_OK
-    rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    rec = records(tmp_path)[-1]
     assert np.isfinite(rec["mtp_loss"]) and rec["mtp_loss"] > 0
     assert np.asarray(rec["tokens_per_expert"]).shape == (3, 8)
 
@@ -150,5 +149,5 @@ def test_a_run_records_mtp_loss_and_the_mtp_layer_loads(tmp_path):
 def test_without_mtp_the_record_says_none(tmp_path):
     cfg = config.build("tiny", ["train.steps=1", "parallel.devices=1"])
     run(cfg, tmp_path, log=lambda s: None)
-    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    rec = records(tmp_path)[-1]
     assert rec["mtp_loss"] is None

@@ -5,7 +5,6 @@ or 1, also during an async checkpoint save) or a missing coordinator makes the o
 exit 4 with one line on stderr within the configured timeouts, never hang or abort.
 """
 
-import json
 import os
 import signal
 import socket
@@ -16,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import losses, records
 
-from moe_train.train.signals import EXIT_DISTRIBUTED
+from moe_train.base.exits import EXIT_DISTRIBUTED
 
 ROOT = Path(__file__).resolve().parent.parent
 # optim.decay_steps fixed: the compiled step does not depend on train.steps, so every test here
@@ -96,10 +96,6 @@ def pair(log_dir: Path, out: Path, *args: str, port: int | None = None) -> list[
         )
         for i in range(2)
     ]
-
-
-def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def wait_all(procs: list[Proc], timeout: float = 180) -> None:
@@ -402,6 +398,4 @@ def test_signal_to_one_process_stops_all_at_the_same_step_and_resumes(tmp_path):
     stopped = metric_lines(out)
     assert stopped < steps and (out / "checkpoints" / str(stopped)).is_dir()
     wait_all(pair(tmp_path, out, *args))
-    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(
-        range(1, steps + 1)
-    )
+    assert [r["step"] for r in records(out)] == list(range(1, steps + 1))

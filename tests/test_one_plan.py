@@ -11,26 +11,14 @@ import shlex
 from pathlib import Path
 
 import pytest
+from helpers import MIXTRAL_H100
 
 from slurm import show, submit
 
 ROOT = Path(__file__).resolve().parent.parent
 READMES = (ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 FLAGS = {"PRESET": "--preset", "MODEL": "--model", "NODES": "--nodes", "EP": "--ep", "STEPS": "--steps"}
-NO_FIT = [
-    "--preset",
-    "h100-dgx",
-    "--model",
-    "mixtral-8x7b",
-    "--nodes",
-    "8",
-    "--ep",
-    "8",
-    "--set",
-    "train.remat=none",
-    "--set",
-    "train.micro_batch_size=0",
-]
+NO_FIT = [*MIXTRAL_H100, "--set", "train.remat=none", "--set", "train.micro_batch_size=0"]
 BIG_BATCH = ["--preset", "h100-dgx", "--model", "deepseek-v3", "--nodes", "256", "--ep", "64"]
 # jobs whose every key the planner searches (issue #33's done-when jobs: no SET)
 V3_GB200 = ["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "64", "--ep", "64"]
@@ -133,21 +121,7 @@ def test_a_plan_that_does_not_fit_exits_as_submit_refuses_it(site, tmp_path):
 
 
 def test_a_user_set_key_is_named_as_the_users():
-    out = run(
-        show.main,
-        [
-            "--preset",
-            "h100-dgx",
-            "--model",
-            "mixtral-8x7b",
-            "--nodes",
-            "8",
-            "--ep",
-            "8",
-            "--set",
-            "moe.overlap_chunks=2",
-        ],
-    )[1]
+    out = run(show.main, [*MIXTRAL_H100, "--set", "moe.overlap_chunks=2"])[1]
     line = next(x for x in out.splitlines() if x.startswith("  overlap: moe.overlap_chunks=2"))
     assert "yours" in line
 
@@ -172,23 +146,8 @@ def test_a_batch_that_does_not_split_names_the_nearest_sizes_that_do(site, extra
 
 
 def test_micro_batches_that_do_not_split_name_batch_sizes_that_do():
-    err = run(
-        show.main,
-        [
-            "--preset",
-            "h100-dgx",
-            "--model",
-            "mixtral-8x7b",
-            "--nodes",
-            "8",
-            "--ep",
-            "8",
-            "--set",
-            "train.micro_batch_size=0",
-            "--set",
-            "train.micro_batches=16",
-        ],
-    )[2]
+    sets = ["--set", "train.micro_batch_size=0", "--set", "train.micro_batches=16"]
+    err = run(show.main, [*MIXTRAL_H100, *sets])[2]
     assert all(b % (64 * 16) == 0 for b in _named_sizes(err)) and _named_sizes(err)
 
 

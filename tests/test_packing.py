@@ -1,16 +1,13 @@
 """Packed documents and in-run evaluation: one property per test.
 
 Model properties use random token ids with explicit segment ids; data properties use real
-prepared corpora, built here with a small byte-level BPE trained on the shipped corpus (the
-helpers of tests/test_prepare.py).
+prepared corpora, built here with a small byte-level BPE trained on the shipped corpus
+(tests/helpers.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_prepare import _train_bpe, paragraphs, write_jsonl
-from test_prepare import run as prepare_run
+from helpers import QUIET, paragraphs, prepare_run, records, run_module, sets, tiny, train_bpe, write_jsonl
 
 from moe_train import config
 from moe_train import eval as evaluate_mod
+from moe_train.base.exits import EXIT_CONFIG, EXIT_OK
+from moe_train.checkpoints import checkpoint
 from moe_train.config import ConfigError, DataConfig
 from moe_train.data import make_source, packing
 from moe_train.data.heldout import DEFAULT_SEQUENCES, eval_batches
@@ -33,15 +31,11 @@ from moe_train.data.prepared import open_split
 from moe_train.model import mtp
 from moe_train.model.transformer import Transformer
 from moe_train.parallel import sharding
-from moe_train.train import checkpoint
 from moe_train.train import loop as run_mod
 from moe_train.train import step as train
-from moe_train.train.signals import EXIT_CONFIG, EXIT_OK
 
-ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 320  # the model's vocabulary: the test tokenizer has 300
 DOCS = (7, 9, 8)  # document lengths of the model tests' rows (S = 24)
-QUIET = dict(log=lambda s: None)
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -51,7 +45,7 @@ QUIET = dict(log=lambda s: None)
 def corpora(tmp_path_factory) -> dict[str, Path]:
     """Prepared corpora: "val" (a fifth of 120 documents held out) and "no_val" (none)."""
     root = tmp_path_factory.mktemp("packing")
-    tok = _train_bpe(root / "tok/tokenizer.json", ["<unk>", "</s>"], vocab=300)
+    tok = train_bpe(root / "tok/tokenizer.json", ["<unk>", "</s>"], vocab=300)
     data = write_jsonl(root / "docs.jsonl", [f"document {i}: {d}" for i, d in enumerate(paragraphs(120))])
     prepare_run(tok, [data], root / "val", val_fraction=0.2)
     prepare_run(tok, [data], root / "no_val", val_fraction=0.0)
@@ -68,21 +62,16 @@ def source(path: Path, *, seed: int = 0, packing_on: bool = True, batch_size: in
 
 
 def run_cfg(path: Path, *overrides: str, steps: int = 4) -> config.Config:
-    return config.build(
-        "tiny",
-        [
-            "data.source=prepared",
-            f"data.path={path}",
-            f"model.vocab_size={VOCAB}",
-            f"train.steps={steps}",
-            "train.seq_len=32",
-            "parallel.devices=1",
-            "train.log_every=100",
-            "train.async_checkpoint=false",
-            "train.telemetry_interval_s=0",
-            "train.skip_selftest=true",
-            *overrides,
-        ],
+    return tiny(
+        "data.source=prepared",
+        f"data.path={path}",
+        f"model.vocab_size={VOCAB}",
+        "train.seq_len=32",
+        "train.async_checkpoint=false",
+        "train.telemetry_interval_s=0",
+        "train.skip_selftest=true",
+        *overrides,
+        steps=steps,
     )
 
 
@@ -341,25 +330,14 @@ def test_te_attention_with_packed_documents_is_a_config_error(corpora):
 
 
 def test_the_cli_exits_2_with_one_line_for_a_too_small_vocabulary(corpora, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_train",
-            "--out",
-            str(tmp_path / "out"),
-            "--devices",
-            "1",
-            "--set",
-            "data.source=prepared",
-            "--set",
-            f"data.path={corpora['val']}",
-            "--set",
-            "model.vocab_size=256",
-        ],  # set below the corpus's (unset: taken from it)
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    proc = run_module(
+        "moe_train",
+        "--out",
+        tmp_path / "out",
+        "--devices",
+        "1",
+        # model.vocab_size set below the corpus's (unset: taken from it)
+        *sets("data.source=prepared", f"data.path={corpora['val']}", "model.vocab_size=256"),
         timeout=120,
     )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -454,10 +432,6 @@ def test_the_report_plots_eval_loss_in_the_loss_panel(tmp_path, monkeypatch):
     lines = {line.get_label(): line.get_xdata().tolist() for line in figures[0].axes[0].lines}
     plots.plt.close(figures[0])
     assert lines["eval_loss"] == [2] and lines["loss"] == [1, 2, 3]
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -4,34 +4,34 @@ routing kept fp32, checkpoint/resume, expert parallelism, config errors, Transfo
 Letter key: T tokens, H hidden, E experts, A amax-history steps.
 """
 
-import json
 import shutil
 from pathlib import Path
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import QUIET, losses
 
 from moe_train import config
+from moe_train.checkpoints.checkpoint import Checkpointer
 from moe_train.config import ConfigError
 from moe_train.model import precision
 from moe_train.model.transformer import MoEBlock, Transformer
 from moe_train.moe.router import Routing, route, router_logits
-from moe_train.parallel import layout, sharding
+from moe_train.parallel import sharding
 from moe_train.train import cli
 from moe_train.train import step as train
-from moe_train.train.checkpoint import Checkpointer
 from moe_train.train.loop import EXIT_OK, run
+from topology import device_mesh
 
 STEPS = 50
 # decay_steps fixed: the schedule, hence the compiled step, does not depend on train.steps;
 # an amax history longer than the run keeps every step's amax
 HISTORY = 64
 BASE = [
-    "parallel.devices=1",
-    "train.log_every=100",
     "train.telemetry_interval_s=0",
     "train.async_checkpoint=false",
     "optim.decay_steps=45",
@@ -40,19 +40,14 @@ BASE = [
 # fp8 vs bf16 on tiny over 50 steps, measured: max per-step gap 1.03%, last-10 mean gap 0.26%
 # (bf16 vs fp32: 0.49% and 0.12%)
 STEP_RTOL, TAIL_RTOL = 0.03, 0.01
-QUIET = {"log": lambda s: None}
 
 
 def tiny(compute: str, *overrides: str, steps: int = STEPS) -> config.Config:
-    return config.build("tiny", [f"train.steps={steps}", f"precision.compute={compute}", *BASE, *overrides])
-
-
-def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return helpers.tiny(f"precision.compute={compute}", *BASE, *overrides, steps=steps)
 
 
 def one_device_mesh(cfg: config.Config):
-    return layout.build(cfg, jax.devices()[:1]).mesh
+    return device_mesh.build(cfg, jax.devices()[:1]).mesh
 
 
 def saved(out: Path, step: int) -> dict:

@@ -41,6 +41,16 @@ def test_preset_has_header_comment(name):
     assert header[0].startswith(f"# {name}:")
 
 
+# Mixtral's and Qwen3's router: a softmax over the experts, the top k renormalised; no shared
+# experts, groups, scaling or bias updates
+SOFTMAX_ROUTER = {
+    "moe.num_shared_experts": 0,
+    "moe.score_function": "softmax",
+    "moe.normalize_top_k": True,
+    "moe.num_groups": 0,
+    "moe.routed_scaling": 1.0,
+    "moe.bias_update_rate": 0.0,
+}
 # Published shapes (model papers and released Hugging Face configs).
 PUBLISHED = {
     "mixtral-8x7b": {
@@ -57,12 +67,7 @@ PUBLISHED = {
         "moe.num_experts": 8,
         "moe.top_k": 2,
         "moe.expert_ffn": 14336,
-        "moe.num_shared_experts": 0,
-        "moe.score_function": "softmax",
-        "moe.normalize_top_k": True,
-        "moe.num_groups": 0,
-        "moe.routed_scaling": 1.0,
-        "moe.bias_update_rate": 0.0,
+        **SOFTMAX_ROUTER,
         "moe.aux_loss_coef": 0.02 * 2,  # router_aux_loss_coef x top_k: the same penalty
     },
     "qwen3-30b-a3b": {
@@ -80,12 +85,7 @@ PUBLISHED = {
         "moe.num_experts": 128,
         "moe.top_k": 8,
         "moe.expert_ffn": 768,
-        "moe.num_shared_experts": 0,
-        "moe.score_function": "softmax",
-        "moe.normalize_top_k": True,
-        "moe.num_groups": 0,
-        "moe.routed_scaling": 1.0,
-        "moe.bias_update_rate": 0.0,
+        **SOFTMAX_ROUTER,
         "moe.aux_loss_coef": 0.001 * 8,  # router_aux_loss_coef x top_k: the same penalty
     },
     "deepseek-v3": {

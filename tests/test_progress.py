@@ -2,15 +2,14 @@
 a first line, heartbeats and their time; a training run says when it compiles and for how
 long, and its last line's report command works as printed."""
 
-import os
 import shlex
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from helpers import sets, train_cli
 
 from moe_train.train import progress
 
@@ -60,28 +59,7 @@ def test_a_predicate_starts_the_first_line_with_its_description():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("run") / "r"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_train",
-            "--preset",
-            "tiny",
-            "--out",
-            str(out),
-            "--steps",
-            "2",
-            "--set",
-            "train.seq_len=16",
-            "--set",
-            "train.batch_size=2",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
+    proc = train_cli(out, "--steps", "2", *sets("train.seq_len=16", "train.batch_size=2"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, out
 

@@ -12,9 +12,10 @@ from moe_train import config
 from moe_train.config import ConfigError
 from moe_train.model import remat
 from moe_train.model.transformer import to_looped
-from moe_train.parallel import layout, sharding
+from moe_train.parallel import sharding
+from moe_train.parallel.sharding import ep_plans
 from moe_train.train import step as train
-from moe_train.train.stepper import ep_plans
+from topology import device_mesh
 
 # Big enough that activations, not parameters, dominate the compiled temp memory.
 SHAPE = ["train.batch_size=8", "train.seq_len=128", "model.num_layers=3"]
@@ -22,7 +23,7 @@ SHAPE = ["train.batch_size=8", "train.seq_len=128", "model.num_layers=3"]
 
 def _step(cfg, devices=1):
     """(jitted step, state, batch, counter) for ``cfg`` on ``devices`` CPU devices."""
-    mesh = layout.build(cfg, jax.devices()[:devices]).mesh
+    mesh = device_mesh.build(cfg, jax.devices()[:devices]).mesh
     with sharding.activate(mesh):
         state = train.init_state(cfg, mesh)
         plans = ep_plans(cfg, mesh)
@@ -104,7 +105,7 @@ def _all_to_alls(policy: str) -> int:
     cfg = config.build(
         "tiny", ["parallel.devices=8", "parallel.ep=8", "moe.dispatcher=a2a", f"train.remat={policy}"]
     )
-    mesh = layout.build(cfg, jax.devices()[:8]).mesh
+    mesh = device_mesh.build(cfg, jax.devices()[:8]).mesh
     with sharding.activate(mesh):
         abstract = jax.eval_shape(lambda: train.init_state(cfg, mesh))
         shardings = train.state_shardings(cfg, mesh, abstract)

@@ -2,18 +2,15 @@
 a previous run of the kit, and an incompatible checkpoint is refused before the self-test."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_module
 
 from moe_train import config
 from moe_train.config import ConfigError
 from moe_train.train import rundir, runlock
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def kit_run(d: Path, preset: str = "tiny", step: int = 3) -> Path:
@@ -28,14 +25,7 @@ def kit_run(d: Path, preset: str = "tiny", step: int = 3) -> Path:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "moe_train", *args],
-        cwd=ROOT,
-        text=True,
-        capture_output=True,
-        timeout=300,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
+    return run_module("moe_train", *args, timeout=300)
 
 
 def test_fresh_refuses_a_directory_with_other_files_and_keeps_them(tmp_path):

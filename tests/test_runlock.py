@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from moe_train.base.exits import OutputError
 from moe_train.config import ConfigError
 from moe_train.train import runlock
-from moe_train.train.signals import OutputError
 
 ROOT = Path(__file__).resolve().parents[1]
 

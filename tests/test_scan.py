@@ -6,7 +6,6 @@ that resume across layouts.
 Letter key: B batch, S sequence, L layers of a group, E experts.
 """
 
-import json
 import re
 from pathlib import Path
 
@@ -15,16 +14,18 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import losses
 
 from moe_train import config
+from moe_train.checkpoints import checkpoint
+from moe_train.checkpoints.checkpoint import Checkpointer
 from moe_train.config import ConfigError
 from moe_train.model.precision import FP8_COLLECTION
 from moe_train.model.transformer import Transformer, to_looped, to_scanned
-from moe_train.parallel import layout, sharding
-from moe_train.train import checkpoint
+from moe_train.parallel import sharding
 from moe_train.train import step as train
-from moe_train.train.checkpoint import Checkpointer
 from moe_train.train.loop import EXIT_OK, run
+from topology import device_mesh
 
 # a dense group of 1 and an MoE group of 2, sigmoid routing with a live expert bias
 SHAPE = ["model.num_layers=3", "model.first_dense_layers=1", "moe.score_function=sigmoid"]
@@ -157,7 +158,7 @@ def test_fp8_scaling_state_follows_its_layer_in_both_layouts():
 
 
 def _state(cfg: config.Config, abstract: bool = False) -> train.TrainState:
-    mesh = layout.build(cfg, jax.devices()[:1]).mesh
+    mesh = device_mesh.build(cfg, jax.devices()[:1]).mesh
     with sharding.activate(mesh):
         if abstract:
             return jax.eval_shape(lambda: train.init_state(cfg, mesh))
@@ -209,10 +210,6 @@ def run_cfg(scan: bool, steps: int) -> config.Config:
         "optim.decay_steps=10",
         "moe.bias_update_rate=0.01",
     )
-
-
-def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def saved_params(out: Path, step: int) -> dict:

@@ -5,6 +5,7 @@ runs the first."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import itertools
 import re
@@ -31,13 +32,7 @@ from topology import presets
 V3_64 = Request(preset="gb200-nvl72", model="deepseek-v3", nodes=64, ep=64)
 V3_H100 = Request(preset="h100-dgx", model="deepseek-v3", nodes=128)
 USER_SETS = ("train.remat=full", "moe.dispatch_dtype=activation", "moe.overlap_chunks=2")
-MIXTRAL = Request(
-    preset="h100-dgx",
-    model="mixtral-8x7b",
-    nodes=8,
-    ep=8,
-    sets=("train.remat=full", "moe.dispatch_dtype=activation"),
-)
+MIXTRAL = Request(preset="h100-dgx", model="mixtral-8x7b", nodes=8, ep=8, sets=USER_SETS[:2])
 
 
 def found(req: Request, top: int = 5) -> search.Found:
@@ -114,13 +109,7 @@ def test_cut_buckets_only_where_nothing_fits_with_the_presets(v3):
 
 def test_cut_buckets_make_a_job_fit_that_otherwise_does_not():
     # 6 sequences per micro-batch: nothing fits with buckets up to 4x; cut at 2x, one does
-    req = Request(
-        preset="gb200-nvl72",
-        model="deepseek-v3",
-        nodes=64,
-        ep=64,
-        sets=("train.micro_batch_size=6", "train.remat=full"),
-    )
+    req = dataclasses.replace(V3_64, sets=("train.micro_batch_size=6", "train.remat=full"))
     best = found(req, top=1).ranked[0]
     assert best.settings.buckets[-1] < 4 and best.total_bytes <= best.usable_bytes
 

@@ -4,20 +4,14 @@ import json
 
 import jax.numpy as jnp
 import pytest
+from helpers import records, tiny
 
-from moe_train import config
 from moe_train.config import ConfigError
 from moe_train.moe import gemm
 from moe_train.selftest import checks, choose
 from moe_train.train.loop import EXIT_OK, run
 
 ROUTINGS = ("uniform", "zipf", "hot", "empty", "hot-empty")
-
-
-def tiny(*overrides: str, steps: int = 2) -> config.Config:
-    return config.build(
-        "tiny", [f"train.steps={steps}", "parallel.devices=1", "train.log_every=100", *overrides]
-    )
 
 
 @pytest.fixture
@@ -147,7 +141,7 @@ def test_trainer_logs_kernels_first_and_times_the_selftest(tmp_path):
     lines = []
     assert run(tiny(), tmp_path, log=lines.append) == EXIT_OK
     assert lines[0].startswith("kernels on cpu: moe.backend=tiled") and "model.attention=" in lines[0]
-    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    first = records(tmp_path)[0]
     assert first["selftest_s"] > 0
     kept = json.loads((tmp_path / "kernels.json").read_text())
     assert [c["chosen"] for c in kept["choices"]][0] == "tiled"

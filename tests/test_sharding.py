@@ -4,6 +4,7 @@ whatever mesh axes divide their widths."""
 import flax.linen as nn
 import jax
 import pytest
+from helpers import records
 from jax.sharding import PartitionSpec as P
 
 from moe_train import config
@@ -100,7 +101,8 @@ def test_scanned_weights_shard_every_other_dim_like_their_looped_layers():
             "tiny", [f"model.scan_layers={scan}", "model.num_layers=3", "model.first_dense_layers=1"]
         )
         boxed = jax.eval_shape(
-            lambda k: Transformer(cfg).init(k, jax.numpy.zeros((1, 8), int))["params"], jax.random.key(0)
+            lambda k, cfg=cfg: Transformer(cfg).init(k, jax.numpy.zeros((1, 8), int))["params"],
+            jax.random.key(0),
         )
         specs[scan] = jax.tree.map(lambda sh: sh.spec, sharding.param_shardings(boxed, mesh))
     stacked = [s for g in ("dense_layers", "moe_layers") for s in jax.tree.leaves(specs["true"][g])]
@@ -113,7 +115,6 @@ def test_weights_split_by_heads_vocab_and_mlp_train_like_one_device(tmp_path):
     """Width 36 and latents 12 on 8 devices (FSDP 4 x EP 2): the width and the latents take
     4 devices, the heads, vocab, mlp and MTP rows the other 2 (``logical_rules``); gathered
     for use, they compute what one device does."""
-    import json
 
     import numpy as np
 
@@ -132,8 +133,7 @@ def test_weights_split_by_heads_vocab_and_mlp_train_like_one_device(tmp_path):
     for devices, ep in ((1, 1), (8, 2)):
         cfg = config.build("deepseek-v3-tiny", [*base, f"parallel.devices={devices}", f"parallel.ep={ep}"])
         assert run(cfg, tmp_path / str(devices), log=lambda s: None) == EXIT_OK
-        recs = (tmp_path / str(devices) / "metrics.jsonl").read_text().splitlines()
-        got[devices] = [[r["loss"], r["mtp_loss"], r["grad_norm"]] for r in map(json.loads, recs)]
+        got[devices] = [[r["loss"], r["mtp_loss"], r["grad_norm"]] for r in records(tmp_path / str(devices))]
     rules = sharding.logical_rules(cfg, sizes(4, 1, 2))
     assert spec(("q_lora", "heads", "head_dim"), rules)[1] == sharding.EXPERT
     np.testing.assert_allclose(got[8], got[1], rtol=2e-5)

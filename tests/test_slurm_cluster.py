@@ -8,7 +8,6 @@ only by exit codes: a misconfigured Slurm can report COMPLETED for a job that ne
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,32 +17,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CLUSTER_SCRIPT = ROOT / "slurm" / "local_cluster.sh"
 PARTITION = "debug"
 
-pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slurm_cluster():
-    """Skip the module unless the local cluster answers and its node can run jobs."""
-    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        pytest.skip(
-            "Slurm is not installed (no sinfo/sbatch on PATH); "
-            "start the local cluster as root: bash slurm/local_cluster.sh start"
-        )
-    try:
-        r = subprocess.run(
-            ["bash", str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30
-        )
-    except subprocess.TimeoutExpired:
-        pytest.skip("`slurm/local_cluster.sh status` did not answer within 30 s")
-    if r.returncode != 0:
-        why = (r.stdout + r.stderr).strip() or f"exit code {r.returncode}"
-        pytest.skip(
-            f"the local Slurm cluster is not running ({why}); "
-            "start it as root: bash slurm/local_cluster.sh start"
-        )
+# slurm_cluster (conftest.py): skip unless the local cluster answers and its node can run jobs
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
 
 def _name(tag: str) -> str:
@@ -54,9 +31,11 @@ def _scancel(job_id: str) -> None:
     subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
 
 
-def _sbatch(script: Path, *args: str, wait: bool, timeout: float) -> tuple[str, int]:
-    """Submit `script`; with wait, block until the job ends. Returns (job id, sbatch's exit code)."""
+def _sbatch(script: Path, tag: str, *args: str, wait: bool, timeout: float) -> tuple[str, int]:
+    """Submit `script` as job `tag` (its log: batch.out beside it); with wait, block until the
+    job ends. Returns (job id, sbatch's exit code)."""
     cmd = ["sbatch", "--parsable", f"--partition={PARTITION}", "--time=3", f"--chdir={script.parent}", *args]
+    cmd += [f"--job-name={_name(tag)}", f"--output={script.parent}/batch.out"]
     if wait:
         cmd.append("--wait")
     proc = subprocess.Popen([*cmd, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -116,15 +95,7 @@ def _wait_done(job, timeout: float) -> None:
 def test_sbatch_two_tasks_write_their_rank(tmp_path):
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\nset -eu\nsrun --output=task-%t.out bash -c 'echo \"$SLURM_PROCID\"'\n")
-    job_id, rc = _sbatch(
-        script,
-        "--ntasks=2",
-        "--overcommit",
-        f"--job-name={_name('ranks')}",
-        f"--output={tmp_path}/batch.out",
-        wait=True,
-        timeout=90,
-    )
+    job_id, rc = _sbatch(script, "ranks", "--ntasks=2", "--overcommit", wait=True, timeout=90)
     batch_log = (tmp_path / "batch.out").read_text() if (tmp_path / "batch.out").exists() else ""
     assert rc == 0, f"job {job_id} failed (sbatch --wait exit {rc}); batch log:\n{batch_log}"
     for rank in (0, 1):
@@ -178,14 +149,7 @@ def test_jax_distributed_two_processes(tmp_path):
 def test_sigkilled_job_is_failed_in_sacct(tmp_path):
     script = tmp_path / "die.sh"
     script.write_text("#!/bin/bash\necho started > started.txt\nkill -KILL $$\n")
-    job_id, rc = _sbatch(
-        script,
-        "--ntasks=1",
-        f"--job-name={_name('kill')}",
-        f"--output={tmp_path}/batch.out",
-        wait=False,
-        timeout=30,
-    )
+    job_id, rc = _sbatch(script, "kill", "--ntasks=1", wait=False, timeout=30)
     assert rc == 0
     deadline = time.monotonic() + 60
     state = exit_code = ""

@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import MIXTRAL_H100
 
 from slurm import examples, follow, plan, render, submit, task
 from slurm import site as site_mod
@@ -21,6 +22,7 @@ from topology import presets
 from topology.placement import allocation
 
 KIT = Path(__file__).resolve().parent.parent
+CPU_TINY = ("--preset", "cpu-local", "--model", "tiny", "--nodes", "1")  # the smallest job
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +46,13 @@ def script_of(out: str) -> str:
     """The sbatch script part of --dry-run's output."""
     start = out.index("#!/bin/bash")
     return out[start : out.index("\n# training step (srun)")]
+
+
+def dry_script(capsys, tmp_path, *args: str) -> tuple[str, str]:
+    """A ``dry`` run that succeeded: its output and the sbatch script in it."""
+    code, out, err = dry(capsys, tmp_path, *args)
+    assert code == 0, err
+    return out, script_of(out)
 
 
 def run_script(script: str, tmp_path: Path, srun_exit: int = 0, env: dict | None = None):
@@ -112,11 +121,7 @@ def test_golden_nvl72_is_the_documented_job():
 def test_hostile_job_name_is_quoted_and_never_run(capsys, tmp_path):
     marker = tmp_path / "pwned"
     name = f"x; touch {marker}"
-    code, out, err = dry(
-        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--job-name", name
-    )
-    assert code == 0, err
-    script = script_of(out)
+    out, script = dry_script(capsys, tmp_path, *CPU_TINY, "--job-name", name)
     assert f"#SBATCH --job-name={shlex.quote(name)}" in script
     assert [ln for ln in script.splitlines() if str(marker) in ln] == [
         f"#SBATCH --job-name={shlex.quote(name)}"
@@ -130,11 +135,7 @@ def test_hostile_job_name_is_quoted_and_never_run(capsys, tmp_path):
 def test_hostile_set_value_stays_data(capsys, tmp_path):
     marker = tmp_path / "pwned2"
     value = f"data.path=$(touch {marker}); `touch {marker}`"
-    code, out, err = dry(
-        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set", value
-    )
-    assert code == 0, err
-    script = script_of(out)
+    out, script = dry_script(capsys, tmp_path, *CPU_TINY, "--set", value)
     assert str(marker) not in script  # trainer arguments travel pickled, never through a shell
     shown = out.strip().splitlines()[-1]
     assert value in shlex.split(shown)  # the printed command quotes it
@@ -152,9 +153,7 @@ def test_hostile_set_value_stays_data(capsys, tmp_path):
     ],
 )
 def test_control_characters_and_bad_names_refused(capsys, tmp_path, flag, value):
-    code, out, err = dry(
-        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", flag, value
-    )
+    code, out, err = dry(capsys, tmp_path, *CPU_TINY, flag, value)
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("error: ")
 
@@ -167,9 +166,7 @@ def test_env_exported_with_quoting(capsys, tmp_path):
     preset = tmp_path / "site-cpu.toml"
     preset.write_text(text)
     assert presets.load(str(preset)).env["LAUNCH_TEST_A"] == hostile
-    code, out, err = dry(capsys, tmp_path, "--preset", str(preset), "--model", "tiny", "--nodes", "1")
-    assert code == 0, err
-    script = script_of(out)
+    out, script = dry_script(capsys, tmp_path, "--preset", str(preset), "--model", "tiny", "--nodes", "1")
     assert f"export LAUNCH_TEST_A={shlex.quote(hostile)}" in script
     proc, calls = run_script(script, tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -181,108 +178,49 @@ def test_env_exported_with_quoting(capsys, tmp_path):
 
 # the big presets' own fit (full remat, one-sequence micro-batches) switched off
 BARE = ["--set", "train.remat=none", "--set", "train.micro_batch_size=0"]
-REFUSALS = [
+REFUSALS = [  # (the command line, what its one error line says)
     (
-        ["--preset", "nope", "--model", "tiny", "--nodes", "1"],
+        "--preset nope --model tiny --nodes 1",
         "unknown cluster preset 'nope'; valid presets: b200-hgx, cpu-local",
     ),
+    ("--preset cpu-local --model nope --nodes 1", "unknown model preset 'nope'; valid presets:"),
     (
-        ["--preset", "cpu-local", "--model", "nope", "--nodes", "1"],
-        "unknown model preset 'nope'; valid presets:",
-    ),
-    (
-        ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set", "moe.topk=3"],
+        "--preset cpu-local --model tiny --nodes 1 --set moe.topk=3",
         "unknown key moe.topk; valid keys in [moe]:",
     ),
+    ("--preset gb200-nvl72 --model deepseek-v3 --nodes 20 --ep 64", "ep 64 does not divide the 80 GPUs"),
     (
-        ["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "20", "--ep", "64"],
-        "ep 64 does not divide the 80 GPUs",
-    ),
-    (
-        ["--preset", "h100-dgx", "--model", "tiny", "--nodes", "2", "--ep", "16"],
+        "--preset h100-dgx --model tiny --nodes 2 --ep 16",
         "ep 16 does not divide the model's 8 experts; valid ep: 1, 2, 4, 8",
     ),
     (
-        [
-            "--preset",
-            "gb200-nvl72",
-            "--model",
-            "tiny",
-            "--nodes",
-            "21",
-            "--ep",
-            "42",
-            "--set",
-            "moe.num_experts=42",
-            "--set",
-            "train.batch_size=84",
-        ],
+        "--preset gb200-nvl72 --model tiny --nodes 21 --ep 42 "
+        "--set moe.num_experts=42 --set train.batch_size=84",
         "EP groups of 42 would straddle NVLink domains",
     ),
     (
-        [
-            "--preset",
-            "gb200-nvl72",
-            "--model",
-            "deepseek-v3",
-            "--nodes",
-            "32",
-            "--ep",
-            "64",
-            "--image",
-            "/nonexistent/moe.sqsh",
-        ],
+        "--preset gb200-nvl72 --model deepseek-v3 --nodes 32 --ep 64 --image /nonexistent/moe.sqsh",
         "image file '/nonexistent/moe.sqsh' does not exist",
     ),
-    (["--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "32", "--ep", "64"], "no kit image"),
+    ("--preset gb200-nvl72 --model deepseek-v3 --nodes 32 --ep 64", "no kit image"),
+    ("--preset cpu-local --model tiny --nodes 1 --image x:y", "runs on the host without a container"),
     (
-        ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--image", "x:y"],
-        "runs on the host without a container",
-    ),
-    (
-        ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set", "parallel.num_processes=3"],
+        "--preset cpu-local --model tiny --nodes 1 --set parallel.num_processes=3",
         "--set parallel.num_processes is chosen by the launcher",
     ),
+    ("--preset cpu-local --model tiny --nodes 1 --time soon", "time 'soon' is not a Slurm time"),
     (
-        ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--time", "soon"],
-        "time 'soon' is not a Slurm time",
-    ),
-    (
-        ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--set", "train.batch_size=6"],
+        "--preset cpu-local --model tiny --nodes 1 --set train.batch_size=6",
         "train.batch_size=6 is not divisible by the job's 8 GPUs",
     ),
-    (["--preset", "cpu-local", "--model", "tiny"], "--model and --nodes (>= 1) are required"),
+    ("--preset cpu-local --model tiny", "--model and --nodes (>= 1) are required"),
     (
-        [
-            "--preset",
-            "h100-dgx",
-            "--model",
-            "mixtral-8x7b",
-            "--nodes",
-            "8",
-            "--ep",
-            "8",
-            "--image",
-            "KIMG",
-            *BARE,
-        ],
+        "--preset h100-dgx --model mixtral-8x7b --nodes 8 --ep 8 --image KIMG "
+        "--set train.remat=none --set train.micro_batch_size=0",
         "memory: does not fit: needs",
     ),
     (
-        [
-            "--preset",
-            "gb200-nvl72",
-            "--model",
-            "deepseek-v3",
-            "--nodes",
-            "18",
-            "--ep",
-            "8",
-            "--set",
-            "train.batch_size=144",
-            "--image",
-            "KIMG",
-        ],
+        "--preset gb200-nvl72 --model deepseek-v3 --nodes 18 --ep 8 --set train.batch_size=144 --image KIMG",
         "model.hidden=7168 is not divisible by the data-parallel size 9",
     ),
 ]
@@ -291,50 +229,18 @@ REFUSALS = [
 def test_a_job_that_does_not_fit_names_the_override(capsys, tmp_path):
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
-    code, _, err = run_cli(
-        capsys,
-        "--preset",
-        "h100-dgx",
-        "--model",
-        "mixtral-8x7b",
-        "--nodes",
-        "8",
-        "--ep",
-        "8",
-        "--image",
-        str(image),
-        "--out",
-        str(tmp_path / "r"),
-        *BARE,
-    )
+    code, _, err = run_cli(capsys, *MIXTRAL_H100, "--image", str(image), "--out", str(tmp_path / "r"), *BARE)
     assert code == 2 and "cheapest change that fits" in err and "--ignore-memory" in err
 
 
 def test_a_dry_run_only_warns_about_memory(capsys, tmp_path):
-    code, out, err = dry(
-        capsys,
-        tmp_path,
-        "--preset",
-        "h100-dgx",
-        "--model",
-        "mixtral-8x7b",
-        "--nodes",
-        "8",
-        "--ep",
-        "8",
-        *BARE,
-    )
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_H100, *BARE)
     assert code == 0 and "warning: memory: does not fit" in out + err
 
 
 def test_the_readme_cluster_example_fits_without_a_warning(capsys, tmp_path):
-    code, out, err = dry(
-        capsys, tmp_path, "--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8"
-    )
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_H100)
     assert code == 0 and "memory: fits" in out + err and "warning: memory" not in out + err
-
-
-MIXTRAL_8 = ("--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8")
 
 
 def test_overlap_chunks_default_to_the_planners_choice(capsys, tmp_path):
@@ -344,13 +250,13 @@ def test_overlap_chunks_default_to_the_planners_choice(capsys, tmp_path):
         "h100-dgx", 8, "mixtral-8x7b", 8, overrides=("parallel.weight_gather=step",)
     ).step.best_chunks
     assert best > 1  # the planner hides part of the exchange on this job
-    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8)
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_H100)
     assert code == 0 and f"overlap: moe.overlap_chunks={best}, the planner's choice" in out + err
     assert f"--set moe.overlap_chunks={best} --set parallel.ep=8" in out
 
 
 def test_a_users_overlap_chunks_stay(capsys, tmp_path):
-    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8, "--set", "moe.overlap_chunks=2")
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_H100, "--set", "moe.overlap_chunks=2")
     assert code == 0 and "overlap:" not in out + err
     assert out.count("moe.overlap_chunks=") == 1 and "--set moe.overlap_chunks=2" in out
 
@@ -361,7 +267,7 @@ def test_weight_gather_defaults_to_the_faster_mode_that_fits(capsys, tmp_path):
     micro = "train.micro_batch_size=4"  # kept as set: the choice left is the gather mode
     by = make_plan("h100-dgx", 8, "mixtral-8x7b", 8, overrides=(micro,)).step.by_gather
     assert by["step"] < 0.99 * by["micro_batch"]  # gathering once per step is predicted faster
-    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8, "--set", micro)
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_H100, "--set", micro)
     assert code == 0 and "fsdp: parallel.weight_gather=step, the planner's choice" in out + err
     assert "--set parallel.weight_gather=step " in out
 
@@ -372,12 +278,12 @@ def test_the_memory_line_counts_the_chosen_job(capsys, tmp_path):
 
     req = plan.Request(preset="h100-dgx", model="mixtral-8x7b", nodes=8, ep=8)
     total = memory.check_fits(decide(req).cfg, "h100-dgx", 8).total_bytes / 1024**3
-    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8)
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_H100)
     assert code == 0 and f"({total:.1f} GiB of" in out + err
 
 
 def test_a_users_weight_gather_stays(capsys, tmp_path):
-    code, out, err = dry(capsys, tmp_path, *MIXTRAL_8, "--set", "parallel.weight_gather=micro_batch")
+    code, out, err = dry(capsys, tmp_path, *MIXTRAL_H100, "--set", "parallel.weight_gather=micro_batch")
     assert code == 0 and "fsdp:" not in out + err
     assert out.count("parallel.weight_gather=") == 1
 
@@ -391,30 +297,14 @@ def test_weight_gather_stays_where_the_faster_mode_does_not_fit(capsys, tmp_path
     step_cfg = config.build("deepseek-v3", [*sets, "parallel.ep=32"])
     assert by["step"] < by["micro_batch"]
     assert not memory.check_fits(step_cfg, "gb200-nvl72", 32).fits
-    code, out, err = dry(
-        capsys,
-        tmp_path,
-        "--preset",
-        "gb200-nvl72",
-        "--model",
-        "deepseek-v3",
-        "--nodes",
-        "32",
-        "--ep",
-        "32",
-        "--set",
-        sets[0],
-        "--set",
-        sets[1],
-    )
+    job = "--preset gb200-nvl72 --model deepseek-v3 --nodes 32 --ep 32".split()
+    code, out, err = dry(capsys, tmp_path, *job, "--set", sets[0], "--set", sets[1])
     assert code == 0 and "fsdp:" not in out + err
     assert "parallel.weight_gather" not in script_of(out)
 
 
 def test_no_overlap_choice_without_a_prediction(capsys, tmp_path):
-    code, out, err = dry(
-        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--ep", "8"
-    )
+    code, out, err = dry(capsys, tmp_path, *CPU_TINY, "--ep", "8")
     assert code == 0 and "overlap:" not in out + err and "moe.overlap_chunks" not in out
     assert "fsdp:" not in out + err and "weight_gather" not in out
 
@@ -428,7 +318,7 @@ def test_refusals_exit_2_with_one_line(capsys, monkeypatch, tmp_path, args, mess
     monkeypatch.setattr(submit, "submit_local", never)
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
-    args = [str(image) if a == "KIMG" else a for a in args]
+    args = [str(image) if a == "KIMG" else a for a in args.split()]
     code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "run"))
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
@@ -438,30 +328,17 @@ def test_refusals_exit_2_with_one_line(capsys, monkeypatch, tmp_path, args, mess
 
 
 def test_run_dir_with_percent_refused(capsys, tmp_path):
-    code, _, err = run_cli(
-        capsys,
-        "--preset",
-        "cpu-local",
-        "--model",
-        "tiny",
-        "--nodes",
-        "1",
-        "--out",
-        str(tmp_path / "a%jb"),
-        "--dry-run",
-    )
+    code, _, err = run_cli(capsys, *CPU_TINY, "--out", str(tmp_path / "a%jb"), "--dry-run")
     assert code == 2 and "'%'" in err
 
 
 def test_site_file_errors(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv(site_mod.SITE_ENV, str(tmp_path / "missing.toml"))
-    code, _, err = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1")
+    code, _, err = dry(capsys, tmp_path, *CPU_TINY)
     assert code == 2 and "does not exist" in err
     bad = tmp_path / "bad.toml"
     bad.write_text('partiton = "x"\n')
-    code, _, err = dry(
-        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--site", str(bad)
-    )
+    code, _, err = dry(capsys, tmp_path, *CPU_TINY, "--site", str(bad))
     assert code == 2 and "unknown key 'partiton'; valid keys:" in err
 
 
@@ -472,24 +349,10 @@ def test_site_file_errors(capsys, monkeypatch, tmp_path):
 def test_segment_is_what_allocation_says(capsys, tmp_path, nodes, ep):
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
-    code, out, err = dry(
-        capsys,
-        tmp_path,
-        "--preset",
-        "gb200-nvl72",
-        "--model",
-        "deepseek-v3",
-        "--nodes",
-        str(nodes),
-        "--ep",
-        str(ep),
-        "--image",
-        str(image),
-        "--set",
-        f"train.batch_size={nodes * 4 * 8}",
-        "--set",
-        "model.hidden=6912",
-    )  # divisible by every dp here (9, 18, 27)
+    job = f"--preset gb200-nvl72 --model deepseek-v3 --nodes {nodes} --ep {ep} --image {image}".split()
+    # model.hidden divisible by every dp here (9, 18, 27)
+    sets = ["--set", f"train.batch_size={nodes * 4 * 8}", "--set", "model.hidden=6912"]
+    code, out, err = dry(capsys, tmp_path, *job, *sets)
     assert code == 0, err
     alloc = allocation(presets.load("gb200-nvl72"), nodes, ep, num_experts=256)
     assert f"#SBATCH --segment={alloc.segment}\n" in out
@@ -498,21 +361,10 @@ def test_segment_is_what_allocation_says(capsys, tmp_path, nodes, ep):
 
 
 def test_allow_straddle_warns_with_predicted_cost(capsys, tmp_path):
-    args = [
-        "--preset",
-        "gb200-nvl72",
-        "--model",
-        "tiny",
-        "--nodes",
-        "21",
-        "--ep",
-        "42",
-        "--set",
-        "moe.num_experts=42",
-        "--set",
-        "train.batch_size=84",
-        "--allow-straddle",
-    ]
+    args = (
+        "--preset gb200-nvl72 --model tiny --nodes 21 --ep 42 --set moe.num_experts=42 "
+        "--set train.batch_size=84 --allow-straddle"
+    ).split()
     code, out, err = dry(capsys, tmp_path, *args)
     assert code == 0, err
     assert "warning: EP groups of 42 straddle gb200-nvl72's NVLink domains" in err
@@ -522,11 +374,7 @@ def test_allow_straddle_warns_with_predicted_cost(capsys, tmp_path):
 
 
 def test_cpu_preset_has_no_gpus_and_no_container(capsys, tmp_path):
-    code, out, err = dry(
-        capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--steps", "5"
-    )
-    assert code == 0, err
-    script = script_of(out)
+    out, script = dry_script(capsys, tmp_path, *CPU_TINY, "--steps", "5")
     assert "--gpus-per-node" not in script and "--container" not in script
     assert "#SBATCH --ntasks-per-node=2" in script and "%t_log.out" in script
     assert "--devices 4" in out and "--steps 5" in out
@@ -550,22 +398,8 @@ def test_site_defaults_and_flag_overrides(capsys, tmp_path):
         f'partition = "gpu"\naccount = "proj"\nqos = "high"\ntime = "3:00:00"\n'
         f'image = "{image}"\nmounts = ["/data:/data:ro"]\nmax_requeues = 5\n'
     )
-    code, out, err = dry(
-        capsys,
-        tmp_path,
-        "--preset",
-        "h100-dgx",
-        "--model",
-        "tiny",
-        "--nodes",
-        "1",
-        "--site",
-        str(site_file),
-        "--account",
-        "other",
-    )
-    assert code == 0, err
-    script = script_of(out)
+    job = "--preset h100-dgx --model tiny --nodes 1".split()
+    out, script = dry_script(capsys, tmp_path, *job, "--site", str(site_file), "--account", "other")
     for line in (
         "#SBATCH --partition=gpu",
         "#SBATCH --account=other",
@@ -581,9 +415,7 @@ def test_site_defaults_and_flag_overrides(capsys, tmp_path):
 def test_smoke_job_renders_preflight(capsys, tmp_path):
     image = tmp_path / "kit.sqsh"
     image.write_bytes(b"")
-    code, out, err = dry(capsys, tmp_path, "--preset", "gb200-nvl72", "--smoke", "--image", str(image))
-    assert code == 0, err
-    script = script_of(out)
+    out, script = dry_script(capsys, tmp_path, "--preset", "gb200-nvl72", "--smoke", "--image", str(image))
     assert "#SBATCH --nodes=1" in script
     assert (
         "--container-name=moe-train --container-workdir=/opt/moe-train "
@@ -607,18 +439,8 @@ def test_relative_image_path_becomes_absolute(capsys, monkeypatch, tmp_path):
 
 
 def test_registry_reference_in_pyxis_syntax(capsys, tmp_path):
-    code, out, err = dry(
-        capsys,
-        tmp_path,
-        "--preset",
-        "h200-hgx",
-        "--model",
-        "tiny",
-        "--nodes",
-        "1",
-        "--image",
-        "nvcr.io/me/moe-train:1",
-    )
+    job = "--preset h200-hgx --model tiny --nodes 1 --image nvcr.io/me/moe-train:1".split()
+    code, out, err = dry(capsys, tmp_path, *job)
     assert code == 0, err
     assert "'--container-image=nvcr.io#me/moe-train:1'" in out
 
@@ -627,7 +449,7 @@ def test_registry_reference_in_pyxis_syntax(capsys, tmp_path):
     "srun_exit,restarts,requeued", [(4, "0", True), (4, "3", False), (3, "0", False), (0, "0", False)]
 )
 def test_teardown_requeues_only_a_hung_step(capsys, tmp_path, srun_exit, restarts, requeued):
-    code, out, _ = dry(capsys, tmp_path, "--preset", "cpu-local", "--model", "tiny", "--nodes", "1")
+    code, out, _ = dry(capsys, tmp_path, *CPU_TINY)
     proc, calls = run_script(
         script_of(out), tmp_path, srun_exit=srun_exit, env={"SLURM_RESTART_COUNT": restarts}
     )

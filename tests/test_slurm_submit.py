@@ -9,10 +9,8 @@ The last test runs the same job without Slurm (submitit's local executor), as on
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,60 +18,18 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import losses
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
 JOB_TIMEOUT_S = 900  # two processes compiling on a 2-core runner take a few minutes
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster():
-    """Skip the module unless the local cluster answers and its node can run jobs."""
-    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        pytest.skip(
-            "Slurm is not installed (no sinfo/sbatch on PATH); "
-            "start the local cluster as root: bash slurm/local_cluster.sh start"
-        )
-    try:
-        r = subprocess.run(
-            ["bash", str(ROOT / "slurm" / "local_cluster.sh"), "status"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.skip("`slurm/local_cluster.sh status` did not answer within 30 s")
-    if r.returncode != 0:
-        pytest.skip(
-            f"the local Slurm cluster is not running "
-            f"({(r.stdout + r.stderr).strip() or r.returncode}); "
-            f"start it as root: bash slurm/local_cluster.sh start"
-        )
+JOB = ["--preset", "cpu-local", "--model", "tiny", "--nodes", "1", "--ep", "8"]
 
 
 def submit(out: Path, *extra: str, wait: bool = True, timeout: float = JOB_TIMEOUT_S):
     """Run the launcher; (exit code, stdout, stderr)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "slurm.submit",
-        "--preset",
-        "cpu-local",
-        "--model",
-        "tiny",
-        "--nodes",
-        "1",
-        "--ep",
-        "8",
-        "--steps",
-        str(STEPS),
-        "--time",
-        "00:20:00",
-        "--out",
-        str(out),
-        *extra,
-        *(["--wait"] if wait else []),
-    ]
+    cmd = [sys.executable, "-m", "slurm.submit", *JOB, "--steps", str(STEPS), "--time", "00:20:00"]
+    cmd += ["--out", str(out), *extra, *(["--wait"] if wait else [])]
     env = {k: v for k, v in os.environ.items() if k != "MOE_TRAIN_SITE"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     return proc.returncode, proc.stdout, proc.stderr
@@ -92,11 +48,6 @@ def sacct(job_id: str, fields: str = "State,ExitCode,JobName") -> list[str]:
     lines = r.stdout.strip().splitlines()
     assert lines, f"sacct knows no job {job_id}: {r.stderr.strip()}"
     return lines[-1].split("|")
-
-
-def losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
 
 
 def rank0_log(run_dir: Path, job_id: str) -> Path:
@@ -244,24 +195,7 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.slow
 def test_without_slurm_runs_through_the_local_executor(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-c",
-        NO_SBATCH,
-        "--preset",
-        "cpu-local",
-        "--model",
-        "tiny",
-        "--nodes",
-        "1",
-        "--ep",
-        "8",
-        "--steps",
-        "4",
-        "--out",
-        str(run_dir),
-        "--wait",
-    ]
+    cmd = [sys.executable, "-c", NO_SBATCH, *JOB, "--steps", "4", "--out", str(run_dir), "--wait"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mode: local (no sbatch on PATH)" in proc.stdout

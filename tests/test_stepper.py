@@ -11,16 +11,16 @@ holding them sends all its tokens to one destination. On 8 fake devices, EP 8, 4
 - ``ALL`` (all 4 rows repeated): exactly 4.0 x, the worst case (overflows every bucket).
 """
 
-import json
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import records
 
 from moe_train import config
+from moe_train.checkpoints import checkpoint
 from moe_train.parallel import sharding
-from moe_train.train import checkpoint
 from moe_train.train import loop as run_mod
 from moe_train.train.loop import EXIT_OK
 from moe_train.train.stepper import BucketedStep
@@ -98,10 +98,6 @@ def arm(mp: pytest.MonkeyPatch, rows: dict[int, int]) -> None:
     mp.setattr(run_mod, "BucketedStep", Recording)
 
 
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def saved(out: Path, step: int) -> list[np.ndarray]:
     ck = checkpoint.Checkpointer(out, keep=10, use_async=False)
     try:
@@ -138,30 +134,34 @@ def same_fields(out: Path) -> list[dict]:
     return [{k: r[k] for k in SAME} for r in records(out)]
 
 
-def assert_same_state(a: Path, b: Path, step: int) -> None:
-    for ours, ref in zip(saved(a, step), saved(b, step), strict=True):
-        np.testing.assert_array_equal(ours, ref)
-
-
-def test_records_match_worst_case_buffers_when_steps_overflow_in_a_row(two_in_a_row):
-    bucketed, worst, _ = two_in_a_row
+def assert_same_records(pair) -> None:
+    """The bucketed run of a ``run_pair`` logged what its worst-case run logged."""
+    bucketed, worst, _ = pair
     assert same_fields(bucketed) == same_fields(worst)
 
 
+def assert_same_state(pair, step: int) -> None:
+    """The bucketed run of a ``run_pair`` saved at ``step`` what its worst-case run saved."""
+    bucketed, worst, _ = pair
+    for ours, ref in zip(saved(bucketed, step), saved(worst, step), strict=True):
+        np.testing.assert_array_equal(ours, ref)
+
+
+def reruns(pair) -> list[tuple]:
+    """(bucket, reruns) of each step of the bucketed run of a ``run_pair``."""
+    return [(r["ep_bucket"], r["ep_overflow_reruns"]) for r in records(pair[0])]
+
+
+def test_records_match_worst_case_buffers_when_steps_overflow_in_a_row(two_in_a_row):
+    assert_same_records(two_in_a_row)
+
+
 def test_final_state_matches_worst_case_buffers_when_steps_overflow_in_a_row(two_in_a_row):
-    bucketed, worst, _ = two_in_a_row
-    assert_same_state(bucketed, worst, 5)
+    assert_same_state(two_in_a_row, 5)
 
 
 def test_steps_in_a_row_rerun_once_per_bucket(two_in_a_row):
-    recs = records(two_in_a_row[0])
-    assert [(r["ep_bucket"], r["ep_overflow_reruns"]) for r in recs] == [
-        (3.0, 0),
-        (3.875, 1),
-        ("worst", 2),
-        ("worst", 2),
-        ("worst", 2),
-    ]
+    assert reruns(two_in_a_row) == [(3.0, 0), (3.875, 1), ("worst", 2), ("worst", 2), ("worst", 2)]
 
 
 def test_a_held_step_is_dropped_and_dispatched_again_after_the_rerun(two_in_a_row):
@@ -185,25 +185,17 @@ def test_a_held_step_is_dropped_and_dispatched_again_after_the_rerun(two_in_a_ro
     ]  # 5 is the last step: confirmed at once
 
 
+def test_first_and_last_step_each_rerun(first_and_last):
+    assert reruns(first_and_last) == [(3.875, 1), (3.875, 1), (3.875, 1), ("worst", 2)]
+    assert first_and_last[2][-3:] == [("read", 4), ("dispatch", 4), ("read", 4)]
+
+
 def test_first_and_last_step_overflows_change_no_record(first_and_last):
-    bucketed, worst, _ = first_and_last
-    assert same_fields(bucketed) == same_fields(worst)
+    assert_same_records(first_and_last)
 
 
 def test_a_checkpoint_right_after_an_overflowed_step_holds_the_rerun(first_and_last):
-    bucketed, worst, _ = first_and_last
-    assert_same_state(bucketed, worst, 4)
-
-
-def test_first_and_last_step_each_rerun(first_and_last):
-    recs = records(first_and_last[0])
-    assert [(r["ep_bucket"], r["ep_overflow_reruns"]) for r in recs] == [
-        (3.875, 1),
-        (3.875, 1),
-        (3.875, 1),
-        ("worst", 2),
-    ]
-    assert first_and_last[2][-3:] == [("read", 4), ("dispatch", 4), ("read", 4)]
+    assert_same_state(first_and_last, 4)
 
 
 def test_one_device_dispatches_each_step_before_reading_the_one_before(tmp_path, monkeypatch):

@@ -7,17 +7,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_module
 
 from moe_train import config
 from moe_train.model import flops
 from topology import compute, presets, steptime
 from topology.plan import make_plan
 
-ROOT = Path(__file__).resolve().parent.parent
 V3 = ("gb200-nvl72", 64, "deepseek-v3", 64)
 
 
@@ -26,13 +24,7 @@ def plan(*overrides: str, job=V3, **kw):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "topology", "plan", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_module("topology", "plan", *args, timeout=120)
 
 
 def test_the_flop_kinds_sum_to_the_model_flops():

@@ -38,7 +38,7 @@ def _metrics(steps=6):
 def _telemetry(rank, util, step_s, power=500.0, t0=1000.0, steps=6, sessions=1):
     """One rank's lines: a start, then samples every 0.05 s while steps 1..steps run."""
     lines, t, energy = [], t0, 0.0
-    for session in range(sessions):
+    for _ in range(sessions):
         lines.append(
             {
                 "kind": "start",

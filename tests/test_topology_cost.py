@@ -20,16 +20,6 @@ T, H, K, BF16 = 8192, 7168, 8, 2
 TOL = 0.10
 
 
-@pytest.fixture(scope="module")
-def h100():
-    return presets.load("h100-dgx")
-
-
-@pytest.fixture(scope="module")
-def gb200():
-    return presets.load("gb200-nvl72")
-
-
 def test_bytes_per_dispatch_is_0_94_gb():
     v_nv, v_ib = cost.dispatch_bytes(T, H, K, BF16, ep=64, domain_size=8, hierarchical=False)
     assert T * K * H * BF16 == pytest.approx(0.94e9, rel=0.01)

@@ -5,16 +5,14 @@ the file and the key, exit 2 from the CLI, never a traceback later in the planne
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_module
 
 from topology import calibration, compute, presets
 from topology.calibration import Fit, Sample
 from topology.presets import TopologyError
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _calibration(tmp_path: Path, old: str, new: str) -> Path:
@@ -34,28 +32,9 @@ def _calibration(tmp_path: Path, old: str, new: str) -> Path:
     return path
 
 
-def _plan(*extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "topology",
-            "plan",
-            "--preset",
-            "cpu-local",
-            "--nodes",
-            "2",
-            "--model",
-            "tiny",
-            "--ep",
-            "8",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+def _plan(*extra: str, preset: str = "cpu-local") -> subprocess.CompletedProcess:
+    job = ["--preset", preset, "--nodes", "2", "--model", "tiny", "--ep", "8"]
+    return run_module("topology", "plan", *job, *extra, timeout=300)
 
 
 @pytest.mark.parametrize(
@@ -113,26 +92,7 @@ def test_plan_with_an_infinite_site_latency_exits_2_with_one_line(tmp_path):
     site = tmp_path / "site.toml"
     text = (presets.PRESET_DIR / "cpu-local.toml").read_text()
     site.write_text(text.replace("latency_network_us = ", "latency_network_us = inf #", 1))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "topology",
-            "plan",
-            "--preset",
-            str(site),
-            "--nodes",
-            "2",
-            "--model",
-            "tiny",
-            "--ep",
-            "8",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    proc = _plan(preset=str(site))
     assert (proc.returncode, proc.stderr.splitlines()) == (
         2,
         [f"error: {site}: key 'latency_network_us' must be finite, got inf"],

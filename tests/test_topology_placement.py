@@ -46,16 +46,6 @@ def network_bytes(cluster, p, hierarchical=False) -> float:
     ).v_network_bytes
 
 
-@pytest.fixture(scope="module")
-def h100():
-    return presets.load("h100-dgx")
-
-
-@pytest.fixture(scope="module")
-def gb200():
-    return presets.load("gb200-nvl72")
-
-
 # --- unit cases -----------------------------------------------------------------------------
 
 

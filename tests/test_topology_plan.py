@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_module, start_module
 
 from topology import presets
 from topology.placement import PlacementError, allocation
 from topology.plan import make_plan
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "topology", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    return run_module("topology", *args, timeout=120)
 
 
 def plan_json(*args: str) -> dict:
@@ -208,26 +204,7 @@ def test_site_file_straddle_refused_then_allowed(tmp_path):
 
 def test_closed_stdout_is_not_a_traceback():
     # `python -m topology plan ... | head` closes the pipe early: exit quietly, as shell tools do.
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "topology",
-            "plan",
-            "--preset",
-            "h100-dgx",
-            "--nodes",
-            "2",
-            "--model",
-            "tiny",
-            "--ep",
-            "8",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_module("topology", *"plan --preset h100-dgx --nodes 2 --model tiny --ep 8".split())
     proc.stdout.close()  # before the child has written anything
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "Traceback" not in err, err

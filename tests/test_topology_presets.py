@@ -190,21 +190,3 @@ def test_shipped_files_are_plain_toml():
     for name in EXPECTED:
         with (presets.PRESET_DIR / f"{name}.toml").open("rb") as f:
             assert "env_source" in tomllib.load(f)
-
-
-def test_read_toml_names_the_file_of_invalid_toml_in_the_callers_error(tmp_path):
-    bad = tmp_path / "bad.toml"
-    bad.write_text("[a\nx = 1\n")
-    with pytest.raises(ValueError, match=rf"^site file {bad}: not valid TOML"):
-        presets.read_toml(bad, ValueError, what="site file ")
-
-
-def test_read_toml_turns_an_unreadable_path_into_the_callers_error(tmp_path):
-    with pytest.raises(TopologyError, match=rf"^{tmp_path}: Is a directory"):
-        presets.read_toml(tmp_path, TopologyError)
-
-
-def test_read_toml_returns_the_tables(tmp_path):
-    good = tmp_path / "good.toml"
-    good.write_text("[a]\nx = 1\n")
-    assert presets.read_toml(good, TopologyError) == {"a": {"x": 1}}

@@ -2,6 +2,7 @@
 
 import jax
 import pytest
+from helpers import run_module
 
 from topology import calibration, probe
 from topology.calibration import Fit, Sample
@@ -44,31 +45,23 @@ def test_fit_needs_two_sizes():
         calibration.fit([Sample(1000, 1e-3), Sample(1000, 2e-3)])
 
 
-def test_nvlink_calibration_replaces_nvlink_numbers(tmp_path):
-    path = calibration.write(
-        tmp_path / "cal.toml",
-        "h100-dgx",
-        "nvlink",
-        Fit(25e-6, 320e9),
-        [Sample(1 << 20, 3e-5)],
-        "NVIDIA H100 80GB HBM3",
-        8,
+def h100_calibration(tmp_path, link: str, fit: Fit, gpus: int):
+    """A calibration file of ``link`` on h100-dgx, one sample, as ``topology probe`` writes it."""
+    samples = [Sample(1 << 20, 3e-5)]
+    return calibration.write(
+        tmp_path / "cal.toml", "h100-dgx", link, fit, samples, "NVIDIA H100 80GB HBM3", gpus
     )
+
+
+def test_nvlink_calibration_replaces_nvlink_numbers(tmp_path):
+    path = h100_calibration(tmp_path, "nvlink", Fit(25e-6, 320e9), 8)
     c = calibration.apply(load("h100-dgx"), path)
     assert (c.nvlink_gbps_per_gpu, c.latency_nvlink_us, c.eta_nvlink) == (320.0, 25.0, 1.0)
     assert c.nic_gbps_per_gpu == load("h100-dgx").nic_gbps_per_gpu
 
 
 def test_network_calibration_replaces_network_numbers(tmp_path):
-    path = calibration.write(
-        tmp_path / "cal.toml",
-        "h100-dgx",
-        "network",
-        Fit(40e-6, 41e9),
-        [Sample(1 << 20, 3e-5)],
-        "NVIDIA H100 80GB HBM3",
-        16,
-    )
+    path = h100_calibration(tmp_path, "network", Fit(40e-6, 41e9), 16)
     c = calibration.apply(load("h100-dgx"), path)
     assert (c.nic_gbps_per_gpu, c.latency_network_us, c.eta_network) == (41.0, 40.0, 1.0)
 
@@ -88,32 +81,14 @@ def test_calibration_with_zero_rate_is_refused(tmp_path):
 
 
 def _cli(*args: str):
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, "-m", "topology", *args], capture_output=True, text=True, timeout=300
-    )
+    return run_module("topology", *args, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "cal.toml"
-    proc = _cli(
-        "probe",
-        "--preset",
-        "cpu-local",
-        "--out",
-        str(out),
-        "--devices",
-        "4",
-        "--min-bytes",
-        "4096",
-        "--max-bytes",
-        "65536",
-        "--reps",
-        "2",
-    )
+    sizes = "--devices 4 --min-bytes 4096 --max-bytes 65536 --reps 2".split()
+    proc = _cli("probe", "--preset", "cpu-local", "--out", out, *sizes)
     assert proc.returncode == 0, proc.stderr
     return out, proc.stdout
 

@@ -2,25 +2,23 @@
 the W&B fallback, the ETA of the progress line, and a real run writing its events."""
 
 import json
-import os
 import re
 import struct
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import records, sets, train_cli
+
+from moe_train import config
+from moe_train.train import metrics, tracking
 
 tensorboardX = pytest.importorskip("tensorboardX", reason="tensorboardX (a base dependency) is not installed")
 event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
 masked_crc32c = pytest.importorskip("tensorboardX.record_writer").masked_crc32c
 
-from moe_train import config
-from moe_train.train import metrics, tracking
-
-ROOT = Path(__file__).resolve().parent.parent
 LOADS = [[167, 149, 83, 80, 296, 63, 64, 122], [48, 83, 147, 182, 192, 52, 60, 260]]
 
 
@@ -320,32 +318,13 @@ def test_format_duration(seconds, text):
 @pytest.mark.slow
 def test_a_real_run_writes_every_metric_to_tensorboard(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_train",
-            "--preset",
-            "tiny",
-            "--out",
-            str(out),
-            "--set",
-            "train.steps=3",
-            "--set",
-            "parallel.devices=1",
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = train_cli(out, *sets("train.steps=3", "parallel.devices=1"), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "WARNING: TensorBoard" not in proc.stdout + proc.stderr
     (path,) = event_files(out)
     got = scalars(events(path))
     assert [s for s, _ in got["train/loss"]] == [1, 2, 3]
-    for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
+    for rec in records(out):
         for key, value in rec.items():
             if key not in ("step", "tokens_per_expert") and numeric(value):
                 assert (rec["step"], pytest.approx(float(value), rel=1e-6, nan_ok=True)) in got[

@@ -1,10 +1,8 @@
 """The trainer: metrics, single compilation, learning, preemption and resume, divergence."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import records, start_train_cli, tiny
 
 from moe_train import config
 from moe_train.moe import Routing, dropless_moe
 from moe_train.train import step as train
 from moe_train.train.loop import EXIT_DIVERGED, EXIT_OK, run
 
-ROOT = Path(__file__).resolve().parent.parent
 METRIC_KEYS = {
     "step",
     "loss",
@@ -36,16 +34,6 @@ METRIC_KEYS = {
     "dropped_tokens",
     "compilations",
 }
-
-
-def tiny(*overrides: str, steps: int = 2) -> config.Config:
-    return config.build(
-        "tiny", [f"train.steps={steps}", "parallel.devices=1", "train.log_every=100", *overrides]
-    )
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_pulse_two_steps_writes_metrics_and_config(tmp_path):
@@ -142,7 +130,7 @@ def test_bias_update_rule_moves_load_toward_balance():
 def test_bias_lives_in_state_and_is_checkpointed(tmp_path):
     cfg = tiny("moe.score_function=sigmoid", "moe.bias_update_rate=0.01", steps=3)
     run(cfg, tmp_path, log=lambda s: None)
-    from moe_train.train.checkpoint import Checkpointer
+    from moe_train.checkpoints.checkpoint import Checkpointer
 
     ck = Checkpointer(tmp_path, keep=3, use_async=False)
     restored = ck.restore_saved(3)
@@ -153,7 +141,7 @@ def test_bias_lives_in_state_and_is_checkpointed(tmp_path):
 
 def test_bf16_compute_with_fp32_master_weights(tmp_path):
     assert run(tiny("precision.compute=bf16"), tmp_path, log=lambda s: None) == EXIT_OK
-    from moe_train.train.checkpoint import Checkpointer
+    from moe_train.checkpoints.checkpoint import Checkpointer
 
     ck = Checkpointer(tmp_path, keep=3, use_async=False)
     params = ck.restore_saved(2)["params"]
@@ -164,7 +152,7 @@ def test_bf16_compute_with_fp32_master_weights(tmp_path):
 
 def test_resumes_a_checkpoint_saved_before_the_fp8_state_existed(tmp_path):
     """Checkpoints of earlier releases hold no fp8_state: a non-fp8 run resumes them."""
-    from moe_train.train.checkpoint import Checkpointer
+    from moe_train.checkpoints.checkpoint import Checkpointer
 
     first, old = tmp_path / "first", tmp_path / "old"
     assert run(tiny(steps=2), first, log=lambda s: None) == EXIT_OK
@@ -258,25 +246,8 @@ def test_unfinished_checkpoint_is_ignored_on_resume(tmp_path):
 
 
 def _train_cli(out: Path, steps: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "moe_train",
-        "--preset",
-        "tiny",
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--devices",
-        "1",
-        "--set",
-        "train.checkpoint_every=2",
-    ]
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    args = ["--steps", steps, "--devices", 1, "--set", "train.checkpoint_every=2"]
+    return start_train_cli(out, *args, stderr=subprocess.STDOUT)
 
 
 RESUME_STEPS = 14

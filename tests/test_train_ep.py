@@ -1,10 +1,8 @@
 """The trainer with expert parallelism on fake CPU devices: same losses, buckets, resharding."""
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
+from helpers import losses, records
 
 from moe_train import config
 from moe_train.config import ConfigError
@@ -15,14 +13,6 @@ STEPS = 3
 
 def cfg_for(*overrides: str, steps: int = STEPS) -> config.Config:
     return config.build("tiny", [f"train.steps={steps}", "train.log_every=100", *overrides])
-
-
-def losses(out: Path) -> list[float]:
-    return [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -3,32 +3,19 @@ byte-level BPE on the inputs beside the corpus, a Hugging Face checkpoint direct
 ``--tokenizer``, the summary prints the vocabulary, and the trainer takes
 ``model.vocab_size`` from the prepared corpus unless it is set. Real tokenizers throughout."""
 
-import io
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_prepare import CORPUS, paragraphs, write_txt
+from helpers import CORPUS, paragraphs, prepare_run, run_module, sets, train_cli, write_txt
 
 from moe_train.data import DataError, prepare
 from moe_train.train import cli as cli_module
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def trained(inputs, out: Path, size: int = 512, log=None) -> prepare.Summary:
-    opts = prepare.Options(
-        tokenizer="",
-        inputs=tuple(str(i) for i in inputs),
-        out=out,
-        workers=1,
-        val_fraction=0.0,
-        train_tokenizer=size,
-    )
-    return prepare.run(opts, log=log or (lambda line: None), stream=io.StringIO())
+    return prepare_run("", inputs, out, log=log, train_tokenizer=size)
 
 
 @pytest.fixture(scope="module")
@@ -96,24 +83,8 @@ def test_a_bad_input_stops_training_and_writes_nothing(tmp_path):
 
 
 def test_a_size_below_the_byte_alphabet_exits_2_with_one_line(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_train.data",
-            "prepare",
-            "--train-tokenizer",
-            "100",
-            "--input",
-            str(CORPUS),
-            "--out",
-            str(tmp_path / "o"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = ["prepare", "--train-tokenizer", 100, "--input", CORPUS, "--out", tmp_path / "o"]
+    proc = run_module("moe_train.data", *args, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
 
 
@@ -125,30 +96,13 @@ def test_a_hugging_face_checkpoint_directory_is_a_tokenizer(corpus, tmp_path):
     shutil.copy(corpus[0] / "tokenizer.json", ckpt / "tokenizer.json")
     (ckpt / "config.json").write_text(json.dumps({"model_type": "mixtral", "vocab_size": 512}))
     (ckpt / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    opts = prepare.Options(
-        tokenizer=str(ckpt),
-        inputs=(str(write_txt(tmp_path / "a.txt", paragraphs(20))),),
-        out=tmp_path / "out",
-        workers=1,
-        val_fraction=0.0,
-    )
-    prepare.run(opts, log=lambda line: None, stream=io.StringIO())
+    prepare_run(ckpt, [write_txt(tmp_path / "a.txt", paragraphs(20))], tmp_path / "out")
     assert manifest(tmp_path / "out")["tokenizer"]["eos_source"] == "tokenizer_config.json eos_token"
 
 
-def resolved(corpus_dir: Path, *sets: str):
+def resolved(corpus_dir: Path, *extra: str):
     args = cli_module.parser().parse_args(
-        [
-            "--preset",
-            "tiny",
-            "--out",
-            "x",
-            "--set",
-            "data.source=prepared",
-            "--set",
-            f"data.path={corpus_dir}",
-            *[a for s in sets for a in ("--set", s)],
-        ]
+        ["--preset", "tiny", "--out", "x", *sets("data.source=prepared", f"data.path={corpus_dir}", *extra)]
     )
     return cli_module.resolve(args)
 
@@ -162,27 +116,11 @@ def test_a_vocabulary_set_on_the_command_line_wins(corpus):
 
 
 def test_a_set_vocabulary_smaller_than_the_corpus_s_exits_2(corpus, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_train",
-            "--preset",
-            "tiny",
-            "--out",
-            str(tmp_path / "r"),
-            "--steps",
-            "1",
-            "--set",
-            "data.source=prepared",
-            "--set",
-            f"data.path={corpus[0]}",
-            "--set",
-            "model.vocab_size=300",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    proc = train_cli(
+        tmp_path / "r",
+        "--steps",
+        "1",
+        *sets("data.source=prepared", f"data.path={corpus[0]}", "model.vocab_size=300"),
         timeout=300,
     )
     assert proc.returncode == 2 and "model.vocab_size >= 512" in proc.stderr, proc.stderr

@@ -1,23 +1,23 @@
 """``parallel.weight_gather=step`` (``moe_train.train.gather``): the weights cross the data axis
 once per step, not inside the micro-batch loop, and the step is the same step."""
 
-import json
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import records
 from jax.sharding import PartitionSpec as P
 
 from moe_train import config
 from moe_train.config import ConfigError
-from moe_train.parallel import layout, sharding
+from moe_train.parallel import sharding
+from moe_train.parallel.sharding import ep_plans
 from moe_train.train import step as train
 from moe_train.train.gather import StepGather, cast_in_use, without_data
 from moe_train.train.loop import EXIT_OK, run
-from moe_train.train.stepper import ep_plans
+from topology import device_mesh
 
 TOKENS = ("data", "expert_x", "expert")
 
@@ -88,7 +88,7 @@ def _reachable(comps, roots) -> set[str]:
 
 def all_gathers(cfg) -> tuple[int, int]:
     """(all-gathers inside the micro-batch loop, outside it) of ``cfg``'s compiled step."""
-    mesh = layout.build(cfg, jax.devices()[: cfg.parallel.devices]).mesh
+    mesh = device_mesh.build(cfg, jax.devices()[: cfg.parallel.devices]).mesh
     with sharding.activate(mesh):
         abstract = jax.eval_shape(lambda: train.init_state(cfg, mesh))
         shardings = train.state_shardings(cfg, mesh, abstract)
@@ -125,10 +125,6 @@ def test_under_expert_parallelism_the_data_axis_gathers_leave_the_loop():
     per_mb = all_gathers(tiny(*ep, "parallel.weight_gather=micro_batch"))
     once = all_gathers(tiny(*ep, "parallel.weight_gather=step"))
     assert once[0] < per_mb[0] and once[1] > per_mb[1], (per_mb, once)
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def train_both(tmp_path, *overrides: str) -> dict[str, list[dict]]:
@@ -168,7 +164,7 @@ def test_bf16_steps_stay_within_the_reduction_precision(tmp_path):
 def test_a_bf16_copy_casts_the_matrices_and_keeps_the_router_and_norms_fp32():
     cfg = config.build("deepseek-v3-tiny", ["precision.compute=bf16"])
     boxed = train.boxed_params(cfg)
-    mesh = layout.build(cfg, jax.devices()[:1]).mesh
+    mesh = device_mesh.build(cfg, jax.devices()[:1]).mesh
     copy = StepGather.of(boxed, sharding.Sharding.of(mesh, cfg.model).params(boxed), jnp.bfloat16)
     dtypes = {
         jax.tree_util.keystr(path): dt for path, dt in jax.tree_util.tree_flatten_with_path(copy.dtype)[0]

@@ -22,9 +22,17 @@ explain a placement with the cost model against a topology-blind one; ``python -
 probe`` measures the all-to-all and writes a calibration file (``topology.calibration``);
 ``topology.xla_flags`` checks a preset's XLA_FLAGS against the installed XLA.
 
+``topology.device_mesh`` is the trainer's mesh: the cluster preset ``parallel.cluster`` names
+(checked there), the discovered domains and the placement applied to a job's devices.
+
 ``topology.steptime`` predicts a job's step time, tokens/s, model TFLOP/s and MFU per GPU
 (compute by kind, the all-to-alls with their chunked overlap, FSDP traffic, the optimizer)
 from the model config, the preset, the planned all-to-all and the efficiencies of
 ``topology.compute`` (``compute.toml``: shipped defaults with sources; ``anchors.toml``: the
 published figures ``plan`` prints beside the prediction).
+
+May import: ``moe_train.base``, ``moe_train.config``, ``moe_train.model`` (FLOPs) and
+``moe_train.parallel`` (the job rules, the mesh): the planners and the mesh build on the
+model's config. Never the training loop, the launcher or the benchmarks; no package
+``topology`` imports imports it back (the config does not read cluster presets).
 """

@@ -126,7 +126,8 @@ def _probe_run(args: argparse.Namespace) -> int:
 
     from topology import calibration, discovery, probe
 
-    if args.devices and jax.config.jax_platforms in (None, "", "cpu"):
+    platforms = jax.config.jax_platforms  # pyright: ignore[reportAttributeAccessIssue]  (a run-time attribute)
+    if args.devices and platforms in (None, "", "cpu"):
         jax.config.update("jax_num_cpu_devices", args.devices)
     if (
         int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", "1")) or 1) > 1
@@ -171,7 +172,7 @@ COMMANDS: dict[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m topology", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m topology", description=(__doc__ or "").partition("\n")[0])
     sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
     for name, (help_text, add_args, _) in COMMANDS.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))

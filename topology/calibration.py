@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from topology.presets import Cluster, TopologyError, check_number, read_toml
+from moe_train.base.tomlfile import read_toml
+from topology.presets import Cluster, TopologyError, check_number
 
 LINKS = ("nvlink", "network")
 

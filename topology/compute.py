@@ -19,7 +19,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from topology.presets import TopologyError, check_number, read_toml
+from moe_train.base.tomlfile import read_toml
+from topology.presets import TopologyError, check_number
 
 DEFAULTS = Path(__file__).with_name("compute.toml")
 ANCHORS = Path(__file__).with_name("anchors.toml")

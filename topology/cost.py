@@ -229,6 +229,7 @@ def placement_dispatch_time(
     latency = cluster.latency_nvlink_us * US
     if spans:
         latency += cluster.latency_network_us * US
+    assert worst is not None, "at least one group"
     v_nv, v_ib, t_nv, t_ib = worst
     return Breakdown(
         v_nvlink_bytes=v_nv,

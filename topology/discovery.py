@@ -233,14 +233,8 @@ def discover_local(
     out = []
     for dev, nvml_key, note in zip(devices, nvml, notes):
         jax_key = jax_domain(getattr(dev, "partition_index", None), getattr(dev, "slice_index", None))
-        for key, source in (
-            (nvml_key, "nvml"),
-            (jax_key, "jax"),
-            (slurm, "slurm"),
-            (host_domain(hostname), "host"),
-        ):
-            if key is not None:
-                break
+        found = ((nvml_key, "nvml"), (jax_key, "jax"), (slurm, "slurm"), (host_domain(hostname), "host"))
+        key, source = next(((k, s) for k, s in found if k is not None), found[-1])
         out.append(
             DeviceDomain(dev.id, dev.process_index, hostname, key, source, note if source != "nvml" else "")
         )

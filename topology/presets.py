@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_train.base.tomlfile import read_toml
 from topology.peaks import dtype_family
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -158,18 +158,6 @@ def load(name_or_path: str | os.PathLike[str]) -> Cluster:
                 f"unknown cluster preset {text!r}; valid presets: {', '.join(list_presets())}"
             )
     return _build(path.stem, read_toml(path, TopologyError), where=str(path))
-
-
-def read_toml(path: str | os.PathLike[str], error: type[Exception], what: str = "") -> dict:
-    """The tables of the TOML file at ``path``. A file that is not valid TOML or cannot be
-    read raises ``error`` ("<what><path>: ..."), so each caller keeps its own error type."""
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
-        raise error(f"{what}{path}: not valid TOML: {err}") from None
-    except OSError as err:
-        raise error(f"{what}{path}: {err.strerror or err}") from None
 
 
 def _check_keys(

@@ -76,7 +76,9 @@ def measure(
     for size in message_bytes:
         n = max(1, size // (4 * (count - 1)))
         shape = (count * count, n)
-        x = jax.make_array_from_callback(shape, sharding, lambda idx: np.ones(shape, np.float32)[idx])
+        x = jax.make_array_from_callback(
+            shape, sharding, lambda idx, shape=shape: np.ones(shape, np.float32)[idx]
+        )
         seconds = _time_one(fn, x, warmup, reps)
         out.append(Sample(bytes_per_device=(count - 1) * n * 4, seconds=seconds))
         del x

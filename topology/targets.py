@@ -73,8 +73,11 @@ def load(name: str) -> Target:
     text, where = path.read_text(), str(path)
     if _field(text, None, "platform_name", where) != "CUDA":
         raise TopologyError(f'{where}: platform_name must be "CUDA"')
-    cc = tuple(int(_field(text, "cuda_compute_capability", k, where)) for k in ("major", "minor"))
-    dnn = tuple(int(_field(text, "dnn_version_info", k, where)) for k in ("major", "minor"))
+
+    def major_minor(section: str) -> tuple[int, int]:
+        return int(_field(text, section, "major", where)), int(_field(text, section, "minor", where))
+
+    cc, dnn = major_minor("cuda_compute_capability"), major_minor("dnn_version_info")
     return Target(
         name=name,
         text=text,
@@ -83,4 +86,4 @@ def load(name: str) -> Target:
         cores=int(_field(text, None, "core_count", where)),
         compute_capability=cc,
         cudnn=dnn,
-    )  # type: ignore[arg-type]
+    )

@@ -41,7 +41,9 @@ SECTION_DEVICES = {
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (sections, --quick, --gpu, --tiny, --out)."""
-    ap = argparse.ArgumentParser(prog="python -m moe_train.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m moe_train.bench", description=(__doc__ or "").partition("\n")[0]
+    )
     ap.add_argument(
         "--quick",
         action="store_true",

@@ -157,6 +157,7 @@ def memory_rows(s: Sizes, impls: list[str]) -> list[dict[str, Any]]:
         for impl in impls:
             compiled, _, secs = compile_jit(step_fn(impl, s.block), *args)
             mem = compiled.memory_analysis()
+            assert mem is not None, "XLA's memory analysis of a compiled step"
             rows.append(
                 {
                     "seq_len": S,

@@ -17,9 +17,9 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -49,14 +49,17 @@ def time_compiled(
     return summarize(times), out
 
 
+K = TypeVar("K", bound=Hashable)
+
+
 def time_rounds(
-    fns: dict[str, tuple[Callable, Sequence]],
+    fns: Mapping[K, tuple[Callable, Sequence]],
     *,
     min_reps: int = 3,
     max_reps: int = 10,
     target_s: float = 2.0,
     outputs: dict | None = None,
-) -> dict[str, dict[str, Any]]:
+) -> dict[K, dict[str, Any]]:
     """Time several compiled functions side by side: one warm-up call each, then ``reps``
     rounds that call every function once, in order. Returns {name: timing}.
 
@@ -72,8 +75,8 @@ def time_rounds(
             outputs[name] = out
     round_s = time.perf_counter() - t0
     reps = max(min_reps, min(max_reps, math.ceil(target_s / max(round_s, 1e-6))))
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[K, list[float]] = {name: [] for name in fns}
+    cpu: dict[K, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, (fn, args) in fns.items():
             t, c = time.perf_counter(), time.process_time()

@@ -44,9 +44,9 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles: list[float] | None = None  # durations recorded while a count is active
 
 
-def _listener(event: str, duration: float, **_) -> None:
+def _listener(event: str, duration_secs: float, **_) -> None:
     if _compiles is not None and event == _COMPILE_EVENT:
-        _compiles.append(duration)
+        _compiles.append(duration_secs)
 
 
 jax.monitoring.register_event_duration_secs_listener(_listener)
@@ -155,7 +155,7 @@ def _layer_step(s: Sizes, batches: Batches):
             counter.traces += 1
 
             def loss(*ops):
-                y, stats = ep_moe(*ops, Routing(s.top_k), plan=plan, backend="tiled")
+                y, stats = ep_moe(*ops, routing=Routing(s.top_k), plan=plan, backend="tiled")
                 return _loss(y, stats), stats
 
             (_, stats), _ = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, *state)
@@ -189,8 +189,10 @@ def ep_run(s: Sizes, batches: Batches) -> dict[str, Any]:
     tok = NamedSharding(mesh, P(sharding.TOKEN_AXES, None))
     exp = NamedSharding(mesh, P(sharding.EP_AXES, None, None))
     gate, *experts = batches.weights
-    state = (jax.device_put(gate, NamedSharding(mesh, P())), *(jax.device_put(w, exp) for w in experts))
-    bucketed = stepper.BucketedStep(cfg, mesh, counter, None, make_step=_layer_step(s, batches))
+    # the layer step's state is its weights, not a TrainState (BucketedStep only passes it on)
+    state: Any = (jax.device_put(gate, NamedSharding(mesh, P())), *(jax.device_put(w, exp) for w in experts))
+    no_sharding: Any = None
+    bucketed = stepper.BucketedStep(cfg, mesh, counter, no_sharding, make_step=_layer_step(s, batches))
 
     def loop():
         per_step = []
@@ -211,7 +213,11 @@ def ep_run(s: Sizes, batches: Batches) -> dict[str, Any]:
     t0 = time.perf_counter()
     per_step, compiles = _counting(loop)
     touched = sorted(bucketed._compiled)
-    labels = [bucketed.plans[i].capacity_factor for i in touched]
+    labels = []
+    for i in touched:
+        plan = bucketed.plans[i]
+        assert plan is not None, "an EP step: every bucket has a plan"
+        labels.append(plan.capacity_factor)
     return {
         "steps": s.steps,
         "traces": counter.traces,

@@ -8,7 +8,8 @@ only the rows routed to local experts: empty buffer slots cost copies (exchange,
 zero-filled outputs), not GEMMs, so on CPU a dispatcher's time follows its buffer sizes less
 than its rows.
 
-Routing (``moe_train.moe.routings``). Each token's router logits are ``pref[e] + Gumbel noise``, so its top-k experts are
+Routing (``moe_train.moe.routings``). Each token's router logits are ``pref[e] + Gumbel noise``,
+so its top-k experts are
 a draw without replacement from ``p_e ~ pref`` (the Gumbel-top-k trick); ``uniform`` has
 ``pref = 0``, ``zipf`` has ``p_e ~ 1 / rank_e ** s`` with the ranks shuffled over the experts
 (a fixed permutation; hot experts land on random EP ranks) and ``zipf-sorted`` puts the
@@ -173,7 +174,7 @@ def ep_step(plan: EPPlan, routing: Routing):
 
 
 def ep_forward(plan: EPPlan, routing: Routing):
-    return jax.jit(lambda *ops: ep_moe(*ops, routing, plan=plan, backend=BACKEND))
+    return jax.jit(lambda *ops: ep_moe(*ops, routing=routing, plan=plan, backend=BACKEND))
 
 
 def dense_step(routing: Routing):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -22,7 +23,7 @@ from moe_train.moe import Routing, route, router_logits
 from moe_train.parallel.jobplan import BucketPolicy, EPPlan, hierarchical_stages
 
 if TYPE_CHECKING:  # ep.py imports this module
-    from moe_train.bench.ep import MeshCfg
+    from moe_train.bench.ep import MeshCfg, Sizes
 
 NUM_DEVICES = 8
 TARGET_RATIO = 1.3  # the issue: mean receive buffer <= 1.3x the rows actually received
@@ -49,6 +50,18 @@ def factor_label(f: float | None) -> str:
 
 class BucketRows:
     """Stepper emulation and bucket rows (mixed into ``ep.EPBench``)."""
+
+    # what ``ep.EPBench`` provides (declared here for the type checker)
+    s: Sizes
+    factors: tuple[float | None, ...]
+    weights: dict[str, np.ndarray]
+    _x: dict[tuple, np.ndarray]
+    x: Callable[..., np.ndarray]
+    mesh: Callable[..., Any]
+    placed: Callable[..., Any]
+    run: Callable[..., Any]
+    precompile: Callable[..., None]
+    time_row: Callable[..., dict[str, Any]]
 
     def stepper(
         self, mc, mesh, dispatcher, routing, start: int = 0, chunks: int = 1, steps: int | None = None
@@ -120,7 +133,8 @@ class BucketRows:
         return rows, NUM_DEVICES * one.peers * one.slots
 
     def mesh_rows(self, mc: MeshCfg) -> tuple[list[dict], list[dict], dict]:
-        """Timing and bucket rows of one mesh: per dispatcher and routing, the stepper emulation, the worst-case fill and the timed plans."""
+        """Timing and bucket rows of one mesh: per dispatcher and routing, the stepper emulation,
+        the worst-case fill and the timed plans."""
         mesh = self.mesh(mc)
         timing_rows, bucket_rows, held_uniform = [], [], {}
         for dispatcher in mc.dispatchers:

@@ -200,7 +200,8 @@ def markdown(sec: dict[str, Any]) -> str:
         f"Global batch {s['tokens']} tokens, H={s['hidden']}, F={s['ffn']}, E={s['experts']}, "
         f"top-k={s['top_k']}; {sec['dtype']}, `{sec['backend']}` grouped GEMM, softmax router. "
         f"Mesh `EPn dpA GBxDC` = (data, expert_x, expert) = (A, B fast-link domains, C "
-        f"shards per domain), n = B*C. Time: forward+backward of the whole layer under `jit` (compiled first, "
+        f"shards per domain), n = B*C. Time: forward+backward of the whole layer under `jit` "
+        f"(compiled first, "
         f"one warm-up run), median of `reps` runs with min-max; all 8 fake devices share "
         f"the machine's {sec['cpu_count']} CPU cores, so EP rows measure "
         f"work and memory traffic, not a network.",
@@ -246,7 +247,8 @@ def markdown(sec: dict[str, Any]) -> str:
         else ""
     )
     lines += [
-        f"{s['steps']} routing batches per row; buckets {', '.join(f'{f:g}' for f in sec['capacity_buckets'])} "
+        f"{s['steps']} routing batches per row; "
+        f"buckets {', '.join(f'{f:g}' for f in sec['capacity_buckets'])} "
         f"x balanced load, then worst case; the bucket that held carries over to the next batch "
         f"{step_down}and reruns are summed. fill and buffer/received are over all devices and batches "
         f"(buffer/received = 1/fill). hierarchical has two receive buffers: its fill and "

@@ -164,7 +164,9 @@ def _prepare(candidate: str, cases: dict[str, X.Case], mode: str, w) -> tuple[di
 
 def block_rows(lay: X.Layout) -> int:
     """The largest block the tiled backend runs on this layout (capped by its rows)."""
-    return max(block_sizes(lay.tile_rows, min(default_block_rows(lay.tile_rows), lay.x.shape[0])))
+    m = lay.tile_rows
+    assert m is not None, "a layout of the tiled backend"
+    return max(block_sizes(m, min(default_block_rows(m), lay.x.shape[0])))
 
 
 def _row(cand, routing, case, mode, lay, timing, ref, secs) -> dict[str, Any]:

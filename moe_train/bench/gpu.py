@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -101,7 +102,8 @@ def layer_rows(model: Model, s: Sizes, deadline: float) -> list[dict]:
     shape, dtype = model.shape, jnp.dtype(s.dtype)
     moe_ops, dense_ops, dy, dy_n = operands(shape, dtype)
     dense, _, secs = compile_jit(dense_fn(), *dense_ops, dy_n)
-    fns, compile_s, rows = {"dense": (dense, (*dense_ops, dy_n))}, {"dense": secs}, []
+    fns: dict[str, tuple[Callable, tuple]] = {"dense": (dense, (*dense_ops, dy_n))}
+    compile_s, rows = {"dense": secs}, []
     for kind in BACKENDS:
         reason = unavailable(kind, shape, dtype) or too_big(kind, shape, dtype)
         if reason is None and time.perf_counter() > deadline:
@@ -111,8 +113,8 @@ def layer_rows(model: Model, s: Sizes, deadline: float) -> list[dict]:
                 {**dataclasses.asdict(shape), "model": model.name, "backend": kind, "skipped": reason}
             )
             continue
-        fns[kind], _, compile_s[kind] = compile_jit(layer_fn(kind, shape, model.router), *moe_ops, dy)
-        fns[kind] = (fns[kind], (*moe_ops, dy))
+        fn, _, compile_s[kind] = compile_jit(layer_fn(kind, shape, model.router), *moe_ops, dy)
+        fns[kind] = (fn, (*moe_ops, dy))
     outs: dict = {}
     timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s, outputs=outs)
     for kind, timing in timings.items():

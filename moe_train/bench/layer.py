@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -121,9 +122,9 @@ def layer_fn(kind: str, shape: MoEShape, router_kw: dict, capacity_factor: float
     if routing.score_function == "sigmoid":
         kw["expert_bias"] = jnp.linspace(-0.1, 0.1, shape.experts)
     if kind == "capacity":
-        layer = lambda *ops: capacity_moe(*ops, routing, capacity_factor=capacity_factor, **kw)
+        layer = lambda *ops: capacity_moe(*ops, routing=routing, capacity_factor=capacity_factor, **kw)
     else:
-        layer = lambda *ops: dropless_moe(*ops, routing, backend=kind, **kw)
+        layer = lambda *ops: dropless_moe(*ops, routing=routing, backend=kind, **kw)
 
     def loss(x, gate, w0, w1, wo, dy):
         y, stats = layer(x, gate, w0, w1, wo)
@@ -185,7 +186,7 @@ def shape_rows(shape: MoEShape, s: Sizes) -> list[dict]:
     moe_ops, dense_ops, dy, dy_n = operands(shape, dtype)
     dense, _, dense_secs = compile_jit(dense_fn(), *dense_ops, dy_n)
     dense_s = min_time(dense, (*dense_ops, dy_n))
-    fns = {("dense", "-"): (dense, (*dense_ops, dy_n))}
+    fns: dict[tuple[str, str], tuple[Callable, tuple]] = {("dense", "-"): (dense, (*dense_ops, dy_n))}
     compile_s, rows = {("dense", "-"): dense_secs}, []
     for kind in (*s.backends, "capacity"):
         reason = _skip(kind, shape, dense_s, s)

@@ -58,7 +58,7 @@ def operands(s: Sizes, seed: int = 0) -> tuple[np.ndarray, ...]:
 
 def step(plan: EPPlan, top_k: int):
     def loss(*ops):
-        y, stats = ep_moe(*ops, Routing(top_k), plan=plan)
+        y, stats = ep_moe(*ops, routing=Routing(top_k), plan=plan)
         return jnp.mean(jnp.square(y)) + 0.01 * stats.aux_loss, y
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
@@ -91,7 +91,7 @@ def dispatcher_rows(
         outputs: dict = {}
         timing = time_rounds(fns, min_reps=s.min_reps, target_s=s.target_s, outputs=outputs)
         hlo = {
-            v: jax.jit(lambda *o, p=p: ep_moe(*o, Routing(s.top_k), plan=p)[0])
+            v: jax.jit(lambda *o, p=p: ep_moe(*o, routing=Routing(s.top_k), plan=p)[0])
             .lower(*ops)
             .as_text(dialect="hlo")
             for v, p in plans.items()

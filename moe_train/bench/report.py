@@ -54,7 +54,8 @@ def gemm_md(sec: dict[str, Any]) -> str:
     head = (
         f"## {sec['title']}\n\nThe experts' SwiGLU (three GEMMs) on routed rows, H={s['hidden']}, "
         f"F={s['ffn']}, top-{s['top_k']}, {s['dtype']}, {s['rows_per_expert']} rows per expert on "
-        f"average (tokens scale with E, up to {s.get('max_assignments', 'any')} rows). *time / dense*: median time over the median of a dense "
+        f"average (tokens scale with E, up to {s.get('max_assignments', 'any')} rows). "
+        f"*time / dense*: median time over the median of a dense "
         f"SwiGLU on the same N useful rows, timed in the same interleaved rounds (1.0 is the "
         f"limit), with the min-max of the per-round ratios; *CPU time / dense*: the same with process "
         f"CPU time (steadier on a shared machine). *waste*: executed / useful FLOPs. "

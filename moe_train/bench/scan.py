@@ -88,7 +88,8 @@ def compile_cell(cfg: config.Config) -> dict[str, Any]:
 
 def _uncached(fn, *args):
     """``fn(*args)`` with JAX's persistent compilation cache disabled."""
-    before = jax.config.jax_enable_compilation_cache
+    # jax.config's flags are attributes it sets at run time
+    before = jax.config.jax_enable_compilation_cache  # pyright: ignore[reportAttributeAccessIssue]
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         return fn(*args)

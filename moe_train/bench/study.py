@@ -183,7 +183,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moe_train.study", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m moe_train.study", description=(__doc__ or "").partition("\n")[0]
+    )
     p.add_argument("--out", default="runs/study", help="parent of the <UTC> result directory")
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--seeds", type=int, default=len(SEEDS))

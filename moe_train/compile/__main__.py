@@ -18,7 +18,7 @@ from topology import presets
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m moe_train.compile", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m moe_train.compile", description=(__doc__ or "").partition("\n")[0])
     job_arguments(p, "--preset", f"cluster preset ({', '.join(presets.list_presets())}) or a site .toml")
     p.add_argument(
         "--steps",

@@ -3,10 +3,10 @@ XLA:GPU.
 
 Devices: ``jax.experimental.topologies.get_topology_desc(name, "cuda", target_config=...,
 topology="1x<nodes>x<gpus per node>")`` (compile-only devices; ``plugin.enable`` ran first).
-The mesh is the trainer's (``moe_train.parallel.layout.build``) on the NVLink domains the
+The mesh is the trainer's (``topology.device_mesh.build``) on the NVLink domains the
 launcher's allocation gets (``topology.placement``: ``parallel.domain_size`` devices each).
 The step is the trainer's (``moe_train.train.step.make_train_step``) for every EP plan the
-stepper can run (``moe_train.train.stepper.ep_plans``: one per capacity bucket), with the
+stepper can run (``moe_train.parallel.sharding.ep_plans``: one per capacity bucket), with the
 micro-batches the loop uses (``config.for_devices``). Everything before ``lower()`` is
 abstract (``jax.ShapeDtypeStruct`` arguments with their shardings, ``step.abstract_state``)
 and traced as on the target GPU (``facts.as_target``).
@@ -28,11 +28,10 @@ from moe_train.compile import facts, peak
 from moe_train.compile.job import Job
 from moe_train.config import Config, ConfigError, for_devices
 from moe_train.data import packing
-from moe_train.parallel import layout, sharding
+from moe_train.parallel import sharding
 from moe_train.parallel.jobplan import EPPlan
-from moe_train.train import stepper
 from moe_train.train.step import CompiledMemory, StepCounter, abstract_state, make_train_step
-from topology import placement
+from topology import device_mesh, placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +119,12 @@ def compile_one(
     live = peak.read(dump_dir) if dump_dir else None
     if dump_dir:
         peak.prune(dump_dir)
+    memory = CompiledMemory.of(compiled)
+    assert memory is not None, "XLA:GPU's executable has a memory analysis"
     return Compiled(
         bucket=bucket_name(plan),
         plan=plan,
-        memory=CompiledMemory.of(compiled),
+        memory=memory,
         trace_s=t1 - t0,
         compile_s=t2 - t1,
         hlo=compiled.as_text(),
@@ -161,8 +162,8 @@ def compile_buckets(
     """The step of every capacity bucket of ``cfg`` (kernels concrete) on ``devices``, or of
     bucket ``only``; ConfigError naming the buckets when ``only`` is none of them. With
     ``dump_root``, each bucket's XLA dump goes to ``dump_root/xla-<bucket>``."""
-    mesh = layout.build(cfg, devices).mesh
-    plans = stepper.ep_plans(cfg, mesh)
+    mesh = device_mesh.build(cfg, devices).mesh
+    plans = sharding.ep_plans(cfg, mesh)
     names = [bucket_name(p) for p in plans]
     if only and only not in names:
         raise ConfigError(

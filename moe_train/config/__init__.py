@@ -11,18 +11,24 @@ A ``tuple[float, ...]`` field (``moe.capacity_buckets``) is a TOML array, a JSON
 ``--set``, comma-separated numbers, and is kept sorted; config.json files written when it was
 a comma-separated string still load.
 
-May import: ``topology.presets`` (TOML reading, cluster presets) and nothing else of the kit,
-no JAX either: ``make plan`` and the launcher build configs without it, and
-``moe_train.parallel.jobplan`` builds on ``checks`` and ``schema``.
+``parallel.cluster`` names a cluster preset (``topology.presets``): it is checked where the
+preset is read, when the trainer builds its mesh (``topology.device_mesh``), exit 2 naming
+the key, before anything is written.
+
+May import: ``moe_train.base`` and nothing else of the kit, no JAX either: ``make plan`` and
+the launcher build configs without it, ``moe_train.parallel.jobplan`` builds on ``checks``
+and ``schema``, and ``topology`` builds on the config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+from moe_train.base.tomlfile import read_toml
 from moe_train.config import checks
 from moe_train.config.checks import ConfigError, some_divisors  # noqa: F401 (API)
 from moe_train.config.schema import (  # noqa: F401 (API: the sections, choices, derived sizes)
@@ -59,7 +65,6 @@ from moe_train.config.schema import (  # noqa: F401 (API: the sections, choices,
     head_dim,
     moe_layer_count,
 )
-from topology.presets import read_toml
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -203,7 +208,7 @@ def merge_flags(overrides: list[str], flags: dict[str, tuple[str, str]] | None =
 
 def build(
     preset: str,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     *,
     flags: dict[str, tuple[str, str]] | None = None,
     **sections: dict[str, Any],
@@ -234,18 +239,6 @@ def validate(cfg: Config) -> None:
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(choices)}")
     checks.check_rules(cfg)
-    _validate_cluster(cfg.parallel)
-
-
-def _validate_cluster(p: ParallelConfig) -> None:
-    if not p.cluster:
-        return
-    from topology.presets import TopologyError, load  # pure TOML reading, no jax
-
-    try:
-        load(p.cluster)
-    except TopologyError as err:
-        raise ConfigError(f"parallel.cluster: {err}") from None
 
 
 def for_devices(cfg: Config, devices: int) -> Config:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-BACKENDS = ("auto", "tiled", "ragged_dot", "mgpu", "te")
+from moe_train.base.choices import BACKENDS, SCORE_FUNCTIONS
+
 DISPATCHERS = ("auto", "allgather", "a2a", "hierarchical")  # moe.dispatcher
 DISPATCH_DTYPES = ("activation", "fp8")  # moe.dispatch_dtype
 ROUTERS = ("learned", "balanced")  # moe.router
@@ -48,14 +48,18 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     qk_norm: bool = False  # RMSNorm on each query/key head (Qwen3)
     tie_embeddings: bool = False  # share the input embedding with the output projection
-    tied_logit_scale: float = 0.0  # with tie_embeddings: logits x this; 0: hidden**-0.5 (keeps the unit-scale init's logits O(1)); 1: Hugging Face's convention (from-hf sets it)
+    # with tie_embeddings: logits x this; 0: hidden**-0.5 (keeps the unit-scale init's logits O(1)); 1:
+    # Hugging Face's convention (from-hf sets it)
+    tied_logit_scale: float = 0.0
     first_dense_layers: int = 0  # the first N blocks use a dense SwiGLU MLP instead of MoE
     dense_ffn: int = 256  # hidden width of the dense SwiGLU MLP in those blocks
     param_dtype: str = "float32"  # master weight dtype (compute precision: [precision])
     attention: str = "auto"  # attention kernel: auto | xla (full scores) | cudnn | chunked (flash-style) | te
     attention_block: int = 0  # query/key block rows of the chunked attention; 0 picks per length
     scan_layers: bool = True  # run repeated blocks under a scan (one compiled body); false: a Python loop
-    attention_kind: str = "gqa"  # gqa (grouped-query: num_kv_heads, head_dim) | mla (multi-head latent attention, DeepSeek-V2/V3: the fields below)
+    # gqa (grouped-query: num_kv_heads, head_dim) | mla (multi-head latent attention, DeepSeek-V2/V3: the
+    # fields below)
+    attention_kind: str = "gqa"
     # mla: width of the query latent (V3: 1536); 0 projects queries straight from the hidden state
     q_lora_rank: int = 0
     kv_lora_rank: int = 512  # mla: width of the shared key/value latent (V3: 512)
@@ -64,7 +68,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128  # mla: per-head value width (V3: 128)
     mtp_depth: int = 0  # multi-token prediction modules (V3: 1): module k also predicts token i+k+1; 0: none
-    mtp_loss_weight: float = 0.3  # weight of the depths' mean cross-entropy in the training loss (V3: 0.3 for its first 10T tokens)
+    # weight of the depths' mean cross-entropy in the training loss (V3: 0.3 for its first 10T tokens)
+    mtp_loss_weight: float = 0.3
     # the weight from train step mtp_late_step on (V3: 0.1 for its last 4.8T tokens)
     mtp_loss_weight_late: float = 0.1
     mtp_late_step: int = 0  # optimizer step from which mtp_loss_weight_late applies; 0: never
@@ -80,36 +85,51 @@ class MoEConfig:
     num_shared_experts: int = 0  # always-on shared experts (DeepSeek); 0 disables
     shared_ffn: int = 0  # hidden width of each shared expert; 0 means expert_ffn
     score_function: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3)
-    router: str = "learned"  # learned (top-k of the scores) | balanced (BENCHMARKS ONLY: token t takes experts (t*K + j) mod E, so every expert gets the same load, as published forced-balance figures are measured; the weights are still the router's scores, but the model does not learn to route)
+    # learned (top-k of the scores) | balanced (BENCHMARKS ONLY: token t takes experts (t*K + j) mod E, so
+    # every expert gets the same load, as published forced-balance figures are measured; the weights are still
+    # the router's scores, but the model does not learn to route)
+    router: str = "learned"
     normalize_top_k: bool = True  # renormalise the chosen weights to sum to 1
     num_groups: int = 0  # expert groups for group-limited routing; 0 disables
     group_top_k: int = 0  # groups each token may use when num_groups > 0
     routed_scaling: float = 1.0  # factor on the routed experts' weights
     backend: str = "auto"  # grouped GEMM: auto | tiled | ragged_dot | mgpu | te
     tile_rows: int = 0  # row tile of the tiled backend; 0 picks per platform
-    aux_loss_coef: float = 0.01  # switch-style load-balance loss over the global batch, E*sum_e f_e*P_e with f the share of the top-k assignments (balanced: 1; Hugging Face's router_aux_loss_coef multiplies top_k times this value, so theirs x top_k is ours); 0 disables
+    # switch-style load-balance loss over the global batch, E*sum_e f_e*P_e with f the share of the top-k
+    # assignments (balanced: 1; Hugging Face's router_aux_loss_coef multiplies top_k times this value, so
+    # theirs x top_k is ours); 0 disables
+    aux_loss_coef: float = 0.01
     seq_aux_loss_coef: float = 0.0  # per-sequence load-balance loss (DeepSeek-V3); 0 disables
     z_loss_coef: float = 0.001  # router z-loss (mean squared logsumexp of logits); 0 disables
     bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate*sign(mean-load); 0 off
     dispatcher: str = "auto"  # expert-parallel token exchange: auto | allgather | a2a | hierarchical
     overlap_chunks: int = 1  # split each rank's tokens into N chunks to overlap dispatch with GEMMs
-    dispatch_dtype: str = "activation"  # rows sent to other devices: activation (their own dtype) | fp8 (e4m3 + a per-row scale: half of bf16's bytes; combine and gradients stay unquantized)
+    # rows sent to other devices: activation (their own dtype) | fp8 (e4m3 + a per-row scale: half of bf16's
+    # bytes; combine and gradients stay unquantized)
+    dispatch_dtype: str = "activation"
     # exchange buffers x balanced load; then worst
     capacity_buckets: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
     bucket_step_down_after: int = 20  # steps of lower load before using the next smaller bucket
-    capacity_factor: float = 0.0  # > 0: the GShard-style baseline for studies: each expert takes at most factor x the balanced share of the batch's assignments and drops the rest (dropped_tokens counts them); 0: dropless (this kit's path)
+    # > 0: the GShard-style baseline for studies: each expert takes at most factor x the balanced share of the
+    # batch's assignments and drops the rest (dropped_tokens counts them); 0: dropless (this kit's path)
+    capacity_factor: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where the training tokens come from."""
 
-    source: str = "synthetic"  # synthetic | tokens (pre-tokenised file) | bytes (UTF-8 text) | prepared (a directory of python -m moe_train.data prepare)
+    # synthetic | tokens (pre-tokenised file) | bytes (UTF-8 text) | prepared (a directory of python -m
+    # moe_train.data prepare)
+    source: str = "synthetic"
     # file for tokens/bytes, directory for prepared; relative paths resolve from the working directory
     path: str = ""
     token_dtype: str = "uint16"  # element type of a tokens file: uint16 | uint32
     seed: int = 0  # seed of the batch order (and of the synthetic generator)
-    packing: bool = True  # prepared: documents packed into rows with segment ids; positions restart per document; attention never crosses documents; the first token of a document is not predicted from the previous one (false: plain rows that cross documents); other sources have no documents
+    # prepared: documents packed into rows with segment ids; positions restart per document; attention never
+    # crosses documents; the first token of a document is not predicted from the previous one (false: plain
+    # rows that cross documents); other sources have no documents
+    packing: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,22 +157,37 @@ class TrainConfig:
     seed: int = 0  # parameter initialisation seed
     # save every N steps; 0: off (saves still happen at the end, on signals and by checkpoint_minutes)
     checkpoint_every: int = 0
-    checkpoint_minutes: float = 30.0  # also save once this much wall time passed since the last save (or the start), agreed by every process; 0: off
+    # also save once this much wall time passed since the last save (or the start), agreed by every process;
+    # 0: off
+    checkpoint_minutes: float = 30.0
     keep_checkpoints: int = 3  # keep the last N checkpoints
     async_checkpoint: bool = True  # write periodic checkpoints in the background
     log_every: int = 1  # print a progress line every N steps
-    eval_every: int = 0  # held-out loss (eval_loss, eval_ppl) every N steps and at the last step: the val split of a prepared data.path, or fixed held-out walks of the synthetic chain; 0: off
-    eval_tokens: int = 0  # held-out tokens per evaluation, rounded up to whole batches of batch_size sequences (a smaller val split is used whole); 0: 64 sequences
+    # held-out loss (eval_loss, eval_ppl) every N steps and at the last step: the val split of a prepared
+    # data.path, or fixed held-out walks of the synthetic chain; 0: off
+    eval_every: int = 0
+    # held-out tokens per evaluation, rounded up to whole batches of batch_size sequences (a smaller val split
+    # is used whole); 0: 64 sequences
+    eval_tokens: int = 0
     telemetry_interval_s: float = 1.0  # seconds between GPU/host samples to <out>/telemetry/; 0 disables
     remat: str = "none"  # activation checkpointing per block: none | full | matmuls | moe
     # gradient accumulation: run each step's batch as N micro-batches (activations / N)
     micro_batches: int = 1
     # instead of micro_batches: sequences per device in one micro-batch (any job size); 0: off
     micro_batch_size: int = 0
-    loss_chunk: int = 0  # tokens per device in one cross-entropy chunk (the [T, V] logits never exist whole); 0 picks from the vocab
+    # tokens per device in one cross-entropy chunk (the [T, V] logits never exist whole); 0 picks from the
+    # vocab
+    loss_chunk: int = 0
     skip_selftest: bool = False  # do not check the chosen GPU kernels against a reference before training
-    init_from: str = ""  # start a new run from these weights (a converted checkpoint, a run or one step): fresh optimizer, step 0; "": random init
-    on_nonfinite: str = "stop"  # a step whose loss, gradients or updated state is NaN/inf: stop (exit 3, nothing saved past the last good checkpoint) | skip (drop that update, count it, go on)
+    # start a new run from these weights (a converted checkpoint, a run or one step): fresh optimizer, step 0;
+    # "": random init
+    init_from: str = ""
+    # start from init_from weights that have no manifest (saved before manifests existed, or damaged),
+    # unverified, with a warning; false: refused (exit 2)
+    init_from_trust_unverified: bool = False
+    # a step whose loss, gradients or updated state is NaN/inf: stop (exit 3, nothing saved past the last good
+    # checkpoint) | skip (drop that update, count it, go on)
+    on_nonfinite: str = "stop"
     # with on_nonfinite=skip: stop (exit 3) after this many consecutive skipped steps
     max_nonfinite_skips: int = 10
     tensorboard: bool = True  # write OUT/tensorboard/ event files (every scalar of metrics.jsonl); false: off
@@ -166,7 +201,8 @@ class ParallelConfig:
     devices: int = 0  # devices in the mesh; 0 means all; on CPU, that many fake host devices
     ep: int = 1  # expert-parallel size: experts are split over groups of this many devices
     dp: int = 0  # data-parallel (FSDP) size; 0 means devices // ep
-    weight_gather: str = "micro_batch"  # FSDP gathers over data: micro_batch (per micro-batch, least memory) | step (once per step)
+    # FSDP gathers over data: micro_batch (per micro-batch, least memory) | step (once per step)
+    weight_gather: str = "micro_batch"
     # force fast-link domains of this many devices (fake domains on CPU); 0: discover them
     domain_size: int = 0
     cluster: str = ""  # cluster preset name or site .toml: peak FLOP/s for MFU, topology checks; "": none

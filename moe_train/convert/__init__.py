@@ -15,7 +15,8 @@
 ``weights`` finds and restores model weights wherever they are kept (a converted checkpoint,
 a run, one step); ``score`` scores token ids (``python -m moe_train.score``).
 
-May import: ``moe_train.config``, ``moe_train.model``, ``moe_train.parallel`` and, of the loop,
-``train.checkpoint`` (to read runs) and ``train.signals`` (exit codes). Never the launcher,
-the planners or the benchmarks.
+May import: ``moe_train.base`` (exit codes), ``moe_train.config``, ``moe_train.model``,
+``moe_train.parallel`` and ``moe_train.checkpoints`` (to read runs, verified). Never the
+training loop (it imports ``weights`` for ``train.init_from``), the launcher, the planners or
+the benchmarks.
 """

@@ -1,6 +1,6 @@
 """``python -m moe_train.convert from-hf HF_DIR OUT`` | ``to-hf CKPT HF_OUT [--dtype bf16|fp32]``.
 
-Exit codes as the trainer's (``moe_train.train.signals``): 0 done; 2 bad input (an unsupported
+Exit codes as the trainer's (``moe_train.base.exits``): 0 done; 2 bad input (an unsupported
 architecture or feature, a missing tensor, a shape that does not match the config, an OUT
 that is not empty, an input file that cannot be read, a non-finite weight, a checkpoint or
 converted weights that are damaged or have no manifest: ``to-hf --trust-unverified`` reads the
@@ -15,8 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from moe_train.base import exits
 from moe_train.config import ConfigError
-from moe_train.train import signals
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,14 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             to_hf(args.ckpt, args.out, dtype=args.dtype, trust_unverified=args.trust_unverified)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        return signals.EXIT_CONFIG
+        return exits.EXIT_CONFIG
     except OSError as err:
         if _in_output(err, args.out):
             print(f"error: cannot write the output: {err}", file=sys.stderr)
-            return signals.EXIT_OUTPUT
+            return exits.EXIT_OUTPUT
         print(f"error: cannot read the input: {err}", file=sys.stderr)
-        return signals.EXIT_CONFIG
-    return signals.EXIT_OK
+        return exits.EXIT_CONFIG
+    return exits.EXIT_OK
 
 
 def _in_output(err: OSError, out: str) -> bool:

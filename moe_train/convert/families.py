@@ -1,10 +1,11 @@
 """The supported Hugging Face model families and their configs, both ways.
 
-| family | ``model_type`` | attention | MoE tensors | router |
-|---|---|---|---|---|
-| Mixtral | ``mixtral`` | GQA | ``block_sparse_moe.experts.{e}.w1/w3/w2`` | softmax top-k, renormalised |
-| Qwen3-MoE | ``qwen3_moe`` | GQA, qk-norm | ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` | softmax top-k (``norm_topk_prob``) |
-| DeepSeek-V3 | ``deepseek_v3`` | MLA | as Qwen3 + ``mlp.shared_experts``, first layers dense | sigmoid, group-limited, ``e_score_correction_bias`` |
+* Mixtral (``mixtral``): GQA; MoE tensors ``block_sparse_moe.experts.{e}.w1/w3/w2``; router
+  softmax top-k, renormalised.
+* Qwen3-MoE (``qwen3_moe``): GQA, qk-norm; MoE tensors
+  ``mlp.experts.{e}.gate_proj/up_proj/down_proj``; router softmax top-k (``norm_topk_prob``).
+* DeepSeek-V3 (``deepseek_v3``): MLA; MoE tensors as Qwen3 + ``mlp.shared_experts``, first layers
+  dense; router sigmoid, group-limited, ``e_score_correction_bias``.
 
 ``kit_tables(family, hf)`` turns a ``config.json`` into the kit's config sections, each value
 with the HF key it came from (``preset.toml`` shows them as comments); ``hf_config(family,

@@ -4,7 +4,7 @@
 it came from), ``OUT/weights/<part>/`` orbax checkpoints ``{"params", "moe_state"}`` in the
 looped layer layout, one per layer (``moe_train.convert.weights`` reads them into any layout and
 device count), each with its manifest (``<part>/manifest/metadata``: every array's shape, dtype,
-checksums and finiteness, ``moe_train.train.manifest``, as a run's checkpoint has; every reader
+checksums and finiteness, ``moe_train.checkpoints.manifest``, as a run's checkpoint has; every reader
 verifies the weights against it), and ``OUT/convert.json`` what it was made from. Weights keep
 the source's dtype (bf16 or fp32; fp8 is dequantized with its block scales to bf16, as
 DeepSeek's own fp8-to-bf16 script does); the expert bias is fp32.
@@ -43,6 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from moe_train import config
+from moe_train.checkpoints import checkpoint, manifest
 from moe_train.config import Config, ConfigError
 from moe_train.config.checks import first_few
 from moe_train.convert import fields
@@ -57,7 +58,6 @@ from moe_train.convert.hf_files import (
 from moe_train.convert.tensors import Entry, entries, extra_copies
 from moe_train.convert.weights import PRESET, WEIGHTS, part_of
 from moe_train.model.transformer import Transformer
-from moe_train.train import checkpoint, manifest
 
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|" + re.escape(SCALE_SUFFIX) + r")$")
 SECTIONS = ("model", "moe", "rope", "train")

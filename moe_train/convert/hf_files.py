@@ -79,7 +79,7 @@ def _header(path: Path) -> tuple[dict, int]:
 class HFCheckpoint:
     """The tensors of a Hugging Face checkpoint directory, by name."""
 
-    def __init__(self, hf_dir: Path, block: tuple[int, int] = (128, 128)):
+    def __init__(self, hf_dir: Path, block: tuple[int, ...] = (128, 128)):
         self.dir, self.block = Path(hf_dir), block
         self.files: dict[str, Path] = {}  # tensor -> shard
         self.headers: dict[Path, tuple[dict, int]] = {}
@@ -143,7 +143,7 @@ class HFCheckpoint:
         return dequantize(w, scales.astype(np.float32), self.block, name)
 
 
-def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str) -> np.ndarray:
+def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, ...], name: str) -> np.ndarray:
     """fp32 ``w * scale_inv`` where ``scale_inv[i, j]`` covers the block rows
     ``i*b0:(i+1)*b0``, columns ``j*b1:(j+1)*b1`` (the last blocks may be partial)."""
     rows, cols = w.shape

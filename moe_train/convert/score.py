@@ -7,7 +7,8 @@ the fp32 logits [B, S, V] when asked. Runs on whatever JAX has (CPU or GPU), on
 ``--devices`` devices (default all): the rows are split over them when they divide B, and
 the weights are sharded as for training (``moe_train.parallel.sharding``). The MoE layers run dropless
 on each device (no expert parallelism); MTP modules do not run (they train, they do not score).
-A run's step (or converted weights) is verified against its manifest before it is used (``weights.restore``); one
+A run's step (or converted weights) is verified against its manifest before it is used
+(``weights.restore``); one
 without a manifest is refused unless ``--trust-unverified`` (also ``python -m moe_train.eval``'s:
 ``weights_cli`` is both commands' command line).
 
@@ -29,11 +30,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moe_train.base import exits
 from moe_train.config import ConfigError
 from moe_train.convert import weights
 from moe_train.model.transformer import Transformer
 from moe_train.parallel import sharding
-from moe_train.train import signals
 
 
 def load_ids(path: str, vocab: int) -> np.ndarray:
@@ -85,6 +86,7 @@ def score(
     source = weights.locate(ckpt)
     cfg = weights.config_of(source)
     if ids is None:
+        assert tokens is not None, "score needs ids or tokens"
         ids = load_ids(tokens, cfg.model.vocab_size)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=ids.shape[1]))
     mesh = sharding.make_mesh(pick_devices(devices))
@@ -131,7 +133,7 @@ def weights_cli(
         return run(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        return signals.EXIT_CONFIG
+        return exits.EXIT_CONFIG
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,8 +163,8 @@ def _run(args: argparse.Namespace) -> int:
             np.save(Path(args.logits), logits)
         except OSError as err:
             print(f"error: cannot write {args.logits}: {err}", file=sys.stderr)
-            return signals.EXIT_OUTPUT
-    return signals.EXIT_OK
+            return exits.EXIT_OUTPUT
+    return exits.EXIT_OK
 
 
 if __name__ == "__main__":

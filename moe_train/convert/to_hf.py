@@ -7,7 +7,8 @@ carry the copies of the embedding and head the released files have. The kit's le
 one at a time (orbax partial restores), so the process holds about one leaf plus one shard; a
 scanned run's stacked leaves (every layer's copy of a weight) are first staged, one stored
 chunk at a time, in a memory-mapped file (``stage``), so there it holds about one chunk.
-A run's step (or converted weights) is verified as every checkpoint reader verifies one (``weights.read_manifest``):
+A run's step (or converted weights) is verified as every checkpoint reader verifies one
+(``weights.read_manifest``):
 refused without a manifest unless ``trust_unverified``, and each leaf, once read (or staged),
 checked against it (``manifest.verify_leaf``) before it is written: a damaged step stops the
 export with ConfigError naming the file, and nothing is left in HF_OUT.
@@ -28,13 +29,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from moe_train.checkpoints import checkpoint, manifest
 from moe_train.config import Config, ConfigError
 from moe_train.convert import weights
 from moe_train.convert.families import FAMILIES, Family, family_for, hf_config
 from moe_train.convert.from_hf import looped_tree
 from moe_train.convert.hf_files import new_directory, write_shards
 from moe_train.convert.tensors import entries, extra_copies
-from moe_train.train import checkpoint, manifest
 
 DTYPES = {"bf16": ("bfloat16", ml_dtypes.bfloat16), "fp32": ("float32", np.float32)}
 SHARD_BYTES = 5 << 30  # transformers' default max_shard_size
@@ -124,13 +125,18 @@ def stage(root: Path, saved_path: tuple[str, ...], path: Path) -> np.ndarray:
     use_ocdbt = meta.get("use_ocdbt", True)
     context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
     info = ocp.type_handlers.ParamInfo(
-        name=".".join(saved_path), parent_dir=root, use_zarr3=meta.get("use_zarr3", False), ts_context=context
+        name=".".join(saved_path),
+        parent_dir=root,  # pyright: ignore[reportArgumentType]  (typed as etils' Path; a pathlib.Path works)
+        use_zarr3=meta.get("use_zarr3", False),
+        ts_context=context,
     )
     spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
     stored = ts.open(spec, context=context, open=True, read=True).result()
     shape, dtype = tuple(stored.shape), stored.dtype.numpy_dtype
     out = np.memmap(path, dtype=dtype, mode="w+", shape=shape)
-    chunk = [c or n for c, n in zip(stored.chunk_layout.read_chunk.shape, shape)]
+    read_shape = stored.chunk_layout.read_chunk.shape
+    assert read_shape is not None, "a stored array has a read chunk shape"
+    chunk = [c or n for c, n in zip(read_shape, shape)]
     for start in itertools.product(*(range(0, n, c) for n, c in zip(shape, chunk))):
         region = tuple(slice(s, min(s + c, n)) for s, c, n in zip(start, chunk, shape))
         out[region] = stored[region].read().result()
@@ -145,7 +151,8 @@ def _tensors(
     """(HF name, array) of every tensor, in the kit tree's order, then the MTP copies; cast
     to ``dtype`` (None: as stored). ``stored`` collects the dtype names as stored."""
     leaf = _leaf_reader(source, cfg, scratch, saved)
-    copies = {source: None for _, source in extra_copies(cfg)}  # HF name -> its array
+    # HF name -> its array
+    copies: dict[str, np.ndarray | None] = {source: None for _, source in extra_copies(cfg)}
     for e in _ordered(entries(fam, cfg, looped_tree(cfg))):
         for name, array in zip(e.hf, e.to_hf(leaf(e.kit))):
             stored.add(np.dtype(array.dtype).name)
@@ -154,7 +161,9 @@ def _tensors(
                 copies[name] = array
             yield name, array
     for name, source_name in extra_copies(cfg):
-        yield name, copies[source_name]
+        array = copies[source_name]
+        assert array is not None, f"{source_name} is written before its copies"
+        yield name, array
 
 
 def _ordered(ents):
@@ -207,4 +216,4 @@ def to_hf(
     log(f"exported {len(index['weight_map'])} tensors ({fam.architecture}, {kept}) to {out}")
     if dtype == "bf16" and "float32" in stored:
         log(BF16_NOTE)
-    return out
+    return Path(out)

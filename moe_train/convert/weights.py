@@ -7,7 +7,7 @@
   "moe_state"}`` in the looped layer layout, in the source's dtype, one per part (``model``:
   embedding, final norm, head; ``layer_{i}``; ``mtp_{k}``), so that converting holds one
   layer at a time, each with its manifest in ``<part>/manifest/metadata`` (as a run's step
-  has it, ``moe_train.train.manifest``);
+  has it, ``moe_train.checkpoints.manifest``);
 * a run directory (``--out`` of a training run): its newest checkpoint;
 * one step of a run (``RUN/checkpoints/<step>``).
 
@@ -15,12 +15,14 @@
 state) onto ``mesh`` in ``cfg``'s layout, dtype and shardings, converting the layer layout
 where it differs. ``config_of(source)`` is the config the weights were made with.
 
-Weights are read as every checkpoint reader reads them (``moe_train.train.checkpoint``): the
+Weights are read as every checkpoint reader reads them (``moe_train.checkpoints.checkpoint``): the
 manifest first (a step's, or every part's of a converted checkpoint; without one they are
 refused unless ``trust_unverified``: converted by a ``from-hf`` that wrote none, or damaged),
 then the arrays, as stored, checked against it before they are cast or converted. Damaged,
 unverified or mismatching weights raise ConfigError, one line naming the file (``score``,
-``eval``, ``train.init_from`` and ``to-hf`` exit 2 with it).
+``eval``, ``train.init_from`` and ``to-hf`` exit 2 with it). The refusal of weights without a
+manifest names the option that reads them as they are: ``--trust-unverified`` (``score``,
+``eval``, ``to-hf``) or ``train.init_from_trust_unverified=true``.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from moe_train import config
+from moe_train.checkpoints import checkpoint, manifest
 from moe_train.config import Config, ConfigError
 from moe_train.model.transformer import Transformer, is_scanned, to_looped, to_scanned
 from moe_train.parallel import sharding
-from moe_train.train import checkpoint, manifest
 
 PRESET, WEIGHTS = "preset.toml", "weights"
+TRUST_FLAG = "--trust-unverified"  # how score, eval and to-hf are told to read unverified weights
+TRUST_KEY = "train.init_from_trust_unverified"  # the same for train.init_from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,33 +121,36 @@ def _directories(source: Source) -> list[Path]:
     return sorted(d for d in (source.path / WEIGHTS).iterdir() if d.is_dir())
 
 
-def _manifest_of(directory: Path, source: Source, trust_unverified: bool) -> dict | None:
-    """``checkpoint.read_manifest`` of one directory; a converted part without one says how
-    to get one."""
+def _manifest_of(directory: Path, source: Source, trust_unverified: bool, opt_in: str) -> dict | None:
+    """``checkpoint.read_manifest`` of one directory; the refusal of one without a manifest
+    names ``opt_in`` (the option that reads it as it is) and, for a converted part, how to
+    get one."""
     try:
         return checkpoint.read_manifest(directory, trust_unverified)
     except checkpoint.Unverified as err:
         if source.kind == "converted":
             raise checkpoint.Unverified(
                 f"{err}; convert it again with python -m moe_train.convert from-hf HF_DIR OUT "
-                f"(score, eval and to-hf read it as it is with --trust-unverified)"
+                f"(or read it as it is with {opt_in})"
             ) from None
-        raise
+        raise checkpoint.Unverified(f"{err}; {opt_in} reads it as it is") from None
 
 
-def read_manifest(source: Source, trust_unverified: bool, log=to_stderr) -> dict | None:
+def read_manifest(
+    source: Source, trust_unverified: bool, log=to_stderr, opt_in: str = TRUST_FLAG
+) -> dict | None:
     """The manifest of the weights: a step's, or a converted checkpoint's parts' together.
-    ConfigError naming the file when one is missing, unless trusted: then None (the weights
-    are read unverified) and a warning."""
+    ConfigError naming the file and ``opt_in`` when one is missing, unless trusted: then None
+    (the weights are read unverified) and a warning."""
     found = {
-        d: checkpoint.refuse_damage(lambda d=d: _manifest_of(d, source, trust_unverified), d)
+        d: checkpoint.refuse_damage(lambda d=d: _manifest_of(d, source, trust_unverified, opt_in), d)
         for d in _directories(source)
     }
     missing = [d for d, saved in found.items() if saved is None]
     if missing:
         log(
             f"WARNING: {missing[0] / checkpoint.MANIFEST_FILE} is missing: reading "
-            f"{source.path} unverified (--trust-unverified)"
+            f"{source.path} unverified ({opt_in})"
         )
         return None
     if source.kind == "step":
@@ -158,14 +165,20 @@ def read_manifest(source: Source, trust_unverified: bool, log=to_stderr) -> dict
 
 
 def restore(
-    source: Source, cfg: Config, mesh: Mesh, trust_unverified: bool = False, log=to_stderr
+    source: Source,
+    cfg: Config,
+    mesh: Mesh,
+    trust_unverified: bool = False,
+    log=to_stderr,
+    opt_in: str = TRUST_FLAG,
 ) -> tuple[Any, Any]:
     """(params, moe_state) of ``source`` as ``cfg`` wants them on ``mesh``: read straight into
     their shardings (each process reads its shards), verified against the manifest, cast to
     ``cfg``'s dtypes, the layer layout converted on the devices where it differs.
     ConfigError naming the file for unverified, damaged or mismatching weights, or the first
-    tensor whose shape differs (another model) or that is missing."""
-    saved_manifest = read_manifest(source, trust_unverified, log)
+    tensor whose shape differs (another model) or that is missing. ``opt_in`` is the option
+    that trusts unverified weights, named in the refusal and the warning."""
+    saved_manifest = read_manifest(source, trust_unverified, log, opt_in)
     with checkpoint.quiet_reads(log, str(source.path)):
         return checkpoint.refuse_damage(lambda: _restore(source, cfg, mesh, saved_manifest), source.path)
 
@@ -309,9 +322,10 @@ def _plain(tree):
 
 def start_from(path: str, state, cfg: Config, mesh: Mesh, log=print):
     """``state`` (a freshly initialised train state) with the parameters and expert bias of
-    the weights at ``path`` (``train.init_from``; a step must verify): step 0 and a fresh
-    optimizer state."""
+    the weights at ``path`` (``train.init_from``): step 0 and a fresh optimizer state. Weights
+    without a manifest are refused unless ``train.init_from_trust_unverified``."""
     source = locate(path)
-    params, moe_state = restore(source, cfg, mesh, log=log)
+    trust = cfg.train.init_from_trust_unverified
+    params, moe_state = restore(source, cfg, mesh, trust, log=log, opt_in=f"{TRUST_KEY}=true")
     log(f"initialised from {source.path} ({source.kind} weights): fresh optimizer, step 0")
     return state.replace(params=params, moe_state=moe_state)

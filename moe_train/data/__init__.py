@@ -24,10 +24,10 @@ holding the ``moe_train`` package), so presets can name shipped files such as
 ``moe_train/assets/corpus.txt``. Problems with the data are raised as :class:`DataError`, a
 one-line :class:`ConfigError`.
 
-May import: ``moe_train.config`` and, of the loop, ``train.signals`` (exit codes and the
-output error of ``python -m moe_train.data``); tokenizers, sentencepiece, pyarrow where a
-source needs them. Never the model, the loop proper, the launcher or the planners
-(``moe_train.model`` imports ``packing`` from here).
+May import: ``moe_train.base`` (exit codes and the output error of ``python -m
+moe_train.data``) and ``moe_train.config``; tokenizers, sentencepiece, pyarrow where a source
+needs them. Never the model, the loop, the launcher or the planners (``moe_train.model``
+imports ``packing`` from here, the loop the batch sources).
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def make_source(data_cfg: DataConfig, *, vocab_size: int, seq_len: int, batch_si
         if vocab_size < 256:
             raise DataError(f"data.source=bytes needs model.vocab_size >= 256, got {vocab_size}")
         path, shown = resolve_path(data_cfg.path, "a UTF-8 text file")
-        return BytesSource(path, shown, np.uint8, **kw)
+        return BytesSource(path, shown, np.dtype(np.uint8), **kw)
     if source == "prepared":
         from moe_train.data.packed import PreparedSource  # imports this module
 

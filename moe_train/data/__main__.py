@@ -1,6 +1,6 @@
 """``python -m moe_train.data prepare``: tokenize a corpus into train/val token shards.
 
-Exit codes (as for the trainer, ``moe_train.train.signals``): 0 done (or already complete), 1 a bug
+Exit codes (as for the trainer, ``moe_train.base.exits``): 0 done (or already complete), 1 a bug
 (traceback) or a worker process that died, 2 bad input or options (one line on stderr naming
 the file and the line or byte offset; nothing is written when the inputs are bad), 5 the output
 directory cannot be written, 130/143 interrupted by Ctrl-C/SIGTERM (rerun the same command to
@@ -15,9 +15,9 @@ import sys
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from moe_train.base import exits
 from moe_train.config import ConfigError
 from moe_train.data import prepare
-from moe_train.train import signals
 
 POLICIES = """\
 inputs (by suffix, each optionally .gz):
@@ -50,7 +50,9 @@ output DIR:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_train.data", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m moe_train.data", description=(__doc__ or "").partition("\n")[0]
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     prep = sub.add_parser(
         "prepare",
@@ -169,16 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         prepare.run(options(args))
     except ConfigError as err:
         _error(str(err))
-        return signals.EXIT_CONFIG
-    except signals.OutputError as err:
+        return exits.EXIT_CONFIG
+    except exits.OutputError as err:
         _error(str(err))
-        return signals.EXIT_OUTPUT
+        return exits.EXIT_OUTPUT
     except BrokenProcessPool:
         _error(
             "a tokenizer worker process died (out of memory? killed?); rerun to resume, "
             "perhaps with fewer --workers"
         )
-        return signals.EXIT_BUG
+        return exits.EXIT_BUG
     except KeyboardInterrupt:
         _error("interrupted; complete shards are kept: rerun the same command to resume")
         return 130
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return 143
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return signals.EXIT_OK
+    return exits.EXIT_OK
 
 
 if __name__ == "__main__":

@@ -368,7 +368,9 @@ def check(path: Path = DEFAULT_OUT) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_train.data.corpus", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m moe_train.data.corpus", description=(__doc__ or "").partition("\n")[0]
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output file (default {DEFAULT_OUT})")
     ap.add_argument(
         "--check",

@@ -36,6 +36,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from moe_train.base.exits import OutputError
 from moe_train.data import (
     DataError,
     shards,
@@ -55,7 +56,6 @@ from moe_train.data.prepared import FORMAT, FORMAT_VERSION
 from moe_train.data.progress import Progress
 from moe_train.data.tokenize_pass import SPLITS, tokenize
 from moe_train.data.workers import Workers
-from moe_train.train.signals import OutputError
 
 # 2**28 tokens: 512 MiB per uint16 shard (1 GiB at uint32). A trillion-token corpus is a few
 # thousand files, while an interrupted run loses under a minute of tokenizing per split at

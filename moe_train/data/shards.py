@@ -129,6 +129,7 @@ def complete_record(split_dir: Path, name: str, dtype: np.dtype) -> ShardRecord 
         return None
     bin_path, idx_path = split_dir / f"{name}.bin", split_dir / f"{name}.idx.npy"
     idx = load_index(idx_path)
+    assert idx is not None, "is_complete read it"
     return ShardRecord(name, int(idx.size - 1), int(idx[-1]), file_sha256(bin_path), file_sha256(idx_path))
 
 
@@ -171,6 +172,7 @@ class ShardWriter:
             self._file = open(self._tmp(".bin"), "wb")
             self._hasher = hashlib.sha256()
         data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        assert self._hasher is not None, "made with the file"
         self._file.write(data)
         self._hasher.update(data)
         self._starts.append(self._tokens)
@@ -186,6 +188,7 @@ class ShardWriter:
         self._file.close()
         self._file = None
         os.replace(self._tmp(".bin"), self.dir / f"{name}.bin")
+        assert self._hasher is not None, "made with the file"
         index = idx_bytes(np.array(self._starts + [self._tokens], dtype="<i8"))
         atomic_write(self.dir / f"{name}.idx.npy", index)
         self.records.append(

@@ -23,6 +23,7 @@ import json
 import os
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,8 +103,9 @@ def locate(tok: str) -> TokenizerSpec:
     return TokenizerSpec(kind, str(p.resolve()))
 
 
-def load_backend(spec: TokenizerSpec):
-    """The library object for ``spec`` (raises the library's own errors)."""
+def load_backend(spec: TokenizerSpec) -> Any:
+    """The library object for ``spec`` (raises the library's own errors): a SentencePiece
+    processor or a Hugging Face ``Tokenizer``, as ``spec.kind`` says."""
     if spec.kind == "sentencepiece":
         import sentencepiece
 

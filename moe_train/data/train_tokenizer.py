@@ -106,7 +106,7 @@ def ensure(
         path.parent.mkdir(parents=True, exist_ok=True)
         shards.atomic_write(path, tok.to_str(pretty=True).encode("utf-8"))
     except OSError as err:
-        from moe_train.train.signals import OutputError
+        from moe_train.base.exits import OutputError
 
         raise OutputError(f"--out {out}: cannot write ({err.strerror or err})") from None
     log(

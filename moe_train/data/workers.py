@@ -27,6 +27,7 @@ def _init_worker(spec: tok_mod.TokenizerSpec, eos_id: int, dtype: str) -> None:
 
 
 def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    assert _ENCODER is not None, "set by _init_worker"
     return _ENCODER.encode(texts)
 
 
@@ -36,7 +37,7 @@ class Workers:
     def __init__(self, n: int, tok: tok_mod.TokenizerInfo):
         self.n = n
         self._pool = None
-        self._encoder = None
+        self._encoder: tok_mod.Encoder | None = None
         if n > 1:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 n,
@@ -59,6 +60,7 @@ class Workers:
         if self._pool is not None:
             return self._pool.submit(_encode, texts)
         future = concurrent.futures.Future()
+        assert self._encoder is not None, "made when there is no pool"
         future.set_result(self._encoder.encode(texts))
         return future
 

@@ -17,7 +17,7 @@ as the training ``loss`` metric counts. MTP, load-balance and z losses are not p
 No optimizer, no gradient, no update of the expert bias or the fp8 scaling state: the model
 is applied to the given variables (the router reads the current bias, as in training) and
 the MoE stats are dropped. With expert parallelism the exchange runs on the worst-case plan
-(``moe_train.train.stepper.ep_plans``' last), whose buffers never overflow, so no step is rerun.
+(``moe_train.parallel.sharding.ep_plans``' last), whose buffers never overflow, so no step is rerun.
 The forward is compiled once per (config, mesh) and reused.
 
 ``batches``: global batches in either form of ``moe_train.data.packing``, as host numpy arrays
@@ -25,9 +25,10 @@ The forward is compiled once per (config, mesh) and reused.
 mesh's devices) or as global ``jax.Array`` already on the mesh
 (``moe_train.data.heldout.eval_batches`` builds the fixed held-out ones).
 
-May import: the model, the data, ``moe_train.parallel``, ``moe_train.convert`` (weights and
-their CLI) and, of the loop, the train step and stepper (the forward runs as in training)
-and ``train.signals``. Never the benchmarks, the launcher or the planners.
+May import: ``moe_train.base`` (exit codes), the config, the model, the data,
+``moe_train.parallel`` (the mesh, the EP plans and micro-batches the train step uses too) and
+``moe_train.convert`` (weights and their CLI). Never the training loop (it imports this
+package to evaluate in a run), the benchmarks, the launcher or the planners.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from moe_train.model import loss
 from moe_train.model.precision import FP8_COLLECTION
 from moe_train.model.transformer import Transformer
 from moe_train.parallel import sharding
-from moe_train.train.step import micro_batches
 
 
 def batch_loss(params, fp8_state, moe_state, batch, model: Transformer, cfg: Config, devices: int = 1):
@@ -79,9 +79,7 @@ def compiled(cfg: Config, mesh: Mesh):
     """The jitted ``(params, fp8_state, moe_state, batch) -> (loss sum, count)`` on ``mesh``.
     A batch runs as ``train.micro_batches`` micro-batches in turn, as the train step runs
     it, so an evaluation never holds more activations than a training micro-batch."""
-    from moe_train.train.stepper import ep_plans  # imports the train step
-
-    model = Transformer(cfg, ep_plans(cfg, mesh)[-1])
+    model = Transformer(cfg, sharding.ep_plans(cfg, mesh)[-1])
     shd = sharding.Sharding.of(mesh, cfg)
     n = cfg.train.micro_batches
 
@@ -94,7 +92,7 @@ def compiled(cfg: Config, mesh: Mesh):
             return (carry[0] + part[0], carry[1] + part[1]), None
 
         zero = (jnp.float32(0.0), jnp.float32(0.0))
-        return jax.lax.scan(body, zero, micro_batches(batch, n, mesh))[0]
+        return jax.lax.scan(body, zero, sharding.micro_batches(batch, n, mesh))[0]
 
     return shd.wrap(jax.jit(fn, out_shardings=(shd.replicated, shd.replicated)))
 

@@ -21,9 +21,9 @@ import argparse
 import json
 import sys
 
+from moe_train.base import exits
 from moe_train.convert.score import weights_cli
 from moe_train.eval import evaluate_weights
-from moe_train.train import signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
             f"eval_loss {out['eval_loss']:.6f}  eval_ppl {out['eval_ppl']:.4f}  "
             f"({out['eval_tokens']} tokens of {out['data']})"
         )
-    return signals.EXIT_OK
+    return exits.EXIT_OK
 
 
 if __name__ == "__main__":

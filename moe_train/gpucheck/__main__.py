@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu-check] {sec.name}: {sec.title} (budget {budget:.0f} s)", flush=True)
         res = run_section(
             sec,
-            lambda _: Context(
+            lambda _, budget=budget: Context(
                 platform,
                 count,
                 out_dir,

@@ -10,7 +10,8 @@ the mask halves 2 x 2 S^2 N D) over its forward+backward time, of the bf16 peak
 (``attention_efficiency``). From the fp8 section, the fastest fp8
 projection whose HLO has fp8 GEMMs: 3 x 2 M H F over its time, of the fp8 peak
 (``fp8_gemm_efficiency``). The other fields keep the shipped defaults
-(``topology/compute.toml``), and ``[compute.source]`` says which is which. The file is ``<out>/compute.toml``; ``make plan ... SET=...`` reads it with
+(``topology/compute.toml``), and ``[compute.source]`` says which is which. The file is
+``<out>/compute.toml``; ``make plan ... SET=...`` reads it with
 ``python -m topology plan --compute FILE``. Elsewhere (CPU, an unknown GPU) the section is
 SKIP: no peak to divide by.
 """
@@ -140,7 +141,7 @@ def file_text(measured: dict[str, float], why: dict[str, str], base: compute.Com
         "# Written by make gpu-check from its measurements; other fields are the shipped defaults.",
         "[compute]",
     ]
-    values = {k: measured.get(k, getattr(base, k)) for k in compute.FIELDS}
+    values = {k: measured[k] if k in measured else getattr(base, k) for k in compute.FIELDS}
     lines += [f"{k} = {min(1.0, max(1e-6, v)):.4f}" for k, v in values.items()]
     lines += ["", "[compute.source]"]
     for k in compute.FIELDS:
@@ -160,7 +161,7 @@ def _measured_rates(ctx: Context, peak: float, measured: dict[str, float], why: 
         )
     fp8_peak = peaks.peak_flops(ctx.device_kind, "fp8")
     found = fp8_rate(ctx.earlier) if fp8_peak else None
-    if found:
+    if found and fp8_peak:
         rate, what = found
         measured["fp8_gemm_efficiency"] = rate / fp8_peak
         why["fp8_gemm_efficiency"] = (

@@ -55,9 +55,8 @@ def _deviceless(name: str) -> dict[str, int]:
 
     from moe_train import config
     from moe_train.compile import kernels, lower
-    from moe_train.parallel import layout
-    from moe_train.train import stepper
-    from topology import targets
+    from moe_train.parallel import sharding
+    from topology import device_mesh, targets
 
     target = targets.load(name)
     devices = list(
@@ -65,8 +64,8 @@ def _deviceless(name: str) -> dict[str, int]:
     )
     cfg = config.for_devices(config.build(JOB[0], JOB[1]), 1)
     cfg, _ = kernels.choose(cfg, target, devices)
-    mesh = layout.build(cfg, devices).mesh
-    plan = next(iter(stepper.ep_plans(cfg, mesh)))
+    mesh = device_mesh.build(cfg, devices).mesh
+    plan = next(iter(sharding.ep_plans(cfg, mesh)))
     mem = lower.compile_one(cfg, mesh, plan, target, devices).memory
     return {"argument": mem.argument, "temp": mem.temp, "output": mem.output - mem.alias, "peak": mem.peak}
 

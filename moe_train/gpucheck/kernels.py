@@ -211,7 +211,7 @@ def attention(ctx: Context) -> dict[str, Any]:
                 q, k, v, dy = checks.attention_operands(p)
                 row["temp_bytes_fwd_bwd"] = _temp_bytes(
                     jax.grad(
-                        lambda q, k, v: jnp.vdot(
+                        lambda q, k, v, name=name, dy=dy: jnp.vdot(
                             attn.attend(q, k, v, implementation=name).astype(jnp.float32), dy
                         ),
                         argnums=(0, 1, 2),
@@ -254,7 +254,7 @@ def hlo_gemms(hlo_text: str) -> dict[str, Any]:
 
 
 def _fp8_backends(ctx: Context) -> dict[str, str | None]:
-    reasons = {"xla": None}
+    reasons: dict[str, str | None] = {"xla": None}
     if not ctx.on_gpu:
         reasons["te"] = "Transformer Engine needs an NVIDIA GPU"
     else:
@@ -279,7 +279,9 @@ def _fp8_row(ctx: Context, backend: str) -> dict[str, Any]:
         y, vjp = jax.vjp(probe, x, w)
         return y, vjp(dy)
 
-    found = hlo_gemms(jax.jit(fwd_bwd).lower(x, w, dy).compile().as_text())
+    hlo_text = jax.jit(fwd_bwd).lower(x, w, dy).compile().as_text()
+    assert hlo_text is not None, "a compiled executable's HLO"
+    found = hlo_gemms(hlo_text)
     row.update(found)
     if ctx.on_gpu and found["fp8_gemms"] < 3:
         row.update(

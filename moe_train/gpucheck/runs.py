@@ -159,7 +159,7 @@ def _preset_runs(ctx: Context, preset: str, n_steps: int, compute: str) -> list[
             losses[b] = [r["loss"] for r in run["records"]]
     ref = next(iter(losses), None)
     for r in rows:
-        if r.get("backend") in losses and r["backend"] != ref:
+        if ref is not None and r.get("backend") in losses and r["backend"] != ref:
             r["max_rel_loss_diff_vs_" + ref] = d = _rel_diff(losses[r["backend"]], losses[ref])
             if d > LOSS_RTOL[compute]:
                 r.update(

@@ -22,7 +22,7 @@ EXIT_USAGE, EXIT_DOES_NOT_FIT = 2, 1
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m moe_train.memory", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m moe_train.memory", description=(__doc__ or "").partition("\n")[0])
     job_arguments(p, "--cluster", f"cluster preset ({', '.join(list_presets())}) or a site .toml path")
     p.add_argument("--devices", type=int, default=None, help="GPUs in the job when not whole nodes (e.g. 1)")
     p.add_argument(

@@ -282,7 +282,7 @@ def _step_copies(cfg: Config, s: Setup) -> dict[str, int]:
     gathers inside the EP group (the held copy keeps the other matrices and the router split
     over it); the experts are used as held, except fp8's per-layer quantized copy."""
     if not step_gather.in_group(cfg, s.devices, s.ep):
-        w = dict.fromkeys(("attention", "moe", "dense", "head"), 0)
+        w: dict[str, int] = dict.fromkeys(("attention", "moe", "dense", "head"), 0)
         if s.compute == "fp8":
             w["moe"] = _weight_copies(cfg, s)["moe"]
         return w

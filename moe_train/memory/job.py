@@ -47,7 +47,7 @@ def check_sizes(cfg: Config, devices: int, ep: int) -> int:
 
 
 def _dispatcher(cfg: Config, devices: int, ep: int, domains: int) -> str:
-    """``moe_train.train.stepper.ep_plans``' choice for this job (``jobplan.dispatcher``)."""
+    """``moe_train.parallel.sharding.ep_plans``' choice for this job (``jobplan.dispatcher``)."""
     with _as_plan_error():
         return jobplan.dispatcher(cfg.moe.dispatcher, devices, ep, domains)
 

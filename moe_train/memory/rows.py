@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moe_train.base.arith import cdiv
 from moe_train.config import Config
 from moe_train.parallel import jobplan
 
@@ -20,10 +21,6 @@ if TYPE_CHECKING:
 # fp32 casts into their consumers and keeps a0, a1 and h in the compute dtype (3a; compiled
 # for H100: the recomputed layer's [R, F] buffers are those three, tests/test_compile.py).
 ROW_F_BYTES = {"tiled": lambda a: 8, "sorted": lambda a: 16 + a, "sorted@gpu": lambda a: 3 * a}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def tile_rows(cfg: Config, assignments: int, local_experts: int, nominal: bool) -> int:
@@ -55,7 +52,7 @@ def moe_rows(cfg: Config, s: Setup, factor: float | None) -> tuple[int, int]:
     if s.backend != "tiled":
         return rows, exchange
     # tile-padded static layout (permute.tiled_padding), one extra group on the EP paths
-    return (_cdiv(rows, s.tile_rows) + L) * s.tile_rows, exchange
+    return (cdiv(rows, s.tile_rows) + L) * s.tile_rows, exchange
 
 
 def moe_layer_bytes(cfg: Config, s: Setup, factor: float | None) -> tuple[int, int]:

@@ -188,7 +188,7 @@ def judge(
     fits = total <= usable
     base = total - per["moe_buffers"]
     bucket_fits = next(
-        (b for b, v in reversed(est.moe_buffers_by_bucket.items()) if base + v <= usable), None
+        (b for b, v in reversed(list(est.moe_buffers_by_bucket.items())) if base + v <= usable), None
     )
     alts = tuple(alternatives(cfg, cluster, nodes, devices, usable, total)) if search and not fits else ()
     change = next((a.change for a in alts if a.fits and a.available), None)

@@ -28,7 +28,8 @@ Parameters counted (exactly the tensors the trainer initialises; no biases anywh
   the released DeepSeek-V3 files store the module: "14B").
 
 ``total`` and ``active`` are the main model (what published counts name); ``total_with_mtp``
-is what the trainer holds. ``active`` is what one token touches: everything above except that only ``top_k`` of the
+is what the trainer holds. ``active`` is what one token touches: everything above except
+that only ``top_k`` of the
 ``E`` routed experts count (``active_routed_experts``). The embedding table is included in
 ``active`` (a lookup reads one row, but published "activated parameter" figures include it).
 

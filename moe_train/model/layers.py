@@ -7,7 +7,6 @@ key/value heads, D query/key head dim, J value head dim.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import flax.linen as nn
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 
 from moe_train.config import Config
 from moe_train.model import attention, precision, rope
+from moe_train.moe.vjp import custom_vjp
 
 ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
 
@@ -49,8 +49,8 @@ def gathered(w, axes: tuple[str, ...], dtype):
     return _cast_gather(w, jnp.dtype(dtype), w.dtype, axes, use_axes, tuple(rules))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _cast_gather(w, dtype, master, axes, use_axes, rules):
+@custom_vjp(nondiff_argnums=(1, 2, 3, 4, 5))
+def _cast_gather(w, dtype, master, axes, use_axes, rules) -> jax.Array:
     """``w`` (dtype ``master``) cast to ``dtype`` on its shard (``axes``), then whole along
     ``use_axes``."""
     shard = nn.with_logical_constraint(w.astype(dtype), axes, rules=rules)

@@ -36,13 +36,14 @@ labels numpy-style and returns NaN for labels >= V.)
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.arith import cdiv
 from moe_train.moe.permute import zeros_after
+from moe_train.moe.vjp import custom_vjp
 
 CHUNK_LOGITS_BYTES = 16 << 20  # fp32 logits of one tile (the backward holds a few such buffers)
 VOCAB_TILE = 2048  # most vocab columns of one tile: larger vocabularies are split
@@ -62,11 +63,7 @@ def vocab_tile(vocab: int, limit: int = 0) -> int:
     if vocab <= limit:
         return vocab
     align = min(_VOCAB_ALIGN, limit)
-    return min(limit, _cdiv(_cdiv(vocab, _cdiv(vocab, limit)), align) * align)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    return min(limit, cdiv(cdiv(vocab, cdiv(vocab, limit)), align) * align)
 
 
 def default_chunk(num_tokens: int, vocab: int) -> int:
@@ -170,7 +167,7 @@ def _to_chunks(a_T, chunk: int):
     """[T, ...] -> [C, G, ...], token t at [t // G, t % G] (chunk g is column g): a reshape,
     no copy, unless T needs padding (at the end, with zeros) to G*C."""
     T = a_T.shape[0]
-    G = _cdiv(T, chunk)
+    G = cdiv(T, chunk)
     if G * chunk > T:
         a_T = jnp.pad(a_T, [(0, G * chunk - T)] + [(0, 0)] * (a_T.ndim - 1))
     return a_T.reshape(chunk, G, *a_T.shape[1:])
@@ -207,7 +204,7 @@ def _operands(x_TH, head_HV):
     return x_TH.astype(dt), head_HV.astype(dt)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@custom_vjp(nondiff_argnums=(3, 4, 5))
 def _nll_and_lse(x_TH, head_HV, labels_T, chunk: int, width: int, scale: float):
     return _nll_and_lse_fwd(x_TH, head_HV, labels_T, chunk, width, scale)[0]
 
@@ -228,7 +225,7 @@ def _tiles(x_CH, head_HV, width: int, scale: float, body, carry):
         tile = (_logits(x_CH, head_HW, scale), start, first, fresh_W)
         return body(carry, tile), None
 
-    return _loop(step, carry, _cdiv(V, width))[0]
+    return _loop(step, carry, cdiv(V, width))[0]
 
 
 def _chunk_lse_and_picked(x_CH, labels_C, head_HV, width: int, scale: float):
@@ -316,7 +313,7 @@ def _nll_and_lse_bwd(chunk: int, width: int, scale: float, residuals, cotangents
     dhead0 = (zeros_after(head.shape, jnp.float32, head) + _empty_sum(x_TH, g_nll_T, g_lse_T)).astype(
         head_in.dtype
     )
-    (dx_CGH, dhead_HV), _ = _loop(per_tile, (dx0, dhead0), _cdiv(V, width))
+    (dx_CGH, dhead_HV), _ = _loop(per_tile, (dx0, dhead0), cdiv(V, width))
     return (_from_chunks(dx_CGH, x_TH.shape[0]).astype(x_in.dtype), dhead_HV, None)
 
 
@@ -331,6 +328,7 @@ def _same_variance(*arrays):
     custom_vjp's cotangents then match its inputs' types, and the gradient of a replicated
     head is summed over the token shards once, by autodiff of this add."""
     zero = _empty_sum(*arrays)
+    assert isinstance(zero, jax.Array), "a sum over at least one array"
     return [a + zero.astype(a.dtype) for a in arrays]
 
 

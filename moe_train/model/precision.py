@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from functools import partial
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from moe_train.config import Config, ConfigError, PrecisionConfig, compute_dtype
+from moe_train.moe.vjp import custom_vjp
 
 FP8_COLLECTION = "_overwrite_with_gradient"
 E4M3 = jnp.float8_e4m3fn  # forward operands: 3 mantissa bits, max 448
@@ -113,7 +113,7 @@ def qdq(x, scale, q_dtype):
         return q.astype(x.dtype) * scale.astype(x.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+@custom_vjp(nondiff_argnums=(2, 3))
 def quantize(x, meta: dict, q_dtype, recipe: Recipe):
     """Forward q/dq of a matmul operand; the gradient passes straight through."""
     return qdq(x, update_meta(x, meta, q_dtype, recipe)["scale"], q_dtype)
@@ -131,7 +131,7 @@ def _quantize_bwd(q_dtype, recipe, new, g):
 quantize.defvjp(_quantize_fwd, _quantize_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+@custom_vjp(nondiff_argnums=(2, 3))
 def quantize_grad(y, meta: dict, q_dtype, recipe: Recipe):
     """Identity forward; q/dq of the cotangent of ``y`` in the backward pass."""
     return y
@@ -248,7 +248,7 @@ def _quantized(x, meta: dict, q_dtype, recipe: Recipe):
     return to_fp8(x, new["scale"], q_dtype), new
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+@custom_vjp(nondiff_argnums=(5, 6))
 def fp8_matmul(x, w, meta_x: dict, meta_w: dict, meta_g: dict, n: int, recipe: Recipe):
     """``x . w`` with both operands in e4m3 and the output's cotangent in e5m2: every one of
     the three matmuls takes fp8 operands (XLA:GPU emits fp8 GEMMs for them; a dequantize

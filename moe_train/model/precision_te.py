@@ -19,6 +19,8 @@ collection ``_overwrite_with_gradient``, the collection and overwrite-with-gradi
 Under ``train.remat=matmuls`` TE's GEMMs are not ``dot_general``s, so they are recomputed.
 """
 
+# transformer_engine is imported only where installed (GPU containers), never from .venv
+# pyright: reportMissingImports=false
 from __future__ import annotations
 
 import functools

@@ -109,7 +109,8 @@ class MoEBlock(nn.Module):
         B, S, _ = x_BSH.shape
         pol = precision.policy(self.cfg)
         x_TH = x_BSH.reshape(B * S, H)
-        w = (wi_0_EHF.astype(pol.dtype), wi_1_EHF.astype(pol.dtype), wo_EFH.astype(pol.dtype))
+        # self.param returns the unboxed array, not the LogicallyPartitioned its init makes
+        w = (wi_0_EHF.astype(pol.dtype), wi_1_EHF.astype(pol.dtype), wo_EFH.astype(pol.dtype))  # pyright: ignore[reportAttributeAccessIssue]
         expert_x_TH = None
         if pol.fp8:  # the router keeps x_TH; the experts get e4m3 rows and weights
             expert_x_TH = precision.quantize_operand(self, "expert_input", x_TH, pol)
@@ -132,10 +133,14 @@ class MoEBlock(nn.Module):
         method of its own so that ``flax.linen.intercept_methods`` can replace it (the
         benchmark's MoE-removed ablation)."""
         e = self.cfg.moe
-        operands = (x_TH, gate_HE, *w, Routing.of(e))
+        operands, routing = (x_TH, gate_HE, *w), Routing.of(e)
         if e.capacity_factor:  # the token-dropping baseline of studies (ep 1, no fp8)
             return capacity_moe(
-                *operands, capacity_factor=e.capacity_factor, seq_len=seq_len, expert_bias=bias_E
+                *operands,
+                routing=routing,
+                capacity_factor=e.capacity_factor,
+                seq_len=seq_len,
+                expert_bias=bias_E,
             )
         kwargs = dict(
             expert_bias=bias_E,
@@ -145,8 +150,8 @@ class MoEBlock(nn.Module):
             expert_input=expert_x_TH,
         )
         if self.ep_plan is None:
-            return dropless_moe(*operands, **kwargs)
-        return ep_moe(*operands, plan=self.ep_plan, **kwargs)
+            return dropless_moe(*operands, routing=routing, **kwargs)
+        return ep_moe(*operands, routing=routing, plan=self.ep_plan, **kwargs)
 
 
 def _attention_sublayer(block: nn.Module, x_BSH, segment_ids_BS=None, positions_BS=None):
@@ -203,7 +208,7 @@ def scanned(block_cls: type[nn.Module], length: int) -> type[nn.Module]:
         variable_axes={c: 0 for c in LAYER_COLLECTIONS},
         split_rngs={"params": True},
         length=length,
-        in_axes=(nn.broadcast, nn.broadcast),
+        in_axes=(nn.broadcast, nn.broadcast),  # pyright: ignore[reportArgumentType]  (flax: untyped, default 0)
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
 
@@ -370,7 +375,7 @@ def to_looped(tree, m, take: Callable = lambda x, j: x[j]):
         out = {k: v for k, v in d.items() if k not in GROUPS}
         for name, _, layers in layer_groups(m):
             for j, i in enumerate(layers if name in d else ()):
-                out[f"layer_{i}"] = jax.tree.map(lambda x: take(x, j), d[name])
+                out[f"layer_{i}"] = jax.tree.map(lambda x, j=j: take(x, j), d[name])
         return out
 
     return jax.tree.map(convert, tree, is_leaf=_is_layered(False))

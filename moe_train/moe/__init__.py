@@ -3,7 +3,7 @@
 * ``layer``: the pipeline of named steps (``route``, ``dispatch``, ``permute``, ``grouped_gemm``,
   ``unpermute``, ``combine``) for every EP size; ``router``, ``permute``, ``stats``: its steps
   and its statistics; ``dispatch/``: one module per token exchange (local, allgather, a2a,
-  hierarchical);
+  hierarchical) and the ``Dispatcher`` contract they implement (``dispatch/contract.py``);
 * ``gemm``, ``tiled``: the grouped GEMM backends; ``reference``: the obviously-correct
   per-expert loop they are tested against; ``capacity``: the token-dropping GShard baseline;
 * ``routings``: synthetic routings (uniform, Zipf, one hot expert) shared by the self-test,

@@ -20,6 +20,8 @@ with operands in x's dtype, fp32 accumulation and the SwiGLU product in fp32.
 - te: Transformer Engine's grouped_dense (custom VJP inside TE).
 """
 
+# transformer_engine is imported only where installed (GPU containers), never from .venv
+# pyright: reportMissingImports=false
 from __future__ import annotations
 
 import functools
@@ -27,9 +29,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.choices import BACKENDS
 from moe_train.moe.tiled import block_sizes, tiled_swiglu, vary, varying_axes
 
-BACKENDS = ("auto", "tiled", "ragged_dot", "mgpu", "te")
 CPU_MAX_BLOCK_ROWS = 256
 GPU_MAX_BLOCK_ROWS = 512
 MAX_BLOCK_TILES = 16

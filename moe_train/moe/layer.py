@@ -11,9 +11,12 @@ sends the tokens to the shards holding their experts (``moe_train.moe.dispatch``
 per dispatcher); ``permute`` groups the rows that arrived by local expert; ``grouped_gemm``
 runs every expert's SwiGLU on its rows (``moe_train.moe.gemm``); ``unpermute`` puts the
 results back in arrival order, summed with their combine weights where those arrived too;
-``combine`` is the dispatch's inverse. With one shard (``dropless_moe``, or an EP group of
-size 1) dispatch and combine are identities. Each step runs under ``jax.named_scope`` of its
-name, so a profile shows the same phases whatever the EP size.
+``combine`` is the dispatch's inverse. Every dispatcher implements one contract
+(``moe_train.moe.dispatch.contract.Dispatcher``): ``dispatch`` returns the rows that arrived
+(``Arrived``) and its own metadata type, which its ``combine`` takes back. With one shard
+(``dropless_moe``, or an EP group of size 1) dispatch and combine are identities. Each step
+runs under ``jax.named_scope`` of its name, so a profile shows the same phases whatever the
+EP size.
 
 Every assignment is computed (no capacity, no dropping). Shapes are static: routing only
 changes array values, so a jitted layer compiles once and never syncs with the host.
@@ -22,15 +25,14 @@ changes array values, so a jitted layer compiles once and never syncs with the h
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_train.moe import stats as moe_stats
-from moe_train.moe.dispatch import Arrived, Context, dispatcher
-from moe_train.moe.dispatch.local import Local
+from moe_train.moe.dispatch import Arrived, Context, Dispatcher, ExchangeStats, Local, dispatcher
 from moe_train.moe.gemm import grouped_swiglu, resolve_backend
 from moe_train.moe.permute import make_dispatch, permute, unpermute
 from moe_train.moe.router import Routing, route_tokens
@@ -101,7 +103,9 @@ def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
         return unpermute(y_RH, plan, arrived.weights_AJ, out_dtype=arrived.out_dtype)
 
 
-def exchange_steps(exchange, x_TH, weights_TK, experts_TK, experts: Experts, chunks: int = 1):
+def exchange_steps(
+    exchange: Dispatcher, x_TH, weights_TK, experts_TK, experts: Experts, chunks: int = 1
+) -> tuple[jax.Array, ExchangeStats]:
     """dispatch -> expert steps -> combine, on ``chunks`` consecutive token chunks (independent
     exchanges that XLA's scheduler can overlap with the other chunks' GEMMs): (y_TH, stats)."""
     if chunks > 1:
@@ -125,7 +129,7 @@ def moe_steps(
     gate_HE,
     experts: Experts,
     routing: Routing,
-    exchange,
+    exchange: Dispatcher,
     *,
     expert_bias=None,
     seq_len=None,
@@ -240,7 +244,8 @@ def ep_moe(
     # Inside the map each shard holds its tokens and its experts' whole weights.
     tokens = logical_spec("activation_batch", "activation_embed")
     experts = logical_spec("expert", None, None)
-    stat_specs = moe_stats.MoEStats(**{k: P() for k in moe_stats.KIND})
+    spec_of: dict[str, Any] = {k: P() for k in moe_stats.KIND}  # MoEStats as a pytree of specs
+    stat_specs = moe_stats.MoEStats(**spec_of)
     fn = jax.shard_map(
         shard, in_specs=(tokens, tokens, P(), experts, experts, experts, P()), out_specs=(tokens, stat_specs)
     )

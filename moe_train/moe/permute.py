@@ -16,6 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.arith import cdiv
+
 
 class Dispatch(NamedTuple):
     """Static-shape routing plan (all int32 except `valid_R`)."""
@@ -25,10 +27,6 @@ class Dispatch(NamedTuple):
     row_N: jax.Array  # dispatched row of assignment n = t*K + k
     group_sizes_E: jax.Array  # assignments per expert, sums to N
     tile_expert_B: jax.Array | None  # expert of each tile (tiled layout only)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def cdiv_array(a: jax.Array, b: int) -> jax.Array:

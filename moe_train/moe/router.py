@@ -15,9 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.choices import SCORE_FUNCTIONS
 from moe_train.moe.stats import MoEStats, exchange_stats
-
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,13 +23,12 @@ Rows outside every expert's span (trailing padding) get y = 0 and dx = 0.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from moe_train.moe.permute import zeros_after
+from moe_train.moe.vjp import custom_vjp
 
 F32 = jnp.float32
 
@@ -210,7 +209,7 @@ def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_ro
     return for_experts(group_sizes_E, tile_rows, expert, init)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+@custom_vjp(nondiff_argnums=(5, 6))
 def _tiled(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows):
     return _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows, save_a=False)[0]
 

@@ -101,6 +101,7 @@ class BucketPolicy:
         if self.bucket == 0:
             return
         smaller = self.factors[self.bucket - 1]
+        assert smaller is not None, "only the last bucket is the worst case"
         self._fits_smaller = self._fits_smaller + 1 if max_pair_load <= smaller else 0
         if self._fits_smaller >= self.step_down_after:
             self.bucket -= 1

@@ -3,7 +3,7 @@
 Mesh axes, outermost first: ``data`` (data parallel; every weight and its optimizer state is
 FSDP-sharded), ``expert_x`` (expert parallel across fast-link domains) and
 ``expert`` (expert parallel inside one domain). An EP group is ``expert_x * expert``
-consecutive devices of the device order the caller passes: ``moe_train.parallel.layout`` orders
+consecutive devices of the device order the caller passes: ``topology.device_mesh`` orders
 them with the topology module, so EP groups stay inside NVLink domains.
 
 Model code names axes logically (``embed``, ``expert``, ``activation_batch``, ...);
@@ -151,7 +151,7 @@ def _groups(sizes: Mapping[str, int]) -> list[str | tuple[str, ...]]:
     equals, so every device reads as TOKEN_AXES): one axis as its name."""
     subsets = [c for k in range(len(MESH_AXES), 0, -1) for c in itertools.combinations(MESH_AXES, k)]
     subsets.sort(key=lambda c: -math.prod(sizes[a] for a in c))  # stable: more axes first
-    return [c if len(c) > 1 else c[0] for c in subsets]
+    return [c if len(c) != 1 else c[0] for c in subsets]  # no subset is empty
 
 
 def logical_rules(cfg: Config | ModelConfig, sizes: Mapping[str, int]):
@@ -185,14 +185,16 @@ def mesh_size(axes: str | tuple[str, ...] | None, sizes: Mapping[str, int]) -> i
 def split_ways(names: Sequence[str | None], rules, sizes: Mapping[str, int]) -> int:
     """Shards a tensor with these logical axis ``names`` has under ``rules`` on a mesh of these
     axis ``sizes``: its bytes per device are its bytes over this."""
-    return math.prod(mesh_size(a, sizes) for a in nn.logical_to_mesh_axes(names, rules))
+    axes = nn.logical_to_mesh_axes(names, rules)
+    assert axes is not None, "names given"
+    return math.prod(mesh_size(a, sizes) for a in axes)
 
 
 def mesh_shape(p: ParallelConfig, num_devices: int, num_experts: int, hidden: int) -> tuple[int, int]:
     """(dp, ep) for ``num_devices``; ConfigError names sizes that would work.
 
     How an EP group splits into ``expert_x`` x ``expert`` follows from the NVLink domains it
-    is placed on (``moe_train.parallel.layout``), not from these sizes.
+    is placed on (``topology.device_mesh``), not from these sizes.
     """
     jobplan.check_ep(num_devices, p.ep, num_experts)
     dp = jobplan.check_dp(num_devices, p.ep, p.dp)
@@ -220,6 +222,31 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def micro_batches(batch_BS, n: int, mesh: Mesh):
+    """[B, S+1] -> [n, B/n, S+1] (each leaf of a packed batch alike), as the train step and the
+    evaluation run a batch. Micro-batch m holds rows m, m+n, m+2n, ...: every device keeps the
+    rows it was given (B/devices is a multiple of n), so nothing moves."""
+    spec = NamedSharding(mesh, P(None, *batch_sharding(mesh).spec))
+
+    def split(a_BS):
+        mb = a_BS.reshape(a_BS.shape[0] // n, n, -1).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(mb, spec)
+
+    return jax.tree.map(split, batch_BS)
+
+
+def ep_plans(cfg: Config, mesh: Mesh) -> list[jobplan.EPPlan | None]:
+    """The expert-parallel plans a run on ``mesh`` may use (the dispatcher ``jobplan.dispatcher``
+    picks, one plan per capacity bucket), smallest buffers first; [None] on a single device.
+    The stepper runs them, the evaluation and the compile report read them."""
+    if mesh.devices.size == 1:
+        return [None]
+    ep, domains = ep_size(mesh), mesh.shape[EXPERT_X]
+    name = jobplan.dispatcher(cfg.moe.dispatcher, mesh.devices.size, ep, domains)
+    factors = jobplan.bucket_factors(name, cfg.moe.capacity_buckets)
+    return [jobplan.EPPlan(name, ep, f, cfg.moe.overlap_chunks, cfg.moe.dispatch_dtype) for f in factors]
+
+
 def param_shardings(boxed_params, mesh: Mesh, rules=LOGICAL_RULES):
     """NamedShardings for a tree of logically-partitioned (boxed) Flax variables."""
     specs = nn.get_partition_spec(boxed_params)
@@ -237,14 +264,16 @@ def activate(mesh: Mesh, rules=LOGICAL_RULES) -> contextlib.ExitStack:
 def logical_spec(*names: str | None, rules=LOGICAL_RULES) -> P:
     """The PartitionSpec of an array whose dimensions have these logical ``names`` (None:
     not split), e.g. the ``shard_map`` specs of the MoE layer."""
-    return P(*nn.logical_to_mesh_axes(names, rules))
+    axes = nn.logical_to_mesh_axes(names, rules)
+    assert axes is not None, "names given"
+    return P(*axes)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sharding:
     """A run's mesh and the logical-axis rules chosen for it, built once (``of``)."""
 
-    mesh: Mesh  # axes MESH_AXES; EP groups are consecutive devices (moe_train.parallel.layout)
+    mesh: Mesh  # axes MESH_AXES; EP groups are consecutive devices (topology.device_mesh)
     rules: tuple  # logical_rules for the model on this mesh's axis sizes
 
     @classmethod

@@ -7,7 +7,7 @@ Records lacking a field are skipped point by point.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,7 +225,7 @@ def _rank_lines(
     return drawn
 
 
-def compile_spans(records: list[dict[str, Any]], compiled: set[int]) -> list[tuple[float, float]]:
+def compile_spans(records: list[dict[str, Any]], compiled: Set[int]) -> list[tuple[float, float]]:
     """(start, end) times of the steps in ``compiled``, from one rank's step marks."""
     marks = [
         m
@@ -244,7 +244,7 @@ def _time_panels(
     name: str,
     title: str,
     caption: str,
-    compiled: set[int] = frozenset(),
+    compiled: Set[int] = frozenset(),
 ) -> list[Figure]:
     """One panel per row (label, [(key, style, label suffix)], scale) with data; x = seconds."""
     times = [
@@ -314,7 +314,7 @@ TIME_FIGURES = (
 
 
 def over_time(
-    telemetry: dict[int, list[dict]], out_dir: Path, compiled: set[int] = frozenset()
+    telemetry: dict[int, list[dict]], out_dir: Path, compiled: Set[int] = frozenset()
 ) -> list[Figure]:
     """The ``TIME_FIGURES``: GPU utilization, power, memory, NVLink and GPM activity, then host
     CPU, process CPU, resident memory and load, over time per rank."""

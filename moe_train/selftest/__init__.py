@@ -35,6 +35,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -169,7 +170,7 @@ def _recorded(out_dir: Path | None, cfg: Config) -> dict[str, str]:
         kept = json.loads(path.read_text())["choices"]
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    now = C.configured(cfg)
+    now: dict[Any, Any] = C.configured(cfg)  # looked up with whatever key the file holds
     return {
         c["key"]: c["chosen"]
         for c in kept

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from moe_train.config import Config, ConfigError, attention_dims, compute_dtype
 from moe_train.model import precision
@@ -97,7 +98,7 @@ def attention_candidates(cfg: Config, platform: str, seq_len: int) -> tuple[list
 
     m, dtype = cfg.model, compute_dtype(cfg.precision)
     d, j, _ = attention_dims(m)
-    dims = dict(platform=platform, dtype=dtype, head_dim=d, v_head_dim=j)
+    dims: dict[str, Any] = dict(platform=platform, dtype=dtype, head_dim=d, v_head_dim=j)
     first, why = attention.resolve(m.attention, seq_len=seq_len, **dims)  # ConfigError if it cannot
     ok = [n for n, reason in attention.available(**dims).items() if reason is None]
     rest = [n for n in ATTENTION_ORDER if n in ok and n != first]

@@ -187,7 +187,9 @@ def _config(run_dir: Path, problems: list[str]) -> dict[str, Any] | None:
     """config.json, or None (with a line in ``problems``) when a ``CONFIG_FIELDS`` value has
     another type."""
     config = read_json(run_dir / "config.json", problems)
-    for key, kind in CONFIG_FIELDS.items() if config is not None else ():
+    if config is None:
+        return None
+    for key, kind in CONFIG_FIELDS.items():
         section, field = key.split(".")
         table = config.get(section, {})
         if not isinstance(table, dict):

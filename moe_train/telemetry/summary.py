@@ -324,7 +324,8 @@ def describe(summary: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m moe_train.telemetry.summary RUN_DIR``: (re)write RUN_DIR/summary.json and print it short."""
+    """``python -m moe_train.telemetry.summary RUN_DIR``: (re)write RUN_DIR/summary.json and
+    print it short."""
 
     def work(run_dir: Path) -> list[str] | None:
         path = write(run_dir)

@@ -4,12 +4,14 @@
   per expert-parallel plan (capacity buckets, pipelined);
 * ``loop``: resume, step, evaluate, log, checkpoint, stop cleanly (``run``); ``cli``: the
   command line of ``python -m moe_train``;
-* ``checkpoint``, ``manifest``, ``resume``: verified orbax checkpoints and which one to
-  resume from; ``runlock``: one trainer per run directory; ``guard``: non-finite steps;
-* ``signals``: exit codes and SIGTERM/SIGUSR2; ``distributed``, ``supervise``: multi-process
-  start-up and peer-failure supervision;
+* ``resume``: which verified checkpoint (``moe_train.checkpoints``) to resume from;
+  ``runlock``: one trainer per run directory; ``guard``: non-finite steps;
+* ``signals``: the stop flag (SIGTERM/SIGUSR2/SIGINT; the exit codes are
+  ``moe_train.base.exits``); ``distributed``, ``supervise``: multi-process start-up and
+  peer-failure supervision;
 * ``metrics``, ``tracking``: the per-step record, TensorBoard and W&B.
 
-May import anything of ``moe_train`` but ``bench``, ``study`` and ``gpucheck``; nothing of
-``slurm`` (the launcher starts the loop, never the other way round).
+May import anything of ``moe_train`` but ``bench``, ``study``, ``compile`` and ``gpucheck``
+(they import it), and ``topology`` (the device mesh); nothing of ``slurm`` (the launcher
+starts the loop, never the other way round). No package the loop imports imports it back.
 """

@@ -3,7 +3,7 @@
 Configuration errors are caught before anything compiles or is written: one line on stderr
 naming the problem and the valid choices, exit code 2, no traceback.
 
-Exit codes: ``moe_train.train.signals`` (0 done or stopped by SIGTERM/SIGUSR2, 1 bug, 2 config,
+Exit codes: ``moe_train.base.exits`` (0 done or stopped by SIGTERM/SIGUSR2, 1 bug, 2 config,
 3 diverged, 4 multi-process failure, 5 the run directory cannot be written, 130 interrupted by
 Ctrl-C). SIGTERM/SIGUSR2/SIGINT are caught first thing, before JAX is imported, so a signal
 during start-up still ends cleanly. Ctrl-C (SIGINT) stops like SIGTERM, after saving, and
@@ -32,11 +32,12 @@ import traceback
 from pathlib import Path
 
 from moe_train import config, python_command
+from moe_train.base import exits
 from moe_train.train import distributed, rundir, signals, supervise
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m moe_train", description=(__doc__ or "").partition("\n")[0])
     p.add_argument(
         "--preset",
         default="tiny",
@@ -258,7 +259,7 @@ def _main(argv: list[str]) -> int:
             _fresh(args, source)
     except config.ConfigError as err:
         _error(err, distributed.ProcessInfo())
-        return signals.EXIT_CONFIG
+        return exits.EXIT_CONFIG
     if source == "single":
         return _train(args, cfg)
     signals.STOP.resume = resume_text(argv, multi=True)
@@ -345,10 +346,10 @@ def _train(args: argparse.Namespace, cfg: config.Config | None = None) -> int:
         code = run(cfg, args.out, log=_logger(info), resume_step=args.resume_step)
     except config.ConfigError as err:
         _error(err, info)
-        code = signals.EXIT_CONFIG
-    except signals.OutputError as err:
+        code = exits.EXIT_CONFIG
+    except exits.OutputError as err:
         _error(err, info)
-        code = signals.EXIT_OUTPUT
+        code = exits.EXIT_OUTPUT
         if info.multi:  # peers may wait for this process in a collective: do not shut down
             distributed.exit_now(code)
     except distributed.DistributedError as err:
@@ -378,4 +379,4 @@ def _leave(err: Exception, info: distributed.ProcessInfo) -> None:
             end="",
             flush=True,
         )
-    distributed.exit_now(distributed.EXIT_DISTRIBUTED if peer else signals.EXIT_BUG)
+    distributed.exit_now(distributed.EXIT_DISTRIBUTED if peer else exits.EXIT_BUG)

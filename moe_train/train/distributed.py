@@ -45,10 +45,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from moe_train.base.exits import EXIT_DISTRIBUTED  # could not connect, or a peer failed
 from moe_train.config import ConfigError, ParallelConfig
-from moe_train.train import signals
 
-EXIT_DISTRIBUTED = signals.EXIT_DISTRIBUTED  # could not connect, or a peer failed
 SOURCES = ("single", "explicit", "slurm")
 
 
@@ -85,6 +84,8 @@ def _slurm_tasks(env: Mapping[str, str]) -> tuple[int, int] | None:
         return None
     count = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
     rank = env.get("SLURM_PROCID")
+    if count is None or rank is None:
+        return None
     try:
         return int(count), int(rank)
     except (TypeError, ValueError):
@@ -266,7 +267,7 @@ _PEER_FAILURE_MARKS = (
 _PEER_FAILURE_TYPES = (RuntimeError, ValueError, TimeoutError, OSError)
 
 
-def peer_failure(err: BaseException) -> str | None:
+def peer_failure(err: BaseException | None) -> str | None:
     """One line describing ``err`` when it (or an exception it came from) is a collective or
     runtime failure caused by another process going away (e.g. gloo's "Connection reset by
     peer"), else None."""

@@ -1,6 +1,6 @@
 """The training loop: resume, step, log, checkpoint, stop cleanly on SIGTERM/SIGUSR2/SIGINT.
 
-Exit codes (``moe_train.train.signals``): 0 finished, or stopped by a signal after saving (rerun
+Exit codes (``moe_train.base.exits``): 0 finished, or stopped by a signal after saving (rerun
 the same command to go on; 130 for SIGINT, the command printed last); 2 bad configuration or
 input, or the run directory is in use (nothing in the run directory is changed: every check
 runs, and the first step is traced, before ``config.json``, ``layout.json``, ``kernels.json``
@@ -30,14 +30,15 @@ import numpy as np
 
 from moe_train import eval as evaluate
 from moe_train import python_command, selftest, telemetry
+from moe_train.base.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, OutputError, output_error  # noqa: F401
+from moe_train.checkpoints import checkpoint
 from moe_train.config import Config, ConfigError, for_devices, save_json, to_dict
 from moe_train.convert import weights
 from moe_train.data import make_source
 from moe_train.model import flops, precision
-from moe_train.parallel import jobplan, layout, sharding
+from moe_train.parallel import jobplan, sharding
 from moe_train.telemetry import summary
 from moe_train.train import (
-    checkpoint,
     distributed,
     metrics,
     progress,
@@ -45,13 +46,12 @@ from moe_train.train import (
     rundir,
     runlock,
     signals,
-    stepper,
     tracking,
 )
 from moe_train.train.guard import Divergence, NonFiniteGuard, origin
-from moe_train.train.signals import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, OutputError  # noqa: F401
 from moe_train.train.step import StepCounter, init_state
 from moe_train.train.stepper import BucketedStep, Confirmed
+from topology import device_mesh
 
 Log = Callable[[str], None]
 
@@ -98,7 +98,7 @@ def _lock(out_dir: Path, log: Log) -> runlock.RunLock | None:
     return lock
 
 
-def _write_run_files(cfg: Config, out_dir: Path, plan: layout.Layout, kernels: dict, log: Log) -> None:
+def _write_run_files(cfg: Config, out_dir: Path, plan: device_mesh.Layout, kernels: dict, log: Log) -> None:
     """config.json, kernels.json, layout.json (process 0): after the first step traced."""
     for line in plan.lines:
         log(f"layout: {line}")
@@ -144,8 +144,8 @@ def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
     rundir.refuse_incompatible(cfg, out_dir, resume_step)  # before the self-test and compiles
     devices = select_devices(cfg)
     job_cfg = for_devices(cfg, len(devices))  # train.micro_batch_size -> micro_batches here
-    plan = layout.build(job_cfg, devices)
-    stepper.ep_plans(job_cfg, plan.mesh)  # dispatcher and capacity buckets, before any write
+    plan = device_mesh.build(job_cfg, devices)
+    sharding.ep_plans(job_cfg, plan.mesh)  # dispatcher and capacity buckets, before any write
     t = cfg.train
     # The data (and held-out data) before the kernel self-test: a DataError ends it sooner.
     source = make_source(
@@ -242,7 +242,7 @@ class Start:
 
     def _save_failed(self, err: Exception) -> Exception:
         """A failed save as an OutputError naming the checkpoint that is still intact."""
-        out = signals.output_error(err, self.ckpt.directory)
+        out = output_error(err, self.ckpt.directory)
         if out is None:
             return err
         self.ckpt.reload()
@@ -351,7 +351,11 @@ class Loop:
             if save or step == self.first or evaluate_now:
                 self.state, done = self.step_fn.drain(self.state)
                 with progress.waiting(s.log, f"evaluating the held-out loss at step {n}"):
-                    held_out = s.evals(self.cfg, s.mesh, self.state) if evaluate_now else None
+                    held_out = (
+                        s.evals(self.cfg, s.mesh, self.state)
+                        if evaluate_now and s.evals is not None
+                        else None
+                    )
                 self._record(n, done, batch, held_out)
             if save:
                 s.save(n, self.state)
@@ -406,7 +410,9 @@ class Loop:
                 s.out_dir / "metrics.jsonl", self.first, enabled=jax.process_index() == 0, log=s.log
             )
         except OSError as err:
-            raise signals.output_error(err, s.out_dir) or err
+            if (out := output_error(err, s.out_dir)) is None:
+                raise
+            raise out from err
         if jax.process_index() == 0:  # never raises: a failure is one warning, tracking off
             self.tracker = tracking.Tracker(
                 s.out_dir, self.first, self.cfg.train, config=s.meta["config"], log=s.log
@@ -414,10 +420,13 @@ class Loop:
         self.sampler.release()
 
     def _write(self, rec: dict) -> None:
+        assert self.writer is not None, "opened after the first step"
         try:
             self.writer.write(rec)
         except OSError as err:
-            raise signals.output_error(err, self.writer.path) or err
+            if (out := output_error(err, self.writer.path)) is None:
+                raise
+            raise out from err
         if self.tracker is not None:
             self.tracker.write(rec)
         self.records.append(rec)
@@ -431,7 +440,7 @@ class Loop:
         self.sampler.stop()
 
 
-def _compiled_memory(step_fn: BucketedStep, state, batch, log: Log) -> dict:
+def _compiled_memory(step_fn: BucketedStep | progress.WatchedStep, state, batch, log: Log) -> dict:
     """Log the compiled step's per-device memory and return it as metrics ({} if unknown)."""
     t0 = time.perf_counter()
     mem = step_fn.compiled_memory(state, batch)

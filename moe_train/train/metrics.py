@@ -51,7 +51,7 @@ def step_record(
     """The JSON-ready metrics of one step from the step's device outputs (already on host)."""
     tokens_per_s = tokens / step_time_s if step_time_s > 0 else float("nan")
     tflops = flops_per_token * tokens_per_s / devices / 1e12
-    rec = {"step": step}
+    rec: dict[str, Any] = {"step": step}
     for key in ("loss", "total_loss", "aux_loss", "seq_aux_loss", "z_loss", "grad_norm", "lr"):
         rec[key] = float(raw[key])
     if "mtp_loss" in raw:  # multi-token prediction's mean cross-entropy; None without MTP
@@ -237,7 +237,8 @@ def summary(
     )
     return (
         f"Trained steps {first_step + 1}-{last['step']} of {description} ({status}). "
-        f"Loss went from {first['loss']:.4f} to {last['loss']:.4f} ({fall:.1f}% {'lower' if fall >= 0 else 'HIGHER'}); "
+        f"Loss went from {first['loss']:.4f} to {last['loss']:.4f} "
+        f"({fall:.1f}% {'lower' if fall >= 0 else 'HIGHER'}); "
         f"{held}"
         f"median throughput after the first step {tok_s:,.0f} tokens/s "
         f"({last['tflops_per_device']:.3g} TFLOP/s per device"

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moe_train.checkpoints.checkpoint import Checkpointer, try_step
 from moe_train.config import Config, ConfigError
-from moe_train.train.checkpoint import Checkpointer, try_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,7 @@ def _explicit(
         )
     state, why = try_step(ckpt, step, template, cfg, log, trust_unverified=True)
     if state is None:
+        assert why is not None, "try_step says why"
         raise _unusable(ckpt, [(step, why)])
     unverified = ckpt.read_manifest(step, trust_unverified=True) is None
     if unverified:
@@ -88,6 +89,7 @@ def choose(
     for step in reversed(ckpt.all_steps()):
         state, why = try_step(ckpt, step, template, cfg, log)
         if state is None:
+            assert why is not None, "try_step says why"
             failures.append((step, why))
             continue
         rejected = []

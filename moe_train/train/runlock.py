@@ -43,7 +43,7 @@ In a multi-process job one process (process 0, the one that writes metrics and c
 should hold the lock for the whole job.
 
 Errors creating or writing the directory or the file (EACCES, EROFS, ENOSPC, ENOTDIR, a file
-where the directory should be, ...) raise ``moe_train.train.signals.OutputError`` with one line
+where the directory should be, ...) raise ``moe_train.base.exits.OutputError`` with one line
 naming the path and the OS reason.
 """
 
@@ -62,8 +62,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moe_train.base.exits import OutputError
 from moe_train.config import ConfigError
-from moe_train.train.signals import OutputError
 
 LOCK_NAME = "run.lock"
 # lockf on a file system without (coherent) lock support fails with one of these.

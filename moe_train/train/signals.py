@@ -1,21 +1,6 @@
-"""Exit codes of ``python -m moe_train``, the stop flag set by SIGTERM/SIGUSR2/SIGINT, and which
-errors are the file system refusing a write (``output_error``: exit 5).
-
-Every way a run ends has its own code (the README's exit-code table lists the same):
-
-====  ==================================================================================
-0     finished, or stopped by SIGTERM/SIGUSR2 after saving (rerun the same command)
-1     a bug: an unexpected exception (traceback printed)
-2     bad configuration or input, or the run directory is held by another trainer;
-      nothing in the run directory is changed
-3     training diverged: non-finite loss, gradients or parameters (``train.on_nonfinite``);
-      nothing past the last good checkpoint is saved
-4     multi-process failure: a peer died, hung, or could not connect
-5     the run directory cannot be written (permissions, full disk, file size limit); the
-      previous checkpoint is intact, a partial one is removed at the next start
-130   interrupted (Ctrl-C, SIGINT): stopped like SIGTERM, after saving, the command that
-      resumes printed last; or a second Ctrl-C: ended at once without saving (one line)
-====  ==================================================================================
+"""The stop flag set by SIGTERM/SIGUSR2/SIGINT, and how a stopped run exits (0, or 130 after
+a Ctrl-C). The exit codes themselves, and the error for an output that cannot be written,
+are every command's: ``moe_train.base.exits``.
 
 The stop flag is installed as early as possible (first thing in the CLI), so a signal that
 arrives while the run starts (imports, compile, restore) also ends it cleanly: the trainer
@@ -24,7 +9,7 @@ checks the flag after the kernel self-test, before its first step and after ever
 A second SIGINT ends the process at once (``os._exit(130)``), even inside a long compile or
 device wait: a thread counts the SIGINTs as they arrive (``signal.set_wakeup_fd``), not when
 the main thread runs Python's handler. Nothing is left corrupt: a checkpoint is written to a
-temporary directory and renamed once complete (``moe_train.train.checkpoint``), and
+temporary directory and renamed once complete (``moe_train.checkpoints.checkpoint``), and
 ``metrics.jsonl`` drops a torn last line at the next start. SIGINT that was ignored when the
 flag was installed (a background job of a script) stays ignored.
 """
@@ -36,8 +21,8 @@ import signal
 import threading
 from collections.abc import Callable
 
-EXIT_OK, EXIT_BUG, EXIT_CONFIG, EXIT_DIVERGED, EXIT_DISTRIBUTED, EXIT_OUTPUT = 0, 1, 2, 3, 4, 5
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
+from moe_train.base.exits import EXIT_INTERRUPTED, EXIT_OK
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 HINT = (
     "interrupted (Ctrl-C): stopping cleanly, the current step finishes and is saved; "
@@ -164,35 +149,3 @@ def _say(fd: int, text: str) -> None:
         os.write(fd, text.encode())
     except OSError:
         pass
-
-
-class OutputError(Exception):
-    """The run directory cannot be written (permissions, full disk, ``ulimit -f``): printed
-    as one line, exit code ``EXIT_OUTPUT``."""
-
-
-def output_error(err: BaseException, what: str) -> OutputError | None:
-    """``err`` as an OutputError when it (or its cause) is the file system refusing a write."""
-    seen = err
-    while seen is not None:
-        text = str(seen)
-        if isinstance(seen, OSError) and seen.errno in OUTPUT_ERRNOS:
-            return OutputError(
-                f"cannot write {what}: {seen.strerror or text} "
-                f"({getattr(seen, 'filename', None) or 'the run directory'})"
-            )
-        hit = next((m for m in OUTPUT_MARKS if m in text), None)
-        if hit:
-            return OutputError(f"cannot write {what}: {hit} ({' '.join(text.split())[:200]})")
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-OUTPUT_ERRNOS = {13, 28, 27, 30, 122, 1, 20, 21}  # EACCES ENOSPC EFBIG EROFS EDQUOT EPERM ENOTDIR EISDIR
-OUTPUT_MARKS = (
-    "No space left on device",
-    "File too large",
-    "Disk quota exceeded",
-    "Read-only file system",
-    "Permission denied",
-)

@@ -17,13 +17,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from moe_train.config import Config, compute_dtype
 from moe_train.data import packing
@@ -45,6 +44,9 @@ class TrainState:
     opt_state: Any  # AdamW moments
     moe_state: Any  # {"moe_layers": {"moe": {"expert_bias": [L, E]}}}; looped: "layer_i": [E]
     fp8_state: Any  # {..: {"scale": [], "amax_history": [A]}} per fp8-quantized tensor; {} unless fp8
+
+    def replace(self, **kw) -> TrainState:
+        return dataclasses.replace(self, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +171,7 @@ def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState
         transform_non_params=lambda _: rep,
     )
     return TrainState(
-        step=rep,
+        step=rep,  # pyright: ignore[reportArgumentType]  (a TrainState of shardings)
         params=param_sh,
         opt_state=opt_sh,
         moe_state=jax.tree.map(lambda _: rep, abstract.moe_state),
@@ -245,7 +247,7 @@ def _loss_fn(
         head, packing.next_token_labels(tokens_BS1, segments_BS1), mtp_labels, cfg, devices
     )
     e = cfg.moe
-    aux, seq_aux, z = moe_stats.losses(stats)
+    aux, seq_aux, z = moe_stats.losses(stats)  # pyright: ignore[reportArgumentType]  (apply returns __call__'s)
     total = (
         ce + e.aux_loss_coef * aux + e.seq_aux_loss_coef * seq_aux + e.z_loss_coef * z + mtp_weight * mtp_ce
     )
@@ -307,19 +309,6 @@ def _depth_order(name: str) -> tuple[int, int]:
     return 0, int(match[1]) if match else 0
 
 
-def micro_batches(batch_BS, n: int, mesh: Mesh):
-    """[B, S+1] -> [n, B/n, S+1] (each leaf of a packed batch alike). Micro-batch m holds rows
-    m, m+n, m+2n, ...: every device keeps the rows it was given (B/devices is a multiple of
-    n), so nothing moves."""
-    spec = NamedSharding(mesh, P(None, *sharding.batch_sharding(mesh).spec))
-
-    def split(a_BS):
-        mb = a_BS.reshape(a_BS.shape[0] // n, n, -1).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(mb, spec)
-
-    return jax.tree.map(split, batch_BS)
-
-
 def accumulate(
     loss_grads,
     params,
@@ -340,11 +329,13 @@ def accumulate(
     weights (``moe_train.train.gather``)."""
     master = params
     if step_gather is not None:
-        params, of_copy = step_gather.gather(master), loss_grads
+        params, of_copy, gather = step_gather.gather(master), loss_grads, step_gather
 
-        def loss_grads(p, fp8, moe, mb_BS):
+        def on_copy(p, fp8, moe, mb_BS):
             out, (grads, fp8) = of_copy(p, fp8, moe, mb_BS)
-            return out, (step_gather.reduced(grads, master), fp8)
+            return out, (gather.reduced(grads, master), fp8)
+
+        loss_grads = on_copy
 
     if n == 1:
         return loss_grads(params, fp8_state, moe_state, batch_BS)
@@ -355,7 +346,9 @@ def accumulate(
         return (jax.tree.map(jnp.add, grads_sum, grads), fp8), (total, aux)
 
     zeros = jax.tree.map(jnp.zeros_like, master)
-    (grads, fp8), (total_n, aux_n) = jax.lax.scan(body, (zeros, fp8_state), micro_batches(batch_BS, n, mesh))
+    (grads, fp8), (total_n, aux_n) = jax.lax.scan(
+        body, (zeros, fp8_state), sharding.micro_batches(batch_BS, n, mesh)
+    )
     aux = {k: v.mean(0) for k, v in aux_n.items() if k != "stats"}
     aux["stats"] = None if aux_n["stats"] is None else moe_stats.combine(aux_n["stats"])
     return (total_n.mean(), aux), (jax.tree.map(lambda g: g / n, grads), fp8)
@@ -440,6 +433,7 @@ def make_train_step(
         # of the new parameters here would keep XLA from updating them in place: +4%).
         metrics["params_finite"] = all_finite(state.params)
         if can_overflow:
+            assert hold is not None, "a step that can overflow takes hold"
             keep = metrics["overflow"] | hold
             new = jax.tree.map(lambda old, upd: jnp.where(keep, old, upd), state, new)
         return new, metrics

@@ -27,7 +27,6 @@ from jax.sharding import Mesh
 
 from moe_train.config import Config
 from moe_train.parallel import jobplan, sharding
-from moe_train.parallel.jobplan import EPPlan
 from moe_train.train.step import (
     CompiledMemory,
     StepCounter,
@@ -35,16 +34,6 @@ from moe_train.train.step import (
     compiled_memory,
     make_train_step,
 )
-
-
-def ep_plans(cfg: Config, mesh: Mesh) -> list[EPPlan | None]:
-    """The plans a run may use, smallest buffers first; [None] on a single device."""
-    if mesh.devices.size == 1:
-        return [None]
-    ep, domains = sharding.ep_size(mesh), mesh.shape[sharding.EXPERT_X]
-    name = jobplan.dispatcher(cfg.moe.dispatcher, mesh.devices.size, ep, domains)
-    factors = jobplan.bucket_factors(name, cfg.moe.capacity_buckets)
-    return [EPPlan(name, ep, f, cfg.moe.overlap_chunks, cfg.moe.dispatch_dtype) for f in factors]
 
 
 class Confirmed(NamedTuple):
@@ -97,7 +86,7 @@ class BucketedStep:
         (``train.make_train_step``; the compile benchmark passes its EP layer step)."""
         self.cfg, self.mesh, self.counter, self.state_sharding = cfg, mesh, counter, state_sharding
         self.make_step = make_step
-        self.plans = ep_plans(cfg, mesh)
+        self.plans = sharding.ep_plans(cfg, mesh)
         self.policy = jobplan.BucketPolicy(
             [None if p is None else p.capacity_factor for p in self.plans], cfg.moe.bucket_step_down_after
         )
@@ -165,6 +154,7 @@ class BucketedStep:
             raise RuntimeError("BucketedStep: a step is in flight; drain() it first")
         state, _ = self.submit(state, batch)
         state, done = self.drain(state)
+        assert done is not None, "the step submitted above"
         return state, done.raw
 
     def _dispatch(

@@ -1,5 +1,5 @@
 """A thin supervisor for multi-process runs: every way a peer failure ends this process becomes
-exit code 4 (``signals.EXIT_DISTRIBUTED``) and one line on stderr.
+exit code 4 (``exits.EXIT_DISTRIBUTED``) and one line on stderr.
 
 Why a supervisor process. With jax 0.10.2 a failed peer reaches a surviving process in one of
 three ways (measured on CPU with gloo, 2 processes, ``parallel.heartbeat_timeout_s=5``):
@@ -54,6 +54,7 @@ import threading
 import time
 from pathlib import Path
 
+from moe_train.base import exits
 from moe_train.train import signals
 
 MARKER = "MOE_TRAIN_SUPERVISED"  # set in the child's environment: "run the trainer here"
@@ -106,7 +107,7 @@ def child_ready() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
-        os._exit(signals.EXIT_DISTRIBUTED)  # orphaned: the supervisor was killed
+        os._exit(exits.EXIT_DISTRIBUTED)  # orphaned: the supervisor was killed
 
     threading.Thread(target=watch, name="moe-train-parent-watch", daemon=True).start()
 
@@ -122,7 +123,7 @@ def _in_child(parent: int) -> None:
     except (OSError, AttributeError):
         pass
     if os.getppid() != parent:
-        os._exit(signals.EXIT_DISTRIBUTED)
+        os._exit(exits.EXIT_DISTRIBUTED)
 
 
 # --------------------------------------------------------------------------- stderr filter
@@ -212,8 +213,8 @@ def describe(fatal: list[str], signum: int | None, job: Job) -> str:
     hb = f"parallel.heartbeat_timeout_s={job.heartbeat_timeout_s}"
     unhealthy = re.search(r"stopped sending heartbeats\):\s*([\d ,]+?)\s*The tasks", text)
     task = re.search(r"Task (\d+) heartbeat timeout", text)
-    if unhealthy or task:
-        peers = ", ".join((unhealthy or task).group(1).replace(",", " ").split())
+    if found := unhealthy or task:
+        peers = ", ".join(found.group(1).replace(",", " ").split())
         what = (
             f"peer process {peers} stopped sending heartbeats for {hb} s (it died, hung or "
             f"was preempted; see its log)"
@@ -251,7 +252,7 @@ def _file_away(lines: list[str], job: Job) -> str:
 def outcome(returncode: int, filt: StderrFilter, job: Job) -> int:
     """Print what has to be printed for a finished child and return the exit code."""
     signum = -returncode if returncode < 0 else None
-    failed = signum is not None or returncode == signals.EXIT_DISTRIBUTED or filt.fatal_seen
+    failed = signum is not None or returncode == exits.EXIT_DISTRIBUTED or filt.fatal_seen
     if not failed:
         filt.flush()
         return returncode
@@ -261,7 +262,7 @@ def outcome(returncode: int, filt: StderrFilter, job: Job) -> int:
         _write_stderr(first.rstrip("\n") + where)
     elif not filt.said_error:
         _write_stderr(describe(filt.fatal, signum, job) + where)
-    return signals.EXIT_DISTRIBUTED
+    return exits.EXIT_DISTRIBUTED
 
 
 # --------------------------------------------------------------------------- running it

@@ -152,6 +152,8 @@ class _Backend:
     it is set."""
 
     _writer: Any = None
+    _log: Log  # set by each backend
+    _failed: Callable[[BaseException], None]  # each backend's: log once, drop the writer
 
     @property
     def active(self) -> bool:
@@ -184,7 +186,9 @@ class _TensorBoard(_Backend):
         try:
             import tensorboardX  # optional at run time: a GPU container may lack it
             from tensorboardX import summary
-            from tensorboardX.proto.summary_pb2 import Summary
+
+            # protobuf builds the class at import time: pyright cannot see it
+            from tensorboardX.proto.summary_pb2 import Summary  # pyright: ignore[reportAttributeAccessIssue]
         except ImportError as err:
             log(
                 f"WARNING: TensorBoard is off for this run: tensorboardX cannot be imported "
@@ -259,7 +263,8 @@ class _WandB(_Backend):
     def __init__(self, project: str, out_dir: Path, config: dict[str, Any] | None, log: Log):
         self._log = log
         try:
-            import wandb  # optional: never a dependency of this package
+            # optional: never a dependency of this package
+            import wandb  # pyright: ignore[reportMissingImports]
         except ImportError as err:
             log(
                 f"WARNING: W&B is off for this run: train.wandb_project={project!r} but wandb "

@@ -21,13 +21,12 @@ every row has at least one unmasked key (itself), so no row ends up empty.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moe_train.moe.permute import zeros_after
+from moe_train.moe.vjp import custom_vjp
 
 F32 = jnp.float32
 NEG = -0.7 * float(np.finfo(np.float32).max)  # masked score (finite; see the module doc)
@@ -130,7 +129,7 @@ def _backward(scale, res, do_PBKGQJ):
     return (dq_buf.astype(q_PBKGQD.dtype), dk.astype(k_PBKRD.dtype), dv.astype(v_PBKRJ.dtype), None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@custom_vjp(nondiff_argnums=(4,))
 def _flash(q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, scale):
     return _forward(q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, scale)[0]
 

@@ -21,6 +21,8 @@ are refused: TE expresses packed documents only through its THD layout and
 ``SequenceDescriptor``, an interface marked experimental whose arguments change between releases.
 """
 
+# transformer_engine is imported only where installed (GPU containers), never from .venv
+# pyright: reportMissingImports=false
 from __future__ import annotations
 
 import contextlib

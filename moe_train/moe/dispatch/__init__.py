@@ -2,123 +2,69 @@
 
 Letter key: T this shard's tokens, H hidden, K top-k, L local experts, P EP size, G fast-link
 domains in the EP group (mesh axis ``expert_x``), D shards per domain (axis ``expert``),
-C slots per (source, destination) pair, N assignments, X rows to send (this shard's tokens,
-or the rows an earlier stage delivered), A rows arriving at a shard, J expert ids per row,
-R rows of a buffer.
+C slots per (source, destination) pair, A rows arriving at a shard, J expert ids per row.
 
-A dispatcher is the exchange around the single-device steps (``moe_train.moe.layer``):
-``dispatch`` sends each token to the shards holding its experts and returns what arrived
-here (``Arrived``: rows, their local expert ids, and combine weights when the weighted sum
-runs here), ``combine`` sends the experts' outputs back and returns ``(y_TH, exchange
-stats)``. One file per dispatcher: ``local`` (P = 1: no exchange), ``allgather``, ``a2a``
-(flat all-to-all in capacity-bucketed slots), ``hierarchical`` (two stages, each token
-crosses the slow links once per remote domain). ``fp8``: ``send_rows``, the row exchange
-each of them uses for the dispatched activations, optionally as e4m3 with per-row scales
-(``moe.dispatch_dtype``). Exchange stats (``moe_train.moe.stats``):
-``overflow`` (a pair needed more than C slots: the step must be rerun on a larger bucket),
-``recv_rows``/``recv_slots``, ``max_pair_load`` and ``slow_rows``.
+A dispatcher is the exchange around the single-device steps (``moe_train.moe.layer``); every
+one implements the ``Dispatcher`` protocol (``contract``): ``dispatch`` sends each token to
+the shards holding its experts and returns what arrived here (``Arrived``: rows, their local
+expert ids, and combine weights when the weighted sum runs here) with the dispatcher's own
+metadata (``sent_type``), ``combine`` takes the experts' outputs and that metadata, sends the
+outputs back and returns ``(y_TH, exchange stats)``. One file per dispatcher, each with its
+metadata type: ``local`` (P = 1: no exchange; ``LocalSent``), ``allgather``
+(``AllGatherSent``), ``a2a`` (flat all-to-all in capacity-bucketed slots; ``A2ASent``),
+``hierarchical`` (two stages, each token crosses the slow links once per remote domain;
+``HierarchicalSent``). ``buffers``: the bucketed exchanges' send and receive buffers.
+``fp8``: ``send_rows``, the row exchange each of them uses for the dispatched activations,
+optionally as e4m3 with per-row scales (``moe.dispatch_dtype``). Exchange stats
+(``moe_train.moe.stats``): ``overflow`` (a pair needed more than C slots: the step must be
+rerun on a larger bucket), ``recv_rows``/``recv_slots``, ``max_pair_load`` and ``slow_rows``.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
-import jax
-import jax.numpy as jnp
+from moe_train.moe.dispatch.a2a import A2A, A2ASent
+from moe_train.moe.dispatch.allgather import AllGather, AllGatherSent
+from moe_train.moe.dispatch.buffers import Packed, all_to_all, gather_rows, pack, pair_stats, unpack
+from moe_train.moe.dispatch.contract import Arrived, Context, Dispatcher, ExchangeStats
+from moe_train.moe.dispatch.hierarchical import Hierarchical, HierarchicalSent
+from moe_train.moe.dispatch.local import Local, LocalSent
 
-from moe_train.moe.permute import readers_of, take_rows
-from moe_train.parallel.jobplan import EPPlan
-
-
-class Context(NamedTuple):
-    """Static facts a dispatcher needs besides its operands."""
-
-    plan: EPPlan
-    local_experts: int  # L: experts on each shard
-    domains: int  # G: fast-link domains in an EP group (mesh axis expert_x)
-    domain_size: int  # D: shards per domain (mesh axis expert)
-
-
-class Arrived(NamedTuple):
-    """What a dispatch delivered to this shard's experts."""
-
-    x_AH: jax.Array  # rows to compute
-    ids_AJ: jax.Array  # local expert of each (row, j); L: none here (its output is unused)
-    weights_AJ: jax.Array | None  # combine weights summed here; None: each (row, j) returns
-    out_dtype: Any  # dtype of the rows (or sums) sent back
-    spare: bool = True  # some ids are L (rows or slots with no expert here)
+# the dispatcher ``parallel.jobplan.dispatcher`` picks for ``moe.dispatcher`` -> its class
+BY_NAME: dict[str, Callable[[Context], Dispatcher[Any]]] = {
+    "local": Local,
+    "allgather": AllGather,
+    "a2a": A2A,
+    "hierarchical": Hierarchical,
+}
 
 
-def all_to_all(x, axis):
-    """Tiled all-to-all along ``axis`` over the leading dimension."""
-    return jax.lax.all_to_all(x, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
-
-
-class Packed(NamedTuple):
-    """A send buffer of ``n_dest * C`` rows and where each assignment went."""
-
-    x_RH: jax.Array  # rows, destination-major, C slots each
-    ids_R: jax.Array  # local expert of each row at its destination (L: empty slot)
-    slot_N: jax.Array  # slot of assignment n (R: not sent)
-    counts: jax.Array  # [n_dest] assignments this shard has for each destination
-
-
-def pack(x_XH, dest_XJ, local_XJ, n_dest: int, C: int, L: int) -> Packed:
-    """Slot of every assignment (x, j): destination ``dest[x, j]``, then the order of its local
-    expert, then of x (``dest == n_dest``: stays out of this exchange); rows past C slots of
-    a destination are not sent (the exchange then reports ``overflow``)."""
-    X, J = dest_XJ.shape
-    R, N = n_dest * C, X * J
-    dest_N = dest_XJ.reshape(-1)
-    local_N = jnp.where(dest_N < n_dest, local_XJ.reshape(-1), 0)
-    order_N = jnp.argsort(dest_N * L + local_N, stable=True)
-    counts = jnp.bincount(dest_N, length=n_dest + 1).astype(jnp.int32)
-    start = jnp.cumsum(counts) - counts
-    pos_N = (
-        jnp.zeros((N,), jnp.int32).at[order_N].set(jnp.arange(N, dtype=jnp.int32) - start[dest_N[order_N]])
-    )
-    slot_N = jnp.where((dest_N < n_dest) & (pos_N < C), dest_N * C + pos_N, R)
-    x_RH = gather_rows(x_XH, slot_N, J, R)
-    ids_R = jnp.full((R,), L, jnp.int32).at[slot_N].set(local_N, mode="drop")
-    return Packed(x_RH, ids_R, slot_N, counts[:n_dest])
-
-
-def gather_rows(x_XH, slot_N, per_row: int, R: int):
-    """[R, H] send buffer: slot r holds ``x_XH[n // per_row]`` for the assignment n whose
-    ``slot_N[n]`` is r, zero where none is (``take_rows``). A gather from the rows, not a
-    scatter into a zero-filled [R, H] buffer: XLA:GPU hoisted those zero buffers out of the
-    layer and micro-batch loops and held dozens at once (deepseek-v3 at 4 layers, EP 64: 40
-    buffers of 448 MiB at its peak; ``make compile``)."""
-    N = slot_N.shape[0]
-    src_R = readers_of(slot_N, R)[:, 0]
-    return take_rows(x_XH, src_R // per_row, src_R < N, slot_N.reshape(-1, per_row))
-
-
-def unpack(y_RH, slot_N):
-    """Row of every assignment from the returned buffer (zero where it was not sent); the
-    backward gathers too (``take_rows``)."""
-    R = y_RH.shape[0]
-    return take_rows(y_RH, slot_N, slot_N < R, readers_of(slot_N, R))
-
-
-def pair_stats(recv_counts, C: int, balanced: float) -> dict:
-    """Exchange stats of one bucketed exchange from the counts each source sent here."""
-    return {
-        "overflow": jnp.any(recv_counts > C),
-        "recv_rows": jnp.sum(jnp.minimum(recv_counts, C)).astype(jnp.float32),
-        "recv_slots": jnp.float32(recv_counts.shape[0] * C),
-        "max_pair_load": jnp.max(recv_counts).astype(jnp.float32) / balanced,
-    }
-
-
-def dispatcher(ctx: Context):
+def dispatcher(ctx: Context) -> Dispatcher[Any]:
     """The dispatcher object for ``ctx.plan.dispatcher``."""
-    from moe_train.moe.dispatch import a2a, allgather, hierarchical, local
+    return BY_NAME[ctx.plan.dispatcher](ctx)
 
-    kinds = {
-        "local": local.Local,
-        "allgather": allgather.AllGather,
-        "a2a": a2a.A2A,
-        "hierarchical": hierarchical.Hierarchical,
-    }
-    return kinds[ctx.plan.dispatcher](ctx)
+
+__all__ = [
+    "A2A",
+    "A2ASent",
+    "AllGather",
+    "AllGatherSent",
+    "Arrived",
+    "BY_NAME",
+    "Context",
+    "Dispatcher",
+    "ExchangeStats",
+    "Hierarchical",
+    "HierarchicalSent",
+    "Local",
+    "LocalSent",
+    "Packed",
+    "all_to_all",
+    "dispatcher",
+    "gather_rows",
+    "pack",
+    "pair_stats",
+    "unpack",
+]

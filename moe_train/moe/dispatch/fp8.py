@@ -16,12 +16,11 @@ dtype, unquantized, so gradients see the exchange as the identity on rows.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from moe_train.config.schema import DISPATCH_DTYPES
+from moe_train.moe.vjp import custom_vjp
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -39,8 +38,8 @@ def dequantize_rows(bytes_RH, scale_R1, dtype):
     return (q_RH.astype(jnp.float32) * scale_R1).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_exchange(op, x_RH):
+@custom_vjp(nondiff_argnums=(0,))
+def _fp8_exchange(op, x_RH) -> jax.Array:
     bytes_RH, scale_R1 = quantize_rows(x_RH)
     return dequantize_rows(op(bytes_RH), op(scale_R1), x_RH.dtype)
 
@@ -60,7 +59,7 @@ def _bwd(op, empty_R0, g):
 _fp8_exchange.defvjp(_fwd, _bwd)
 
 
-def send_rows(op, x_RH, dtype: str = "activation"):
+def send_rows(op, x_RH, dtype: str = "activation") -> jax.Array:
     """``op(x_RH)``, the rows sent as ``dtype`` (``DISPATCH_DTYPES``)."""
     if dtype not in DISPATCH_DTYPES:
         raise ValueError(f"dispatch dtype {dtype!r}; valid: {', '.join(DISPATCH_DTYPES)}")

@@ -13,10 +13,14 @@ partial sums cross the slow links once per (token, domain). Slot sizes:
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, ClassVar
+
 import jax
 import jax.numpy as jnp
 
-from moe_train.moe.dispatch import Arrived, Context, all_to_all, gather_rows, pack, pair_stats, unpack
+from moe_train.moe.dispatch.buffers import all_to_all, gather_rows, pack, pair_stats, unpack
+from moe_train.moe.dispatch.contract import Arrived, Context, ExchangeStats, static
 from moe_train.moe.dispatch.fp8 import send_rows
 from moe_train.moe.permute import weighted_sum
 from moe_train.parallel import jobplan
@@ -25,8 +29,23 @@ from moe_train.parallel.sharding import EXPERT, EXPERT_X
 SLOW, FAST = EXPERT_X, EXPERT
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HierarchicalSent:
+    """What ``Hierarchical.combine`` needs: where each stage put its rows."""
+
+    slot2_N: jax.Array  # stage-2 send slot of each (stage-1 row, j) assignment (R2: not sent)
+    weights2_R1K: jax.Array  # their combine weights (0 where the expert is not in this domain)
+    slot1_N: jax.Array  # stage-1 send slot of each (token, domain) (R1: not sent)
+    ok_TG: jax.Array  # bool: token t was sent to domain g
+    stats: ExchangeStats  # measured by the dispatch, both stages
+    dtype: Any = static()  # the tokens' dtype
+
+
 class Hierarchical:
     """Token rows over the slow links once per remote domain, then assignments inside it."""
+
+    sent_type: ClassVar[type[HierarchicalSent]] = HierarchicalSent
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -55,7 +74,7 @@ class Hierarchical:
         )
         return send_x, send_e, send_w, slot, ok_TG, need_TG
 
-    def dispatch(self, x_TH, weights_TK, experts_TK):
+    def dispatch(self, x_TH, weights_TK, experts_TK) -> tuple[Arrived, HierarchicalSent]:
         T, K = experts_TK.shape
         L, G, D = self.ctx.local_experts, self.ctx.domains, self.ctx.domain_size
         one, two = jobplan.hierarchical_stages(T, K, L, G, D, self.ctx.plan.capacity_factor)
@@ -70,10 +89,10 @@ class Hierarchical:
         r_w = all_to_all(send_w, SLOW)
         dest2 = jnp.where(r_e >= 0, (r_e // L) % D, D)
         with jax.named_scope("pack"):
-            sent2 = pack(r_x, dest2, r_e % L, D, two.slots, L)
-        recv_counts2 = all_to_all(sent2.counts, FAST)
-        rows = send_rows(lambda r: all_to_all(r, FAST), sent2.x_RH, fp8)
-        arrived = Arrived(rows, all_to_all(sent2.ids_R, FAST)[:, None], None, x_TH.dtype)
+            packed2 = pack(r_x, dest2, r_e % L, D, two.slots, L)
+        recv_counts2 = all_to_all(packed2.counts, FAST)
+        rows = send_rows(lambda r: all_to_all(r, FAST), packed2.x_RH, fp8)
+        arrived = Arrived(rows, all_to_all(packed2.ids_R, FAST)[:, None], None, x_TH.dtype)
         stats = pair_stats(recv_counts2, two.slots, two.balanced)
         first = pair_stats(recv_counts1, one.slots, one.balanced)
         domain = jax.lax.axis_index(SLOW)
@@ -82,15 +101,15 @@ class Hierarchical:
             max_pair_load=jnp.maximum(stats["max_pair_load"], first["max_pair_load"]),
             slow_rows=(need_TG.sum() - need_TG[:, domain].sum()).astype(jnp.float32),
         )
-        return arrived, (sent2.slot_N, jnp.where(dest2 < D, r_w, 0.0), slot1, ok_TG, x_TH.dtype, stats)
+        w2 = jnp.where(dest2 < D, r_w, 0.0)
+        return arrived, HierarchicalSent(packed2.slot_N, w2, slot1, ok_TG, stats, x_TH.dtype)
 
-    def combine(self, y_R2H, sent):
-        slot2, w2, slot1, ok_TG, dtype, stats = sent
-        part_R1H = weighted_sum(unpack(all_to_all(y_R2H, FAST), slot2), w2, jnp.float32)
+    def combine(self, y_R2H, sent: HierarchicalSent) -> tuple[jax.Array, ExchangeStats]:
+        part_R1H = weighted_sum(unpack(all_to_all(y_R2H, FAST), sent.slot2_N), sent.weights2_R1K, jnp.float32)
         back_R1H = all_to_all(part_R1H, SLOW)
-        T, G = ok_TG.shape
+        T, G = sent.ok_TG.shape
         # slot1 is G*C1 (past the rows) where ok_TG is False: those rows come back zero; a
         # gather both ways (autodiff's scatter-add into an fp32 zero [G*C1, H] buffer let
         # XLA:GPU hoist eight of them, 0.44 GiB each, deepseek-v3's MTP block: make compile)
-        y_TGH = unpack(back_R1H, slot1).reshape(T, G, -1)
-        return y_TGH.sum(axis=1).astype(dtype), stats
+        y_TGH = unpack(back_R1H, sent.slot1_N).reshape(T, G, -1)
+        return y_TGH.sum(axis=1).astype(sent.dtype), sent.stats

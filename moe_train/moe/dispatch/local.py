@@ -6,18 +6,33 @@ dispatcher is exactly the single-device layer ``dropless_moe``.
 
 from __future__ import annotations
 
-from moe_train.moe.dispatch import Arrived, Context
+import dataclasses
+from typing import ClassVar
+
+import jax
+
+from moe_train.moe.dispatch.contract import Arrived, Context, ExchangeStats, static
 from moe_train.moe.stats import exchange_stats
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LocalSent:
+    """What ``Local.combine`` needs: how many assignments stayed here."""
+
+    assignments: int = static()  # T*K
 
 
 class Local:
     """Identity exchange: the tokens, their experts and their weights stay where they are."""
 
+    sent_type: ClassVar[type[LocalSent]] = LocalSent
+
     def __init__(self, ctx: Context | None = None):
         self.ctx = ctx
 
-    def dispatch(self, x_TH, weights_TK, experts_TK):
-        return Arrived(x_TH, experts_TK, weights_TK, x_TH.dtype, spare=False), experts_TK.size
+    def dispatch(self, x_TH, weights_TK, experts_TK) -> tuple[Arrived, LocalSent]:
+        return Arrived(x_TH, experts_TK, weights_TK, x_TH.dtype, spare=False), LocalSent(experts_TK.size)
 
-    def combine(self, y_TH, assignments: int):
-        return y_TH, exchange_stats(assignments)
+    def combine(self, y_TH, sent: LocalSent) -> tuple[jax.Array, ExchangeStats]:
+        return y_TH, exchange_stats(sent.assignments)

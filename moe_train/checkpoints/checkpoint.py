@@ -6,14 +6,14 @@ a temporary directory and renames it only once every file is on disk, so a crash
 leaves at most an unfinished temporary directory, which is ignored and cleaned up on the next
 start; ``latest_step`` only ever names finished checkpoints.
 
-Every checkpoint carries a third item, ``manifest`` (``moe_train.train.manifest``): each array's
+Every checkpoint carries a third item, ``manifest`` (``moe_train.checkpoints.manifest``): each array's
 shape, dtype, checksums and finiteness, computed on the devices at save. A state with a NaN
 or inf is never saved (``NonFiniteState``).
 
 When to save is ``Schedule`` (steps, wall time); ``open_for``/``close`` give the run's
-checkpointer and report a directory that cannot be written as ``signals.OutputError``.
+checkpointer and report a directory that cannot be written as ``exits.OutputError``.
 
-``read_manifest`` is where every reader of a checkpoint's arrays starts (resume here;
+``read_manifest`` is where every reader of a checkpoint's arrays starts (resume, ``moe_train.train.resume``;
 ``train.init_from``, ``score``, ``eval`` and ``to-hf`` through ``moe_train.convert.weights``
 and ``to_hf``): a checkpoint without a manifest is ``Unverified`` (saved before manifests
 existed, or damaged) and refused unless the reader was told to trust it; the arrays read are
@@ -51,10 +51,11 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moe_train.base import exits
+from moe_train.checkpoints import manifest
+from moe_train.checkpoints.manifest import CorruptCheckpoint
 from moe_train.config import Config, ConfigError, to_dict
 from moe_train.model.transformer import is_scanned, to_looped, to_scanned
-from moe_train.train import manifest, signals
-from moe_train.train.manifest import CorruptCheckpoint
 
 # Config fields that change the shapes or meaning of the saved state.
 STRUCTURAL = {
@@ -331,7 +332,9 @@ def open_for(out_dir: Path, t: Any) -> Checkpointer:
     try:
         return Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
     except OSError as err:
-        raise signals.output_error(err, Path(out_dir) / "checkpoints") or err
+        if (out := exits.output_error(err, Path(out_dir) / "checkpoints")) is None:
+            raise
+        raise out from err
 
 
 def close(ckpt: Checkpointer) -> None:
@@ -340,14 +343,16 @@ def close(ckpt: Checkpointer) -> None:
     try:
         ckpt.close()
     except Exception as err:
-        raise signals.output_error(err, ckpt.directory) or err
+        if (out := exits.output_error(err, ckpt.directory)) is None:
+            raise
+        raise out from err
 
 
 class Schedule:
     """When the loop saves, besides the last step and a stop signal: every
     ``train.checkpoint_every`` steps, and once ``train.checkpoint_minutes`` of wall time passed
     since the last save (or the start). The timer is this process's own: the loop agrees on
-    it across processes (``signals.StopFlag.agree``)."""
+    it across processes (``moe_train.train.signals.StopFlag.agree``)."""
 
     def __init__(self, t: Any):
         self.every, self.seconds = t.checkpoint_every, 60.0 * t.checkpoint_minutes

@@ -1,5 +1,8 @@
-"""Where each device sits in the mesh: the topology module's plan applied to this job.
+"""The trainer's device mesh: where each device sits in it, the topology plan applied to a job.
 
+0. Read the cluster preset ``parallel.cluster`` names, if any (``topology.presets``): a name
+   or file that is no valid preset is refused here (exit 2, naming the key), before the run
+   writes anything; the config does not read presets.
 1. Discover the NVLink domain of every device of the job (``topology.discovery``: NVML
    fabric info, JAX's partition index, the Slurm block, the host; or, with
    ``parallel.domain_size=N``, fake domains of N consecutive devices for CPU runs and tests).
@@ -34,8 +37,13 @@ class Layout:
     warnings: tuple[str, ...]  # mismatches against the cluster preset, for the log
 
 
-def domains(cfg: Config, devices: Sequence[jax.Device]) -> tuple[list[list[int]], str, list[str]]:
-    """(device ids per domain, one-line summary, warnings) for the chosen ``devices``."""
+def domains(
+    cfg: Config,
+    devices: Sequence[jax.Device],
+    preset: presets.Cluster | None = None,
+) -> tuple[list[list[int]], str, list[str]]:
+    """(device ids per domain, one-line summary, warnings against ``preset``) for the chosen
+    ``devices``."""
     ids = {d.id for d in devices}
     size = cfg.parallel.domain_size
     if size:
@@ -49,16 +57,26 @@ def domains(cfg: Config, devices: Sequence[jax.Device]) -> tuple[list[list[int]]
         groups = [order[i : i + size] for i in range(0, len(order), size)]
         return groups, f"{len(order)} devices in {len(groups)} fake domains of {size}", []
     records = [r for r in discovery.discover() if r.device_id in ids]
-    warnings = []
-    if cfg.parallel.cluster:
-        warnings = discovery.check_against(presets.load(cfg.parallel.cluster), records)
+    warnings = [] if preset is None else discovery.check_against(preset, records)
     return discovery.domains_of(records), discovery.summary(records), warnings
+
+
+def cluster_of(cfg: Config) -> presets.Cluster | None:
+    """The preset ``parallel.cluster`` names (None when it names none); a ConfigError naming
+    the key for a name or file that is no valid preset."""
+    if not cfg.parallel.cluster:
+        return None
+    try:
+        return presets.load(cfg.parallel.cluster)
+    except presets.TopologyError as err:
+        raise ConfigError(f"parallel.cluster: {err}") from None
 
 
 def build(cfg: Config, devices: Sequence[jax.Device]) -> Layout:
     """The mesh for ``devices`` (every process calls this together: discovery gathers)."""
+    preset = cluster_of(cfg)
     dp, ep = sharding.mesh_shape(cfg.parallel, len(devices), cfg.moe.num_experts, cfg.model.hidden)
-    groups, summary, warnings = domains(cfg, devices)
+    groups, summary, warnings = domains(cfg, devices, preset)
     try:
         plan = placement.place(groups, ep, dp, allow_straddle=cfg.parallel.allow_straddle)
     except placement.PlacementError as err:
