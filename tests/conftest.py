@@ -8,6 +8,7 @@ recompiling the same programs (it is keyed on the compiled HLO); it never change
 """
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # the launcher's XLA:GPU preflight compile (slurm/compiled.py) takes minutes per job: off for
 # the suite, on in tests/test_submit_compile.py
 os.environ.setdefault("MOE_TRAIN_COMPILE", "0")
+
+# A suite started in the background by a non-interactive shell (`make test &`, nohup) inherits
+# SIGINT ignored, and so would every child it starts: the Ctrl-C tests (test_interrupt,
+# test_entry_points) would see their signal dropped. A handler set here is not inherited
+# across exec, so the children start with SIGINT's default and install their own.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

@@ -15,7 +15,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import pytest
@@ -23,9 +25,18 @@ import pytest
 from moe_train import config
 from moe_train.data import DataError, prepare, prepared
 
+if TYPE_CHECKING:
+    import flax.linen as nn
+
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "moe_train/assets/corpus.txt"
-QUIET = {"log": lambda s: None}  # run(cfg, out, **QUIET): no progress lines
+
+
+class Quiet(TypedDict):
+    log: Callable[[str], None]
+
+
+QUIET: Quiet = {"log": lambda s: None}  # run(cfg, out, **QUIET): no progress lines
 
 # --------------------------------------------------------------------------- configs
 
@@ -47,6 +58,29 @@ def tiny_saving(*overrides: str, steps: int = 4) -> config.Config:
 
 # the docs' Mixtral job: 8 h100-dgx nodes, EP 8 (the flags of slurm.submit, slurm.show, compile)
 MIXTRAL_H100 = ("--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8")
+
+
+# --------------------------------------------------------------------------- typed access
+
+
+def search(pattern: str, text: str, flags: int = 0) -> re.Match[str]:
+    """``re.search`` that fails the test, naming the pattern, where nothing matches."""
+    match = re.search(pattern, text, flags)
+    assert match is not None, f"no match for {pattern!r}"
+    return match
+
+
+def pipe(stream: IO[str] | None) -> IO[str]:
+    """A child's ``stdout`` or ``stderr``, started with ``subprocess.PIPE`` (so not None)."""
+    assert stream is not None, "the child was started without a pipe"
+    return stream
+
+
+def call(module: nn.Module, variables, *args, **kwargs) -> Any:
+    """``module.apply(variables, *args, **kwargs)`` without ``mutable``: what the module's
+    ``__call__`` returns (flax types ``apply`` as that or the ``(out, state)`` pair of a
+    ``mutable=...`` call, and the checker sees both)."""
+    return module.apply(variables, *args, **kwargs)
 
 
 # --------------------------------------------------------------------------- a run's files

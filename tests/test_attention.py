@@ -29,12 +29,16 @@ def operands(B=2, S=40, N=4, K=2, D=16, J=None, dtype=jnp.float32, seed=0):
 def out_and_grads(impl, q, k, v, do, segment_ids_BS=None, block=0, scale=None):
     """(output, dq, dk, dv) of <attend(q, k, v), do>, all in fp32 (jitted: eager op-by-op
     dispatch would dominate the test time)."""
-    kw = dict(implementation=impl, segment_ids_BS=segment_ids_BS, block=block, scale=scale)
+
+    def attend(q, k, v):
+        return attention.attend(
+            q, k, v, implementation=impl, segment_ids_BS=segment_ids_BS, block=block, scale=scale
+        )
 
     def loss(q, k, v):
-        return jnp.vdot(attention.attend(q, k, v, **kw).astype(jnp.float32), do)
+        return jnp.vdot(attend(q, k, v).astype(jnp.float32), do)
 
-    out = attention.attend(q, k, v, **kw)
+    out = attend(q, k, v)
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     return [x.astype(jnp.float32) for x in (out, *grads)]
 
@@ -144,8 +148,9 @@ def temp_bytes(impl: str, S: int, block: int) -> int:
 
     q = jax.ShapeDtypeStruct((1, S, 4, 16), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, S, 2, 16), jnp.float32)
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, q).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    stats = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, q).compile().memory_analysis()
+    assert stats is not None
+    return stats.temp_size_in_bytes
 
 
 # temp at 4S over temp at S, measured (S = 128, 256, 512; chunked with blocks of 64):

@@ -160,18 +160,20 @@ def test_moe_removed_ablation_skips_exactly_the_routed_experts():
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
+    from helpers import call
 
     from moe_train import config
     from moe_train.bench.layer import _without_routed_experts
+    from moe_train.model.settings import model_settings
     from moe_train.model.transformer import Transformer
 
     cfg = config.build("tiny", ["parallel.devices=1"])
     tokens = jnp.zeros((2, 8), jnp.int32)
-    model = Transformer(cfg)
+    model = Transformer(model_settings(cfg))
     variables = model.init(jax.random.key(0), tokens)
-    _, stats = model.apply(variables, tokens)
+    _, stats = call(model, variables, tokens)
     with nn.intercept_methods(_without_routed_experts):
-        _, removed = model.apply(variables, tokens)
+        _, removed = call(model, variables, tokens)
     routed = 2 * 8 * cfg.moe.top_k * (cfg.model.num_layers - cfg.model.first_dense_layers)
     assert int(stats.tokens_per_expert.sum()) == routed
     assert int(removed.tokens_per_expert.sum()) == 0

@@ -342,14 +342,20 @@ def test_the_trace_sees_the_target_gpu_and_then_this_machine_again():
     from moe_train.model import attention
     from moe_train.model.attention import fused
 
-    dims = dict(dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=512)
+    def auto() -> str:
+        """The implementation ``model.attention=auto`` resolves to on the current backend."""
+        impl, _ = attention.resolve(
+            "auto", platform=jax.default_backend(), dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=512
+        )
+        return impl
+
     before = (jax.default_backend(), jax.devices(), fused.gpu_facts())
     with facts.as_target(targets.load("h100-sxm"), jax.devices()[:2]):
         assert jax.default_backend() == "gpu" and len(jax.devices()) == 2
         assert fused.gpu_facts()["cc"] == 9.0 and fused.gpu_facts()["cudnn"] == 91000
-        assert attention.resolve("auto", platform=jax.default_backend(), **dims)[0] == "cudnn"
+        assert auto() == "cudnn"
     assert (jax.default_backend(), jax.devices(), fused.gpu_facts()) == before
-    assert attention.resolve("auto", platform=jax.default_backend(), **dims)[0] == "chunked"
+    assert auto() == "chunked"
 
 
 def test_abstract_state_is_init_states_shapes_and_shardings():

@@ -80,16 +80,8 @@ def test_round_trip_through_dict():
 def test_every_field_has_a_comment():
     import inspect
 
-    for section in (
-        config.ModelConfig,
-        config.MoEConfig,
-        config.DataConfig,
-        config.OptimConfig,
-        config.TrainConfig,
-        config.ParallelConfig,
-        config.PrecisionConfig,
-        config.Config,
-    ):
+    sections = [type(getattr(config.Config(), f.name)) for f in dataclasses.fields(config.Config)]
+    for section in (*sections, config.Config):
         lines = inspect.getsource(section).splitlines()
         for field in dataclasses.fields(section):
             i = next(i for i, l in enumerate(lines) if l.strip().startswith(f"{field.name}:"))
@@ -104,27 +96,26 @@ def test_cluster_preset_gives_the_mfu_peak():
     assert load("cpu-local").peak_flops("bfloat16") is None  # nominal numbers are no peak
 
 
-def test_model_dtype_moved_to_precision_compute():
-    with pytest.raises(
-        ConfigError,
-        match=r"model.dtype moved to precision.compute; set "
-        r"precision.compute=<fp32 \| bf16 \| fp8>",
-    ):
-        config.build("tiny", ["model.dtype=bfloat16"])
-
-
-def test_model_dtype_in_a_preset_table_is_refused_too():
-    with pytest.raises(ConfigError, match="model.dtype moved to precision.compute"):
-        config.apply_tables(config.Config(), {"model": {"dtype": "bfloat16"}})
-
-
-def test_moe_chunks_is_now_overlap_chunks():
-    with pytest.raises(ConfigError, match="moe.chunks is now moe.overlap_chunks; set that"):
-        config.build("tiny", ["moe.chunks=4"])
-
-
-def test_a_stored_config_with_moe_chunks_reads_as_overlap_chunks():
-    assert config.from_dict({"moe": {"chunks": 4}}).moe.overlap_chunks == 4
+@pytest.mark.parametrize(
+    "key, valid",
+    [
+        ("model.dtype", "param_dtype"),  # never shipped: precision.compute
+        ("moe.chunks", "overlap_chunks"),  # never shipped: moe.overlap_chunks
+        ("moe.router", "top_k"),  # study.router
+        ("moe.capacity_factor", "top_k"),  # study.capacity_factor
+    ],
+)
+def test_a_key_that_is_not_in_the_schema_is_an_unknown_key(key, valid):
+    """No shims: --set, a preset table and a stored config all get the unknown-key error,
+    which lists the section's valid keys."""
+    section, field = key.split(".")
+    needle = rf"^unknown key {section}\.{field}; valid keys in \[{section}\]: .*\b{valid}\b"
+    with pytest.raises(ConfigError, match=needle):
+        config.build("tiny", [f"{key}=1"])
+    with pytest.raises(ConfigError, match=needle):
+        config.apply_tables(config.Config(), {section: {field: 1}})
+    with pytest.raises(ConfigError, match=needle):
+        config.from_dict({section: {field: 1}})
 
 
 def test_bad_precision_lists_choices():

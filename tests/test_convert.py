@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import records, run_module
+from numpy.typing import DTypeLike
 from safetensors.numpy import load_file, save_file
 
 from moe_train import config
@@ -60,7 +61,7 @@ def outer_tensors(rng) -> dict:
     }
 
 
-def mixtral_tensors(seed=0, dtype=np.float32) -> dict:
+def mixtral_tensors(seed=0, dtype: DTypeLike = np.float32) -> dict:
     """Mixtral's own tensor names (modeling_mixtral / the released files), [out, in]."""
     rng = np.random.default_rng(seed)
     t = outer_tensors(rng)

@@ -128,7 +128,7 @@ def test_bytes_source_rows_are_raw_windows_of_the_file(tmp_path):
 def test_relative_path_falls_back_to_kit_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     src = make_source(DataConfig(source="bytes", path=CORPUS), vocab_size=256, seq_len=8, batch_size=2)
-    assert src.path == (KIT_ROOT / CORPUS).resolve()
+    assert isinstance(src, data.BytesSource) and src.path == (KIT_ROOT / CORPUS).resolve()
 
 
 def test_relative_path_prefers_working_directory(tmp_path, monkeypatch):
@@ -137,7 +137,7 @@ def test_relative_path_prefers_working_directory(tmp_path, monkeypatch):
     local.write_text("a local file, not the shipped corpus\n")
     monkeypatch.chdir(tmp_path)
     src = make_source(DataConfig(source="bytes", path=CORPUS), vocab_size=256, seq_len=8, batch_size=2)
-    assert src.path.read_bytes() == local.read_bytes()
+    assert isinstance(src, data.BytesSource) and src.path.read_bytes() == local.read_bytes()
     assert src.description.startswith(f"bytes: {CORPUS} (")
 
 
@@ -199,7 +199,7 @@ def test_utf8_character_split_across_scan_chunks_is_accepted(tmp_path, monkeypat
     path = tmp_path / "accents.txt"
     path.write_text("Zoë and Søren met José at the café. " * 20, encoding="utf-8")
     src = make_source(DataConfig(source="bytes", path=str(path)), vocab_size=256, seq_len=16, batch_size=2)
-    assert src.num_tokens == path.stat().st_size
+    assert isinstance(src, data.BytesSource) and src.num_tokens == path.stat().st_size
 
 
 def test_token_id_beyond_vocab_fails_at_open(tmp_path):
@@ -235,6 +235,7 @@ def _conditional_entropy(b: np.ndarray, vocab: int) -> float:
 
 def test_synthetic_is_learnable():
     src = make_source(DataConfig(), vocab_size=128, seq_len=256, batch_size=32)
+    assert isinstance(src, data.SyntheticSource)
     b = np.concatenate([src.batch(s) for s in range(4)])
     h = _conditional_entropy(b, 128)
     assert h < 0.4 * math.log(128)  # next token is far from uniform given the current one

@@ -56,12 +56,13 @@ def test_the_looped_layout_gives_the_same_losses():
     import jax
     import jax.numpy as jnp
 
+    from moe_train.model.settings import model_settings
     from moe_train.model.transformer import Transformer, to_looped
     from moe_train.train import step as train
 
     cfg = config.build("deepseek-v3-tiny", ["train.seq_len=16"])
     looped = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
-    variables = Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+    variables = Transformer(model_settings(cfg)).init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
     params, moe_state = nn.unbox(variables["params"]), variables["moe_state"]
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 17)), jnp.int32)
     got = train._loss_fn(
@@ -69,11 +70,11 @@ def test_the_looped_layout_gives_the_same_losses():
         {},
         to_looped(moe_state, cfg.model),
         batch,
-        Transformer(looped),
+        Transformer(model_settings(looped)),
         looped,
         mtp_weight=0.3,
     )
-    want = train._loss_fn(params, {}, moe_state, batch, Transformer(cfg), cfg, mtp_weight=0.3)
+    want = train._loss_fn(params, {}, moe_state, batch, Transformer(model_settings(cfg)), cfg, mtp_weight=0.3)
     for key in ("ce", "mtp", "seq_aux"):
         np.testing.assert_allclose(got[1][key], want[1][key], rtol=1e-6)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)

@@ -367,16 +367,23 @@ def test_each_make_preset_exists(c):
 JOBS = [c for c in COMMANDS if c.module or (c.words[0] == "make" and make_as_module(c))]
 
 
+def job(c: Command) -> tuple[str, list[str]]:
+    """(module, its arguments) of a command of ``JOBS``: ``python -m`` or a make target."""
+    run = c.module or make_as_module(c)
+    assert run is not None, f"{c!r} runs no entry point"
+    return run
+
+
 @pytest.mark.parametrize("c", JOBS, ids=_ids(JOBS))
 def test_each_entry_point_exists_and_prints_its_help(c):
-    module = (c.module or make_as_module(c))[0]
+    module = job(c)[0]
     info = parsers()[module]
     assert "failed" not in info and info["help"], info.get("failed", module)
 
 
 @pytest.mark.parametrize("c", JOBS, ids=_ids(JOBS))
 def test_each_flag_is_one_the_entry_point_takes(c):
-    module, args = c.module or make_as_module(c)
+    module, args = job(c)
     info = parsers()[module]
     options = set(info["options"])
     if info["subcommands"]:
@@ -391,13 +398,13 @@ PARSED = [c for c in JOBS if not c.placeholder]
 
 @pytest.mark.parametrize("c", PARSED, ids=_ids(PARSED))
 def test_each_command_parses_with_the_entry_points_own_parser(c):
-    module, args = c.module or make_as_module(c)
+    module, args = job(c)
     assert parsers()[module]["errors"][json.dumps(args)] == "", c
 
 
 @pytest.mark.parametrize("c", JOBS, ids=_ids(JOBS))
 def test_each_preset_a_flag_names_exists(c):
-    module, args = c.module or make_as_module(c)
+    module, args = job(c)
     for flag, kind in PRESET_FLAGS.get(module, []):
         for i, a in enumerate(args[:-1]):
             if a == flag:
@@ -414,15 +421,16 @@ def _model_and_sets(args: list[str], module: str) -> tuple[str | None, list[str]
     return model, [v for f, v in pairs if f == "--set"]
 
 
-CONFIGURED = [c for c in PARSED if _model_and_sets(*reversed(c.module or make_as_module(c)))[0]]
+CONFIGURED = [c for c in PARSED if _model_and_sets(job(c)[1], job(c)[0])[0]]
 
 
 @pytest.mark.parametrize("c", CONFIGURED, ids=_ids(CONFIGURED))
 def test_each_set_item_is_a_valid_key_and_value_of_the_model(c):
     from moe_train import config
 
-    module, args = c.module or make_as_module(c)
+    module, args = job(c)
     model, sets = _model_and_sets(args, module)
+    assert model is not None  # CONFIGURED: the command names a model
     config.build(model, sets)  # ConfigError names the key
 
 
@@ -442,7 +450,7 @@ README_PLANS = [c for c in MAKE if c.where.startswith("README.md") and make_part
 def test_each_readme_plan_runs_and_gives_its_verdict_first(c):
     """make plan, as its recipe runs it (python -m slurm.show): exit 0, the memory line first
     (exit 2 where the comment says so)."""
-    module, args = make_as_module(c)
+    module, args = job(c)
     proc = subprocess.run(
         [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=120
     )

@@ -32,7 +32,7 @@ def mesh_for(devices, ep, inner=None):
 
 def run_ep(mesh, plan, ops, bias=None, **kw):
     def loss(ops):
-        y, stats = ep_moe(*ops, Routing(K, **kw), plan=plan, expert_bias=bias, seq_len=16)
+        y, stats = ep_moe(*ops, routing=Routing(K, **kw), plan=plan, expert_bias=bias, seq_len=16)
         return jnp.sum(y * jnp.cos(y)) + stats.aux_loss, (y, stats)
 
     with jax.set_mesh(mesh):
@@ -42,7 +42,7 @@ def run_ep(mesh, plan, ops, bias=None, **kw):
 
 def run_single(ops, bias=None, **kw):
     def loss(ops):
-        y, stats = dropless_moe(*ops, Routing(K, **kw), expert_bias=bias, seq_len=16)
+        y, stats = dropless_moe(*ops, routing=Routing(K, **kw), expert_bias=bias, seq_len=16)
         return jnp.sum(y * jnp.cos(y)) + stats.aux_loss, (y, stats)
 
     (_, (y, stats)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(ops)
@@ -186,9 +186,9 @@ def _scopes(fn, mesh=None) -> set[str]:
 )
 def test_every_dispatcher_runs_the_same_named_steps(dispatcher, devices, ep, inner):
     plan = EPPlan(dispatcher, ep, None)
-    fn = lambda *ops: ep_moe(*ops, Routing(K), plan=plan)  # noqa: E731
+    fn = lambda *ops: ep_moe(*ops, routing=Routing(K), plan=plan)  # noqa: E731
     assert (LOCAL_STEPS if ep == 1 else STEPS) <= _scopes(fn, mesh_for(devices, ep, inner))
 
 
 def test_the_single_device_layer_runs_the_same_named_steps():
-    assert LOCAL_STEPS <= _scopes(lambda *ops: dropless_moe(*ops, Routing(K)))
+    assert LOCAL_STEPS <= _scopes(lambda *ops: dropless_moe(*ops, routing=Routing(K)))

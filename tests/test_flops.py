@@ -37,7 +37,8 @@ def hand_cfg(**changes: dict) -> config.Config:
     sections = {name: dict(values) for name, values in HAND.items()}
     for name, values in changes.items():
         sections.setdefault(name, {}).update(values)
-    return config.build("tiny", **sections)
+    # overrides and flags given by position and name: the ** unpacking can only fill sections
+    return config.build("tiny", (), flags=None, **sections)
 
 
 def test_one_layer_counted_by_hand():
@@ -295,11 +296,12 @@ def test_counts_equal_the_parameters_the_model_creates(preset, overrides):
     import jax
     import jax.numpy as jnp
 
+    from moe_train.model.settings import model_settings
     from moe_train.model.transformer import Transformer
 
     cfg = config.build(preset, overrides)
     shapes = jax.eval_shape(
-        lambda k: Transformer(cfg).init(k, jnp.zeros((1, 8), jnp.int32)), jax.random.key(0)
+        lambda k: Transformer(model_settings(cfg)).init(k, jnp.zeros((1, 8), jnp.int32)), jax.random.key(0)
     )
     created = sum(
         int(np.prod(x.value.shape if hasattr(x, "value") else x.shape))

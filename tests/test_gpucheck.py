@@ -169,7 +169,7 @@ def test_hlo_reader_finds_no_fp8_gemm_in_a_bf16_matmul():
 
     a = jnp.zeros((16, 16), jnp.bfloat16)
     text = jax.jit(lambda x, y: x @ y).lower(a, a).compile().as_text()
-    assert hlo_gemms(text)["fp8_gemm_calls"] == []
+    assert text is not None and hlo_gemms(text)["fp8_gemm_calls"] == []
 
 
 def test_compile_section_maps_every_gpu_kind_to_a_shipped_target():

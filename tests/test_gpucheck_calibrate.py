@@ -56,8 +56,14 @@ SPEED = {
 }
 
 
+def found(rate: tuple[float, str] | None) -> tuple[float, str]:
+    """(FLOP/s, what ran) of a rate the section's rows give."""
+    assert rate is not None, "no rate from the rows"
+    return rate
+
+
 def test_the_fastest_passing_uniform_forward_backward_row_gives_the_grouped_rate():
-    rate, what = calibrate.grouped_rate(({"name": "env"}, SPEED))
+    rate, what = found(calibrate.grouped_rate(({"name": "env"}, SPEED)))
     assert rate == pytest.approx(F / 16e-3) and what.startswith("mgpu")
     assert calibrate.grouped_rate(({"name": "env"},)) is None
 
@@ -129,12 +135,12 @@ FP8 = {
 
 def test_attention_is_timed_on_the_implementation_auto_picks():
     # on CPU at S 256 auto picks chunked; the planner's model FLOPs 3 B S^2 N (Dqk + Dv)
-    rate, what = calibrate.attention_rate((ATTN,), "cpu")
+    rate, what = found(calibrate.attention_rate((ATTN,), "cpu"))
     assert rate == pytest.approx(3 * 256**2 * 4 * 64 / 2e-3) and what.startswith("chunked")
 
 
 def test_fp8_takes_the_fastest_row_with_fp8_gemms():
-    rate, what = calibrate.fp8_rate((FP8,))
+    rate, what = found(calibrate.fp8_rate((FP8,)))
     assert rate == pytest.approx(6 * 64 * 128 * 128 / 1e-3) and what.startswith("xla")
 
 

@@ -6,6 +6,7 @@ not run) and the kit's logits, each within 1e-5 relative (``max|a - b| / max|b|`
 bf16 export of fp32 weights stays within ``BF16_EXPORT_REL``. Needs the ``interop`` extra
 (torch CPU build + transformers)."""
 
+import importlib
 import json
 
 import numpy as np
@@ -245,7 +246,8 @@ def test_qwen3_dense_layers_export_as_mlp_only_layers(saved, tmp_path):
 
 def test_transformers_balance_loss_is_top_k_times_ours():
     import jax.numpy as jnp
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    mixtral = importlib.import_module("transformers.models.mixtral.modeling_mixtral")  # the interop extra
 
     from moe_train.moe.router import Routing, route, router_stats
 
@@ -253,7 +255,7 @@ def test_transformers_balance_loss_is_top_k_times_ours():
     routing = Routing(top_k=2, score_function="softmax", normalize_top_k=True)
     _, experts_TK, scores_TE = route(jnp.asarray(logits), routing)
     ours = router_stats(jnp.asarray(logits), scores_TE, experts_TK).aux_loss
-    theirs = load_balancing_loss_func((torch.as_tensor(logits),), num_experts=8, top_k=2)
+    theirs = mixtral.load_balancing_loss_func((torch.as_tensor(logits),), num_experts=8, top_k=2)
     assert float(theirs) == pytest.approx(2 * float(ours), rel=1e-5)
 
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import QUIET, ROOT
+from helpers import QUIET, ROOT, pipe
 from helpers import tiny_saving as tiny
 from test_distributed import SUPERVISOR, wait_for
 from test_faults import cli, finish, losses, saved_steps
@@ -103,7 +103,7 @@ def test_the_printed_command_resumes_at_that_step_and_matches_an_uninterrupted_r
 def test_a_second_ctrl_c_ends_the_run_at_once_with_one_line(tmp_path):
     proc = cli(tmp_path, steps=400)
     _wait_for_steps(tmp_path, 2)
-    interrupt_twice(proc, lambda: next(line for line in proc.stdout if HINT in line))
+    interrupt_twice(proc, lambda: next(line for line in pipe(proc.stdout) if HINT in line))
     sent = time.monotonic()
     code, _, err = finish(proc, timeout=60)
     assert code == EXIT_INTERRUPTED and time.monotonic() - sent < 10

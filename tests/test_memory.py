@@ -40,7 +40,9 @@ def xla_memory(cfg) -> train.CompiledMemory:
         # a bucket's step takes the step before's overflow flag (stepper.BucketedStep)
         hold = jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding.replicated(mesh))
         bucketed = plan is not None and plan.capacity_factor is not None
-        return train.compiled_memory(step, abstract, batch, *([hold] if bucketed else []))
+        memory = train.compiled_memory(step, abstract, batch, *([hold] if bucketed else []))
+    assert memory is not None, "the CPU backend has a memory analysis"
+    return memory
 
 
 def planned(cfg):

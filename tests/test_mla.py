@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import call
 
 from moe_train import config
 from moe_train.model.mla import MLA
+from moe_train.model.settings import model_settings
 
 B, S = 2, 12
 MLA_SETS = [
@@ -32,7 +34,7 @@ def cfg_of(*extra):
 
 
 def init(cfg, x):
-    return nn.unbox(MLA(cfg).init(jax.random.key(1), x)["params"])
+    return nn.unbox(MLA(model_settings(cfg)).init(jax.random.key(1), x)["params"])
 
 
 def x_of(seed=0, seq=S, hidden=32):
@@ -96,7 +98,9 @@ def reference(p, x, cfg, scale_factor=1.0):
 def test_forward_matches_the_reference(extra):
     cfg, x = cfg_of(*extra), x_of()
     p = init(cfg, x)
-    np.testing.assert_allclose(MLA(cfg).apply({"params": p}, x), reference(p, x, cfg), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        call(MLA(model_settings(cfg)), {"params": p}, x), reference(p, x, cfg), rtol=2e-5, atol=2e-5
+    )
 
 
 def test_gradients_match_the_reference():
@@ -105,7 +109,7 @@ def test_gradients_match_the_reference():
     cot = x_of(seed=3)
 
     def ours(p, x):
-        return jnp.sum(MLA(cfg).apply({"params": p}, x) * cot)
+        return jnp.sum(call(MLA(model_settings(cfg)), {"params": p}, x) * cot)
 
     def ref(p, x):  # the same equations in jnp, so autodiff can differentiate them
         return jnp.sum(_jnp_reference(p, x, cfg) * cot)
@@ -148,7 +152,10 @@ def test_outputs_never_see_later_tokens():
     cfg, x = cfg_of(), x_of()
     p = init(cfg, x)
     later = x.at[:, 7:].set(x_of(seed=9)[:, 7:])
-    a, b = MLA(cfg).apply({"params": p}, x), MLA(cfg).apply({"params": p}, later)
+    a, b = (
+        call(MLA(model_settings(cfg)), {"params": p}, x),
+        call(MLA(model_settings(cfg)), {"params": p}, later),
+    )
     np.testing.assert_array_equal(a[:, :7], b[:, :7])
     assert not np.allclose(a[:, 7:], b[:, 7:])
 
@@ -156,7 +163,9 @@ def test_outputs_never_see_later_tokens():
 def test_a_single_position_matches_the_reference():
     cfg, x = cfg_of(), x_of(seq=1)
     p = init(cfg, x)
-    np.testing.assert_allclose(MLA(cfg).apply({"params": p}, x), reference(p, x, cfg), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        call(MLA(model_settings(cfg)), {"params": p}, x), reference(p, x, cfg), rtol=2e-5, atol=2e-5
+    )
 
 
 def test_chunked_kernel_equals_full_scores():
@@ -164,7 +173,10 @@ def test_chunked_kernel_equals_full_scores():
     xla, chunked = cfg_of("model.attention=xla"), cfg_of("model.attention=chunked", "model.attention_block=8")
     p = init(xla, x)
     np.testing.assert_allclose(
-        MLA(chunked).apply({"params": p}, x), MLA(xla).apply({"params": p}, x), rtol=1e-5, atol=1e-5
+        call(MLA(model_settings(chunked)), {"params": p}, x),
+        call(MLA(model_settings(xla)), {"params": p}, x),
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 
@@ -184,7 +196,10 @@ def test_yarn_multiplies_the_softmax_scale_by_mscale_squared():
     Z, U = cfg.model.kv_lora_rank, cfg.model.qk_nope_head_dim
     p = dict(p, kv_a=p["kv_a"].at[:, Z:].set(0), q_b=p["q_b"].at[..., U:].set(0))
     np.testing.assert_allclose(
-        MLA(cfg).apply({"params": p}, x), reference(p, x, cfg, scale_factor=mscale**2), rtol=2e-5, atol=2e-5
+        call(MLA(model_settings(cfg)), {"params": p}, x),
+        reference(p, x, cfg, scale_factor=mscale**2),
+        rtol=2e-5,
+        atol=2e-5,
     )
 
 
@@ -201,8 +216,10 @@ def test_gqa_and_mla_have_their_own_weights():
     from moe_train.model.transformer import Transformer
 
     tokens = jnp.zeros((1, 8), jnp.int32)
-    gqa = nn.unbox(Transformer(config.build("tiny")).init(jax.random.key(0), tokens)["params"])
-    mla = nn.unbox(Transformer(cfg_of()).init(jax.random.key(0), tokens)["params"])
+    gqa = nn.unbox(
+        Transformer(model_settings(config.build("tiny"))).init(jax.random.key(0), tokens)["params"]
+    )
+    mla = nn.unbox(Transformer(model_settings(cfg_of())).init(jax.random.key(0), tokens)["params"])
     assert set(gqa["moe_layers"]["attn"]) == {"q", "k", "v", "o"}
     assert set(mla["moe_layers"]["attn"]) == {"q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b", "o"}
 
@@ -210,8 +227,8 @@ def test_gqa_and_mla_have_their_own_weights():
 @pytest.mark.parametrize("compute,rtol", [("bf16", 0.05), ("fp8", 0.15)])
 def test_low_precision_stays_near_fp32(compute, rtol):
     cfg, x = cfg_of(f"precision.compute={compute}"), x_of()
-    variables = nn.unbox(MLA(cfg).init(jax.random.key(1), x))
-    got = np.asarray(MLA(cfg).apply(variables, x), np.float32)
+    variables = nn.unbox(MLA(model_settings(cfg)).init(jax.random.key(1), x))
+    got = np.asarray(call(MLA(model_settings(cfg)), variables, x), np.float32)
     want = reference(variables["params"], x, cfg)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < rtol
     if compute == "fp8":  # every projection quantized like the other dense ones

@@ -88,20 +88,20 @@ def test_tile_bound_is_reached():
 def test_plan_rows_hold_their_tokens(case, tile_rows):
     plan = _plan(case, tile_rows)
     n = np.arange(T * K)
-    np.testing.assert_array_equal(plan.token_R[plan.row_N], n // K)
-    assert plan.valid_R[plan.row_N].all() and plan.valid_R.sum() == T * K
-    assert len(set(plan.row_N.tolist())) == T * K
+    np.testing.assert_array_equal(plan.token_R[plan.row_M], n // K)
+    assert plan.valid_R[plan.row_M].all() and plan.valid_R.sum() == T * K
+    assert len(set(plan.row_M.tolist())) == T * K
 
 
 @pytest.mark.parametrize("tile_rows", [None, 1, 3, 64])
 @pytest.mark.parametrize("case", ["random", "one-expert", "empty-experts"])
 def test_plan_sorts_by_expert_then_token(case, tile_rows):
     plan = _plan(case, tile_rows)
-    experts_N = np.asarray(_experts(case)).ravel()
-    order = np.argsort(plan.row_N)  # assignments in row order
-    assert np.all(np.diff(experts_N[order]) >= 0)
+    experts_M = np.asarray(_experts(case)).ravel()
+    order = np.argsort(plan.row_M)  # assignments in row order
+    assert np.all(np.diff(experts_M[order]) >= 0)
     for e in range(E):
-        rows = np.sort(plan.row_N[experts_N == e])
+        rows = np.sort(plan.row_M[experts_M == e])
         assert np.all(np.diff(plan.token_R[rows]) > 0)  # token order within an expert
 
 
@@ -117,11 +117,11 @@ def test_plan_group_sizes(case):
 @pytest.mark.parametrize("case", ["random", "one-expert", "empty-experts"])
 def test_tiles_hold_one_expert_each(case, tile_rows):
     plan = _plan(case, tile_rows)
-    experts_N = np.asarray(_experts(case)).ravel()
-    assert plan.tile_expert_B.shape == (tiled_padding(T * K, E, tile_rows)[0],)
-    np.testing.assert_array_equal(plan.tile_expert_B[plan.row_N // tile_rows], experts_N)
-    assert np.all(np.diff(plan.tile_expert_B) >= 0)
-    assert plan.tile_expert_B.min() >= 0 and plan.tile_expert_B.max() <= E - 1
+    experts_M = np.asarray(_experts(case)).ravel()
+    assert plan.tile_expert_P.shape == (tiled_padding(T * K, E, tile_rows)[0],)
+    np.testing.assert_array_equal(plan.tile_expert_P[plan.row_M // tile_rows], experts_M)
+    assert np.all(np.diff(plan.tile_expert_P) >= 0)
+    assert plan.tile_expert_P.min() >= 0 and plan.tile_expert_P.max() <= E - 1
 
 
 @pytest.mark.parametrize("tile_rows", [None, 4])
@@ -155,11 +155,11 @@ def _expert_outputs(case):
         for backend, tile_rows in (("tiled", 3), ("ragged_dot", None)):
             plan = make_dispatch(experts, E, tile_rows)
             y_RH = grouped_swiglu(permute(x, plan), plan, w0, w1, wo, backend)
-            out[backend] = y_RH[plan.row_N]
-        x_NH = jnp.repeat(x, K, axis=0)
-        e_N = experts.reshape(-1)
-        h = jax.nn.silu(jnp.einsum("nh,nhf->nf", x_NH, w0[e_N])) * jnp.einsum("nh,nhf->nf", x_NH, w1[e_N])
-        out["per-row"] = jnp.einsum("nf,nfh->nh", h, wo[e_N])
+            out[backend] = y_RH[plan.row_M]
+        x_MH = jnp.repeat(x, K, axis=0)
+        e_M = experts.reshape(-1)
+        h = jax.nn.silu(jnp.einsum("nh,nhf->nf", x_MH, w0[e_M])) * jnp.einsum("nh,nhf->nf", x_MH, w1[e_M])
+        out["per-row"] = jnp.einsum("nf,nfh->nh", h, wo[e_M])
         return out
 
     return run(x, _experts(case))
@@ -281,7 +281,7 @@ def _gpu_case():
 
 def _layer_and_grads(backend, params):
     def loss(*args):
-        y, _ = dropless_moe(*args, Routing(2), backend=backend)
+        y, _ = dropless_moe(*args, routing=Routing(2), backend=backend)
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
     grads, y = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*params)

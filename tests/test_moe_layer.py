@@ -117,7 +117,7 @@ def _results(backend_case):
 
             def loss(*args, kwargs=kwargs):
                 routing, rest = _routed(K, kwargs)
-                y, stats = fn(*args, routing, **rest)
+                y, stats = fn(*args, routing=routing, **rest)
                 return jnp.sum(y * dy), (y, stats)
 
             grads, (y, stats) = jax.grad(loss, argnums=tuple(range(5)), has_aux=True)(*all_params[case])

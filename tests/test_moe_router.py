@@ -217,6 +217,16 @@ def test_balanced_routing_gives_every_expert_the_same_load_and_distinct_experts(
     np.testing.assert_array_equal(np.bincount(e_TK.reshape(-1), minlength=8), [18] * 8)
 
 
+def test_balanced_routing_is_the_study_key_not_a_moe_key():
+    from moe_train import config
+
+    cfg = config.build("tiny", ["study.router=balanced"])
+    assert Routing.of(cfg.moe, cfg.study).balanced
+    assert not Routing.of(cfg.moe, config.StudyConfig()).balanced
+    with pytest.raises(config.ConfigError, match=r"unknown key moe\.router; valid keys in \[moe\]"):
+        config.build("tiny", ["moe.router=balanced"])
+
+
 def test_balanced_routing_weights_are_the_routers_scores_and_carry_its_gradient():
     logits = jax.random.normal(jax.random.key(0), (16, 8))
     r = Routing(2, balanced=True)

@@ -5,9 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train.moe.gemm import default_block_rows, grouped_swiglu
+from moe_train.moe.gemm import grouped_swiglu
 from moe_train.moe.permute import make_dispatch, permute
-from moe_train.moe.tiled import block_sizes, executed_rows, expert_spans, for_blocks, for_experts
+from moe_train.moe.tiled import (
+    block_sizes,
+    default_block_rows,
+    executed_rows,
+    expert_spans,
+    for_blocks,
+    for_experts,
+)
 
 T, H, E, F, K = 24, 16, 8, 12, 2
 
@@ -24,7 +31,7 @@ def test_block_sizes_and_default_block_rows():
     assert default_block_rows(128, "gpu") == 512
     for m in (1, 2, 3, 8, 32, 128):
         sizes = block_sizes(m, default_block_rows(m, "cpu"))
-        assert len(sizes) <= 3 and sizes[-1] == m
+        assert sizes[-1] == m and len(sizes) <= 3
         assert all(a % b == 0 for a, b in zip(sizes, sizes[1:]))
 
 
@@ -65,12 +72,12 @@ def _tiled_case(experts_TK, tile_rows, block_rows, num_experts=E, seed=0):
     def tiled(x, w0, w1, wo):
         plan = make_dispatch(experts_TK, num_experts, tile_rows)
         y_RH = grouped_swiglu(permute(x, plan), plan, w0, w1, wo, "tiled", block_rows=block_rows)
-        return jnp.vdot(y_RH[plan.row_N], dy), y_RH[plan.row_N]
+        return jnp.vdot(y_RH[plan.row_M], dy), y_RH[plan.row_M]
 
     def per_row(x, w0, w1, wo):
-        x_NH, e_N = jnp.repeat(x, K, axis=0), experts_TK.reshape(-1)
-        h = jax.nn.silu(jnp.einsum("nh,nhf->nf", x_NH, w0[e_N])) * jnp.einsum("nh,nhf->nf", x_NH, w1[e_N])
-        y = jnp.einsum("nf,nfh->nh", h, wo[e_N])
+        x_MH, e_M = jnp.repeat(x, K, axis=0), experts_TK.reshape(-1)
+        h = jax.nn.silu(jnp.einsum("nh,nhf->nf", x_MH, w0[e_M])) * jnp.einsum("nh,nhf->nf", x_MH, w1[e_M])
+        y = jnp.einsum("nf,nfh->nh", h, wo[e_M])
         return jnp.vdot(y, dy), y
 
     grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))
@@ -124,9 +131,9 @@ def test_tiled_rows_do_not_depend_on_buffer_size():
 
     def run(extra_tiles):
         pad = lambda a, n, v: jnp.concatenate([a, jnp.full((n, *a.shape[1:]), v, a.dtype)])
-        p = plan._replace(tile_expert_B=pad(plan.tile_expert_B, extra_tiles, E - 1))
+        p = plan._replace(tile_expert_P=pad(plan.tile_expert_P, extra_tiles, E - 1))
         x_RH = pad(permute(_normal(T, H), plan), extra_tiles * 4, 0)
-        f = lambda x, *w: jnp.sum(jnp.sin(grouped_swiglu(x, p, *w, "tiled")[plan.row_N]))
+        f = lambda x, *w: jnp.sum(jnp.sin(grouped_swiglu(x, p, *w, backend="tiled")[plan.row_M]))
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x_RH, *w)
 
     (v1, g1), (v2, g2) = run(0), run(40)

@@ -11,6 +11,7 @@ from helpers import records
 
 from moe_train import config
 from moe_train.model import mtp
+from moe_train.model.settings import model_settings
 from moe_train.model.transformer import Block, Transformer
 from moe_train.train import step as train
 from moe_train.train.loop import EXIT_OK, run
@@ -24,7 +25,7 @@ def cfg_of(*extra):
 
 def setup(cfg, seed=0):
     tokens = jnp.zeros((1, S), jnp.int32)
-    variables = Transformer(cfg).init(jax.random.key(seed), tokens)
+    variables = Transformer(model_settings(cfg)).init(jax.random.key(seed), tokens)
     batch = jnp.asarray(np.random.default_rng(seed).integers(0, 256, (B, S + 1)), jnp.int32)
     return nn.unbox(variables["params"]), variables["moe_state"], batch
 
@@ -57,7 +58,7 @@ def reference_mtp_loss(cfg, params, moe_state, batch):
     x = params["embed"][batch[:, :-1]]
     for i in range(m.num_layers):
         name = f"layer_{i}"
-        x, _ = Block(cfg, dense=i < m.first_dense_layers).apply(
+        x, _ = Block(model_settings(cfg), dense=i < m.first_dense_layers).apply(
             {"params": params[name], "moe_state": moe_state.get(name, {})}, x
         )
     p = params["mtp_0"]
@@ -68,7 +69,9 @@ def reference_mtp_loss(cfg, params, moe_state, batch):
         )
         @ p["eh_proj"]
     )
-    h, _ = Block(cfg, dense=False).apply({"params": p["block"], "moe_state": moe_state["mtp_0"]["block"]}, h)
+    h, _ = Block(model_settings(cfg), dense=False).apply(
+        {"params": p["block"], "moe_state": moe_state["mtp_0"]["block"]}, h
+    )
     logits = rms(h, p["norm"]["scale"], m.norm_eps) @ params["lm_head"]
     logp = jax.nn.log_softmax(logits[:, :-1], -1)  # position i predicts t_{i+2}: S - 1 of them
     return -jnp.mean(jnp.take_along_axis(logp, batch[:, 2:, None], -1))
@@ -77,14 +80,18 @@ def reference_mtp_loss(cfg, params, moe_state, batch):
 def test_mtp_loss_matches_the_equations():
     cfg = cfg_of()
     params, moe_state, batch = setup(cfg)
-    _, aux = train._loss_fn(params, {}, moe_state, batch, Transformer(cfg), cfg, mtp_weight=0.3)
+    _, aux = train._loss_fn(
+        params, {}, moe_state, batch, Transformer(model_settings(cfg)), cfg, mtp_weight=0.3
+    )
     np.testing.assert_allclose(aux["mtp"], reference_mtp_loss(cfg, params, moe_state, batch), rtol=1e-5)
 
 
 def test_total_adds_the_weighted_mtp_loss_and_loss_stays_next_token():
     cfg = cfg_of()
     params, moe_state, batch = setup(cfg)
-    total, aux = train._loss_fn(params, {}, moe_state, batch, Transformer(cfg), cfg, mtp_weight=0.25)
+    total, aux = train._loss_fn(
+        params, {}, moe_state, batch, Transformer(model_settings(cfg)), cfg, mtp_weight=0.25
+    )
     e = cfg.moe
     rest = e.aux_loss_coef * aux["aux"] + e.seq_aux_loss_coef * aux["seq_aux"] + e.z_loss_coef * aux["z"]
     np.testing.assert_allclose(total, aux["ce"] + 0.25 * aux["mtp"] + rest, rtol=1e-6)
@@ -94,7 +101,7 @@ def test_total_adds_the_weighted_mtp_loss_and_loss_stays_next_token():
         {},
         {k: v for k, v in moe_state.items() if k != "mtp_0"},
         batch,
-        Transformer(plain),
+        Transformer(model_settings(plain)),
         plain,
     )
     np.testing.assert_allclose(aux["ce"], plain_aux["ce"], rtol=1e-6)
@@ -104,11 +111,15 @@ def test_a_zero_weight_leaves_the_mtp_module_without_gradient_from_the_loss():
     cfg = cfg_of("moe.seq_aux_loss_coef=0")  # no balance loss either: only the weighted MTP CE
     params, moe_state, batch = setup(cfg)
     grads = jax.grad(
-        lambda p: train._loss_fn(p, {}, moe_state, batch, Transformer(cfg), cfg, mtp_weight=0.0)[0]
+        lambda p: train._loss_fn(
+            p, {}, moe_state, batch, Transformer(model_settings(cfg)), cfg, mtp_weight=0.0
+        )[0]
     )(params)
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads["mtp_0"]))
     grads = jax.grad(
-        lambda p: train._loss_fn(p, {}, moe_state, batch, Transformer(cfg), cfg, mtp_weight=0.3)[0]
+        lambda p: train._loss_fn(
+            p, {}, moe_state, batch, Transformer(model_settings(cfg)), cfg, mtp_weight=0.3
+        )[0]
     )(params)
     assert float(jnp.abs(grads["mtp_0"]["eh_proj"]).max()) > 0
 
@@ -116,7 +127,7 @@ def test_a_zero_weight_leaves_the_mtp_module_without_gradient_from_the_loss():
 def test_stats_hold_the_mtp_block_after_the_main_moe_layers():
     cfg = cfg_of()
     params, moe_state, batch = setup(cfg)
-    _, aux = train._loss_fn(params, {}, moe_state, batch, Transformer(cfg), cfg)
+    _, aux = train._loss_fn(params, {}, moe_state, batch, Transformer(model_settings(cfg)), cfg)
     loads = np.asarray(aux["stats"].tokens_per_expert)
     assert loads.shape == (2 + 1, 8)  # 2 MoE layers of the main model, then the MTP block
     assert (loads.sum(-1) == B * S * cfg.moe.top_k).all()

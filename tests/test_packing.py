@@ -26,9 +26,11 @@ from moe_train.checkpoints import checkpoint
 from moe_train.config import ConfigError, DataConfig
 from moe_train.data import make_source, packing
 from moe_train.data.heldout import DEFAULT_SEQUENCES, eval_batches
+from moe_train.data.packed import PreparedSource
 from moe_train.data.prefetch import Prefetcher
 from moe_train.data.prepared import open_split
 from moe_train.model import mtp
+from moe_train.model.settings import model_settings
 from moe_train.model.transformer import Transformer
 from moe_train.parallel import sharding
 from moe_train.train import loop as run_mod
@@ -52,13 +54,15 @@ def corpora(tmp_path_factory) -> dict[str, Path]:
     return {"val": root / "val", "no_val": root / "no_val"}
 
 
-def source(path: Path, *, seed: int = 0, packing_on: bool = True, batch_size: int = 8):
-    return make_source(
+def source(path: Path, *, seed: int = 0, packing_on: bool = True, batch_size: int = 8) -> PreparedSource:
+    src = make_source(
         DataConfig(source="prepared", path=str(path), seed=seed, packing=packing_on),
         vocab_size=VOCAB,
         seq_len=32,
         batch_size=batch_size,
     )
+    assert isinstance(src, PreparedSource)
+    return src
 
 
 def run_cfg(path: Path, *overrides: str, steps: int = 4) -> config.Config:
@@ -91,11 +95,11 @@ def random_ids(seed: int, shape) -> jnp.ndarray:
 
 
 def init(cfg, tokens_BS):
-    return jax.jit(Transformer(cfg).init)(jax.random.key(0), tokens_BS)
+    return jax.jit(Transformer(model_settings(cfg)).init)(jax.random.key(0), tokens_BS)
 
 
 def logits_of(cfg, variables, tokens_BS, segments_BS=None):
-    fn = jax.jit(lambda v, t, s: Transformer(cfg).apply(v, t, segment_ids_BS=s)[0])
+    fn = jax.jit(lambda v, t, s: Transformer(model_settings(cfg)).apply(v, t, segment_ids_BS=s)[0])
     return np.asarray(fn(variables, tokens_BS, None if segments_BS is None else jnp.asarray(segments_BS)))
 
 
@@ -161,9 +165,9 @@ def test_the_loss_ignores_the_first_token_of_each_document():
     tokens = random_ids(0, seg_BS1.shape)
     variables = init(cfg, tokens[:, :-1])
     params, moe_state = nn.unbox(variables["params"]), variables["moe_state"]
-    got = jax.jit(lambda p, b: train._loss_fn(p, {}, moe_state, b, Transformer(cfg), cfg)[1]["ce"])(
-        params, packing.make(tokens, jnp.asarray(seg_BS1))
-    )
+    got = jax.jit(
+        lambda p, b: train._loss_fn(p, {}, moe_state, b, Transformer(model_settings(cfg)), cfg)[1]["ce"]
+    )(params, packing.make(tokens, jnp.asarray(seg_BS1)))
     logits = logits_of(cfg, variables, tokens[:, :-1], seg_BS1[:, :-1])
     targets = np.asarray(tokens)[:, 1:, None]
     nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), targets, -1)[..., 0]
@@ -190,10 +194,10 @@ def test_mtp_states_of_a_document_do_not_depend_on_the_others():
     @jax.jit
     def states(t):
         ids, _ = mtp.shifted(t, 1, jnp.asarray(seg_BS1))
-        head, _ = Transformer(cfg).apply(
-            variables, t[:, :-1], logits=False, mtp_ids_DBS=ids, segment_ids_BS=jnp.asarray(seg_BS1[:, :-1])
+        head, _ = Transformer(model_settings(cfg)).apply(
+            variables, t[:, :-1], logits=False, mtp_ids_LBS=ids, segment_ids_BS=jnp.asarray(seg_BS1[:, :-1])
         )
-        return head.mtp_DBSH[0, 0]
+        return head.mtp_LBSH[0, 0]
 
     outside = seg_BS1[0, :-1] != 2
     a, b = np.asarray(states(tokens)), np.asarray(states(other))
@@ -399,9 +403,9 @@ def test_evaluate_on_a_training_batch_is_its_training_loss(state_and_batch):
     cfg, mesh, state, batch = state_and_batch
     got = evaluate_mod.evaluate(cfg, mesh, state.params, state.moe_state, [batch])
     params, moe_state = jax.device_get((state.params, state.moe_state))
-    want = jax.jit(lambda p, m, b: train._loss_fn(p, {}, m, b, Transformer(cfg), cfg)[1]["ce"])(
-        params, moe_state, batch
-    )
+    want = jax.jit(
+        lambda p, m, b: train._loss_fn(p, {}, m, b, Transformer(model_settings(cfg)), cfg)[1]["ce"]
+    )(params, moe_state, batch)
     np.testing.assert_allclose(got["eval_loss"], want, rtol=1e-5)
 
 

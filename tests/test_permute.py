@@ -49,23 +49,23 @@ def test_unpermute_gradient_equals_plain_indexing(routing):
     plan = make_dispatch(jnp.asarray(ROUTINGS[routing], jnp.int32), E, 4)
     y = _x(plan.token_R.shape[0])
     np.testing.assert_allclose(
-        _grad(lambda y: unpermute(y, plan), y), _grad(lambda y: y[plan.row_N], y), rtol=1e-6, atol=1e-6
+        _grad(lambda y: unpermute(y, plan), y), _grad(lambda y: y[plan.row_M], y), rtol=1e-6, atol=1e-6
     )
 
 
 def test_send_buffer_and_unpack_gradients_equal_plain_indexing():
     per_row, R = 2, 10  # 12 assignments, 10 slots: two are not sent
-    slot_N = jnp.asarray(np.random.default_rng(3).permutation(12), jnp.int32)
+    slot_M = jnp.asarray(np.random.default_rng(3).permutation(12), jnp.int32)
     x = _x(6)
-    send = lambda x: gather_rows(x, slot_N, per_row, R)  # noqa: E731
-    src_R = readers_of(slot_N, R)[:, 0]
+    send = lambda x: gather_rows(x, slot_M, per_row, R)  # noqa: E731
+    src_R = readers_of(slot_M, R)[:, 0]
     plain = lambda x: jnp.where((src_R < 12)[:, None], x[jnp.minimum(src_R, 11) // per_row], 0)  # noqa: E731
     np.testing.assert_array_equal(send(x), plain(x))
     np.testing.assert_allclose(_grad(send, x), _grad(plain, x), rtol=1e-6, atol=1e-6)
     y = _x(R)
-    back = lambda y: jnp.where((slot_N < R)[:, None], y[jnp.minimum(slot_N, R - 1)], 0)  # noqa: E731
-    np.testing.assert_array_equal(unpack(y, slot_N), back(y))
-    np.testing.assert_allclose(_grad(lambda y: unpack(y, slot_N), y), _grad(back, y), rtol=1e-6, atol=1e-6)
+    back = lambda y: jnp.where((slot_M < R)[:, None], y[jnp.minimum(slot_M, R - 1)], 0)  # noqa: E731
+    np.testing.assert_array_equal(unpack(y, slot_M), back(y))
+    np.testing.assert_allclose(_grad(lambda y: unpack(y, slot_M), y), _grad(back, y), rtol=1e-6, atol=1e-6)
 
 
 def test_the_backward_pass_gathers_and_never_scatters():

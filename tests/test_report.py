@@ -76,7 +76,9 @@ def test_report_figures_agree_with_metrics(smoke, tmp_path):
     assert {f.name for f in rep.figures} == FIGURES and rep.skipped_lines == 0
     assert sorted(p.stem for p in (run_dir / "report").glob("*.png")) == sorted(FIGURES)
     metrics = _lines(run_dir / "metrics.jsonl")
-    steps, loads = plots._loads(metrics)  # what the heatmaps and balance plot draw
+    drawn = plots._loads(metrics)  # what the heatmaps and balance plot draw
+    assert drawn is not None
+    steps, loads = drawn
     assert steps.tolist() == list(range(1, STEPS + 1))
     np.testing.assert_array_equal(loads, [r["tokens_per_expert"] for r in metrics])
     page = rep.html_path.read_text()

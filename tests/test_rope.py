@@ -99,6 +99,7 @@ def test_rope_layout_choices_are_listed():
 
 
 def test_the_model_uses_the_rope_section():
+    from moe_train.model.settings import model_settings
     from moe_train.model.transformer import Transformer
 
     tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
@@ -110,8 +111,8 @@ def test_the_model_uses_the_rope_section():
             "yarn": ["rope.scaling=yarn", "rope.factor=4", "rope.mscale_all_dim=1"],
         }.items()
     }
-    variables = jax.jit(Transformer(cfgs["plain"]).init)(jax.random.key(0), tokens)
-    logits = {n: jax.jit(Transformer(c).apply)(variables, tokens)[0] for n, c in cfgs.items()}
+    variables = jax.jit(Transformer(model_settings(cfgs["plain"])).init)(jax.random.key(0), tokens)
+    logits = {n: jax.jit(Transformer(model_settings(c)).apply)(variables, tokens)[0] for n, c in cfgs.items()}
     assert all(bool(jnp.all(jnp.isfinite(v))) for v in logits.values())
     assert not np.allclose(logits["interleaved"], logits["plain"])
     assert not np.allclose(logits["yarn"], logits["plain"])

@@ -71,6 +71,7 @@ def holder(tmp_path):
             text=True,
         )
         procs.append(proc)
+        assert proc.stdout is not None
         line = json.loads(proc.stdout.readline())
         assert "acquired" in line, line
         return proc
@@ -117,7 +118,7 @@ def test_takeover_reports_the_crashed_holder(tmp_path, holder):
     proc.kill()
     proc.wait(timeout=30)
     with runlock.acquire(tmp_path / "run") as lock:
-        assert lock.previous["pid"] == proc.pid and lock.previous_crashed
+        assert lock.previous is not None and lock.previous["pid"] == proc.pid and lock.previous_crashed
 
 
 def test_release_in_holder_lets_another_process_take_it(tmp_path, holder):
@@ -160,7 +161,8 @@ def test_same_process_cannot_take_its_own_directory_twice(tmp_path):
 
 def test_read_holder_in_the_holding_process_keeps_the_lock(tmp_path):
     with runlock.acquire(tmp_path / "run") as lock:
-        assert runlock.read_holder(tmp_path / "run")["pid"] == os.getpid()
+        holder = runlock.read_holder(tmp_path / "run")
+        assert holder is not None and holder["pid"] == os.getpid()
         assert "locked" in _try(tmp_path / "run")
     assert lock.previous is None
 
@@ -207,7 +209,7 @@ def test_file_system_without_locks_warns_instead_of_failing(tmp_path, monkeypatc
 
     monkeypatch.setattr(runlock.fcntl, "lockf", no_locks)  # no such file system here to test on
     lock = runlock.acquire(tmp_path / "run")
-    assert not lock.enforced and not lock.held
+    assert not lock.enforced and not lock.held and lock.warning is not None
     assert lock.warning.startswith(
         f"file system of {tmp_path / 'run'} does not support locks "
         "(Lustre without -o flock?); one trainer per directory is "

@@ -14,13 +14,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import losses
+from helpers import QUIET, call, losses
 
 from moe_train import config
 from moe_train.checkpoints import checkpoint
 from moe_train.checkpoints.checkpoint import Checkpointer
 from moe_train.config import ConfigError
 from moe_train.model.precision import FP8_COLLECTION
+from moe_train.model.settings import model_settings
 from moe_train.model.transformer import Transformer, to_looped, to_scanned
 from moe_train.parallel import sharding
 from moe_train.train import step as train
@@ -29,7 +30,6 @@ from topology import device_mesh
 
 # a dense group of 1 and an MoE group of 2, sigmoid routing with a live expert bias
 SHAPE = ["model.num_layers=3", "model.first_dense_layers=1", "moe.score_function=sigmoid"]
-QUIET = {"log": lambda s: None}
 
 
 def build(scan: bool, *overrides: str) -> config.Config:
@@ -41,7 +41,7 @@ def tokens(batch: int = 2, seq: int = 33):
 
 
 def init(cfg: config.Config) -> dict:
-    return nn.unbox(jax.jit(Transformer(cfg).init)(jax.random.key(0), tokens()[:, :-1]))
+    return nn.unbox(jax.jit(Transformer(model_settings(cfg)).init)(jax.random.key(0), tokens()[:, :-1]))
 
 
 def loss_and_grads(cfg: config.Config, variables: dict):
@@ -50,7 +50,7 @@ def loss_and_grads(cfg: config.Config, variables: dict):
     def loss(params, fp8, rest, t_BS):
         extra = {FP8_COLLECTION: fp8} if fp8 else {}
         variables = {"params": params, **rest, **extra}
-        logits_BSV, stats = Transformer(cfg).apply(variables, t_BS[:, :-1])
+        logits_BSV, stats = call(Transformer(model_settings(cfg)), variables, t_BS[:, :-1])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, t_BS[:, 1:]).mean()
         return ce + 0.01 * stats.aux_loss.mean(), stats
 
@@ -88,7 +88,7 @@ def test_every_layer_collection_is_stacked_per_group():
 
 
 def test_parameters_carry_the_layers_axis_name():
-    boxed = jax.eval_shape(lambda: Transformer(build(True)).init(jax.random.key(0), tokens()))
+    boxed = jax.eval_shape(lambda: Transformer(model_settings(build(True))).init(jax.random.key(0), tokens()))
     names = [
         x.names
         for x in jax.tree.leaves(
@@ -110,7 +110,7 @@ def test_a_group_of_no_layers_does_not_exist(dense, groups):
 
 def _dots(cfg: config.Config) -> int:
     variables = jax.eval_shape(lambda: init(cfg))
-    text = jax.jit(Transformer(cfg).apply).lower(variables, tokens()[:, :-1]).as_text()
+    text = jax.jit(Transformer(model_settings(cfg)).apply).lower(variables, tokens()[:, :-1]).as_text()
     return len(re.findall(r"stablehlo\.dot_general", text))
 
 

@@ -35,10 +35,17 @@ USER_SETS = ("train.remat=full", "moe.dispatch_dtype=activation", "moe.overlap_c
 MIXTRAL = Request(preset="h100-dgx", model="mixtral-8x7b", nodes=8, ep=8, sets=USER_SETS[:2])
 
 
-def found(req: Request, top: int = 5) -> search.Found:
+def searched(req: Request, top: int = 5) -> search.Found | None:
     cluster = presets.load(req.preset)
     cfg, _ = layout.model_config(req, cluster)
     return search.search(req, cluster, cfg, top)
+
+
+def found(req: Request, top: int = 5) -> search.Found:
+    """The search's jobs for ``req``, whose compute has a step prediction."""
+    jobs = searched(req, top)
+    assert jobs is not None, f"nothing searched for {req}"
+    return jobs
 
 
 @pytest.fixture(scope="module")
@@ -123,23 +130,24 @@ def test_remat_and_fp8_dispatch_stay_the_presets_unless_set(v3):
 def test_a_faster_opt_in_job_is_named_not_taken(v3):
     assert v3.opt_in is not None and v3.opt_in.step.step_s < v3.ranked[0].step.step_s
     assert "moe.dispatch_dtype=fp8" in v3.opt_in.changes
-    assert "opting in" in choices.summary(v3)
+    assert "opting in" in str(choices.summary(v3))
 
 
 def test_nothing_is_searched_without_a_prediction():
-    assert found(Request(preset="cpu-local", model="tiny", nodes=1, ep=8)) is None
+    assert searched(Request(preset="cpu-local", model="tiny", nodes=1, ep=8)) is None
 
 
 def test_the_gb200_deepseek_plan_exposes_at_most_a_fifth_of_its_step():
     d = decide(V3_64)
     step = choices.prediction(d.req, d.cfg).step
-    assert step.comm_share <= 0.20 and d.fits
+    assert step is not None and step.comm_share <= 0.20 and d.fits
 
 
 def _exhaustive_best(req: Request) -> float:
     """The shortest predicted step of every job of ``req``'s open keys that fits, each built
     with config.build and judged by the memory planner (no search, no cache)."""
     cluster = presets.load(req.preset)
+    assert req.ep is not None  # the request names its EP size: the search leaves it
     best = float("inf")
     for gather, size, chunks in itertools.product(("micro_batch", "step"), (1, 2, 4, 8), (1, 2, 4, 8)):
         sets = (
@@ -152,6 +160,7 @@ def _exhaustive_best(req: Request) -> float:
         v = memory.plan(cfg, cluster, req.nodes, search=False).verdict
         if v.total_bytes <= (1 - search.HEADROOM) * v.usable_bytes:
             step = topo_plan.make_plan(req.preset, req.nodes, req.model, req.ep, overrides=sets).step
+            assert step is not None
             best = min(best, step.step_s)
     return best
 

@@ -11,8 +11,10 @@ from moe_train import config
 from moe_train.parallel import sharding
 
 
-def spec(axes, rules):
-    return nn.logical_to_mesh_axes(axes, rules)
+def spec(axes, rules) -> P:
+    got = nn.logical_to_mesh_axes(axes, rules)
+    assert got is not None  # (None: no axes given)
+    return got
 
 
 def sizes(data, expert_x, expert):
@@ -92,6 +94,7 @@ def test_the_layers_axis_of_scanned_weights_is_never_sharded():
 
 
 def test_scanned_weights_shard_every_other_dim_like_their_looped_layers():
+    from moe_train.model.settings import model_settings
     from moe_train.model.transformer import Transformer, to_looped
 
     mesh = sharding.make_mesh(jax.devices()[:8], (2, 2, 2))
@@ -100,9 +103,9 @@ def test_scanned_weights_shard_every_other_dim_like_their_looped_layers():
         cfg = config.build(
             "tiny", [f"model.scan_layers={scan}", "model.num_layers=3", "model.first_dense_layers=1"]
         )
+        model = Transformer(model_settings(cfg))
         boxed = jax.eval_shape(
-            lambda k, cfg=cfg: Transformer(cfg).init(k, jax.numpy.zeros((1, 8), int))["params"],
-            jax.random.key(0),
+            lambda k, model=model: model.init(k, jax.numpy.zeros((1, 8), int))["params"], jax.random.key(0)
         )
         specs[scan] = jax.tree.map(lambda sh: sh.spec, sharding.param_shardings(boxed, mesh))
     stacked = [s for g in ("dense_layers", "moe_layers") for s in jax.tree.leaves(specs["true"][g])]

@@ -20,6 +20,7 @@ from slurm import examples, follow, plan, render, submit, task
 from slurm import site as site_mod
 from topology import presets
 from topology.placement import allocation
+from topology.steptime import StepTime
 
 KIT = Path(__file__).resolve().parent.parent
 CPU_TINY = ("--preset", "cpu-local", "--model", "tiny", "--nodes", "1")  # the smallest job
@@ -243,12 +244,17 @@ def test_the_readme_cluster_example_fits_without_a_warning(capsys, tmp_path):
     assert code == 0 and "memory: fits" in out + err and "warning: memory" not in out + err
 
 
-def test_overlap_chunks_default_to_the_planners_choice(capsys, tmp_path):
+def predicted(preset: str, nodes: int, model: str, ep: int, sets: tuple[str, ...]) -> StepTime:
+    """The planner's predicted step of a job (bf16 compute: there is one)."""
     from topology.plan import make_plan
 
-    best = make_plan(
-        "h100-dgx", 8, "mixtral-8x7b", 8, overrides=("parallel.weight_gather=step",)
-    ).step.best_chunks
+    step = make_plan(preset, nodes, model, ep, overrides=sets).step
+    assert step is not None
+    return step
+
+
+def test_overlap_chunks_default_to_the_planners_choice(capsys, tmp_path):
+    best = predicted("h100-dgx", 8, "mixtral-8x7b", 8, ("parallel.weight_gather=step",)).best_chunks
     assert best > 1  # the planner hides part of the exchange on this job
     code, out, err = dry(capsys, tmp_path, *MIXTRAL_H100)
     assert code == 0 and f"overlap: moe.overlap_chunks={best}, the planner's choice" in out + err
@@ -262,10 +268,8 @@ def test_a_users_overlap_chunks_stay(capsys, tmp_path):
 
 
 def test_weight_gather_defaults_to_the_faster_mode_that_fits(capsys, tmp_path):
-    from topology.plan import make_plan
-
     micro = "train.micro_batch_size=4"  # kept as set: the choice left is the gather mode
-    by = make_plan("h100-dgx", 8, "mixtral-8x7b", 8, overrides=(micro,)).step.by_gather
+    by = predicted("h100-dgx", 8, "mixtral-8x7b", 8, (micro,)).by_gather
     assert by["step"] < 0.99 * by["micro_batch"]  # gathering once per step is predicted faster
     code, out, err = dry(capsys, tmp_path, *MIXTRAL_H100, "--set", micro)
     assert code == 0 and "fsdp: parallel.weight_gather=step, the planner's choice" in out + err
@@ -290,10 +294,9 @@ def test_a_users_weight_gather_stays(capsys, tmp_path):
 
 def test_weight_gather_stays_where_the_faster_mode_does_not_fit(capsys, tmp_path):
     from moe_train import config, memory
-    from topology.plan import make_plan
 
     sets = ("train.micro_batch_size=2", "train.remat=full", "parallel.weight_gather=step")
-    by = make_plan("gb200-nvl72", 32, "deepseek-v3", 32, overrides=sets).step.by_gather
+    by = predicted("gb200-nvl72", 32, "deepseek-v3", 32, sets).by_gather
     step_cfg = config.build("deepseek-v3", [*sets, "parallel.ep=32"])
     assert by["step"] < by["micro_batch"]
     assert not memory.check_fits(step_cfg, "gb200-nvl72", 32).fits

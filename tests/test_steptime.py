@@ -23,6 +23,13 @@ def plan(*overrides: str, job=V3, **kw):
     return make_plan(*job, overrides=tuple(overrides), **kw)
 
 
+def predicted(*overrides: str, job=V3, **kw) -> steptime.StepTime:
+    """The plan's predicted step (there is one: the compute is not fp32)."""
+    st = plan(*overrides, job=job, **kw).step
+    assert st is not None
+    return st
+
+
 def cli(*args: str) -> subprocess.CompletedProcess:
     return run_module("topology", "plan", *args, timeout=120)
 
@@ -36,7 +43,7 @@ def test_the_flop_kinds_sum_to_the_model_flops():
 
 
 def test_the_step_is_the_sum_of_its_terms():
-    st = plan().step
+    st = predicted()
     parts = sum(st.compute_s.values()) + st.a2a_exposed_s + st.fsdp_exposed_s + st.optimizer_s
     assert st.step_s == pytest.approx(parts)
     assert st.tokens_per_s == pytest.approx(st.inputs["tokens_per_gpu"] / st.step_s)
@@ -44,7 +51,7 @@ def test_the_step_is_the_sum_of_its_terms():
 
 
 def test_chunks_hide_all_to_all_under_the_expert_gemms():
-    one, four = plan().step, plan("moe.overlap_chunks=4").step
+    one, four = predicted(), predicted("moe.overlap_chunks=4")
     assert four.a2a_exposed_s < one.a2a_exposed_s < one.a2a_s
     assert four.a2a_s >= one.a2a_s  # more, smaller collectives: more latency terms
 
@@ -57,31 +64,31 @@ def test_the_hidden_share_is_the_measured_one_at_one_and_four_chunks():
 
 
 def test_the_planner_chooses_the_chunks_that_hide_the_all_to_all():
-    st = plan("train.micro_batch_size=0", "train.micro_batches=1").step
+    st = predicted("train.micro_batch_size=0", "train.micro_batches=1")
     assert set(st.by_chunks) == set(steptime.CHUNK_CHOICES)
     assert st.best_chunks > 1 and st.by_chunks[st.best_chunks] < st.by_chunks[1]
     assert st.by_chunks[1] == pytest.approx(st.step_s)  # the preset's own moe.overlap_chunks=1
 
 
 def test_fp8_dispatch_halves_the_forward_dispatch_bytes():
-    bf16, fp8 = plan("train.remat=none").step, plan("train.remat=none", "moe.dispatch_dtype=fp8").step
+    bf16, fp8 = predicted("train.remat=none"), predicted("train.remat=none", "moe.dispatch_dtype=fp8")
     moved = bf16.inputs["a2a_transfer_s"] * bf16.inputs["moe_layers"]
     saved = moved * (1 - steptime.fp8_row_ratio(7168))  # one of the four all-to-alls
     assert bf16.a2a_s - fp8.a2a_s == pytest.approx(saved)
     assert fp8.inputs["fp8_dispatches"] == 1
-    assert plan("train.remat=full", "moe.dispatch_dtype=fp8").step.inputs["fp8_dispatches"] == 2
+    assert predicted("train.remat=full", "moe.dispatch_dtype=fp8").inputs["fp8_dispatches"] == 2
 
 
 def test_fp8_matmuls_shorten_the_gemms_and_use_the_fp8_peak():
-    bf16, fp8 = plan().step, plan("precision.compute=fp8").step
+    bf16, fp8 = predicted(), predicted("precision.compute=fp8")
     assert fp8.compute_s["experts"] < bf16.compute_s["experts"]
     assert fp8.compute_s["scores"] == pytest.approx(bf16.compute_s["scores"])  # stays bf16
     assert (bf16.peak_tflops, fp8.peak_tflops) == (2500, 5000)
 
 
 def test_fsdp_traffic_grows_with_micro_batches():
-    few = plan("train.micro_batch_size=0", "train.micro_batches=4").step
-    many = plan("train.micro_batch_size=0", "train.micro_batches=8").step
+    few = predicted("train.micro_batch_size=0", "train.micro_batches=4")
+    many = predicted("train.micro_batch_size=0", "train.micro_batches=8")
     assert many.fsdp_s == pytest.approx(2 * few.fsdp_s)
 
 
@@ -97,16 +104,16 @@ V3_FAST = (
 
 
 def test_gathering_once_per_step_moves_less_than_per_micro_batch():
-    mb, step = plan().step, plan("parallel.weight_gather=step").step
+    mb, step = predicted(), predicted("parallel.weight_gather=step")
     assert step.fsdp_s < 0.25 * mb.fsdp_s
     assert step.by_gather == pytest.approx({"micro_batch": mb.step_s, "step": step.step_s})
 
 
 def test_step_gather_traffic_is_one_gather_plus_gradients_per_micro_batch():
     t = {
-        n: plan(
+        n: predicted(
             "parallel.weight_gather=step", "train.micro_batch_size=0", f"train.micro_batches={n}"
-        ).step.fsdp_s
+        ).fsdp_s
         for n in (10, 20, 40)
     }
     assert t[40] - t[20] == pytest.approx(2 * (t[20] - t[10]))  # linear in n
@@ -114,7 +121,7 @@ def test_step_gather_traffic_is_one_gather_plus_gradients_per_micro_batch():
 
 
 def test_a_data_parallel_size_of_one_moves_no_weights_across_groups():
-    st = plan("parallel.weight_gather=step", job=("gb200-nvl72", 16, "deepseek-v3", 64)).step
+    st = predicted("parallel.weight_gather=step", job=("gb200-nvl72", 16, "deepseek-v3", 64))
     dense, _ = steptime.weights(config.load_preset("deepseek-v3"))
     inside = (3 * 2 + 4) * dense * 63 / 64 / _nvlink("gb200-nvl72")
     assert st.inputs["dp"] == 1
@@ -130,12 +137,12 @@ def test_deepseek_v3_on_64_racks_hides_all_but_a_fifth_of_its_communication():
     """The issue's target: <= 20% exposed communication with overlap and fp8 dispatch,
     bf16 and fp8 matmuls."""
     for compute_ in ("bf16", "fp8"):
-        st = plan(*V3_FAST, f"precision.compute={compute_}").step
+        st = predicted(*V3_FAST, f"precision.compute={compute_}")
         assert st.comm_share <= 0.20, (compute_, st.comm_share)
 
 
 def test_full_remat_recomputes_a_forward_and_its_all_to_alls():
-    none, full = plan("train.remat=none").step, plan("train.remat=full").step
+    none, full = predicted("train.remat=none"), predicted("train.remat=full")
     assert full.compute_s["experts"] == pytest.approx(none.compute_s["experts"] * 4 / 3)
     assert (none.inputs["a2a_per_moe_layer"], full.inputs["a2a_per_moe_layer"]) == (4, 6)
 
@@ -144,7 +151,7 @@ def test_better_efficiency_is_a_shorter_step(tmp_path):
     text = compute.DEFAULTS.read_text().replace("gemm_efficiency = 0.80", "gemm_efficiency = 1.0")
     (tmp_path / "c.toml").write_text(text)
     one = ("train.micro_batch_size=0", "train.micro_batches=1")  # compute-bound: FSDP hides
-    assert plan(*one, compute=str(tmp_path / "c.toml")).step.step_s < plan(*one).step.step_s
+    assert predicted(*one, compute=str(tmp_path / "c.toml")).step_s < predicted(*one).step_s
 
 
 def test_fp32_compute_has_no_prediction():

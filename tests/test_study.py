@@ -34,7 +34,7 @@ def test_variants_differ_only_in_what_they_study():
     for name in study.VARIANTS:
         c = cfg(name)
         assert (c.train, c.data, c.optim) == (base.train, base.data, base.optim), name
-    assert cfg("capacity-1.25").moe.capacity_factor == 1.25
+    assert cfg("capacity-1.25").study.capacity_factor == 1.25
     assert cfg("aux-free").moe.aux_loss_coef == 0 and cfg("aux-free").moe.bias_update_rate > 0
 
 

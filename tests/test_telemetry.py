@@ -113,7 +113,7 @@ def test_field_value_reads_the_union_member_of_its_type():
 
 def test_nvml_fields_rates_and_unsupported_once(fake_nvml):
     opened = tnvml.open_gpu(0, nvml=pynvml)
-    assert opened.status == "ok"
+    assert opened.status == "ok" and opened.gpu is not None
     gpu = opened.gpu
     first, new1 = gpu.read(100.0)
     second, new2 = gpu.read(101.0)
@@ -138,7 +138,9 @@ def test_nvml_fields_rates_and_unsupported_once(fake_nvml):
 
 def test_gpm_unsupported_before_hopper(fake_nvml, monkeypatch):
     monkeypatch.setattr(pynvml, "nvmlGpmQueryDeviceSupport", lambda h: SimpleNamespace(isSupportedDevice=0))
-    values, new = tnvml.open_gpu(0, nvml=pynvml).gpu.read(1.0)
+    gpu = tnvml.open_gpu(0, nvml=pynvml).gpu
+    assert gpu is not None
+    values, new = gpu.read(1.0)
     assert set(tnvml.GPM_METRICS) <= set(new) and "Hopper" in new["gpm_sm_active_pct"]
     assert values["gpu_util_pct"] == 87
 
@@ -317,7 +319,7 @@ def _real_nvml_gpu():
 @pytest.mark.skipif(not _real_nvml_gpu(), reason="needs an NVIDIA GPU and driver (NVML)")
 def test_real_nvml_reads_a_gpu():
     opened = tnvml.open_gpu(0)
-    assert opened.status == "ok", opened.status
+    assert opened.status == "ok" and opened.gpu is not None, opened.status
     gpu = opened.gpu
     try:
         first, unsupported = gpu.read(time.time())

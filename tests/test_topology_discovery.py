@@ -68,7 +68,7 @@ def test_fabric_failed_registration_gives_no_answer():
 
 def test_reader_library_not_found(monkeypatch):
     def no_library():
-        raise pynvml.NVMLError_LibraryNotFound()
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)  # an NVMLError_LibraryNotFound
 
     monkeypatch.setattr(pynvml, "nvmlInit", no_library)
     records, reasons = d.read_nvml_fabric([0, 1])
@@ -85,7 +85,14 @@ def fake_nvml(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.parametrize("error", [pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound])
+# NVMLError_NotSupported and NVMLError_FunctionNotFound (pynvml makes the classes at import)
+@pytest.mark.parametrize(
+    "error",
+    [
+        pynvml.nvmlExceptionClass(pynvml.NVML_ERROR_NOT_SUPPORTED),
+        pynvml.nvmlExceptionClass(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND),
+    ],
+)
 def test_reader_nvml_error_gives_none_and_reason(fake_nvml, error):
     def fails(handle, info):
         raise error()
@@ -157,7 +164,8 @@ def test_nvl72_partial_rack_is_one_domain_of_64_without_warning():
 
 @pytest.mark.parametrize("other", [(RACK_A, 8), (RACK_B, 7)], ids=["clique", "uuid"])
 def test_nvl72_job_across_two_racks_warns_once(other):
-    fabric = lambda h: d.FabricRecord(*other, 3, 0) if h >= 10 else d.FabricRecord(RACK_A, 7, 3, 0)
+    uuid, clique = other
+    fabric = lambda h: d.FabricRecord(uuid, clique, 3, 0) if h >= 10 else d.FabricRecord(RACK_A, 7, 3, 0)
     records = one_gpu_per_process([f"tray{t:02d}" for t in range(16)], 4, fabric)
     assert [len(g) for g in d.domains_of(records)] == [40, 24]
     warnings = d.check_against(load("gb200-nvl72"), records)

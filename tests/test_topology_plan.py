@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import run_module, start_module
+from helpers import pipe, run_module, start_module
 
 from topology import presets
 from topology.placement import PlacementError, allocation
@@ -205,6 +205,6 @@ def test_site_file_straddle_refused_then_allowed(tmp_path):
 def test_closed_stdout_is_not_a_traceback():
     # `python -m topology plan ... | head` closes the pipe early: exit quietly, as shell tools do.
     proc = start_module("topology", *"plan --preset h100-dgx --nodes 2 --model tiny --ep 8".split())
-    proc.stdout.close()  # before the child has written anything
+    pipe(proc.stdout).close()  # before the child has written anything
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "Traceback" not in err, err

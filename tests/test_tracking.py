@@ -240,6 +240,7 @@ def test_a_dead_writer_thread_is_one_warning_not_a_hang(tmp_path):
     logged = []
     tracker = tracking.Tracker(tmp_path, 0, train_cfg(), log=logged.append)
     tracker.write(step_record(1))
+    assert tracker._tb is not None
     tracker._tb._writer.file_writer.event_writer._worker.stop()  # the thread ends
     done = threading.Event()
 

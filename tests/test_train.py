@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import records, start_train_cli, tiny
+from helpers import pipe, records, start_train_cli, tiny
 
 from moe_train import config
 from moe_train.moe import Routing, dropless_moe
@@ -86,10 +86,11 @@ def test_chunked_loss_equals_the_full_logits_loss(tied):
     padded) against the old computation: fp32 logits [B, S, V] of the head, optax CE."""
     import optax
 
+    from moe_train.model.settings import model_settings
     from moe_train.model.transformer import Transformer
 
     cfg = tiny(f"model.tie_embeddings={tied}", "train.loss_chunk=40", "train.seq_len=64")
-    model = Transformer(cfg)
+    model = Transformer(model_settings(cfg))
     batch_BS = jax.random.randint(jax.random.key(1), (2, 65), 0, 256)
     variables = model.init(jax.random.key(0), batch_BS[:, :-1])
     params, moe_state = nn.unbox(variables["params"]), variables["moe_state"]
@@ -257,7 +258,7 @@ RESUME_STEPS = 14
 def uninterrupted(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("full")
     proc = _train_cli(out, RESUME_STEPS)
-    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    assert proc.wait(timeout=300) == 0, pipe(proc.stdout).read()
     return records(out)
 
 
@@ -269,7 +270,7 @@ def _wait_for_steps(out: Path, n: int) -> None:
 
 def _finish_and_compare(out: Path, reference: list[dict]) -> None:
     again = _train_cli(out, RESUME_STEPS)
-    assert again.wait(timeout=300) == 0, again.stdout.read()
+    assert again.wait(timeout=300) == 0, pipe(again.stdout).read()
     cut = records(out)
     assert [r["step"] for r in cut] == list(range(1, RESUME_STEPS + 1))
     assert [r["loss"] for r in cut] == [r["loss"] for r in reference]  # bitwise on CPU in fp32

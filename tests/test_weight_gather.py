@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import records
+from helpers import records, search
 from jax.sharding import PartitionSpec as P
 
 from moe_train import config
@@ -96,7 +96,7 @@ def all_gathers(cfg) -> tuple[int, int]:
         step = train.make_train_step(cfg, mesh, train.StepCounter(), shardings, plan)
         batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
         comps, entry = _computations(step.lower(abstract, batch).compile().as_text())
-    bodies = [re.search(r"body=%?([\w.\-]+)", line)[1] for line in comps[entry] if " while(" in line]
+    bodies = [search(r"body=%?([\w.\-]+)", line)[1] for line in comps[entry] if " while(" in line]
     assert len(bodies) == 1, bodies  # the accumulation scan
     inside = _reachable(comps, bodies)
     count = lambda names: sum(

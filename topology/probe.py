@@ -29,8 +29,8 @@ AXIS = "peers"
 def _exchange(mesh: Mesh):
     """Jitted all-to-all of a [devices * devices, n] array split along its rows."""
 
-    def body(x_PN):
-        return jax.lax.all_to_all(x_PN, AXIS, 0, 0, tiled=True)
+    def body(x):  # this device's [devices, n] block
+        return jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True)
 
     spec = P(AXIS, None)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))

@@ -6,6 +6,7 @@
 - ``arith``: ``cdiv``, integer division rounding up.
 - ``choices``: value tables that the config's validation and the code acting on the values
   share (``SCORE_FUNCTIONS``, ``BACKENDS``), kept once.
+- ``notation``: the one table of shape letters (``x_TH``: [tokens, hidden]), ``LETTERS``.
 
 May import: nothing of the kit (the standard library only), so that any package may import it
 and no import of it can close a cycle.

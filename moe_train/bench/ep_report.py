@@ -83,7 +83,7 @@ def _balanced_lines(sec: dict[str, Any]) -> list[str]:
         "",
         "### Dropless beside forced balance",
         "",
-        "`balanced` is `moe.router=balanced` (benchmarks only): every device's token t takes "
+        "`balanced` is `study.router=balanced` (benchmarks only): every device's token t takes "
         "experts (t*K + j) mod E, so every expert and every (source, destination) pair gets "
         "the same load, as published forced-balance tables are measured. Each dropless "
         "routing's median time over the balanced row's, same mesh and dispatcher:",
@@ -215,7 +215,7 @@ def markdown(sec: dict[str, Any]) -> str:
             else ""
         )
         + (
-            "; `balanced`: forced balance (`moe.router=balanced`) on the uniform tokens"
+            "; `balanced`: forced balance (`study.router=balanced`) on the uniform tokens"
             if "balanced" in s["routings"]
             else ""
         )

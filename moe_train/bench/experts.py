@@ -1,17 +1,17 @@
 """The expert computation of one MoE layer, per backend and baseline, for the GEMM benchmarks.
 
-Shape key: T tokens, K top-k, N = T*K assignments, H hidden, F expert ffn, E experts,
-R dispatched rows, C capacity slots per expert.
+Shape letters (``moe_train.base.notation``): T tokens, K top-k, M = T*K assignments, H hidden,
+F expert ffn, E experts, R dispatched rows, C rows per expert (capacity slots; T for dense-all).
 
 Every candidate computes the experts' SwiGLU, y = (silu(x @ wi_0) * (x @ wi_1)) @ wo, on its
 own layout of the same routed rows (the layout is built once, outside the timing):
 
 - ``tiled``, ``ragged_dot``, ``mgpu``, ``te``: ``gemm.grouped_swiglu`` on the dispatched rows
-  (tile-padded for tiled, sorted for the others). Useful work: N rows.
+  (tile-padded for tiled, sorted for the others). Useful work: M rows.
 - ``capacity``: the token-dropping GShard baseline's expert step, a batched [E, C, H] SwiGLU
-  with C = ceil(capacity_factor * N / E); assignments beyond C are dropped.
+  with C = ceil(capacity_factor * M / E); assignments beyond C are dropped.
 - ``dense-all``: every expert on every token, [E, T, H] (E/K times the useful work).
-- ``dense``: one dense SwiGLU on N rows with one expert's weights: the physical limit, the
+- ``dense``: one dense SwiGLU on M rows with one expert's weights: the physical limit, the
   same useful FLOPs as the routed layer in a single GEMM chain.
 
 ``build(case, backend)`` returns the layout; ``function(backend, mode)`` the jittable
@@ -31,10 +31,9 @@ import numpy as np
 
 from moe_train.moe.capacity import expert_capacity
 from moe_train.moe.gemm import BackendUnavailable, grouped_swiglu, resolve_backend
-from moe_train.moe.layer import default_tile_rows
 from moe_train.moe.permute import make_dispatch, permute
 from moe_train.moe.reference import swiglu_mlp
-from moe_train.moe.tiled import executed_rows
+from moe_train.moe.tiled import default_tile_rows, executed_rows
 
 GROUPED = ("tiled", "ragged_dot", "mgpu", "te")
 BASELINES = ("capacity", "dense-all", "dense")
@@ -75,7 +74,7 @@ class Case:
         return np.bincount(self.experts_TK.ravel(), minlength=self.num_experts)
 
     def useful_flops(self, mode: str) -> float:
-        """6*N*H*F per forward (three matmuls); forward+backward is three times that."""
+        """6*M*H*F per forward (three matmuls); forward+backward is three times that."""
         return 6.0 * self.assignments * self.hidden * self.ffn * (3 if mode == "fwd+bwd" else 1)
 
 
@@ -95,28 +94,28 @@ def _capacity_rows(case: Case, x_TH: np.ndarray) -> tuple[np.ndarray, float, int
     drop rate and C."""
     E, (T, K) = case.num_experts, case.experts_TK.shape
     C = expert_capacity(T, K, E, case.capacity_factor)
-    experts_N = case.experts_TK.T.reshape(-1)  # n = k*T + t: first choices first
-    order = np.argsort(experts_N, kind="stable")
-    counts = np.bincount(experts_N, minlength=E)
+    experts_M = case.experts_TK.T.reshape(-1)  # n = k*T + t: first choices first
+    order = np.argsort(experts_M, kind="stable")
+    counts = np.bincount(experts_M, minlength=E)
     position = np.empty_like(order)
-    position[order] = np.arange(T * K) - (np.cumsum(counts) - counts)[experts_N[order]]
+    position[order] = np.arange(T * K) - (np.cumsum(counts) - counts)[experts_M[order]]
     kept = position < C
     buf = np.zeros((E, C, x_TH.shape[1]), x_TH.dtype)
-    buf[experts_N[kept], position[kept]] = x_TH[np.arange(T * K)[kept] % T]
+    buf[experts_M[kept], position[kept]] = x_TH[np.arange(T * K)[kept] % T]
     return buf, float(1.0 - kept.mean()), C
 
 
 def build(case: Case, backend: str, seed: int = 0) -> Layout:
     """The candidate's layout of the case's routed token rows (host-side, not timed)."""
     rng = np.random.default_rng(seed)
-    T, H, E, N = case.tokens, case.hidden, case.num_experts, case.assignments
+    T, H, E, M = case.tokens, case.hidden, case.num_experts, case.assignments
     x_TH = rng.standard_normal((T, H), dtype=np.float32)
     put = lambda a: jnp.asarray(a).astype(case.dtype)
     if backend in GROUPED:
-        m = default_tile_rows(N, E) if backend == "tiled" else None
+        m = default_tile_rows(M, E) if backend == "tiled" else None
         plan = jax.jit(make_dispatch, static_argnums=(1, 2))(jnp.asarray(case.experts_TK), E, m)
         x_R = jax.jit(permute)(put(x_TH), plan)
-        rows = int(executed_rows(case.loads(), m)) if m else N
+        rows = int(executed_rows(case.loads(), m)) if m else M
         return Layout(x_R, plan, rows, tile_rows=m)
     if backend == "capacity":
         buf, drop, C = _capacity_rows(case, x_TH)
@@ -124,15 +123,15 @@ def build(case: Case, backend: str, seed: int = 0) -> Layout:
     if backend == "dense-all":
         return Layout(put(x_TH), None, E * T)
     if backend == "dense":
-        return Layout(put(rng.standard_normal((N, H), dtype=np.float32)), None, N)
+        return Layout(put(rng.standard_normal((M, H), dtype=np.float32)), None, M)
     raise ValueError(f"unknown candidate {backend!r}")
 
 
-def _swiglu_batched(x_EMH, w0, w1, wo):
-    """SwiGLU of every expert on its own [M, H] rows (capacity and dense-all)."""
-    dtype = x_EMH.dtype
-    a0 = jnp.einsum("emh,ehf->emf", x_EMH, w0.astype(dtype), preferred_element_type=F32)
-    a1 = jnp.einsum("emh,ehf->emf", x_EMH, w1.astype(dtype), preferred_element_type=F32)
+def _swiglu_batched(x_ECH, w0, w1, wo):
+    """SwiGLU of every expert on its own [C, H] rows (capacity and dense-all)."""
+    dtype = x_ECH.dtype
+    a0 = jnp.einsum("emh,ehf->emf", x_ECH, w0.astype(dtype), preferred_element_type=F32)
+    a1 = jnp.einsum("emh,ehf->emf", x_ECH, w1.astype(dtype), preferred_element_type=F32)
     h = (jax.nn.silu(a0) * a1).astype(dtype)
     return jnp.einsum("emf,efh->emh", h, wo.astype(dtype), preferred_element_type=F32).astype(dtype)
 

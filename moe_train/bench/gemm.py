@@ -28,9 +28,9 @@ import jax.numpy as jnp
 
 from moe_train.bench import experts as X
 from moe_train.bench.common import compile_jit, min_time, ratio_stats, time_rounds
-from moe_train.moe.gemm import default_block_rows, ragged_dot_expansion_bytes
+from moe_train.moe.gemm import ragged_dot_expansion_bytes
 from moe_train.moe.routings import assignments
-from moe_train.moe.tiled import block_sizes
+from moe_train.moe.tiled import block_sizes, default_block_rows
 
 TITLE = "Grouped GEMM efficiency"
 

@@ -93,8 +93,8 @@ def log(msg: str) -> None:
 
 
 def operands(shape: MoEShape, dtype, seed: int = 0):
-    """(x, gate, w0, w1, wo), the dense reference's (x_N, w0, w1, wo) and the cotangents dy
-    [T, H] and dy_N [T*K, H]. Drawn on the device (DeepSeek-sized weights are large)."""
+    """(x, gate, w0, w1, wo), the dense reference's (x_M, w0, w1, wo) and the cotangents dy
+    [T, H] and dy_M [T*K, H]. Drawn on the device (DeepSeek-sized weights are large)."""
     T, H, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
     keys = iter(jax.random.split(jax.random.key(seed), 8))
 

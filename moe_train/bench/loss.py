@@ -1,6 +1,6 @@
 """Memory against vocab and sequence length: the LM loss's temp memory, the planner's activations.
 
-Shape key: T tokens, H hidden, V vocab, S sequence length.
+Shape letters (``moe_train.base.notation``): T tokens, H hidden, V vocab, S sequence length.
 
 Loss: for each vocab size the loss and its gradients with respect to the hidden states and
 the head (forward+backward, fp32, one CPU device) are compiled two ways at the same T:

@@ -1,7 +1,8 @@
 """The chunked overlap (``moe.overlap_chunks``) and fp8 dispatch (``moe.dispatch_dtype``) of the EP
 layer on 8 fake CPU devices: same results, time and bytes.
 
-Shape key: T tokens (global), H hidden, F expert width, E experts, K top-k.
+Shape letters (``moe_train.base.notation``): T tokens (global), H hidden, F expert width, E
+experts, K top-k.
 
 For each dispatcher, the layer's forward+backward runs with chunks 1, 2 and 4 and with fp8
 dispatch (chunks 1 and 4); every row is timed side by side with the others of its dispatcher
@@ -29,7 +30,7 @@ from moe_train.parallel.jobplan import EPPlan
 TITLE = "EP overlap chunks and fp8 dispatch (8 fake CPU devices)"
 NUM_DEVICES = 8
 VARIANTS = ((1, "activation"), (2, "activation"), (4, "activation"), (1, "fp8"), (4, "fp8"))
-MESHES = {"allgather": (2, 4), "a2a": (2, 4), "hierarchical": (2, 4)}  # G domains x D
+MESHES = {"allgather": (2, 4), "a2a": (2, 4), "hierarchical": (2, 4)}  # domains x shards each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +80,8 @@ def dispatcher_rows(
     profile_dir=None,
 ) -> list[dict[str, Any]]:
     """One row per (chunks, dispatch dtype) of ``variants``, the first being the reference:
-    ``dispatcher`` over ``devices`` (default: 8 CPU devices) as G domains x D devices
-    (``domains``, default ``MESHES[dispatcher]``), EP G x D. With ``profile_dir``, a profiler
+    ``dispatcher`` over ``devices`` (default: 8 CPU devices) as domains x devices
+    per domain (``domains``, default ``MESHES[dispatcher]``). With ``profile_dir``, a profiler
     trace of the reference and of the fastest variant goes there (``profile``)."""
     devices = jax.devices("cpu")[:NUM_DEVICES] if devices is None else devices
     G, D = domains or MESHES[dispatcher]

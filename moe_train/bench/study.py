@@ -8,7 +8,7 @@ same held-out batches every ``EVAL_EVERY`` steps (``train.eval_every``):
 
 * ``dropless``: this kit's MoE (the ``tiny`` shape: 8 experts of 128, top-2);
 * ``capacity-1.0``, ``capacity-1.25``: the same MoE through the GShard-style baseline that
-  drops assignments past factor x the balanced load (``moe.capacity_factor``);
+  drops assignments past factor x the balanced load (``study.capacity_factor``);
 * ``aux-free``: the dropless MoE balanced by the expert bias (``moe.bias_update_rate``)
   instead of the auxiliary loss;
 * ``dense-active``: a dense SwiGLU model of the MoE's active width (top_k x 128), the same
@@ -52,8 +52,8 @@ BASE = [
 ]
 VARIANTS = {
     "dropless": [],
-    "capacity-1.0": ["moe.capacity_factor=1.0"],
-    "capacity-1.25": ["moe.capacity_factor=1.25"],
+    "capacity-1.0": ["study.capacity_factor=1.0"],
+    "capacity-1.25": ["study.capacity_factor=1.25"],
     "aux-free": ["moe.aux_loss_coef=0", "moe.bias_update_rate=0.01"],
     "dense-active": ["model.first_dense_layers=2", "model.dense_ffn=256"],  # top_k x 128
     "dense-total": ["model.first_dense_layers=2", "model.dense_ffn=1024"],  # 8 x 128

@@ -11,6 +11,10 @@ A ``tuple[float, ...]`` field (``moe.capacity_buckets``) is a TOML array, a JSON
 ``--set``, comma-separated numbers, and is kept sorted; config.json files written when it was
 a comma-separated string still load.
 
+The ``[study]`` section (``StudyConfig``) holds the keys that exist for benchmarks and
+studies only (forced-balance routing, the token-dropping baseline); a real training run
+leaves them at their defaults (``study_changes`` lists those that are not).
+
 ``parallel.cluster`` names a cluster preset (``topology.presets``): it is checked where the
 preset is read, when the trainer builds its mesh (``topology.device_mesh``), exit 2 naming
 the key, before anything is written.
@@ -42,10 +46,8 @@ from moe_train.config.schema import (  # noqa: F401 (API: the sections, choices,
     DTYPES,
     FP8_BACKENDS,
     FP8_RECIPES,
-    MOVED,
     ON_NONFINITE,
     REMAT_POLICIES,
-    RENAMED,
     ROPE_LAYOUTS,
     ROPE_SCALINGS,
     SCORE_FUNCTIONS,
@@ -59,11 +61,13 @@ from moe_train.config.schema import (  # noqa: F401 (API: the sections, choices,
     ParallelConfig,
     PrecisionConfig,
     RopeConfig,
+    StudyConfig,
     TrainConfig,
     attention_dims,
     compute_dtype,
     head_dim,
     moe_layer_count,
+    study_changes,
 )
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -125,14 +129,6 @@ def _section_update(section: Any, name: str, values: dict[str, Any], parse: bool
     valid = [f.name for f in dataclasses.fields(section)]
     changes = {}
     for key, value in values.items():
-        if f"{name}.{key}" in MOVED:
-            new, choices = MOVED[f"{name}.{key}"]
-            raise ConfigError(
-                f"{name}.{key} moved to {new}; set {new}=<{' | '.join(choices)}> "
-                f"instead (e.g. {new}={choices[1]})"
-            )
-        if f"{name}.{key}" in RENAMED:
-            raise ConfigError(f"{name}.{key} is now {RENAMED[f'{name}.{key}']}; set that instead")
         if key not in valid:
             raise ConfigError(f"unknown key {name}.{key}; valid keys in [{name}]: {', '.join(valid)}")
         typ = hints[key]
@@ -260,12 +256,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def from_dict(d: dict[str, Any]) -> Config:
-    """A stored config (``to_dict``'s), read under today's key names (``RENAMED``)."""
-    d = {name: dict(values) if isinstance(values, dict) else values for name, values in d.items()}
-    for old, new in RENAMED.items():
-        (sec, key), (_, new_key) = old.split("."), new.split(".")
-        if isinstance(d.get(sec), dict) and key in d[sec]:
-            d[sec].setdefault(new_key, d[sec].pop(key))
+    """A stored config (``to_dict``'s); unknown sections and keys raise ConfigError."""
     return apply_tables(Config(), d)
 
 

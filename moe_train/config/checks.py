@@ -105,7 +105,6 @@ RANGES: dict[str, Range] = {
     "moe.bias_update_rate": _nonneg(),
     "moe.overlap_chunks": _int(1),
     "moe.bucket_step_down_after": _int(1),
-    "moe.capacity_factor": _nonneg(),
     "data.seed": _int(0),
     "optim.lr": _positive(),
     "optim.min_lr_ratio": Range(float, 0.0, 1.0),
@@ -149,6 +148,7 @@ RANGES: dict[str, Range] = {
     "rope.beta_slow": _positive(),
     "rope.mscale": _nonneg(),
     "rope.mscale_all_dim": _nonneg(),
+    "study.capacity_factor": _nonneg(),
 }
 
 
@@ -352,18 +352,18 @@ def _check_mla(m: Any) -> None:
 
 
 def _check_capacity(cfg: Any) -> None:
-    """The token-dropping baseline (moe.capacity_factor) runs on the plain local path."""
-    f = cfg.moe.capacity_factor
+    """The token-dropping baseline (study.capacity_factor) runs on the plain local path."""
+    f = cfg.study.capacity_factor
     if not f:
         return
     if cfg.parallel.ep != 1:
         raise ConfigError(
-            f"moe.capacity_factor={f} (the token-dropping baseline) runs without "
-            f"expert parallelism; set parallel.ep=1 or moe.capacity_factor=0"
+            f"study.capacity_factor={f} (the token-dropping baseline) runs without "
+            f"expert parallelism; set parallel.ep=1 or study.capacity_factor=0"
         )
     if cfg.precision.compute == "fp8":
         raise ConfigError(
-            f"moe.capacity_factor={f} (the token-dropping baseline) has no fp8 "
+            f"study.capacity_factor={f} (the token-dropping baseline) has no fp8 "
             f"path; choose precision.compute fp32 or bf16"
         )
 

@@ -13,18 +13,13 @@ from moe_train.base.choices import BACKENDS, SCORE_FUNCTIONS
 
 DISPATCHERS = ("auto", "allgather", "a2a", "hierarchical")  # moe.dispatcher
 DISPATCH_DTYPES = ("activation", "fp8")  # moe.dispatch_dtype
-ROUTERS = ("learned", "balanced")  # moe.router
+ROUTERS = ("learned", "balanced")  # study.router
 DATA_SOURCES = ("synthetic", "tokens", "bytes", "prepared")
 TOKEN_DTYPES = ("uint16", "uint32")
 DTYPES = ("float32", "bfloat16")
 COMPUTE = ("fp32", "bf16", "fp8")  # precision.compute
 FP8_RECIPES = ("delayed", "current", "mxfp8")  # mxfp8: Transformer Engine on Blackwell only
 FP8_BACKENDS = ("auto", "xla", "te")  # precision.fp8_backend
-# Keys that moved to another section: --set or a preset naming the old one is told where.
-MOVED = {"model.dtype": ("precision.compute", COMPUTE)}
-# Keys renamed in place: --set or a preset naming the old one is told the new name; a stored
-# config (a checkpoint's metadata) written under the old name reads as the new one.
-RENAMED = {"moe.chunks": "moe.overlap_chunks"}
 REMAT_POLICIES = ("none", "full", "matmuls", "moe")  # moe_train.model.remat documents each
 WEIGHT_GATHERS = ("micro_batch", "step")  # moe_train.train.gather documents both
 ATTENTION = ("auto", "xla", "cudnn", "chunked", "te")  # model.attention (moe_train.model.attention)
@@ -85,10 +80,6 @@ class MoEConfig:
     num_shared_experts: int = 0  # always-on shared experts (DeepSeek); 0 disables
     shared_ffn: int = 0  # hidden width of each shared expert; 0 means expert_ffn
     score_function: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3)
-    # learned (top-k of the scores) | balanced (BENCHMARKS ONLY: token t takes experts (t*K + j) mod E, so
-    # every expert gets the same load, as published forced-balance figures are measured; the weights are still
-    # the router's scores, but the model does not learn to route)
-    router: str = "learned"
     normalize_top_k: bool = True  # renormalise the chosen weights to sum to 1
     num_groups: int = 0  # expert groups for group-limited routing; 0 disables
     group_top_k: int = 0  # groups each token may use when num_groups > 0
@@ -110,9 +101,6 @@ class MoEConfig:
     # exchange buffers x balanced load; then worst
     capacity_buckets: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
     bucket_step_down_after: int = 20  # steps of lower load before using the next smaller bucket
-    # > 0: the GShard-style baseline for studies: each expert takes at most factor x the balanced share of the
-    # batch's assignments and drops the rest (dropped_tokens counts them); 0: dropless (this kit's path)
-    capacity_factor: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +228,22 @@ class PrecisionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StudyConfig:
+    """Keys that exist for benchmarks and studies only (``make bench``, ``make study``): they
+    change what the MoE layer computes to measure it against a baseline. A real training run
+    leaves them at their defaults; the trainer warns once when one is not."""
+
+    # learned (top-k of the scores: training) | balanced (forced balance: token t takes experts (t*K + j) mod
+    # E, so every expert gets the same load, as published forced-balance figures are measured; the weights are
+    # still the router's scores, but the model does not learn to route)
+    router: str = "learned"
+    # > 0: the GShard-style token-dropping baseline: each expert takes at most factor x the balanced share of
+    # the batch's assignments and drops the rest (dropped_tokens counts them); needs parallel.ep=1 and no fp8;
+    # 0: dropless (training)
+    capacity_factor: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """The whole run."""
 
@@ -251,6 +255,7 @@ class Config:
     parallel: ParallelConfig = ParallelConfig()  # devices
     precision: PrecisionConfig = PrecisionConfig()  # compute dtype and fp8 scaling
     rope: RopeConfig = RopeConfig()  # rotary position embeddings
+    study: StudyConfig = StudyConfig()  # benchmark and study baselines only; defaults for training
 
 
 # str fields with a fixed set of values (free text: data.path, parallel.cluster,
@@ -260,7 +265,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "moe.backend": BACKENDS,
     "moe.dispatcher": DISPATCHERS,
     "moe.dispatch_dtype": DISPATCH_DTYPES,
-    "moe.router": ROUTERS,
+    "study.router": ROUTERS,
     "data.source": DATA_SOURCES,
     "data.token_dtype": TOKEN_DTYPES,
     "model.param_dtype": DTYPES,
@@ -275,6 +280,17 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rope.layout": ROPE_LAYOUTS,
     "rope.scaling": ROPE_SCALINGS,
 }
+
+
+def study_changes(cfg: Config) -> list[str]:
+    """``section.key=value`` of every ``[study]`` key not at its default (empty for a real
+    training run)."""
+    default = StudyConfig()
+    return [
+        f"study.{f.name}={getattr(cfg.study, f.name)}"
+        for f in dataclasses.fields(StudyConfig)
+        if getattr(cfg.study, f.name) != getattr(default, f.name)
+    ]
 
 
 def compute_dtype(p: PrecisionConfig) -> str:

@@ -57,6 +57,7 @@ from moe_train.convert.hf_files import (
 )
 from moe_train.convert.tensors import Entry, entries, extra_copies
 from moe_train.convert.weights import PRESET, WEIGHTS, part_of
+from moe_train.model.settings import model_settings
 from moe_train.model.transformer import Transformer
 
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|" + re.escape(SCALE_SUFFIX) + r")$")
@@ -67,7 +68,7 @@ def looped_tree(cfg: Config) -> dict:
     """Abstract {"params", "moe_state"} of ``cfg`` in the looped layout."""
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
     tokens = jnp.zeros((1, 8), jnp.int32)
-    v = jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens), jax.random.key(0))
+    v = jax.eval_shape(lambda k: Transformer(model_settings(cfg)).init(k, tokens), jax.random.key(0))
     return {"params": nn.unbox(v["params"]), "moe_state": v.get("moe_state", {})}
 
 

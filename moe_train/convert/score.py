@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from moe_train.base import exits
 from moe_train.config import ConfigError
 from moe_train.convert import weights
+from moe_train.model.settings import model_settings
 from moe_train.model.transformer import Transformer
 from moe_train.parallel import sharding
 
@@ -93,7 +94,7 @@ def score(
     params, moe_state = weights.restore(source, cfg, mesh, trust_unverified)
     shd = sharding.Sharding.of(mesh, cfg)
     rows = NamedSharding(mesh, P(sharding.TOKEN_AXES) if ids.shape[0] % mesh.size == 0 else P())
-    model = Transformer(cfg)
+    model = Transformer(model_settings(cfg))
 
     @jax.jit
     def forward(params, moe_state, ids_BS):

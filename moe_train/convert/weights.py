@@ -45,6 +45,7 @@ from jax.sharding import Mesh
 from moe_train import config
 from moe_train.checkpoints import checkpoint, manifest
 from moe_train.config import Config, ConfigError
+from moe_train.model.settings import model_settings
 from moe_train.model.transformer import Transformer, is_scanned, to_looped, to_scanned
 from moe_train.parallel import sharding
 
@@ -97,7 +98,7 @@ def config_of(source: Source) -> Config:
 def _abstract(cfg: Config, mesh: Mesh):
     """Abstract (params, moe_state) of ``cfg`` with their shardings on ``mesh``."""
     tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
-    boxed = jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens), jax.random.key(0))
+    boxed = jax.eval_shape(lambda k: Transformer(model_settings(cfg)).init(k, tokens), jax.random.key(0))
     shd = sharding.Sharding.of(mesh, cfg)
     params = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -1,7 +1,7 @@
 """Batches of packed documents: the batch representation, positions and labels.
 
-Letter key: B batch, S sequence (model inputs), S1 = S + 1 (a batch row: inputs and the last
-target).
+Shape letters (``moe_train.base.notation``): B batch, S sequence (model inputs), S1 = S + 1 (a
+batch row: inputs and the last target).
 
 A batch is either a plain ``int32 [B, S+1]`` array of token ids (every source but packed
 prepared data: attention sees the whole row, positions are 0..S-1) or, with documents packed

@@ -49,6 +49,7 @@ from moe_train.config import Config, ConfigError
 from moe_train.data import packing
 from moe_train.model import loss
 from moe_train.model.precision import FP8_COLLECTION
+from moe_train.model.settings import model_settings
 from moe_train.model.transformer import Transformer
 from moe_train.parallel import sharding
 
@@ -79,7 +80,7 @@ def compiled(cfg: Config, mesh: Mesh):
     """The jitted ``(params, fp8_state, moe_state, batch) -> (loss sum, count)`` on ``mesh``.
     A batch runs as ``train.micro_batches`` micro-batches in turn, as the train step runs
     it, so an evaluation never holds more activations than a training micro-batch."""
-    model = Transformer(cfg, sharding.ep_plans(cfg, mesh)[-1])
+    model = Transformer(model_settings(cfg), sharding.ep_plans(cfg, mesh)[-1])
     shd = sharding.Sharding.of(mesh, cfg)
     n = cfg.train.micro_batches
 

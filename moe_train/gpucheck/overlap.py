@@ -12,7 +12,8 @@ A ``jax.profiler`` trace of chunks=1 and of the fastest variant goes to
 ``<out>/overlap_trace/`` (TensorBoard's profile plugin or Perfetto: each call is annotated
 ``moe.overlap_chunks/<chunks, dispatch>``), the profile to read beside the planner's model.
 
-Shape key: T tokens (global), H hidden, F expert width, E experts, K top-k.
+Shape letters (``moe_train.base.notation``): T tokens (global), H hidden, F expert width, E
+experts, K top-k.
 """
 
 from __future__ import annotations

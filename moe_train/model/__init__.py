@@ -8,6 +8,9 @@
   rotary embeddings with YaRN;
 * ``loss``: the chunked LM cross-entropy; ``precision`` (+ ``precision_te``): fp32, bf16
   and fp8 matmuls; ``remat``: activation checkpointing policies;
+* ``settings``: ``ModelSettings``, what the modules read of a run's config (``model_settings(cfg)``:
+  the model, moe, rope, precision and study sections and ``train.remat``), with the precision
+  policy resolved once;
 * ``flops``: parameter counts and FLOPs per token from the config alone (no JAX).
 
 May import: ``moe_train.config``, ``moe_train.parallel``, ``moe_train.moe``,

@@ -1,8 +1,8 @@
 """Building blocks shared by the model's modules: weight use under FSDP, initialisers, RMSNorm,
 the dense SwiGLU MLP and the base of the attention layers.
 
-Letter key (the model's): B batch, S sequence, H hidden, F ffn width, N query heads, K
-key/value heads, D query/key head dim, J value head dim.
+Shape letters (``moe_train.base.notation``): B batch, S sequence, H hidden, F ffn width, N query
+heads, Y key/value heads, D query/key head dim, J value head dim.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_train.config import Config
 from moe_train.model import attention, precision, rope
+from moe_train.model.settings import ModelSettings
 from moe_train.moe.vjp import custom_vjp
 
 ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
@@ -116,11 +116,11 @@ class SwiGLU(nn.Module):
     """Dense SwiGLU MLP: (silu(x @ wi_0) * (x @ wi_1)) @ wo."""
 
     ffn: int
-    cfg: Config
+    cfg: ModelSettings
 
     @nn.compact
     def __call__(self, x_BSH):
-        m, pol = self.cfg.model, precision.policy(self.cfg)
+        m, pol = self.cfg.model, self.cfg.policy
         dt = pol.dtype
         up, down = ("embed", "mlp"), ("mlp", "embed")
         wi_0 = weight(self, "wi_0", (m.hidden, self.ffn), up)
@@ -138,25 +138,25 @@ class CausalAttention(nn.Module):
     attended causally through ``moe_train.model.attention`` (``model.attention`` resolved for
     this platform; with ``segment_ids_BS`` inside each packed document) and projected by ``o``."""
 
-    cfg: Config
+    cfg: ModelSettings
 
     @nn.compact
     def __call__(self, x_BSH, segment_ids_BS=None, positions_BS=None):
-        m, pol = self.cfg.model, precision.policy(self.cfg)
-        q_BSND, k_BSKD, v_BSKJ = self.qkv(x_BSH, positions_BS)
+        m, pol = self.cfg.model, self.cfg.policy
+        q_BSND, k_BSYD, v_BSYJ = self.qkv(x_BSH, positions_BS)
         D = q_BSND.shape[-1]
         impl, _ = attention.resolve(
             m.attention,
             platform=jax.default_backend(),
             dtype=pol.dtype,
             head_dim=D,
-            v_head_dim=v_BSKJ.shape[-1],
+            v_head_dim=v_BSYJ.shape[-1],
             seq_len=x_BSH.shape[1],
         )
         o_BSNJ = attention.attend(
             q_BSND,
-            k_BSKD,
-            v_BSKJ,
+            k_BSYD,
+            v_BSYJ,
             implementation=impl,
             segment_ids_BS=segment_ids_BS,
             block=m.attention_block,
@@ -167,6 +167,6 @@ class CausalAttention(nn.Module):
         return precision.dot(pol, "o", o_BSNJ, gathered(wo, o_axes, pol.dtype), n=2)
 
     def qkv(self, x_BSH, positions_BS):
-        """(q [B, S, N, D], k [B, S, K, D], v [B, S, K, J]), RoPE applied: each subclass
+        """(q [B, S, N, D], k [B, S, Y, D], v [B, S, Y, J]), RoPE applied: each subclass
         (``transformer.Attention``, ``mla.MLA``) says how it projects them."""
         raise NotImplementedError

@@ -1,8 +1,7 @@
 """Chunked LM cross-entropy: the [T, V] logits never exist whole, forward or backward.
 
-Letter key for tensor names (as in ``moe_train.model.transformer``, plus the chunk letters):
-  T tokens, H hidden, V vocab, C tokens per chunk, G number of chunks (T padded to G*C),
-  W vocab columns per tile (``vocab_tile``).
+Shape letters (``moe_train.base.notation``): T tokens, H hidden, V vocab, C tokens per chunk,
+P number of chunks (T padded to P*C), W vocab columns per tile (``vocab_tile``).
 
 ``lm_loss`` equals ``optax.softmax_cross_entropy_with_integer_labels`` on the full fp32
 logits ``(x_TH @ head_HV) * logit_scale``, averaged over tokens, plus an optional z-loss
@@ -18,7 +17,7 @@ dtype, whatever T and V: the default C * W is a fixed budget (``CHUNK_LOGITS_BYT
 parameter-sized buffers. (With chunks outside, the [H, V] gradient was an fp32 loop carry:
 XLA:GPU's while-loop double buffering held three copies of it, 3.7 GiB for Qwen3's head.)
 
-Chunks are strided: token t goes to chunk ``t % G`` at row ``t // G``. With the tokens
+Chunks are strided: token t goes to chunk ``t % P`` at row ``t // P``. With the tokens
 sharded in contiguous blocks over devices (the kit's batch sharding), every chunk takes the
 same rows from each device's block, so under ``jax.jit`` each device works on its own C/n
 tokens per step and no token moves. Two consequences of the partitioner seeing global
@@ -164,23 +163,23 @@ def token_losses(x_TH, head_HV, labels_T, *, chunk: int = 0, logit_scale: float 
 
 
 def _to_chunks(a_T, chunk: int):
-    """[T, ...] -> [C, G, ...], token t at [t // G, t % G] (chunk g is column g): a reshape,
-    no copy, unless T needs padding (at the end, with zeros) to G*C."""
+    """[T, ...] -> [C, P, ...], token t at [t // P, t % P] (chunk g is column g): a reshape,
+    no copy, unless T needs padding (at the end, with zeros) to P*C."""
     T = a_T.shape[0]
-    G = cdiv(T, chunk)
-    if G * chunk > T:
-        a_T = jnp.pad(a_T, [(0, G * chunk - T)] + [(0, 0)] * (a_T.ndim - 1))
-    return a_T.reshape(chunk, G, *a_T.shape[1:])
+    P = cdiv(T, chunk)
+    if P * chunk > T:
+        a_T = jnp.pad(a_T, [(0, P * chunk - T)] + [(0, 0)] * (a_T.ndim - 1))
+    return a_T.reshape(chunk, P, *a_T.shape[1:])
 
 
-def _chunk(a_CG, g):
+def _chunk(a_CP, g):
     """Chunk ``g`` of a ``_to_chunks`` array: [C, ...]."""
-    return jax.lax.dynamic_index_in_dim(a_CG, g, axis=1, keepdims=False)
+    return jax.lax.dynamic_index_in_dim(a_CP, g, axis=1, keepdims=False)
 
 
-def _from_chunks(a_CG, num_tokens: int):
-    """Inverse of ``_to_chunks``: [C, G, ...] -> [T, ...]."""
-    return a_CG.reshape(-1, *a_CG.shape[2:])[:num_tokens]
+def _from_chunks(a_CP, num_tokens: int):
+    """Inverse of ``_to_chunks``: [C, P, ...] -> [T, ...]."""
+    return a_CP.reshape(-1, *a_CP.shape[2:])[:num_tokens]
 
 
 def _loop(step, carry, n: int):
@@ -248,13 +247,13 @@ def _chunk_lse_and_picked(x_CH, labels_C, head_HV, width: int, scale: float):
 def _nll_and_lse_fwd(x_TH, head_HV, labels_T, chunk: int, width: int, scale: float):
     x_mm, head = _operands(x_TH, head_HV)
     T = x_TH.shape[0]
-    x_CGH, labels_CG = _to_chunks(x_mm, chunk), _to_chunks(labels_T, chunk)
+    x_CPH, labels_CP = _to_chunks(x_mm, chunk), _to_chunks(labels_T, chunk)
 
     def per_chunk(_, g):
-        return None, _chunk_lse_and_picked(_chunk(x_CGH, g), _chunk(labels_CG, g), head, width, scale)
+        return None, _chunk_lse_and_picked(_chunk(x_CPH, g), _chunk(labels_CP, g), head, width, scale)
 
-    _, out_GC = _loop(per_chunk, None, x_CGH.shape[1])
-    lse_T, picked_T = (_from_chunks(a_GC.T, T) for a_GC in out_GC)
+    _, out_PC = _loop(per_chunk, None, x_CPH.shape[1])
+    lse_T, picked_T = (_from_chunks(a_PC.T, T) for a_PC in out_PC)
     return (lse_T - picked_T, lse_T), (x_TH, head_HV, labels_T, lse_T)
 
 
@@ -276,45 +275,45 @@ def _nll_and_lse_bwd(chunk: int, width: int, scale: float, residuals, cotangents
     g_nll_T, g_lse_T = (g.astype(jnp.float32) for g in cotangents)
     x_TH, head = _operands(x_in, head_in)
     chunked = (_to_chunks(a, chunk) for a in (x_TH, labels_T, g_nll_T, g_lse_T, lse_T))
-    x_CGH, labels_CG, g_nll_CG, g_lse_CG, lse_CG = chunked
+    x_CPH, labels_CP, g_nll_CP, g_lse_CP, lse_CP = chunked
     H, V = head.shape
 
     def per_tile(carry, v):
-        dx_CGH, dhead_HV = carry
+        dx_CPH, dhead_HV = carry
         first = v * width
         start = jnp.minimum(first, V - width)
         head_HW = jax.lax.dynamic_slice_in_dim(head, start, width, axis=1)
         fresh_W = start + jnp.arange(width, dtype=jnp.int32) >= first
 
         def per_chunk(carry, g):
-            dhead_HW, dx_CGH = carry
-            x_CH = _chunk(x_CGH, g)
-            inputs = tuple(_chunk(a, g) for a in (labels_CG, g_nll_CG, g_lse_CG, lse_CG))
+            dhead_HW, dx_CPH = carry
+            x_CH = _chunk(x_CPH, g)
+            inputs = tuple(_chunk(a, g) for a in (labels_CP, g_nll_CP, g_lse_CP, lse_CP))
             dlogits_CW = _dlogits(
                 inputs, _logits(x_CH, head_HW, scale), start, fresh_W, head.dtype, width, scale
             )
-            dx_CH = _chunk(dx_CGH, g) + jax.lax.dot_general(
+            dx_CH = _chunk(dx_CPH, g) + jax.lax.dot_general(
                 dlogits_CW, head_HW, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )
             dhead_HW = dhead_HW + jax.lax.dot_general(
                 x_CH, dlogits_CW, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )
-            return (dhead_HW, jax.lax.dynamic_update_index_in_dim(dx_CGH, dx_CH, g, axis=1)), None
+            return (dhead_HW, jax.lax.dynamic_update_index_in_dim(dx_CPH, dx_CH, g, axis=1)), None
 
         dhead0 = _zeros_varying_like((H, width), x_TH, head, g_nll_T, g_lse_T)
-        (dhead_HW, dx_CGH), _ = _loop(per_chunk, (dhead0, dx_CGH), x_CGH.shape[1])
+        (dhead_HW, dx_CPH), _ = _loop(per_chunk, (dhead0, dx_CPH), x_CPH.shape[1])
         # added, not written: the last tile overlaps the one before (zeros on its columns)
         old_HW = jax.lax.dynamic_slice_in_dim(dhead_HV, start, width, axis=1)
         new_HW = (old_HW + dhead_HW).astype(dhead_HV.dtype)
-        return (dx_CGH, jax.lax.dynamic_update_slice_in_dim(dhead_HV, new_HW, start, axis=1)), None
+        return (dx_CPH, jax.lax.dynamic_update_slice_in_dim(dhead_HV, new_HW, start, axis=1)), None
 
-    dx0 = _zeros_varying_like(x_CGH.shape, x_TH, head, g_nll_T, g_lse_T)
+    dx0 = _zeros_varying_like(x_CPH.shape, x_TH, head, g_nll_T, g_lse_T)
     # made from the head, not a constant held from early on (``permute.zeros_after``)
     dhead0 = (zeros_after(head.shape, jnp.float32, head) + _empty_sum(x_TH, g_nll_T, g_lse_T)).astype(
         head_in.dtype
     )
-    (dx_CGH, dhead_HV), _ = _loop(per_tile, (dx0, dhead0), cdiv(V, width))
-    return (_from_chunks(dx_CGH, x_TH.shape[0]).astype(x_in.dtype), dhead_HV, None)
+    (dx_CPH, dhead_HV), _ = _loop(per_tile, (dx0, dhead0), cdiv(V, width))
+    return (_from_chunks(dx_CPH, x_TH.shape[0]).astype(x_in.dtype), dhead_HV, None)
 
 
 def _empty_sum(*arrays):

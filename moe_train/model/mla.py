@@ -1,13 +1,13 @@
 """Multi-head Latent Attention (MLA), as DeepSeek-V2 and V3 define it (arXiv:2412.19437, 2.1.1).
 
-Letter key: B batch, S sequence, H hidden, N heads, W query latent (``model.q_lora_rank``),
-Z key/value latent (``model.kv_lora_rank``), U no-RoPE dims per head
-(``model.qk_nope_head_dim``), I RoPE dims (``model.qk_rope_head_dim``), D = U + I query/key
-head dim, J value head dim (``model.v_head_dim``).
+Shape letters (``moe_train.base.notation``): B batch, S sequence, H hidden, N heads, Z key/value
+latent (``model.kv_lora_rank``), U no-RoPE dims per head (``model.qk_nope_head_dim``), I RoPE
+dims (``model.qk_rope_head_dim``), D = U + I query/key head dim, J value head dim
+(``model.v_head_dim``); the query latent's width is ``model.q_lora_rank``, in words.
 
 Per token, with the report's names in brackets:
 
-    c_q  = RMSNorm(x @ q_a)                      [B, S, W]     (c^Q; without q_lora_rank: none)
+    c_q  = RMSNorm(x @ q_a)                      [B, S, q_lora_rank]  (c^Q; without it: none)
     q    = c_q @ q_b  (or x @ q)                 [B, S, N, D]  (q^C and q^R side by side)
     c_kv, k_rope = split(x @ kv_a)               [B, S, Z], [B, S, I]   (c^KV, k^R)
     k_nope, v = split(RMSNorm(c_kv) @ kv_b)      [B, S, N, U], [B, S, N, J]
@@ -41,7 +41,7 @@ class MLA(CausalAttention):
     inside each packed document, RoPE at ``positions_BS`` (default 0..S-1)."""
 
     def qkv(self, x_BSH, positions_BS):
-        m, pol = self.cfg.model, precision.policy(self.cfg)
+        m, pol = self.cfg.model, self.cfg.policy
         N, U, I, J = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         q_BSND = self._queries(x_BSH, N, U + I)
         kv_axes = ("embed", "kv_lora_rope")
@@ -66,14 +66,14 @@ class MLA(CausalAttention):
 
     def _queries(self, x_BSH, N: int, D: int):
         """[B, S, N, D] through the query latent (``q_lora_rank`` > 0) or straight from x."""
-        m, pol = self.cfg.model, precision.policy(self.cfg)
+        m, pol = self.cfg.model, self.cfg.policy
         if not m.q_lora_rank:
             axes = ("embed", "heads", "head_dim")
             w = weight(self, "q", (m.hidden, N, D), axes)
             return precision.dot(pol, "q", x_BSH, gathered(w, axes, pol.dtype))
         down_axes, up_axes = ("embed", "q_lora"), ("q_lora", "heads", "head_dim")
         q_a = weight(self, "q_a", (m.hidden, m.q_lora_rank), down_axes)
-        c_BSW = precision.dot(pol, "q_a", x_BSH, gathered(q_a, down_axes, pol.dtype))
-        c_BSW = RMSNorm(m.norm_eps, name="q_a_norm")(c_BSW)
+        c_q = precision.dot(pol, "q_a", x_BSH, gathered(q_a, down_axes, pol.dtype))  # [B, S, q_lora_rank]
+        c_q = RMSNorm(m.norm_eps, name="q_a_norm")(c_q)
         q_b = weight(self, "q_b", (m.q_lora_rank, N, D), up_axes)
-        return precision.dot(pol, "q_b", c_BSW, gathered(q_b, up_axes, pol.dtype))
+        return precision.dot(pol, "q_b", c_q, gathered(q_b, up_axes, pol.dtype))

@@ -1,8 +1,9 @@
 """Multi-Token Prediction (MTP), DeepSeek-V3's training objective (arXiv:2412.19437, 2.2).
 
-Letter key: B batch, S sequence, H hidden, D MTP depths (``model.mtp_depth``).
+Shape letters (``moe_train.base.notation``): B batch, S sequence, H hidden, L the MTP modules
+(one per depth: ``model.mtp_depth``).
 
-Module k (k = 1..D, named ``mtp_{k-1}``) reads, at every position i, the hidden state
+Module k (k = 1..L, named ``mtp_{k-1}``) reads, at every position i, the hidden state
 h^{k-1}_i of the depth before (k = 1: the main model's last block, before its final norm) and
 the embedding of token i+k, and predicts token i+k+1:
 
@@ -27,23 +28,23 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from moe_train.config import Config
 from moe_train.model import precision
 from moe_train.model.layers import RMSNorm, gathered, weight
+from moe_train.model.settings import ModelSettings
 
 
 class MTPModule(nn.Module):
     """One MTP depth: (h^{k-1} [B,S,H], Emb(t_{i+k}) [B,S,H]) -> (h^k, RMSNorm(h^k), stats);
     packed documents' segment ids and positions as the main model's blocks take them."""
 
-    cfg: Config
+    cfg: ModelSettings
     block_cls: Any  # the model's (remat-wrapped) Block class
     dense: bool  # a dense block (only for models without MoE layers)
     ep_plan: Any = None  # the MoE block's expert-parallel plan, as the main model's
 
     @nn.compact
     def __call__(self, h_BSH, emb_BSH, segment_ids_BS=None, positions_BS=None):
-        m, pol = self.cfg.model, precision.policy(self.cfg)
+        m, pol = self.cfg.model, self.cfg.policy
         e_BSH = RMSNorm(m.norm_eps, name="enorm")(emb_BSH)
         h_BSH = RMSNorm(m.norm_eps, name="hnorm")(h_BSH)
         axes = ("mtp_concat", "embed")
@@ -68,14 +69,14 @@ def mtp_weight(m: Any, step):
 
 
 def shifted(batch_BS1, depth: int, segments_BS1=None):
-    """(input ids [D, B, S], labels [D, B, S]) of each depth from a [B, S+1] batch: depth k's
+    """(input ids [L, B, S], labels [L, B, S]) of each depth from a [B, S+1] batch: depth k's
     row i holds token i+k and, as its label, token i+k+1; past the batch: id 0, label -1.
     With packed documents (``segments_BS1``) nothing crosses a document either: where token
     i+k is in another document than token i the id is 0, where token i+k+1 is, the label
     is -1 (so a position's MTP input depends on its own document only)."""
     B, S = batch_BS1.shape[0], batch_BS1.shape[1] - 1
     pad = jnp.full((B, depth + 1), -1, batch_BS1.dtype)
-    ext_BS = jnp.concatenate([batch_BS1, pad], axis=1)  # [B, S + 1 + D + 1]
+    ext_BS = jnp.concatenate([batch_BS1, pad], axis=1)  # [B, S + 1 + L + 1]
     ids = jnp.stack([ext_BS[:, k : k + S] for k in range(1, depth + 1)])
     labels = jnp.stack([ext_BS[:, k + 1 : k + 1 + S] for k in range(1, depth + 1)])
     if segments_BS1 is not None:

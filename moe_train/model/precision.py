@@ -1,7 +1,5 @@
 """Compute precision: fp32, bf16, and fp8 matmuls with per-tensor scaling (``[precision]``).
 
-Letter key: A amax-history steps; the matmul operands keep their callers' names.
-
 ``fp32`` and ``bf16`` cast the weights to that dtype at use. ``fp8`` computes in bf16 and
 quantizes the operands of the matmuls to fp8: e4m3 for the forward operands (activations and
 weights), e5m2 for the gradient flowing back into each matmul's output. Master weights,
@@ -26,7 +24,7 @@ of past steps (this step's amax while the history is still empty, i.e. on the fi
 ``current``: from this step's amax. Either way the step rolls its amax into the history.
 scale = amax * 2**margin / fp8_max; a tensor is quantized as x / scale.
 
-The scaling state of every quantized tensor, ``{"scale": f32[], "amax_history": f32[A]}``,
+The scaling state of every quantized tensor, ``{"scale": f32[], "amax_history": f32[history]}``,
 lives in the flax collection ``_overwrite_with_gradient`` (FP8_COLLECTION, the name flax's
 fp8 ops and Transformer Engine use). The custom VJPs below return each tensor's new state as
 the "gradient" of its old state; the train step differentiates with respect to the
@@ -68,7 +66,7 @@ class Policy:
     fp8: bool  # quantize the matmuls
     backend: str  # "xla" or "te" (dense projections; experts always xla)
     recipe: Recipe  # of the xla q/dq (the experts' under te)
-    history: int  # A
+    history: int  # amax-history steps
     recipe_name: str  # precision.fp8_recipe (for Transformer Engine)
 
 
@@ -87,12 +85,12 @@ def fp8_max(q_dtype) -> float:
 def update_meta(x, meta: dict, q_dtype, recipe: Recipe) -> dict:
     """The state this step uses and keeps: the new scale and the history rolled with amax(x)."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    history_A = meta["amax_history"]
-    past = jnp.max(history_A)
+    history = meta["amax_history"]
+    past = jnp.max(history)
     use = amax if recipe.current else jnp.where(past > 0, past, amax)
     scale = use * (2.0**recipe.margin) / fp8_max(q_dtype)
     scale = jnp.where((use > 0) & jnp.isfinite(use), scale, meta["scale"])
-    return {"scale": scale, "amax_history": jnp.roll(history_A, 1).at[0].set(amax)}
+    return {"scale": scale, "amax_history": jnp.roll(history, 1).at[0].set(amax)}
 
 
 def to_fp8(x, scale, q_dtype):
@@ -180,9 +178,9 @@ def _resolve(p: PrecisionConfig, platform: str) -> tuple[str, str]:
     return "te", "Transformer Engine found"
 
 
-def policy(cfg: Config, platform: str | None = None) -> Policy:
-    """``cfg.precision`` resolved for ``platform`` (default: JAX's default backend)."""
-    p = cfg.precision
+def policy(p: PrecisionConfig, platform: str | None = None) -> Policy:
+    """``[precision]`` resolved for ``platform`` (default: JAX's default backend). The model
+    reads it once per ``ModelSettings`` (``moe_train.model.settings``)."""
     backend, _ = _resolve(p, platform or jax.default_backend())
     # MXFP8 block scales are TE's alone; the experts' per-tensor q/dq then scales currently.
     recipe = Recipe(current=p.fp8_recipe != "delayed", margin=p.margin)

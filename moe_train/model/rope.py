@@ -1,6 +1,7 @@
 """Rotary position embeddings: the two pair layouts and YaRN frequency scaling.
 
-Letter key: B batch, S sequence, N heads, D rotated head dim (even), D/2 frequencies.
+Shape letters (``moe_train.base.notation``): B batch, S sequence, N heads, D rotated head dim
+(even), D/2 frequencies.
 Positions are 0..S-1 unless the caller passes per-row positions (packed documents,
 ``moe_train.data.packing.positions``).
 

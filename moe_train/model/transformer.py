@@ -1,9 +1,8 @@
 """Decoder-only MoE transformer (Flax linen), written against logical axis names.
 
-Letter key for tensor names:
-  B batch, S sequence, T tokens (B*S), H hidden, V vocab, N query heads, K key/value heads,
-  D head dim, F ffn width, E experts, L layers of one scanned group (the MoE layers, for
-  per-layer MoE stats and the expert bias).
+Shape letters (``moe_train.base.notation``): B batch, S sequence, T tokens (B*S), H hidden,
+V vocab, N query heads, Y key/value heads, D head dim, F ffn width, E experts, L layers (of one
+scanned group; the MoE layers, for per-layer MoE stats and the expert bias; the MTP modules).
 
 Parameters are created with logical axes (``embed``, ``mlp``, ``heads``, ``expert``, ...);
 ``moe_train.parallel.sharding.LOGICAL_RULES`` maps them to mesh axes. The expert bias of
@@ -32,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_train.config import Config, head_dim
+from moe_train.config import head_dim
 from moe_train.data import packing
 from moe_train.model import precision, remat, rope
 from moe_train.model.layers import (
@@ -47,6 +46,7 @@ from moe_train.model.layers import (
 from moe_train.model.mla import MLA
 from moe_train.model.mtp import MTPModule
 from moe_train.model.precision import FP8_COLLECTION
+from moe_train.model.settings import ModelSettings
 from moe_train.moe import Routing, capacity_moe, dropless_moe, ep_moe
 from moe_train.parallel.jobplan import EPPlan
 
@@ -64,7 +64,7 @@ class Attention(CausalAttention):
     are the RoPE positions (default 0..S-1)."""
 
     def qkv(self, x_BSH, positions_BS):
-        m, pol = self.cfg.model, precision.policy(self.cfg)
+        m, pol = self.cfg.model, self.cfg.policy
         d, dt = head_dim(m), pol.dtype
 
         def proj(name, heads, axes):
@@ -72,15 +72,15 @@ class Attention(CausalAttention):
             return precision.dot(pol, name, x_BSH, gathered(w, axes, dt))  # [B, S, heads, D]
 
         q_BSND = proj("q", m.num_heads, ("embed", "heads", "head_dim"))
-        k_BSKD = proj("k", m.num_kv_heads, ("embed", "kv_heads", "head_dim"))
-        v_BSKD = proj("v", m.num_kv_heads, ("embed", "kv_heads", "head_dim"))
+        k_BSYD = proj("k", m.num_kv_heads, ("embed", "kv_heads", "head_dim"))
+        v_BSYD = proj("v", m.num_kv_heads, ("embed", "kv_heads", "head_dim"))
         if m.qk_norm:
             q_BSND = RMSNorm(m.norm_eps, "head_dim", name="q_norm")(q_BSND)
-            k_BSKD = RMSNorm(m.norm_eps, "head_dim", name="k_norm")(k_BSKD)
+            k_BSYD = RMSNorm(m.norm_eps, "head_dim", name="k_norm")(k_BSYD)
         r = self.cfg.rope
         q_BSND = rope.apply(q_BSND, m.rope_theta, r, positions_BS)
-        k_BSKD = rope.apply(k_BSKD, m.rope_theta, r, positions_BS)
-        return q_BSND, k_BSKD, v_BSKD
+        k_BSYD = rope.apply(k_BSYD, m.rope_theta, r, positions_BS)
+        return q_BSND, k_BSYD, v_BSYD
 
 
 class MoEBlock(nn.Module):
@@ -90,7 +90,7 @@ class MoEBlock(nn.Module):
     without one, on this device (``dropless_moe``).
     """
 
-    cfg: Config
+    cfg: ModelSettings
     ep_plan: EPPlan | None = None
 
     @nn.compact
@@ -107,7 +107,7 @@ class MoEBlock(nn.Module):
         wo_EFH = self.param("wo", part(expert_init, ("expert", "mlp", "embed")), (E, F, H), pdt)
         bias_E = self.variable("moe_state", "expert_bias", jnp.zeros, (E,), jnp.float32).value
         B, S, _ = x_BSH.shape
-        pol = precision.policy(self.cfg)
+        pol = self.cfg.policy
         x_TH = x_BSH.reshape(B * S, H)
         # self.param returns the unboxed array, not the LogicallyPartitioned its init makes
         w = (wi_0_EHF.astype(pol.dtype), wi_1_EHF.astype(pol.dtype), wo_EFH.astype(pol.dtype))  # pyright: ignore[reportAttributeAccessIssue]
@@ -133,12 +133,13 @@ class MoEBlock(nn.Module):
         method of its own so that ``flax.linen.intercept_methods`` can replace it (the
         benchmark's MoE-removed ablation)."""
         e = self.cfg.moe
-        operands, routing = (x_TH, gate_HE, *w), Routing.of(e)
-        if e.capacity_factor:  # the token-dropping baseline of studies (ep 1, no fp8)
+        study = self.cfg.study
+        operands, routing = (x_TH, gate_HE, *w), Routing.of(e, study)
+        if study.capacity_factor:  # the token-dropping baseline of studies (ep 1, no fp8)
             return capacity_moe(
                 *operands,
                 routing=routing,
-                capacity_factor=e.capacity_factor,
+                capacity_factor=study.capacity_factor,
                 seq_len=seq_len,
                 expert_bias=bias_E,
             )
@@ -171,16 +172,14 @@ class Block(nn.Module):
     (broadcast by the scan).
     """
 
-    cfg: Config
+    cfg: ModelSettings
     dense: bool
     ep_plan: EPPlan | None = None
 
     @nn.compact
     def __call__(self, x_BSH, segment_ids_BS=None, positions_BS=None):
         m = self.cfg.model
-        sublayer = remat.wrap_attention(
-            _attention_sublayer, self.cfg.train.remat, prevent_cse=not m.scan_layers
-        )
+        sublayer = remat.wrap_attention(_attention_sublayer, self.cfg.remat, prevent_cse=not m.scan_layers)
         x_BSH = x_BSH + sublayer(self, x_BSH, segment_ids_BS, positions_BS)
         h_BSH = RMSNorm(m.norm_eps, name="mlp_norm")(x_BSH)
         if self.dense:
@@ -219,7 +218,7 @@ class LMHead(NamedTuple):
     x_BSH: jax.Array  # final-normed hidden states, compute dtype
     head_HV: jax.Array  # lm_head, or the tied embedding transposed, compute dtype
     scale: float  # 1, or model.tied_logit_scale (hidden**-0.5 by default) for the tied embedding
-    mtp_DBSH: jax.Array | None = None  # each MTP depth's normed hidden states (same head)
+    mtp_LBSH: jax.Array | None = None  # each MTP depth's normed hidden states (same head)
 
 
 def head_logits(h: LMHead):
@@ -240,8 +239,8 @@ class Transformer(nn.Module):
     with ``logits=False`` -> (``LMHead``, stats): the train step's chunked loss then never
     materialises the [B, S, V] logits.
 
-    With ``model.mtp_depth`` > 0 and ``mtp_ids_DBS`` (``moe_train.model.mtp.shifted``) the MTP
-    modules run too: ``LMHead.mtp_DBSH`` holds their normed outputs and their MoE layers'
+    With ``model.mtp_depth`` > 0 and ``mtp_ids_LBS`` (``moe_train.model.mtp.shifted``) the MTP
+    modules run too: ``LMHead.mtp_LBSH`` holds their normed outputs and their MoE layers'
     stats follow the main model's in the stats (L = main MoE layers + depths, the depth order
     of the released checkpoints, where the MTP module is the layer after the last). Without
     ids they do not run (scoring, evaluation), except at init, which creates their weights.
@@ -249,17 +248,20 @@ class Transformer(nn.Module):
     Packed documents (``moe_train.data.packing``): ``segment_ids_BS`` [B, S] keeps every
     attention (the MTP modules' too) inside its document, and the RoPE positions restart per
     document (``positions_BS``, derived from the segment ids unless given).
+
+    ``cfg`` is what the model reads of the run's config (``moe_train.model.settings``:
+    ``model_settings(cfg)``), shared by every submodule.
     """
 
-    cfg: Config
+    cfg: ModelSettings
     ep_plan: EPPlan | None = None  # expert-parallel MoE layers on the context mesh
 
     @nn.compact
     def __call__(
-        self, tokens_BS, logits: bool = True, mtp_ids_DBS=None, segment_ids_BS=None, positions_BS=None
+        self, tokens_BS, logits: bool = True, mtp_ids_LBS=None, segment_ids_BS=None, positions_BS=None
     ):
         m = self.cfg.model
-        dt = precision.policy(self.cfg).dtype  # bf16 under fp8: embedding and head unquantized
+        dt = self.cfg.policy.dtype  # bf16 under fp8: embedding and head unquantized
         embed_VH = self.param(
             "embed",
             nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
@@ -273,15 +275,15 @@ class Transformer(nn.Module):
         seq = (segment_ids_BS, positions_BS)
         h_BSH, stats_L = self._blocks(x_BSH, seq)
         x_BSH = RMSNorm(m.norm_eps, name="final_norm")(h_BSH)
-        if m.mtp_depth and mtp_ids_DBS is None and self.is_initializing():
-            mtp_ids_DBS = jnp.zeros((m.mtp_depth, *tokens_BS.shape), jnp.int32)
-        mtp_DBSH = None
-        if m.mtp_depth and mtp_ids_DBS is not None:
-            mtp_DBSH, stats_L = self._mtp(h_BSH, table_VH, mtp_ids_DBS, stats_L, seq)
+        if m.mtp_depth and mtp_ids_LBS is None and self.is_initializing():
+            mtp_ids_LBS = jnp.zeros((m.mtp_depth, *tokens_BS.shape), jnp.int32)
+        mtp_LBSH = None
+        if m.mtp_depth and mtp_ids_LBS is not None:
+            mtp_LBSH, stats_L = self._mtp(h_BSH, table_VH, mtp_ids_LBS, stats_L, seq)
         if m.tie_embeddings:
             # The embedding is initialised at unit scale; 1/sqrt(H) keeps tied logits O(1)
             # (model.tied_logit_scale=0); released tied checkpoints use 1.
-            head = LMHead(x_BSH, table_VH.T, m.tied_logit_scale or m.hidden**-0.5, mtp_DBSH)
+            head = LMHead(x_BSH, table_VH.T, m.tied_logit_scale or m.hidden**-0.5, mtp_LBSH)
         else:
             head_HV = self.param(
                 "lm_head",
@@ -289,7 +291,7 @@ class Transformer(nn.Module):
                 (m.hidden, m.vocab_size),
                 jnp.dtype(m.param_dtype),
             )
-            head = LMHead(x_BSH, gathered(head_HV, ("embed", "vocab"), dt), 1.0, mtp_DBSH)
+            head = LMHead(x_BSH, gathered(head_HV, ("embed", "vocab"), dt), 1.0, mtp_LBSH)
         return (head_logits(head) if logits else head), stats_L
 
     def _blocks(self, x_BSH, seq):
@@ -297,7 +299,7 @@ class Transformer(nn.Module):
         ``seq``: (segment ids, positions), each [B, S] or None."""
         m, scan = self.cfg.model, self.cfg.model.scan_layers
         # Under scan the body is already a loop iteration: no CSE barrier needed for remat.
-        block_cls = remat.wrap_block(Block, self.cfg.train.remat, prevent_cse=not scan)
+        block_cls = remat.wrap_block(Block, self.cfg.remat, prevent_cse=not scan)
         layer_stats = []
         for name, dense, layers in layer_groups(m):
             if scan:
@@ -313,14 +315,14 @@ class Transformer(nn.Module):
                 layer_stats += [] if dense else [_stacked(stats)]
         return x_BSH, _concat(layer_stats)
 
-    def _mtp(self, h_BSH, table_VH, ids_DBS, stats_L, seq):
-        """The MTP depths in turn: (normed outputs [D, B, S, H], stats with theirs appended)."""
+    def _mtp(self, h_BSH, table_VH, ids_LBS, stats_L, seq):
+        """The MTP depths in turn: (normed outputs [L, B, S, H], stats with theirs appended)."""
         m = self.cfg.model
-        block_cls = remat.wrap_block(Block, self.cfg.train.remat, prevent_cse=True)
+        block_cls = remat.wrap_block(Block, self.cfg.remat, prevent_cse=True)
         dense = m.first_dense_layers >= m.num_layers  # V3's MTP block is a MoE block
         outs, layer_stats = [], [] if stats_L is None else [stats_L]
         for k in range(m.mtp_depth):
-            emb_BSH = nn.with_logical_constraint(table_VH[ids_DBS[k]], ACTIVATION_AXES)
+            emb_BSH = nn.with_logical_constraint(table_VH[ids_LBS[k]], ACTIVATION_AXES)
             h_BSH, normed_BSH, stats = MTPModule(self.cfg, block_cls, dense, self.ep_plan, name=f"mtp_{k}")(
                 h_BSH, emb_BSH, *seq
             )

@@ -4,8 +4,9 @@
   ``unpermute``, ``combine``) for every EP size; ``router``, ``permute``, ``stats``: its steps
   and its statistics; ``dispatch/``: one module per token exchange (local, allgather, a2a,
   hierarchical) and the ``Dispatcher`` contract they implement (``dispatch/contract.py``);
-* ``gemm``, ``tiled``: the grouped GEMM backends; ``reference``: the obviously-correct
-  per-expert loop they are tested against; ``capacity``: the token-dropping GShard baseline;
+* ``gemm``, ``tiled``: the grouped GEMM backends (``tiled`` also holds its settings:
+  tile and block rows); ``reference``: the obviously-correct per-expert loop they are tested
+  against; ``capacity``: the token-dropping GShard baseline;
 * ``routings``: synthetic routings (uniform, Zipf, one hot expert) shared by the self-test,
   the benchmarks and the tests.
 
@@ -15,11 +16,12 @@ loop, the launcher, the planners or the benchmarks.
 
 from moe_train.moe.capacity import capacity_moe, expert_capacity
 from moe_train.moe.gemm import BACKENDS, BackendUnavailable, available_backends, resolve_backend
-from moe_train.moe.layer import default_tile_rows, dropless_moe, ep_moe
+from moe_train.moe.layer import dropless_moe, ep_moe
 from moe_train.moe.permute import tiled_padding
 from moe_train.moe.reference import dense_reference_moe, swiglu_mlp
 from moe_train.moe.router import Routing, route, route_tokens, router_logits, router_stats
 from moe_train.moe.stats import MoEStats
+from moe_train.moe.tiled import default_tile_rows
 
 __all__ = [
     "BACKENDS",

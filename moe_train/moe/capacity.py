@@ -1,7 +1,7 @@
 """GShard-style token-dropping MoE (capacity baseline for benchmarks).
 
-Shape key: T tokens, H hidden, E experts, F expert ffn, K top-k, N = T*K assignments,
-C capacity (slots per expert).
+Shape letters (``moe_train.base.notation``): T tokens, H hidden, E experts, F expert ffn, K
+top-k, M = T*K assignments, C capacity (slots per expert), R = E*C slot rows.
 
 Each expert keeps at most C assignments. Priority is slot-major: every token's 1st choice
 comes before any 2nd choice, and within a slot earlier tokens come first. Kept assignments
@@ -28,14 +28,14 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 def slot_positions(experts_TK: jax.Array, num_experts: int) -> jax.Array:
     """Position [T, K] of each assignment in its expert's queue (slot-major priority)."""
     T, K = experts_TK.shape
-    experts_N = experts_TK.T.reshape(-1)  # n = k*T + t
-    order_N = jnp.argsort(experts_N, stable=True)
-    sorted_N = experts_N[order_N]
-    counts_E = jnp.bincount(experts_N, length=num_experts)
+    experts_M = experts_TK.T.reshape(-1)  # n = k*T + t
+    order_M = jnp.argsort(experts_M, stable=True)
+    sorted_M = experts_M[order_M]
+    counts_E = jnp.bincount(experts_M, length=num_experts)
     start_E = jnp.cumsum(counts_E) - counts_E
-    rank_N = jnp.arange(T * K) - start_E[sorted_N]
-    position_N = jnp.zeros((T * K,), jnp.int32).at[order_N].set(rank_N.astype(jnp.int32))
-    return position_N.reshape(K, T).T
+    rank_M = jnp.arange(T * K) - start_E[sorted_M]
+    position_M = jnp.zeros((T * K,), jnp.int32).at[order_M].set(rank_M.astype(jnp.int32))
+    return position_M.reshape(K, T).T
 
 
 def capacity_moe(
@@ -71,11 +71,11 @@ def capacity_moe(
         kept_TK = position_TK < C
         slot_TK = jnp.where(kept_TK, experts_TK * C + position_TK, E * C)  # E*C: dropped
         token_TK = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[:, None], (T, top_k))
-        token_S = (
+        token_R = (
             jnp.zeros((E * C,), jnp.int32).at[slot_TK.reshape(-1)].set(token_TK.reshape(-1), mode="drop")
         )
-        filled_S = jnp.zeros((E * C,), bool).at[slot_TK.reshape(-1)].set(True, mode="drop")
-        x_ECH = jnp.where(filled_S[:, None], x_TH[token_S], 0).reshape(E, C, H)
+        filled_R = jnp.zeros((E * C,), bool).at[slot_TK.reshape(-1)].set(True, mode="drop")
+        x_ECH = jnp.where(filled_R[:, None], x_TH[token_R], 0).reshape(E, C, H)
     with jax.named_scope("grouped_gemm"):
         a0_ECF = jnp.einsum("ech,ehf->ecf", x_ECH, wi_0_EHF.astype(dtype), preferred_element_type=jnp.float32)
         a1_ECF = jnp.einsum("ech,ehf->ecf", x_ECH, wi_1_EHF.astype(dtype), preferred_element_type=jnp.float32)
@@ -84,8 +84,8 @@ def capacity_moe(
             "ecf,efh->ech", h_ECF, wo_EFH.astype(dtype), preferred_element_type=jnp.float32
         ).astype(dtype)
     with jax.named_scope("unpermute"):
-        y_SH = y_ECH.reshape(E * C, H)
-        y_NH = y_SH[jnp.minimum(slot_TK, E * C - 1)].reshape(-1, H)
-        y_TH = weighted_sum(y_NH, jnp.where(kept_TK, weights_TK, 0.0), dtype)
+        y_RH = y_ECH.reshape(E * C, H)
+        y_MH = y_RH[jnp.minimum(slot_TK, E * C - 1)].reshape(-1, H)
+        y_TH = weighted_sum(y_MH, jnp.where(kept_TK, weights_TK, 0.0), dtype)
     stats = stats.replace(dropped_tokens=jnp.sum(~kept_TK).astype(jnp.int32))
     return y_TH.reshape(*lead_shape, H), stats

@@ -1,7 +1,8 @@
 """Grouped GEMM backends for the SwiGLU experts, and backend selection.
 
-Shape key: R dispatched rows, N = T*K assignments (rows sorted by expert), H hidden,
-F expert ffn, E experts, B tiles, m tile rows (R = B*m in the tiled layout).
+Shape letters (``moe_train.base.notation``): R dispatched rows, M = T*K assignments (rows sorted
+by expert), H hidden, F expert ffn, E experts, P tiles, m tile rows (R = P*m in the tiled layout).
+The grouped GEMM wrappers are generic: ``lhs`` [rows, k] times ``rhs`` [E, k, f] gives [rows, f].
 
 Every backend computes, for each row r owned by expert e,
     y[r] = (silu(x[r] @ wi_0[e]) * (x[r] @ wi_1[e])) @ wo[e]
@@ -30,11 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.base.choices import BACKENDS
-from moe_train.moe.tiled import block_sizes, tiled_swiglu, vary, varying_axes
+from moe_train.moe.tiled import default_block_rows, tiled_swiglu, vary, varying_axes
 
-CPU_MAX_BLOCK_ROWS = 256
-GPU_MAX_BLOCK_ROWS = 512
-MAX_BLOCK_TILES = 16
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MGPU_ALIGN = 64  # H and F must be multiples of this (block_k and block_n of the kernels)
 _TE_HINT = (
@@ -135,48 +133,31 @@ def ragged_dot_expansion_bytes(rows: int, experts: int, hidden: int, ffn: int, d
     return rows * experts * (2 * hidden + 2 * ffn) * jnp.dtype(dtype).itemsize
 
 
-# ----------------------------------------------------------------------------- tiled
-
-
-def default_block_rows(tile_rows: int, platform: str | None = None) -> int:
-    """Largest row block of the tiled backend: tile_rows * 2**j, at most 16 tiles and at
-    most 256 rows on CPU (512 on GPU).
-
-    Each expert's span runs as full blocks plus at most one block of each smaller size, so
-    there are at most 5 block sizes (each one compiled code path). The block depends on the
-    tile alone, never on the buffer size, so every capacity bucket of an expert-parallel
-    step runs the same blocks and gives bitwise the same rows.
-    """
-    platform = platform or jax.default_backend()
-    cap = GPU_MAX_BLOCK_ROWS if platform == "gpu" else CPU_MAX_BLOCK_ROWS
-    return max(block_sizes(tile_rows, min(cap, MAX_BLOCK_TILES * tile_rows)))
-
-
 # ----------------------------------------------------------------------------- sorted rows
 
 
-def _ragged_dot(lhs_NK, rhs_EKF, group_sizes_E):
-    return jax.lax.ragged_dot(lhs_NK, rhs_EKF, group_sizes_E, preferred_element_type=jnp.float32)
+def _ragged_dot(lhs, rhs, group_sizes_E):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes_E, preferred_element_type=jnp.float32)
 
 
-def _te_gmm(lhs_NK, rhs_EKF, group_sizes_E):
+def _te_gmm(lhs, rhs, group_sizes_E):
     from transformer_engine.jax.dense import grouped_dense
 
-    return grouped_dense(lhs_NK, rhs_EKF, group_sizes_E, contracting_dims=((1,), (1,)))
+    return grouped_dense(lhs, rhs, group_sizes_E, contracting_dims=((1,), (1,)))
 
 
 def _mgpu_blocks(n: int) -> int:
     return 128 if n % 128 == 0 else 64
 
 
-def _mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E, transpose_rhs=False):
-    """Hopper ragged_dot: out[N, F] (or [N, K'] with rhs [E, K', K] when transposed)."""
+def _mgpu_forward(lhs, rhs, group_sizes_E, transpose_rhs=False):
+    """Hopper ragged_dot: out [rows, f] (or [rows, k'] with rhs [E, k', k] when transposed)."""
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
 
-    n_out = rhs_EKF.shape[1] if transpose_rhs else rhs_EKF.shape[2]
+    n_out = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return ragged_dot(
-        lhs_NK,
-        rhs_EKF,
+        lhs,
+        rhs,
         group_sizes=group_sizes_E,
         block_m=128,
         block_n=_mgpu_blocks(n_out),
@@ -195,34 +176,34 @@ def _typed_like(out, *operands):
 
 
 @jax.custom_vjp
-def _mgpu_gmm(lhs_NK, rhs_EKF, group_sizes_E):
-    return _typed_like(_mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E), lhs_NK, rhs_EKF)
+def _mgpu_gmm(lhs, rhs, group_sizes_E):
+    return _typed_like(_mgpu_forward(lhs, rhs, group_sizes_E), lhs, rhs)
 
 
-def _mgpu_gmm_fwd(lhs_NK, rhs_EKF, group_sizes_E):
-    y_NF = _typed_like(_mgpu_forward(lhs_NK, rhs_EKF, group_sizes_E), lhs_NK, rhs_EKF)
-    return y_NF, (lhs_NK, rhs_EKF, group_sizes_E)
+def _mgpu_gmm_fwd(lhs, rhs, group_sizes_E):
+    y = _typed_like(_mgpu_forward(lhs, rhs, group_sizes_E), lhs, rhs)
+    return y, (lhs, rhs, group_sizes_E)
 
 
-def _mgpu_gmm_bwd(res, dy_NF):
+def _mgpu_gmm_bwd(res, dy):
     """dX = dY @ W[e]^T (ragged_dot, transpose_rhs); dW[e] = X_e^T @ dY_e (transposed)."""
     from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
 
-    lhs_NK, rhs_EKF, group_sizes_E = res
-    dy_NF = dy_NF.astype(lhs_NK.dtype)
-    dx_NK = _mgpu_forward(dy_NF, rhs_EKF, group_sizes_E, transpose_rhs=True)
-    K, F = rhs_EKF.shape[1:]
-    dw_EKF = transposed_ragged_dot(
-        lhs_NK,
-        dy_NF,
+    lhs, rhs, group_sizes_E = res
+    dy = dy.astype(lhs.dtype)
+    dx = _mgpu_forward(dy, rhs, group_sizes_E, transpose_rhs=True)
+    k, f = rhs.shape[1:]
+    dw = transposed_ragged_dot(
+        lhs,
+        dy,
         group_sizes=group_sizes_E,
-        block_m=_mgpu_blocks(K),
-        block_n=_mgpu_blocks(F),
+        block_m=_mgpu_blocks(k),
+        block_n=_mgpu_blocks(f),
         block_k=_MGPU_ALIGN,
         max_concurrent_steps=4,
         grid_block_n=1,
     )
-    return (_typed_like(dx_NK, lhs_NK), _typed_like(dw_EKF.astype(rhs_EKF.dtype), rhs_EKF), None)
+    return (_typed_like(dx, lhs), _typed_like(dw.astype(rhs.dtype), rhs), None)
 
 
 _mgpu_gmm.defvjp(_mgpu_gmm_fwd, _mgpu_gmm_bwd)
@@ -231,14 +212,14 @@ _GMM = {"ragged_dot": _ragged_dot, "mgpu": _mgpu_gmm, "te": _te_gmm}
 
 
 def sorted_swiglu(
-    x_NH: jax.Array,
+    x_MH: jax.Array,
     group_sizes_E: jax.Array,
     wi_0_EHF: jax.Array,
     wi_1_EHF: jax.Array,
     wo_EFH: jax.Array,
     backend: str,
 ) -> jax.Array:
-    """SwiGLU experts on rows sorted by expert with `group_sizes_E` rows each -> [N, H].
+    """SwiGLU experts on rows sorted by expert with `group_sizes_E` rows each -> [M, H].
 
     Inside ``shard_map`` every operand is first typed as varying along every mesh axis any
     of them varies along (``tiled.vary``): a custom VJP (mgpu, te) must return gradients of
@@ -246,20 +227,20 @@ def sorted_swiglu(
     the token axes the weights do not vary along. (Without it mgpu's backward failed to
     trace at EP > 1: "Custom VJP bwd rule must produce an output with the same type".)"""
     gmm = _GMM[backend]
-    dtype = x_NH.dtype
+    dtype = x_MH.dtype
     ops = (
-        x_NH,
+        x_MH,
         wi_0_EHF.astype(dtype),
         wi_1_EHF.astype(dtype),
         wo_EFH.astype(dtype),
         group_sizes_E.astype(jnp.int32),
     )
     axes = varying_axes(*ops)
-    x_NH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E = (vary(a, axes) for a in ops)
-    a0_NF = gmm(x_NH, w0_EHF, group_sizes_E).astype(jnp.float32)
-    a1_NF = gmm(x_NH, w1_EHF, group_sizes_E).astype(jnp.float32)
-    h_NF = (jax.nn.silu(a0_NF) * a1_NF).astype(dtype)
-    return gmm(h_NF, wo_EFH, group_sizes_E).astype(dtype)
+    x_MH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E = (vary(a, axes) for a in ops)
+    a0_MF = gmm(x_MH, w0_EHF, group_sizes_E).astype(jnp.float32)
+    a1_MF = gmm(x_MH, w1_EHF, group_sizes_E).astype(jnp.float32)
+    h_MF = (jax.nn.silu(a0_MF) * a1_MF).astype(dtype)
+    return gmm(h_MF, wo_EFH, group_sizes_E).astype(dtype)
 
 
 def grouped_swiglu(
@@ -273,14 +254,14 @@ def grouped_swiglu(
 ) -> jax.Array:
     """Dispatch to a concrete backend; `plan` is the permute.Dispatch for x_RH's layout.
 
-    The tiled backend reads the tile rows m from the layout (R = B*m) and runs blocks of up
+    The tiled backend reads the tile rows m from the layout (R = P*m) and runs blocks of up
     to `block_rows` rows (None: default_block_rows(m)); only plan.group_sizes_E's experts
     are computed.
     """
     if backend == "tiled":
-        if plan.tile_expert_B is None:
+        if plan.tile_expert_P is None:
             raise ValueError("the tiled backend needs a plan built with tile_rows")
-        m = x_RH.shape[0] // plan.tile_expert_B.shape[0]  # R = B * m
+        m = x_RH.shape[0] // plan.tile_expert_P.shape[0]  # R = P * m
         return tiled_swiglu(
             x_RH,
             plan.group_sizes_E,

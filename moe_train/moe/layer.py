@@ -1,8 +1,8 @@
 """The dropless MoE layer: one pipeline of named steps for every expert-parallel size.
 
-Shape key: T tokens, H hidden, E experts, F expert ffn, K top-k, N = T*K assignments,
-L local experts, P expert-parallel size, A rows arriving at a shard, J expert ids per
-arriving row, R dispatched rows, m tile rows.
+Shape letters (``moe_train.base.notation``): T tokens, H hidden, E experts (inside ``shard_map``:
+this shard's), F expert ffn, K top-k (the expert ids an arriving row carries), M = T*K
+assignments, A rows arriving at a shard, R dispatched rows; m tile rows (a scalar).
 
     route -> dispatch -> permute -> grouped_gemm -> unpermute -> combine
 
@@ -36,30 +36,9 @@ from moe_train.moe.dispatch import Arrived, Context, Dispatcher, ExchangeStats, 
 from moe_train.moe.gemm import grouped_swiglu, resolve_backend
 from moe_train.moe.permute import make_dispatch, permute, unpermute
 from moe_train.moe.router import Routing, route_tokens
+from moe_train.moe.tiled import default_tile_rows
 from moe_train.parallel.jobplan import EPPlan
 from moe_train.parallel.sharding import EXPERT, EXPERT_X, TOKEN_AXES, logical_spec
-
-MAX_PADDING = 0.1  # executed rows <= (1 + MAX_PADDING) * useful rows under any routing
-CPU_MAX_TILE_ROWS = 32
-GPU_MAX_TILE_ROWS = 128
-
-
-def _pow2_floor(n: float) -> int:
-    return 1 << max(0, int(n).bit_length() - 1)
-
-
-def default_tile_rows(num_assignments: int, num_experts: int, platform: str | None = None) -> int:
-    """Tile rows m of the tiled backend (the padding granularity of each expert's group).
-
-    The tiled backend executes sum_e ceil(g_e/m)*m <= N + E*(m-1) rows for N useful ones,
-    whatever the routing. m is the largest power of two with E*(m-1) <= MAX_PADDING * N
-    (so padding waste <= 1.1 under any routing), capped at 32 on CPU and 128 on GPU. Speed
-    comes from the blocks (gemm.default_block_rows, up to 256 rows on CPU), not from m:
-    each expert's span runs as full blocks plus at most one block of each smaller size.
-    """
-    platform = platform or jax.default_backend()
-    cap = GPU_MAX_TILE_ROWS if platform == "gpu" else CPU_MAX_TILE_ROWS
-    return min(cap, _pow2_floor(1 + MAX_PADDING * num_assignments / num_experts))
 
 
 def check_expert_shapes(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH) -> tuple[int, int, int]:
@@ -81,26 +60,26 @@ def check_expert_shapes(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH) -> tup
 class Experts(NamedTuple):
     """The SwiGLU experts of one shard (the backends compute in the rows' dtype)."""
 
-    wi_0_LHF: jax.Array
-    wi_1_LHF: jax.Array
-    wo_LFH: jax.Array
+    wi_0_EHF: jax.Array
+    wi_1_EHF: jax.Array
+    wo_EFH: jax.Array
     backend: str  # concrete grouped-GEMM backend
     tile_rows: int | None  # rows per tile of the tiled backend; None: sorted rows
 
 
 def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
     """permute -> grouped_gemm -> unpermute on the rows that arrived at this shard."""
-    L = experts.wi_0_LHF.shape[0]
+    E = experts.wi_0_EHF.shape[0]
     with jax.named_scope("permute"):
-        plan = make_dispatch(arrived.ids_AJ, L + arrived.spare, experts.tile_rows)
-        if arrived.spare:  # id L (not here) is an extra group that no GEMM reads
-            tiles = None if plan.tile_expert_B is None else jnp.minimum(plan.tile_expert_B, L - 1)
-            plan = plan._replace(group_sizes_E=plan.group_sizes_E[:L], tile_expert_B=tiles)
+        plan = make_dispatch(arrived.ids_AK, E + arrived.spare, experts.tile_rows)
+        if arrived.spare:  # id E (not here) is an extra group that no GEMM reads
+            tiles = None if plan.tile_expert_P is None else jnp.minimum(plan.tile_expert_P, E - 1)
+            plan = plan._replace(group_sizes_E=plan.group_sizes_E[:E], tile_expert_P=tiles)
         x_RH = permute(arrived.x_AH, plan)
     with jax.named_scope("grouped_gemm"):
-        y_RH = grouped_swiglu(x_RH, plan, experts.wi_0_LHF, experts.wi_1_LHF, experts.wo_LFH, experts.backend)
+        y_RH = grouped_swiglu(x_RH, plan, experts.wi_0_EHF, experts.wi_1_EHF, experts.wo_EFH, experts.backend)
     with jax.named_scope("unpermute"):
-        return unpermute(y_RH, plan, arrived.weights_AJ, out_dtype=arrived.out_dtype)
+        return unpermute(y_RH, plan, arrived.weights_AK, out_dtype=arrived.out_dtype)
 
 
 def exchange_steps(

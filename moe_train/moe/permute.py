@@ -1,7 +1,8 @@
 """Token dispatch (permute) and combine (unpermute) with static shapes.
 
-Shape key: T tokens, H hidden, E experts, K top-k, N = T*K assignments (flat index
-n = t*K + k), m tile rows, B tiles, R dispatched rows (N unpadded, B*m for the tiled layout).
+Shape letters (``moe_train.base.notation``): T tokens, H hidden, E experts, K top-k, M = T*K
+assignments (flat index n = t*K + k), m tile rows, P tiles, R dispatched rows (M unpadded, P*m
+for the tiled layout).
 
 A `Dispatch` plan maps every dispatched row to its source token and every assignment to
 its dispatched row. Rows are sorted by expert (stable, so token order within an expert);
@@ -24,9 +25,9 @@ class Dispatch(NamedTuple):
 
     token_R: jax.Array  # source token of each dispatched row (0 for padding rows)
     valid_R: jax.Array  # bool, False for padding rows
-    row_N: jax.Array  # dispatched row of assignment n = t*K + k
-    group_sizes_E: jax.Array  # assignments per expert, sums to N
-    tile_expert_B: jax.Array | None  # expert of each tile (tiled layout only)
+    row_M: jax.Array  # dispatched row of assignment n = t*K + k
+    group_sizes_E: jax.Array  # assignments per expert, sums to M
+    tile_expert_P: jax.Array | None  # expert of each tile (tiled layout only)
 
 
 def cdiv_array(a: jax.Array, b: int) -> jax.Array:
@@ -34,15 +35,15 @@ def cdiv_array(a: jax.Array, b: int) -> jax.Array:
 
 
 def tiled_padding(num_assignments: int, num_experts: int, tile_rows: int) -> tuple[int, int]:
-    """(tiles B, padded rows B*m) that the tiled layout executes for N assignments.
+    """(tiles P, padded rows P*m) that the tiled layout executes for M assignments.
 
     Worst case over all routings. Write g_e = q_e*m + r_e (0 <= r_e < m) and let j be the
     number of experts with r_e > 0. Expert e uses cdiv(g_e, m) = q_e + [r_e > 0] tiles, so
-    all experts use sum(q_e) + j tiles. If j = 0 that is N/m. If j >= 1 then sum(r_e) >= 1,
-    so cdiv(N, m) = sum(q_e) + cdiv(sum(r_e), m) >= sum(q_e) + 1 and the total is at most
-    cdiv(N, m) - 1 + j <= cdiv(N, m) + E - 1. The bound is reached whenever every expert
+    all experts use sum(q_e) + j tiles. If j = 0 that is M/m. If j >= 1 then sum(r_e) >= 1,
+    so cdiv(M, m) = sum(q_e) + cdiv(sum(r_e), m) >= sum(q_e) + 1 and the total is at most
+    cdiv(M, m) - 1 + j <= cdiv(M, m) + E - 1. The bound is reached whenever every expert
     has a remainder and sum(r_e) <= m, e.g. loads [17, 1, 1, 1] with m = 8 use 3+1+1+1 = 6
-    = cdiv(20, 8) + 4 - 1 tiles. Hence B = cdiv(N, m) + E - 1.
+    = cdiv(20, 8) + 4 - 1 tiles. Hence P = cdiv(M, m) + E - 1.
     """
     if tile_rows < 1:
         raise ValueError(f"tile_rows={tile_rows} must be >= 1")
@@ -57,49 +58,49 @@ def _exclusive_cumsum(v_E: jax.Array) -> jax.Array:
 def sort_assignments(experts_TK: jax.Array, num_experts: int):
     """Stable sort of the flat expert ids.
 
-    Returns (order_N: sorted position -> assignment n, sorted_experts_N, group_sizes_E).
+    Returns (order_M: sorted position -> assignment n, sorted_experts_M, group_sizes_E).
     """
-    experts_N = experts_TK.reshape(-1).astype(jnp.int32)
-    order_N = jnp.argsort(experts_N, stable=True).astype(jnp.int32)
-    group_sizes_E = jnp.bincount(experts_N, length=num_experts).astype(jnp.int32)
-    return order_N, experts_N[order_N], group_sizes_E
+    experts_M = experts_TK.reshape(-1).astype(jnp.int32)
+    order_M = jnp.argsort(experts_M, stable=True).astype(jnp.int32)
+    group_sizes_E = jnp.bincount(experts_M, length=num_experts).astype(jnp.int32)
+    return order_M, experts_M[order_M], group_sizes_E
 
 
 def make_dispatch(experts_TK: jax.Array, num_experts: int, tile_rows: int | None = None) -> Dispatch:
-    """Plan for sorted rows (tile_rows=None, R = N) or the tiled layout (R = B*m)."""
+    """Plan for sorted rows (tile_rows=None, R = M) or the tiled layout (R = P*m)."""
     T, K = experts_TK.shape
-    N = T * K
-    order_N, sorted_experts_N, group_sizes_E = sort_assignments(experts_TK, num_experts)
+    M = T * K
+    order_M, sorted_experts_M, group_sizes_E = sort_assignments(experts_TK, num_experts)
     if tile_rows is None:
-        R, tile_expert_B = N, None
-        dest_N = jnp.arange(N, dtype=jnp.int32)  # sorted position is the row
+        R, tile_expert_P = M, None
+        dest_M = jnp.arange(M, dtype=jnp.int32)  # sorted position is the row
     else:
-        B, R = tiled_padding(N, num_experts, tile_rows)
+        P, R = tiled_padding(M, num_experts, tile_rows)
         group_start_E = _exclusive_cumsum(group_sizes_E)
         padded_E = cdiv_array(group_sizes_E, tile_rows) * tile_rows
         padded_start_E = _exclusive_cumsum(padded_E)
-        rank_N = jnp.arange(N, dtype=jnp.int32) - group_start_E[sorted_experts_N]
-        dest_N = padded_start_E[sorted_experts_N] + rank_N
-        tile_expert_B = tile_experts(padded_start_E, B, tile_rows)
+        rank_M = jnp.arange(M, dtype=jnp.int32) - group_start_E[sorted_experts_M]
+        dest_M = padded_start_E[sorted_experts_M] + rank_M
+        tile_expert_P = tile_experts(padded_start_E, P, tile_rows)
     token_R = (
-        jnp.zeros((R,), jnp.int32).at[dest_N].set(order_N // K, unique_indices=True, indices_are_sorted=True)
+        jnp.zeros((R,), jnp.int32).at[dest_M].set(order_M // K, unique_indices=True, indices_are_sorted=True)
     )
-    valid_R = jnp.zeros((R,), bool).at[dest_N].set(True, unique_indices=True, indices_are_sorted=True)
-    row_N = jnp.zeros((N,), jnp.int32).at[order_N].set(dest_N, unique_indices=True)
-    return Dispatch(token_R, valid_R, row_N, group_sizes_E, tile_expert_B)
+    valid_R = jnp.zeros((R,), bool).at[dest_M].set(True, unique_indices=True, indices_are_sorted=True)
+    row_M = jnp.zeros((M,), jnp.int32).at[order_M].set(dest_M, unique_indices=True)
+    return Dispatch(token_R, valid_R, row_M, group_sizes_E, tile_expert_P)
 
 
 def tile_experts(padded_start_E: jax.Array, num_tiles: int, tile_rows: int) -> jax.Array:
-    """Expert owning each tile [B] int32.
+    """Expert owning each tile [P] int32.
 
     Tile b starts at row b*m; its owner is the last expert whose padded start is <= b*m
     (empty experts share their start with the next one and so never win). Trailing unused
     tiles, which hold only zero rows, get E-1.
     """
     E = padded_start_E.shape[0]
-    tile_start_B = jnp.arange(num_tiles, dtype=jnp.int32) * tile_rows
-    owner_B = jnp.searchsorted(padded_start_E, tile_start_B, side="right") - 1
-    return jnp.clip(owner_B, 0, E - 1).astype(jnp.int32)
+    tile_start_P = jnp.arange(num_tiles, dtype=jnp.int32) * tile_rows
+    owner_P = jnp.searchsorted(padded_start_E, tile_start_P, side="right") - 1
+    return jnp.clip(owner_P, 0, E - 1).astype(jnp.int32)
 
 
 def zeros_after(shape, dtype, after: jax.Array) -> jax.Array:
@@ -154,25 +155,25 @@ def _take_rows_bwd(readers_TK, g_RH):
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def readers_of(slot_N: jax.Array, rows: int) -> jax.Array:
-    """[rows, 1]: the one n whose ``slot_N[n]`` is each row (``len(slot_N)`` where none is):
-    the readers of a gather by ``slot_N`` (``take_rows``)."""
-    N = slot_N.shape[0]
+def readers_of(slot_M: jax.Array, rows: int) -> jax.Array:
+    """[rows, 1]: the one n whose ``slot_M[n]`` is each row (``len(slot_M)`` where none is):
+    the readers of a gather by ``slot_M`` (``take_rows``)."""
+    M = slot_M.shape[0]
     return (
-        jnp.full((rows,), N, jnp.int32).at[slot_N].set(jnp.arange(N, dtype=jnp.int32), mode="drop")[:, None]
+        jnp.full((rows,), M, jnp.int32).at[slot_M].set(jnp.arange(M, dtype=jnp.int32), mode="drop")[:, None]
     )
 
 
 def permute(x_TH: jax.Array, plan: Dispatch) -> jax.Array:
     """Gather token rows into dispatch order [R, H]; padding rows are zero. Backward: the
     cotangent's rows of each token's K assignments, gathered and summed."""
-    return take_rows(x_TH, plan.token_R, plan.valid_R, plan.row_N.reshape(x_TH.shape[0], -1))
+    return take_rows(x_TH, plan.token_R, plan.valid_R, plan.row_M.reshape(x_TH.shape[0], -1))
 
 
-def weighted_sum(y_NH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array:
+def weighted_sum(y_MH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array:
     """y[t] = sum_k weights[t, k] * y[t*K + k], summed in fp32."""
     T, K = weights_TK.shape
-    y_TKH = y_NH.reshape(T, K, -1).astype(jnp.float32)
+    y_TKH = y_MH.reshape(T, K, -1).astype(jnp.float32)
     return jnp.einsum("tkh,tk->th", y_TKH, weights_TK.astype(jnp.float32)).astype(out_dtype)
 
 
@@ -180,9 +181,9 @@ def unpermute(
     y_RH: jax.Array, plan: Dispatch, weights_TK: jax.Array | None = None, out_dtype=None
 ) -> jax.Array:
     """Back to assignment order: y[t] = sum_k weights[t, k] * y_R[row of (t, k)] (fp32 sums);
-    without weights, the row of every assignment n [N, H] as it is."""
-    N, R = plan.row_N.shape[0], y_RH.shape[0]
-    y_NH = take_rows(y_RH, plan.row_N, jnp.ones((N,), bool), readers_of(plan.row_N, R))
+    without weights, the row of every assignment n [M, H] as it is."""
+    M, R = plan.row_M.shape[0], y_RH.shape[0]
+    y_MH = take_rows(y_RH, plan.row_M, jnp.ones((M,), bool), readers_of(plan.row_M, R))
     if weights_TK is None:
-        return y_NH
-    return weighted_sum(y_NH, weights_TK, out_dtype or y_RH.dtype)
+        return y_MH
+    return weighted_sum(y_MH, weights_TK, out_dtype or y_RH.dtype)

@@ -1,6 +1,6 @@
 """Dense per-expert reference MoE: every expert on every token, obviously correct.
 
-Shape key: T tokens, H hidden, E experts, F expert ffn, K top-k.
+Shape letters (``moe_train.base.notation``): T tokens, H hidden, E experts, F expert ffn, K top-k.
 
 Used as the test oracle and as the "run every expert on every token" benchmark baseline
 (it costs E/K times the useful expert FLOPs).

@@ -1,7 +1,8 @@
 """Top-k router: expert choice, combine weights and load-balancing statistics.
 
-Shape key: T tokens, H hidden, E experts, K top-k, G expert groups, S tokens per sequence,
-Q sequences (T = Q*S).
+Shape letters (``moe_train.base.notation``): T tokens, H hidden, E experts, K top-k, B
+sequences, S tokens per sequence (T = B*S). Group-limited routing names its expert groups in
+words (``num_groups`` of ``E // num_groups`` experts).
 
 All router math runs in fp32 whatever the activation dtype, so bf16 and fp32 activations
 that are equal after rounding route identically.
@@ -32,8 +33,9 @@ class Routing:
     balanced: bool = False  # forced balance (benchmarks): token t takes experts (t*K + j) mod E
 
     @classmethod
-    def of(cls, moe: Any) -> Routing:
-        """The routing of a ``moe_train.config.MoEConfig``."""
+    def of(cls, moe: Any, study: Any) -> Routing:
+        """The routing of a ``moe_train.config.MoEConfig`` and the ``StudyConfig`` beside it
+        (``study.router=balanced``: forced balance, benchmarks only)."""
         return cls(
             moe.top_k,
             moe.score_function,
@@ -41,7 +43,7 @@ class Routing:
             moe.num_groups,
             moe.group_top_k,
             moe.routed_scaling,
-            moe.router == "balanced",
+            study.router == "balanced",
         )
 
 
@@ -64,8 +66,8 @@ def router_scores(logits_TE: jax.Array, score_function: str) -> jax.Array:
 def _limit_groups(choice_TE: jax.Array, num_groups: int, group_top_k: int) -> jax.Array:
     """Mask (to -inf) every expert outside each token's best `group_top_k` groups.
 
-    A group's score is the sum of the two largest choice values among its E/G consecutive
-    experts (the single largest when a group holds one expert).
+    A group's score is the sum of the two largest choice values among its E/num_groups
+    consecutive experts (the single largest when a group holds one expert).
     """
     T, E = choice_TE.shape
     if E % num_groups:
@@ -73,11 +75,11 @@ def _limit_groups(choice_TE: jax.Array, num_groups: int, group_top_k: int) -> ja
     if not 1 <= group_top_k <= num_groups:
         raise ValueError(f"group_top_k={group_top_k} must be in 1..{num_groups}")
     per_group = E // num_groups
-    choice_TGX = choice_TE.reshape(T, num_groups, per_group)
-    group_score_TG = jax.lax.top_k(choice_TGX, min(2, per_group))[0].sum(axis=-1)
-    _, best_groups_TJ = jax.lax.top_k(group_score_TG, group_top_k)
-    keep_TG = jnp.zeros((T, num_groups), bool).at[jnp.arange(T)[:, None], best_groups_TJ].set(True)
-    keep_TE = jnp.repeat(keep_TG, per_group, axis=1)
+    by_group = choice_TE.reshape(T, num_groups, per_group)
+    group_score = jax.lax.top_k(by_group, min(2, per_group))[0].sum(axis=-1)  # [T, num_groups]
+    _, best_groups = jax.lax.top_k(group_score, group_top_k)  # [T, group_top_k]
+    keep_group = jnp.zeros((T, num_groups), bool).at[jnp.arange(T)[:, None], best_groups].set(True)
+    keep_TE = jnp.repeat(keep_group, per_group, axis=1)
     return jnp.where(keep_TE, choice_TE, -jnp.inf)
 
 
@@ -148,11 +150,11 @@ def _seq_aux_loss(p_TE: jax.Array, experts_TK: jax.Array, seq_len: int | None) -
     S = T if seq_len is None else int(seq_len)
     if S <= 0 or T % S:
         raise ValueError(f"seq_len={seq_len} must divide the number of tokens {T}")
-    Q = T // S
-    one_hot_QSE = jax.nn.one_hot(experts_TK, E, dtype=jnp.float32).sum(axis=1).reshape(Q, S, E)
-    f_QE = one_hot_QSE.sum(axis=1) * (E / (K * S))
-    P_QE = p_TE.reshape(Q, S, E).mean(axis=1)
-    return jnp.mean(jnp.sum(f_QE * P_QE, axis=-1))
+    B = T // S
+    one_hot_BSE = jax.nn.one_hot(experts_TK, E, dtype=jnp.float32).sum(axis=1).reshape(B, S, E)
+    f_BE = one_hot_BSE.sum(axis=1) * (E / (K * S))
+    P_BE = p_TE.reshape(B, S, E).mean(axis=1)
+    return jnp.mean(jnp.sum(f_BE * P_BE, axis=-1))
 
 
 def router_stats(

@@ -1,6 +1,7 @@
 """MoE statistics: one typed pytree from the router and the exchange to the metrics record.
 
-Letter key: E experts, L MoE layers (the leading axis of stacked stats).
+Shape letters (``moe_train.base.notation``): E experts, L layers (the MoE layers: the leading
+axis of stacked stats).
 
 Every field says how it combines (``KIND``): counts add up, the router's losses are means,
 the exchange's worst-case numbers take the maximum. ``across_shards`` reduces what one shard

@@ -1,17 +1,18 @@
 """The ``tiled`` grouped-GEMM backend: per-expert row blocks in a loop, hand-written VJP.
 
-Shape key: R dispatched rows (tile-padded layout), H hidden, F expert ffn, E experts,
-m tile rows (padding granularity), M block rows (M = m * 2**j), c rows of one block.
+Shape letters (``moe_train.base.notation``): R dispatched rows (tile-padded layout), H hidden,
+F expert ffn (F2 = 2F), E experts, M assignments, C rows of one block; scalars: m tile rows
+(padding granularity), b the largest block's rows (b = m * 2**j).
 
 Layout (``permute.make_dispatch`` with ``tile_rows=m``): rows sorted by expert, each
 expert's group padded with zero rows to a multiple of m, trailing zero rows after the last
 group. Expert e owns rows [start_e, start_e + ceil(g_e/m)*m).
 
 Execution: an outer loop over the experts that have rows slices expert e's weights once;
-inner loops run the expert's rows in blocks: as many of M rows as fit, then of M/4, M/16,
-..., then of m (``block_sizes``, at most three sizes for M = 16m). Every block is one fused
+inner loops run the expert's rows in blocks: as many of b rows as fit, then of b/4, b/16,
+..., then of m (``block_sizes``, at most three sizes for b = 16m). Every block is one fused
 SwiGLU: ``a = x_b @ [wi_0|wi_1]``, ``h = silu(a0) * a1``, ``y_b = h @ wo``. Only the rows
-the routing uses run: executed rows = sum_e ceil(g_e/m)*m <= N + E*(m-1), whatever the static
+the routing uses run: executed rows = sum_e ceil(g_e/m)*m <= M + E*(m-1), whatever the static
 buffer size R is (padding and trailing rows cost nothing), and there is no weight gather.
 Loop bounds are traced values, so routing changes never recompile.
 
@@ -19,6 +20,10 @@ The VJP is written by hand (autodiff through the loops would store every block):
 forward pass keeps ``a`` [R, 2F] in fp32; the backward pass walks the same blocks and
 accumulates each expert's weight gradients in fp32 before writing them once.
 Rows outside every expert's span (trailing padding) get y = 0 and dx = 0.
+
+Settings: every default of the backend is here (``default_tile_rows`` for m,
+``default_block_rows`` for b, and their caps); ``moe.tile_rows`` (0: ``default_tile_rows``)
+is the one the config sets.
 """
 
 from __future__ import annotations
@@ -32,6 +37,50 @@ from moe_train.moe.vjp import custom_vjp
 
 F32 = jnp.float32
 
+# ----------------------------------------------------------------------------- settings
+
+MAX_PADDING = 0.1  # executed rows <= (1 + MAX_PADDING) * useful rows under any routing
+CPU_MAX_TILE_ROWS = 32
+GPU_MAX_TILE_ROWS = 128
+CPU_MAX_BLOCK_ROWS = 256
+GPU_MAX_BLOCK_ROWS = 512
+MAX_BLOCK_TILES = 16
+
+
+def _pow2_floor(n: float) -> int:
+    return 1 << max(0, int(n).bit_length() - 1)
+
+
+def default_tile_rows(num_assignments: int, num_experts: int, platform: str | None = None) -> int:
+    """Tile rows m of the tiled backend (the padding granularity of each expert's group).
+
+    The tiled backend executes sum_e ceil(g_e/m)*m <= M + E*(m-1) rows for M useful ones,
+    whatever the routing. m is the largest power of two with E*(m-1) <= MAX_PADDING * M
+    (so padding waste <= 1.1 under any routing), capped at 32 on CPU and 128 on GPU. Speed
+    comes from the blocks (``default_block_rows``, up to 256 rows on CPU), not from m:
+    each expert's span runs as full blocks plus at most one block of each smaller size.
+    """
+    platform = platform or jax.default_backend()
+    cap = GPU_MAX_TILE_ROWS if platform == "gpu" else CPU_MAX_TILE_ROWS
+    return min(cap, _pow2_floor(1 + MAX_PADDING * num_assignments / num_experts))
+
+
+def default_block_rows(tile_rows: int, platform: str | None = None) -> int:
+    """Largest row block of the tiled backend: tile_rows * 2**j, at most 16 tiles and at
+    most 256 rows on CPU (512 on GPU).
+
+    Each expert's span runs as full blocks plus at most one block of each smaller size, so
+    there are at most 5 block sizes (each one compiled code path). The block depends on the
+    tile alone, never on the buffer size, so every capacity bucket of an expert-parallel
+    step runs the same blocks and gives bitwise the same rows.
+    """
+    platform = platform or jax.default_backend()
+    cap = GPU_MAX_BLOCK_ROWS if platform == "gpu" else CPU_MAX_BLOCK_ROWS
+    return max(block_sizes(tile_rows, min(cap, MAX_BLOCK_TILES * tile_rows)))
+
+
+# ----------------------------------------------------------------------------- blocks
+
 
 def expert_spans(group_sizes_E: jax.Array, tile_rows: int) -> tuple[jax.Array, jax.Array]:
     """(first row, padded rows) of every expert's span in the tile-padded layout, int32."""
@@ -40,11 +89,11 @@ def expert_spans(group_sizes_E: jax.Array, tile_rows: int) -> tuple[jax.Array, j
 
 
 def block_sizes(tile_rows: int, block_rows: int) -> tuple[int, ...]:
-    """Block sizes, largest first: M, M/4, M/16, ... (while >= 2m), then m.
+    """Block sizes, largest first: b, b/4, b/16, ... (while >= 2m), then m.
 
-    M is block_rows rounded down to m * 2**j (at least m). Each size is a multiple of the
+    b is block_rows rounded down to m * 2**j (at least m). Each size is a multiple of the
     next, so the greedy split in ``for_blocks`` covers any multiple of m exactly. Steps of 4
-    keep the number of sizes (each is separately compiled code) at 3 for M = 16m.
+    keep the number of sizes (each is separately compiled code) at 3 for b = 16m.
     """
     big = tile_rows
     while big * 2 <= block_rows:
@@ -186,7 +235,7 @@ def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_ro
             dx, dw01, dwo = inner
             x_b, dy_b = _rows(x_RH, offset, size), _rows(dy_RH, offset, size).astype(dtype)
             h, s, sig, a0, a1 = _swiglu_act(_rows(a_RF2, offset, size))
-            dh = _dot(dy_b, wo, ((1,), (1,)))  # [c, F]
+            dh = _dot(dy_b, wo, ((1,), (1,)))  # [C, F]
             dwo = dwo + _dot(h.astype(dtype), dy_b, ((0,), (0,)))
             da0 = dh * a1 * sig * (1.0 + a0 * (1.0 - sig))
             da = jnp.concatenate([da0, dh * s], axis=1).astype(dtype)

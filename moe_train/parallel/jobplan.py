@@ -1,7 +1,8 @@
 """Every rule about a job, in one module that imports no JAX.
 
-Letter key: T one shard's tokens, K top-k, L local experts, P expert-parallel size, G fast-link
-domains in an EP group, D shards per domain, C slots per (source, destination) pair.
+Shape letters (``moe_train.base.notation``): T one shard's tokens, K top-k, O fast-link domains
+in an EP group, C slots per (source, destination) pair; the EP size (``ep``), the local experts and
+the shards per domain (``domain_size``) are named in words.
 
 The dispatchers, the stepper, the memory planner, the benchmarks, the Slurm launcher and the
 sharding code all ask this module; none of them restates a rule.
@@ -53,7 +54,7 @@ def domain_hit(domains: int, top_k: int) -> float:
 
 def a2a_stage(tokens: int, top_k: int, local_experts: int, ep: int, factor: float | None) -> Stage:
     """The flat all-to-all over the whole EP group: each assignment goes to its expert's shard.
-    Worst case: all of a shard's tokens, each at most min(K, L) times, to one destination."""
+    Worst case: all of a shard's tokens, each at most min(K, local experts) times, to one destination."""
     balanced = tokens * top_k / ep
     return Stage(bucket_slots(factor, balanced, tokens * min(top_k, local_experts)), balanced, ep)
 
@@ -63,12 +64,14 @@ def hierarchical_stages(
 ) -> tuple[Stage, Stage]:
     """The two-stage exchange: stage 1 sends each token once to every remote domain holding one
     of its experts (worst case: all T tokens to one domain); stage 2 fans the received rows out
-    inside the domain (worst case: every received row, min(K, L) times, to one shard)."""
-    T, K, G, D = tokens, top_k, domains, domain_size
-    hit = domain_hit(G, K)
-    one = Stage(bucket_slots(factor, T * hit, T), T * hit, G)
-    two_balanced = T * K / D
-    two = Stage(bucket_slots(factor, two_balanced, G * one.slots * min(K, local_experts)), two_balanced, D)
+    inside the domain (worst case: every received row, min(K, local experts) times, to one shard)."""
+    T, K, O, per_domain = tokens, top_k, domains, domain_size
+    hit = domain_hit(O, K)
+    one = Stage(bucket_slots(factor, T * hit, T), T * hit, O)
+    two_balanced = T * K / per_domain
+    two = Stage(
+        bucket_slots(factor, two_balanced, O * one.slots * min(K, local_experts)), two_balanced, per_domain
+    )
     return one, two
 
 
@@ -242,7 +245,7 @@ class EPPlan:
     """Static choices of one compiled step's MoE layers (one per capacity bucket)."""
 
     dispatcher: str  # local | allgather | a2a | hierarchical
-    ep: int  # expert-parallel size P
+    ep: int  # expert-parallel size
     capacity_factor: float | None = None  # buffer slots per pair, x balanced load; None: worst
     chunks: int = 1  # dispatch the tokens in this many sequential chunks
     dispatch_dtype: str = "activation"  # rows sent as: activation | fp8 (moe.dispatch_dtype)

@@ -125,7 +125,7 @@ def attention_problem(cfg: Config, platform: str) -> checks.AttentionProblem:
 def fp8_candidates(cfg: Config, platform: str) -> list[str]:
     """fp8 backends that can run the recipe here (ConfigError for an explicit one that cannot)."""
     p = cfg.precision
-    precision.policy(cfg, platform)  # raises ConfigError: te / mxfp8 where TE cannot run
+    precision.policy(p, platform)  # raises ConfigError: te / mxfp8 where TE cannot run
     te_reason = precision._te_reason(p, platform)
     return (["te"] if te_reason is None else []) + ([] if p.fp8_recipe == "mxfp8" else ["xla"])
 

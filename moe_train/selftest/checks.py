@@ -1,7 +1,8 @@
 """Numerical checks of one kernel against an obviously-correct fp32 reference on this device.
 
-Shape key: T tokens, H hidden, F expert ffn, E experts, K top-k, R dispatched rows;
-attention: B batch, S sequence, N query heads, G key/value heads (K is top-k here), D head dim.
+Shape letters (``moe_train.base.notation``): T tokens, H hidden, F expert ffn, E experts, K
+top-k, R dispatched rows; attention: B batch, S sequence, N query heads, Y key/value heads, D head
+dim.
 
 Each ``check_*`` runs the candidate forward and backward on one small problem and compares
 the output and every gradient with a reference computed in fp32 at the highest matmul
@@ -192,10 +193,10 @@ def gemm_operands(p: GemmProblem) -> dict[str, jax.Array]:
 
 def gemm_layer(backend: str, num_experts: int, tile_rows: int) -> Callable:
     """(x, w0, w1, wo, experts, weights) -> y [T, H]: permute, grouped SwiGLU, unpermute."""
-    from moe_train.moe import gemm, layer, permute
+    from moe_train.moe import gemm, permute, tiled
 
     def fn(x, w0, w1, wo, experts, weights):
-        m = tile_rows or layer.default_tile_rows(experts.size, num_experts) if backend == "tiled" else None
+        m = tile_rows or tiled.default_tile_rows(experts.size, num_experts) if backend == "tiled" else None
         plan = permute.make_dispatch(experts, num_experts, m)
         y_R = gemm.grouped_swiglu(permute.permute(x, plan), plan, w0, w1, wo, backend)
         return permute.unpermute(y_R, plan, weights, out_dtype=x.dtype)
@@ -279,7 +280,7 @@ def check_gemm(backend: str, p: GemmProblem, *, time_reps: int = 0, cand: Callab
 
 @dataclasses.dataclass(frozen=True)
 class AttentionProblem:
-    """Causal GQA attention on [B, S, N, D] queries and [B, S, G, D] keys/values."""
+    """Causal GQA attention on [B, S, N, D] queries and [B, S, Y, D] keys/values."""
 
     batch: int
     seq_len: int

@@ -103,7 +103,6 @@ CONFIG_FIELDS: dict[str, type] = {
     "train.batch_size": int,
     "train.seq_len": int,
     "parallel.cluster": str,
-    "model.dtype": str,
     "precision.compute": str,
 }
 

@@ -72,14 +72,13 @@ PEAK_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "fp8"}  # precision.
 def peak_for(config: dict[str, Any] | None, device_kind: str | None) -> float | None:
     """Peak FLOP/s per device for MFU, from a resolved config (``config.json``): the cluster
     preset's when one is named, else by device kind; fp8 runs against the fp8 peak, none for
-    fp32 (TF32 or true FP32 is ambiguous). Runs from before ``precision.compute`` existed
-    name their dtype in ``model.dtype``."""
+    fp32 (TF32 or true FP32 is ambiguous)."""
     if not config:
         return None
     from topology import peaks, presets
 
     compute = config.get("precision", {}).get("compute")
-    dtype = PEAK_DTYPE.get(compute) or config.get("model", {}).get("dtype", "float32")
+    dtype = PEAK_DTYPE.get(compute, "float32")
     cluster = config.get("parallel", {}).get("cluster", "")
     if cluster:
         try:

@@ -32,7 +32,7 @@ from moe_train import eval as evaluate
 from moe_train import python_command, selftest, telemetry
 from moe_train.base.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, OutputError, output_error  # noqa: F401
 from moe_train.checkpoints import checkpoint
-from moe_train.config import Config, ConfigError, for_devices, save_json, to_dict
+from moe_train.config import Config, ConfigError, for_devices, save_json, study_changes, to_dict
 from moe_train.convert import weights
 from moe_train.data import make_source
 from moe_train.model import flops, precision
@@ -104,10 +104,12 @@ def _write_run_files(cfg: Config, out_dir: Path, plan: device_mesh.Layout, kerne
         log(f"layout: {line}")
     for line in plan.warnings:
         log(f"WARNING: {line}")
-    if cfg.moe.router == "balanced":
+    study = study_changes(cfg)
+    if study:  # one line for all of them
         log(
-            "WARNING: moe.router=balanced: forced-balance routing, for benchmarks only (the "
-            "experts are chosen by token position, not learned)"
+            f"WARNING: {', '.join(study)}: [study] keys are for benchmarks and studies only; a real "
+            "training run leaves them at their defaults (study.router=balanced chooses experts by token "
+            "position, not learned; study.capacity_factor drops tokens)"
         )
     if jax.process_index() != 0:
         return

@@ -1,6 +1,7 @@
 """Train state, optimizer and the jitted train step.
 
-Letter key: B batch, S sequence, V vocab, L MoE layers, E experts.
+Shape letters (``moe_train.base.notation``): B batch, S sequence, V vocab, L layers (the MoE
+layers; in the loss the main head and the MTP depths), E experts.
 
 Outside the optimizer the step updates two kinds of state: the aux-loss-free expert bias
 (``moe_state``) and, under ``precision.compute=fp8``, the fp8 scaling state (``fp8_state``,
@@ -28,6 +29,7 @@ from moe_train.config import Config, compute_dtype
 from moe_train.data import packing
 from moe_train.model import loss, mtp, remat
 from moe_train.model.precision import FP8_COLLECTION
+from moe_train.model.settings import model_settings
 from moe_train.model.transformer import GROUPS, LAYER_NAME, Transformer
 from moe_train.moe import stats as moe_stats
 from moe_train.parallel import sharding
@@ -43,7 +45,7 @@ class TrainState:
     params: Any  # fp32 master weights
     opt_state: Any  # AdamW moments
     moe_state: Any  # {"moe_layers": {"moe": {"expert_bias": [L, E]}}}; looped: "layer_i": [E]
-    fp8_state: Any  # {..: {"scale": [], "amax_history": [A]}} per fp8-quantized tensor; {} unless fp8
+    fp8_state: Any  # {..: {"scale": [], "amax_history": [history]}} per fp8-quantized tensor; {} unless fp8
 
     def replace(self, **kw) -> TrainState:
         return dataclasses.replace(self, **kw)
@@ -152,7 +154,7 @@ def boxed_params(cfg: Config):
 
     def init():
         tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
-        return Transformer(cfg).init(jax.random.key(0), tokens)["params"]
+        return Transformer(model_settings(cfg)).init(jax.random.key(0), tokens)["params"]
 
     return jax.eval_shape(init)
 
@@ -181,7 +183,7 @@ def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState
 
 def _state_maker(cfg: Config):
     """``make(key) -> TrainState``: the initial state (parameters from ``key``)."""
-    model, tx = Transformer(cfg), optimizer(cfg)
+    model, tx = Transformer(model_settings(cfg)), optimizer(cfg)
 
     def make(key):
         variables = model.init(key, jnp.zeros((1, cfg.train.seq_len), jnp.int32))
@@ -226,7 +228,7 @@ def abstract_state(cfg: Config, mesh: Mesh) -> TrainState:
 
 def _loss_fn(
     params, fp8_state, moe_state, batch_BS, model: Transformer, cfg: Config, devices: int = 1, mtp_weight=0.0
-):
+) -> tuple[jax.Array, dict[str, Any]]:
     """Total loss and its parts; the cross-entropy is chunked (``moe_train.model.loss``): the
     [B, S, V] logits never exist whole; each chunk holds ``train.loss_chunk`` tokens of each
     of the ``devices`` the batch is split over. With MTP (``moe_train.model.mtp``) the total adds
@@ -241,7 +243,7 @@ def _loss_fn(
     mtp_ids, mtp_labels = mtp.shifted(tokens_BS1, depth, segments_BS1) if depth else (None, None)
     segment_ids_BS = None if segments_BS1 is None else segments_BS1[:, :-1]
     head, stats = model.apply(
-        variables, tokens_BS1[:, :-1], logits=False, mtp_ids_DBS=mtp_ids, segment_ids_BS=segment_ids_BS
+        variables, tokens_BS1[:, :-1], logits=False, mtp_ids_LBS=mtp_ids, segment_ids_BS=segment_ids_BS
     )
     ce, mtp_ce = _cross_entropies(
         head, packing.next_token_labels(tokens_BS1, segments_BS1), mtp_labels, cfg, devices
@@ -254,31 +256,31 @@ def _loss_fn(
     return total, dict(ce=ce, mtp=mtp_ce, aux=aux, seq_aux=seq_aux, z=z, stats=stats)
 
 
-def _cross_entropies(head, labels_BS, mtp_labels_DBS, cfg: Config, devices: int):
+def _cross_entropies(head, labels_BS, mtp_labels_LBS, cfg: Config, devices: int):
     """(next-token cross-entropy, mean of the MTP depths' cross-entropies; 0 without MTP),
     each the mean over its valid labels, from one ``loss.token_losses`` call over the main
-    head's and every depth's tokens side by side ([B, (1+D) S]: each device keeps its rows),
-    so the loop over the shared head and its [H, V] gradient run once per step, not 1+D times."""
+    head's and every depth's tokens side by side ([B, L S], L = 1 + depths: each device keeps its rows),
+    so the loop over the shared head and its [H, V] gradient run once per step, not L times."""
     xs, labels = [head.x_BSH], [labels_BS]
-    if mtp_labels_DBS is not None:
-        xs += list(head.mtp_DBSH)
-        labels += list(mtp_labels_DBS)
+    if mtp_labels_LBS is not None:
+        xs += list(head.mtp_LBSH)
+        labels += list(mtp_labels_LBS)
     B, S, H = head.x_BSH.shape
-    G, V = len(xs), head.head_HV.shape[1]
-    labels_BGS = jnp.stack(labels, axis=1)
-    chunk = loss.sharded_chunk(B * G * S, V, devices, cfg.train.loss_chunk)
+    L, V = len(xs), head.head_HV.shape[1]
+    labels_BLS = jnp.stack(labels, axis=1)
+    chunk = loss.sharded_chunk(B * L * S, V, devices, cfg.train.loss_chunk)
     nll_T, _ = loss.token_losses(
-        jnp.stack(xs, axis=1).reshape(B * G * S, H),
+        jnp.stack(xs, axis=1).reshape(B * L * S, H),
         head.head_HV,
-        labels_BGS.reshape(-1),
+        labels_BLS.reshape(-1),
         chunk=chunk,
         logit_scale=head.scale,
     )
-    w_BGS = ((labels_BGS >= 0) & (labels_BGS < V)).astype(jnp.float32)
-    ce_G = jnp.sum(w_BGS * nll_T.reshape(B, G, S), axis=(0, 2)) / jnp.maximum(
-        jnp.sum(w_BGS, axis=(0, 2)), 1.0
+    w_BLS = ((labels_BLS >= 0) & (labels_BLS < V)).astype(jnp.float32)
+    ce_L = jnp.sum(w_BLS * nll_T.reshape(B, L, S), axis=(0, 2)) / jnp.maximum(
+        jnp.sum(w_BLS, axis=(0, 2)), 1.0
     )
-    return ce_G[0], (jnp.mean(ce_G[1:]) if G > 1 else jnp.float32(0.0))
+    return ce_L[0], (jnp.mean(ce_L[1:]) if L > 1 else jnp.float32(0.0))
 
 
 def update_bias(moe_state, tokens_per_expert_LE, rate: float):
@@ -387,7 +389,7 @@ def make_train_step(
     The step enters its own sharding context (``sharding.Sharding.wrap``): the mesh and the
     logical rules chosen for ``cfg`` on it.
     """
-    model, tx = Transformer(cfg, ep_plan), optimizer(cfg)
+    model, tx = Transformer(model_settings(cfg), ep_plan), optimizer(cfg)
     lr_at = schedule(cfg)
 
     def step(state: TrainState, batch_BS, hold=None):

@@ -1,10 +1,9 @@
 """Causal self-attention kernels (``model.attention``) and the choice between them.
 
-Letter key for tensor names (shared by the modules of this package):
-  B batch, S sequence (queries and keys: self-attention, one length), N query heads,
-  K key/value heads, G = N // K query heads per key/value head, D query/key head dim,
-  J value head dim (MLA: D 192, J 128), P blocks of the chunked kernel, Q rows of a query
-  block, R rows of a key block (Q = R = ``block``).
+Shape letters (``moe_train.base.notation``; shared by the modules of this package): B batch,
+S sequence (queries and keys: self-attention, one length), N query heads, Y key/value heads,
+G = N // Y query heads per key/value head, D query/key head dim, J value head dim (MLA: D 192,
+J 128), P blocks of the chunked kernel, C rows of a query or key block (``block``).
 
 Implementations (``attend(..., implementation=...)``):
   xla      full [S, S] scores through XLA (``moe_train.model.attention.xla``): the reference.
@@ -37,7 +36,7 @@ from moe_train.model.attention.xla import xla_attention
 IMPLEMENTATIONS = tuple(a for a in ATTENTION if a != "auto")  # xla, cudnn, chunked, te
 # auto: chunked from this length on (where cuDNN cannot run). fwd+bwd step time, chunked over
 # xla, median of interleaved rounds on this 2-core CPU (python -m moe_train.bench --only
-# attention: B=2, N=4, K=2, D=32, fp32, default blocks; per-round min-max in brackets):
+# attention: B=2, N=4, Y=2, D=32, fp32, default blocks; per-round min-max in brackets):
 #   S=64 1.15 (0.79-1.30), 128 0.93 (0.63-1.49), 256 0.62 (0.34-0.63), 512 0.42,
 #   1024 0.28, 2048 0.14, 4096 0.14.
 # The measured crossover is 128, but within the noise there; 256 is the first clear win.
@@ -96,54 +95,54 @@ def resolve(
     )
 
 
-def _check_shapes(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS) -> None:
-    if not (q_BSND.ndim == k_BSKD.ndim == v_BSKJ.ndim == 4):
-        raise ValueError("attend needs q [B, S, N, D], k [B, S, K, D] and v [B, S, K, J]")
-    (B, S, N, D), (Bk, Sk, K, Dk) = q_BSND.shape, k_BSKD.shape
-    if (Bk, Sk) != (B, S) or v_BSKJ.shape[:3] != k_BSKD.shape[:3] or Dk != D:
+def _check_shapes(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS) -> None:
+    if not (q_BSND.ndim == k_BSYD.ndim == v_BSYJ.ndim == 4):
+        raise ValueError("attend needs q [B, S, N, D], k [B, S, Y, D] and v [B, S, Y, J]")
+    (B, S, N, D), (Bk, Sk, Y, Dk) = q_BSND.shape, k_BSYD.shape
+    if (Bk, Sk) != (B, S) or v_BSYJ.shape[:3] != k_BSYD.shape[:3] or Dk != D:
         raise ValueError(
-            f"attend: mismatched q {q_BSND.shape}, k {k_BSKD.shape}, "
-            f"v {v_BSKJ.shape} (self-attention: same B and S, q/k share D)"
+            f"attend: mismatched q {q_BSND.shape}, k {k_BSYD.shape}, "
+            f"v {v_BSYJ.shape} (self-attention: same B and S, q/k share D)"
         )
-    if N % K:
-        raise ValueError(f"attend: {K} key/value heads do not divide {N} query heads")
+    if N % Y:
+        raise ValueError(f"attend: {Y} key/value heads do not divide {N} query heads")
     if segment_ids_BS is not None and segment_ids_BS.shape != (B, S):
         raise ValueError(f"attend: segment_ids_BS must be [B, S] = {(B, S)}, got {segment_ids_BS.shape}")
 
 
 def attend(
     q_BSND,
-    k_BSKD,
-    v_BSKJ,
+    k_BSYD,
+    v_BSYJ,
     *,
     implementation: str,
     segment_ids_BS=None,
     block: int = 0,
     scale: float | None = None,
 ):
-    """Causal attention, GQA (N query heads, K kv heads, K divides N); returns [B, S, N, J].
+    """Causal attention, GQA (N query heads, Y kv heads, Y divides N); returns [B, S, N, J].
 
     ``implementation``: a concrete one (xla, cudnn, chunked, te), already resolved.
     ``segment_ids_BS``: optional int [B, S]; a query attends only to keys of the same segment
     (packed documents). ``block``: chunked's block rows, 0 = ``default_block(S)``.
     ``scale``: softmax scale, default 1/sqrt(D).
     """
-    _check_shapes(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS)
+    _check_shapes(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS)
     if block < 0:
         raise ValueError(f"attend: block must be >= 0 (0 picks), got {block}")
     scale = 1.0 / math.sqrt(q_BSND.shape[-1]) if scale is None else float(scale)
     if segment_ids_BS is not None:
         segment_ids_BS = jnp.asarray(segment_ids_BS, jnp.int32)
     if implementation == "xla":
-        return xla_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, scale=scale)
+        return xla_attention(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, scale=scale)
     if implementation == "chunked":
         return chunked_attention(
-            q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, scale=scale, block=block or default_block(q_BSND.shape[1])
+            q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, scale=scale, block=block or default_block(q_BSND.shape[1])
         )
     if implementation == "cudnn":
-        return cudnn_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, scale=scale)
+        return cudnn_attention(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, scale=scale)
     if implementation == "te":
-        return te_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, scale=scale)
+        return te_attention(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, scale=scale)
     raise ValueError(
         f"attend: implementation must be one of {IMPLEMENTATIONS} (resolve "
         f"'auto' first), got {implementation!r}"

@@ -1,11 +1,11 @@
 """Flash-style causal attention in plain JAX: memory linear in S on every platform.
 
 The sequence is padded to P blocks of ``block`` rows (queries and keys use the same blocks)
-and laid out block-major ([P, B, K, G, rows, ...], see the letter key in
-``moe_train.model.attention``). The forward pass scans the query blocks; for query block i it loops
+and laid out block-major ([P, B, Y, G, C, ...]; shape letters: ``moe_train.base.notation``, as
+listed in ``moe_train.model.attention``). The forward pass scans the query blocks; for query block i it loops
 over key blocks 0..i-1 without a causal mask and then the diagonal block i with one, keeping a
 running row max and row sum in fp32 (online softmax), so blocks above the diagonal are never
-computed. GQA works on grouped queries [K, G]: K/V are never repeated per query head.
+computed. GQA works on grouped queries [Y, G]: K/V are never repeated per query head.
 
 ``jax.custom_vjp``: the forward saves q, k, v, the output and the per-row logsumexp (all
 O(S)); the backward scans the key blocks, recomputes each block's probabilities from q, k and
@@ -32,111 +32,111 @@ F32 = jnp.float32
 NEG = -0.7 * float(np.finfo(np.float32).max)  # masked score (finite; see the module doc)
 
 
-def chunked_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, *, scale: float, block: int):
+def chunked_attention(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, *, scale: float, block: int):
     """Causal GQA attention through blocks of ``block`` rows; returns [B, S, N, J]."""
     B, S, N, D = q_BSND.shape
-    K, J = k_BSKD.shape[2], v_BSKJ.shape[3]
-    G, P = N // K, -(-S // block)
+    Y, J = k_BSYD.shape[2], v_BSYJ.shape[3]
+    G, P = N // Y, -(-S // block)
     pad = P * block - S
     if pad:
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        q_BSND, k_BSKD, v_BSKJ = (jnp.pad(x, widths) for x in (q_BSND, k_BSKD, v_BSKJ))
+        q_BSND, k_BSYD, v_BSYJ = (jnp.pad(x, widths) for x in (q_BSND, k_BSYD, v_BSYJ))
         if segment_ids_BS is not None:
             segment_ids_BS = jnp.pad(segment_ids_BS, ((0, 0), (0, pad)), mode="edge")
-    q_PBKGQD = q_BSND.reshape(B, P, block, K, G, D).transpose(1, 0, 3, 4, 2, 5)
-    k_PBKRD = k_BSKD.reshape(B, P, block, K, D).transpose(1, 0, 3, 2, 4)
-    v_PBKRJ = v_BSKJ.reshape(B, P, block, K, J).transpose(1, 0, 3, 2, 4)
-    seg_PBQ = None
+    q_PBYGCD = q_BSND.reshape(B, P, block, Y, G, D).transpose(1, 0, 3, 4, 2, 5)
+    k_PBYCD = k_BSYD.reshape(B, P, block, Y, D).transpose(1, 0, 3, 2, 4)
+    v_PBYCJ = v_BSYJ.reshape(B, P, block, Y, J).transpose(1, 0, 3, 2, 4)
+    seg_PBC = None
     if segment_ids_BS is not None:
-        seg_PBQ = segment_ids_BS.reshape(B, P, block).transpose(1, 0, 2)
-    o_PBKGQJ = _flash(q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, float(scale))
-    o_BSNJ = o_PBKGQJ.transpose(1, 0, 4, 2, 3, 5).reshape(B, P * block, N, J)
+        seg_PBC = segment_ids_BS.reshape(B, P, block).transpose(1, 0, 2)
+    o_PBYGCJ = _flash(q_PBYGCD, k_PBYCD, v_PBYCJ, seg_PBC, float(scale))
+    o_BSNJ = o_PBYGCJ.transpose(1, 0, 4, 2, 3, 5).reshape(B, P * block, N, J)
     return o_BSNJ[:, :S]
 
 
-def _masked_scores(q_BKGQD, k_BKRD, seg_PBQ, i, j, diagonal: bool, scale: float):
-    """fp32 scores of query block i against key block j, masked: [B, K, G, Q, R]."""
-    s = jnp.einsum("bkgqd,bkrd->bkgqr", q_BKGQD, k_BKRD, preferred_element_type=F32) * scale
+def _masked_scores(q_BYGCD, k_BYCD, seg_PBC, i, j, diagonal: bool, scale: float):
+    """fp32 scores of query block i against key block j, masked: [B, Y, G, C, C]."""
+    s = jnp.einsum("bkgqd,bkrd->bkgqr", q_BYGCD, k_BYCD, preferred_element_type=F32) * scale
     mask = None
     if diagonal:  # same block: row q sees columns r <= q
         rows = s.shape[-2]
         mask = jnp.tril(jnp.ones((rows, rows), bool))
-    if seg_PBQ is not None:
-        same_BQR = seg_PBQ[i][:, :, None] == seg_PBQ[j][:, None, :]
-        same = same_BQR[:, None, None]
+    if seg_PBC is not None:
+        same_BCC = seg_PBC[i][:, :, None] == seg_PBC[j][:, None, :]
+        same = same_BCC[:, None, None]
         mask = same if mask is None else mask & same
     return s if mask is None else jnp.where(mask, s, NEG)
 
 
-def _forward(q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, scale):
-    """(output [P, B, K, G, Q, J] in v's dtype, logsumexp [P, B, K, G, Q] fp32)."""
+def _forward(q_PBYGCD, k_PBYCD, v_PBYCJ, seg_PBC, scale):
+    """(output [P, B, Y, G, C, J] in v's dtype, logsumexp [P, B, Y, G, C] fp32)."""
 
     def query_block(_, xs):
-        i, q_BKGQD = xs
+        i, q_BYGCD = xs
 
         def step(j, carry, diagonal):
             m, l, acc = carry
-            s = _masked_scores(q_BKGQD, k_PBKRD[j], seg_PBQ, i, j, diagonal, scale)
+            s = _masked_scores(q_BYGCD, k_PBYCD[j], seg_PBC, i, j, diagonal, scale)
             m_new = jnp.maximum(m, s.max(-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
             pv = jnp.einsum(
-                "bkgqr,bkrj->bkgqj", p.astype(v_PBKRJ.dtype), v_PBKRJ[j], preferred_element_type=F32
+                "bkgqr,bkrj->bkgqj", p.astype(v_PBYCJ.dtype), v_PBYCJ[j], preferred_element_type=F32
             )
             return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
-        rows = q_BKGQD.shape[:-1]
-        init = (jnp.full(rows, NEG, F32), jnp.zeros(rows, F32), jnp.zeros((*rows, v_PBKRJ.shape[-1]), F32))
+        rows = q_BYGCD.shape[:-1]
+        init = (jnp.full(rows, NEG, F32), jnp.zeros(rows, F32), jnp.zeros((*rows, v_PBYCJ.shape[-1]), F32))
         carry = jax.lax.fori_loop(0, i, lambda j, c: step(j, c, False), init)
         m, l, acc = step(i, carry, True)
-        return None, ((acc / l[..., None]).astype(v_PBKRJ.dtype), m + jnp.log(l))
+        return None, ((acc / l[..., None]).astype(v_PBYCJ.dtype), m + jnp.log(l))
 
-    P = q_PBKGQD.shape[0]
-    _, (o, lse) = jax.lax.scan(query_block, None, (jnp.arange(P), q_PBKGQD))
+    P = q_PBYGCD.shape[0]
+    _, (o, lse) = jax.lax.scan(query_block, None, (jnp.arange(P), q_PBYGCD))
     return o, lse
 
 
-def _backward(scale, res, do_PBKGQJ):
+def _backward(scale, res, do_PBYGCJ):
     """dq, dk, dv from the saved (q, k, v, segments, output, logsumexp); no [S, S] array."""
-    q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, o_PBKGQJ, lse_PBKGQ = res
-    P = q_PBKGQD.shape[0]
-    delta_PBKGQ = jnp.sum(do_PBKGQJ.astype(F32) * o_PBKGQJ.astype(F32), axis=-1)
+    q_PBYGCD, k_PBYCD, v_PBYCJ, seg_PBC, o_PBYGCJ, lse_PBYGC = res
+    P = q_PBYGCD.shape[0]
+    delta_PBYGC = jnp.sum(do_PBYGCJ.astype(F32) * o_PBYGCJ.astype(F32), axis=-1)
 
     def key_block(dq_buf, xs):
-        j, k_BKRD, v_BKRJ = xs
+        j, k_BYCD, v_BYCJ = xs
 
         def step(i, carry, diagonal):
             dq_buf, dk, dv = carry
-            q_BKGQD, do_BKGQJ = q_PBKGQD[i], do_PBKGQJ[i]
-            s = _masked_scores(q_BKGQD, k_BKRD, seg_PBQ, i, j, diagonal, scale)
-            p = jnp.exp(s - lse_PBKGQ[i][..., None])
+            q_BYGCD, do_BYGCJ = q_PBYGCD[i], do_PBYGCJ[i]
+            s = _masked_scores(q_BYGCD, k_BYCD, seg_PBC, i, j, diagonal, scale)
+            p = jnp.exp(s - lse_PBYGC[i][..., None])
             dv = dv + jnp.einsum(
-                "bkgqr,bkgqj->bkrj", p.astype(do_BKGQJ.dtype), do_BKGQJ, preferred_element_type=F32
+                "bkgqr,bkgqj->bkrj", p.astype(do_BYGCJ.dtype), do_BYGCJ, preferred_element_type=F32
             )
-            dp = jnp.einsum("bkgqj,bkrj->bkgqr", do_BKGQJ, v_BKRJ, preferred_element_type=F32)
-            ds = (p * (dp - delta_PBKGQ[i][..., None]) * scale).astype(q_BKGQD.dtype)
-            dq_i = jnp.einsum("bkgqr,bkrd->bkgqd", ds, k_BKRD, preferred_element_type=F32)
-            dk = dk + jnp.einsum("bkgqr,bkgqd->bkrd", ds, q_BKGQD, preferred_element_type=F32)
+            dp = jnp.einsum("bkgqj,bkrj->bkgqr", do_BYGCJ, v_BYCJ, preferred_element_type=F32)
+            ds = (p * (dp - delta_PBYGC[i][..., None]) * scale).astype(q_BYGCD.dtype)
+            dq_i = jnp.einsum("bkgqr,bkrd->bkgqd", ds, k_BYCD, preferred_element_type=F32)
+            dk = dk + jnp.einsum("bkgqr,bkgqd->bkrd", ds, q_BYGCD, preferred_element_type=F32)
             return dq_buf.at[i].add(dq_i), dk, dv
 
-        init = (dq_buf, jnp.zeros(k_BKRD.shape, F32), jnp.zeros(v_BKRJ.shape, F32))
+        init = (dq_buf, jnp.zeros(k_BYCD.shape, F32), jnp.zeros(v_BYCJ.shape, F32))
         carry = step(j, init, True)
         dq_buf, dk, dv = jax.lax.fori_loop(j + 1, P, lambda i, c: step(i, c, False), carry)
         return dq_buf, (dk, dv)
 
-    dq_buf = zeros_after(q_PBKGQD.shape, F32, q_PBKGQD)  # not a constant held from early on
-    dq_buf, (dk, dv) = jax.lax.scan(key_block, dq_buf, (jnp.arange(P), k_PBKRD, v_PBKRJ))
-    return (dq_buf.astype(q_PBKGQD.dtype), dk.astype(k_PBKRD.dtype), dv.astype(v_PBKRJ.dtype), None)
+    dq_buf = zeros_after(q_PBYGCD.shape, F32, q_PBYGCD)  # not a constant held from early on
+    dq_buf, (dk, dv) = jax.lax.scan(key_block, dq_buf, (jnp.arange(P), k_PBYCD, v_PBYCJ))
+    return (dq_buf.astype(q_PBYGCD.dtype), dk.astype(k_PBYCD.dtype), dv.astype(v_PBYCJ.dtype), None)
 
 
 @custom_vjp(nondiff_argnums=(4,))
-def _flash(q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, scale):
-    return _forward(q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, scale)[0]
+def _flash(q_PBYGCD, k_PBYCD, v_PBYCJ, seg_PBC, scale):
+    return _forward(q_PBYGCD, k_PBYCD, v_PBYCJ, seg_PBC, scale)[0]
 
 
-def _flash_fwd(q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, scale):
-    o, lse = _forward(q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, scale)
-    return o, (q_PBKGQD, k_PBKRD, v_PBKRJ, seg_PBQ, o, lse)
+def _flash_fwd(q_PBYGCD, k_PBYCD, v_PBYCJ, seg_PBC, scale):
+    o, lse = _forward(q_PBYGCD, k_PBYCD, v_PBYCJ, seg_PBC, scale)
+    return o, (q_PBYGCD, k_PBYCD, v_PBYCJ, seg_PBC, o, lse)
 
 
 _flash.defvjp(_flash_fwd, _backward)

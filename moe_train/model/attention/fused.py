@@ -95,20 +95,20 @@ def cudnn_unavailable(platform: str, dtype, head_dim: int, v_head_dim: int) -> s
     return None
 
 
-def cudnn_attention(q_BSND, k_BSKD, v_BSKD, segment_ids_BS, *, scale: float):
+def cudnn_attention(q_BSND, k_BSYD, v_BSYD, segment_ids_BS, *, scale: float):
     """cuDNN flash attention (causal, GQA); returns [B, S, N, D]."""
     if segment_ids_BS is None:
         return jax.nn.dot_product_attention(
-            q_BSND, k_BSKD, v_BSKD, scale=scale, is_causal=True, implementation="cudnn"
+            q_BSND, k_BSYD, v_BSYD, scale=scale, is_causal=True, implementation="cudnn"
         )
     S = q_BSND.shape[1]
     if S % 2:  # cuDNN trains with a bias only at even lengths; the pad is causally hidden
         widths = ((0, 0), (0, 1), (0, 0), (0, 0))
-        q_BSND, k_BSKD, v_BSKD = (jnp.pad(x, widths) for x in (q_BSND, k_BSKD, v_BSKD))
+        q_BSND, k_BSYD, v_BSYD = (jnp.pad(x, widths) for x in (q_BSND, k_BSYD, v_BSYD))
         segment_ids_BS = jnp.pad(segment_ids_BS, ((0, 0), (0, 1)), mode="edge")
     mask_B1SS = (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None]
     out = jax.nn.dot_product_attention(
-        q_BSND, k_BSKD, v_BSKD, mask=mask_B1SS, scale=scale, is_causal=True, implementation="cudnn"
+        q_BSND, k_BSYD, v_BSYD, mask=mask_B1SS, scale=scale, is_causal=True, implementation="cudnn"
     )
     return out[:, :S]
 
@@ -147,7 +147,7 @@ def _fused_requested():
             del os.environ["NVTE_FUSED_ATTN"]
 
 
-def te_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, *, scale: float):
+def te_attention(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, *, scale: float):
     """Transformer Engine's fused attention (causal, GQA); returns [B, S, N, J]."""
     if segment_ids_BS is not None:
         raise ConfigError(
@@ -161,7 +161,7 @@ def te_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, *, scale: float):
     module = DotProductAttention(
         head_dim=D,
         num_attention_heads=N,
-        num_gqa_groups=k_BSKD.shape[2],
+        num_gqa_groups=k_BSYD.shape[2],
         attention_dropout=0.0,
         attn_mask_type="causal",
         qkv_layout="bshd_bshd_bshd",
@@ -171,13 +171,13 @@ def te_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, *, scale: float):
     )
     with _fused_requested(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = module.apply({}, q_BSND, k_BSKD, v_BSKJ, deterministic=True)
+        out = module.apply({}, q_BSND, k_BSYD, v_BSYJ, deterministic=True)
     words = ("unfused", "fall back", "fallback")
     fallback = [str(w.message) for w in caught if any(word in str(w.message).lower() for word in words)]
     if fallback:
         raise ConfigError(
             f"model.attention=te: Transformer Engine has no fused kernel for "
-            f"q {q_BSND.shape} k {k_BSKD.shape} v {v_BSKJ.shape} "
+            f"q {q_BSND.shape} k {k_BSYD.shape} v {v_BSYJ.shape} "
             f"{q_BSND.dtype} ({fallback[0].splitlines()[0]}); choose one of: "
             "chunked, xla, cudnn (where it runs)"
         )

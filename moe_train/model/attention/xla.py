@@ -16,17 +16,17 @@ import jax.numpy as jnp
 from moe_train.model.attention.chunked import NEG
 
 
-def xla_attention(q_BSND, k_BSKD, v_BSKJ, segment_ids_BS, *, scale: float):
+def xla_attention(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, *, scale: float):
     """Causal GQA attention with full scores; returns [B, S, N, J]."""
     B, S, N, D = q_BSND.shape
-    K, J = k_BSKD.shape[2], v_BSKJ.shape[3]
-    q_BSKGD = q_BSND.reshape(B, S, K, N // K, D)
-    s_BKGSS = jnp.einsum("bqkgd,brkd->bkgqr", q_BSKGD, k_BSKD, preferred_element_type=jnp.float32) * scale
+    Y, J = k_BSYD.shape[2], v_BSYJ.shape[3]
+    q_BSYGD = q_BSND.reshape(B, S, Y, N // Y, D)
+    s_BYGSS = jnp.einsum("bqkgd,brkd->bkgqr", q_BSYGD, k_BSYD, preferred_element_type=jnp.float32) * scale
     mask = jnp.tril(jnp.ones((S, S), bool))
     if segment_ids_BS is not None:
         same_BSS = segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :]
         mask = mask & same_BSS[:, None, None]
-    s_BKGSS = jnp.where(mask, s_BKGSS, NEG)
-    p_BKGSS = jax.nn.softmax(s_BKGSS, axis=-1).astype(v_BSKJ.dtype)
-    o_BSKGJ = jnp.einsum("bkgqr,brkj->bqkgj", p_BKGSS, v_BSKJ)
-    return o_BSKGJ.reshape(B, S, N, J)
+    s_BYGSS = jnp.where(mask, s_BYGSS, NEG)
+    p_BYGSS = jax.nn.softmax(s_BYGSS, axis=-1).astype(v_BSYJ.dtype)
+    o_BSYGJ = jnp.einsum("bkgqr,brkj->bqkgj", p_BYGSS, v_BSYJ)
+    return o_BSYGJ.reshape(B, S, N, J)

@@ -1,8 +1,9 @@
 """Token dispatchers for expert parallelism; each runs inside ``shard_map`` on one shard.
 
-Letter key: T this shard's tokens, H hidden, K top-k, L local experts, P EP size, G fast-link
-domains in the EP group (mesh axis ``expert_x``), D shards per domain (axis ``expert``),
-C slots per (source, destination) pair, A rows arriving at a shard, J expert ids per row.
+Shape letters (``moe_train.base.notation``): T this shard's tokens, H hidden, K top-k (the
+expert ids a row carries), E this shard's experts, O fast-link domains in the EP group (mesh axis
+``expert_x``; each of ``domain_size`` shards, axis ``expert``), C slots per (source, destination)
+pair, A rows arriving at a shard, X rows to send, R rows of an exchange buffer.
 
 A dispatcher is the exchange around the single-device steps (``moe_train.moe.layer``); every
 one implements the ``Dispatcher`` protocol (``contract``): ``dispatch`` sends each token to
@@ -10,7 +11,7 @@ the shards holding its experts and returns what arrived here (``Arrived``: rows,
 expert ids, and combine weights when the weighted sum runs here) with the dispatcher's own
 metadata (``sent_type``), ``combine`` takes the experts' outputs and that metadata, sends the
 outputs back and returns ``(y_TH, exchange stats)``. One file per dispatcher, each with its
-metadata type: ``local`` (P = 1: no exchange; ``LocalSent``), ``allgather``
+metadata type: ``local`` (EP size 1: no exchange; ``LocalSent``), ``allgather``
 (``AllGatherSent``), ``a2a`` (flat all-to-all in capacity-bucketed slots; ``A2ASent``),
 ``hierarchical`` (two stages, each token crosses the slow links once per remote domain;
 ``HierarchicalSent``). ``buffers``: the bucketed exchanges' send and receive buffers.

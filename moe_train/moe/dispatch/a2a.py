@@ -1,7 +1,7 @@
 """Flat all-to-all over the whole EP group: each assignment goes straight to its expert.
 
-Letter key: T this shard's tokens, H hidden, K top-k, L local experts, P EP size, C slots per
-(source, destination) pair, R = P*C buffer rows, N = T*K assignments.
+Shape letters (``moe_train.base.notation``): T this shard's tokens, H hidden, K top-k, C slots
+per (source, destination) pair, R = ep * C buffer rows (ep: the EP size), M = T*K assignments.
 
 The receive buffer is static: C slots per pair, a capacity bucket times the balanced load
 (``moe_train.parallel.jobplan.a2a_stage``). An exchange that does not fit reports ``overflow`` and
@@ -29,7 +29,7 @@ from moe_train.parallel.sharding import EP_AXES, EXPERT_X
 class A2ASent:
     """What ``A2A.combine`` needs."""
 
-    slot_N: jax.Array  # send-buffer slot of each assignment (R: not sent)
+    slot_M: jax.Array  # send-buffer slot of each assignment (R: not sent)
     weights_TK: jax.Array  # combine weights, applied here
     stats: ExchangeStats  # measured by the dispatch
     dtype: Any = static()  # the tokens' dtype
@@ -46,18 +46,20 @@ class A2A:
 
     def dispatch(self, x_TH, weights_TK, experts_TK) -> tuple[Arrived, A2ASent]:
         T, K = experts_TK.shape
-        L, P = self.ctx.local_experts, self.ctx.plan.ep
-        stage = jobplan.a2a_stage(T, K, L, P, self.ctx.plan.capacity_factor)
+        per_shard, ep = self.ctx.local_experts, self.ctx.plan.ep
+        stage = jobplan.a2a_stage(T, K, per_shard, ep, self.ctx.plan.capacity_factor)
         with jax.named_scope("pack"):
-            packed = pack(x_TH, experts_TK // L, experts_TK % L, P, stage.slots, L)
+            packed = pack(x_TH, experts_TK // per_shard, experts_TK % per_shard, ep, stage.slots, per_shard)
         recv_counts = all_to_all(packed.counts, EP_AXES)  # the small exchange first
         rows = send_rows(lambda r: all_to_all(r, EP_AXES), packed.x_RH, self.ctx.plan.dispatch_dtype)
         arrived = Arrived(rows, all_to_all(packed.ids_R, EP_AXES)[:, None], None, x_TH.dtype)
         domain = jax.lax.axis_index(EXPERT_X)
         stats = pair_stats(recv_counts, stage.slots, stage.balanced)
-        stats["slow_rows"] = jnp.sum(experts_TK // L // self.ctx.domain_size != domain).astype(jnp.float32)
-        return arrived, A2ASent(packed.slot_N, weights_TK, stats, x_TH.dtype)
+        stats["slow_rows"] = jnp.sum(experts_TK // per_shard // self.ctx.domain_size != domain).astype(
+            jnp.float32
+        )
+        return arrived, A2ASent(packed.slot_M, weights_TK, stats, x_TH.dtype)
 
     def combine(self, y_RH, sent: A2ASent) -> tuple[jax.Array, ExchangeStats]:
-        y_NH = unpack(all_to_all(y_RH, EP_AXES), sent.slot_N)
-        return weighted_sum(y_NH, sent.weights_TK, sent.dtype), sent.stats
+        y_MH = unpack(all_to_all(y_RH, EP_AXES), sent.slot_M)
+        return weighted_sum(y_MH, sent.weights_TK, sent.dtype), sent.stats

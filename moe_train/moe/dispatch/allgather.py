@@ -1,8 +1,9 @@
 """All-gather dispatch: every shard sees the EP group's tokens and computes its own experts.
 
-Letter key: T this shard's tokens, K top-k, L local experts, A the EP group's tokens (the rows arriving here).
-The simplest exchange and the baseline the bucketed ones are measured against: each shard
-receives every token of the group, so the traffic is P times the tokens whatever the routing.
+Shape letters (``moe_train.base.notation``): T this shard's tokens, K top-k, A the EP group's
+tokens (the rows arriving here). The simplest exchange and the baseline the bucketed ones are
+measured against: each shard receives every token of the group, so the traffic is the EP size
+times the tokens whatever the routing.
 """
 
 from __future__ import annotations
@@ -39,15 +40,17 @@ class AllGather:
         self.ctx = ctx
 
     def dispatch(self, x_TH, weights_TK, experts_TK) -> tuple[Arrived, AllGatherSent]:
-        L = self.ctx.local_experts
+        per_shard = self.ctx.local_experts
         rank = jax.lax.axis_index(EP_AXES)
         x_AH = send_rows(
             lambda r: jax.lax.all_gather(r, EP_AXES, tiled=True), x_TH, self.ctx.plan.dispatch_dtype
         )
         e_AK = jax.lax.all_gather(experts_TK, EP_AXES, tiled=True)
         w_AK = jax.lax.all_gather(weights_TK, EP_AXES, tiled=True)
-        mine_AK = e_AK // L == rank
-        arrived = Arrived(x_AH, jnp.where(mine_AK, e_AK % L, L), jnp.where(mine_AK, w_AK, 0.0), jnp.float32)
+        mine_AK = e_AK // per_shard == rank
+        arrived = Arrived(
+            x_AH, jnp.where(mine_AK, e_AK % per_shard, per_shard), jnp.where(mine_AK, w_AK, 0.0), jnp.float32
+        )
         return arrived, AllGatherSent(jnp.sum(mine_AK), x_TH.shape[0], x_TH.dtype, e_AK.size)
 
     def combine(self, part_AH, sent: AllGatherSent) -> tuple[jax.Array, ExchangeStats]:

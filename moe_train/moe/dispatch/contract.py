@@ -1,8 +1,9 @@
 """The dispatcher contract: what the MoE pipeline (``moe_train.moe.layer``) calls on every
 token exchange, and the types it passes.
 
-Letter key: T this shard's tokens, H hidden, K top-k, L local experts, A rows arriving at a
-shard, J expert ids per arriving row.
+Shape letters (``moe_train.base.notation``): T this shard's tokens, H hidden, K top-k (the
+expert ids an arriving row carries: K, or 1 where each row is one assignment), A rows arriving
+at a shard.
 
 The pipeline runs, on each shard inside ``shard_map``::
 
@@ -39,9 +40,9 @@ class Context(NamedTuple):
     """Static facts a dispatcher needs besides its operands."""
 
     plan: EPPlan
-    local_experts: int  # L: experts on each shard
-    domains: int  # G: fast-link domains in an EP group (mesh axis expert_x)
-    domain_size: int  # D: shards per domain (mesh axis expert)
+    local_experts: int  # experts on each shard (E inside shard_map)
+    domains: int  # O: fast-link domains in an EP group (mesh axis expert_x)
+    domain_size: int  # shards per domain (mesh axis expert)
 
 
 @jax.tree_util.register_dataclass
@@ -50,10 +51,10 @@ class Arrived:
     """What a dispatch delivered to this shard's experts."""
 
     x_AH: jax.Array  # rows to compute
-    ids_AJ: jax.Array  # local expert of each (row, j); L: none here (its output is unused)
-    weights_AJ: jax.Array | None  # combine weights summed here; None: each (row, j) returns
+    ids_AK: jax.Array  # local expert of each (row, k); local_experts: none here (output unused)
+    weights_AK: jax.Array | None  # combine weights summed here; None: each (row, k) returns
     out_dtype: Any = static()  # dtype of the rows (or sums) sent back
-    spare: bool = static(default=True)  # some ids are L (rows or slots with no expert here)
+    spare: bool = static(default=True)  # some ids are local_experts (rows or slots with no expert here)
 
 
 SentT = TypeVar("SentT")

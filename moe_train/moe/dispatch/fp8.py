@@ -2,7 +2,7 @@
 e4m3 with one fp32 scale per row, half the bytes of bf16; the combine stays in the
 activations' dtype.
 
-Letter key: R rows of an exchange buffer, H hidden.
+Shape letters (``moe_train.base.notation``): R rows of an exchange buffer, H hidden.
 
 ``send_rows(op, x_RH, dtype)`` applies a linear row exchange ``op`` (an ``all_to_all`` or
 ``all_gather`` over the leading dimension). Under fp8 each row is scaled by ``max|row| / 448``

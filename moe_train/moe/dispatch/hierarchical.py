@@ -1,8 +1,9 @@
 """Two-stage dispatch for EP groups that span several fast-link domains.
 
-Letter key: T this shard's tokens, H hidden, K top-k, L local experts, G domains in the EP
-group (mesh axis ``expert_x``, the slow links), D shards per domain (axis ``expert``),
-C1/C2 slots per pair of stage 1/2, R1 = G*C1 and R2 = D*C2 buffer rows.
+Shape letters (``moe_train.base.notation``): T this shard's tokens, H hidden, K top-k, O
+fast-link domains in the EP group (mesh axis ``expert_x``, the slow links), C1/C2 slots per pair
+of stage 1/2, R1 = O*C1 and R2 = per_domain*C2 buffer rows (per_domain: shards per domain, mesh
+axis ``expert``).
 
 Stage 1 sends each token once to every domain holding one of its experts, with its expert
 ids and weights there; stage 2 fans the rows out inside the domain as ``a2a`` does. Combine
@@ -34,10 +35,10 @@ SLOW, FAST = EXPERT_X, EXPERT
 class HierarchicalSent:
     """What ``Hierarchical.combine`` needs: where each stage put its rows."""
 
-    slot2_N: jax.Array  # stage-2 send slot of each (stage-1 row, j) assignment (R2: not sent)
+    slot2_M: jax.Array  # stage-2 send slot of each (stage-1 row, k) assignment (R2: not sent)
     weights2_R1K: jax.Array  # their combine weights (0 where the expert is not in this domain)
-    slot1_N: jax.Array  # stage-1 send slot of each (token, domain) (R1: not sent)
-    ok_TG: jax.Array  # bool: token t was sent to domain g
+    slot1: jax.Array  # [T*O]: stage-1 send slot of each (token, domain) (R1: not sent)
+    ok_TO: jax.Array  # bool: token t was sent to domain o
     stats: ExchangeStats  # measured by the dispatch, both stages
     dtype: Any = static()  # the tokens' dtype
 
@@ -54,42 +55,42 @@ class Hierarchical:
         """Send buffers of stage 1: the token, its experts in that domain (-1 elsewhere) and
         their weights, in C1 slots per domain."""
         T, K = experts_TK.shape
-        L, G, D = self.ctx.local_experts, self.ctx.domains, self.ctx.domain_size
-        dom_TK = experts_TK // (L * D)
-        need_TG = jnp.any(dom_TK[:, :, None] == jnp.arange(G), axis=1)
-        pos_TG = jnp.cumsum(need_TG, axis=0, dtype=jnp.int32) - 1
-        ok_TG = need_TG & (pos_TG < C1)
-        slot = jnp.where(ok_TG, jnp.arange(G) * C1 + pos_TG, G * C1).reshape(-1)
-        in_dom_TGK = dom_TK[:, None, :] == jnp.arange(G)[None, :, None]
-        send_x = gather_rows(x_TH, slot, G, G * C1)
+        per_shard, O, per_domain = self.ctx.local_experts, self.ctx.domains, self.ctx.domain_size
+        dom_TK = experts_TK // (per_shard * per_domain)
+        need_TO = jnp.any(dom_TK[:, :, None] == jnp.arange(O), axis=1)
+        pos_TO = jnp.cumsum(need_TO, axis=0, dtype=jnp.int32) - 1
+        ok_TO = need_TO & (pos_TO < C1)
+        slot = jnp.where(ok_TO, jnp.arange(O) * C1 + pos_TO, O * C1).reshape(-1)
+        in_dom_TOK = dom_TK[:, None, :] == jnp.arange(O)[None, :, None]
+        send_x = gather_rows(x_TH, slot, O, O * C1)
         send_e = (
-            jnp.full((G * C1, K), -1, jnp.int32)
+            jnp.full((O * C1, K), -1, jnp.int32)
             .at[slot]
-            .set(jnp.where(in_dom_TGK, experts_TK[:, None, :], -1).reshape(T * G, K), mode="drop")
+            .set(jnp.where(in_dom_TOK, experts_TK[:, None, :], -1).reshape(T * O, K), mode="drop")
         )
         send_w = (
-            jnp.zeros((G * C1, K), jnp.float32)
+            jnp.zeros((O * C1, K), jnp.float32)
             .at[slot]
-            .set(jnp.where(in_dom_TGK, weights_TK[:, None, :], 0.0).reshape(T * G, K), mode="drop")
+            .set(jnp.where(in_dom_TOK, weights_TK[:, None, :], 0.0).reshape(T * O, K), mode="drop")
         )
-        return send_x, send_e, send_w, slot, ok_TG, need_TG
+        return send_x, send_e, send_w, slot, ok_TO, need_TO
 
     def dispatch(self, x_TH, weights_TK, experts_TK) -> tuple[Arrived, HierarchicalSent]:
         T, K = experts_TK.shape
-        L, G, D = self.ctx.local_experts, self.ctx.domains, self.ctx.domain_size
-        one, two = jobplan.hierarchical_stages(T, K, L, G, D, self.ctx.plan.capacity_factor)
+        per_shard, O, per_domain = self.ctx.local_experts, self.ctx.domains, self.ctx.domain_size
+        one, two = jobplan.hierarchical_stages(T, K, per_shard, O, per_domain, self.ctx.plan.capacity_factor)
         with jax.named_scope("pack"):
-            send_x, send_e, send_w, slot1, ok_TG, need_TG = self._stage_one(
+            send_x, send_e, send_w, slot1, ok_TO, need_TO = self._stage_one(
                 x_TH, weights_TK, experts_TK, one.slots
             )
-        recv_counts1 = all_to_all(need_TG.sum(axis=0).astype(jnp.int32), SLOW)
+        recv_counts1 = all_to_all(need_TO.sum(axis=0).astype(jnp.int32), SLOW)
         r_e = all_to_all(send_e, SLOW)
         fp8 = self.ctx.plan.dispatch_dtype
         r_x = send_rows(lambda r: all_to_all(r, SLOW), send_x, fp8)
         r_w = all_to_all(send_w, SLOW)
-        dest2 = jnp.where(r_e >= 0, (r_e // L) % D, D)
+        dest2 = jnp.where(r_e >= 0, (r_e // per_shard) % per_domain, per_domain)
         with jax.named_scope("pack"):
-            packed2 = pack(r_x, dest2, r_e % L, D, two.slots, L)
+            packed2 = pack(r_x, dest2, r_e % per_shard, per_domain, two.slots, per_shard)
         recv_counts2 = all_to_all(packed2.counts, FAST)
         rows = send_rows(lambda r: all_to_all(r, FAST), packed2.x_RH, fp8)
         arrived = Arrived(rows, all_to_all(packed2.ids_R, FAST)[:, None], None, x_TH.dtype)
@@ -99,17 +100,17 @@ class Hierarchical:
         stats.update(
             overflow=stats["overflow"] | first["overflow"],
             max_pair_load=jnp.maximum(stats["max_pair_load"], first["max_pair_load"]),
-            slow_rows=(need_TG.sum() - need_TG[:, domain].sum()).astype(jnp.float32),
+            slow_rows=(need_TO.sum() - need_TO[:, domain].sum()).astype(jnp.float32),
         )
-        w2 = jnp.where(dest2 < D, r_w, 0.0)
-        return arrived, HierarchicalSent(packed2.slot_N, w2, slot1, ok_TG, stats, x_TH.dtype)
+        w2 = jnp.where(dest2 < per_domain, r_w, 0.0)
+        return arrived, HierarchicalSent(packed2.slot_M, w2, slot1, ok_TO, stats, x_TH.dtype)
 
     def combine(self, y_R2H, sent: HierarchicalSent) -> tuple[jax.Array, ExchangeStats]:
-        part_R1H = weighted_sum(unpack(all_to_all(y_R2H, FAST), sent.slot2_N), sent.weights2_R1K, jnp.float32)
+        part_R1H = weighted_sum(unpack(all_to_all(y_R2H, FAST), sent.slot2_M), sent.weights2_R1K, jnp.float32)
         back_R1H = all_to_all(part_R1H, SLOW)
-        T, G = sent.ok_TG.shape
-        # slot1 is G*C1 (past the rows) where ok_TG is False: those rows come back zero; a
-        # gather both ways (autodiff's scatter-add into an fp32 zero [G*C1, H] buffer let
+        T, O = sent.ok_TO.shape
+        # slot1 is O*C1 (past the rows) where ok_TO is False: those rows come back zero; a
+        # gather both ways (autodiff's scatter-add into an fp32 zero [O*C1, H] buffer let
         # XLA:GPU hoist eight of them, 0.44 GiB each, deepseek-v3's MTP block: make compile)
-        y_TGH = unpack(back_R1H, sent.slot1_N).reshape(T, G, -1)
-        return y_TGH.sum(axis=1).astype(sent.dtype), sent.stats
+        y_TOH = unpack(back_R1H, sent.slot1).reshape(T, O, -1)
+        return y_TOH.sum(axis=1).astype(sent.dtype), sent.stats

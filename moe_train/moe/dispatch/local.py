@@ -1,7 +1,7 @@
 """EP size 1: every expert is on this shard, so nothing is exchanged.
 
-Letter key: T tokens, H hidden, K top-k. The pipeline of ``moe_train.moe.layer`` with this
-dispatcher is exactly the single-device layer ``dropless_moe``.
+Shape letters (``moe_train.base.notation``): T tokens, H hidden, K top-k. The pipeline of
+``moe_train.moe.layer`` with this dispatcher is exactly the single-device layer ``dropless_moe``.
 """
 
 from __future__ import annotations
