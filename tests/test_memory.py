@@ -497,3 +497,47 @@ def test_gpu_planner_holds_each_mtp_blocks_deferred_weight_gradient_operands():
     assert rows.deferred_mtp_bytes(no_mtp, s, 4.0) == 0
     cpu = dataclasses.replace(s, platform="cpu")
     assert rows.deferred_mtp_bytes(cfg, cpu, 4.0) == 0
+
+
+def _mixtral_setup(*sets):
+    from moe_train.memory import job
+
+    cfg = config.for_devices(config.build("mixtral-8x7b", ["train.micro_batch_size=8", *sets]), 64)
+    return cfg, job.setup_for(cfg, presets.load("h100-dgx"), 8, ep=8)
+
+
+def test_gpu_recomputed_block_and_head_keep_fused_residuals():
+    """On GPU the norms keep 2*H*a and the combine K*H*a (XLA:GPU fuses the fp32 casts), where
+    the unfused residuals are H*(a+8) and K*H*(a+4)."""
+    from moe_train.memory.estimate import token_bytes
+
+    cfg, s = _mixtral_setup()
+    H, K, a = cfg.model.hidden, cfg.moe.top_k, s.a
+    unfused, fused = token_bytes(cfg, s), token_bytes(cfg, s, fused=True)
+    assert unfused["head"] - fused["head"] == H * (a + 8) - 2 * H * a
+    assert unfused["moe"] - fused["moe"] == (H * (a + 8) - 2 * H * a) + 4 * K * H
+
+
+def test_gpu_stacked_layers_keep_what_autodiff_saved():
+    """Under remat none the scan stacks the fp32 residuals too: the saved layers are counted
+    unfused, only the recomputed block (none here) fused."""
+    from moe_train.memory.estimate import activation_bytes, head_chunk_bytes, token_bytes
+
+    cfg, s = _mixtral_setup("train.remat=none")
+    t, tf = token_bytes(cfg, s), token_bytes(cfg, s, fused=True)
+    per_token = cfg.model.num_layers * (t["attention"] + t["moe"]) + tf["head"]
+    assert activation_bytes(cfg, s) == s.tokens * per_token + head_chunk_bytes(cfg, s)
+
+
+def test_gpu_expert_rows_keep_3a_when_recomputed_and_16_plus_4a_when_stacked():
+    """Expert rows per F element on GPU: a0, a1, h in the compute dtype for the recomputed
+    layer (full remat); 16 + 4a for the layers a scan stacks (remat none: 24 bytes at bf16,
+    as XLA:GPU compiled mixtral-8x7b)."""
+    from moe_train.memory import rows
+
+    cfg_full, full = _mixtral_setup("train.remat=full")
+    cfg_none, none = _mixtral_setup("train.remat=none")
+    R, X = rows.moe_rows(cfg_full, full, 1.0)
+    H, F, a = cfg_full.model.hidden, cfg_full.moe.expert_ffn, full.a
+    assert rows.moe_layer_bytes(cfg_full, full, 1.0)[0] == R * (F * 3 * a + 2 * H * a) + X * H * a
+    assert rows.moe_layer_bytes(cfg_none, none, 1.0)[0] == R * (F * (16 + 4 * a) + 2 * H * a) + X * H * a

@@ -61,7 +61,8 @@ slots C = min(worst, 8*ceil(f * balanced / 8)) as moe_train.parallel.jobplan.buc
     tiled backend  R rounded up to tiles: (ceil(R/m) + L) * m
   per layer: R * (F*c + 2*H*a) + exchange rows * H*a, with c = 8 (tiled: its VJP keeps
   x @ [wi_0|wi_1] in fp32) or 16 + a (sorted rows: a0, a1, silu(a0)*a1 in fp32, h) or, on
-  GPU presets, 3a (XLA:GPU fuses the fp32 casts: a0, a1, h in the compute dtype);
+  GPU presets, 3a under full/matmuls (XLA:GPU fuses the fp32 casts: a0, a1, h in the compute
+  dtype) and 16 + 4a under none/moe (the scan stacks what autodiff saved);
   kept for every MoE layer (+1 in flight) under none/moe, for two layers under full/matmuls
   (one on GPU presets: XLA:GPU fuses the gradients' elementwise steps into their GEMMs);
   plus one layer's send buffers. The total uses the largest finite bucket; the smallest and
@@ -82,7 +83,15 @@ count only what each use still gathers inside the EP group. 0 in ``micro_batch``
 
 GPU presets (``Setup.platform`` "gpu": the estimate models XLA:GPU, checked against
 ``python -m moe_train.compile``, which compiles the job for the preset's GPU): besides the
-3a rows above, step mode's gradient is reduced layer by layer inside the backward loop
+3a rows above, in the block being recomputed and the output head each norm keeps 2*H*a
+(its input and output in the compute dtype) in place of H*(a+8), and the combine's gathered
+expert outputs K*H*a in place of K*H*(a+4): XLA:GPU fuses the fp32 casts into their
+consumers (mixtral-8x7b at 4 layers, 32,768 tokens a micro-batch: 80 kB per token of the
+recomputed block and head live at the peak, where the unfused terms count 201 and these 94).
+What a scan stacks (every layer under remat none/moe) is what autodiff saved, fp32
+included: the unfused terms, and 16 + 4a per expert row element (a0, a1, silu(a0), h and the
+fp32 sigmoid and product; 3a was 2.02x low for remat none). Step mode's gradient is reduced
+layer by layer inside the backward loop
 (grads: the reduced shards, copy / dp, in place of the fp32 micro-batch gradient, plus one
 layer's share in flight), and the whole-vocabulary buffers at the end of the backward pass
 are counted in the precision copies: the embedding's gathered copy and the gradients of

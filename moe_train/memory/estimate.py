@@ -203,23 +203,29 @@ def _attention_elements(m) -> tuple[int, int]:
     return kept, W + N * D + Z + I + N * (U + J)
 
 
-def token_bytes(cfg: Config, s: Setup) -> dict[str, int]:
-    """Residual bytes per token of each sub-layer (see the docstring's table)."""
+def token_bytes(cfg: Config, s: Setup, fused: bool = False) -> dict[str, int]:
+    """Residual bytes per token of each sub-layer (see the docstring's table). ``fused``: as
+    XLA:GPU keeps them where it can fuse the fp32 casts into their consumers (the block being
+    recomputed, the output head); the layers a scan keeps hold what autodiff saved."""
     m, e, a = cfg.model, cfg.moe, s.a
     H = m.hidden
     attn_kept, attn_matmuls = _attention_elements(m)
     shared = e.num_shared_experts * (e.shared_ffn or e.expert_ffn)
     expert_copy = H * a if s.compute == "fp8" else 0  # the experts' q/dq copy of their input
+    # a norm's residuals: its input and fp32 intermediates (H * (a + 8)); fused: the input and
+    # the normed output in the compute dtype
+    norm = 2 * H * a if fused else H * (a + 8)
+    combine = e.top_k * H * (a if fused else a + 4)  # the gathered expert outputs (fp32 unfused)
     return dict(
-        attention=H * (a + 8) + attn_kept * a + _scores(cfg, s),
-        moe=H * (a + 8 + e.top_k * (a + 4)) + 12 * e.num_experts + 4 * shared * a + expert_copy,
-        dense=H * (a + 8) + 4 * m.dense_ffn * a,
+        attention=norm + attn_kept * a + _scores(cfg, s),
+        moe=norm + combine + 12 * e.num_experts + 4 * shared * a + expert_copy,
+        dense=norm + 4 * m.dense_ffn * a,
         block_input=H * a,
         matmul_attention=H * a + attn_matmuls * a + H * a,
         matmul_moe=4 * e.num_experts + (2 * shared + H) * a if shared else 4 * e.num_experts,
         matmul_dense=(2 * m.dense_ffn + H) * a,
-        head=H * (a + 8) + 4,  # final norm, its fp32 input, the logsumexp; logits: per chunk
-        mtp_input=3 * H * a + 2 * H * (a + 8),  # an MTP depth: [emb; h] and eh_proj's output, 2 norms
+        head=norm + 4,  # final norm and the logsumexp; logits: per chunk
+        mtp_input=3 * H * a + 2 * norm,  # an MTP depth: [emb; h] and eh_proj's output, 2 norms
     )
 
 
@@ -237,9 +243,10 @@ def _layer_kinds(cfg: Config) -> tuple[int, int]:
 def activation_bytes(cfg: Config, s: Setup) -> int:
     """Token-proportional residuals held at the start of the backward pass, the recomputed
     block under remat, and the output head (MoE rows are ``moe_buffers``)."""
-    t = token_bytes(cfg, s)
+    t, tf = token_bytes(cfg, s), token_bytes(cfg, s, fused=s.gpu)
     n_dense, n_moe = _layer_kinds(cfg)
     full = {"moe": t["attention"] + t["moe"], "dense": t["attention"] + t["dense"]}
+    redo = {"moe": tf["attention"] + tf["moe"], "dense": tf["attention"] + tf["dense"]}
     saved = {
         "none": full,
         "full": {"moe": t["block_input"], "dense": t["block_input"]},
@@ -249,14 +256,14 @@ def activation_bytes(cfg: Config, s: Setup) -> int:
         },
         "moe": {"moe": t["block_input"] + t["moe"], "dense": t["block_input"] + t["dense"]},
     }[s.remat]
-    biggest = max(full["moe"] if n_moe else 0, full["dense"] if n_dense else 0)
+    biggest = max(redo["moe"] if n_moe else 0, redo["dense"] if n_dense else 0)
     working = 0 if s.remat == "none" else biggest  # the block being recomputed
     per_token = (
         n_moe * saved["moe"]
         + n_dense * saved["dense"]
         + working
-        + (1 + cfg.model.mtp_depth) * t["head"]
-        + cfg.model.mtp_depth * t["mtp_input"]
+        + (1 + cfg.model.mtp_depth) * tf["head"]
+        + cfg.model.mtp_depth * tf["mtp_input"]
     )
     return s.tokens * per_token + head_chunk_bytes(cfg, s)
 
@@ -328,11 +335,14 @@ def _vocab_bytes(cfg: Config, s: Setup, head_copy: int) -> int:
     copy (as the head's; none when tied) and the gradients of the head (the loss's [H, V]
     accumulator) and of the embedding (the lookup's scatter-add), in the compute dtype, all
     live when the backward pass leaves the output head (compiled for H100: 4 [V, H] buffers
-    at Qwen3's peak)."""
+    at Qwen3's peak). Each MTP depth looks its tokens up in the embedding again, and that
+    lookup's scatter-add has a [V, H] target of its own, live through the MTP block's
+    backward (deepseek-v3 at 4 layers compiled for GB200: 2 of 1.73 GiB at the peak)."""
     whole = cfg.model.hidden * cfg.model.vocab_size * s.a
+    mtp = cfg.model.mtp_depth * whole
     if cfg.model.tie_embeddings:
-        return whole
-    return head_copy + 2 * whole
+        return whole + mtp
+    return head_copy + 2 * whole + mtp
 
 
 def estimate(cfg: Config, s: Setup) -> Estimate:

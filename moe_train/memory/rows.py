@@ -19,8 +19,16 @@ if TYPE_CHECKING:
 # sorted: autodiff through gemm.sorted_swiglu keeps a0, a1 and silu(a0) * a1 in fp32 and h in
 # the compute dtype (JAX's unfused residuals are 20 + a); "sorted@gpu": XLA:GPU fuses the
 # fp32 casts into their consumers and keeps a0, a1 and h in the compute dtype (3a; compiled
-# for H100: the recomputed layer's [R, F] buffers are those three, tests/test_compile.py).
-ROW_F_BYTES = {"tiled": lambda a: 8, "sorted": lambda a: 16 + a, "sorted@gpu": lambda a: 3 * a}
+# for H100: the recomputed layer's [R, F] buffers are those three, tests/test_compile.py);
+# "sorted@gpu-scan": the layers a scan keeps under remat none/moe hold what autodiff saved, as
+# XLA:GPU stacks it: a0, a1, silu(a0) and h in the compute dtype and the fp32 sigmoid and
+# product (mixtral-8x7b at 4 layers, remat none, compiled for H100: 24 bytes per element at a = 2)
+ROW_F_BYTES = {
+    "tiled": lambda a: 8,
+    "sorted": lambda a: 16 + a,
+    "sorted@gpu": lambda a: 3 * a,
+    "sorted@gpu-scan": lambda a: 16 + 4 * a,
+}
 
 
 def tile_rows(cfg: Config, assignments: int, local_experts: int, nominal: bool) -> int:
@@ -59,7 +67,10 @@ def moe_layer_bytes(cfg: Config, s: Setup, factor: float | None) -> tuple[int, i
     """(residual bytes of one MoE layer's dispatched rows, transient send buffers)."""
     H, F, a = cfg.model.hidden, cfg.moe.expert_ffn, s.a
     rows, exchange = moe_rows(cfg, s, factor)
-    per_f = ROW_F_BYTES[f"{s.backend}@gpu" if s.gpu and s.backend == "sorted" else s.backend]
+    key = s.backend
+    if s.gpu and s.backend == "sorted":
+        key = "sorted@gpu" if s.remat in ("full", "matmuls") else "sorted@gpu-scan"
+    per_f = ROW_F_BYTES[key]
     kept = rows * (F * per_f(a) + 2 * H * a) + exchange * H * a
     return kept, exchange * H * a
 
