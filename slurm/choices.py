@@ -175,7 +175,10 @@ def summary(found: search.Found | None) -> str | None:
     )
     if found.opt_in is not None:
         job, best = found.opt_in, found.ranked[0]
-        extra = [c for c in job.changes if c not in best.changes]
+        # the keys the search leaves alone unless set (the others it searched, and chose
+        # otherwise only because these were not set)
+        keys = [c.partition("=")[0] for c in job.changes if c not in best.changes]
+        extra = [k for k in keys if k in (*search.OPT_IN, search.BUCKETS_KEY)]
         risk = (
             f" (a step overflowing {job.settings.buckets[-1]:g}x then runs out of memory)"
             if job.settings.buckets != best.settings.buckets
@@ -183,7 +186,7 @@ def summary(found: search.Found | None) -> str | None:
         )
         text += (
             f"; opting in, {' '.join(job.changes)}{risk} predicts {_secs(job.step.step_s)} "
-            f"({', '.join(c.partition('=')[0] for c in extra) or 'no new key'} not "
+            f"({', '.join(extra) or 'no new key'} not "
             f"searched unless set: --set them to use it)"
         )
     return text + "; make plan TOP=5 (--top 5) lists the runners-up"

@@ -54,15 +54,16 @@ if TYPE_CHECKING:
 EP_KEY, GATHER_KEY, REMAT_KEY = "parallel.ep", "parallel.weight_gather", "train.remat"
 MICRO_BATCHES_KEY, MICRO_SIZE_KEY = "train.micro_batches", "train.micro_batch_size"
 CHUNKS_KEY, DISPATCH_KEY, BUCKETS_KEY = ("moe.overlap_chunks", "moe.dispatch_dtype", "moe.capacity_buckets")
-# Searched only when the user asks (--set): train.remat other than the preset's is not yet
-# checked against XLA:GPU (mixtral-8x7b --layers 4, 8 h100 nodes, remat=none: XLA:GPU 94.3 GiB
-# where the planner says 47.2), and fp8 dispatch changes numerics (e4m3 tokens on the wire).
+# Searched only when the user asks (--set): train.remat other than the preset's is checked
+# against XLA:GPU on one job only (mixtral-8x7b --layers 4, 8 h100 nodes, 4-sequence
+# micro-batches, remat=none: XLA:GPU 58.2 GiB, the planner 73.2, docs/compile.md; matmuls and
+# moe not at all), and fp8 dispatch changes numerics (e4m3 tokens on the wire).
 # The search names the fastest such job where it would be over 1% faster (Found.opt_in); where
 # nothing fits at the preset's remat, a job with another remat is the last resort.
 OPT_IN = (REMAT_KEY, DISPATCH_KEY)
 # A job the search makes must leave this share of the usable memory free: the planner is
-# within 15% of XLA:GPU's compiled peak on the Mixtral and Qwen3 jobs it was checked on (1.4x
-# low on DeepSeek-V3's, open; docs/compile.md); the preset's own job is judged as it is.
+# within about 15% of XLA:GPU's compiled peak on the Mixtral, Qwen3 and DeepSeek-V3 jobs it
+# was checked on (docs/compile.md); the preset's own job is judged as it is.
 HEADROOM = 0.10
 BUCKET_FLOOR = 2.0  # a cut bucket list keeps buffers for at least twice the balanced load
 CUT_GAIN = 0.99  # Found.opt_in: an opt-in job is named where its step is this much shorter

@@ -97,7 +97,8 @@ def test_each_choice_the_plan_shows_is_the_submitted_value(examples, args):
 
 def test_the_gb200_deepseek_plan_without_set_is_the_fast_job(examples):
     plan, _ = examples[shlex.join(V3_GB200)]
-    assert plan["fits"] and plan["topology"]["step"]["comm_share"] <= 0.20
+    ranked = plan["search"]["ranked"]
+    assert plan["fits"] and plan["topology"]["step"]["step_s"] == pytest.approx(ranked[0]["step_s"])
 
 
 def test_the_plans_top_row_is_the_submitted_job(examples):

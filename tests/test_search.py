@@ -137,10 +137,12 @@ def test_nothing_is_searched_without_a_prediction():
     assert searched(Request(preset="cpu-local", model="tiny", nodes=1, ep=8)) is None
 
 
-def test_the_gb200_deepseek_plan_exposes_at_most_a_fifth_of_its_step():
+def test_the_gb200_deepseek_plan_takes_under_half_the_presets_step(v3):
+    """The model preset's own job (1-sequence micro-batches re-gathering the weights, one
+    overlap chunk) is predicted at 291 s on 64 racks; the searched one at 77 s."""
     d = decide(V3_64)
     step = choices.prediction(d.req, d.cfg).step
-    assert step is not None and step.comm_share <= 0.20 and d.fits
+    assert step is not None and d.fits and step.step_s < 0.5 * v3.base_step_s
 
 
 def _exhaustive_best(req: Request) -> float:

@@ -368,7 +368,7 @@ def _step_lines(plan: Plan, timed: bool = True) -> list[str]:
         "other": "dense MLP/shared/router",
     }
     k = i["overlap_chunks"]
-    hidden = "none hidden" if k == 1 else f"{k} chunks under the GEMMs"
+    hidden = f"{i['a2a_hidden']:.0%} hideable under the GEMMs with {k} chunk{'s' if k > 1 else ''}"
     where = i["compute_file"]
     if where == str(compute_calibration.DEFAULTS):
         where = "topology/compute.toml, shipped defaults"
@@ -380,8 +380,7 @@ def _step_lines(plan: Plan, timed: bool = True) -> list[str]:
         f"{i['a2a_per_moe_layer']} per MoE layer"
         + (f", {i['fp8_dispatches']} of them fp8 dispatches)" if i["fp8_dispatches"] else ")"),
         f"  FSDP        {st.fsdp_s:9.3f} s  {st.fsdp_exposed_s:.3f} exposed (weights gathered "
-        f"{GATHERED[i['weight_gather']]}; {i['efficiency']['collective_overlap']:.0%} "
-        "overlappable)",
+        f"{GATHERED[i['weight_gather']]}; {i['fsdp_hidden']:.0%} hideable)",
         f"  optimizer   {st.optimizer_s:9.3f} s",
         f"  step        {st.step_s:9.3f} s  {st.tokens_per_s:,.0f} tokens/s/GPU, "
         f"{st.model_tflops:,.0f} model TFLOP/s/GPU, MFU {st.mfu:.1%} of the dense "

@@ -25,7 +25,9 @@ recomputed forward work (``RECOMPUTE``) to the hardware FLOPs, not to the model 
                network when the group spans NVLink domains); ``parallel.weight_gather=step``
                gathers over Q once per step and moves only gradients (fp32) across groups
                per micro-batch (``_fsdp_step_s``)
-    exposed  = (1 - overlap) x fsdp + max(0, overlap x fsdp - compute)
+    exposed  = (1 - o) x fsdp + max(0, o x fsdp - compute)
+               (o: ``topology.compute.fsdp_hidden`` of the weight-gather mode, measured by
+               ``make compile``)
     optimizer= params per GPU x (28 B AdamW + 12 B per extra micro-batch) / (HBM x eff)
     step     = compute + exposed a2a + exposed fsdp + optimizer
 
@@ -274,7 +276,8 @@ def _predict(
     busy = sum(compute.values())
     a2a, a2a_exposed = _a2a(cfg, job, compute, eff)
     fsdp = _fsdp_s(cfg, cluster, job)
-    fsdp_exposed = (1 - eff.collective_overlap) * fsdp + max(0.0, eff.collective_overlap * fsdp - busy)
+    hidden = compute_calibration.fsdp_hidden(eff, cfg.parallel.weight_gather)
+    fsdp_exposed = (1 - hidden) * fsdp + max(0.0, hidden * fsdp - busy)
     optimizer = _optimizer_s(cfg, cluster, eff, job)
     step = busy + a2a_exposed + fsdp_exposed + optimizer
     model_flops = flops.train_flops_per_token(cfg) * job.tokens_per_gpu
@@ -293,6 +296,8 @@ def _predict(
         "weight_gather": cfg.parallel.weight_gather,
         "moe_layers": moe_layer_count(cfg.model),
         "a2a_per_moe_layer": RECOMPUTE[cfg.train.remat][1],
+        "a2a_hidden": compute_calibration.a2a_hidden(eff, cfg.moe.overlap_chunks),
+        "fsdp_hidden": hidden,
         "a2a_latency_s": job.a2a.latency_s,
         "a2a_transfer_s": job.a2a.total_s - job.a2a.latency_s,
         **dict(zip(("params_non_expert", "params_expert"), weights(cfg))),

@@ -17,9 +17,9 @@ gradient): nominal FLOPs at the bucket's padded rows, an upper bound of the work
 ``hidden``: at the preset's rates (the all-to-all link of the step-time model,
 ``topology.steptime.link_bytes_per_s``, and the grouped-GEMM rate, peak x
 ``grouped_gemm_efficiency``), each window hides at most min(its transfer, its GEMMs), summed
-over every run; beside the collective's whole transfer time. The step-time model assumes the
-chunked overlap hides (c - 1) / c of the all-to-all time under the expert GEMMs
-(``topology.steptime._a2a``); ``report`` prints both.
+over every run; beside the collective's whole transfer time. ``report`` prints it beside the
+share the step-time model hides (``topology.compute.a2a_hidden`` and ``fsdp_hidden``, whose
+shipped values are these measurements).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ side by side (``moe_train.bench.overlap.dispatcher_rows``). Each row is checked 
 chunks=1 within ``BOUNDS`` (chunked exchanges: bf16 rounding; fp8 rows: e4m3's step).
 ``overlap_gain`` is 1 - (fastest chunked time / chunks=1 time): the share of the layer that
 the chunking hid here (negative: more, smaller exchanges cost more than they hide, which the
-planner's ``collective_overlap`` efficiency should then say).
+planner's ``a2a_hidden_*`` efficiencies should then say).
 A ``jax.profiler`` trace of chunks=1 and of the fastest variant goes to
 ``<out>/overlap_trace/`` (TensorBoard's profile plugin or Perfetto: each call is annotated
 ``moe.overlap_chunks/<chunks, dispatch>``), the profile to read beside the planner's model.
