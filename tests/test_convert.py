@@ -233,12 +233,28 @@ def convert_mixtral(root: Path) -> Path:
 
 
 def damage(kit: Path, part: str = "layer_1") -> Path:
-    """One bit flipped in the middle of the part's largest data file (array values); the part."""
-    f = max((p for p in (kit / "weights" / part).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    f.write_bytes(bytes(data))
-    return kit / "weights" / part
+    """One bit flipped in the part's largest data file where it changes an array's values (the
+    byte nearest the middle that does: a flip in the file's index or padding changes none, and
+    where those lie depends on the write); the part."""
+    import orbax.checkpoint as ocp
+
+    where = (kit / "weights" / part).absolute()
+    f = max((p for p in where.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    clean = f.read_bytes()
+    before = jax.tree.leaves(ocp.PyTreeCheckpointer().restore(where))
+    mid = len(clean) // 2
+    for off in sorted(range(len(clean)), key=lambda o: abs(o - mid)):
+        data = bytearray(clean)
+        data[off] ^= 0x10
+        f.write_bytes(bytes(data))
+        try:
+            after = jax.tree.leaves(ocp.PyTreeCheckpointer().restore(where))
+        except Exception:  # a flip orbax itself refuses is not the damage this models
+            continue
+        if any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True)):
+            return kit / "weights" / part
+    f.write_bytes(clean)
+    raise AssertionError(f"no single flipped bit of {f} changes an array")
 
 
 def drop_manifest(kit: Path, part: str = "layer_1") -> Path:
