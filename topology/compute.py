@@ -36,7 +36,9 @@ class Compute:
     attention_efficiency: float  # attention scores forward + backward, of the bf16 peak
     hbm_efficiency: float  # optimizer / accumulation memory traffic, of HBM bandwidth
     fsdp_hidden_micro_batch: float  # share of the FSDP collectives hidden, weights gathered per micro-batch
-    fsdp_hidden_step: float  # the same with parallel.weight_gather=step (gathered once per step)
+    fsdp_hidden_step_gather: float  # weight_gather=step: share of its all-gathers hidden
+    fsdp_hidden_step_reduce_scatter: float  # weight_gather=step: of its gradient reduce-scatters
+    fsdp_hidden_step_all_reduce: float  # weight_gather=step: of its gradient all-reduces over data
     a2a_hidden_1chunk: float  # share of the all-to-all (up to the expert GEMMs' time) hidden, 1 chunk
     a2a_hidden_4chunks: float  # the same with moe.overlap_chunks=4 (a2a_hidden interpolates)
     source: Mapping[str, str]  # field -> where its value comes from
@@ -44,12 +46,6 @@ class Compute:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Compute) if f.name not in ("source", "path"))
-
-
-def fsdp_hidden(eff: Compute, weight_gather: str) -> float:
-    """Share of the FSDP all-gathers and reduce-scatters hidden under compute, for
-    ``parallel.weight_gather`` mode ``weight_gather``."""
-    return eff.fsdp_hidden_step if weight_gather == "step" else eff.fsdp_hidden_micro_batch
 
 
 def a2a_hidden(eff: Compute, chunks: int) -> float:

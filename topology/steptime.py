@@ -24,10 +24,11 @@ recomputed forward work (``RECOMPUTE``) to the hardware FLOPs, not to the model 
                (non-expert weights over all N GPUs, expert weights over Q; the link is the
                network when the group spans NVLink domains); ``parallel.weight_gather=step``
                gathers over Q once per step and moves only gradients (fp32) across groups
-               per micro-batch (``_fsdp_step_s``)
-    exposed  = (1 - o) x fsdp + max(0, o x fsdp - compute)
-               (o: ``topology.compute.fsdp_hidden`` of the weight-gather mode, measured by
-               ``make compile``)
+               per micro-batch (``_fsdp_step_parts``)
+    exposed  = fsdp - o + max(0, o - compute)
+               (o: each part times the share XLA:GPU's schedule hides of it, measured by
+               ``make compile``: ``fsdp_hidden_micro_batch``; in step mode
+               ``fsdp_hidden_step_gather``, ``_reduce_scatter``, ``_all_reduce``)
     optimizer= params per GPU x (28 B AdamW + 12 B per extra micro-batch) / (HBM x eff)
     step     = compute + exposed a2a + exposed fsdp + optimizer
 
@@ -195,9 +196,24 @@ def weights(cfg: Config) -> tuple[float, float]:
     return c["total_with_mtp"] - experts, experts
 
 
-def _fsdp_s(cfg: Config, cluster: Cluster, job: Job) -> float:
+def _fsdp(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> tuple[float, float]:
+    """(FSDP seconds, the seconds of it the schedule can hide): each part at its measured
+    share (``topology.compute``)."""
     if cfg.parallel.weight_gather == "step":
-        return _fsdp_step_s(cfg, cluster, job)
+        parts = _fsdp_step_parts(cfg, cluster, job)
+        shares = (
+            eff.fsdp_hidden_step_gather,
+            eff.fsdp_hidden_step_reduce_scatter,
+            eff.fsdp_hidden_step_all_reduce,
+        )
+        return sum(parts), sum(t * h for t, h in zip(parts, shares, strict=True))
+    t = _fsdp_s(cfg, cluster, job)
+    return t, t * eff.fsdp_hidden_micro_batch
+
+
+def _fsdp_s(cfg: Config, cluster: Cluster, job: Job) -> float:
+    """``parallel.weight_gather=micro_batch``: every use's gathers and one reduce-scatter per
+    micro-batch."""
     dense, experts = weights(cfg)
     b = 4 if cfg.precision.compute == "fp32" else 2
     moves = RECOMPUTE[cfg.train.remat][2] + 1  # the all-gathers, then one reduce-scatter
@@ -209,21 +225,24 @@ def _fsdp_s(cfg: Config, cluster: Cluster, job: Job) -> float:
     return s * t
 
 
-def _fsdp_step_s(cfg: Config, cluster: Cluster, job: Job) -> float:
-    """``parallel.weight_gather=step`` (``moe_train.train.gather``): once per step the EP
-    group's shard of every weight comes over ``data`` (b bytes); per micro-batch the
-    non-expert weights are gathered inside the EP group per use and their fp32 gradient is
-    reduce-scattered there, then all-reduced over ``data`` on the group's shard; the expert
-    weights' fp32 gradient is reduce-scattered over ``data``."""
+def _fsdp_step_parts(cfg: Config, cluster: Cluster, job: Job) -> tuple[float, float, float]:
+    """``parallel.weight_gather=step`` (``moe_train.train.gather``), seconds of its
+    (all-gathers, reduce-scatters, all-reduces): once per step the EP group's shard of every
+    weight comes over ``data`` (b bytes); per micro-batch the non-expert weights are gathered
+    inside the EP group per use and their fp32 gradient is reduce-scattered there, then
+    all-reduced over ``data`` on the group's shard; the expert weights' fp32 gradient is
+    reduce-scattered over ``data``."""
     dense, experts = weights(cfg)
     b = 4 if cfg.precision.compute == "fp32" else 2
     P, Q, n = job.ep, job.dp, cfg.train.micro_batches
     group, across = link_bytes_per_s(cluster, P), link_bytes_per_s(cluster, job.gpus)
     cross = (Q - 1) / Q
     once = b * (dense + experts) / P * cross / across
-    inside = (RECOMPUTE[cfg.train.remat][2] * b + 4) * dense * (P - 1) / P / group
-    reduce = 4 * (2 * dense + experts) / P * cross / across
-    return once + n * (inside + reduce)
+    inside = dense * (P - 1) / P / group
+    gathers = once + n * RECOMPUTE[cfg.train.remat][2] * b * inside
+    reduce_scatters = n * 4 * (inside + experts / P * cross / across)
+    all_reduces = n * 4 * 2 * dense / P * cross / across
+    return gathers, reduce_scatters, all_reduces
 
 
 def _optimizer_s(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> float:
@@ -275,9 +294,8 @@ def _predict(
     compute = _compute_s(cfg, cluster, eff, job.tokens_per_gpu)
     busy = sum(compute.values())
     a2a, a2a_exposed = _a2a(cfg, job, compute, eff)
-    fsdp = _fsdp_s(cfg, cluster, job)
-    hidden = compute_calibration.fsdp_hidden(eff, cfg.parallel.weight_gather)
-    fsdp_exposed = (1 - hidden) * fsdp + max(0.0, hidden * fsdp - busy)
+    fsdp, fsdp_hideable = _fsdp(cfg, cluster, eff, job)
+    fsdp_exposed = fsdp - fsdp_hideable + max(0.0, fsdp_hideable - busy)
     optimizer = _optimizer_s(cfg, cluster, eff, job)
     step = busy + a2a_exposed + fsdp_exposed + optimizer
     model_flops = flops.train_flops_per_token(cfg) * job.tokens_per_gpu
@@ -297,7 +315,7 @@ def _predict(
         "moe_layers": moe_layer_count(cfg.model),
         "a2a_per_moe_layer": RECOMPUTE[cfg.train.remat][1],
         "a2a_hidden": compute_calibration.a2a_hidden(eff, cfg.moe.overlap_chunks),
-        "fsdp_hidden": hidden,
+        "fsdp_hidden": fsdp_hideable / fsdp if fsdp else 0.0,
         "a2a_latency_s": job.a2a.latency_s,
         "a2a_transfer_s": job.a2a.total_s - job.a2a.latency_s,
         **dict(zip(("params_non_expert", "params_expert"), weights(cfg))),

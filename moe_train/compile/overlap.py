@@ -18,7 +18,7 @@ gradient): nominal FLOPs at the bucket's padded rows, an upper bound of the work
 ``topology.steptime.link_bytes_per_s``, and the grouped-GEMM rate, peak x
 ``grouped_gemm_efficiency``), each window hides at most min(its transfer, its GEMMs), summed
 over every run; beside the collective's whole transfer time. ``report`` prints it beside the
-share the step-time model hides (``topology.compute.a2a_hidden`` and ``fsdp_hidden``, whose
+share the step-time model hides (``topology.compute.a2a_hidden`` and the ``fsdp_hidden_*`` shares, whose
 shipped values are these measurements).
 """
 
