@@ -64,7 +64,8 @@ def bucket_record(job: Job, c: Compiled) -> dict:
 def schedule_vs_model(job: Job, windows: list[overlap.Window]) -> dict:
     """Per step, at the step-time model's rates: each collective kind's transfer seconds and
     the most the GEMMs the schedule placed in its windows can hide (``overlap.hidden``),
-    beside the share the model assumes hidden; {} where the model predicts nothing."""
+    beside the share the model hides of that kind (the FSDP kinds: ``topology/compute.toml``'s
+    shares, before the cap at the step's compute); {} where the model predicts nothing."""
     st = job.step
     if st is None:
         return {}
@@ -75,9 +76,11 @@ def schedule_vs_model(job: Job, windows: list[overlap.Window]) -> dict:
         if fp8
         else inp["peak_bf16_tflops"] * eff["grouped_gemm_efficiency"]
     ) * 1e12
+    step = inp["weight_gather"] == "step"  # step mode: a share per collective kind
     model = {
         "all-to-all": 1 - st.a2a_exposed_s / st.a2a_s if st.a2a_s else None,
-        "fsdp": 1 - st.fsdp_exposed_s / st.fsdp_s if st.fsdp_s else None,
+        "all-gather": eff["fsdp_hidden_step_gather" if step else "fsdp_hidden_micro_batch"],
+        "reduce-scatter": eff["fsdp_hidden_step_reduce_scatter" if step else "fsdp_hidden_micro_batch"],
     }
     spans = {"all-to-all": job.cfg.parallel.ep, "all-gather": job.devices, "reduce-scatter": job.devices}
     out = {}
@@ -87,7 +90,7 @@ def schedule_vs_model(job: Job, windows: list[overlap.Window]) -> dict:
             out[kind] = {
                 **{k: round(v, 6) for k, v in h.items()},
                 "share": round(h["hidden_s"] / h["comm_s"], 3),
-                "model_share": model["all-to-all" if kind == "all-to-all" else "fsdp"],
+                "model_share": model[kind],
             }
     return out
 
