@@ -4,6 +4,7 @@ memory growth in S, and the choice of implementation (resolve / available)."""
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -138,6 +139,30 @@ def test_bf16_output_keeps_the_input_dtype():
     q, k, v, _ = operands(S=24, dtype=jnp.bfloat16)
     out = jax.eval_shape(lambda *a: attention.attend(*a, implementation="chunked"), q, k, v)
     assert out.dtype == jnp.bfloat16
+
+
+def _scans(jaxpr):
+    """Every scan equation in ``jaxpr`` and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _scans(sub)
+
+
+def test_chunked_blocks_write_into_carried_buffers_not_stacked_scan_outputs():
+    """A scan's stacked outputs start as operand-free zero buffers, which XLA:GPU made early
+    and held side by side (eight of the MTP block's dk stacks, docs/compile.md): every
+    per-block result of the forward and the backward is a loop carry instead."""
+    q, k, v, do = operands(S=40)
+
+    def loss(q, k, v):
+        return jnp.vdot(attention.attend(q, k, v, implementation="chunked", block=16), do)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    scans = list(_scans(jaxpr))
+    stacked = [len(e.outvars) - e.params["num_carry"] for e in scans]
+    assert len(scans) >= 2 and stacked == [0] * len(scans)
 
 
 def temp_bytes(impl: str, S: int, block: int) -> int:

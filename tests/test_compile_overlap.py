@@ -106,3 +106,49 @@ def test_a_collective_kind_that_is_absent_hides_nothing():
         "comm_s": 0,
         "hidden_s": 0,
     }
+
+
+# an all-gather in flight over a loop of 3 GEMM iterations, an all-reduce over a loop that
+# runs an all-to-all of its own
+NESTED = """HloModule m, is_scheduled=true
+
+%fused_dot (p0: bf16[4,8], p1: bf16[8,2]) -> f32[4,2] {
+  %p0 = bf16[4,8]{1,0} parameter(0)
+  %p1 = bf16[8,2]{1,0} parameter(1)
+  ROOT %d = f32[4,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%gemms (p: (s32[])) -> (s32[]) {
+  %p = (s32[]) parameter(0)
+  %g = f32[4,2]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %r = (s32[]) tuple(%i)
+}
+
+%exchange (p: (s32[])) -> (s32[]) {
+  %p = (s32[]) parameter(0)
+  %g = f32[4,2]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %s = ((bf16[16,4]{1,0}), bf16[16,4]{1,0}) all-to-all-start(%x), dimensions={0}
+  %d = bf16[16,4]{1,0} all-to-all-done(%s)
+  ROOT %r = (s32[]) tuple(%i)
+}
+
+ENTRY %main (a: bf16[4,8], b: bf16[8,2], c: f32[64]) -> f32[4,2] {
+  %s1 = (bf16[1,8]{1,0}, bf16[4,8]{1,0}) all-gather-start(%y), dimensions={0}
+  %w1 = (s32[]) while(%t0), condition=%cond, body=%gemms, backend_config={"known_trip_count":{"n":"3"}}
+  %d1 = bf16[4,8]{1,0} all-gather-done(%s1)
+  %s2 = f32[64]{0} all-reduce-start(%c)
+  %w2 = (s32[]) while(%t1), condition=%cond, body=%exchange, backend_config={"known_trip_count":{"n":"5"}}
+  %d2 = f32[64]{0} all-reduce-done(%s2)
+  ROOT %r = f32[4,2]{1,0} copy(%a)
+}
+"""  # noqa: E501  (HLO text as XLA prints it, one instruction a line)
+
+
+def test_a_loop_in_a_window_counts_its_bodys_gemms_times_its_trip_count():
+    w = {w.kind: w for w in overlap.windows(NESTED)}["all-gather"]
+    assert (w.gemm_kernels, w.gemm_flops) == (3, 3 * 2 * 4 * 2 * 8)
+
+
+def test_a_loop_that_runs_collectives_of_its_own_hides_nothing_of_another():
+    w = {w.kind: w for w in overlap.windows(NESTED)}["all-reduce"]
+    assert (w.gemm_kernels, w.gemm_flops) == (0, 0.0)

@@ -40,7 +40,14 @@ class Compute:
     fsdp_hidden_step_reduce_scatter: float  # weight_gather=step: of its gradient reduce-scatters
     fsdp_hidden_step_all_reduce: float  # weight_gather=step: of its gradient all-reduces over data
     a2a_hidden_1chunk: float  # share of the all-to-all (up to the expert GEMMs' time) hidden, 1 chunk
-    a2a_hidden_4chunks: float  # the same with moe.overlap_chunks=4 (a2a_hidden interpolates)
+    a2a_hidden_2chunks: float  # the same with moe.overlap_chunks=2
+    a2a_hidden_4chunks: float  # ... 4
+    a2a_hidden_8chunks: float  # ... 8 (weight_gather=micro_batch; a2a_hidden interpolates)
+    a2a_hidden_step_1chunk: float  # the same under parallel.weight_gather=step, 1 chunk
+    a2a_hidden_step_2chunks: float  # ... 2
+    a2a_hidden_step_4chunks: float  # ... 4
+    a2a_hidden_step_8chunks: float  # ... 8
+    a2a_hidden_hierarchical_8chunks: float  # hierarchical dispatch with 8 chunks (scales the curves)
     source: Mapping[str, str]  # field -> where its value comes from
     path: str  # the file it was read from
 
@@ -48,16 +55,33 @@ class Compute:
 FIELDS = tuple(f.name for f in dataclasses.fields(Compute) if f.name not in ("source", "path"))
 
 
-def a2a_hidden(eff: Compute, chunks: int) -> float:
+MEASURED_CHUNKS = (1, 2, 4, 8)  # the chunk counts the a2a_hidden_* shares were measured at
+
+
+def a2a_hidden(eff: Compute, chunks: int, step: bool = False, hierarchical: bool = False) -> float:
     """Share of the all-to-all time (up to the expert GEMMs' time) hidden with ``chunks``
-    overlap chunks: through the two measured shares, the exposed part falling as a power of
-    the chunks (1 - h(c) = (1 - h1) * ((1 - h4) / (1 - h1)) ** log4(c); 4 chunks and beyond
-    extrapolate the same curve)."""
-    h1, h4 = eff.a2a_hidden_1chunk, eff.a2a_hidden_4chunks
-    if h1 >= 1.0:
-        return 1.0
-    ratio = max(1.0 - h4, 1e-9) / (1.0 - h1)
-    return 1.0 - (1.0 - h1) * ratio ** (math.log(chunks) / math.log(4))
+    overlap chunks: the share measured at that chunk count (``step``: under
+    ``parallel.weight_gather=step``, whose schedule hides less), linear in log2(chunks)
+    between measured counts; beyond 8, the 8-chunk share (nothing extrapolated).
+    ``hierarchical`` (EP groups across NVLink domains): scaled by the hierarchical exchange's
+    measured share at 8 chunks over the flat one's (its staged exchanges leave the schedule
+    fewer GEMMs to place under each)."""
+    share = _interpolated(_shares(eff, step), chunks)
+    if not hierarchical:
+        return share
+    flat8 = _shares(eff, False)[-1]
+    return min(share, share * eff.a2a_hidden_hierarchical_8chunks / flat8) if flat8 > 0 else 0.0
+
+
+def _shares(eff: Compute, step: bool) -> tuple[float, ...]:
+    prefix = "a2a_hidden_step_" if step else "a2a_hidden_"
+    return tuple(getattr(eff, f"{prefix}{c}chunk{'s' if c > 1 else ''}") for c in MEASURED_CHUNKS)
+
+
+def _interpolated(shares: tuple[float, ...], chunks: int) -> float:
+    x = math.log2(min(max(chunks, 1), MEASURED_CHUNKS[-1]))
+    i = min(int(x), len(shares) - 2)
+    return shares[i] + (shares[i + 1] - shares[i]) * (x - i)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +115,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Compute:
         value = values.get(key)
         if value is None:
             raise TopologyError(f"{p}: missing key compute.{key}; required keys: {', '.join(FIELDS)}")
-        check_number(value, f"compute.{key}", str(p), hi=1.0)
+        check_number(value, f"compute.{key}", str(p), hi=1.0, lo_open="hidden" not in key)
     if not isinstance(source, dict) or not all(isinstance(v, str) for v in source.values()):
         raise TopologyError(f"{p}: [compute.source] must map each field to a string")
     return Compute(**{k: float(values[k]) for k in FIELDS}, source=dict(source), path=str(p))

@@ -233,7 +233,14 @@ def _step(
 
 
 def _job(devices: int, p: Placement, T: int, side: Side) -> steptime.Job:
-    return steptime.Job(gpus=devices, ep=p.ep, dp=p.dp, tokens_per_gpu=T, a2a=side.layer.all_to_all)
+    return steptime.Job(
+        gpus=devices,
+        ep=p.ep,
+        dp=p.dp,
+        tokens_per_gpu=T,
+        a2a=side.layer.all_to_all,
+        hierarchical=side.hierarchical,
+    )
 
 
 def step_job(plan: Plan) -> steptime.Job:

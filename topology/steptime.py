@@ -18,13 +18,16 @@ recomputed forward work (``RECOMPUTE``) to the hardware FLOPs, not to the model 
                moves (H + 4) / 2H of the bf16 bytes)
     exposed  = a2a - min(a2a, G) x h(c)     G: the grouped and shared-expert GEMMs
                (h: ``topology.compute.a2a_hidden``, the share XLA:GPU's schedule hides with c
-               chunks, measured by ``make compile``: chunk i's exchange under chunk i-1's
-               GEMMs, and the backward's weight-gradient GEMMs under its exchanges)
+               chunks in the job's weight-gather mode, flat or hierarchical, measured by
+               ``make compile``: chunk i's exchange under chunk i-1's GEMMs, and the
+               backward's weight-gradient GEMMs under its exchanges)
     fsdp     = n x (gathers x weights' b bytes + one reduce-scatter) x (S-1)/S / link
                (non-expert weights over all N GPUs, expert weights over Q; the link is the
                network when the group spans NVLink domains); ``parallel.weight_gather=step``
-               gathers over Q once per step and moves only gradients (fp32) across groups
-               per micro-batch (``_fsdp_step_parts``)
+               gathers over Q once per step and moves only gradients across groups per
+               micro-batch (``_fsdp_step_parts``); gradients are reduced in the compute
+               dtype in both modes, as XLA:GPU compiles them (the weight-gradient matmuls'
+               bf16 partial sums are reduce-scattered where they are made, make compile)
     exposed  = fsdp - o + max(0, o - compute)
                (o: each part times the share XLA:GPU's schedule hides of it, measured by
                ``make compile``: ``fsdp_hidden_micro_batch``; in step mode
@@ -53,11 +56,14 @@ from topology.presets import Cluster
 ADAMW_BYTES = 28  # fp32 param, grad, m, v read; param, m, v written
 ACCUMULATE_BYTES = 12  # per extra micro-batch: read the sum and the new gradient, write the sum
 # train.remat -> (recompute factor per kind, all-to-alls per MoE layer, weight all-gathers per
-# micro-batch); 4/3 = one more forward on top of forward + backward.
+# micro-batch); 4/3 = one more forward on top of forward + backward. Gathers: the forward's
+# and one in the backward, where the recomputation's gathered weight also serves the
+# gradient's matmuls (XLA:GPU's schedule of the full-depth Mixtral jobs, make compile,
+# remat full and matmuls, either weight-gather mode: 2 per layer per micro-batch, not 3).
 RECOMPUTE = {
     "none": ({}, 4, 2),
-    "full": ({"attn_proj": 4 / 3, "scores": 4 / 3, "experts": 4 / 3, "other": 4 / 3}, 6, 3),
-    "matmuls": ({"scores": 4 / 3, "experts": 4 / 3}, 6, 3),
+    "full": ({"attn_proj": 4 / 3, "scores": 4 / 3, "experts": 4 / 3, "other": 4 / 3}, 6, 2),
+    "matmuls": ({"scores": 4 / 3, "experts": 4 / 3}, 6, 2),
     "moe": ({"attn_proj": 4 / 3, "scores": 4 / 3}, 4, 2),
 }
 
@@ -71,6 +77,7 @@ class Job:
     dp: int  # Q = N / P
     tokens_per_gpu: int  # T per step
     a2a: cost.Breakdown  # one planned dispatch (or combine) over T tokens
+    hierarchical: bool = False  # the exchange is hierarchical (EP groups span NVLink domains)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +173,13 @@ def _a2a(cfg: Config, job: Job, compute: dict[str, float], eff: Compute) -> tupl
     rows = per_layer - fp8 + fp8 * fp8_row_ratio(cfg.model.hidden)
     total = layers * (per_layer * n * c * job.a2a.latency_s + rows * transfer)
     hide = compute["experts"] + _shared_expert_s(cfg, compute)
-    return total, total - min(total, hide) * compute_calibration.a2a_hidden(eff, c)
+    return total, total - min(total, hide) * _a2a_share(cfg, eff, job)
+
+
+def _a2a_share(cfg: Config, eff: Compute, job: Job) -> float:
+    """The share of the exchange the schedule hides for this job (``topology.compute``)."""
+    step = cfg.parallel.weight_gather == "step"
+    return compute_calibration.a2a_hidden(eff, cfg.moe.overlap_chunks, step, job.hierarchical)
 
 
 def fp8_dispatches(cfg: Config) -> int:
@@ -229,9 +242,11 @@ def _fsdp_step_parts(cfg: Config, cluster: Cluster, job: Job) -> tuple[float, fl
     """``parallel.weight_gather=step`` (``moe_train.train.gather``), seconds of its
     (all-gathers, reduce-scatters, all-reduces): once per step the EP group's shard of every
     weight comes over ``data`` (b bytes); per micro-batch the non-expert weights are gathered
-    inside the EP group per use and their fp32 gradient is reduce-scattered there, then
-    all-reduced over ``data`` on the group's shard; the expert weights' fp32 gradient is
-    reduce-scattered over ``data``."""
+    inside the EP group per use and their gradient is reduce-scattered there, then
+    all-reduced over ``data`` on the group's shard; the expert weights' gradient is
+    reduce-scattered over ``data``. Gradients move b bytes: XLA:GPU reduces the matmuls'
+    compute-dtype outputs (the full-depth Mixtral step-mode HLO: bf16 reduce-scatters and
+    all-reduces of every weight gradient but the fp32 router's)."""
     dense, experts = weights(cfg)
     b = 4 if cfg.precision.compute == "fp32" else 2
     P, Q, n = job.ep, job.dp, cfg.train.micro_batches
@@ -240,8 +255,8 @@ def _fsdp_step_parts(cfg: Config, cluster: Cluster, job: Job) -> tuple[float, fl
     once = b * (dense + experts) / P * cross / across
     inside = dense * (P - 1) / P / group
     gathers = once + n * RECOMPUTE[cfg.train.remat][2] * b * inside
-    reduce_scatters = n * 4 * (inside + experts / P * cross / across)
-    all_reduces = n * 4 * 2 * dense / P * cross / across
+    reduce_scatters = n * b * (inside + experts / P * cross / across)
+    all_reduces = n * b * 2 * dense / P * cross / across
     return gathers, reduce_scatters, all_reduces
 
 
@@ -314,7 +329,8 @@ def _predict(
         "weight_gather": cfg.parallel.weight_gather,
         "moe_layers": moe_layer_count(cfg.model),
         "a2a_per_moe_layer": RECOMPUTE[cfg.train.remat][1],
-        "a2a_hidden": compute_calibration.a2a_hidden(eff, cfg.moe.overlap_chunks),
+        "a2a_hidden": _a2a_share(cfg, eff, job),
+        "hierarchical": job.hierarchical,
         "fsdp_hidden": fsdp_hideable / fsdp if fsdp else 0.0,
         "a2a_latency_s": job.a2a.latency_s,
         "a2a_transfer_s": job.a2a.total_s - job.a2a.latency_s,

@@ -3,7 +3,9 @@ start and its done, in kernels, GEMM FLOPs and seconds.
 
 The scheduled text lists each computation's instructions in the order they run, so the
 kernels between an async collective's start and its done (in the same computation) are the
-work the GPU can do while it is in flight: a *window*. Each window counts the GEMM kernels
+work the GPU can do while it is in flight: a *window*. A loop inside a window counts its
+body's kernels times its known trip count (the tiled experts' and the chunked attention's
+loops), unless the body runs collectives itself. Each window counts the GEMM kernels
 (Triton GEMM, cuBLAS, cuBLASLt, Mosaic GPU) and other kernels inside it, the GEMMs' FLOPs and
 the collective's bytes (its result per GPU), and how many times it runs per step: the product
 of the known trip counts (``known_trip_count``) of the loops around it (1 where XLA gives
@@ -111,6 +113,24 @@ def gemm_flops(ins: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]
     return 0.0
 
 
+def _kernels(ins: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]) -> tuple[int, int, float]:
+    """(GEMM kernels, other kernels, GEMM FLOPs) one instruction runs: a kernel's own, or a
+    loop's (its body's, times its known trip count; a loop that runs collectives of its own
+    counts nothing: XLA:GPU runs one collective at a time)."""
+    kinds = [k for k in kernel_classes(ins, comps) if k != "fp8_gemm"]
+    if kinds:
+        is_gemm = any(k in GEMM_KERNELS for k in kinds)
+        flops = gemm_flops(ins, comps, shapes) if is_gemm else 0.0
+        return (len(kinds), 0, flops) if is_gemm else (0, len(kinds), 0.0)
+    body = comps.get(ins.attr(r"body=%([^\s,]+)") or "", []) if ins.op == "while" else []
+    if not body or any(start_kind(i, comps) or i.op in COLLECTIVES for i in body):
+        return 0, 0, 0.0
+    trip = int(m.group(1)) if (m := _TRIP.search(ins.rest)) else 1
+    inner = {i.name: i.shape for i in body}
+    gemm, other, flops = zip(*(_kernels(i, comps, inner) for i in body), strict=True)
+    return trip * sum(gemm), trip * sum(other), trip * sum(flops)
+
+
 def windows(text: str) -> list[Window]:
     """Every async collective of one compiled module's scheduled text."""
     comps, entry = parse(text)
@@ -124,12 +144,11 @@ def windows(text: str) -> list[Window]:
                 kind, gemm, other, flops = open_.pop(done)
                 found.append(Window(kind, shape_bytes(ins.shape), gemm, other, flops, runs))
                 continue
-            kinds = [k for k in kernel_classes(ins, comps) if k != "fp8_gemm"]
-            if kinds:
-                is_gemm = any(k in GEMM_KERNELS for k in kinds)
-                flops = gemm_flops(ins, comps, shapes) if is_gemm else 0.0
+            if open_:
+                gemm, other, flops = _kernels(ins, comps, shapes)
                 for w in open_.values():
-                    w[1 if is_gemm else 2] += len(kinds)
+                    w[1] += gemm
+                    w[2] += other
                     w[3] += flops
             kind = start_kind(ins, comps)
             if kind:

@@ -40,8 +40,10 @@ def gathered(w, axes: tuple[str, ...], dtype):
     latents): FSDP all-gathers the weight rather than letting the partitioner reshard
     activations to match it. The cast runs on the shard, so the all-gather moves the compute
     dtype (XLA:GPU otherwise gathered fp32 master weights, the embedding and head among them:
-    half the FSDP bytes and whole-vocabulary fp32 buffers); the gradient is cast back before
-    its reduction, which sums in the master dtype (``_cast_gather``)."""
+    half the FSDP bytes and whole-vocabulary fp32 buffers); the gradient is cast back to the
+    master dtype on its way to the shard (``_cast_gather``; where the matmul that makes it
+    already holds partial sums, XLA:GPU reduces those in the compute dtype first: ``make
+    compile`` shows bf16 reduce-scatters of the experts' gradients)."""
     use_axes = tuple(IN_USE.get(a, a) for a in axes)
     rules = nn.get_logical_axis_rules()
     if not rules or jnp.dtype(dtype) == w.dtype:

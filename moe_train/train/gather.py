@@ -2,7 +2,7 @@
 
 ``micro_batch`` (the default, least memory): the fp32 master weights stay sharded and each
 micro-batch's forward pass (and its backward, and a remat recomputation) gathers what it uses,
-so a step of n micro-batches gathers every weight over ``data`` 2n or 3n times and
+so a step of n micro-batches gathers every weight over ``data`` 2n times (forward, backward) and
 reduce-scatters its gradient n times.
 
 ``step``: once per step, before the first micro-batch, every weight is cast to the compute
@@ -10,12 +10,15 @@ dtype and gathered over ``data`` (the axis that spans NVLink domains); the micro
 that copy, so the only per-micro-batch traffic across domains is the gradient's reduction.
 Weights sharded over the EP group too (attention, dense MLPs, embeddings: sharded over every
 device) stay sharded inside the group and are still gathered per use over the group's fast
-links. Each micro-batch's gradient is cast back to the master dtype (fp32: the reduction
-sums in it) and reduced in two stages where a weight spans both: inside the EP group
-(reduce-scatter over NVLink) and then across ``data`` on the group's shard; expert weights
-(split over the EP group by expert) reduce-scatter over ``data`` alone. The running sum keeps
-the master sharding. Costs: the compute-dtype copy of every weight's EP-group shard for the
-whole step, and each micro-batch's gradient at that size before its reduction.
+links. Each micro-batch's gradient is reduced in two stages where a weight spans both:
+inside the EP group (reduce-scatter over NVLink) and then across ``data`` on the group's
+shard; expert weights (split over the EP group by expert) reduce-scatter over ``data`` alone.
+The reductions move the compute dtype: XLA:GPU reduces the weight-gradient matmuls' bf16
+partial sums where they are made, before the cast to the master dtype (``make compile``: bf16
+reduce-scatters and all-reduces of every gradient but the fp32 router's). The running sum
+over micro-batches is in the master dtype and keeps the master sharding. Costs: the
+compute-dtype copy of every weight's EP-group shard for the whole step, and each
+micro-batch's gradient at that size before its reduction.
 
 Weights the model reads in fp32 whatever the compute dtype (the router, norm scales) are
 gathered in their master dtype, so both modes compute the same values.
@@ -94,7 +97,8 @@ class StepGather:
 
     def reduced(self, grads, params):
         """A micro-batch's gradient with respect to the gathered copy, summed over the
-        devices in fp32 and sharded as the master ``params``, in their dtype."""
+        devices and sharded as the master ``params``, in their dtype (the cast is asked
+        before the reduction; XLA:GPU reduces the compute-dtype partial sums, module doc)."""
 
         def one(g, p, red, master):
             g = jax.lax.with_sharding_constraint(g.astype(jnp.float32), red)

@@ -10,6 +10,11 @@ computed. GQA works on grouped queries [Y, G]: K/V are never repeated per query 
 ``jax.custom_vjp``: the forward saves q, k, v, the output and the per-row logsumexp (all
 O(S)); the backward scans the key blocks, recomputes each block's probabilities from q, k and
 the logsumexp, accumulates dk/dv in the loop carry and dq into a [P, ...] fp32 buffer.
+Every [P, ...] result (the forward's output and logsumexp, dq, dk, dv) is a loop-carried
+buffer written block by block and made by ``zeros_after`` from the input it follows: a scan's
+stacked outputs start as constant buffers, which XLA:GPU made early and held side by side
+(eight [P, ...] dk buffers at the MTP block's backward of deepseek-v3, ``make compile PEAK=1``);
+dk and dv are stored in k's and v's dtype (fp32 stacks held twice the bytes).
 
 Padding: padded keys sit after every real query, so the causal mask alone hides them; padded
 query rows (their segment id repeats the last real one) produce finite garbage that is sliced
@@ -71,7 +76,7 @@ def _masked_scores(q_BYGCD, k_BYCD, seg_PBC, i, j, diagonal: bool, scale: float)
 def _forward(q_PBYGCD, k_PBYCD, v_PBYCJ, seg_PBC, scale):
     """(output [P, B, Y, G, C, J] in v's dtype, logsumexp [P, B, Y, G, C] fp32)."""
 
-    def query_block(_, xs):
+    def query_block(out, xs):
         i, q_BYGCD = xs
 
         def step(j, carry, diagonal):
@@ -89,10 +94,13 @@ def _forward(q_PBYGCD, k_PBYCD, v_PBYCJ, seg_PBC, scale):
         init = (jnp.full(rows, NEG, F32), jnp.zeros(rows, F32), jnp.zeros((*rows, v_PBYCJ.shape[-1]), F32))
         carry = jax.lax.fori_loop(0, i, lambda j, c: step(j, c, False), init)
         m, l, acc = step(i, carry, True)
-        return None, ((acc / l[..., None]).astype(v_PBYCJ.dtype), m + jnp.log(l))
+        o, lse = out
+        return (o.at[i].set((acc / l[..., None]).astype(o.dtype)), lse.at[i].set(m + jnp.log(l))), None
 
     P = q_PBYGCD.shape[0]
-    _, (o, lse) = jax.lax.scan(query_block, None, (jnp.arange(P), q_PBYGCD))
+    lse = zeros_after(q_PBYGCD.shape[:-1], F32, q_PBYGCD[..., 0])
+    o = jnp.broadcast_to(lse[..., None].astype(v_PBYCJ.dtype), (*lse.shape, v_PBYCJ.shape[-1]))
+    (o, lse), _ = jax.lax.scan(query_block, (o, lse), (jnp.arange(P), q_PBYGCD))
     return o, lse
 
 
@@ -102,7 +110,8 @@ def _backward(scale, res, do_PBYGCJ):
     P = q_PBYGCD.shape[0]
     delta_PBYGC = jnp.sum(do_PBYGCJ.astype(F32) * o_PBYGCJ.astype(F32), axis=-1)
 
-    def key_block(dq_buf, xs):
+    def key_block(bufs, xs):
+        dq_buf, dk_buf, dv_buf = bufs
         j, k_BYCD, v_BYCJ = xs
 
         def step(i, carry, diagonal):
@@ -122,11 +131,18 @@ def _backward(scale, res, do_PBYGCJ):
         init = (dq_buf, jnp.zeros(k_BYCD.shape, F32), jnp.zeros(v_BYCJ.shape, F32))
         carry = step(j, init, True)
         dq_buf, dk, dv = jax.lax.fori_loop(j + 1, P, lambda i, c: step(i, c, False), carry)
-        return dq_buf, (dk, dv)
+        return (
+            dq_buf,
+            dk_buf.at[j].set(dk.astype(dk_buf.dtype)),
+            dv_buf.at[j].set(dv.astype(dv_buf.dtype)),
+        ), None
 
-    dq_buf = zeros_after(q_PBYGCD.shape, F32, q_PBYGCD)  # not a constant held from early on
-    dq_buf, (dk, dv) = jax.lax.scan(key_block, dq_buf, (jnp.arange(P), k_PBYCD, v_PBYCJ))
-    return (dq_buf.astype(q_PBYGCD.dtype), dk.astype(k_PBYCD.dtype), dv.astype(v_PBYCJ.dtype), None)
+    bufs = tuple(
+        zeros_after(x.shape, dt, x)
+        for x, dt in ((q_PBYGCD, F32), (k_PBYCD, k_PBYCD.dtype), (v_PBYCJ, v_PBYCJ.dtype))
+    )
+    (dq_buf, dk, dv), _ = jax.lax.scan(key_block, bufs, (jnp.arange(P), k_PBYCD, v_PBYCJ))
+    return (dq_buf.astype(q_PBYGCD.dtype), dk, dv, None)
 
 
 @custom_vjp(nondiff_argnums=(4,))
