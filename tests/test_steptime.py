@@ -59,9 +59,8 @@ def test_chunks_hide_all_to_all_under_the_expert_gemms():
 @pytest.mark.parametrize("step", [False, True])
 def test_the_hidden_share_is_the_measured_one_at_each_measured_chunk_count(step):
     eff = compute.load()
-    prefix = "a2a_hidden_step_" if step else "a2a_hidden_"
     for c in compute.MEASURED_CHUNKS:
-        want = getattr(eff, f"{prefix}{c}chunk{'s' if c > 1 else ''}")
+        want = getattr(eff, compute.share_field(c, step))
         assert compute.a2a_hidden(eff, c, step) == pytest.approx(want)
     assert compute.a2a_hidden(eff, 16, step) == pytest.approx(
         compute.a2a_hidden(eff, 8, step)
@@ -135,7 +134,7 @@ V3_FAST = (
 
 def test_gathering_once_per_step_moves_less_than_per_micro_batch():
     mb, step = predicted(), predicted("parallel.weight_gather=step")
-    assert step.fsdp_s < mb.fsdp_s / 3  # per micro-batch: the fp32 reductions, no gathers
+    assert step.fsdp_s < mb.fsdp_s / 3  # per micro-batch: the gradient reductions, no gathers over data
     assert step.by_gather == pytest.approx({"micro_batch": mb.step_s, "step": step.step_s})
 
 

@@ -73,9 +73,14 @@ def a2a_hidden(eff: Compute, chunks: int, step: bool = False, hierarchical: bool
     return min(share, share * eff.a2a_hidden_hierarchical_8chunks / flat8) if flat8 > 0 else 0.0
 
 
+def share_field(chunks: int, step: bool) -> str:
+    """The ``Compute`` field of the exchange's share measured at ``chunks`` (one of
+    ``MEASURED_CHUNKS``) in step mode or not."""
+    return f"a2a_hidden_{'step_' if step else ''}{chunks}chunk{'s' if chunks > 1 else ''}"
+
+
 def _shares(eff: Compute, step: bool) -> tuple[float, ...]:
-    prefix = "a2a_hidden_step_" if step else "a2a_hidden_"
-    return tuple(getattr(eff, f"{prefix}{c}chunk{'s' if c > 1 else ''}") for c in MEASURED_CHUNKS)
+    return tuple(getattr(eff, share_field(c, step)) for c in MEASURED_CHUNKS)
 
 
 def _interpolated(shares: tuple[float, ...], chunks: int) -> float:
