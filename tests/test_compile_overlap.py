@@ -101,6 +101,19 @@ def test_a_window_hides_at_most_the_smaller_of_its_transfer_and_its_gemms():
     assert slow_gemm == pytest.approx({"comm_s": 6e-3, "hidden_s": 6e-3})
 
 
+def test_a_sync_collective_counts_its_transfer_and_hides_nothing():
+    # the all-reduce marked is_sync (f32[64]: 256 bytes) has a Mosaic GPU kernel beside it
+    assert overlap.hidden(overlap.windows(OVERLAP), "all-reduce", 1.0, 1.0) == {
+        "comm_s": 256.0,
+        "hidden_s": 0.0,
+    }
+
+
+def test_a_collective_without_a_start_is_a_sync_window():
+    text = "HloModule m\n\nENTRY %main (x: f32[8]) -> f32[8] {\n  ROOT %r = f32[8]{0} all-reduce(%x)\n}\n"
+    assert overlap.windows(text) == [overlap.Window("all-reduce", 32, 0, 0, 0.0, 1, sync=True)]
+
+
 def test_a_collective_kind_that_is_absent_hides_nothing():
     assert overlap.hidden(overlap.windows(OVERLAP), "reduce-scatter", 1.0, 1.0) == {
         "comm_s": 0,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moe_train.moe.gemm import grouped_swiglu
-from moe_train.moe.permute import make_dispatch, permute
+from moe_train.moe.permute import make_dispatch, permute, scatter_rows
 from moe_train.moe.tiled import (
     block_sizes,
     default_block_rows,
@@ -63,25 +63,30 @@ def test_for_blocks_covers_each_span_row_once(tile_rows, block_rows):
     assert int(executed_rows(sizes_E, tile_rows)) == padded.sum() <= sizes_E.sum() + 8 * (tile_rows - 1)
 
 
-def _tiled_case(experts_TK, tile_rows, block_rows, num_experts=E, seed=0):
-    """Tiled output and grads of <y_N, dy> next to autodiff of the per-row formula."""
+def _tiled_case(experts_TK, tile_rows, block_rows, num_experts=E, seed=0, scaled=False):
+    """Tiled output and grads of <y_N, dy> next to autodiff of the per-row formula; ``scaled``:
+    each assignment's activation scaled by its own factor (the combine weights; some 0), whose
+    gradient is compared too."""
     x = _normal(T, H, seed=seed)
     w0, w1, wo = _normal(E, H, F, seed=1), _normal(E, H, F, seed=2), _normal(E, F, H, seed=3)
     dy = _normal(T * K, H, seed=4)
+    s_M = jnp.where(jnp.arange(T * K) % 5 == 0, 0.0, jnp.abs(_normal(T * K, seed=5)))
 
-    def tiled(x, w0, w1, wo):
+    def tiled(x, w0, w1, wo, s_M):
         plan = make_dispatch(experts_TK, num_experts, tile_rows)
-        y_RH = grouped_swiglu(permute(x, plan), plan, w0, w1, wo, "tiled", block_rows=block_rows)
+        x_RH = permute(x, plan)
+        s_R = scatter_rows(s_M, plan.row_M, x_RH.shape[0]) if scaled else None
+        y_RH = grouped_swiglu(x_RH, plan, w0, w1, wo, "tiled", block_rows=block_rows, scale_R=s_R)
         return jnp.vdot(y_RH[plan.row_M], dy), y_RH[plan.row_M]
 
-    def per_row(x, w0, w1, wo):
+    def per_row(x, w0, w1, wo, s_M):
         x_MH, e_M = jnp.repeat(x, K, axis=0), experts_TK.reshape(-1)
         h = jax.nn.silu(jnp.einsum("nh,nhf->nf", x_MH, w0[e_M])) * jnp.einsum("nh,nhf->nf", x_MH, w1[e_M])
-        y = jnp.einsum("nf,nfh->nh", h, wo[e_M])
+        y = jnp.einsum("nf,nfh->nh", h * (s_M[:, None] if scaled else 1.0), wo[e_M])
         return jnp.vdot(y, dy), y
 
-    grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))
-    return grad(tiled)(x, w0, w1, wo), grad(per_row)(x, w0, w1, wo)
+    grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))
+    return grad(tiled)(x, w0, w1, wo, s_M), grad(per_row)(x, w0, w1, wo, s_M)
 
 
 ADVERSARIAL_IDS = {
@@ -92,11 +97,12 @@ ADVERSARIAL_IDS = {
 }
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("tile_rows, block_rows", [(1, 2), (2, 8), (3, 6), (4, 256)])
 @pytest.mark.parametrize("case", ADVERSARIAL_IDS)
-def test_tiled_vjp_matches_autodiff_of_per_row_formula(case, tile_rows, block_rows):
+def test_tiled_vjp_matches_autodiff_of_per_row_formula(case, tile_rows, block_rows, scaled):
     ids = jnp.asarray(ADVERSARIAL_IDS[case](np.random.default_rng(0)), jnp.int32)
-    (grads, y), (grads_ref, y_ref) = _tiled_case(ids, tile_rows, block_rows)
+    (grads, y), (grads_ref, y_ref) = _tiled_case(ids, tile_rows, block_rows, scaled=scaled)
     np.testing.assert_allclose(y, y_ref, atol=1e-4, rtol=1e-5)
     for g, g_ref in zip(grads, grads_ref):
         scale = float(jnp.abs(g_ref).max()) or 1.0

@@ -101,7 +101,9 @@ def test_compiled_memory_reuses_the_executable(one_step):
         assert "GiB" in memory.line()
 
 
-def _all_to_alls(policy: str) -> int:
+def _all_to_alls(policy: str, rows: bool = False) -> int:
+    """All-to-alls in the lowered step of the tiny model on EP 8 (``rows``: only those of
+    token rows, [*, H])."""
     cfg = config.build(
         "tiny", ["parallel.devices=8", "parallel.ep=8", "moe.dispatcher=a2a", f"train.remat={policy}"]
     )
@@ -113,7 +115,8 @@ def _all_to_alls(policy: str) -> int:
         batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
         hold = jax.ShapeDtypeStruct((), jnp.bool_)  # the first plan is a capacity bucket
         text = step.lower(abstract, batch, hold).as_text()
-    return len(re.findall(r"all_to_all", text))
+    shape = rf"\(tensor<\d+x{cfg.model.hidden}x" if rows else ""
+    return len(re.findall(rf"all_to_all.*{shape}", text))
 
 
 def test_moe_policy_repeats_no_all_to_all_in_the_backward_pass():
@@ -121,6 +124,14 @@ def test_moe_policy_repeats_no_all_to_all_in_the_backward_pass():
     assert none > 0
     assert moe == none, "remat=moe must keep the MoE exchange's results"
     assert full > none, "remat=full recomputes the exchange"
+
+
+def test_full_remat_repeats_only_the_dispatch_of_the_rows():
+    # per MoE layer: dispatch, combine and their transposes (4); remat=full adds the
+    # dispatch again, not the combine (the experts weigh their rows, so the combine is linear)
+    none, full = (_all_to_alls(p, rows=True) for p in ("none", "full"))
+    assert none > 0
+    assert full * 4 == none * 5
 
 
 def test_cpu_compiles_with_barriers_kept_only_under_remat():

@@ -254,12 +254,13 @@ def predicted(preset: str, nodes: int, model: str, ep: int, sets: tuple[str, ...
 
 
 def test_overlap_chunks_default_to_the_planners_choice(capsys, tmp_path):
-    sets = ("parallel.weight_gather=micro_batch", "train.micro_batch_size=8")  # overlap is left open
-    best = predicted("h100-dgx", 8, "mixtral-8x7b", 8, sets).best_chunks
+    sets = ("parallel.weight_gather=step", "train.micro_batch_size=3")  # overlap is left open
+    best = predicted("gb200-nvl72", 64, "deepseek-v3", 64, sets).best_chunks
     assert best > 1  # the planner hides part of the exchange on this job
-    code, out, err = dry(capsys, tmp_path, *MIXTRAL_H100, *(a for s in sets for a in ("--set", s)))
+    job = ("--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "64", "--ep", "64")
+    code, out, err = dry(capsys, tmp_path, *job, *(a for s in sets for a in ("--set", s)))
     assert code == 0 and f"overlap: moe.overlap_chunks={best}, the planner's choice" in out + err
-    assert f"--set moe.overlap_chunks={best} --set parallel.ep=8" in out
+    assert f"--set moe.overlap_chunks={best} --set parallel.ep=64" in out
 
 
 def test_a_users_overlap_chunks_stay(capsys, tmp_path):

@@ -77,7 +77,9 @@ def test_the_hierarchical_exchange_hides_its_measured_share_and_less_than_the_fl
     flat = [compute.a2a_hidden(eff, c) for c in (1, 2, 4, 8)]
     hier = [compute.a2a_hidden(eff, c, hierarchical=True) for c in (1, 2, 4, 8)]
     assert hier[-1] == pytest.approx(eff.a2a_hidden_hierarchical_8chunks)
-    assert hier == sorted(hier) and all(h <= f for h, f in zip(hier, flat, strict=True))
+    assert all(h <= f for h, f in zip(hier, flat, strict=True))
+    ratio = eff.a2a_hidden_hierarchical_8chunks / flat[-1]  # the flat curve, scaled
+    assert hier == pytest.approx([f * ratio for f in flat])
 
 
 def test_step_mode_hides_the_share_measured_in_step_mode():
@@ -174,10 +176,10 @@ def test_overlap_chunks_and_fp8_dispatch_expose_less_of_deepseek_v3s_communicati
         assert fast.comm_share < slow.comm_share, (compute_, fast.comm_share, slow.comm_share)
 
 
-def test_full_remat_recomputes_a_forward_and_its_all_to_alls():
+def test_full_remat_recomputes_a_forward_and_its_dispatch():
     none, full = predicted("train.remat=none"), predicted("train.remat=full")
     assert full.compute_s["experts"] == pytest.approx(none.compute_s["experts"] * 4 / 3)
-    assert (none.inputs["a2a_per_moe_layer"], full.inputs["a2a_per_moe_layer"]) == (4, 6)
+    assert (none.inputs["a2a_per_moe_layer"], full.inputs["a2a_per_moe_layer"]) == (4, 5)
 
 
 def test_remat_recomputes_the_forward_but_gathers_each_weight_twice():

@@ -60,10 +60,13 @@ ACCUMULATE_BYTES = 12  # per extra micro-batch: read the sum and the new gradien
 # and one in the backward, where the recomputation's gathered weight also serves the
 # gradient's matmuls (XLA:GPU's schedule of the full-depth Mixtral jobs, make compile,
 # remat full and matmuls, either weight-gather mode: 2 per layer per micro-batch, not 3).
+# All-to-alls: dispatch, combine and their transposes; a recomputing policy repeats the
+# dispatch only (the experts weigh their rows, so the combine's backward needs none of its
+# results: tests/test_remat.py counts them in the lowered step).
 RECOMPUTE = {
     "none": ({}, 4, 2),
-    "full": ({"attn_proj": 4 / 3, "scores": 4 / 3, "experts": 4 / 3, "other": 4 / 3}, 6, 2),
-    "matmuls": ({"scores": 4 / 3, "experts": 4 / 3}, 6, 2),
+    "full": ({"attn_proj": 4 / 3, "scores": 4 / 3, "experts": 4 / 3, "other": 4 / 3}, 5, 2),
+    "matmuls": ({"scores": 4 / 3, "experts": 4 / 3}, 5, 2),
     "moe": ({"attn_proj": 4 / 3, "scores": 4 / 3}, 4, 2),
 }
 

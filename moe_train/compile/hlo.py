@@ -206,11 +206,14 @@ def inventory(text: str) -> dict:
     }
 
 
-def start_kind(ins: Instr, comps: dict[str, list[Instr]]) -> str | None:
-    """The collective kind an async start instruction begins (None: not one)."""
+def start_kind(ins: Instr, comps: dict[str, list[Instr]], sync: bool = False) -> str | None:
+    """The collective kind an async start instruction begins (None: not one); ``sync``: of a
+    start XLA marked ``is_sync`` instead (it runs alone: nothing overlaps it)."""
     if ins.op.endswith("-start") and ins.op[:-6] in COLLECTIVES:
-        return None if '"is_sync":true' in ins.rest else ins.op[:-6]
-    if ins.op == "async-start":
+        kind = ins.op[:-6]
+    elif ins.op == "async-start":
         ops = [i.op for i in comps.get(ins.attr(r"calls=%([^\s,]+)") or "", []) if i.op in COLLECTIVES]
-        return ops[-1] if ops and '"is_sync":true' not in ins.rest else None
-    return None
+        kind = ops[-1] if ops else None
+    else:
+        return None
+    return kind if ('"is_sync":true' in ins.rest) == sync else None

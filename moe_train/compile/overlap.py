@@ -9,7 +9,9 @@ loops), unless the body runs collectives itself. Each window counts the GEMM ker
 (Triton GEMM, cuBLAS, cuBLASLt, Mosaic GPU) and other kernels inside it, the GEMMs' FLOPs and
 the collective's bytes (its result per GPU), and how many times it runs per step: the product
 of the known trip counts (``known_trip_count``) of the loops around it (1 where XLA gives
-none).
+none). A collective XLA runs synchronously (a start marked ``is_sync``: XLA found nothing to
+overlap it with, or no start/done pair) is a window with nothing inside: its transfer counts
+and hides nothing (at 8 overlap chunks more than half of Mixtral's row exchanges are such).
 
 FLOPs: a dot (in a GEMM fusion's body) is 2 x its result's elements x its contracted size;
 a cuBLAS call the same from its ``lhs_contracting_dimensions``; a Mosaic GPU grouped GEMM
@@ -56,6 +58,7 @@ class Window:
     other_kernels: int  # other kernels inside
     gemm_flops: float  # the GEMM kernels' FLOPs
     runs: int  # times per step (loop trip counts)
+    sync: bool = False  # XLA runs it alone (is_sync, or no start/done): nothing inside
 
 
 def _dims(shape: str) -> list[list[int]]:
@@ -123,7 +126,9 @@ def _kernels(ins: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]) 
         flops = gemm_flops(ins, comps, shapes) if is_gemm else 0.0
         return (len(kinds), 0, flops) if is_gemm else (0, len(kinds), 0.0)
     body = comps.get(ins.attr(r"body=%([^\s,]+)") or "", []) if ins.op == "while" else []
-    if not body or any(start_kind(i, comps) or i.op in COLLECTIVES for i in body):
+    if not body or any(
+        start_kind(i, comps) or start_kind(i, comps, True) or i.op in COLLECTIVES for i in body
+    ):
         return 0, 0, 0.0
     trip = int(m.group(1)) if (m := _TRIP.search(ins.rest)) else 1
     inner = {i.name: i.shape for i in body}
@@ -132,17 +137,21 @@ def _kernels(ins: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]) 
 
 
 def windows(text: str) -> list[Window]:
-    """Every async collective of one compiled module's scheduled text."""
+    """Every collective of one compiled module's scheduled text, async or sync."""
     comps, entry = parse(text)
+    wrapped = {i.attr(r"calls=%([^\s,]+)") for c in comps.values() for i in c if i.op == "async-start"}
     found = []
     for name, runs in runs_per_step(comps, entry).items():
+        if name in wrapped:
+            continue  # an async-start's collective: its window is the start's
         shapes = {i.name: i.shape for i in comps[name]}
-        open_: dict[str, list] = {}  # start name -> [kind, gemm, other, flops]
+        open_: dict[str, list] = {}  # start name -> [kind, gemm, other, flops, sync]
         for ins in comps[name]:
             done = ins.operands[0] if ins.op.endswith("-done") and ins.operands else None
             if done in open_:
-                kind, gemm, other, flops = open_.pop(done)
-                found.append(Window(kind, shape_bytes(ins.shape), gemm, other, flops, runs))
+                kind, gemm, other, flops, sync = open_.pop(done)
+                inside = (0, 0, 0.0) if sync else (gemm, other, flops)
+                found.append(Window(kind, shape_bytes(ins.shape), *inside, runs, sync))
                 continue
             if open_:
                 gemm, other, flops = _kernels(ins, comps, shapes)
@@ -150,18 +159,22 @@ def windows(text: str) -> list[Window]:
                     w[1] += gemm
                     w[2] += other
                     w[3] += flops
-            kind = start_kind(ins, comps)
-            if kind:
-                open_[ins.name] = [kind, 0, 0, 0.0]
+            if kind := start_kind(ins, comps):
+                open_[ins.name] = [kind, 0, 0, 0.0, False]
+            elif kind := start_kind(ins, comps, sync=True):
+                open_[ins.name] = [kind, 0, 0, 0.0, True]
+            elif ins.op in COLLECTIVES:
+                found.append(Window(ins.op, shape_bytes(ins.shape), 0, 0, 0.0, runs, True))
     return found
 
 
 def summary(found: list[Window]) -> dict:
     """``{kind: {pairs, with_gemm, gemm_kernels, other_kernels, bytes, bytes_with_gemm,
-    gemm_flops}}``: instances in the text (the first four) and per step (the rest)."""
+    gemm_flops}}`` of the async collectives: instances in the text (the first four) and per
+    step (the rest)."""
     out: dict[str, dict] = {}
     for kind in COLLECTIVES:
-        ws = [w for w in found if w.kind == kind]
+        ws = [w for w in found if w.kind == kind and not w.sync]
         if ws:
             out[kind] = {
                 "pairs": len(ws),
@@ -177,7 +190,7 @@ def summary(found: list[Window]) -> dict:
 
 def hidden(found: list[Window], kind: str, link_bytes_per_s: float, gemm_flops_per_s: float) -> dict:
     """``{"comm_s", "hidden_s"}`` of one collective kind per step at these rates: its whole
-    transfer time, and the most the GEMMs in its windows can hide of it."""
+    transfer time (sync instances too), and the most the GEMMs in its windows can hide of it."""
     ws = [w for w in found if w.kind == kind]
     comm = sum(w.bytes / link_bytes_per_s * w.runs for w in ws)
     hide = sum(min(w.bytes / link_bytes_per_s, w.gemm_flops / gemm_flops_per_s) * w.runs for w in ws)

@@ -5,8 +5,9 @@ by expert), H hidden, F expert ffn, E experts, P tiles, m tile rows (R = P*m in 
 The grouped GEMM wrappers are generic: ``lhs`` [rows, k] times ``rhs`` [E, k, f] gives [rows, f].
 
 Every backend computes, for each row r owned by expert e,
-    y[r] = (silu(x[r] @ wi_0[e]) * (x[r] @ wi_1[e])) @ wo[e]
-with operands in x's dtype, fp32 accumulation and the SwiGLU product in fp32.
+    y[r] = (s[r] * silu(x[r] @ wi_0[e]) * (x[r] @ wi_1[e])) @ wo[e]
+with operands in x's dtype, fp32 accumulation and the SwiGLU product in fp32 (s: the row's
+scale, 1 where none is given).
 
 - tiled: portable (moe_train.moe.tiled); rows in a tile-padded layout, a loop over the
   experts that have rows and, inside, over blocks of their rows, each block one fused
@@ -218,8 +219,10 @@ def sorted_swiglu(
     wi_1_EHF: jax.Array,
     wo_EFH: jax.Array,
     backend: str,
+    scale_M: jax.Array | None = None,
 ) -> jax.Array:
-    """SwiGLU experts on rows sorted by expert with `group_sizes_E` rows each -> [M, H].
+    """SwiGLU experts on rows sorted by expert with `group_sizes_E` rows each -> [M, H];
+    ``scale_M`` scales each row's activation before ``wo`` (fp32; None: 1).
 
     Inside ``shard_map`` every operand is first typed as varying along every mesh axis any
     of them varies along (``tiled.vary``): a custom VJP (mgpu, te) must return gradients of
@@ -239,8 +242,10 @@ def sorted_swiglu(
     x_MH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E = (vary(a, axes) for a in ops)
     a0_MF = gmm(x_MH, w0_EHF, group_sizes_E).astype(jnp.float32)
     a1_MF = gmm(x_MH, w1_EHF, group_sizes_E).astype(jnp.float32)
-    h_MF = (jax.nn.silu(a0_MF) * a1_MF).astype(dtype)
-    return gmm(h_MF, wo_EFH, group_sizes_E).astype(dtype)
+    h_MF = jax.nn.silu(a0_MF) * a1_MF
+    if scale_M is not None:
+        h_MF = h_MF * scale_M.astype(jnp.float32)[:, None]
+    return gmm(h_MF.astype(dtype), wo_EFH, group_sizes_E).astype(dtype)
 
 
 def grouped_swiglu(
@@ -251,12 +256,14 @@ def grouped_swiglu(
     wo_EFH: jax.Array,
     backend: str,
     block_rows: int | None = None,
+    scale_R: jax.Array | None = None,
 ) -> jax.Array:
     """Dispatch to a concrete backend; `plan` is the permute.Dispatch for x_RH's layout.
 
     The tiled backend reads the tile rows m from the layout (R = P*m) and runs blocks of up
     to `block_rows` rows (None: default_block_rows(m)); only plan.group_sizes_E's experts
-    are computed.
+    are computed. ``scale_R`` [R]: each row's SwiGLU activation is scaled by it before
+    ``wo`` (the combine weights, so the weights' gradient needs no [R, H] output kept).
     """
     if backend == "tiled":
         if plan.tile_expert_P is None:
@@ -270,7 +277,8 @@ def grouped_swiglu(
             wo_EFH,
             tile_rows=m,
             block_rows=block_rows or default_block_rows(m),
+            scale_R=scale_R,
         )
     if backend not in _GMM:
         raise ValueError(f"not a concrete backend: {backend!r}; resolve it first")
-    return sorted_swiglu(x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, backend)
+    return sorted_swiglu(x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, backend, scale_R)

@@ -9,11 +9,14 @@ assignments, A rows arriving at a shard, R dispatched rows; m tile rows (a scala
 ``route`` picks each token's experts and weights (``moe_train.moe.router``); ``dispatch``
 sends the tokens to the shards holding their experts (``moe_train.moe.dispatch``: one file
 per dispatcher); ``permute`` groups the rows that arrived by local expert; ``grouped_gemm``
-runs every expert's SwiGLU on its rows (``moe_train.moe.gemm``); ``unpermute`` puts the
-results back in arrival order, summed with their combine weights where those arrived too;
-``combine`` is the dispatch's inverse. Every dispatcher implements one contract
-(``moe_train.moe.dispatch.contract.Dispatcher``): ``dispatch`` returns the rows that arrived
-(``Arrived``) and its own metadata type, which its ``combine`` takes back. With one shard
+runs every expert's SwiGLU on its rows (``moe_train.moe.gemm``), each row's activation scaled
+by its combine weight where those arrived (before ``wo``: the weights' gradient then needs
+only what the GEMMs' own backward keeps, and the combine after it is linear, so a
+recomputing ``train.remat`` repeats no combine); ``unpermute`` puts the results back in
+arrival order, each row's K results summed; ``combine`` is the dispatch's inverse. Every
+dispatcher implements one contract (``moe_train.moe.dispatch.contract.Dispatcher``):
+``dispatch`` returns the rows that arrived (``Arrived``) and its own metadata type, which its
+``combine`` takes back. With one shard
 (``dropless_moe``, or an EP group of size 1) dispatch and combine are identities. Each step
 runs under ``jax.named_scope`` of its name, so a profile shows the same phases whatever the
 EP size.
@@ -34,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from moe_train.moe import stats as moe_stats
 from moe_train.moe.dispatch import Arrived, Context, Dispatcher, ExchangeStats, Local, dispatcher
 from moe_train.moe.gemm import grouped_swiglu, resolve_backend
-from moe_train.moe.permute import make_dispatch, permute, unpermute
+from moe_train.moe.permute import make_dispatch, permute, scatter_rows, sum_rows, unpermute
 from moe_train.moe.router import Routing, route_tokens
 from moe_train.moe.tiled import default_tile_rows
 from moe_train.parallel.jobplan import EPPlan
@@ -76,10 +79,16 @@ def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
             tiles = None if plan.tile_expert_P is None else jnp.minimum(plan.tile_expert_P, E - 1)
             plan = plan._replace(group_sizes_E=plan.group_sizes_E[:E], tile_expert_P=tiles)
         x_RH = permute(arrived.x_AH, plan)
+        w_AK = arrived.weights_AK
+        w_R = None if w_AK is None else scatter_rows(w_AK.reshape(-1), plan.row_M, x_RH.shape[0])
     with jax.named_scope("grouped_gemm"):
-        y_RH = grouped_swiglu(x_RH, plan, experts.wi_0_EHF, experts.wi_1_EHF, experts.wo_EFH, experts.backend)
+        w0, w1, wo = experts.wi_0_EHF, experts.wi_1_EHF, experts.wo_EFH
+        y_RH = grouped_swiglu(x_RH, plan, w0, w1, wo, experts.backend, scale_R=w_R)
     with jax.named_scope("unpermute"):
-        return unpermute(y_RH, plan, arrived.weights_AK, out_dtype=arrived.out_dtype)
+        # assignments to no expert here (the spare id E) read zero, not the rows no GEMM wrote
+        valid_M = arrived.ids_AK.reshape(-1) < E if arrived.spare else None
+        y_MH = unpermute(y_RH, plan, valid_M=valid_M)
+        return y_MH if w_AK is None else sum_rows(y_MH, w_AK.shape[1], arrived.out_dtype)
 
 
 def exchange_steps(

@@ -177,13 +177,27 @@ def weighted_sum(y_MH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array
     return jnp.einsum("tkh,tk->th", y_TKH, weights_TK.astype(jnp.float32)).astype(out_dtype)
 
 
+def scatter_rows(v_M: jax.Array, row_M: jax.Array, rows: int) -> jax.Array:
+    """[rows]: ``v_M[n]`` at row ``row_M[n]`` (each row one assignment's), 0 elsewhere."""
+    return jnp.zeros((rows,), jnp.float32).at[row_M].set(v_M.astype(jnp.float32), unique_indices=True)
+
+
+def sum_rows(y_MH: jax.Array, per_token: int, out_dtype) -> jax.Array:
+    """y[t] = sum_k y[t*K + k] (K = ``per_token``), summed in fp32."""
+    y_TKH = y_MH.reshape(-1, per_token, y_MH.shape[-1]).astype(jnp.float32)
+    return y_TKH.sum(axis=1).astype(out_dtype)
+
+
 def unpermute(
-    y_RH: jax.Array, plan: Dispatch, weights_TK: jax.Array | None = None, out_dtype=None
+    y_RH: jax.Array, plan: Dispatch, weights_TK: jax.Array | None = None, out_dtype=None, valid_M=None
 ) -> jax.Array:
     """Back to assignment order: y[t] = sum_k weights[t, k] * y_R[row of (t, k)] (fp32 sums);
-    without weights, the row of every assignment n [M, H] as it is."""
+    without weights, the row of every assignment n [M, H] as it is. ``valid_M`` (bool): the
+    others read zero and pass no gradient back (rows no GEMM computed; None: all valid)."""
     M, R = plan.row_M.shape[0], y_RH.shape[0]
-    y_MH = take_rows(y_RH, plan.row_M, jnp.ones((M,), bool), readers_of(plan.row_M, R))
+    row_M = plan.row_M if valid_M is None else jnp.where(valid_M, plan.row_M, R)
+    valid = jnp.ones((M,), bool) if valid_M is None else valid_M
+    y_MH = take_rows(y_RH, row_M, valid, readers_of(row_M, R))
     if weights_TK is None:
         return y_MH
     return weighted_sum(y_MH, weights_TK, out_dtype or y_RH.dtype)

@@ -11,7 +11,8 @@ group. Expert e owns rows [start_e, start_e + ceil(g_e/m)*m).
 Execution: an outer loop over the experts that have rows slices expert e's weights once;
 inner loops run the expert's rows in blocks: as many of b rows as fit, then of b/4, b/16,
 ..., then of m (``block_sizes``, at most three sizes for b = 16m). Every block is one fused
-SwiGLU: ``a = x_b @ [wi_0|wi_1]``, ``h = silu(a0) * a1``, ``y_b = h @ wo``. Only the rows
+SwiGLU: ``a = x_b @ [wi_0|wi_1]``, ``h = silu(a0) * a1 * s``, ``y_b = h @ wo`` (``s``: each
+row's scale, its combine weight: ``layer.expert_steps``). Only the rows
 the routing uses run: executed rows = sum_e ceil(g_e/m)*m <= M + E*(m-1), whatever the static
 buffer size R is (padding and trailing rows cost nothing), and there is no weight gather.
 Loop bounds are traced values, so routing changes never recompile.
@@ -191,7 +192,7 @@ def _expert_w01(w0_EHF, w1_EHF, e):
     return jnp.concatenate([w0_EHF[e], w1_EHF[e]], axis=1)
 
 
-def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows, save_a: bool = True):
+def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, tile_rows, block_rows, save_a: bool = True):
     """(y [R, H] in x's dtype, a [R, 2F] fp32 residual, or None without ``save_a``).
 
     Without a backward pass (inference, evaluation) ``a`` is not written: storing it costs
@@ -208,7 +209,7 @@ def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows,
         def block(offset, size, carry):
             y, a_res = carry
             a = _dot(_rows(x_RH, offset, size), w01)
-            h = _swiglu_act(a)[0].astype(x_RH.dtype)
+            h = (_swiglu_act(a)[0] * _rows(s_R, offset, size)[:, None]).astype(x_RH.dtype)
             return _put(y, _dot(h, wo), offset), _put(a_res, a, offset) if save_a else a_res
 
         return for_blocks(start, rows, sizes, block, carry)
@@ -219,8 +220,9 @@ def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows,
     return y, a if save_a else None
 
 
-def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_rows, block_rows):
-    """(dx [R, H], dw0, dw1 [E, H, F], dwo [E, F, H]); weight grads in the weights' dtype."""
+def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a_RF2, dy_RH, tile_rows, block_rows):
+    """(dx [R, H], dw0, dw1 [E, H, F], dwo [E, F, H], ds [R]); weight grads in the weights'
+    dtype, ds in s's."""
     E, H, F = w0_EHF.shape
     F2 = 2 * F
     dtype = x_RH.dtype
@@ -228,50 +230,59 @@ def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH, tile_ro
     axes = varying_axes(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH)
 
     def expert(e, start, rows, carry):
-        dx, dw0_all, dw1_all, dwo_all = carry
+        dx, dw0_all, dw1_all, dwo_all, ds = carry
         w01, wo = _expert_w01(w0_EHF, w1_EHF, e), wo_EFH[e]
 
         def block(offset, size, inner):
-            dx, dw01, dwo = inner
+            dx, dw01, dwo, ds = inner
             x_b, dy_b = _rows(x_RH, offset, size), _rows(dy_RH, offset, size).astype(dtype)
+            s_b = _rows(s_R, offset, size).astype(F32)[:, None]
             h, s, sig, a0, a1 = _swiglu_act(_rows(a_RF2, offset, size))
-            dh = _dot(dy_b, wo, ((1,), (1,)))  # [C, F]
-            dwo = dwo + _dot(h.astype(dtype), dy_b, ((0,), (0,)))
+            dhs = _dot(dy_b, wo, ((1,), (1,)))  # [C, F]: of h * s_b
+            dwo = dwo + _dot((h * s_b).astype(dtype), dy_b, ((0,), (0,)))
+            ds = _put(ds, jnp.sum(dhs * h, axis=1), offset)
+            dh = dhs * s_b
             da0 = dh * a1 * sig * (1.0 + a0 * (1.0 - sig))
             da = jnp.concatenate([da0, dh * s], axis=1).astype(dtype)
             dw01 = dw01 + _dot(x_b, da, ((0,), (0,)))
-            return _put(dx, _dot(da, w01, ((1,), (1,))), offset), dw01, dwo
+            return _put(dx, _dot(da, w01, ((1,), (1,))), offset), dw01, dwo, ds
 
-        inner = (dx, _zeros((H, F2), F32, axes, dy_RH), _zeros((F, H), F32, axes, dy_RH))
-        dx, dw01, dwo = for_blocks(start, rows, sizes, block, inner)
+        inner = (dx, _zeros((H, F2), F32, axes, dy_RH), _zeros((F, H), F32, axes, dy_RH), ds)
+        dx, dw01, dwo, ds = for_blocks(start, rows, sizes, block, inner)
         dw0, dw1 = jnp.split(dw01, 2, axis=1)
         return (
             dx,
             dw0_all.at[e].set(dw0.astype(dw0_all.dtype)),
             dw1_all.at[e].set(dw1.astype(dw1_all.dtype)),
             dwo_all.at[e].set(dwo.astype(dwo_all.dtype)),
+            ds,
         )
 
-    init = (_zeros(x_RH.shape, dtype, axes, dy_RH),) + tuple(
-        _zeros(w.shape, w.dtype, axes, dy_RH) for w in (w0_EHF, w1_EHF, wo_EFH)
+    init = (
+        _zeros(x_RH.shape, dtype, axes, dy_RH),
+        *(_zeros(w.shape, w.dtype, axes, dy_RH) for w in (w0_EHF, w1_EHF, wo_EFH)),
+        _zeros(s_R.shape, s_R.dtype, axes, dy_RH),
     )
     return for_experts(group_sizes_E, tile_rows, expert, init)
 
 
-@custom_vjp(nondiff_argnums=(5, 6))
-def _tiled(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows):
-    return _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows, save_a=False)[0]
+@custom_vjp(nondiff_argnums=(6, 7))
+def _tiled(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, tile_rows, block_rows):
+    ops = (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R)
+    return _forward(*ops, tile_rows, block_rows, save_a=False)[0]
 
 
-def _tiled_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows):
-    y, a = _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, tile_rows, block_rows)
-    return y, (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a)
+def _tiled_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, tile_rows, block_rows):
+    ops = (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R)
+    y, a = _forward(*ops, tile_rows, block_rows)
+    return y, (*ops, a)
 
 
 def _tiled_bwd(tile_rows, block_rows, res, dy_RH):
-    x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a = res
-    grads = _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a, dy_RH, tile_rows, block_rows)
-    return (*grads, None)
+    x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a = res
+    ops = (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a, dy_RH)
+    dx, dw0, dw1, dwo, ds = _backward(*ops, tile_rows, block_rows)
+    return (dx, dw0, dw1, dwo, None, ds)
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
@@ -286,11 +297,13 @@ def tiled_swiglu(
     *,
     tile_rows: int,
     block_rows: int,
+    scale_R: jax.Array | None = None,
 ) -> jax.Array:
     """SwiGLU experts on the tile-padded layout [R, H] -> [R, H] (x's dtype).
 
     ``group_sizes_E`` may cover only the first E' experts of the layout (E' = weights' E):
     rows of later groups are left out (their y is 0). Weights are cast to x's dtype.
+    ``scale_R``: each row's activation is scaled by it before ``wo`` (fp32; None: 1).
     """
     dtype = x_RH.dtype
     # Blocks larger than R never run (a span has at most R rows): the same blocks run for
@@ -302,6 +315,7 @@ def tiled_swiglu(
         wi_1_EHF.astype(dtype),
         wo_EFH.astype(dtype),
         group_sizes_E.astype(jnp.int32),
+        jnp.ones(x_RH.shape[:1], F32) if scale_R is None else scale_R.astype(F32),
     )
     axes = varying_axes(*ops)
     return _tiled(*(vary(a, axes) for a in ops), tile_rows, block_rows)

@@ -192,14 +192,15 @@ def gemm_operands(p: GemmProblem) -> dict[str, jax.Array]:
 
 
 def gemm_layer(backend: str, num_experts: int, tile_rows: int) -> Callable:
-    """(x, w0, w1, wo, experts, weights) -> y [T, H]: permute, grouped SwiGLU, unpermute."""
-    from moe_train.moe import gemm, permute, tiled
+    """(x, w0, w1, wo, experts, weights) -> y [T, H]: the MoE layer's expert steps (permute,
+    grouped SwiGLU with each row scaled by its combine weight, unpermute) on one device."""
+    from moe_train.moe import layer, tiled
+    from moe_train.moe.dispatch import Arrived
 
     def fn(x, w0, w1, wo, experts, weights):
         m = tile_rows or tiled.default_tile_rows(experts.size, num_experts) if backend == "tiled" else None
-        plan = permute.make_dispatch(experts, num_experts, m)
-        y_R = gemm.grouped_swiglu(permute.permute(x, plan), plan, w0, w1, wo, backend)
-        return permute.unpermute(y_R, plan, weights, out_dtype=x.dtype)
+        arrived = Arrived(x, experts, weights, x.dtype, spare=False)
+        return layer.expert_steps(arrived, layer.Experts(w0, w1, wo, backend, m))
 
     return fn
 

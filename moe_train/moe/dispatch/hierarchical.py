@@ -6,9 +6,11 @@ of stage 1/2, R1 = O*C1 and R2 = per_domain*C2 buffer rows (per_domain: shards p
 axis ``expert``).
 
 Stage 1 sends each token once to every domain holding one of its experts, with its expert
-ids and weights there; stage 2 fans the rows out inside the domain as ``a2a`` does. Combine
-runs in reverse: stage 2's rows are weighted and summed per stage-1 row in fp32, and those
-partial sums cross the slow links once per (token, domain). Slot sizes:
+ids and weights there; stage 2 fans the rows out inside the domain as ``a2a`` does, each with
+its weight, which the expert applies (the combine is linear, so the recomputed forward of
+``train.remat`` stops at the experts). Combine runs in reverse: stage 2's weighted rows are
+summed per stage-1 row in fp32, and those partial sums cross the slow links once per (token,
+domain). Slot sizes:
 ``moe_train.parallel.jobplan.hierarchical_stages``.
 """
 
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 from moe_train.moe.dispatch.buffers import all_to_all, gather_rows, pack, pair_stats, unpack
 from moe_train.moe.dispatch.contract import Arrived, Context, ExchangeStats, static
 from moe_train.moe.dispatch.fp8 import send_rows
-from moe_train.moe.permute import weighted_sum
+from moe_train.moe.permute import sum_rows
 from moe_train.parallel import jobplan
 from moe_train.parallel.sharding import EXPERT, EXPERT_X
 
@@ -36,10 +38,10 @@ class HierarchicalSent:
     """What ``Hierarchical.combine`` needs: where each stage put its rows."""
 
     slot2_M: jax.Array  # stage-2 send slot of each (stage-1 row, k) assignment (R2: not sent)
-    weights2_R1K: jax.Array  # their combine weights (0 where the expert is not in this domain)
     slot1: jax.Array  # [T*O]: stage-1 send slot of each (token, domain) (R1: not sent)
     ok_TO: jax.Array  # bool: token t was sent to domain o
     stats: ExchangeStats  # measured by the dispatch, both stages
+    top_k: int = static()  # K: assignments per stage-1 row
     dtype: Any = static()  # the tokens' dtype
 
 
@@ -93,7 +95,11 @@ class Hierarchical:
             packed2 = pack(r_x, dest2, r_e % per_shard, per_domain, two.slots, per_shard)
         recv_counts2 = all_to_all(packed2.counts, FAST)
         rows = send_rows(lambda r: all_to_all(r, FAST), packed2.x_RH, fp8)
-        arrived = Arrived(rows, all_to_all(packed2.ids_R, FAST)[:, None], None, x_TH.dtype)
+        w2_R2 = (
+            jnp.zeros(packed2.ids_R.shape, jnp.float32).at[packed2.slot_M].set(r_w.reshape(-1), mode="drop")
+        )
+        ids_A1, w_A1 = (all_to_all(v, FAST)[:, None] for v in (packed2.ids_R, w2_R2))
+        arrived = Arrived(rows, ids_A1, w_A1, x_TH.dtype)
         stats = pair_stats(recv_counts2, two.slots, two.balanced)
         first = pair_stats(recv_counts1, one.slots, one.balanced)
         domain = jax.lax.axis_index(SLOW)
@@ -102,11 +108,10 @@ class Hierarchical:
             max_pair_load=jnp.maximum(stats["max_pair_load"], first["max_pair_load"]),
             slow_rows=(need_TO.sum() - need_TO[:, domain].sum()).astype(jnp.float32),
         )
-        w2 = jnp.where(dest2 < per_domain, r_w, 0.0)
-        return arrived, HierarchicalSent(packed2.slot_M, w2, slot1, ok_TO, stats, x_TH.dtype)
+        return arrived, HierarchicalSent(packed2.slot_M, slot1, ok_TO, stats, K, x_TH.dtype)
 
     def combine(self, y_R2H, sent: HierarchicalSent) -> tuple[jax.Array, ExchangeStats]:
-        part_R1H = weighted_sum(unpack(all_to_all(y_R2H, FAST), sent.slot2_M), sent.weights2_R1K, jnp.float32)
+        part_R1H = sum_rows(unpack(all_to_all(y_R2H, FAST), sent.slot2_M), sent.top_k, jnp.float32)
         back_R1H = all_to_all(part_R1H, SLOW)
         T, O = sent.ok_TO.shape
         # slot1 is O*C1 (past the rows) where ok_TO is False: those rows come back zero; a
