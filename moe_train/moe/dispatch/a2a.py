@@ -3,11 +3,11 @@
 Shape letters (``moe_train.base.notation``): T this shard's tokens, H hidden, K top-k, C slots
 per (source, destination) pair, R = ep * C buffer rows (ep: the EP size), M = T*K assignments.
 
-Each row carries its combine weight to the expert, which weighs its output there (fp32, then
-the tokens' dtype), so the combine is linear: the backward needs none of its results, and
-under ``train.remat`` the recomputed forward stops at the experts (five exchanges of rows
-per MoE layer, not six: the weights' gradient is made beside the expert's output, where the
-recomputation has it; weighting at the source needed the returned rows again).
+Each row carries its combine weight to the expert, which scales its SwiGLU activation by it
+(``moe_train.moe.layer.expert_steps``), so the combine is linear: the backward needs none of
+its results, and under ``train.remat`` the recomputed forward stops at the experts (five
+exchanges of rows per MoE layer, not six; weighing at the source needed the returned rows
+again for the weights' gradient).
 
 The receive buffer is static: C slots per pair, a capacity bucket times the balanced load
 (``moe_train.parallel.jobplan.a2a_stage``). An exchange that does not fit reports ``overflow`` and
@@ -55,15 +55,12 @@ class A2A:
         per_shard, ep = self.ctx.local_experts, self.ctx.plan.ep
         stage = jobplan.a2a_stage(T, K, per_shard, ep, self.ctx.plan.capacity_factor)
         with jax.named_scope("pack"):
-            packed = pack(x_TH, experts_TK // per_shard, experts_TK % per_shard, ep, stage.slots, per_shard)
+            packed = pack(
+                x_TH, experts_TK // per_shard, experts_TK % per_shard, ep, stage.slots, per_shard, weights_TK
+            )
         recv_counts = all_to_all(packed.counts, EP_AXES)  # the small exchange first
         rows = send_rows(lambda r: all_to_all(r, EP_AXES), packed.x_RH, self.ctx.plan.dispatch_dtype)
-        w_R = (
-            jnp.zeros(packed.ids_R.shape, jnp.float32)
-            .at[packed.slot_M]
-            .set(weights_TK.reshape(-1).astype(jnp.float32), mode="drop")
-        )
-        ids_A1, w_A1 = (all_to_all(v, EP_AXES)[:, None] for v in (packed.ids_R, w_R))
+        ids_A1, w_A1 = (all_to_all(v, EP_AXES)[:, None] for v in (packed.ids_R, packed.w_R))
         arrived = Arrived(rows, ids_A1, w_A1, x_TH.dtype)
         domain = jax.lax.axis_index(EXPERT_X)
         stats = pair_stats(recv_counts, stage.slots, stage.balanced)

@@ -25,14 +25,16 @@ class Packed(NamedTuple):
 
     x_RH: jax.Array  # rows, destination-major, C slots each
     ids_R: jax.Array  # local expert of each row at its destination (per_shard: empty slot)
+    w_R: jax.Array  # fp32 combine weight of each row (0: empty slot)
     slot_M: jax.Array  # slot of assignment n (R: not sent)
     counts: jax.Array  # [n_dest] assignments this shard has for each destination
 
 
-def pack(x_XH, dest_XK, local_XK, n_dest: int, C: int, per_shard: int) -> Packed:
+def pack(x_XH, dest_XK, local_XK, n_dest: int, C: int, per_shard: int, w_XK) -> Packed:
     """Slot of every assignment (x, k): destination ``dest[x, k]``, then the order of its local
     expert, then of x (``dest == n_dest``: stays out of this exchange); rows past C slots of
-    a destination are not sent (the exchange then reports ``overflow``)."""
+    a destination are not sent (the exchange then reports ``overflow``). Each row carries its
+    assignment's combine weight ``w[x, k]`` (the expert applies it)."""
     X, K = dest_XK.shape
     R, M = n_dest * C, X * K
     dest_M = dest_XK.reshape(-1)
@@ -46,7 +48,8 @@ def pack(x_XH, dest_XK, local_XK, n_dest: int, C: int, per_shard: int) -> Packed
     slot_M = jnp.where((dest_M < n_dest) & (pos_M < C), dest_M * C + pos_M, R)
     x_RH = gather_rows(x_XH, slot_M, K, R)
     ids_R = jnp.full((R,), per_shard, jnp.int32).at[slot_M].set(local_M, mode="drop")
-    return Packed(x_RH, ids_R, slot_M, counts[:n_dest])
+    w_R = jnp.zeros((R,), jnp.float32).at[slot_M].set(w_XK.reshape(-1).astype(jnp.float32), mode="drop")
+    return Packed(x_RH, ids_R, w_R, slot_M, counts[:n_dest])
 
 
 def gather_rows(x_XH, slot_M, per_row: int, R: int):

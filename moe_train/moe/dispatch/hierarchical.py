@@ -92,13 +92,10 @@ class Hierarchical:
         r_w = all_to_all(send_w, SLOW)
         dest2 = jnp.where(r_e >= 0, (r_e // per_shard) % per_domain, per_domain)
         with jax.named_scope("pack"):
-            packed2 = pack(r_x, dest2, r_e % per_shard, per_domain, two.slots, per_shard)
+            packed2 = pack(r_x, dest2, r_e % per_shard, per_domain, two.slots, per_shard, r_w)
         recv_counts2 = all_to_all(packed2.counts, FAST)
         rows = send_rows(lambda r: all_to_all(r, FAST), packed2.x_RH, fp8)
-        w2_R2 = (
-            jnp.zeros(packed2.ids_R.shape, jnp.float32).at[packed2.slot_M].set(r_w.reshape(-1), mode="drop")
-        )
-        ids_A1, w_A1 = (all_to_all(v, FAST)[:, None] for v in (packed2.ids_R, w2_R2))
+        ids_A1, w_A1 = (all_to_all(v, FAST)[:, None] for v in (packed2.ids_R, packed2.w_R))
         arrived = Arrived(rows, ids_A1, w_A1, x_TH.dtype)
         stats = pair_stats(recv_counts2, two.slots, two.balanced)
         first = pair_stats(recv_counts1, one.slots, one.balanced)
