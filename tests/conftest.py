@@ -7,6 +7,8 @@ Devices and cache are set before any test touches a JAX backend. The cache only 
 recompiling the same programs (it is keyed on the compiled HLO); it never changes results.
 """
 
+import ast
+import functools
 import os
 import signal
 import tempfile
@@ -50,29 +52,56 @@ PROCESS_MODULES = frozenset(
 SHARED_SCOPES = frozenset({"module", "package", "session"})
 
 
-def _shares_a_fixture(item: pytest.Item) -> bool:
-    """Whether ``item`` uses a module-or-wider fixture of its own test module (a compiled run,
-    a converted checkpoint): split over two workers, each would build it once."""
-    path = item.nodeid.split("::", 1)[0]
-    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    return any(d.scope in SHARED_SCOPES and d.baseid == path for ds in defs.values() for d in ds)
+@functools.cache
+def defines_a_shared_fixture(path: Path) -> bool:
+    """Whether the test module at ``path`` defines a module-or-wider fixture (a compiled run, a
+    converted checkpoint): its tests then share one worker, which builds the fixture once."""
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return False
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    return any(
+        _name(c.func) == "fixture"
+        and any(
+            k.arg == "scope" and isinstance(k.value, ast.Constant) and k.value.value in SHARED_SCOPES
+            for k in c.keywords
+        )
+        for c in calls
+    )
 
 
-def xdist_group(item: pytest.Item) -> str | None:
-    """The group ``item`` runs in under ``--dist loadgroup`` (None: any worker, test by test)."""
-    module = Path(item.nodeid.split("::", 1)[0]).stem
-    if module in PROCESS_MODULES:
+def _name(func: ast.expr) -> str | None:
+    """``fixture`` for ``pytest.fixture`` and ``fixture`` alike."""
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def group_of(nodeid: str, root: Path) -> str:
+    """The work unit of a test under ``--dist loadgroup``: the tests of one unit run on one
+    worker, one after another. The process modules form one unit, a module that defines a
+    shared fixture another; every other test is a unit of its own."""
+    path = nodeid.split("::", 1)[0]
+    if Path(path).stem in PROCESS_MODULES:
         return "processes"
-    return module if _shares_a_fixture(item) else None
+    return path if defines_a_shared_fixture(root / path) else nodeid
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        group = xdist_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` with the units of ``group_of``. xdist's own loadgroup reads
+    ``xdist_group`` marks by rewriting node ids, which pytest 9.2's structured node ids ignore
+    (pytest-dev/pytest-xdist#1386): every test was scheduled alone, so Slurm jobs raced each
+    other for the cluster's cores and both workers built the same compiled fixtures."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    root = config.rootpath
+
+    class Units(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid, root)
+
+    return Units(config, log)
 
 
 # --------------------------------------------------------------------------- shared fixtures

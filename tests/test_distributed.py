@@ -221,6 +221,33 @@ def test_watchdog_startup_deadline():
     assert wd.check() and "start-up" in fired[0]
 
 
+def test_watchdog_does_not_count_a_compile():
+    clock, fired, quiet = Clock(), [], [float("-inf")]
+    wd = distributed.Watchdog(10, clock=clock, on_expire=fired.append, quiet_until=lambda: quiet[0])
+    wd.beat(1)
+    quiet[0] = float("inf")  # compiling, or waiting for the peers to compile
+    clock.t += 1000
+    assert not wd.check()
+    quiet[0] = clock.t  # done now: a full timeout from here
+    clock.t += 9.9
+    assert not wd.check()
+    clock.t += 0.2
+    assert wd.check() and "after step 1" in fired[0]
+
+
+def test_watchdog_startup_deadline_gives_a_full_timeout_after_a_compile():
+    clock, fired, quiet = Clock(), [], [float("-inf")]
+    wd = distributed.Watchdog(
+        10, startup_timeout_s=60, clock=clock, on_expire=fired.append, quiet_until=lambda: quiet[0]
+    )
+    clock.t += 58
+    quiet[0] = clock.t  # a compile ended 2 s before the start-up deadline
+    clock.t += 9.9
+    assert not wd.check()
+    clock.t += 0.2
+    assert wd.check() and "start-up" in fired[0]
+
+
 def test_watchdog_stop_disarms():
     clock, fired = Clock(), []
     wd = distributed.Watchdog(10, clock=clock, on_expire=fired.append)

@@ -294,6 +294,68 @@ def test_stuck_peer_is_caught_by_the_step_watchdog(tmp_path):
                 p.wait(timeout=30)
 
 
+# Process 1 compiles the program GLOO_WAIT_S + 5 s later than process 0. Run as it comes,
+# process 0's first collective would give up on the Gloo context after Gloo's 30 s; compiled
+# together, process 0 waits at the barrier, and its step watchdog (10 s) does not count that.
+GLOO_WAIT_S = 30
+LATE_PEER = """
+import sys, time
+import numpy as np
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+from moe_train.train import distributed
+from moe_train.parallel import together
+from moe_train.config import ParallelConfig
+
+pid, port, hb, late_s = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+p = ParallelConfig(coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                   init_timeout_s=60, heartbeat_timeout_s=hb)
+info = distributed.initialize(p)
+distributed.start_watchdog(distributed.watchdog_timeout_s(p), startup_timeout_s=2 * hb,
+                           label=f"process {pid} of 2")
+sharding = NamedSharding(jax.make_mesh((2,), ("d",)), PartitionSpec("d"))
+x = jax.make_array_from_process_local_data(sharding, np.full(1, pid + 1.0, np.float32))
+
+
+def slow_to_trace(a):
+    if pid == 1:
+        time.sleep(late_s)  # traced, so inside the compile
+    return a.sum()
+
+
+total = jax.jit(slow_to_trace)
+together.compiled_together(total, (x,), "sum", p)
+print("sum", float(total(x)), flush=True)
+distributed.beat(1)
+distributed.shutdown()
+"""
+
+
+def test_a_peer_that_compiles_late_is_waited_for(tmp_path):
+    port, procs = free_port(), []
+    try:
+        for pid in range(2):
+            args = [str(pid), str(port), str(HEARTBEAT_S), str(GLOO_WAIT_S + 5)]
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", LATE_PEER, *args],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                )
+            )
+        outs = [p.communicate(timeout=GLOO_WAIT_S + 5 + 3 * SLACK_S) for p in procs]
+        for p, (out, err) in zip(procs, outs, strict=True):
+            assert p.returncode == 0 and "sum 3.0" in out, err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+
+
 def test_training_loop_beats_the_watchdog(tmp_path):
     """The loop reports every finished step (``distributed.beat``); without it a multi-process
     run would be ended by the watchdog's start-up deadline."""

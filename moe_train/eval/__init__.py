@@ -51,7 +51,7 @@ from moe_train.model import loss
 from moe_train.model.precision import FP8_COLLECTION
 from moe_train.model.settings import model_settings
 from moe_train.model.transformer import Transformer
-from moe_train.parallel import sharding
+from moe_train.parallel import sharding, together
 
 
 def batch_loss(params, fp8_state, moe_state, batch, model: Transformer, cfg: Config, devices: int = 1):
@@ -118,7 +118,9 @@ def evaluate(cfg: Config, mesh: Mesh, params, moe_state, batches, fp8_state=None
         raise ValueError("evaluate needs at least one batch")
     fn = compiled(cfg, mesh)
     fp8_state = fp8_state or {}
-    parts = [fn(params, fp8_state, moe_state, place(b, mesh)) for b in batches]
+    placed = [place(b, mesh) for b in batches]
+    together.compiled_together(fn, (params, fp8_state, moe_state, placed[0]), "evaluation", cfg.parallel)
+    parts = [fn(params, fp8_state, moe_state, b) for b in placed]
     sums, counts = zip(*jax.device_get(parts))  # dispatched first, read once
     total, count = float(np.sum(np.asarray(sums, np.float64))), float(np.sum(counts))
     value = total / count if count else math.nan

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from moe_train import config, python_command
 from moe_train.base import exits
+from moe_train.parallel import together
 from moe_train.train import distributed, rundir, signals, supervise
 
 
@@ -338,7 +339,7 @@ def _train(args: argparse.Namespace, cfg: config.Config | None = None) -> int:
         if info.multi:  # a peer that hangs would block this process in a collective for ever
             distributed.start_watchdog(
                 distributed.watchdog_timeout_s(cfg.parallel),
-                startup_timeout_s=distributed.startup_timeout_s(cfg.parallel),
+                startup_timeout_s=together.startup_s(cfg.parallel),
                 label=f"process {info.process_index} of {info.process_count}",
             )
         from moe_train.train.loop import run

@@ -30,7 +30,12 @@ turns the JAX runtime's own aborts into that line):
 * a process hangs while alive (its heartbeats go on, the others wait in a collective forever):
   the step watchdog (``start_watchdog`` / ``beat``) exits when no step finished for
   ``watchdog_timeout_s(p)`` = 2 x ``heartbeat_timeout_s`` seconds
-  (``startup_timeout_s(p)`` before the first step).
+  (``together.startup_s(p)`` before the first step), not counting the time a process compiles
+  and waits for its peers to compile (``together.compiled_together``: a barrier that fails
+  when a peer died, or after ``startup_s(p)`` more than the process's own compile took);
+* the processes finish compiling at different times: each compiled program first runs once
+  every process compiled it (the same barrier), so no collective's set-up waits for a peer
+  still compiling (on the CPU, Gloo gives up after 30 s).
 
 So a peer failure ends the others within ``2 x heartbeat_timeout_s`` (plus process exit)
 once training runs, and within ``init_timeout_s + 2 x heartbeat_timeout_s`` before it.
@@ -47,6 +52,7 @@ from collections.abc import Callable, Mapping
 
 from moe_train.base.exits import EXIT_DISTRIBUTED  # could not connect, or a peer failed
 from moe_train.config import ConfigError, ParallelConfig
+from moe_train.parallel import together
 
 SOURCES = ("single", "explicit", "slurm")
 
@@ -167,11 +173,6 @@ def watchdog_timeout_s(p: ParallelConfig) -> int:
     message first; the watchdog catches peers that hang while alive.
     """
     return 2 * p.heartbeat_timeout_s
-
-
-def startup_timeout_s(p: ParallelConfig) -> int:
-    """Seconds allowed from initialisation to the first finished step (restore + compile)."""
-    return p.init_timeout_s + 2 * p.heartbeat_timeout_s
 
 
 # --------------------------------------------------------------------------- start and stop
@@ -308,8 +309,11 @@ class Watchdog:
 
     ``beat(step)`` after every finished step. Before the first beat the deadline is
     ``startup_timeout_s`` after ``start`` (None: unarmed until the first beat); after it,
-    ``timeout_s`` after the latest beat. On expiry: one line on stderr naming the last step,
-    then ``os._exit(exit_code)`` (no cleanup: peers may be blocked in a collective for ever).
+    ``timeout_s`` after the latest beat. Time spent compiling and waiting for the peers to
+    compile (``together.compiled_together``) does not count: while it lasts there is no
+    deadline, and after it the deadline is at least ``timeout_s`` away. On expiry: one line on
+    stderr naming the last step, then ``os._exit(exit_code)`` (no cleanup: peers may be
+    blocked in a collective for ever).
     """
 
     def __init__(
@@ -322,12 +326,14 @@ class Watchdog:
         clock: Callable[[], float] = time.monotonic,
         on_expire: Callable[[str], None] | None = None,
         poll_s: float = 1.0,
+        quiet_until: Callable[[], float] = together.quiet_until,
     ):
         if timeout_s <= 0:
             raise ValueError(f"watchdog timeout_s={timeout_s} must be positive")
         self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
         self.label, self.exit_code, self._clock, self._poll = label, exit_code, clock, poll_s
         self._on_expire = on_expire or self._default_expire
+        self._quiet_until = quiet_until  # a clock() time; +inf while this process compiles
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._started = clock()
@@ -353,11 +359,14 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def deadline(self) -> float | None:
+        quiet = self._quiet_until()
         with self._lock:
+            if quiet == float("inf"):  # compiling, or waiting for the peers to compile
+                return None
             if self._last is not None:
-                return self._last + self.timeout_s
+                return max(self._last, quiet) + self.timeout_s
             if self.startup_timeout_s is not None:
-                return self._started + self.startup_timeout_s
+                return max(self._started + self.startup_timeout_s, quiet + self.timeout_s)
             return None
 
     def check(self) -> bool:

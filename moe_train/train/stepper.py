@@ -12,6 +12,9 @@ overflow, so every step ends dropless, bitwise equal to the worst-case path.
 The host never waits for a step before the next one is queued: step n+1 is dispatched with
 step n's overflow flag as a device input (``hold``) and step n's flags are read after that
 (``BucketedStep.submit``); on overflow the held step n+1 is discarded and n reruns.
+
+In a multi-process job each bucket's step is compiled ahead of its first run and every process
+waits for the others to compile it (``together.compiled_together``) before any runs it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from moe_train.config import Config
-from moe_train.parallel import jobplan, sharding
+from moe_train.parallel import jobplan, sharding, together
 from moe_train.train.step import (
     CompiledMemory,
     StepCounter,
@@ -165,7 +168,9 @@ class BucketedStep:
         bucket, before = self.policy.bucket, self.counter.traces
         args = (state, batch, hold) if self._holds(bucket) else (state, batch)
         t0 = time.perf_counter() if again is None else again.t0
-        state, raw = self._fn(bucket)(*args)
+        fn = self._fn(bucket)
+        together.compiled_together(fn, args, f"train step, bucket {bucket}", self.cfg.parallel)
+        state, raw = fn(*args)
         traced = self.counter.traces - before + (0 if again is None else again.traced)
         return state, _InFlight(batch, raw, bucket, t0, self.counter.traces, traced)
 
