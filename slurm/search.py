@@ -346,7 +346,7 @@ def search(req: Request, cluster: presets.Cluster, cfg: config.Config, top: int 
         per_gpu=cfg.train.batch_size // gpus,
         micro_open=not fixed & {MICRO_BATCHES_KEY, MICRO_SIZE_KEY},
     )
-    eff = compute_calibration.load(req.compute or None)
+    eff = compute_calibration.load(req.compute or None, model=req.model)
     jobs = space(ctx, fixed)
     step_jobs = {ep: _step_job(req, ep) for ep in dict.fromkeys(s.ep for s in jobs)}
     base = _settings(ctx.base)

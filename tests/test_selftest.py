@@ -140,6 +140,8 @@ def test_recorded_choice_is_kept_while_it_passes():
 def test_trainer_logs_kernels_first_and_times_the_selftest(tmp_path):
     lines = []
     assert run(tiny(), tmp_path, log=lines.append) == EXIT_OK
+    if lines[0] == "running the kernel self-test ...":  # printed when the self-test takes over 2 s
+        lines = lines[1:]
     assert lines[0].startswith("kernels on cpu: moe.backend=tiled") and "model.attention=" in lines[0]
     first = records(tmp_path)[0]
     assert first["selftest_s"] > 0

@@ -244,20 +244,29 @@ def test_the_readme_cluster_example_fits_without_a_warning(capsys, tmp_path):
     assert code == 0 and "memory: fits" in out + err and "warning: memory" not in out + err
 
 
-def predicted(preset: str, nodes: int, model: str, ep: int, sets: tuple[str, ...]) -> StepTime:
+def predicted(
+    preset: str, nodes: int, model: str, ep: int, sets: tuple[str, ...], compute: str | None = None
+) -> StepTime:
     """The planner's predicted step of a job (bf16 compute: there is one)."""
     from topology.plan import make_plan
 
-    step = make_plan(preset, nodes, model, ep, overrides=sets).step
+    step = make_plan(preset, nodes, model, ep, overrides=sets, compute=compute).step
     assert step is not None
     return step
 
 
 def test_overlap_chunks_default_to_the_planners_choice(capsys, tmp_path):
+    from topology import compute
+
+    # the shipped shares without DeepSeek-V3's own (an empty [model] table): chunks pay off
+    text = compute.DEFAULTS.read_text()
+    shares = tmp_path / "c.toml"
+    shares.write_text(text[: text.index("\n[model.")] + "\n[model]\n")
     sets = ("parallel.weight_gather=step", "train.micro_batch_size=3")  # overlap is left open
-    best = predicted("gb200-nvl72", 64, "deepseek-v3", 64, sets).best_chunks
+    best = predicted("gb200-nvl72", 64, "deepseek-v3", 64, sets, str(shares)).best_chunks
     assert best > 1  # the planner hides part of the exchange on this job
     job = ("--preset", "gb200-nvl72", "--model", "deepseek-v3", "--nodes", "64", "--ep", "64")
+    job += ("--compute", str(shares))
     code, out, err = dry(capsys, tmp_path, *job, *(a for s in sets for a in ("--set", s)))
     assert code == 0 and f"overlap: moe.overlap_chunks={best}, the planner's choice" in out + err
     assert f"--set moe.overlap_chunks={best} --set parallel.ep=64" in out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import tomllib
 
 import pytest
 from helpers import run_module
@@ -84,7 +85,7 @@ def test_the_hierarchical_exchange_hides_its_measured_share_and_less_than_the_fl
 
 def test_step_mode_hides_the_share_measured_in_step_mode():
     st = predicted("parallel.weight_gather=step", "moe.overlap_chunks=4")
-    assert st.inputs["a2a_hidden"] == pytest.approx(compute.load().a2a_hidden_step_4chunks)
+    assert st.inputs["a2a_hidden"] == pytest.approx(compute.load(model="deepseek-v3").a2a_hidden_step_4chunks)
 
 
 def test_a_plan_across_nvlink_domains_predicts_with_the_hierarchical_share():
@@ -94,8 +95,22 @@ def test_a_plan_across_nvlink_domains_predicts_with_the_hierarchical_share():
     assert st.inputs["a2a_hidden"] == pytest.approx(compute.load().a2a_hidden_hierarchical_8chunks)
 
 
-def test_the_planner_chooses_the_chunks_that_hide_the_all_to_all():
-    st = predicted("train.micro_batch_size=0", "train.micro_batches=1")
+def default_shares(tmp_path) -> str:
+    """A compute file of the shipped defaults whose empty ``[model]`` table applies no model's
+    own overlap shares."""
+    text = compute.DEFAULTS.read_text()
+    (tmp_path / "c.toml").write_text(text[: text.index("\n[model.")] + "\n[model]\n")
+    return str(tmp_path / "c.toml")
+
+
+def test_an_empty_model_table_applies_no_models_shares(tmp_path):
+    assert compute.load(default_shares(tmp_path), model="deepseek-v3").model == ""
+
+
+def test_the_planner_chooses_the_chunks_that_hide_the_all_to_all(tmp_path):
+    """With shares that reward chunks (Mixtral's, which DeepSeek-V3's own schedule does not
+    reach), the planner takes the chunk count that hides the most."""
+    st = predicted("train.micro_batch_size=0", "train.micro_batches=1", compute=default_shares(tmp_path))
     assert set(st.by_chunks) == set(steptime.CHUNK_CHOICES)
     assert st.best_chunks > 1 and st.by_chunks[st.best_chunks] < st.by_chunks[1]
     assert st.by_chunks[1] == pytest.approx(st.step_s)  # the preset's own moe.overlap_chunks=1
@@ -202,8 +217,9 @@ def test_fp32_compute_has_no_prediction():
     assert plan("precision.compute=fp32").step is None
 
 
-def test_each_shipped_efficiency_says_where_it_came_from():
-    eff = compute.load()
+@pytest.mark.parametrize("model", [None, "deepseek-v3"])
+def test_each_shipped_efficiency_says_where_it_came_from(model):
+    eff = compute.load(model=model)
     assert set(eff.source) == set(compute.FIELDS) and all(eff.source.values())
 
 
@@ -239,6 +255,44 @@ def test_set_overrides_reach_the_prediction():
     assert json.loads(r.stdout)["step"]["inputs"]["overlap_chunks"] == 4
 
 
+def test_a_models_measured_overlap_shares_replace_the_defaults():
+    base, v3 = compute.load(), compute.load(model="deepseek-v3")
+    table = tomllib.loads(compute.DEFAULTS.read_text())["model"]["deepseek-v3"]
+    for key, value in table.items():
+        if key != "source":
+            assert getattr(v3, key) == value and v3.source[key].startswith("deepseek-v3: ")
+    assert v3.gemm_efficiency == base.gemm_efficiency and v3.model == "deepseek-v3"
+    assert compute.load(model="mixtral-8x7b") == base  # no table: the defaults
+
+
+def test_a_models_unmeasured_exchange_shares_scale_with_its_measured_ones():
+    base, v3 = compute.load(), compute.load(model="deepseek-v3")
+    ratio = v3.a2a_hidden_step_4chunks / base.a2a_hidden_step_4chunks
+    for key in ("a2a_hidden_2chunks", "a2a_hidden_step_8chunks", "a2a_hidden_hierarchical_8chunks"):
+        assert getattr(v3, key) == pytest.approx(getattr(base, key) * ratio)
+
+
+def test_the_plan_uses_and_names_the_models_own_shares():
+    st = predicted(*V3_FAST)
+    assert st.inputs["overlap_model"] == "deepseek-v3"
+    assert st.inputs["efficiency"]["fsdp_hidden_step_reduce_scatter"] == pytest.approx(0.035)
+    r = cli("--preset", "gb200-nvl72", "--nodes", "64", "--model", "deepseek-v3", "--ep", "64")
+    assert "overlap shares measured on deepseek-v3" in r.stdout
+
+
+def test_a_compute_file_without_model_tables_takes_the_shipped_ones(tmp_path):
+    text = compute.DEFAULTS.read_text()
+    (tmp_path / "c.toml").write_text(
+        text[: text.index("\n[model.")].replace("gemm_efficiency = 0.80", "gemm_efficiency = 0.9")
+    )
+    got = compute.load(tmp_path / "c.toml", model="deepseek-v3")
+    assert got.gemm_efficiency == 0.9
+    assert (
+        got.fsdp_hidden_step_reduce_scatter
+        == compute.load(model="deepseek-v3").fsdp_hidden_step_reduce_scatter
+    )
+
+
 @pytest.mark.parametrize(
     "edit,needle",
     [
@@ -253,6 +307,16 @@ def test_set_overrides_reach_the_prediction():
         ),
         (lambda t: t.replace("gemm_efficiency = 0.80", 'gemm_efficiency = "fast"'), "gemm_efficiency"),
         (lambda t: "[compute\n", "not valid TOML"),
+        (
+            lambda t: t.replace("[model.deepseek-v3]\n", "[model.deepseek-v3]\ngemm_efficiency = 0.5\n"),
+            "unknown key model.deepseek-v3.gemm_efficiency; valid keys: fsdp_hidden_micro_batch",
+        ),
+        (
+            lambda t: t.replace(
+                "fsdp_hidden_step_reduce_scatter = 0.035", "fsdp_hidden_step_reduce_scatter = 1.5"
+            ),
+            "model.deepseek-v3.fsdp_hidden_step_reduce_scatter must be a number in [0, 1]",
+        ),
     ],
 )
 def test_a_bad_compute_file_is_one_line_exit_2(tmp_path, edit, needle):

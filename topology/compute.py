@@ -7,6 +7,13 @@ are ``topology/compute.toml``; ``python -m topology plan --compute FILE`` takes 
 ``make gpu-check`` writes from its measurements). A missing, unknown, non-numeric or
 out-of-range field is a ``TopologyError`` naming the file and the key.
 
+The overlap shares (the fields with ``hidden`` in their name) depend on the program XLA
+schedules, so a ``[model.<preset>]`` table gives those measured on one model's own program
+(with its ``[model.<preset>.source]``); ``load(path, model=...)`` applies them. Exchange shares
+the table does not give are the defaults scaled by the model's measured ones over the defaults
+at the same points (``MODEL_RATIO_NOTE``). A compute file without a ``model`` table takes the
+shipped ones; one with an empty ``[model]`` table applies none.
+
 ``anchors(model, preset)``: the published figures (``topology/anchors.toml``) for a model
 preset on a cluster preset.
 """
@@ -50,12 +57,18 @@ class Compute:
     a2a_hidden_hierarchical_8chunks: float  # hierarchical dispatch with 8 chunks (scales the curves)
     source: Mapping[str, str]  # field -> where its value comes from
     path: str  # the file it was read from
+    model: str = ""  # the model preset whose measured overlap shares apply ("": the defaults)
 
 
-FIELDS = tuple(f.name for f in dataclasses.fields(Compute) if f.name not in ("source", "path"))
+FIELDS = tuple(f.name for f in dataclasses.fields(Compute) if f.name not in ("source", "path", "model"))
 
 
 MEASURED_CHUNKS = (1, 2, 4, 8)  # the chunk counts the a2a_hidden_* shares were measured at
+OVERLAP_FIELDS = tuple(f for f in FIELDS if "hidden" in f)  # what a [model.<preset>] table may give
+EXCHANGE_FIELDS = tuple(f for f in OVERLAP_FIELDS if f.startswith("a2a_hidden"))
+MODEL_RATIO_NOTE = (
+    "the default times {ratio:.2f}, {model}'s measured exchange shares over the defaults at the same points"
+)
 
 
 def a2a_hidden(eff: Compute, chunks: int, step: bool = False, hierarchical: bool = False) -> float:
@@ -103,12 +116,55 @@ class Anchor:
     source: str
 
 
-def load(path: str | os.PathLike[str] | None = None) -> Compute:
-    """The compute calibration at ``path`` (None: the shipped defaults), checked."""
+def load(path: str | os.PathLike[str] | None = None, model: str | None = None) -> Compute:
+    """The compute calibration at ``path`` (None: the shipped defaults), checked; with
+    ``model``, its ``[model.<model>]`` overlap shares applied (module docstring)."""
     p = Path(path) if path is not None else DEFAULTS
     if not p.is_file():
         raise TopologyError(f"compute file {str(p)!r} does not exist")
-    table = read_toml(p, TopologyError).get("compute")
+    data = read_toml(p, TopologyError)
+    base = _compute(data, p)
+    models = data.get("model") if "model" in data else read_toml(DEFAULTS, TopologyError).get("model", {})
+    if not isinstance(models, dict):
+        raise TopologyError(f"{p}: model must be a table of [model.<preset>] tables")
+    for name, table in models.items():
+        _check_model(table, name, p)
+    return base if model is None or model not in models else for_model(base, model, models[model])
+
+
+def for_model(base: Compute, model: str, table: Mapping) -> Compute:
+    """``base`` with a model's measured overlap shares (a checked ``[model.<model>]`` table);
+    the exchange shares it does not give scaled by its measured ones over ``base``'s."""
+    given = {k: float(v) for k, v in table.items() if k != "source"}
+    source = dict(base.source)
+    source.update({k: f"{model}: {v}" for k, v in table.get("source", {}).items()})
+    pairs = [(given[k], getattr(base, k)) for k in EXCHANGE_FIELDS if k in given and getattr(base, k) > 0]
+    if pairs:
+        ratio = sum(m for m, _ in pairs) / sum(d for _, d in pairs)
+        for k in EXCHANGE_FIELDS:
+            if k not in given:
+                given[k] = min(1.0, getattr(base, k) * ratio)
+                source[k] = f"{model}: " + MODEL_RATIO_NOTE.format(ratio=ratio, model=model)
+    return dataclasses.replace(base, **given, source=source, model=model)
+
+
+def _check_model(table, name: str, p: Path) -> None:
+    where = f"model.{name}"
+    if not isinstance(table, dict):
+        raise TopologyError(f"{p}: [{where}] must be a table of overlap shares")
+    unknown = sorted(set(table) - set(OVERLAP_FIELDS) - {"source"})
+    if unknown:
+        raise TopologyError(f"{p}: unknown key {where}.{unknown[0]}; valid keys: {', '.join(OVERLAP_FIELDS)}")
+    for key, value in table.items():
+        if key != "source":
+            check_number(value, f"{where}.{key}", str(p), hi=1.0, lo_open=False)
+    source = table.get("source", {})
+    if not isinstance(source, dict) or not all(isinstance(v, str) for v in source.values()):
+        raise TopologyError(f"{p}: [{where}.source] must map each field to a string")
+
+
+def _compute(data: Mapping, p: Path) -> Compute:
+    table = data.get("compute")
     if not isinstance(table, dict):
         raise TopologyError(f"{p}: no [compute] table (fields: {', '.join(FIELDS)})")
     source = table.get("source", {})

@@ -186,7 +186,7 @@ def make_plan(
     cluster = presets.load(preset)
     if calibration:
         cluster = topology_calibration.apply(cluster, calibration)
-    efficiency = compute_calibration.load(compute)
+    efficiency = compute_calibration.load(compute, model=model)
     cfg = model_config_of(model, overrides)
     shape = model_shape(model, cfg)
     if nodes < 1:
@@ -379,6 +379,8 @@ def _step_lines(plan: Plan, timed: bool = True) -> list[str]:
     where = i["compute_file"]
     if where == str(compute_calibration.DEFAULTS):
         where = "topology/compute.toml, shipped defaults"
+    if i["overlap_model"]:
+        where += f", overlap shares measured on {i['overlap_model']}"
     lines = [
         f"predicted step per GPU (balanced routing; {i['compute']} matmuls, remat "
         f"{i['remat']}, {i['micro_batches']} micro-batches; efficiencies: {where}):",

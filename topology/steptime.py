@@ -342,6 +342,7 @@ def _predict(
         "peak_fp8_tflops": cluster.peak_fp8_flops / 1e12,
         "hbm_tbps": cluster.hbm_bytes_per_s / 1e12,
         "compute_file": eff.path,
+        "overlap_model": eff.model,  # whose measured overlap shares apply ("": the defaults)
         "efficiency": {k: getattr(eff, k) for k in compute_calibration.FIELDS},
         "efficiency_source": dict(eff.source),
     }
