@@ -25,6 +25,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from moe_train.base.tomlfile import read_toml
 from topology.presets import TopologyError, check_number
@@ -179,7 +180,8 @@ def _compute(data: Mapping, p: Path) -> Compute:
         check_number(value, f"compute.{key}", str(p), hi=1.0, lo_open="hidden" not in key)
     if not isinstance(source, dict) or not all(isinstance(v, str) for v in source.values()):
         raise TopologyError(f"{p}: [compute.source] must map each field to a string")
-    return Compute(**{k: float(values[k]) for k in FIELDS}, source=dict(source), path=str(p))
+    shares: dict[str, Any] = {k: float(values[k]) for k in FIELDS}
+    return Compute(**shares, source=dict(source), path=str(p))
 
 
 def anchors(model: str, preset: str) -> list[Anchor]:
