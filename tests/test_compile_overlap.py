@@ -165,3 +165,54 @@ def test_a_loop_in_a_window_counts_its_bodys_gemms_times_its_trip_count():
 def test_a_loop_that_runs_collectives_of_its_own_hides_nothing_of_another():
     w = {w.kind: w for w in overlap.windows(NESTED)}["all-reduce"]
     assert (w.gemm_kernels, w.gemm_flops) == (0, 0.0)
+
+
+# the tiled experts' walk under an all-to-all: a loop over the experts with traced bounds, in
+# it a loop of 8-row blocks and one of 2-row blocks, each slicing its block out of 32 rows
+WALK = """HloModule m, is_scheduled=true
+
+%fused_dot (p0: bf16[8,8], p1: bf16[8,2]) -> f32[8,2] {
+  %p0 = bf16[8,8]{1,0} parameter(0)
+  %p1 = bf16[8,2]{1,0} parameter(1)
+  ROOT %d = f32[8,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_small (p0: bf16[2,8], p1: bf16[8,2]) -> f32[2,2] {
+  %p0 = bf16[2,8]{1,0} parameter(0)
+  %p1 = bf16[8,2]{1,0} parameter(1)
+  ROOT %d = f32[2,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%big (p: (s32[], bf16[32,8])) -> (s32[], bf16[32,8]) {
+  %p = (s32[], bf16[32,8]{1,0}) parameter(0)
+  %x = bf16[8,8]{1,0} dynamic-slice(%r, %i, %z), dynamic_slice_sizes={8,8}
+  %g = f32[8,2]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %t = (s32[], bf16[32,8]{1,0}) tuple(%i, %r)
+}
+
+%small (p: (s32[], bf16[32,8])) -> (s32[], bf16[32,8]) {
+  %p = (s32[], bf16[32,8]{1,0}) parameter(0)
+  %x = bf16[2,8]{1,0} dynamic-slice(%r, %i, %z), dynamic_slice_sizes={2,8}
+  %g = f32[2,2]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_small, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %t = (s32[], bf16[32,8]{1,0}) tuple(%i, %r)
+}
+
+%experts (p: (s32[], bf16[32,8])) -> (s32[], bf16[32,8]) {
+  %p = (s32[], bf16[32,8]{1,0}) parameter(0)
+  %b = (s32[], bf16[32,8]{1,0}) while(%p), condition=%cond, body=%big
+  %c = (s32[], bf16[32,8]{1,0}) while(%b), condition=%cond, body=%small
+  ROOT %t = (s32[], bf16[32,8]{1,0}) copy(%c)
+}
+
+ENTRY %main (x: bf16[16,4], r: bf16[32,8]) -> bf16[16,4] {
+  %s = ((bf16[16,4]{1,0}), bf16[16,4]{1,0}) all-to-all-start(%x), dimensions={0}
+  %e = (s32[], bf16[32,8]{1,0}) while(%t0), condition=%cond, body=%experts
+  ROOT %d = bf16[16,4]{1,0} all-to-all-done(%s)
+}
+"""  # noqa: E501  (HLO text as XLA prints it, one instruction a line)
+
+
+def test_a_walk_over_rows_with_traced_bounds_counts_every_row_once():
+    """32 rows in blocks of 8: 4 runs of the 8-row body's GEMM (not one run of each body)."""
+    (w,) = overlap.windows(WALK)
+    assert (w.gemm_kernels, w.gemm_flops) == (4, 4 * 2 * 8 * 2 * 8)

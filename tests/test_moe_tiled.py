@@ -14,6 +14,7 @@ from moe_train.moe.tiled import (
     expert_spans,
     for_blocks,
     for_experts,
+    tiled_swiglu,
 )
 
 T, H, E, F, K = 24, 16, 8, 12, 2
@@ -107,6 +108,31 @@ def test_tiled_vjp_matches_autodiff_of_per_row_formula(case, tile_rows, block_ro
     for g, g_ref in zip(grads, grads_ref):
         scale = float(jnp.abs(g_ref).max()) or 1.0
         np.testing.assert_allclose(g / scale, g_ref / scale, atol=1e-5)
+
+
+@pytest.mark.parametrize("tile_rows, block_rows", [(1, 2), (4, 256)])
+@pytest.mark.parametrize("case", ADVERSARIAL_IDS)
+def test_two_walks_give_one_walks_gradients_bitwise(case, tile_rows, block_rows):
+    """The backward's row walk then weight walk (the GPU default) against one walk."""
+    ids = jnp.asarray(ADVERSARIAL_IDS[case](np.random.default_rng(0)), jnp.int32)
+    plan = make_dispatch(ids, E, tile_rows)
+    x_RH = permute(_normal(T, H), plan)
+    s_R = scatter_rows(jnp.abs(_normal(T * K, seed=5)), plan.row_M, x_RH.shape[0])
+    w = (_normal(E, H, F, seed=1), _normal(E, H, F, seed=2), _normal(E, F, H, seed=3))
+    dy_RH = _normal(*x_RH.shape, seed=4)
+
+    def grads(two_walks):
+        def loss(x_RH, w0, w1, wo, s_R):
+            y = tiled_swiglu(
+                x_RH, plan.group_sizes_E, w0, w1, wo, tile_rows=tile_rows, block_rows=block_rows,
+                scale_R=s_R, two_walks=two_walks,
+            )  # fmt: skip
+            return jnp.vdot(y, dy_RH)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x_RH, *w, s_R)
+
+    for one, two in zip(grads(False), grads(True), strict=True):
+        np.testing.assert_array_equal(one, two)
 
 
 def test_tiled_skips_groups_beyond_its_experts_and_trailing_rows():

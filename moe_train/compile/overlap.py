@@ -4,8 +4,11 @@ start and its done, in kernels, GEMM FLOPs and seconds.
 The scheduled text lists each computation's instructions in the order they run, so the
 kernels between an async collective's start and its done (in the same computation) are the
 work the GPU can do while it is in flight: a *window*. A loop inside a window counts its
-body's kernels times its known trip count (the tiled experts' and the chunked attention's
-loops), unless the body runs collectives itself. Each window counts the GEMM kernels
+body's kernels times its known trip count (the chunked attention's loops), unless the body
+runs collectives itself. A loop whose bounds are traced (the tiled experts: a loop over the
+experts, in it one per block size) counts as a walk over its R buffer rows: R / C runs of
+its largest blocks' body (``_row_walk``; counting one run undercounted a walk's GEMMs by
+the number of its blocks). Each window counts the GEMM kernels
 (Triton GEMM, cuBLAS, cuBLASLt, Mosaic GPU) and other kernels inside it, the GEMMs' FLOPs and
 the collective's bytes (its result per GPU), and how many times it runs per step: the product
 of the known trip counts (``known_trip_count``) of the loops around it (1 where XLA gives
@@ -130,10 +133,51 @@ def _kernels(ins: Instr, comps: dict[str, list[Instr]], shapes: dict[str, str]) 
         start_kind(i, comps) or start_kind(i, comps, True) or i.op in COLLECTIVES for i in body
     ):
         return 0, 0, 0.0
-    trip = int(m.group(1)) if (m := _TRIP.search(ins.rest)) else 1
+    if not (m := _TRIP.search(ins.rest)) and (walk := _row_walk(ins, comps)):
+        return walk
+    trip = int(m.group(1)) if m else 1
     inner = {i.name: i.shape for i in body}
     gemm, other, flops = zip(*(_kernels(i, comps, inner) for i in body), strict=True)
     return trip * sum(gemm), trip * sum(other), trip * sum(flops)
+
+
+def _block_rows(body: list[Instr], rows: int) -> int:
+    """C of a loop body that slices blocks [C, .] out of [rows, .] buffers (0: none)."""
+    blocks = [
+        dims[0][0]
+        for i in body
+        if (i.op == "dynamic-slice" or "dynamic_slice" in i.name)
+        and len(dims := _dims(i.shape)) == 1
+        and len(dims[0]) == 2
+        and dims[0][0] < rows
+    ]
+    return max(blocks, default=0)
+
+
+def _row_walk(ins: Instr, comps: dict[str, list[Instr]]) -> tuple[int, int, float] | None:
+    """(GEMM kernels, other kernels, GEMM FLOPs) of a walk over R rows in blocks whose loop
+    bounds are traced (the tiled experts: a loop over the experts, in it a loop per block
+    size): R / C runs of the body of its loop of the largest blocks C, R the most rows among
+    the loop's 2-D buffers. Nominal, as the Mosaic GPU grouped GEMM's: every buffer row
+    runs, an upper bound of the work at the bucket's padded rows. None where no nested loop
+    slices row blocks (the caller then counts one run of the body)."""
+    rows = max((d[0] for d in _dims(ins.shape) if len(d) == 2), default=0)
+    best: tuple[int, list[Instr]] | None = None
+    todo = [ins]
+    while todo:
+        loop = todo.pop()
+        body = comps.get(loop.attr(r"body=%([^\s,]+)") or "", [])
+        todo += [i for i in body if i.op == "while"]
+        c, shapes = _block_rows(body, rows), {i.name: i.shape for i in body}
+        if c and any(gemm_flops(i, comps, shapes) for i in body) and (best is None or c > best[0]):
+            best = (c, body)
+    if best is None:
+        return None
+    c, body = best
+    inner = {i.name: i.shape for i in body}
+    gemm, other, flops = zip(*(_kernels(i, comps, inner) for i in body if i.op != "while"), strict=True)
+    runs = rows // c
+    return runs * sum(gemm), runs * sum(other), runs * sum(flops)
 
 
 def windows(text: str) -> list[Window]:

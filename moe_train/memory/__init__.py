@@ -65,8 +65,9 @@ slots C = min(worst, 8*ceil(f * balanced / 8)) as moe_train.parallel.jobplan.buc
   dtype) and 16 + 4a under none/moe (the scan stacks what autodiff saved);
   kept for every MoE layer (+1 in flight) under none/moe, for two layers under full/matmuls
   (one on GPU presets: XLA:GPU fuses the gradients' elementwise steps into their GEMMs);
-  plus one layer's send buffers. The total uses the largest finite bucket; the smallest and
-  the worst case (no bucket) are reported beside it.
+  plus one layer's send buffers (tiled on GPU: and the gradient of its [R, 2F] activations in
+  the compute dtype, kept from the backward's row walk to its weight walk). The total uses the
+  largest finite bucket; the smallest and the worst case (no bucket) are reported beside it.
 
 Precision copies (weights as used: all-gathered over FSDP and cast to the compute dtype;
 none when dp = 1 and a = pb, except under fp8, whose weights are quantized copies): per layer

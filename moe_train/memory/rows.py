@@ -72,7 +72,15 @@ def moe_layer_bytes(cfg: Config, s: Setup, factor: float | None) -> tuple[int, i
         key = "sorted@gpu" if s.remat in ("full", "matmuls") else "sorted@gpu-scan"
     per_f = ROW_F_BYTES[key]
     kept = rows * (F * per_f(a) + 2 * H * a) + exchange * H * a
-    return kept, exchange * H * a
+    return kept, exchange * H * a + weight_walk_bytes(s, rows, F)
+
+
+def weight_walk_bytes(s: Setup, rows: int, F: int) -> int:
+    """On GPU the tiled backend's backward keeps the gradient of ``a`` [R, 2F] in the compute
+    dtype from its row walk to its weight walk (``moe_train.moe.tiled._backward``), one layer
+    at a time (deepseek-v3 at full depth on 64 gb200-nvl72 nodes, bucket 1x: XLA's peak +1.3
+    GiB with the walks split, 0.75 GiB of it this buffer). On CPU it walks once."""
+    return rows * 2 * F * s.a if s.backend == "tiled" and s.gpu else 0
 
 
 def moe_buffer_bytes(cfg: Config, s: Setup, factor: float | None, n_moe: int) -> int:

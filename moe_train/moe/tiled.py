@@ -18,8 +18,14 @@ buffer size R is (padding and trailing rows cost nothing), and there is no weigh
 Loop bounds are traced values, so routing changes never recompile.
 
 The VJP is written by hand (autodiff through the loops would store every block): the
-forward pass keeps ``a`` [R, 2F] in fp32; the backward pass walks the same blocks and
-accumulates each expert's weight gradients in fp32 before writing them once.
+forward pass keeps ``a`` [R, 2F] in fp32. The backward pass walks the same blocks, once or
+twice. One walk makes dx, ds and each expert's weight gradients (accumulated in fp32, written
+once), so dx is complete only after the last expert's weight GEMMs. Two walks (on GPU): the
+row walk makes dx and ds and keeps da [R, 2F] in x's dtype; the weight walk makes the weight
+gradients from x, dy, da and ``a``. The exchange that returns dx to its tokens can then run
+while the weight walk computes (``make compile``: deepseek-v3 on 64 gb200-nvl72 nodes hides
+29% of its exchange at 1 chunk, 1.4% with one walk; docs/compile.md). The gradients are
+bitwise the same; on CPU, with no collective to hide, two walks took 11-14% longer.
 Rows outside every expert's span (trailing padding) get y = 0 and dx = 0.
 
 Settings: every default of the backend is here (``default_tile_rows`` for m,
@@ -220,68 +226,101 @@ def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, tile_rows, block_
     return y, a if save_a else None
 
 
-def _backward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a_RF2, dy_RH, tile_rows, block_rows):
-    """(dx [R, H], dw0, dw1 [E, H, F], dwo [E, F, H], ds [R]); weight grads in the weights'
-    dtype, ds in s's."""
-    E, H, F = w0_EHF.shape
-    F2 = 2 * F
+def _block_rows_grad(x_RH, s_R, a_RF2, dy_RH, w01, wo, offset, size):
+    """One block's (dx [C, H] fp32, ds [C] fp32, da [C, 2F] in x's dtype, h * s [C, F] in
+    x's dtype) from the block's rows and its expert's weights."""
     dtype = x_RH.dtype
-    sizes = block_sizes(tile_rows, block_rows)
-    axes = varying_axes(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, a_RF2, dy_RH)
+    dy_b = _rows(dy_RH, offset, size).astype(dtype)
+    s_b = _rows(s_R, offset, size).astype(F32)[:, None]
+    h, s, sig, a0, a1 = _swiglu_act(_rows(a_RF2, offset, size))
+    dhs = _dot(dy_b, wo, ((1,), (1,)))  # [C, F]: of h * s_b
+    dh = dhs * s_b
+    da0 = dh * a1 * sig * (1.0 + a0 * (1.0 - sig))
+    da = jnp.concatenate([da0, dh * s], axis=1).astype(dtype)
+    return _dot(da, w01, ((1,), (1,))), jnp.sum(dhs * h, axis=1), da, (h * s_b).astype(dtype)
 
-    def expert(e, start, rows, carry):
-        dx, dw0_all, dw1_all, dwo_all, ds = carry
+
+def _add_weight_grads(dw01, dwo, x_RH, dy_RH, da, hs, offset, size):
+    """The running fp32 weight gradients of an expert plus one block's."""
+    dy_b = _rows(dy_RH, offset, size).astype(x_RH.dtype)
+    return dw01 + _dot(_rows(x_RH, offset, size), da, ((0,), (0,))), dwo + _dot(hs, dy_b, ((0,), (0,)))
+
+
+def _set_expert(dws, e, dw01, dwo):
+    """(dw0, dw1, dwo) of every expert with expert e's fp32 gradients written in."""
+    dw0, dw1 = jnp.split(dw01, 2, axis=1)
+    return tuple(all_.at[e].set(g.astype(all_.dtype)) for all_, g in zip(dws, (dw0, dw1, dwo), strict=True))
+
+
+def _weight_zeros(w0_EHF, axes, after):
+    H, F = w0_EHF.shape[1:]
+    return _zeros((H, 2 * F), F32, axes, after), _zeros((F, H), F32, axes, after)
+
+
+def _backward(ops, tile_rows, block_rows, two_walks):
+    """(dx [R, H], dw0, dw1 [E, H, F], dwo [E, F, H], ds [R]) of ``ops`` = (x, w0, w1, wo,
+    group sizes, s, a, dy); weight grads in the weights' dtype, ds in s's. ``two_walks``: the
+    row walk (dx, ds, and da kept in x's dtype), then the weight walk (from x, dy, da and
+    ``a``); else one walk makes everything (module doc)."""
+    x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a_RF2, dy_RH = ops
+    sizes = block_sizes(tile_rows, block_rows)
+    axes = varying_axes(*ops)
+    rows_at = (x_RH, s_R, a_RF2, dy_RH)
+
+    def rows_expert(e, start, rows, carry):
         w01, wo = _expert_w01(w0_EHF, w1_EHF, e), wo_EFH[e]
 
         def block(offset, size, inner):
-            dx, dw01, dwo, ds = inner
-            x_b, dy_b = _rows(x_RH, offset, size), _rows(dy_RH, offset, size).astype(dtype)
+            dx, ds, keep, dw01, dwo = inner
+            dx_b, ds_b, da, hs = _block_rows_grad(*rows_at, w01, wo, offset, size)
+            if two_walks:
+                keep = _put(keep, da, offset)
+            else:
+                dw01, dwo = _add_weight_grads(dw01, dwo, x_RH, dy_RH, da, hs, offset, size)
+            return _put(dx, dx_b, offset), _put(ds, ds_b, offset), keep, dw01, dwo
+
+        dx, ds, keep, dws = carry
+        weights = (None, None) if two_walks else _weight_zeros(w0_EHF, axes, dy_RH)
+        dx, ds, keep, dw01, dwo = for_blocks(start, rows, sizes, block, (dx, ds, keep, *weights))
+        return dx, ds, keep, dws if two_walks else _set_expert(dws, e, dw01, dwo)
+
+    def weights_expert(e, start, rows, dws):
+        def block(offset, size, inner):
+            dw01, dwo = inner
             s_b = _rows(s_R, offset, size).astype(F32)[:, None]
-            h, s, sig, a0, a1 = _swiglu_act(_rows(a_RF2, offset, size))
-            dhs = _dot(dy_b, wo, ((1,), (1,)))  # [C, F]: of h * s_b
-            dwo = dwo + _dot((h * s_b).astype(dtype), dy_b, ((0,), (0,)))
-            ds = _put(ds, jnp.sum(dhs * h, axis=1), offset)
-            dh = dhs * s_b
-            da0 = dh * a1 * sig * (1.0 + a0 * (1.0 - sig))
-            da = jnp.concatenate([da0, dh * s], axis=1).astype(dtype)
-            dw01 = dw01 + _dot(x_b, da, ((0,), (0,)))
-            return _put(dx, _dot(da, w01, ((1,), (1,))), offset), dw01, dwo, ds
+            hs = (_swiglu_act(_rows(a_RF2, offset, size))[0] * s_b).astype(x_RH.dtype)
+            return _add_weight_grads(dw01, dwo, x_RH, dy_RH, _rows(keep, offset, size), hs, offset, size)
 
-        inner = (dx, _zeros((H, F2), F32, axes, dy_RH), _zeros((F, H), F32, axes, dy_RH), ds)
-        dx, dw01, dwo, ds = for_blocks(start, rows, sizes, block, inner)
-        dw0, dw1 = jnp.split(dw01, 2, axis=1)
-        return (
-            dx,
-            dw0_all.at[e].set(dw0.astype(dw0_all.dtype)),
-            dw1_all.at[e].set(dw1.astype(dw1_all.dtype)),
-            dwo_all.at[e].set(dwo.astype(dwo_all.dtype)),
-            ds,
-        )
+        return _set_expert(dws, e, *for_blocks(start, rows, sizes, block, _weight_zeros(w0_EHF, axes, keep)))
 
+    dws = tuple(_zeros(w.shape, w.dtype, axes, dy_RH) for w in (w0_EHF, w1_EHF, wo_EFH))
+    keep_shape = (x_RH.shape[0], 2 * w0_EHF.shape[2]) if two_walks else ()
     init = (
-        _zeros(x_RH.shape, dtype, axes, dy_RH),
-        *(_zeros(w.shape, w.dtype, axes, dy_RH) for w in (w0_EHF, w1_EHF, wo_EFH)),
+        _zeros(x_RH.shape, x_RH.dtype, axes, dy_RH),
         _zeros(s_R.shape, s_R.dtype, axes, dy_RH),
+        _zeros(keep_shape, x_RH.dtype, axes, dy_RH),
+        dws,
     )
-    return for_experts(group_sizes_E, tile_rows, expert, init)
+    dx, ds, keep, dws = for_experts(group_sizes_E, tile_rows, rows_expert, init)
+    if two_walks:
+        dws = for_experts(group_sizes_E, tile_rows, weights_expert, dws)
+    return (dx, *dws, ds)
 
 
-@custom_vjp(nondiff_argnums=(6, 7))
-def _tiled(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, tile_rows, block_rows):
+@custom_vjp(nondiff_argnums=(6, 7, 8))
+def _tiled(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, tile_rows, block_rows, two_walks):
     ops = (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R)
     return _forward(*ops, tile_rows, block_rows, save_a=False)[0]
 
 
-def _tiled_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, tile_rows, block_rows):
+def _tiled_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, tile_rows, block_rows, two_walks):
     ops = (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R)
     y, a = _forward(*ops, tile_rows, block_rows)
     return y, (*ops, a)
 
 
-def _tiled_bwd(tile_rows, block_rows, res, dy_RH):
-    x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a = res
-    ops = (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a, dy_RH)
-    dx, dw0, dw1, dwo, ds = _backward(*ops, tile_rows, block_rows)
+def _tiled_bwd(tile_rows, block_rows, two_walks, res, dy_RH):
+    dx, dw0, dw1, dwo, ds = _backward((*res, dy_RH), tile_rows, block_rows, two_walks)
     return (dx, dw0, dw1, dwo, None, ds)
 
 
@@ -298,13 +337,18 @@ def tiled_swiglu(
     tile_rows: int,
     block_rows: int,
     scale_R: jax.Array | None = None,
+    two_walks: bool | None = None,
 ) -> jax.Array:
     """SwiGLU experts on the tile-padded layout [R, H] -> [R, H] (x's dtype).
 
     ``group_sizes_E`` may cover only the first E' experts of the layout (E' = weights' E):
     rows of later groups are left out (their y is 0). Weights are cast to x's dtype.
     ``scale_R``: each row's activation is scaled by it before ``wo`` (fp32; None: 1).
+    ``two_walks``: the backward's row and weight walks (module doc); None: on GPU, where a
+    collective can run under the weight walk. Both give bitwise the same gradients.
     """
+    if two_walks is None:
+        two_walks = jax.default_backend() == "gpu"
     dtype = x_RH.dtype
     # Blocks larger than R never run (a span has at most R rows): the same blocks run for
     # every R, so results do not depend on the buffer size.
@@ -318,7 +362,7 @@ def tiled_swiglu(
         jnp.ones(x_RH.shape[:1], F32) if scale_R is None else scale_R.astype(F32),
     )
     axes = varying_axes(*ops)
-    return _tiled(*(vary(a, axes) for a in ops), tile_rows, block_rows)
+    return _tiled(*(vary(a, axes) for a in ops), tile_rows, block_rows, two_walks)
 
 
 def executed_rows(group_sizes_E, tile_rows: int):
