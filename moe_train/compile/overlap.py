@@ -162,7 +162,7 @@ def _row_walk(ins: Instr, comps: dict[str, list[Instr]]) -> tuple[int, int, floa
     runs, an upper bound of the work at the bucket's padded rows. None where no nested loop
     slices row blocks (the caller then counts one run of the body)."""
     rows = max((d[0] for d in _dims(ins.shape) if len(d) == 2), default=0)
-    best: tuple[int, list[Instr]] | None = None
+    best: tuple[int, list[Instr], dict[str, str]] | None = None
     todo = [ins]
     while todo:
         loop = todo.pop()
@@ -170,12 +170,11 @@ def _row_walk(ins: Instr, comps: dict[str, list[Instr]]) -> tuple[int, int, floa
         todo += [i for i in body if i.op == "while"]
         c, shapes = _block_rows(body, rows), {i.name: i.shape for i in body}
         if c and any(gemm_flops(i, comps, shapes) for i in body) and (best is None or c > best[0]):
-            best = (c, body)
+            best = (c, body, shapes)
     if best is None:
         return None
-    c, body = best
-    inner = {i.name: i.shape for i in body}
-    gemm, other, flops = zip(*(_kernels(i, comps, inner) for i in body if i.op != "while"), strict=True)
+    c, body, shapes = best
+    gemm, other, flops = zip(*(_kernels(i, comps, shapes) for i in body if i.op != "while"), strict=True)
     runs = rows // c
     return runs * sum(gemm), runs * sum(other), runs * sum(flops)
 

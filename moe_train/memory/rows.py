@@ -64,7 +64,8 @@ def moe_rows(cfg: Config, s: Setup, factor: float | None) -> tuple[int, int]:
 
 
 def moe_layer_bytes(cfg: Config, s: Setup, factor: float | None) -> tuple[int, int]:
-    """(residual bytes of one MoE layer's dispatched rows, transient send buffers)."""
+    """(residual bytes of one MoE layer's dispatched rows, its transient buffers: the send
+    buffers, and on GPU the tiled backward's kept da, ``weight_walk_bytes``)."""
     H, F, a = cfg.model.hidden, cfg.moe.expert_ffn, s.a
     rows, exchange = moe_rows(cfg, s, factor)
     key = s.backend
