@@ -21,7 +21,7 @@ from helpers import MIXTRAL_H100, run_module
 from helpers import sets as sets_of
 
 from moe_train import config
-from moe_train.compile import facts, hlo, plugin, report
+from moe_train.compile import facts, hlo, overlap, plugin, report
 from moe_train.train import step
 from topology import device_mesh, presets, targets
 from topology.presets import TopologyError
@@ -227,6 +227,7 @@ PATHS = {
             "moe.dispatch_dtype=fp8",
             "precision.compute=bf16",
             "train.batch_size=16",
+            "parallel.split_all_reduce=true",
         ),
     ),
     "mla+mtp": ("deepseek-v3-tiny", 1, 8, ("precision.compute=bf16",)),
@@ -271,6 +272,19 @@ def test_hierarchical_dispatch_compiles_with_fp8_all_to_alls(paths, preset):
     assert r["dispatcher"] == "hierarchical" and r["devices"] == 16
     # the e4m3 rows cross as bytes (moe_train.moe.dispatch.fp8): u8 all-to-alls
     assert re.search(r"u8\[\d+,\d+\]\{1,0\}\) all-to-all-start\(", text)
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["h100-dgx", "b200-hgx"])
+def test_split_all_reduces_cross_the_nodes_on_a_shard(paths, preset):
+    """parallel.split_all_reduce (2 nodes): no weight gradient is all-reduced over all 16
+    GPUs; each all-reduce of a KiB or more runs inside a node or across the nodes, one GPU
+    of each."""
+    r, run_dir = paths[preset, "hierarchical+fp8-dispatch"]
+    windows = overlap.windows((run_dir / r["buckets"][0]["hlo"]).read_text())
+    wide = [w for w in windows if w.kind == "all-reduce" and w.bytes >= 1024 and w.size in (0, 16)]
+    assert not wide and any(w.kind == "reduce-scatter" and w.size == 8 for w in windows)
 
 
 @needs_plugin

@@ -15,11 +15,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moe_train.compile import hlo as overlap_hlo
+from moe_train.compile import overlap
 from moe_train.model.loss import (
     CHUNK_LOGITS_BYTES,
     MIN_CHUNK_TOKENS,
     VOCAB_TILE,
     default_chunk,
+    device_token_losses,
     lm_loss,
     vocab_tile,
 )
@@ -404,3 +407,32 @@ def test_one_call_over_stacked_token_sets_equals_one_call_per_set():
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, atol=F32_TOL * float(jnp.abs(w).max()))
+
+
+# --- per device inside shard_map (the trainer's loss) -------------------------------------
+
+
+def _device_loss(x, h, l):
+    return jnp.mean(device_token_losses(x, h, l, ("data",), chunk=8))
+
+
+def test_per_device_losses_equal_the_global_ones():
+    mesh = _mesh()
+    xs, hs, ls = _sharded_inputs(mesh)
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(_device_loss, argnums=(0, 1)))(xs, hs, ls)
+    x, head, labels = (np.asarray(a) for a in (xs, hs, ls))
+    _assert_same(got, _value_and_grads(lambda x, h: _reference(x, h, labels), x, head))
+
+
+def test_per_device_losses_reduce_the_head_gradient_outside_the_loops():
+    """Under jax.jit the head gradient is all-reduced tile by tile inside the loss's loops;
+    per device it is summed once, after them."""
+    mesh = _mesh()
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(_device_loss, argnums=1)).lower(*_sharded_inputs(mesh)).compile().as_text()
+    assert hlo is not None
+    comps, entry = overlap_hlo.parse(hlo)
+    in_loops = {n for n, runs in overlap.runs_per_step(comps, entry).items() if runs > 1}
+    reduces = lambda names: sum(i.op.startswith("all-reduce") for n in names for i in comps[n])  # noqa: E731
+    assert reduces(in_loops) == 0 and reduces([entry]) >= 1

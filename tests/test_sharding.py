@@ -3,6 +3,7 @@ whatever mesh axes divide their widths."""
 
 import flax.linen as nn
 import jax
+import numpy as np
 import pytest
 from helpers import records
 from jax.sharding import PartitionSpec as P
@@ -140,3 +141,25 @@ def test_weights_split_by_heads_vocab_and_mlp_train_like_one_device(tmp_path):
     rules = sharding.logical_rules(cfg, sizes(4, 1, 2))
     assert spec(("q_lora", "heads", "head_dim"), rules)[1] == sharding.EXPERT
     np.testing.assert_allclose(got[8], got[1], rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "ids,platform,run",
+    [
+        (np.arange(8).reshape(2, 4), "gpu", 4),
+        (np.arange(8).reshape(2, 4), "cuda", 4),
+        (np.arange(8).reshape(2, 4), "cpu", 0),  # an XLA:GPU option
+        (np.arange(8).reshape(1, 8), "gpu", 0),  # one domain: nothing crosses
+        (np.arange(8).reshape(8, 1), "gpu", 0),  # one GPU a domain: nothing to split
+        (np.array([[0, 1, 2, 4], [3, 5, 6, 7]]), "gpu", 0),  # not runs of ids
+        (np.array([[2, 3], [0, 1]]), "gpu", 2),  # aligned runs in any order
+        (np.array([[1, 2], [3, 0]]), "gpu", 0),  # runs, but not aligned to their length
+    ],
+)
+def test_all_reduces_split_by_domain_only_over_aligned_runs_of_gpus(ids, platform, run):
+    assert sharding.blueconnect_run(ids, platform) == run
+
+
+def test_a_cpu_mesh_takes_no_collective_options():
+    mesh = sharding.make_mesh(jax.devices()[:8], (2, 1, 4))
+    assert sharding.all_reduce_options(mesh) == {}

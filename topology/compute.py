@@ -44,9 +44,32 @@ class Compute:
     attention_efficiency: float  # attention scores forward + backward, of the bf16 peak
     hbm_efficiency: float  # optimizer / accumulation memory traffic, of HBM bandwidth
     fsdp_hidden_micro_batch: float  # share of the FSDP collectives hidden, weights gathered per micro-batch
-    fsdp_hidden_step_gather: float  # weight_gather=step: share of its all-gathers hidden
-    fsdp_hidden_step_reduce_scatter: float  # weight_gather=step: of its gradient reduce-scatters
-    fsdp_hidden_step_all_reduce: float  # weight_gather=step: of its gradient all-reduces over data
+    # weight_gather=step: the share hidden of each part of its FSDP traffic (``steptime.STEP_PARTS``)
+    # at 1, 2, 4 and 8 overlap chunks (``fsdp_step_share`` interpolates as ``a2a_hidden``)
+    fsdp_hidden_step_gather_data_1chunk: float  # the step's gather over data, 1 chunk
+    fsdp_hidden_step_gather_data_2chunks: float  # ... 2 chunks
+    fsdp_hidden_step_gather_data_4chunks: float  # ... 4
+    fsdp_hidden_step_gather_data_8chunks: float  # ... 8
+    fsdp_hidden_step_gather_group_1chunk: float  # the per-use gathers inside the EP group, 1 chunk
+    fsdp_hidden_step_gather_group_2chunks: float  # ... 2 chunks
+    fsdp_hidden_step_gather_group_4chunks: float  # ... 4
+    fsdp_hidden_step_gather_group_8chunks: float  # ... 8
+    fsdp_hidden_step_reduce_scatter_group_1chunk: (
+        float  # the gradient reduce-scatters inside the EP group, 1 chunk
+    )
+    fsdp_hidden_step_reduce_scatter_group_2chunks: float  # ... 2 chunks
+    fsdp_hidden_step_reduce_scatter_group_4chunks: float  # ... 4
+    fsdp_hidden_step_reduce_scatter_group_8chunks: float  # ... 8
+    fsdp_hidden_step_reduce_scatter_data_1chunk: (
+        float  # the expert gradients' reduce-scatters over data, 1 chunk
+    )
+    fsdp_hidden_step_reduce_scatter_data_2chunks: float  # ... 2 chunks
+    fsdp_hidden_step_reduce_scatter_data_4chunks: float  # ... 4
+    fsdp_hidden_step_reduce_scatter_data_8chunks: float  # ... 8
+    fsdp_hidden_step_all_reduce_1chunk: float  # the gradient all-reduces over data, 1 chunk
+    fsdp_hidden_step_all_reduce_2chunks: float  # ... 2 chunks
+    fsdp_hidden_step_all_reduce_4chunks: float  # ... 4
+    fsdp_hidden_step_all_reduce_8chunks: float  # ... 8
     a2a_hidden_1chunk: float  # share of the all-to-all (up to the expert GEMMs' time) hidden, 1 chunk
     a2a_hidden_2chunks: float  # the same with moe.overlap_chunks=2
     a2a_hidden_4chunks: float  # ... 4
@@ -90,7 +113,19 @@ def a2a_hidden(eff: Compute, chunks: int, step: bool = False, hierarchical: bool
 def share_field(chunks: int, step: bool) -> str:
     """The ``Compute`` field of the exchange's share measured at ``chunks`` (one of
     ``MEASURED_CHUNKS``) in step mode or not."""
-    return f"a2a_hidden_{'step_' if step else ''}{chunks}chunk{'s' if chunks > 1 else ''}"
+    return f"a2a_hidden_{'step_' if step else ''}{_chunks(chunks)}"
+
+
+def fsdp_step_share(eff: Compute, part: str, chunks: int) -> float:
+    """Share of one part of step mode's FSDP traffic (``steptime.STEP_PARTS``) hidden with
+    ``chunks`` overlap chunks: measured at 1, 2, 4 and 8, between them linear in log2(chunks),
+    beyond 8 the 8-chunk share."""
+    shares = tuple(getattr(eff, f"fsdp_hidden_step_{part}_{_chunks(c)}") for c in MEASURED_CHUNKS)
+    return _interpolated(shares, chunks)
+
+
+def _chunks(chunks: int) -> str:
+    return f"{chunks}chunk{'s' if chunks > 1 else ''}"
 
 
 def _shares(eff: Compute, step: bool) -> tuple[float, ...]:

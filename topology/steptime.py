@@ -25,13 +25,14 @@ recomputed forward work (``RECOMPUTE``) to the hardware FLOPs, not to the model 
                (non-expert weights over all N GPUs, expert weights over Q; the link is the
                network when the group spans NVLink domains); ``parallel.weight_gather=step``
                gathers over Q once per step and moves only gradients across groups per
-               micro-batch (``_fsdp_step_parts``); gradients are reduced in the compute
+               micro-batch (``fsdp_step_parts``); gradients are reduced in the compute
                dtype in both modes, as XLA:GPU compiles them (the weight-gradient matmuls'
                bf16 partial sums are reduce-scattered where they are made, make compile)
     exposed  = fsdp - o + max(0, o - compute)
                (o: each part times the share XLA:GPU's schedule hides of it, measured by
-               ``make compile``: ``fsdp_hidden_micro_batch``; in step mode
-               ``fsdp_hidden_step_gather``, ``_reduce_scatter``, ``_all_reduce``)
+               ``make compile``: ``fsdp_hidden_micro_batch``; in step mode one share
+               per part of ``fsdp_step_parts`` and chunk count:
+               ``topology.compute.fsdp_step_share``)
     optimizer= params per GPU x (28 B AdamW + 12 B per extra micro-batch) / (HBM x eff)
     step     = compute + exposed a2a + exposed fsdp + optimizer
 
@@ -212,17 +213,17 @@ def weights(cfg: Config) -> tuple[float, float]:
     return c["total_with_mtp"] - experts, experts
 
 
+STEP_PARTS = ("gather_data", "gather_group", "reduce_scatter_group", "reduce_scatter_data", "all_reduce")
+
+
 def _fsdp(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> tuple[float, float]:
     """(FSDP seconds, the seconds of it the schedule can hide): each part at its measured
     share (``topology.compute``)."""
     if cfg.parallel.weight_gather == "step":
-        parts = _fsdp_step_parts(cfg, cluster, job)
-        shares = (
-            eff.fsdp_hidden_step_gather,
-            eff.fsdp_hidden_step_reduce_scatter,
-            eff.fsdp_hidden_step_all_reduce,
-        )
-        return sum(parts), sum(t * h for t, h in zip(parts, shares, strict=True))
+        parts = fsdp_step_parts(cfg, cluster, job)
+        chunks = cfg.moe.overlap_chunks
+        hideable = sum(t * compute_calibration.fsdp_step_share(eff, k, chunks) for k, t in parts.items())
+        return sum(parts.values()), hideable
     t = _fsdp_s(cfg, cluster, job)
     return t, t * eff.fsdp_hidden_micro_batch
 
@@ -241,13 +242,14 @@ def _fsdp_s(cfg: Config, cluster: Cluster, job: Job) -> float:
     return s * t
 
 
-def _fsdp_step_parts(cfg: Config, cluster: Cluster, job: Job) -> tuple[float, float, float]:
-    """``parallel.weight_gather=step`` (``moe_train.train.gather``), seconds of its
-    (all-gathers, reduce-scatters, all-reduces): once per step the EP group's shard of every
-    weight comes over ``data`` (b bytes); per micro-batch the non-expert weights are gathered
-    inside the EP group per use and their gradient is reduce-scattered there, then
-    all-reduced over ``data`` on the group's shard; the expert weights' gradient is
-    reduce-scattered over ``data``. Gradients move b bytes: XLA:GPU reduces the matmuls'
+def fsdp_step_parts(cfg: Config, cluster: Cluster, job: Job) -> dict[str, float]:
+    """``parallel.weight_gather=step`` (``moe_train.train.gather``), seconds of each of its
+    collectives (``STEP_PARTS``): once per step the EP group's shard of every weight comes
+    over ``data`` (b bytes: ``gather_data``); per micro-batch the non-expert weights are
+    gathered inside the EP group per use (``gather_group``) and their gradient is
+    reduce-scattered there (``reduce_scatter_group``), then all-reduced over ``data`` on the
+    group's shard (``all_reduce``); the expert weights' gradient is reduce-scattered over
+    ``data`` (``reduce_scatter_data``). Gradients move b bytes: XLA:GPU reduces the matmuls'
     compute-dtype outputs (the full-depth Mixtral step-mode HLO: bf16 reduce-scatters and
     all-reduces of every weight gradient but the fp32 router's)."""
     dense, experts = weights(cfg)
@@ -255,12 +257,14 @@ def _fsdp_step_parts(cfg: Config, cluster: Cluster, job: Job) -> tuple[float, fl
     P, Q, n = job.ep, job.dp, cfg.train.micro_batches
     group, across = link_bytes_per_s(cluster, P), link_bytes_per_s(cluster, job.gpus)
     cross = (Q - 1) / Q
-    once = b * (dense + experts) / P * cross / across
     inside = dense * (P - 1) / P / group
-    gathers = once + n * RECOMPUTE[cfg.train.remat][2] * b * inside
-    reduce_scatters = n * b * (inside + experts / P * cross / across)
-    all_reduces = n * b * 2 * dense / P * cross / across
-    return gathers, reduce_scatters, all_reduces
+    return {
+        "gather_data": b * (dense + experts) / P * cross / across,
+        "gather_group": n * RECOMPUTE[cfg.train.remat][2] * b * inside,
+        "reduce_scatter_group": n * b * inside,
+        "reduce_scatter_data": n * b * experts / P * cross / across,
+        "all_reduce": n * b * 2 * dense / P * cross / across,
+    }
 
 
 def _optimizer_s(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> float:
@@ -335,6 +339,10 @@ def _predict(
         "a2a_hidden": _a2a_share(cfg, eff, job),
         "hierarchical": job.hierarchical,
         "fsdp_hidden": fsdp_hideable / fsdp if fsdp else 0.0,
+        "fsdp_parts": fsdp_step_parts(cfg, cluster, job) if cfg.parallel.weight_gather == "step" else {},
+        "fsdp_part_shares": {
+            k: compute_calibration.fsdp_step_share(eff, k, cfg.moe.overlap_chunks) for k in STEP_PARTS
+        },
         "a2a_latency_s": job.a2a.latency_s,
         "a2a_transfer_s": job.a2a.total_s - job.a2a.latency_s,
         **dict(zip(("params_non_expert", "params_expert"), weights(cfg))),

@@ -34,8 +34,10 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from moe_train.compile import groups, trips
 from moe_train.compile.hlo import (
     ARRAY,
     COLLECTIVES,
@@ -62,6 +64,8 @@ class Window:
     gemm_flops: float  # the GEMM kernels' FLOPs
     runs: int  # times per step (loop trip counts)
     sync: bool = False  # XLA runs it alone (is_sync, or no start/done): nothing inside
+    span: int = 0  # its first replica group's device-id span (``groups.extent``); 0: every device
+    size: int = 0  # devices in that group; 0: every device
 
 
 def _dims(shape: str) -> list[list[int]]:
@@ -70,7 +74,8 @@ def _dims(shape: str) -> list[list[int]]:
 
 def runs_per_step(comps: dict[str, list[Instr]], entry: str) -> dict[str, int]:
     """Computations that run as code of their own -> times per step (a loop body: its trip
-    count times its caller's; computations reached twice add up)."""
+    count, XLA's or else ``trips.trip``'s, times its caller's; 1 where neither knows it;
+    computations reached twice add up)."""
     out: dict[str, int] = defaultdict(int)
     todo = [(entry, 1)]
     while todo:
@@ -79,7 +84,10 @@ def runs_per_step(comps: dict[str, list[Instr]], entry: str) -> dict[str, int]:
         for ins in comps.get(name, []):
             if ins.op == "fusion":
                 continue  # a kernel: its body is not separate code
-            trip = int(m.group(1)) if (m := _TRIP.search(ins.rest)) else 1
+            trip = int(m.group(1)) if (m := _TRIP.search(ins.rest)) else None
+            if ins.op == "while" and trip is None:
+                trip = trips.trip(ins, comps[name], comps)
+            trip = 1 if trip is None else trip
             for key in ("body", "condition", "calls", "branch_computations"):
                 for callee in re.findall(rf"{key}=\{{?((?:%[^\s,}}]+,?\s*)+)", ins.rest):
                     for c in re.findall(r"%([^\s,}]+)", callee):
@@ -188,13 +196,13 @@ def windows(text: str) -> list[Window]:
         if name in wrapped:
             continue  # an async-start's collective: its window is the start's
         shapes = {i.name: i.shape for i in comps[name]}
-        open_: dict[str, list] = {}  # start name -> [kind, gemm, other, flops, sync]
+        open_: dict[str, list] = {}  # start name -> [kind, gemm, other, flops, sync, (span, size)]
         for ins in comps[name]:
             done = ins.operands[0] if ins.op.endswith("-done") and ins.operands else None
             if done in open_:
-                kind, gemm, other, flops, sync = open_.pop(done)
+                kind, gemm, other, flops, sync, group = open_.pop(done)
                 inside = (0, 0, 0.0) if sync else (gemm, other, flops)
-                found.append(Window(kind, shape_bytes(ins.shape), *inside, runs, sync))
+                found.append(Window(kind, shape_bytes(ins.shape), *inside, runs, sync, *group))
                 continue
             if open_:
                 gemm, other, flops = _kernels(ins, comps, shapes)
@@ -202,13 +210,23 @@ def windows(text: str) -> list[Window]:
                     w[1] += gemm
                     w[2] += other
                     w[3] += flops
-            if kind := start_kind(ins, comps):
-                open_[ins.name] = [kind, 0, 0, 0.0, False]
-            elif kind := start_kind(ins, comps, sync=True):
-                open_[ins.name] = [kind, 0, 0, 0.0, True]
-            elif ins.op in COLLECTIVES:
-                found.append(Window(ins.op, shape_bytes(ins.shape), 0, 0, 0.0, runs, True))
+            for sync in (False, True):
+                if kind := start_kind(ins, comps, sync=sync):
+                    open_[ins.name] = [kind, 0, 0, 0.0, sync, _extent(ins, comps)]
+                    break
+            else:
+                if ins.op in COLLECTIVES:
+                    size = shape_bytes(ins.shape)
+                    found.append(Window(ins.op, size, 0, 0, 0.0, runs, True, *_extent(ins, comps)))
     return found
+
+
+def _extent(ins: Instr, comps: dict[str, list[Instr]]) -> tuple[int, int]:
+    """``groups.extent`` of a collective (or of an async wrapper's collective)."""
+    if ins.op == "async-start":
+        inner = [i for i in comps.get(ins.attr(r"calls=%([^\s,]+)") or "", []) if i.op in COLLECTIVES]
+        ins = inner[-1] if inner else ins
+    return groups.extent(ins.rest)
 
 
 def summary(found: list[Window]) -> dict:
@@ -231,10 +249,32 @@ def summary(found: list[Window]) -> dict:
     return out
 
 
-def hidden(found: list[Window], kind: str, link_bytes_per_s: float, gemm_flops_per_s: float) -> dict:
+def traffic(w: Window, devices: int) -> float:
+    """Bytes each GPU of ``w``'s group sends, of g devices (``devices`` where the group is
+    every device), as the step-time model counts them: an all-gather or all-to-all sends
+    (g-1)/g of its result, a reduce-scatter g-1 times its shard, an all-reduce 2(g-1)/g of
+    its array (a ring), a collective-permute its result."""
+    g = w.size or devices
+    if g <= 1:
+        return 0.0
+    share = {"reduce-scatter": g - 1, "all-reduce": 2 * (g - 1) / g, "collective-permute": 1.0}
+    return w.bytes * share.get(w.kind, (g - 1) / g)
+
+
+def hidden(
+    found: list[Window],
+    kind: str,
+    link_bytes_per_s: float | Callable[[int], float],
+    gemm_flops_per_s: float,
+    devices: int,
+) -> dict:
     """``{"comm_s", "hidden_s"}`` of one collective kind per step at these rates: its whole
-    transfer time (sync instances too), and the most the GEMMs in its windows can hide of it."""
+    transfer time (``traffic``; sync instances too), and the most the GEMMs in its windows can
+    hide of it. ``link_bytes_per_s``: one rate, or the rate over a window's ``span`` (the job's
+    ``devices`` for a collective over every device)."""
+    rate = link_bytes_per_s if callable(link_bytes_per_s) else (lambda _span: link_bytes_per_s)
     ws = [w for w in found if w.kind == kind]
-    comm = sum(w.bytes / link_bytes_per_s * w.runs for w in ws)
-    hide = sum(min(w.bytes / link_bytes_per_s, w.gemm_flops / gemm_flops_per_s) * w.runs for w in ws)
+    secs = [traffic(w, devices) / rate(w.span or devices) for w in ws]
+    comm = sum(s * w.runs for s, w in zip(secs, ws, strict=True))
+    hide = sum(min(s, w.gemm_flops / gemm_flops_per_s) * w.runs for s, w in zip(secs, ws, strict=True))
     return {"comm_s": comm, "hidden_s": hide}

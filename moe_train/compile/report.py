@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from moe_train.compile import hlo, overlap, peak
@@ -61,11 +62,40 @@ def bucket_record(job: Job, c: Compiled) -> dict:
     }
 
 
+Row = tuple[tuple[str, ...], Callable[[overlap.Window], bool]]  # (collective kinds, which windows)
+
+
+def rows(devices: int, ep: int, step: bool) -> dict[str, Row]:
+    """Report row -> (collective kinds, which windows): by the devices a collective runs over.
+    A collective over the EP group (its replica group within one group's device-id span)
+    is the step-time model's in-group traffic; one over ``data`` crosses the groups; one over
+    every device (a gradient the partitioner all-reduces whole) is in no part of the model."""
+
+    def group(w: overlap.Window) -> bool:
+        return 0 < w.span <= ep and 0 < w.size < devices
+
+    def every(w: overlap.Window) -> bool:
+        return w.size in (0, devices)
+
+    out: dict[str, Row] = {"all-to-all": (("all-to-all",), lambda w: True)}
+    if step:
+        out["gather_data"] = (("all-gather",), lambda w: not group(w))
+        out["gather_group"] = (("all-gather",), group)
+        out["reduce_scatter_group"] = (("reduce-scatter",), group)
+        out["reduce_scatter_data"] = (("reduce-scatter",), lambda w: not group(w))
+        out["all_reduce"] = (("all-reduce",), lambda w: not group(w) and not every(w))
+    else:
+        out["fsdp"] = (("all-gather", "reduce-scatter"), lambda w: True)
+    out["all_reduce_every_device"] = (("all-reduce",), every)
+    return out
+
+
 def schedule_vs_model(job: Job, windows: list[overlap.Window]) -> dict:
-    """Per step, at the step-time model's rates: each collective kind's transfer seconds and
-    the most the GEMMs the schedule placed in its windows can hide (``overlap.hidden``),
-    beside the share the model hides of that kind (the FSDP kinds: ``topology/compute.toml``'s
-    shares, before the cap at the step's compute); {} where the model predicts nothing."""
+    """Per step, at the step-time model's rates (each collective at the link its replica group
+    spans): each row's (``rows``) transfer seconds and the most the GEMMs the schedule placed
+    in its windows can hide (``overlap.hidden``), beside the model's seconds and share of that
+    part (the FSDP parts: ``topology/compute.toml``'s shares, before the cap at the step's
+    compute; None where the model has no such part); {} where the model predicts nothing."""
     st = job.step
     if st is None:
         return {}
@@ -76,21 +106,26 @@ def schedule_vs_model(job: Job, windows: list[overlap.Window]) -> dict:
         if fp8
         else inp["peak_bf16_tflops"] * eff["grouped_gemm_efficiency"]
     ) * 1e12
-    step = inp["weight_gather"] == "step"  # step mode: a share per collective kind
-    model = {
-        "all-to-all": 1 - st.a2a_exposed_s / st.a2a_s if st.a2a_s else None,
-        "all-gather": eff["fsdp_hidden_step_gather" if step else "fsdp_hidden_micro_batch"],
-        "reduce-scatter": eff["fsdp_hidden_step_reduce_scatter" if step else "fsdp_hidden_micro_batch"],
+    step = inp["weight_gather"] == "step"
+    model: dict[str, tuple[float | None, float | None]] = {
+        "all-to-all": (st.a2a_s, 1 - st.a2a_exposed_s / st.a2a_s if st.a2a_s else None),
+        "fsdp": (st.fsdp_s, eff["fsdp_hidden_micro_batch"]),
+        **{k: (t, inp["fsdp_part_shares"][k]) for k, t in inp["fsdp_parts"].items()},
     }
-    spans = {"all-to-all": job.cfg.parallel.ep, "all-gather": job.devices, "reduce-scatter": job.devices}
+    rate = lambda span: link_bytes_per_s(job.cluster, span)  # noqa: E731
     out = {}
-    for kind, span in spans.items():
-        h = overlap.hidden(windows, kind, link_bytes_per_s(job.cluster, span), gemm)
-        if h["comm_s"]:
-            out[kind] = {
-                **{k: round(v, 6) for k, v in h.items()},
-                "share": round(h["hidden_s"] / h["comm_s"], 3),
-                "model_share": model[kind],
+    for row, (kinds, keep) in rows(job.devices, job.cfg.parallel.ep, step).items():
+        ws = [w for w in windows if keep(w)]
+        h = [overlap.hidden(ws, k, rate, gemm, job.devices) for k in kinds]
+        comm, hid = sum(x["comm_s"] for x in h), sum(x["hidden_s"] for x in h)
+        if comm:
+            model_s, model_share = model.get(row, (None, None))
+            out[row] = {
+                "comm_s": round(comm, 6),
+                "hidden_s": round(hid, 6),
+                "share": round(hid / comm, 3),
+                "model_s": None if model_s is None else round(model_s, 6),
+                "model_share": model_share,
             }
     return out
 
@@ -182,14 +217,18 @@ def _hidden_lines(rec: dict) -> list[str]:
     if not rows:
         return []
     lines = [
-        f"hidden per step at bucket {rec['bucket']} (the step-time model's link and GEMM "
-        f"rates; at most min(transfer, GEMMs inside) per window):"
+        f"collectives per step at bucket {rec['bucket']} (the step-time model's rates, each at "
+        f"the link its group spans; hidden: at most min(transfer, GEMMs inside) per window):"
     ]
-    for kind, h in rows.items():
-        model = "-" if h["model_share"] is None else f"{h['model_share']:.0%}"
+    for row, h in rows.items():
+        model = (
+            "the step-time model has no such part"
+            if h["model_s"] is None or h["model_share"] is None
+            else f"the step-time model: {h['model_s'] * 1e3:.1f} ms, {h['model_share']:.0%} hidden"
+        )
         lines.append(
-            f"  {kind:<20}{h['hidden_s'] * 1e3:10.1f} of {h['comm_s'] * 1e3:10.1f} ms "
-            f"({h['share']:.0%}); the step-time model assumes {model}"
+            f"  {row:<24}{h['hidden_s'] * 1e3:10.1f} of {h['comm_s'] * 1e3:10.1f} ms hidden "
+            f"({h['share']:.0%}); {model}"
         )
     return lines
 

@@ -195,6 +195,9 @@ class ParallelConfig:
     domain_size: int = 0
     cluster: str = ""  # cluster preset name or site .toml: peak FLOP/s for MFU, topology checks; "": none
     allow_straddle: bool = False  # allow EP groups across NVLink domains when they cannot fit inside one
+    # XLA:GPU runs each all-reduce over several NVLink domains as a reduce-scatter inside each,
+    # an all-reduce across them and an all-gather inside (BlueConnect; docs/compile.md)
+    split_all_reduce: bool = False
     coordinator: str = ""  # host:port of process 0; empty: from Slurm, else single-process
     num_processes: int = 0  # processes in the job; 0: from Slurm or the coordinator setup
     process_id: int = -1  # this process's rank; -1: from Slurm

@@ -335,14 +335,19 @@ def _vocab_bytes(cfg: Config, s: Setup, head_copy: int) -> int:
     copy (as the head's; none when tied) and the gradients of the head (the loss's [H, V]
     accumulator) and of the embedding (the lookup's scatter-add), in the compute dtype, all
     live when the backward pass leaves the output head (compiled for H100: 4 [V, H] buffers
-    at Qwen3's peak). Each MTP depth looks its tokens up in the embedding again, and that
-    lookup's scatter-add has a [V, H] target of its own, live through the MTP block's
-    backward (deepseek-v3 at 4 layers compiled for GB200: 2 of 1.73 GiB at the peak)."""
+    at Qwen3's peak). On more than one device the loss runs per device
+    (``loss.device_token_losses``) and the head's gradient summed over the devices is one
+    more [V, H] beside each device's own (deepseek-v3 at full depth compiled for GB200:
+    +1.6 GiB at the 1x peak). Each MTP depth looks its tokens up in the embedding again,
+    and that lookup's scatter-add has a [V, H] target of its own, live through the MTP
+    block's backward (deepseek-v3 at 4 layers compiled for GB200: 2 of 1.73 GiB at the
+    peak)."""
     whole = cfg.model.hidden * cfg.model.vocab_size * s.a
     mtp = cfg.model.mtp_depth * whole
+    summed = whole if s.devices > 1 else 0
     if cfg.model.tie_embeddings:
-        return whole + mtp
-    return head_copy + 2 * whole + mtp
+        return whole + mtp + summed
+    return head_copy + 2 * whole + mtp + summed
 
 
 def estimate(cfg: Config, s: Setup) -> Estimate:

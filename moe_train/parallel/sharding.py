@@ -213,6 +213,35 @@ def ep_size(mesh: Mesh) -> int:
     return mesh.shape[EXPERT_X] * mesh.shape[EXPERT]
 
 
+BLUECONNECT = "xla_gpu_all_reduce_blueconnect_num_devices_per_host"
+
+
+def all_reduce_options(mesh: Mesh) -> dict[str, int]:
+    """XLA:GPU options for ``parallel.split_all_reduce``, the all-reduces over devices in
+    several NVLink domains: run each
+    as a reduce-scatter inside the domain, an all-reduce across domains on the shard and an
+    all-gather inside the domain (XLA's BlueConnect decomposition), its "host" a run of
+    ``expert`` devices (the mesh axis inside one domain). The gradients of the weights the
+    model reads whole (the embedding, the dense layers', the loss head's once per
+    micro-batch) were otherwise reduced over every device at once: in DeepSeek-V3's 64-rack
+    job 4.99 s of each 4-layer step's network transfer went to them (``make compile``),
+    0.01 s with this. {} on one domain, off GPUs, or where the ``expert`` axis is no aligned
+    run of device ids (XLA groups devices by id: id // run)."""
+    ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(-1, mesh.shape[EXPERT])
+    run = blueconnect_run(ids, mesh.devices.flat[0].platform)
+    return {BLUECONNECT: run} if run else {}
+
+
+def blueconnect_run(ids, platform: str) -> int:
+    """The run length n where ``ids`` (device ids, 2-D: one run a row) holds two or more
+    aligned runs (ids k n .. k n + n - 1) of n >= 2 GPUs; else 0."""
+    runs, n = ids.shape
+    if runs < 2 or n < 2 or platform not in ("gpu", "cuda"):
+        return 0
+    low, high = ids.min(axis=1), ids.max(axis=1)
+    return n if bool(((low % n == 0) & (high - low == n - 1)).all()) else 0
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Token batches [B, S+1] split over every device along B."""
     return NamedSharding(mesh, P(TOKEN_AXES, None))

@@ -258,9 +258,10 @@ def _loss_fn(
 
 def _cross_entropies(head, labels_BS, mtp_labels_LBS, cfg: Config, devices: int):
     """(next-token cross-entropy, mean of the MTP depths' cross-entropies; 0 without MTP),
-    each the mean over its valid labels, from one ``loss.token_losses`` call over the main
-    head's and every depth's tokens side by side ([B, L S], L = 1 + depths: each device keeps its rows),
-    so the loop over the shared head and its [H, V] gradient run once per step, not L times."""
+    each the mean over its valid labels, from one ``loss.device_token_losses`` call over the
+    main head's and every depth's tokens side by side ([B, L S], L = 1 + depths: each device
+    keeps its rows), so the loop over the shared head and its [H, V] gradient run once per
+    step, not L times, and the head's gradient is reduced over the devices once."""
     xs, labels = [head.x_BSH], [labels_BS]
     if mtp_labels_LBS is not None:
         xs += list(head.mtp_LBSH)
@@ -268,11 +269,12 @@ def _cross_entropies(head, labels_BS, mtp_labels_LBS, cfg: Config, devices: int)
     B, S, H = head.x_BSH.shape
     L, V = len(xs), head.head_HV.shape[1]
     labels_BLS = jnp.stack(labels, axis=1)
-    chunk = loss.sharded_chunk(B * L * S, V, devices, cfg.train.loss_chunk)
-    nll_T, _ = loss.token_losses(
+    chunk = loss.sharded_chunk(B * L * S, V, devices, cfg.train.loss_chunk) // devices
+    nll_T = loss.device_token_losses(
         jnp.stack(xs, axis=1).reshape(B * L * S, H),
         head.head_HV,
         labels_BLS.reshape(-1),
+        sharding.TOKEN_AXES,
         chunk=chunk,
         logit_scale=head.scale,
     )
@@ -446,7 +448,10 @@ def make_train_step(
         if cfg.parallel.weight_gather == "step"
         else None
     )
-    options = remat.compiler_options(cfg.train.remat, mesh.devices.flat[0].platform)
+    options = {
+        **(remat.compiler_options(cfg.train.remat, mesh.devices.flat[0].platform) or {}),
+        **(sharding.all_reduce_options(mesh) if cfg.parallel.split_all_reduce else {}),
+    }
     shd = sharding.Sharding.of(mesh, cfg)
     return shd.wrap(
         jax.jit(
@@ -454,6 +459,6 @@ def make_train_step(
             donate_argnums=0,
             in_shardings=(state_sharding, shd.batch) + ((shd.replicated,) if can_overflow else ()),
             out_shardings=(state_sharding, shd.replicated),
-            compiler_options=options,
+            compiler_options=options or None,
         )
     )
