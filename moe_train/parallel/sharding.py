@@ -217,12 +217,11 @@ BLUECONNECT = "xla_gpu_all_reduce_blueconnect_num_devices_per_host"
 
 
 def all_reduce_options(mesh: Mesh) -> dict[str, int]:
-    """XLA:GPU options for ``parallel.split_all_reduce``, the all-reduces over devices in
-    several NVLink domains: run each
-    as a reduce-scatter inside the domain, an all-reduce across domains on the shard and an
-    all-gather inside the domain (XLA's BlueConnect decomposition), its "host" a run of
-    ``expert`` devices (the mesh axis inside one domain). The gradients of the weights the
-    model reads whole (the embedding, the dense layers', the loss head's once per
+    """XLA:GPU options for ``parallel.split_all_reduce``: run each all-reduce over devices in
+    several NVLink domains as a reduce-scatter inside the domain, an all-reduce across domains
+    on the shard and an all-gather inside the domain (XLA's BlueConnect decomposition), its
+    "host" a run of ``expert`` devices (the mesh axis inside one domain). The gradients of
+    the weights the model reads whole (the embedding, the dense layers', the loss head's once per
     micro-batch) were otherwise reduced over every device at once: in DeepSeek-V3's 64-rack
     job 4.99 s of each 4-layer step's network transfer went to them (``make compile``),
     0.01 s with this. {} on one domain, off GPUs, or where the ``expert`` axis is no aligned
