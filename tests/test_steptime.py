@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import subprocess
 import tomllib
+from pathlib import Path
 
 import pytest
 from helpers import run_module
@@ -52,9 +54,11 @@ def test_the_step_is_the_sum_of_its_terms():
     assert st.mfu == pytest.approx(st.model_tflops / st.peak_tflops)
 
 
-def test_chunks_hide_all_to_all_under_the_expert_gemms():
+def test_chunks_hide_their_measured_share_of_the_all_to_all():
     one, four = predicted(), predicted("moe.overlap_chunks=4")
-    assert four.a2a_exposed_s < one.a2a_exposed_s < one.a2a_s
+    for st in (one, four):
+        hidden = st.a2a_s - st.a2a_exposed_s
+        assert 0 < hidden <= st.inputs["a2a_hidden"] * st.a2a_s * (1 + 1e-9)
     assert four.a2a_s >= one.a2a_s  # more, smaller collectives: more latency terms
 
 
@@ -69,9 +73,10 @@ def test_the_hidden_share_is_the_measured_one_at_each_measured_chunk_count(step)
     )  # no extrapolation
 
 
-def test_a_chunk_count_between_measured_ones_interpolates():
+def test_a_chunk_count_between_measured_ones_interpolates_in_log2_of_the_chunks():
     eff = compute.load()
-    assert eff.a2a_hidden_2chunks < compute.a2a_hidden(eff, 3) < eff.a2a_hidden_4chunks
+    two, four = eff.a2a_hidden_step_2chunks, eff.a2a_hidden_step_4chunks
+    assert compute.a2a_hidden(eff, 3, step=True) == pytest.approx(two + (four - two) * math.log2(1.5))
 
 
 def test_the_hierarchical_exchange_hides_its_measured_share_and_less_than_the_flat_one():
@@ -108,10 +113,22 @@ def test_an_empty_model_table_applies_no_models_shares(tmp_path):
     assert compute.load(default_shares(tmp_path), model="deepseek-v3").model == ""
 
 
+def chunk_rewarding_shares(tmp_path) -> str:
+    """The shipped defaults (no model's own shares) with an exchange that hides 0%, 30%, 60%
+    and 90% at 1, 2, 4 and 8 chunks in ``micro_batch`` mode."""
+    text = Path(default_shares(tmp_path)).read_text()
+    for chunks, share in zip(("1chunk", "2chunks", "4chunks", "8chunks"), (0.0, 0.3, 0.6, 0.9), strict=True):
+        text = re.sub(rf"^a2a_hidden_{chunks} = [0-9.]+", f"a2a_hidden_{chunks} = {share}", text, flags=re.M)
+    (tmp_path / "rewarding.toml").write_text(text)
+    return str(tmp_path / "rewarding.toml")
+
+
 def test_the_planner_chooses_the_chunks_that_hide_the_all_to_all(tmp_path):
-    """With shares that reward chunks (Mixtral's, which DeepSeek-V3's own schedule does not
-    reach), the planner takes the chunk count that hides the most."""
-    st = predicted("train.micro_batch_size=0", "train.micro_batches=1", compute=default_shares(tmp_path))
+    """With shares that reward chunks, the planner takes the chunk count that hides the
+    most."""
+    st = predicted(
+        "train.micro_batch_size=0", "train.micro_batches=1", compute=chunk_rewarding_shares(tmp_path)
+    )
     assert set(st.by_chunks) == set(steptime.CHUNK_CHOICES)
     assert st.best_chunks > 1 and st.by_chunks[st.best_chunks] < st.by_chunks[1]
     assert st.by_chunks[1] == pytest.approx(st.step_s)  # the preset's own moe.overlap_chunks=1
