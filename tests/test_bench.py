@@ -119,25 +119,6 @@ def test_quick_bench_writes_results(tmp_path):
     assert results["targets"] and all(isinstance(t["met"], bool) for t in results["targets"])
 
 
-@pytest.mark.slow
-def test_gpu_section_code_path_runs_tiny_on_cpu(tmp_path):
-    results, md = _bench(tmp_path, "--gpu", "--tiny")
-    sec = results["sections"]["gpu"]
-    assert positive(sec["square_gemm"]["tflops"])
-    models = {r["model"] for r in sec["layer_rows"]}
-    assert models == {"mixtral-tiny", "deepseek-tiny"}
-    timed = [r for r in sec["layer_rows"] if not r["skipped"]]
-    assert {r["backend"] for r in timed} >= {"dense", "tiled", "ragged_dot"}
-    for r in timed:
-        check_timing(r["time"])
-        assert positive(r["tflops"]) and positive(r["fraction_of_square_gemm"])
-        assert r["dtype"] == "bfloat16"
-    skipped = {r["backend"]: r["skipped"] for r in sec["layer_rows"] if r["skipped"]}
-    assert "mgpu" in skipped and "GPU" in skipped["mgpu"]
-    assert any(r["backend"] == "tiled" and not r["skipped"] for r in sec["gemm_rows"])
-    assert "GPU: MoE layer TFLOP/s" in md
-
-
 def test_loss_section_shows_chunking_saves_memory_at_a_real_vocab():
     from moe_train.bench import loss
     from moe_train.bench.report import targets

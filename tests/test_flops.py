@@ -253,7 +253,7 @@ def test_peak_flops_gpus(kind, model, bf16):
     assert peak_flops(kind, "float8_e4m3fn") == pytest.approx(2 * bf16, rel=0.001)
 
 
-@pytest.mark.parametrize("kind", ["cpu", "TFRT_CPU_0", "TPU v5 lite", "NVIDIA A100-SXM4-80GB", ""])
+@pytest.mark.parametrize("kind", ["cpu", "TFRT_CPU_0", "TPU v4", "NVIDIA A100-SXM4-80GB", ""])
 def test_peak_flops_unknown(kind):
     assert peak_flops(kind) is None
 

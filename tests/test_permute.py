@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 
 from moe_train.moe.dispatch import gather_rows, unpack
-from moe_train.moe.permute import make_dispatch, permute, readers_of, take_rows, unpermute
+from moe_train.moe.permute import (
+    COUNTING_MAX_EXPERTS,
+    make_dispatch,
+    permute,
+    readers_of,
+    sorted_positions,
+    take_rows,
+    unpermute,
+)
 
 T, H, E, K = 12, 8, 4, 2
 ROUTINGS = {
@@ -95,3 +103,47 @@ def test_zeros_after_are_zeros_of_the_shape_even_from_non_finite_values(shape):
     z = zeros_after(shape, jnp.float32, after)
     assert z.shape == shape and z.dtype == jnp.float32
     assert not jnp.signbit(z).any() and (z == 0).all()
+
+
+# ----------------------------------------------------------------------------- sorting
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tile_rows", [None, 4])
+def test_counting_sort_and_argsort_make_the_same_plan(routing, tile_rows):
+    ids = jnp.asarray(ROUTINGS[routing], jnp.int32)
+    plans = [make_dispatch(ids, E, tile_rows, method=m) for m in ("counting", "argsort")]
+    for a, b in zip(*plans):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("method", ["counting", "argsort"])
+def test_sorted_positions_are_stable_within_an_expert(method):
+    ids = np.random.default_rng(3).integers(0, E, (T, K))
+    pos_M, _ = sorted_positions(jnp.asarray(ids, jnp.int32), E, method)
+    expected = np.empty(T * K, int)
+    expected[np.argsort(ids.ravel(), kind="stable")] = np.arange(T * K)
+    np.testing.assert_array_equal(pos_M, expected)
+
+
+def _primitives(num_experts: int) -> str:
+    ids = jnp.zeros((4, 1), jnp.int32)
+    return str(jax.make_jaxpr(lambda i: sorted_positions(i, num_experts))(ids))
+
+
+def test_auto_sorts_for_many_experts():
+    assert " sort[" in _primitives(COUNTING_MAX_EXPERTS + 1)
+
+
+def test_auto_counts_for_few_experts_without_a_sort():
+    assert " sort[" not in _primitives(COUNTING_MAX_EXPERTS) and "cumsum" in _primitives(E)
+
+
+def test_an_unknown_sort_method_is_refused():
+    with pytest.raises(ValueError, match="unknown sort method"):
+        sorted_positions(jnp.zeros((4, K), jnp.int32), E, "bucket")
+
+
+def test_padded_sorted_rows_hold_no_token():
+    plan = make_dispatch(jnp.asarray(ROUTINGS["uniform"], jnp.int32), E, None, row_multiple=16)
+    assert plan.token_R.shape == (32,) and not np.asarray(plan.valid_R)[T * K :].any()

@@ -1,14 +1,22 @@
 """Dense (non-sparse) peak FLOP/s per device, for MFU.
 
-Values are NVIDIA's published tensor-core peaks without 2:4 structured sparsity (datasheets
+GPUs: values are NVIDIA's published tensor-core peaks without 2:4 structured sparsity (datasheets
 quote the sparse figure, twice these). Sources: NVIDIA's H100, H200, B200 and GB200 NVL72
 datasheets (also tabulated in the jax-ml scaling book's GPU chapter); the H100 PCIe, H100 NVL
 and H200 NVL figures are half of the sparse numbers on NVIDIA's H100 and H200 product pages.
 GB200 is quoted at 2.5 PFLOP/s BF16 per GPU (NVL72 datasheet: 360 PFLOP/s sparse over 72
 GPUs); one source gives 2.25, the B200 (HGX) figure.
 
-``peak_flops`` returns None for CPUs, TPUs and GPUs not listed here, and for dtypes whose peak
-depends on settings this module cannot see (float32 may run as TF32 or as true FP32).
+TPUs (one JAX device is one chip): Google Cloud's TPU v5e, v5p and v6e pages give the peak
+compute per chip in bf16: 197, 459 and 918 TFLOP/s (docs.cloud.google.com/tpu/docs/v5e, /v5p,
+/v6e). These chips have no fp8 matmul unit (their other figure is int8), so there is no fp8
+peak for them. JAX's ``device_kind`` names them "TPU v5 lite" (v5e), "TPU v5" (v5p; "TPU v5p"
+under Pathways) and "TPU v6 lite" (v6e); "TPU v5e" and "TPU v6e" are accepted too, as JAX's own
+Pallas TPU code accepts them (``jax._src.pallas.mosaic.tpu_info.chip_version_from_device_kind``).
+
+``peak_flops`` returns None for CPUs, devices not listed here, dtypes a device has no peak for,
+and dtypes whose peak depends on settings this module cannot see (float32 may run as TF32 or
+as true FP32).
 """
 
 from __future__ import annotations
@@ -23,6 +31,18 @@ _PEAKS: dict[str, dict[str, float]] = {
     "GH200": {"bf16": 989e12, "fp8": 1979e12},
     "B200": {"bf16": 2250e12, "fp8": 4500e12},
     "GB200": {"bf16": 2500e12, "fp8": 5000e12},
+    "TPU v5e": {"bf16": 197e12},
+    "TPU v5p": {"bf16": 459e12},
+    "TPU v6e": {"bf16": 918e12},
+}
+# JAX's TPU device_kind (upper-cased, single-spaced) -> the key in the peak table
+_TPU_KINDS = {
+    "TPU V5 LITE": "TPU v5e",
+    "TPU V5E": "TPU v5e",
+    "TPU V5": "TPU v5p",
+    "TPU V5P": "TPU v5p",
+    "TPU V6 LITE": "TPU v6e",
+    "TPU V6E": "TPU v6e",
 }
 
 _DTYPE_FAMILY = {
@@ -47,9 +67,11 @@ def device_model(device_kind: str) -> str | None:
     JAX reports the CUDA device name, e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe",
     "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA GH200 480GB", "NVIDIA B200",
     "NVIDIA GB200". Longer names are tested first: "GB200" contains "B200", "GH200" contains
-    "H200".
+    "H200". TPU kinds match whole (``_TPU_KINDS``): "TPU v5 lite" is a v5e, "TPU v5" a v5p.
     """
     kind = " ".join(device_kind.upper().replace("-", " ").split())
+    if kind in _TPU_KINDS:
+        return _TPU_KINDS[kind]
     words = kind.split()
     if "GB200" in kind:
         return "GB200"
@@ -79,4 +101,4 @@ def peak_flops(device_kind: str, dtype: str = "bfloat16") -> float | None:
     family = dtype_family(dtype)
     if model is None or family is None:
         return None
-    return _PEAKS[model][family]
+    return _PEAKS[model].get(family)

@@ -1,22 +1,24 @@
-"""``python -m moe_train.bench [--quick] [--only S,...] [--gpu [--tiny]] [--out DIR]``.
+"""``python -m moe_train.bench [--quick] [--only S,...] [--accel [--tiny]] [--out DIR]``.
 
 Runs the benchmark sections and saves ``OUT/<UTC timestamp>/results.{json,md}`` (the
 Markdown is also printed). CPU runs (the default) run each group of sections in a child
-process with the JAX CPU devices it needs (``SECTION_DEVICES``): the grouped GEMM and layer
-comparisons on one device, as a single-device run sees them (XLA:CPU configured with 8 fake
+process with the JAX CPU devices it needs (``SECTION_DEVICES``): the grouped GEMM, layer and
+permutation comparisons on one device, as a single-device run sees them (XLA:CPU configured with 8 fake
 devices runs the tiled backend's loops about 1.4x slower), the expert-parallel, overlap
 (``moe.overlap_chunks``, fp8 dispatch) and compile sections on 8 fake devices; the attention
 kernels, the compile time of scanned vs looped layers and the loss's memory against vocab on one
 (``--quick`` leaves those three and the overlap section out unless ``--only`` names them).
-``--gpu`` runs the GPU section on the default JAX backend
-(``--tiny``: toy sizes, so the GPU code path also runs on CPU). The process owns its JAX
-setup (set before any device is touched): run it in its own process.
+``--accel`` (``--gpu`` is the same) runs the accelerator benchmark (``moe_train.bench.accel``)
+on the default JAX backend, a TPU or a GPU; without one it exits 2 with one line, unless
+``--tiny`` (toy sizes, so its code path also runs on CPU). The process owns its JAX setup (set
+before any device is touched): run it in its own process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import jax
 
-CPU_SECTIONS = ("gemm", "layer", "ep", "overlap", "compiles", "attention", "scan", "loss")
+CPU_SECTIONS = ("gemm", "layer", "permute", "ep", "overlap", "compiles", "attention", "scan", "loss")
 QUICK_SECTIONS = ("gemm", "layer", "ep", "compiles")  # --quick without --only
 SECTION_DEVICES = {
     "gemm": 1,
@@ -36,11 +38,12 @@ SECTION_DEVICES = {
     "attention": 1,
     "scan": 1,
     "loss": 1,
+    "permute": 1,
 }  # JAX CPU devices per section
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    """Command-line options (sections, --quick, --gpu, --tiny, --out)."""
+    """Command-line options (sections, --quick, --accel, --tiny, --out)."""
     ap = argparse.ArgumentParser(
         prog="python -m moe_train.bench", description=(__doc__ or "").partition("\n")[0]
     )
@@ -56,11 +59,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         f"with --quick: {QUICK_SECTIONS})",
     )
     ap.add_argument(
-        "--gpu",
+        "--accel",
         action="store_true",
-        help="the GPU section only (Mixtral/DeepSeek experts in bf16, per backend)",
+        help="the accelerator benchmark on the TPU or GPU JAX sees: the MoE layer at Mixtral, Qwen3 and "
+        "DeepSeek-V3 expert shapes against dense and a plain ragged_dot layer, a MoE train step against "
+        "its dense twin, the goals met or not",
     )
-    ap.add_argument("--tiny", action="store_true", help="with --gpu: toy sizes (runs on CPU too)")
+    ap.add_argument("--gpu", action="store_true", help="the same as --accel")
+    ap.add_argument(
+        "--tune",
+        action="store_true",
+        help="with --accel: the megablox tile sweep (every GEMM's candidate tiles, timed) instead",
+    )
+    ap.add_argument(
+        "--write-tiles",
+        action="store_true",
+        help="with --tune: write the fastest tiles into the table the megablox backend reads",
+    )
+    ap.add_argument("--tiny", action="store_true", help="with --accel: toy sizes (runs on CPU too)")
     ap.add_argument(
         "--out",
         type=Path,
@@ -69,14 +85,56 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--part", type=Path, default=None, help=argparse.SUPPRESS)  # child: JSON here
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.accel = args.accel or args.gpu
     only = args.only if args.only is not None else ",".join(QUICK_SECTIONS if args.quick else CPU_SECTIONS)
     args.sections = [s for s in only.split(",") if s]
     bad = sorted(set(args.sections) - set(CPU_SECTIONS))
-    if bad and not args.gpu:
+    if bad and not args.accel:
         ap.error(f"unknown section(s) {bad}; choose from {CPU_SECTIONS}")
-    if args.tiny and not args.gpu:
-        ap.error("--tiny only applies to --gpu")
+    if args.tiny and not args.accel:
+        ap.error("--tiny only applies to --accel")
+    if args.tune and not args.accel:
+        ap.error("--tune only applies to --accel")
+    if args.write_tiles and not args.tune:
+        ap.error("--write-tiles only applies to --accel --tune")
     return args
+
+
+def run_accel(args) -> tuple[dict, list[str]]:
+    """The accelerator benchmark: a line when it starts, one as each row finishes, a heartbeat
+    every 10 s in between (``progress.Waiting``), its time when done."""
+    from moe_train.bench import accel, permute, tiles
+    from moe_train.train import progress
+
+    what = "sweeping the megablox tiles" if args.tune else "running the accelerator benchmark"
+    every = progress.EVERY_S
+    say = lambda line: print(line, flush=True)
+    say(f"{what} ...")  # here, before any row: the heartbeat runs in a thread
+    with progress.Waiting(say, what, after_s=every, describe=lambda: f"  still {what}: {every:.0f} s"):
+        if args.tune:
+            write = megablox_table() if args.write_tiles else None
+            provenance = {
+                "commit": git_commit(),
+                "command": shlex.join(["python", "-m", "moe_train.bench", *args.argv]),
+            }
+            sec = tiles.run(
+                tiles.TINY if args.tiny else tiles.FULL,
+                lambda line: say("  tiles: " + line),
+                write,
+                provenance,
+            )
+            return {"tiles": sec}, [sec.pop("markdown")]
+        sec = accel.run(accel.TINY if args.tiny else accel.FULL, say=lambda line: say("  accel: " + line))
+        perm = permute.run(permute.QUICK if args.tiny else permute.ACCEL, with_goal=True)
+    return {"accel": sec, "permute": perm}, [sec.pop("markdown"), perm.pop("markdown")]
+
+
+def megablox_table() -> Path:
+    """The tile table the megablox backend reads (``--write-tiles`` writes it)."""
+    from moe_train.moe import megablox
+
+    return megablox.TILE_FILE
 
 
 def run_sections(args) -> tuple[dict, list[str]]:
@@ -84,17 +142,9 @@ def run_sections(args) -> tuple[dict, list[str]]:
     from moe_train.bench import report
     from moe_train.train import progress
 
-    if args.gpu:
-        from moe_train.bench import gpu
-
-        if jax.default_backend() != "gpu" and not args.tiny:
-            raise SystemExit(
-                "no GPU here (jax.default_backend() is "
-                f"{jax.default_backend()!r}); --gpu --tiny runs the code path on CPU"
-            )
-        sec = gpu.run(gpu.TINY if args.tiny else gpu.FULL)
-        return {"gpu": sec}, [report.gpu_md(sec)]
-    from moe_train.bench import attention, compiles, ep, gemm, layer, loss, overlap, scan
+    if args.accel:
+        return run_accel(args)
+    from moe_train.bench import attention, compiles, ep, gemm, layer, loss, overlap, permute, scan
 
     modules = {
         "gemm": (gemm, report.gemm_md),
@@ -105,6 +155,7 @@ def run_sections(args) -> tuple[dict, list[str]]:
         "attention": (attention, None),
         "scan": (scan, None),
         "loss": (loss, None),
+        "permute": (permute, None),
     }
     sections, parts = {}, []
     for name in args.sections:
@@ -152,24 +203,61 @@ def run_groups(args) -> tuple[dict, list[str]]:
     return ({s: sections[s] for s in args.sections}, [parts[s] for s in args.sections])
 
 
+def no_accelerator() -> str | None:
+    """One line when JAX sees no accelerator (its default backend is the CPU), else None."""
+    if jax.default_backend() != "cpu":
+        return None
+    return (
+        "python -m moe_train.bench --accel: no accelerator here (jax.default_backend() is 'cpu'); "
+        "--accel --tiny runs its code path on CPU at toy sizes"
+    )
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (``+dirty`` with uncommitted changes), or None outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, timeout=20
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run, print and save the benchmarks; returns the exit code."""
     args = parse(argv)
     if args.part:
         return run_part(args)
-    if not args.gpu:
+    if not args.accel:
         jax.config.update("jax_platforms", "cpu")
+    elif not args.tiny and (refusal := no_accelerator()):
+        print(refusal, file=sys.stderr, flush=True)
+        return 2
     from moe_train.bench import common, report  # after the device setup
 
     t0 = time.perf_counter()
     stamp = common.utc_stamp()
-    sections, parts = run_sections(args) if args.gpu else run_groups(args)
+    sections, parts = run_sections(args) if args.accel else run_groups(args)
     items = report.targets(sections)
+    given = sys.argv[1:] if argv is None else argv
     results = {
         "created_utc": stamp,
-        "argv": sys.argv[1:] if argv is None else argv,
+        "argv": given,
+        "command": shlex.join([sys.executable, "-m", "moe_train.bench", *given]),
+        "git_commit": git_commit(),
         "quick": args.quick,
-        "gpu": args.gpu,
+        "accel": args.accel,
         "tiny": args.tiny,
         "environment": common.environment(),
         "sections": sections,
@@ -177,19 +265,20 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - t0,
     }
     env = results["environment"]
-    if not args.gpu:
+    if not args.accel:
         env["section_devices"] = {s: SECTION_DEVICES[s] for s in args.sections}
     devices = (
         f"{env['devices']} device(s)"
-        if args.gpu
+        if args.accel
         else ", ".join(f"{s} on {n} device{'s' if n > 1 else ''}" for s, n in env["section_devices"].items())
     )
-    flags = ", ".join(f for f in ("quick", "gpu", "tiny") if getattr(args, f))
+    flags = ", ".join(f for f in ("quick", "accel", "tiny") if getattr(args, f))
     header = (
         f"# moe_train benchmarks ({stamp}{', ' + flags if flags else ''})\n\n"
         f"jax {env['jax']} on {env['jax_backend']} ({devices}, "
         f"{env['cpu_count']} CPU cores, {env['cpu_model']}), Python {env['python']}, "
-        f"{env['machine']}; wall {results['wall_s']:.0f} s.\n"
+        f"{env['machine']}; wall {results['wall_s']:.0f} s; commit {results['git_commit'] or 'unknown'}.\n"
+        f"Command: `{results['command']}`\n"
     )
     markdown = "\n\n".join([header, *([report.targets_md(items)] if items else []), *parts])
     print(markdown, flush=True)

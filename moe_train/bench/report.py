@@ -14,7 +14,6 @@ TARGETS = {
     "gemm_skewed": 1.6,
     "layer_dense": 1.5,
     "layer_ragged": 5.0,
-    "gpu_fraction": 0.6,
     "loss_vocab": 1.3,
     "plan_seq": 1.05,
 }  # memory ratios (the loss section)
@@ -212,67 +211,6 @@ def compiles_md(sec: dict[str, Any]) -> str:
         ),
     ]
     return "\n".join(lines)
-
-
-def gpu_md(sec: dict[str, Any]) -> str:
-    """The GPU section's Markdown: layer TFLOP/s table and the grouped-GEMM table."""
-    sq = sec["square_gemm"]
-    header = [
-        "model",
-        "T",
-        "H",
-        "F",
-        "E",
-        "k",
-        "backend",
-        "median ms",
-        "TFLOP/s",
-        "/ dense SwiGLU",
-        "/ square GEMM",
-    ]
-    rows = []
-    for r in sec["layer_rows"]:
-        if r["skipped"]:
-            rows.append(
-                [r["model"], "", "", "", "", "", r["backend"], "skipped: " + r["skipped"], "", "", ""]
-            )
-            continue
-        rows.append(
-            [
-                r["model"],
-                r["tokens"],
-                r["hidden"],
-                r["ffn"],
-                r["experts"],
-                r["top_k"],
-                r["backend"],
-                fmt_ms(r["time"])[0],
-                f"{r['tflops']:.1f}",
-                f"{r['fraction_of_dense_swiglu']:.2f}",
-                f"{r['fraction_of_square_gemm']:.2f}",
-            ]
-        )
-    gem = gemm_md(
-        {
-            "title": "Grouped GEMM alone (fwd+bwd)",
-            "rows": sec["gemm_rows"],
-            "sizes": {
-                "hidden": "model",
-                "ffn": "model",
-                "top_k": "model",
-                "dtype": "bf16",
-                "rows_per_expert": "T*k/E",
-                "capacity_factor": 1.25,
-            },
-        }
-    )
-    return (
-        f"## {sec['title']}\n\n{sec['device_kind']}; dense {sq['n']}^3 bf16 GEMM "
-        f"{sq['tflops']:.1f} TFLOP/s. Layer forward+backward, useful expert FLOPs only.\n\n"
-        + markdown_table(header, rows)
-        + "\n\n"
-        + gem.replace("## ", "### ")
-    )
 
 
 def targets(sections: dict[str, Any]) -> list[dict[str, Any]]:

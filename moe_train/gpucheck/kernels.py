@@ -26,7 +26,8 @@ ROUTINGS = ("uniform", "zipf", "hot", "empty")
 GROUPED = ("tiled", "ragged_dot", "mgpu", "te")
 # name: (tokens, hidden, ffn, experts, top_k) on a GPU / without one
 # (DeepSeek-like keeps V3's expert shape and top-8 with 32 of its 256 experts: the fp32
-# reference and the gradients of all 256 would need ~135 GB; make bench-gpu times all 256.)
+# reference and the gradients of all 256 would need ~135 GB; the grouped-GEMM rows below,
+# moe_train.bench.gpu.gemm_rows, time all 256.)
 SHAPES = {
     "gpu": {"mixtral-like": (512, 4096, 14336, 8, 2), "deepseek-like": (256, 7168, 2048, 32, 8)},
     "cpu": {"mixtral-like": (64, 64, 128, 8, 2), "deepseek-like": (64, 64, 64, 16, 4)},

@@ -20,6 +20,9 @@ scale, 1 where none is given).
   blackwell_ragged_dot_mgpu is not used: it needs the row count to be a multiple of its
   tile and has no weight-gradient kernel (the Hopper transposed kernel uses wgmma).
 - te: Transformer Engine's grouped_dense (custom VJP inside TE).
+- megablox: JAX's Pallas TPU grouped matmuls, the SwiGLU fused into one custom VJP with a
+  tile per GEMM (moe_train.moe.megablox); rows sorted and padded to its row tile. TPU only
+  (the tests run it in Pallas interpret mode on CPU); ``auto``'s pick on a TPU.
 """
 
 # transformer_engine is imported only where installed (GPU containers), never from .venv
@@ -32,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.base.choices import BACKENDS
-from moe_train.moe.tiled import default_block_rows, tiled_swiglu, vary, varying_axes
+from moe_train.moe import megablox
+from moe_train.moe.tiled import default_block_rows, expert_operands, tiled_swiglu, vary, varying_axes
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MGPU_ALIGN = 64  # H and F must be multiples of this (block_k and block_n of the kernels)
@@ -79,6 +83,8 @@ def _unavailable_reason(name: str, dtype=None, hidden=None, ffn=None) -> str | N
     """Why backend `name` cannot run here (None when it can)."""
     if name in ("tiled", "ragged_dot"):
         return None
+    if name == "megablox":
+        return _megablox_unavailable(dtype)
     if not _on_gpu():
         return f"needs an NVIDIA GPU, but jax.default_backend() is {jax.default_backend()!r}"
     if name == "te":
@@ -94,6 +100,14 @@ def _unavailable_reason(name: str, dtype=None, hidden=None, ffn=None) -> str | N
     return _mgpu_import_error()
 
 
+def _megablox_unavailable(dtype=None) -> str | None:
+    if jax.default_backend() != "tpu":
+        return f"needs a TPU, but jax.default_backend() is {jax.default_backend()!r}"
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return f"needs bfloat16 or float32 activations, got {jnp.dtype(dtype)}"
+    return megablox.import_error()
+
+
 def available_backends(dtype=None, hidden=None, ffn=None) -> tuple[str, ...]:
     """Concrete backends that can run here for these inputs."""
     return tuple(b for b in BACKENDS[1:] if _unavailable_reason(b, dtype, hidden, ffn) is None)
@@ -102,8 +116,8 @@ def available_backends(dtype=None, hidden=None, ffn=None) -> tuple[str, ...]:
 def resolve_backend(name: str, dtype=None, *, hidden: int | None = None, ffn: int | None = None) -> str:
     """Map a backend name to a concrete backend that can run here.
 
-    "auto": CPU (or any non-GPU) -> tiled; GPU with bf16/fp16 -> te if Transformer Engine
-    imports, else mgpu when it fits (Hopper, H and F multiples of 64), else tiled;
+    "auto": TPU -> megablox; CPU (or any other non-GPU) -> tiled; GPU with bf16/fp16 -> te if
+    Transformer Engine imports, else mgpu when it fits (Hopper, H and F multiples of 64), else tiled;
     GPU with fp32 -> tiled (ragged_dot runs densely: see the module docstring).
     Unknown names raise ValueError; a named backend that cannot run raises
     BackendUnavailable naming the ones that can.
@@ -111,6 +125,8 @@ def resolve_backend(name: str, dtype=None, *, hidden: int | None = None, ffn: in
     if name not in BACKENDS:
         raise ValueError(f"unknown MoE backend {name!r}; choose one of {BACKENDS}")
     if name == "auto":
+        if _megablox_unavailable(dtype) is None:
+            return "megablox"
         if not _on_gpu():
             return "tiled"
         if dtype is not None and jnp.dtype(dtype) not in _HALF:
@@ -231,15 +247,8 @@ def sorted_swiglu(
     trace at EP > 1: "Custom VJP bwd rule must produce an output with the same type".)"""
     gmm = _GMM[backend]
     dtype = x_MH.dtype
-    ops = (
-        x_MH,
-        wi_0_EHF.astype(dtype),
-        wi_1_EHF.astype(dtype),
-        wo_EFH.astype(dtype),
-        group_sizes_E.astype(jnp.int32),
-    )
-    axes = varying_axes(*ops)
-    x_MH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E = (vary(a, axes) for a in ops)
+    ops = expert_operands(x_MH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, with_scale=False)
+    x_MH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E = ops
     a0_MF = gmm(x_MH, w0_EHF, group_sizes_E).astype(jnp.float32)
     a1_MF = gmm(x_MH, w1_EHF, group_sizes_E).astype(jnp.float32)
     h_MF = jax.nn.silu(a0_MF) * a1_MF
@@ -257,6 +266,7 @@ def grouped_swiglu(
     backend: str,
     block_rows: int | None = None,
     scale_R: jax.Array | None = None,
+    row_tile: int = 1,
 ) -> jax.Array:
     """Dispatch to a concrete backend; `plan` is the permute.Dispatch for x_RH's layout.
 
@@ -264,6 +274,7 @@ def grouped_swiglu(
     to `block_rows` rows (None: default_block_rows(m)); only plan.group_sizes_E's experts
     are computed. ``scale_R`` [R]: each row's SwiGLU activation is scaled by it before
     ``wo`` (the combine weights, so the weights' gradient needs no [R, H] output kept).
+    ``row_tile``: megablox's row tile, which R is a multiple of (the dispatch padded it).
     """
     if backend == "tiled":
         if plan.tile_expert_P is None:
@@ -278,6 +289,10 @@ def grouped_swiglu(
             tile_rows=m,
             block_rows=block_rows or default_block_rows(m),
             scale_R=scale_R,
+        )
+    if backend == "megablox":
+        return megablox.megablox_swiglu(
+            x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, row_tile=row_tile, scale_R=scale_R
         )
     if backend not in _GMM:
         raise ValueError(f"not a concrete backend: {backend!r}; resolve it first")

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from moe_train.moe import stats as moe_stats
 from moe_train.moe.dispatch import Arrived, Context, Dispatcher, ExchangeStats, Local, dispatcher
 from moe_train.moe.gemm import grouped_swiglu, resolve_backend
+from moe_train.moe.megablox import default_row_tile
 from moe_train.moe.permute import make_dispatch, permute, scatter_rows, sum_rows, unpermute
 from moe_train.moe.router import Routing, route_tokens
 from moe_train.moe.tiled import default_tile_rows
@@ -68,13 +69,24 @@ class Experts(NamedTuple):
     wo_EFH: jax.Array
     backend: str  # concrete grouped-GEMM backend
     tile_rows: int | None  # rows per tile of the tiled backend; None: sorted rows
+    row_tile: int = 1  # sorted rows are padded to a multiple of this (megablox's row tile)
+
+
+def row_tiles(backend: str, tile_rows: int | None, rows: int, experts: int) -> tuple[int | None, int]:
+    """(tile_rows, row_tile) of ``Experts`` for ``rows`` assignments to ``experts``: the tiled
+    backend's tile (``tile_rows`` or its default), megablox's row tile; else (None, 1)."""
+    if backend == "tiled":
+        return tile_rows or default_tile_rows(rows, experts), 1
+    if backend == "megablox":
+        return None, default_row_tile(rows, experts)
+    return None, 1
 
 
 def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
     """permute -> grouped_gemm -> unpermute on the rows that arrived at this shard."""
     E = experts.wi_0_EHF.shape[0]
     with jax.named_scope("permute"):
-        plan = make_dispatch(arrived.ids_AK, E + arrived.spare, experts.tile_rows)
+        plan = make_dispatch(arrived.ids_AK, E + arrived.spare, experts.tile_rows, experts.row_tile)
         if arrived.spare:  # id E (not here) is an extra group that no GEMM reads
             tiles = None if plan.tile_expert_P is None else jnp.minimum(plan.tile_expert_P, E - 1)
             plan = plan._replace(group_sizes_E=plan.group_sizes_E[:E], tile_expert_P=tiles)
@@ -83,7 +95,7 @@ def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
         w_R = None if w_AK is None else scatter_rows(w_AK.reshape(-1), plan.row_M, x_RH.shape[0])
     with jax.named_scope("grouped_gemm"):
         w0, w1, wo = experts.wi_0_EHF, experts.wi_1_EHF, experts.wo_EFH
-        y_RH = grouped_swiglu(x_RH, plan, w0, w1, wo, experts.backend, scale_R=w_R)
+        y_RH = grouped_swiglu(x_RH, plan, w0, w1, wo, experts.backend, scale_R=w_R, row_tile=experts.row_tile)
     with jax.named_scope("unpermute"):
         # assignments to no expert here (the spare id E) read zero, not the rows no GEMM wrote
         valid_M = arrived.ids_AK.reshape(-1) < E if arrived.spare else None
@@ -173,8 +185,9 @@ def dropless_moe(
     lead_shape = x_TH.shape[:-1]
     x_TH = x_TH.reshape(-1, H)
     name = resolve_backend(backend, x_TH.dtype, hidden=H, ffn=F)
-    m = (tile_rows or default_tile_rows(x_TH.shape[0] * routing.top_k, E)) if name == "tiled" else None
-    experts = Experts(wi_0_EHF, wi_1_EHF, wo_EFH, name, m)
+    experts = Experts(
+        wi_0_EHF, wi_1_EHF, wo_EFH, name, *row_tiles(name, tile_rows, x_TH.shape[0] * routing.top_k, E)
+    )
     xe_TH = x_TH if expert_input is None else expert_input.reshape(-1, H)
     y_TH, stats = moe_steps(
         x_TH, xe_TH, gate_kernel_HE, experts, routing, Local(), expert_bias=expert_bias, seq_len=seq_len
@@ -211,7 +224,7 @@ def ep_moe(
     # does; a shard receives T*K rows when routing is balanced.
     mesh = jax.sharding.get_abstract_mesh().shape
     shard_rows = x_TH.shape[0] // math.prod(mesh.values()) * routing.top_k
-    m = (tile_rows or default_tile_rows(shard_rows // plan.chunks, E // plan.ep)) if name == "tiled" else None
+    tiles = row_tiles(name, tile_rows, shard_rows // plan.chunks, E // plan.ep)
     exchange = dispatcher(Context(plan, E // plan.ep, mesh[EXPERT_X], mesh[EXPERT]))
     bias_E = jnp.zeros((E,), jnp.float32) if expert_bias is None else expert_bias
 
@@ -220,7 +233,7 @@ def ep_moe(
             x_TH,
             xe_TH,
             gate_HE,
-            Experts(w0, w1, wo, name, m),
+            Experts(w0, w1, wo, name, *tiles),
             routing,
             exchange,
             expert_bias=bias_E,
@@ -234,8 +247,14 @@ def ep_moe(
     experts = logical_spec("expert", None, None)
     spec_of: dict[str, Any] = {k: P() for k in moe_stats.KIND}  # MoEStats as a pytree of specs
     stat_specs = moe_stats.MoEStats(**spec_of)
+    # megablox's Pallas calls declare outputs without the mesh axes they vary along, which
+    # shard_map's type check (check_vma) refuses; without it shard_map sums the replicated
+    # inputs' gradients over the token axes itself (tests/test_megablox.py checks EP runs)
     fn = jax.shard_map(
-        shard, in_specs=(tokens, tokens, P(), experts, experts, experts, P()), out_specs=(tokens, stat_specs)
+        shard,
+        in_specs=(tokens, tokens, P(), experts, experts, experts, P()),
+        out_specs=(tokens, stat_specs),
+        check_vma=name != "megablox",
     )
     xe_TH = x_TH if expert_input is None else expert_input
     return fn(x_TH, xe_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, bias_E)

@@ -55,39 +55,68 @@ def _exclusive_cumsum(v_E: jax.Array) -> jax.Array:
     return jnp.cumsum(v_E) - v_E
 
 
-def sort_assignments(experts_TK: jax.Array, num_experts: int):
-    """Stable sort of the flat expert ids.
+# Counting sort (positions from per-expert counts: a cumsum over [M, E] one-hot ids) where E is
+# at most this, else a stable argsort of the M ids. The plan's time, counting / argsort, on
+# XLA:CPU (2 cores, 2026-12-06, ``python -m moe_train.bench --only permute``): 0.46x at E = 8
+# (M = 4,096), 0.37x at E = 32 (M = 16,384), 2.7x at E = 128 (M = 32,768).
+COUNTING_MAX_EXPERTS = 64
 
-    Returns (order_M: sorted position -> assignment n, sorted_experts_M, group_sizes_E).
+
+def sorted_positions(experts_TK: jax.Array, num_experts: int, method: str = "auto"):
+    """(pos_M: each assignment's position when sorted by expert, stable; group_sizes_E).
+
+    ``method``: ``counting`` (each position is its expert's start plus the assignments of the
+    same expert before it, from a cumsum of one-hot ids: no sort, no scatter), ``argsort`` (a
+    stable argsort, inverted by a scatter), ``auto``: counting where E <= COUNTING_MAX_EXPERTS.
     """
     experts_M = experts_TK.reshape(-1).astype(jnp.int32)
+    E, M = num_experts, experts_M.shape[0]
+    if method == "auto":
+        method = "counting" if E <= COUNTING_MAX_EXPERTS else "argsort"
+    if method == "counting":
+        onehot_ME = (experts_M[:, None] == jnp.arange(E, dtype=jnp.int32)).astype(jnp.int32)
+        seen_ME = jnp.cumsum(onehot_ME, axis=0)
+        group_sizes_E = seen_ME[-1]
+        rank_M = jnp.take_along_axis(seen_ME, experts_M[:, None], axis=1)[:, 0] - 1
+        return _exclusive_cumsum(group_sizes_E)[experts_M] + rank_M, group_sizes_E
+    if method != "argsort":
+        raise ValueError(f"unknown sort method {method!r}; one of auto, counting, argsort")
     order_M = jnp.argsort(experts_M, stable=True).astype(jnp.int32)
-    group_sizes_E = jnp.bincount(experts_M, length=num_experts).astype(jnp.int32)
-    return order_M, experts_M[order_M], group_sizes_E
+    group_sizes_E = jnp.bincount(experts_M, length=E).astype(jnp.int32)
+    pos_M = jnp.zeros((M,), jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32), unique_indices=True)
+    return pos_M, group_sizes_E
 
 
-def make_dispatch(experts_TK: jax.Array, num_experts: int, tile_rows: int | None = None) -> Dispatch:
-    """Plan for sorted rows (tile_rows=None, R = M) or the tiled layout (R = P*m)."""
+def make_dispatch(
+    experts_TK: jax.Array,
+    num_experts: int,
+    tile_rows: int | None = None,
+    row_multiple: int = 1,
+    method: str = "auto",
+) -> Dispatch:
+    """Plan for sorted rows (tile_rows=None: R = M rounded up to a multiple of ``row_multiple``,
+    the rows after the M sorted ones zero and in no group) or the tiled layout (R = P*m).
+    ``method``: how the assignments are sorted (``sorted_positions``). One scatter of M int32
+    (each row's token); validity comes from the group spans."""
     T, K = experts_TK.shape
     M = T * K
-    order_M, sorted_experts_M, group_sizes_E = sort_assignments(experts_TK, num_experts)
+    pos_M, group_sizes_E = sorted_positions(experts_TK, num_experts, method)
     if tile_rows is None:
-        R, tile_expert_P = M, None
-        dest_M = jnp.arange(M, dtype=jnp.int32)  # sorted position is the row
+        R, tile_expert_P, row_M = cdiv(M, row_multiple) * row_multiple, None, pos_M
+        valid_R = jnp.arange(R, dtype=jnp.int32) < M
     else:
         P, R = tiled_padding(M, num_experts, tile_rows)
-        group_start_E = _exclusive_cumsum(group_sizes_E)
-        padded_E = cdiv_array(group_sizes_E, tile_rows) * tile_rows
-        padded_start_E = _exclusive_cumsum(padded_E)
-        rank_M = jnp.arange(M, dtype=jnp.int32) - group_start_E[sorted_experts_M]
-        dest_M = padded_start_E[sorted_experts_M] + rank_M
+        experts_M = experts_TK.reshape(-1).astype(jnp.int32)
+        padded_start_E = _exclusive_cumsum(cdiv_array(group_sizes_E, tile_rows) * tile_rows)
+        row_M = pos_M + (padded_start_E - _exclusive_cumsum(group_sizes_E))[experts_M]
         tile_expert_P = tile_experts(padded_start_E, P, tile_rows)
+        owner_R = jnp.repeat(tile_expert_P, tile_rows, total_repeat_length=R)
+        rank_R = jnp.arange(R, dtype=jnp.int32) - padded_start_E[owner_R]
+        valid_R = (rank_R >= 0) & (rank_R < group_sizes_E[owner_R])
     token_R = (
-        jnp.zeros((R,), jnp.int32).at[dest_M].set(order_M // K, unique_indices=True, indices_are_sorted=True)
+        jnp.zeros((R,), jnp.int32).at[row_M].set(jnp.arange(M, dtype=jnp.int32) // K, unique_indices=True)
     )
-    valid_R = jnp.zeros((R,), bool).at[dest_M].set(True, unique_indices=True, indices_are_sorted=True)
-    row_M = jnp.zeros((M,), jnp.int32).at[order_M].set(dest_M, unique_indices=True)
-    return Dispatch(token_R, valid_R, row_M, group_sizes_E, tile_expert_P)
+    return Dispatch(token_R, valid_R, row_M, group_sizes_E.astype(jnp.int32), tile_expert_P)
 
 
 def tile_experts(padded_start_E: jax.Array, num_tiles: int, tile_rows: int) -> jax.Array:

@@ -165,6 +165,21 @@ def vary(a, axes: tuple):
     return lax.pcast(a, missing, to="varying") if missing else a
 
 
+def expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, scale_R=None, *, with_scale=True):
+    """(x, w0, w1, wo, group sizes[, s]) as the grouped-GEMM backends take them: the weights in
+    x's dtype, the group sizes int32, the rows' scale fp32 (1 where None; left out without
+    ``with_scale``), every one typed as varying along every mesh axis any of them does
+    (``vary``: the custom VJPs' gradients then have their operands' types, and the transpose
+    of that cast sums the weights' gradients over the token axes)."""
+    dtype = x_RH.dtype
+    ops = [x_RH, wi_0_EHF.astype(dtype), wi_1_EHF.astype(dtype), wo_EFH.astype(dtype)]
+    ops.append(group_sizes_E.astype(jnp.int32))
+    if with_scale:
+        ops.append(jnp.ones(x_RH.shape[:1], F32) if scale_R is None else scale_R.astype(F32))
+    axes = varying_axes(*ops)
+    return tuple(vary(a, axes) for a in ops)
+
+
 def _zeros(shape, dtype, axes: tuple, after: jax.Array):
     """Zeros typed as varying along ``axes``, so loop carries keep one type under shard_map;
     made after ``after`` (``permute.zeros_after``: not scheduled early and held)."""
@@ -349,20 +364,11 @@ def tiled_swiglu(
     """
     if two_walks is None:
         two_walks = jax.default_backend() == "gpu"
-    dtype = x_RH.dtype
     # Blocks larger than R never run (a span has at most R rows): the same blocks run for
     # every R, so results do not depend on the buffer size.
     block_rows = min(block_rows, x_RH.shape[0])
-    ops = (
-        x_RH,
-        wi_0_EHF.astype(dtype),
-        wi_1_EHF.astype(dtype),
-        wo_EFH.astype(dtype),
-        group_sizes_E.astype(jnp.int32),
-        jnp.ones(x_RH.shape[:1], F32) if scale_R is None else scale_R.astype(F32),
-    )
-    axes = varying_axes(*ops)
-    return _tiled(*(vary(a, axes) for a in ops), tile_rows, block_rows, two_walks)
+    ops = expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, scale_R)
+    return _tiled(*ops, tile_rows, block_rows, two_walks)
 
 
 def executed_rows(group_sizes_E, tile_rows: int):

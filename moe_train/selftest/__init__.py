@@ -7,7 +7,7 @@ with the run's shapes (reduced) on this process's first device, forward and back
 an fp32 reference on the same device (``moe_train.selftest.checks``).
 
 - ``auto`` takes the fastest candidate that passes. Candidates are listed fastest first as
-  measured on each platform (``make bench`` / ``make bench-gpu``); on a GPU the grouped-GEMM
+  measured on each platform (``make bench`` / ``make bench-accel``); on a GPU the grouped-GEMM
   candidates that pass are also timed on the problem and one is preferred to an earlier-listed
   one only when it is more than ``SPEED_MARGIN`` faster. A resumed run keeps the kernel its run
   directory recorded (``kernels.json``) while that one still passes, so a resume computes what

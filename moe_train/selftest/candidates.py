@@ -26,12 +26,13 @@ from moe_train.selftest import checks
 
 MAX_WIDTH = 256  # hidden / expert ffn of the grouped-GEMM problem (multiple of 64: mgpu)
 MAX_EXPERTS = 8
-TOKENS = {"gpu": 256, "cpu": 64}  # tokens of the grouped-GEMM problem
+TOKENS = {"gpu": 256, "tpu": 256, "cpu": 64}  # tokens of the grouped-GEMM problem
 SEQ = {"gpu": 256, "cpu": 64}  # sequence length of the attention problem
 GEMM_ORDER = {
     "half": ("te", "mgpu", "tiled", "ragged_dot"),
     "fp32": ("tiled", "ragged_dot"),
     "cpu": ("tiled", "ragged_dot"),
+    "tpu": ("megablox", "tiled", "ragged_dot"),
 }
 ATTENTION_ORDER = ("cudnn", "te", "chunked", "xla")
 
@@ -68,7 +69,10 @@ def gemm_candidates(cfg: Config, platform: str) -> list[str]:
 
     dtype = compute_dtype(cfg.precision)
     e, H = cfg.moe, cfg.model.hidden
-    order = GEMM_ORDER["cpu" if platform != "gpu" else ("fp32" if dtype == "float32" else "half")]
+    if platform == "gpu":
+        order = GEMM_ORDER["fp32" if dtype == "float32" else "half"]
+    else:
+        order = GEMM_ORDER["tpu" if platform == "tpu" else "cpu"]
     ok = [b for b in order if gemm._unavailable_reason(b, dtype, H, e.expert_ffn) is None]
     if e.backend != "auto" and e.backend not in ok:
         reason = gemm._unavailable_reason(e.backend, dtype, H, e.expert_ffn)

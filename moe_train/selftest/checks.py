@@ -194,13 +194,13 @@ def gemm_operands(p: GemmProblem) -> dict[str, jax.Array]:
 def gemm_layer(backend: str, num_experts: int, tile_rows: int) -> Callable:
     """(x, w0, w1, wo, experts, weights) -> y [T, H]: the MoE layer's expert steps (permute,
     grouped SwiGLU with each row scaled by its combine weight, unpermute) on one device."""
-    from moe_train.moe import layer, tiled
+    from moe_train.moe import layer
     from moe_train.moe.dispatch import Arrived
 
     def fn(x, w0, w1, wo, experts, weights):
-        m = tile_rows or tiled.default_tile_rows(experts.size, num_experts) if backend == "tiled" else None
+        tiles = layer.row_tiles(backend, tile_rows, experts.size, num_experts)
         arrived = Arrived(x, experts, weights, x.dtype, spare=False)
-        return layer.expert_steps(arrived, layer.Experts(w0, w1, wo, backend, m))
+        return layer.expert_steps(arrived, layer.Experts(w0, w1, wo, backend, *tiles))
 
     return fn
 

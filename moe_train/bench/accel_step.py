@@ -1,0 +1,173 @@
+"""The step section of ``python -m moe_train.bench --accel``: a MoE model and its dense twin
+trained a few steps with the trainer's own jitted step (``moe_train.train.step``), on one device.
+
+The dense twin has the MoE model's active FLOPs: one expert of ffn ``top_k * expert_ffn``
+(``moe.num_experts=1 moe.top_k=1 moe.expert_ffn=...``), everything else the same. Each model
+is built and compiled, stepped once (warm-up), then ``steps`` times, each timed to completion;
+its state is freed before the next model is built (two 0.5B-parameter AdamW states do not fit
+one 16 GiB chip together). TFLOP/s count the trainer's model FLOPs
+(``moe_train.model.flops.train_flops_per_token``: active parameters and causal attention,
+no recomputation), MFU divides them by the device's dense bf16 peak (``topology.peaks``).
+A step that does not fit (XLA's RESOURCE_EXHAUSTED) is reported as a row that says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from moe_train import config
+from moe_train.bench.common import compile_jit, summarize
+from moe_train.model.flops import param_counts, train_flops_per_token
+from moe_train.moe.gemm import resolve_backend
+from moe_train.parallel import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+    """A MoE model for the step section: a preset and ``--set`` items over it."""
+
+    preset: str  # the preset the overrides apply to
+    overrides: tuple[str, ...]  # --set items (KEY=VALUE) that make the MoE model
+    steps: int = 5  # timed steps after the warm-up step
+
+
+# The issue's model for one TPU v5e (about 0.5B parameters, 15.75 GiB of HBM).
+FULL = StepModel(
+    "tiny",
+    (
+        "model.vocab_size=32768",
+        "model.hidden=1024",
+        "model.num_layers=8",
+        "model.num_heads=8",
+        "model.num_kv_heads=4",
+        "model.head_dim=128",
+        "model.attention=chunked",
+        "moe.num_experts=32",
+        "moe.top_k=4",
+        "moe.expert_ffn=512",
+        "train.seq_len=2048",
+        "train.batch_size=8",
+        "precision.compute=bf16",
+        "data.source=synthetic",
+        "parallel.devices=1",
+    ),
+)
+TINY = StepModel(
+    "tiny",
+    ("model.attention=chunked", "precision.compute=bf16", "data.source=synthetic", "parallel.devices=1"),
+    steps=3,
+)
+
+
+def configs(model: StepModel) -> dict[str, config.Config]:
+    """{"moe": the model, "dense twin": one expert of ffn top_k * expert_ffn}."""
+    moe = config.build(model.preset, list(model.overrides))
+    twin = [
+        "moe.num_experts=1",
+        "moe.top_k=1",
+        f"moe.expert_ffn={moe.moe.top_k * moe.moe.expert_ffn}",
+        "moe.num_groups=0",
+        "moe.group_top_k=0",
+    ]
+    return {"moe": moe, "dense twin": config.build(model.preset, [*model.overrides, *twin])}
+
+
+def _batch(cfg: config.Config, mesh) -> jax.Array:
+    t = cfg.train
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1))
+    return jax.device_put(tokens.astype(np.int32), sharding.batch_sharding(mesh))
+
+
+def _timed_steps(cfg: config.Config, steps: int) -> tuple[list[float], float]:
+    """(seconds of each timed step, compile seconds) of the trainer's step on one device."""
+    from moe_train.train.step import StepCounter, init_state, make_train_step
+
+    mesh = sharding.make_mesh(jax.devices()[:1])
+    batch = _batch(cfg, mesh)
+    with sharding.activate(mesh):
+        state = init_state(cfg, mesh)
+        fn = make_train_step(cfg, mesh, StepCounter(), jax.tree.map(lambda a: a.sharding, state))
+        compiled, _, compile_s = compile_jit(fn, state, batch)
+        state, _ = compiled(state, batch)  # warm-up
+        jax.block_until_ready(state)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            state, _ = compiled(state, batch)
+            jax.block_until_ready(state)
+            times.append(time.perf_counter() - t0)
+    del state
+    return times, compile_s
+
+
+def failure(err: BaseException) -> str:
+    """One line for a row that failed: the exception's type and its first line."""
+    first = (str(err).strip() or "?").splitlines()[0]
+    return f"failed: {type(err).__name__}: {first[:300]}"
+
+
+def describe(cfg: config.Config) -> dict[str, Any]:
+    """The model's shape and size, as a row names it."""
+    m, e, t = cfg.model, cfg.moe, cfg.train
+    counts = param_counts(cfg)
+    return {
+        "hidden": m.hidden,
+        "layers": m.num_layers,
+        "experts": e.num_experts,
+        "top_k": e.top_k,
+        "expert_ffn": e.expert_ffn,
+        "seq_len": t.seq_len,
+        "batch_size": t.batch_size,
+        "params": counts["total"],
+        "active_params": counts["active"],
+        "train_flops_per_token": train_flops_per_token(cfg),
+    }
+
+
+def measure(cfg: config.Config, steps: int, peak: float | None) -> dict[str, Any]:
+    """One model's row: tokens/s, TFLOP/s per device and MFU; or why it did not run."""
+    dtype = config.compute_dtype(cfg.precision)
+    backend = resolve_backend(cfg.moe.backend, dtype, hidden=cfg.model.hidden, ffn=cfg.moe.expert_ffn)
+    row = describe(cfg) | {"backend": backend, "skipped": None}
+    try:
+        times, compile_s = _timed_steps(cfg, steps)
+    except Exception as err:  # RESOURCE_EXHAUSTED, a kernel refusing a shape: a row, not a lost run
+        return row | {"skipped": failure(err)}
+    timing = summarize(times)
+    tokens_per_s = cfg.train.batch_size * cfg.train.seq_len / timing["median_s"]
+    tflops = row["train_flops_per_token"] * tokens_per_s / 1e12
+    return row | {
+        "time": timing,
+        "compile_s": compile_s,
+        "tokens_per_s": tokens_per_s,
+        "tflops_per_device": tflops,
+        "mfu": tflops * 1e12 / peak if peak else None,
+    }
+
+
+def run(model: StepModel, deadline: float, peak: float | None, say=print) -> dict[str, Any]:
+    """Both models' rows (skipped after ``deadline``) and the MoE / dense TFLOP/s ratio."""
+    rows = {}
+    for name, cfg in configs(model).items():
+        if time.perf_counter() > deadline:
+            r = describe(cfg) | {"skipped": "over the run's time budget"}
+        else:
+            r = measure(cfg, model.steps, peak)
+        rows[name] = r = {"model": name, **r}
+        say(
+            f"step {name}: "
+            + (r["skipped"] or f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_device']:.3g} TFLOP/s")
+        )
+    moe, dense = rows["moe"], rows["dense twin"]
+    both = not moe["skipped"] and not dense["skipped"]
+    return {
+        "model": dataclasses.asdict(model),
+        "rows": rows,
+        "moe_over_dense_tflops": moe["tflops_per_device"] / dense["tflops_per_device"] if both else None,
+        "peak_flops": peak,
+    }

@@ -1,0 +1,163 @@
+"""The permutation alone: what routing and moving rows cost, without the experts.
+
+Rows per shape (T tokens, H hidden, F expert ffn, E experts, top-K): the dispatch plan
+(``permute.make_dispatch``: each assignment's sorted position, one scatter of the rows'
+tokens) by counting sort and by argsort, and the whole permutation forward+backward by each
+(router, top-k, plan, row gather, each row scaled by its combine weight in place of the
+experts, gather back, sum over K; gradients with respect to x and the gate), all timed side
+by side with a dense SwiGLU forward+backward on the T*K useful rows (the experts' FLOPs: the
+limit the layer is measured against). The issue's bar: the permutation at most 0.25x of that
+dense time at Qwen3's shape on the chip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from moe_train.bench.common import compile_jit, markdown_table, ratio_stats, time_rounds
+from moe_train.bench.layer import dense_fn, operands
+from moe_train.moe import Routing
+from moe_train.moe.permute import (
+    COUNTING_MAX_EXPERTS,
+    make_dispatch,
+    permute,
+    scatter_rows,
+    sum_rows,
+    unpermute,
+)
+from moe_train.moe.router import route_tokens
+from moe_train.moe.routings import MoEShape
+
+TITLE = "Permutation alone: counting sort vs argsort, against the dense limit"
+METHODS = ("counting", "argsort")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    shapes: tuple[MoEShape, ...]  # layer problems; E spans the counting/argsort switch
+    min_reps: int  # timed rounds at least
+    max_reps: int  # timed rounds at most
+    target_s: float  # rounds are added up to about this many seconds
+    dtype: str = "float32"  # activations' dtype
+
+
+FULL = Sizes(
+    shapes=(
+        MoEShape(2048, 256, 512, 8, 2),
+        MoEShape(2048, 512, 256, 32, 8),
+        MoEShape(4096, 256, 128, 128, 8),
+    ),
+    min_reps=3,
+    max_reps=10,
+    target_s=3.0,
+)
+ACCEL = Sizes(  # on the accelerator, beside the layer rows of ``--accel``: the issue's shapes
+    shapes=(
+        MoEShape(8192, 4096, 14336, 8, 2),
+        MoEShape(16384, 2048, 768, 128, 8),
+        MoEShape(8192, 7168, 2048, 32, 8),
+    ),
+    min_reps=3,
+    max_reps=10,
+    target_s=2.0,
+    dtype="bfloat16",
+)
+GOAL_OVER_DENSE = 0.25  # the permutation (auto's method) at most this of the dense time at E = 128
+QUICK = Sizes(
+    shapes=(MoEShape(256, 32, 64, 8, 2), MoEShape(256, 32, 32, 128, 8)),
+    min_reps=3,
+    max_reps=3,
+    target_s=0.05,
+)
+
+
+def log(msg: str) -> None:
+    print(f"[bench permute] {msg}", file=sys.stderr, flush=True)
+
+
+def plan_fn(num_experts: int, method: str):
+    """jit of ids [T, K] -> the dispatch plan on sorted rows."""
+    return jax.jit(lambda ids: make_dispatch(ids, num_experts, None, 1, method))
+
+
+def permutation_fn(shape: MoEShape, method: str):
+    """jit of (x, gate, dy) -> gradients of <y, dy> w.r.t. x and the gate, where y is the MoE
+    layer's pipeline with each expert replaced by its row's combine weight."""
+    routing, E, K = Routing(shape.top_k), shape.experts, shape.top_k
+
+    def loss(x, gate, dy):
+        weights_TK, experts_TK, _ = route_tokens(x, gate, routing)
+        plan = make_dispatch(experts_TK, E, None, 1, method)
+        x_RH = permute(x, plan)
+        w_R = scatter_rows(weights_TK.reshape(-1), plan.row_M, x_RH.shape[0])
+        y_MH = unpermute((x_RH * w_R[:, None]).astype(x.dtype), plan)
+        return jnp.vdot(sum_rows(y_MH, K, x.dtype).astype(jnp.float32), dy)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def shape_rows(shape: MoEShape, s: Sizes) -> list[dict[str, Any]]:
+    """Plans and permutations by each method next to the dense SwiGLU, timed side by side."""
+    dtype = jnp.dtype(s.dtype)
+    (x, gate, *_), dense_ops, dy, dy_n = operands(shape, dtype)
+    _, ids = jax.lax.top_k(x.astype(jnp.float32) @ gate, shape.top_k)
+    fns: dict[str, tuple] = {"dense": (compile_jit(dense_fn(), *dense_ops, dy_n)[0], (*dense_ops, dy_n))}
+    for method in METHODS:
+        fns[f"plan {method}"] = (compile_jit(plan_fn(shape.experts, method), ids)[0], (ids,))
+        fns[f"permutation {method}"] = (
+            compile_jit(permutation_fn(shape, method), x, gate, dy)[0],
+            (x, gate, dy),
+        )
+    timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s)
+    rows = []
+    for name, timing in timings.items():
+        row = {**dataclasses.asdict(shape), "what": name, "median_s": timing["median_s"], "dtype": dtype.name}
+        rows.append(dict(row, **ratio_stats(timing, timings["dense"])))
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    header = ("T", "H", "F", "E", "K", "what", "ms", "/ dense")
+    body = [
+        (r["tokens"], r["hidden"], r["ffn"], r["experts"], r["top_k"], r["what"])
+        + (f"{r['median_s'] * 1e3:.2f}", f"{r['ratio']:.2f}")
+        for r in rows
+    ]
+    return f"## {TITLE}\n\n" + markdown_table(header, body)
+
+
+def goal(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The issue's bar on the permutation ``auto`` runs, at the shape with the most experts."""
+    if not rows:
+        return None
+    E = max(r["experts"] for r in rows)
+    method = "counting" if E <= COUNTING_MAX_EXPERTS else "argsort"
+    row = next(r for r in rows if r["experts"] == E and r["what"] == f"permutation {method}")
+    return {
+        "goal": f"permutation ({method}) / dense at T {row['tokens']}, E {E}, top-{row['top_k']}",
+        "measured": row["ratio"],
+        "target": GOAL_OVER_DENSE,
+        "met": row["ratio"] <= GOAL_OVER_DENSE,
+    }
+
+
+def run(s: Sizes, with_goal: bool = False) -> dict[str, Any]:
+    """Every shape's rows; ``with_goal``: the issue's bar on the chip, met or not."""
+    rows = []
+    for shape in s.shapes:
+        rows += shape_rows(shape, s)
+        log(
+            f"T={shape.tokens} E={shape.experts} K={shape.top_k}: "
+            + ", ".join(f"{r['what']} {r['ratio']:.2f}x" for r in rows[-5:] if r["what"] != "dense")
+        )
+    bar = goal(rows) if with_goal else None
+    md = markdown(rows)
+    if bar:
+        verdict = "met" if bar["met"] else "not met"
+        md += f"\n\nGoal: {bar['goal']} {bar['measured']:.2f}x, target <= {bar['target']:.2f}x: {verdict}."
+    return {"title": TITLE, "sizes": dataclasses.asdict(s), "rows": rows, "goal": bar, "markdown": md}

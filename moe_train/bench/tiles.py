@@ -1,0 +1,218 @@
+"""The megablox tile sweep (``python -m moe_train.bench --accel --tune [--write-tiles]``).
+
+For each GEMM the ``megablox`` backend runs at the expert shapes of Mixtral, Qwen3 and
+DeepSeek-V3 (``moe_train.moe.megablox``: the forward's ``x @ [wi_0|wi_1]`` and ``h @ wo``,
+the rows' gradients through the transposed weights, the weights' gradients by ``tgmm``), on
+pre-sorted balanced rows in bf16, every candidate tile (tm, tk, tn) is compiled and timed
+side by side with a dense matmul of the same FLOPs. A tile that does not compile (Mosaic
+runs out of VMEM) is listed with its error's first line. The fastest tile of each (GEMM
+kind, k, n) is the result; ``--write-tiles`` writes those into the table the backend reads
+(``megablox.TILE_FILE``, under this device's kind, other kinds kept) with the date, jax
+version, commit and command. Off a TPU the kernels run in Pallas interpret mode (``--tiny``:
+toy sizes, the code path's test on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from moe_train.bench.common import markdown_table, time_rounds
+from moe_train.moe import megablox
+from moe_train.moe.routings import MoEShape
+
+TITLE = "megablox tiles: each GEMM's candidates against a dense matmul of the same FLOPs"
+Say = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    shapes: tuple[tuple[str, MoEShape], ...]  # (model, expert shape): rows = T * top-k
+    candidates: tuple[megablox.Tile, ...]  # tiles tried for every GEMM
+    min_reps: int = 3  # timed rounds at least
+    max_reps: int = 10  # timed rounds at most
+    target_s: float = 1.0  # rounds are added up to about this many seconds per GEMM
+    budget_s: float = 420.0  # GEMMs that would start after this are listed as skipped
+    dtype: str = "bfloat16"  # operands' dtype
+
+
+FULL = Sizes(
+    shapes=(
+        ("mixtral-8x7b", MoEShape(8192, 4096, 14336, 8, 2)),
+        ("qwen3-30b-a3b", MoEShape(16384, 2048, 768, 128, 8)),
+        ("deepseek-v3-like", MoEShape(8192, 7168, 2048, 32, 8)),
+    ),
+    candidates=(
+        (512, 512, 512),
+        (512, 1024, 1024),
+        (512, 512, 1024),
+        (512, 1024, 512),
+        (256, 1024, 1024),
+        (256, 512, 1024),
+        (1024, 512, 512),
+        (1024, 512, 1024),
+        (512, 256, 2048),
+        (512, 2048, 256),
+        (256, 2048, 512),
+        (128, 1024, 2048),
+    ),
+)
+TINY = Sizes(
+    shapes=(("tiny", MoEShape(64, 128, 256, 4, 2)),),
+    candidates=((128, 128, 128), (64, 128, 256)),
+    min_reps=1,
+    max_reps=1,
+    target_s=0.0,
+    budget_s=120.0,
+    dtype="float32",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    name: str  # which of the backend's GEMMs
+    kind: str  # megablox.KINDS: the table's key with (k, n)
+    k: int  # contraction
+    n: int  # output columns
+    transpose_rhs: bool = False  # the rows' gradients multiply by the transposed weights
+
+
+def gemms(shape: MoEShape) -> tuple[Gemm, ...]:
+    """The six GEMMs of the fused SwiGLU and its backward at one expert shape."""
+    H, F = shape.hidden, shape.ffn
+    return (
+        Gemm("x @ [wi_0|wi_1]", "fwd", H, 2 * F),
+        Gemm("h @ wo", "fwd", F, H),
+        Gemm("dy @ wo^T", "dlhs", H, F, True),
+        Gemm("da @ [wi_0|wi_1]^T", "dlhs", 2 * F, H, True),
+        Gemm("x^T da", "drhs", H, 2 * F),
+        Gemm("(h s)^T dy", "drhs", F, H),
+    )
+
+
+def _operands(g: Gemm, rows: int, experts: int, dtype):
+    """(lhs [rows, k], rhs, balanced group sizes [E]) drawn on the device."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    lhs = jax.random.normal(keys[0], (rows, g.k), dtype)
+    if g.kind == "drhs":
+        rhs = jax.random.normal(keys[1], (rows, g.n), dtype)
+    else:
+        shape = (experts, g.n, g.k) if g.transpose_rhs else (experts, g.k, g.n)
+        rhs = jax.random.normal(keys[1], shape, dtype) * g.k**-0.5
+    return lhs, rhs, jnp.full((experts,), rows // experts, jnp.int32)
+
+
+def _kernel_fn(g: Gemm, tile: megablox.Tile):
+    kernels, interpret = megablox._kernels(), jax.default_backend() != "tpu"
+    if g.kind == "drhs":
+        return jax.jit(lambda a, b, gs: kernels.tgmm(a.T, b, gs, b.dtype, tiling=tile, interpret=interpret))
+    return jax.jit(
+        lambda a, b, gs: kernels.gmm(
+            a, b, gs, a.dtype, tiling=tile, transpose_rhs=g.transpose_rhs, interpret=interpret
+        )
+    )
+
+
+def _dense_fn():
+    return jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+
+
+def _compile(fn, args) -> tuple[Any, str | None]:
+    try:
+        return fn.lower(*args).compile(), None
+    except Exception as err:  # Mosaic's VMEM exhaustion, or a tile the kernel refuses
+        return None, (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def gemm_rows(model: str, shape: MoEShape, g: Gemm, s: Sizes) -> list[dict[str, Any]]:
+    """Every candidate tile of one GEMM, timed beside the dense matmul of its FLOPs."""
+    rows, dtype = shape.tokens * shape.top_k, jnp.dtype(s.dtype)
+    lhs, rhs, sizes_E = _operands(g, rows, shape.experts, dtype)
+    dense_b = jnp.ones((g.k, g.n), dtype)
+    fns: dict[Any, tuple] = {"dense": (_dense_fn(), (lhs, dense_b))}
+    base = dict(model=model, gemm=g.name, kind=g.kind, m=rows, k=g.k, n=g.n, experts=shape.experts)
+    out = []
+    for tile in dict.fromkeys(megablox.clamp_tile(t, rows, g.k, g.n) for t in s.candidates):
+        compiled, error = _compile(_kernel_fn(g, tile), (lhs, rhs, sizes_E))
+        if error:
+            out.append(dict(base, tile=list(tile), error=error))
+        else:
+            fns[tile] = (compiled, (lhs, rhs, sizes_E))
+    timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s)
+    dense_s = timings.pop("dense")["median_s"]
+    for tile, t in timings.items():
+        out.append(dict(base, tile=list(tile), median_s=t["median_s"], ratio=t["median_s"] / dense_s))
+    return out
+
+
+def best(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
+    """{kind: {"KxN": fastest tile}} over the rows that ran (summed over models sharing k, n)."""
+    total: dict[tuple[str, str, tuple], float] = {}
+    for r in rows:
+        if "median_s" in r:
+            key = (r["kind"], f"{r['k']}x{r['n']}", tuple(r["tile"]))
+            total[key] = total.get(key, 0.0) + r["median_s"]
+    out: dict[str, dict[str, list[int]]] = {}
+    for (kind, kn, tile), _secs in sorted(total.items(), key=lambda kv: kv[1]):
+        out.setdefault(kind, {}).setdefault(kn, list(tile))
+    return out
+
+
+def write_table(path: Path, device_kind: str, tiles: dict, provenance: dict[str, Any]) -> None:
+    """Put ``tiles`` under ``device_kind`` in the table at ``path`` (other kinds kept)."""
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    table.setdefault("tiles", {})[device_kind] = tiles
+    table["measured"] = [m for m in table.get("measured", []) if m.get("device_kind") != device_kind]
+    table["measured"].append(dict(provenance, device_kind=device_kind))
+    table.setdefault("written_by", "python -m moe_train.bench --accel --tune --write-tiles")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    megablox.load_table.cache_clear()
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    header = ("model", "GEMM", "m", "k", "n", "tile", "ms", "/ dense")
+    body = [
+        (r["model"], r["gemm"], r["m"], r["k"], r["n"], "x".join(map(str, r["tile"])))
+        + ((f"{r['median_s'] * 1e3:.2f}", f"{r['ratio']:.2f}") if "median_s" in r else ("-", r["error"]))
+        for r in rows
+    ]
+    return f"## {TITLE}\n\n" + markdown_table(header, body)
+
+
+def run(s: Sizes, say: Say = print, write: Path | None = None, provenance: dict | None = None) -> dict:
+    """Sweep every GEMM of every shape; with ``write``, put the fastest tiles in that table."""
+    t0, rows = time.perf_counter(), []
+    for model, shape in s.shapes:
+        for g in gemms(shape):
+            if time.perf_counter() - t0 > s.budget_s:
+                rows.append(dict(model=model, gemm=g.name, kind=g.kind, k=g.k, n=g.n, skipped="budget"))
+                continue
+            got = gemm_rows(model, shape, g, s)
+            rows += got
+            ran = [r for r in got if "ratio" in r]
+            fastest = min(ran, key=lambda r: r["ratio"]) if ran else None
+            say(
+                f"{model} {g.name}: "
+                + (
+                    f"best {fastest['tile']} at {fastest['ratio']:.2f}x dense"
+                    if fastest
+                    else "no tile compiled"
+                )
+            )
+    tiles, kind = best(rows), jax.devices()[0].device_kind
+    if write is not None:
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+        write_table(write, kind, tiles, dict(provenance or {}, date=stamp, jax=jax.__version__))
+        say(f"wrote the fastest tiles for {kind!r} to {write}")
+    ran = [r for r in rows if "gemm" in r and "skipped" not in r]
+    return {"title": TITLE, "device_kind": kind, "rows": rows, "best": tiles, "markdown": markdown(ran)}

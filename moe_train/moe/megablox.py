@@ -1,0 +1,230 @@
+"""The ``megablox`` grouped-GEMM backend: JAX's Pallas TPU grouped matmuls (megablox ``gmm`` and
+``tgmm``) with the SwiGLU fused into one custom VJP and a tile per GEMM.
+
+Shape letters (``moe_train.base.notation``): R dispatched rows (sorted by expert, then rows in no
+group: padding to the row tile and, under expert parallelism, the spare group of rows that no
+expert here takes), H hidden, F expert ffn (F2 = 2F: gate and up side by side), E experts.
+
+Forward, on rows sorted by expert (``permute.make_dispatch`` with ``row_multiple``):
+``a = x @ [wi_0|wi_1]`` (one GEMM of 2F columns; the two weights are concatenated in the
+forward and again in the backward, never kept, so checkpoints and conversions keep ``wi_0``
+and ``wi_1``), ``h = silu(a0) * a1 * s`` in
+fp32 (``s``: each row's scale, its combine weight), ``y = h @ wo``. Backward: ``dhs = dy @
+wo^T``, ``da`` from ``a`` and ``dhs`` in fp32, ``dx = da @ [wi_0|wi_1]^T`` (megablox ``gmm``
+with ``transpose_rhs``), ``dw01 = x^T da`` and ``dwo = (h s)^T dy`` per expert (``tgmm``).
+Six GEMMs of three kinds, each with its own tile (``tiles_for``): ``fwd`` (the forward's two),
+``dlhs`` (the rows' gradients), ``drhs`` (the weights' gradients), as MaxText exposes them.
+
+Tiles (tm, tk, tn) come from a table measured on the chip and shipped with the kit
+(``moe_train/assets/megablox_tiles.json``, written by ``python -m moe_train.bench --accel
+--tune``), keyed by the JAX device kind, the GEMM kind and (k, n); a shape the table lacks
+takes ``DEFAULT_TILE`` clamped to the shape, which compiled and ran at each of the three
+shapes of issue 49 on a TPU v5e (1.48-2.38x the dense limit for the three GEMMs); the larger
+(512, 1024, 1024) ran out of VMEM at two of them. megablox needs the rows to be a multiple of
+tm: the dispatch pads them to ``default_row_tile`` (rows in no group are neither read by the kernels
+nor computed; the outputs zero them).
+
+Off a TPU the kernels run in Pallas interpret mode (the tests on CPU); ``gemm.resolve_backend``
+offers the backend on TPUs only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from moe_train.moe.tiled import expert_operands, vary, varying_axes
+from moe_train.moe.vjp import custom_vjp
+
+F32 = jnp.float32
+Tile = tuple[int, int, int]  # (tm, tk, tn): rows, contraction and output columns of one block
+KINDS = ("fwd", "dlhs", "drhs")  # the GEMM kinds a tile is chosen for
+DEFAULT_TILE: Tile = (512, 512, 512)
+MIN_ROW_TILE = 16  # rows: bf16 packs 16 rows in a TPU vreg's sublanes
+LANES = 128  # tk and tn are multiples of this (the TPU's lane width) or the whole dimension
+TILE_FILE = Path(__file__).resolve().parents[1] / "assets" / "megablox_tiles.json"
+
+
+def _kernels():
+    """JAX's megablox kernel module (``gmm``, ``tgmm``); the package re-exports only ``gmm``."""
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def import_error() -> str | None:
+    """Why the megablox kernels cannot be imported here (None when they can)."""
+    try:
+        _kernels()
+    except Exception as err:  # ImportError, or a jax build without Pallas TPU
+        return f"cannot import JAX's Pallas megablox kernels ({type(err).__name__}: {err})"
+    return None
+
+
+# ----------------------------------------------------------------------------- tiles
+
+
+@functools.cache
+def load_table(path: Path = TILE_FILE) -> dict:
+    """The measured tiles: {device kind: {kind: {"KxN": [tm, tk, tn]}}} ({} without a file)."""
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text()).get("tiles", {})
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << max(0, int(n).bit_length() - 1)
+
+
+def default_row_tile(rows: int, experts: int) -> int:
+    """The row tile tm that the dispatch pads the rows to a multiple of: ``DEFAULT_TILE``'s,
+    smaller where the experts' mean load is (a tile of rows mostly in no group is waste)."""
+    mean = max(1, rows // max(1, experts))
+    return max(MIN_ROW_TILE, min(DEFAULT_TILE[0], _pow2_floor(mean)))
+
+
+def _clamp(t: int, dim: int) -> int:
+    """A tile of at most ``dim`` rounded up to the lane width: the whole dimension in one block
+    where it is smaller than ``t``."""
+    return t if dim >= t else -(-dim // LANES) * LANES
+
+
+def tiles_for(kind: str, row_tile: int, k: int, n: int, device_kind: str | None = None) -> Tile:
+    """The tile of one GEMM: the table's entry for (device kind, ``kind``, k x n), else
+    ``DEFAULT_TILE``; tm at most ``row_tile`` (the rows' padding), tk and tn at most the
+    dimension rounded up to the lane width."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown GEMM kind {kind!r}; one of {KINDS}")
+    kind_of_device = device_kind if device_kind is not None else jax.devices()[0].device_kind
+    entry = load_table().get(kind_of_device, {}).get(kind, {}).get(f"{k}x{n}")
+    return clamp_tile(tuple(entry) if entry else DEFAULT_TILE, row_tile, k, n)
+
+
+def clamp_tile(tile, row_tile: int, k: int, n: int) -> Tile:
+    """``tile`` fitted to a GEMM: tm at most ``row_tile``, tk and tn at most k and n rounded up
+    to the lane width."""
+    tm, tk, tn = tile
+    return min(tm, row_tile), _clamp(tk, k), _clamp(tn, n)
+
+
+# ----------------------------------------------------------------------------- GEMMs
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "tpu"
+
+
+def _gmm(kind, lhs, rhs, group_sizes_E, row_tile, out_dtype, transpose_rhs=False):
+    """Per-group ``lhs @ rhs[e]`` (``rhs[e]^T`` with ``transpose_rhs``) on the sorted rows."""
+    k = lhs.shape[1]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out = _kernels().gmm(
+        lhs,
+        rhs,
+        group_sizes_E,
+        preferred_element_type=out_dtype,
+        tiling=tiles_for(kind, row_tile, k, n),
+        transpose_rhs=transpose_rhs,
+        interpret=_interpret(),
+    )
+    return vary(out, varying_axes(lhs, rhs))
+
+
+def _tgmm(lhs_RK, rhs_RN, group_sizes_E, row_tile, out_dtype):
+    """Per-group ``lhs[rows of e]^T @ rhs[rows of e]`` [E, K, N] (zero for empty groups)."""
+    k, n = lhs_RK.shape[1], rhs_RN.shape[1]
+    out = _kernels().tgmm(
+        lhs_RK.swapaxes(0, 1),
+        rhs_RN,
+        group_sizes_E,
+        preferred_element_type=out_dtype,
+        tiling=tiles_for("drhs", row_tile, k, n),
+        interpret=_interpret(),
+    )
+    return vary(out, varying_axes(lhs_RK, rhs_RN))
+
+
+def _rows_in_groups(a, group_sizes_E):
+    """``a`` with the rows after the last group zeroed (the kernels leave them unwritten)."""
+    row_R = jax.lax.broadcasted_iota(jnp.int32, (a.shape[0],) + (1,) * (a.ndim - 1), 0)
+    return jnp.where(row_R < jnp.sum(group_sizes_E), a, jnp.zeros((), a.dtype))
+
+
+def _swiglu(a_RF2, s_R):
+    """(h * s, silu(a0), sigmoid(a0), a0, a1) in fp32."""
+    a0, a1 = jnp.split(a_RF2.astype(F32), 2, axis=1)
+    sig = jax.nn.sigmoid(a0)
+    silu = a0 * sig
+    return silu * a1 * s_R[:, None], silu, sig, a0, a1
+
+
+def _w01(w0_EHF, w1_EHF):
+    """[wi_0 | wi_1] [E, H, 2F]: made in the forward and again in the backward, never kept."""
+    return jnp.concatenate([w0_EHF, w1_EHF], axis=2)
+
+
+def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, row_tile):
+    dtype = x_RH.dtype
+    a_RF2 = _gmm("fwd", x_RH, _w01(w0_EHF, w1_EHF), group_sizes_E, row_tile, dtype)
+    hs_RF = _swiglu(a_RF2, s_R)[0].astype(dtype)
+    y_RH = _gmm("fwd", hs_RF, wo_EFH, group_sizes_E, row_tile, dtype)
+    return _rows_in_groups(y_RH, group_sizes_E), a_RF2
+
+
+@custom_vjp(nondiff_argnums=(6,))
+def _fused(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, row_tile):
+    return _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, row_tile)[0]
+
+
+def _fused_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, row_tile):
+    y_RH, a_RF2 = _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, row_tile)
+    return y_RH, (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a_RF2)
+
+
+def _fused_bwd(row_tile, res, dy_RH):
+    """(dx, dw0, dw1, dwo, None, ds): the rows' gradients by ``gmm`` with the weights
+    transposed, the weights' by ``tgmm``; rows in no group get zero."""
+    x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a_RF2 = res
+    dtype = x_RH.dtype
+    dy_RH = dy_RH.astype(dtype)
+    hs, silu, sig, a0, a1 = _swiglu(a_RF2, s_R)
+    dhs_RF = _gmm("dlhs", dy_RH, wo_EFH, group_sizes_E, row_tile, F32, transpose_rhs=True)
+    ds_R = _rows_in_groups(jnp.sum(dhs_RF * silu * a1, axis=1), group_sizes_E)
+    dh = dhs_RF * s_R[:, None]
+    da0 = dh * a1 * sig * (1.0 + a0 * (1.0 - sig))
+    da_RF2 = _rows_in_groups(jnp.concatenate([da0, dh * silu], axis=1).astype(dtype), group_sizes_E)
+    w01 = _w01(w0_EHF, w1_EHF)
+    dx_RH = _gmm("dlhs", da_RF2, w01, group_sizes_E, row_tile, dtype, transpose_rhs=True)
+    dw0, dw1 = jnp.split(_tgmm(x_RH, da_RF2, group_sizes_E, row_tile, w01.dtype), 2, axis=2)
+    dwo = _tgmm(hs.astype(dtype), dy_RH, group_sizes_E, row_tile, wo_EFH.dtype)
+    return _rows_in_groups(dx_RH, group_sizes_E), dw0, dw1, dwo, None, ds_R
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def megablox_swiglu(
+    x_RH: jax.Array,
+    group_sizes_E: jax.Array,
+    wi_0_EHF: jax.Array,
+    wi_1_EHF: jax.Array,
+    wo_EFH: jax.Array,
+    *,
+    row_tile: int,
+    scale_R: jax.Array | None = None,
+) -> jax.Array:
+    """SwiGLU experts on rows sorted by expert [R, H] -> [R, H] (x's dtype).
+
+    ``group_sizes_E`` counts each expert's rows from row 0 (they may sum to less than R: the
+    rest is in no group and reads zero). R must be a multiple of ``row_tile`` (``default_row_tile``).
+    ``scale_R``: each row's activation is scaled by it before ``wo`` (fp32; None: 1).
+    Operands are cast to x's dtype (bf16 or fp32); the GEMMs accumulate in fp32.
+    """
+    R = x_RH.shape[0]
+    if R % row_tile:
+        raise ValueError(f"megablox needs rows ({R}) to be a multiple of the row tile ({row_tile})")
+    ops = expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, scale_R)
+    return _fused(*ops, row_tile)

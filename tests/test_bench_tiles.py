@@ -1,0 +1,85 @@
+"""The megablox tile sweep (``python -m moe_train.bench --accel --tune``): its rows, its choice
+and the table it writes, at toy sizes on CPU (Pallas interpret mode)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from moe_train.bench import tiles
+from moe_train.moe import megablox
+from moe_train.moe.routings import MoEShape
+
+SHAPE = MoEShape(64, 128, 256, 4, 2)
+
+
+def _row(kind, kn, tile, secs, model="m"):
+    k, n = map(int, kn.split("x"))
+    return dict(model=model, kind=kind, k=k, n=n, tile=list(tile), median_s=secs)
+
+
+def test_the_six_gemms_cover_the_three_kinds_twice():
+    kinds = [g.kind for g in tiles.gemms(SHAPE)]
+    assert sorted(kinds) == sorted(megablox.KINDS * 2)
+
+
+def test_the_fastest_tile_wins():
+    rows = [_row("fwd", "128x512", (64, 128, 256), 2.0), _row("fwd", "128x512", (128, 128, 128), 1.0)]
+    assert tiles.best(rows) == {"fwd": {"128x512": [128, 128, 128]}}
+
+
+def test_the_choice_sums_over_models_sharing_a_gemm():
+    rows = [
+        _row("fwd", "128x512", (64, 128, 256), 1.0, "a"),
+        _row("fwd", "128x512", (128, 128, 128), 1.5, "a"),
+        _row("fwd", "128x512", (64, 128, 256), 3.0, "b"),
+        _row("fwd", "128x512", (128, 128, 128), 1.0, "b"),
+    ]
+    assert tiles.best(rows)["fwd"]["128x512"] == [128, 128, 128]
+
+
+def test_a_tile_that_does_not_compile_is_listed_with_its_error():
+    s = dataclasses.replace(tiles.TINY, candidates=((48, 128, 128),))  # 48 does not divide 128 rows
+    rows = tiles.gemm_rows("tiny", SHAPE, tiles.gemms(SHAPE)[1], s)
+    assert rows and "divisible" in rows[0]["error"]
+
+
+def test_writing_keeps_the_other_devices_tiles(tmp_path):
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"tiles": {"TPU v9": {"fwd": {"1x1": [1, 1, 1]}}}, "measured": []}))
+    tiles.write_table(path, "cpu", {"fwd": {"2x2": [8, 128, 128]}}, {"commit": "abc"})
+    assert set(json.loads(path.read_text())["tiles"]) == {"TPU v9", "cpu"}
+
+
+def test_writing_records_where_the_tiles_come_from(tmp_path):
+    path = tmp_path / "tiles.json"
+    tiles.write_table(path, "cpu", {}, {"commit": "abc", "date": "2026-12-06"})
+    assert json.loads(path.read_text())["measured"] == [
+        {"commit": "abc", "date": "2026-12-06", "device_kind": "cpu"}
+    ]
+
+
+@pytest.mark.slow
+def test_the_tiny_sweep_writes_a_tile_for_every_gemm(tmp_path):
+    path = tmp_path / "tiles.json"
+    tiles.run(tiles.TINY, say=lambda line: None, write=path)
+    written = json.loads(path.read_text())["tiles"]["cpu"]
+    assert {kind: len(v) for kind, v in written.items()} == {"fwd": 2, "dlhs": 2, "drhs": 2}
+
+
+def _refusal(capsys, *argv):
+    from moe_train.bench.__main__ import parse
+
+    with pytest.raises(SystemExit) as exit_:
+        parse(list(argv))
+    return exit_.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_tune_needs_accel(capsys):
+    code, line = _refusal(capsys, "--tune")
+    assert code == 2 and "--tune only applies to --accel" in line
+
+
+def test_writing_tiles_needs_tune(capsys):
+    code, line = _refusal(capsys, "--accel", "--write-tiles")
+    assert code == 2 and "--write-tiles only applies to --accel --tune" in line
