@@ -3,12 +3,36 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 .DEFAULT_GOAL := help
 
+# Make variables are data. A value given on the command line or in the environment is taken as
+# typed, never expanded by make: SET='$(shell x)' or OUT='a$(id)' reach the kit as that text
+# (`V := $(value V)` before anything reads V; $(V) is then that text, and export passes it as is).
+# The interpreter, virtualenv and pip extras, which make itself must put into commands and file
+# names, are refused (one line, exit 2) unless plain.
+DATA_VARS := MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT RUN DEVICES COMPUTE \
+	COMPILE TOP PEAK DRY_RUN WAIT TEST_WORKERS PYTEST_ARGS
+PROGRAM_VARS := PYTHON VENV CHECK_PYTHON EXTRAS PY
+# (PY, which the file sets with :=, counts only from the command line, as before)
+GIVEN := $(foreach v,$(DATA_VARS) $(PROGRAM_VARS),$(if $(filter command $(if $(filter PY,$v),,environment),$(firstword $(origin $v))),$v))
+# `override` where the command line (or make -e) gave it, so that it wins over the file as before
+take_literally = $(if $(filter command override,$(origin $1)),override )$1 := $$(value $1)
+$(foreach v,$(GIVEN),$(eval $(call take_literally,$v)))
+comma := ,
+space := $(subst ,, )
+PLAIN := a b c d e f g h i j k l m n o p q r s t u v w x y z A B C D E F G H I J K L M N O P Q R S T U V W \
+	X Y Z 0 1 2 3 4 5 6 7 8 9 _ . / - + @ $(comma)
+# $1 without the characters listed in $2
+drop = $(if $2,$(call drop,$(subst $(firstword $2),,$1),$(wordlist 2,$(words $2),$2)),$1)
+$(foreach v,$(filter $(PROGRAM_VARS),$(GIVEN)),$(if $(strip $(call drop,$(value $v),$(PLAIN)))$(word 2,$(value $v)),\
+	$(error $v='$(value $v)' cannot be passed: make pastes it into commands and file names; use only letters, digits and _ . / - + @ ,)))
+
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL ?= tiny
 # cluster preset (topology/presets/*.toml) or a site .toml, for submit/plan/preflight
 PRESET ?= cpu-local
+# make compile: the compiler says so when PRESET was not given and this default has no GPU
+PRESET_DEFAULTED := $(if $(filter PRESET,$(GIVEN)),,1)
 NODES ?= 1
 # expert-parallel size; unset: the model's parallel.ep (SET may give it; both disagreeing: error)
 EP ?=
@@ -26,8 +50,9 @@ TEST_WORKERS ?= auto
 EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,cluster,report,gpu || echo test,cluster,report)
 
 # User values reach recipes only as environment variables, quoted there ("$$OUT"), never
-# pasted into a command line by make: SET='x; touch /tmp/y' stays one odd --set value.
-export MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT RUN DEVICES
+# pasted into a command line by make (but the plain PYTHON, VENV, EXTRAS checked above):
+# SET='x; touch /tmp/y' stays one odd --set value.
+export MODEL PRESET NODES EP STEPS OUT SET ARCH TOOL IMAGE CONTAINER_OUT RUN DEVICES PYTEST_ARGS
 # "$@" = --steps/--set arguments from STEPS and SET (split on spaces, no globbing)
 RUN_ARGS := set -f; set --; for s in $$SET; do set -- "$$@" --set "$$s"; done; [ -z "$$STEPS" ] || set -- "$$@" --steps "$$STEPS"
 # Recipes are quiet (@): $(RUN_CMD) CMD ARGS... prints the one command it runs, shell-quoted, then runs it
@@ -44,23 +69,26 @@ PEAK ?=
 COMPILE ?= 1
 export COMPUTE COMPILE TOP
 
-comma := ,
-space := $(subst ,, )
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 # EXTRAS=...,compile (make compile: XLA:GPU without a GPU) puts the CUDA PJRT plugin pinned in
 # requirements.lock into $(XLA_GPU), not site-packages, where every jax process on a machine
 # without CUDA would print its CUDA errors (moe_train/compile/plugin.py); pip gets the rest
 XLA_GPU := $(VENV)/xla-gpu
 PIP_EXTRAS := $(subst $(space),$(comma),$(filter-out compile,$(subst $(comma),$(space),$(EXTRAS))))
-XLA_GPU_INSTALL = $(PY) -m pip install -q --no-deps --upgrade -c requirements.lock --target $(XLA_GPU) jax-cuda12-plugin jax-cuda12-pjrt && touch $(XLA_GPU)/.installed
+XLA_GPU_INSTALL = $(PY) -m pip install -q --no-deps --upgrade -c requirements.lock --target $(XLA_GPU) jax-cuda12-plugin jax-cuda12-pjrt
+# make compile and make venv EXTRAS=...,compile (re)install it whenever the kit's own check finds it
+# missing or not at jax's version: the install advice of moe_train/compile/plugin.py then works
+XLA_GPU_READY = $(PY) -c 'import sys; from moe_train.compile import plugin; sys.exit(plugin.version_problem(plugin.search_path()) is not None)' 2>/dev/null
 
-.PHONY: help venv smoke train submit smoke-cluster golden test test-fast lint format bench bench-gpu gpu-check study plan compile probe report \
+.PHONY: help venv xla-gpu smoke train submit smoke-cluster golden test test-fast lint format bench bench-gpu bench-accel gpu-check study plan compile probe report \
 	cluster-up cluster-down \
 	container container-import preflight clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-17s %s\n", $$1, $$2}'
-	@echo "variables: MODEL=$(MODEL) PRESET=$(PRESET) NODES=$(NODES) EP=$(or $(EP),<model's parallel.ep>) OUT=$(or $(OUT),<runs/smoke | runs/MODEL>) STEPS=<n> SET='k=v ...' DEVICES=<n> EXTRAS=$(EXTRAS) PYTHON=$(PYTHON)"
+	@ep="<model's parallel.ep>"; out="<runs/smoke | runs/MODEL>"; \
+	printf 'variables: MODEL=%s PRESET=%s NODES=%s EP=%s OUT=%s %s\n' "$$MODEL" "$$PRESET" "$$NODES" \
+		"$${EP:-$$ep}" "$${OUT:-$$out}" "STEPS=<n> SET='k=v ...' DEVICES=<n> EXTRAS=$(EXTRAS) PYTHON=$(PYTHON)"
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
@@ -71,7 +99,7 @@ $(STAMP): pyproject.toml requirements.lock
 	@$(if $(filter compile,$(subst $(comma),$(space),$(EXTRAS))),$(XLA_GPU_INSTALL))
 	@touch $@
 
-venv: $(STAMP) ## create .venv (re-created only when dependency files change)
+venv: $(STAMP) $(if $(filter compile,$(subst $(comma),$(space),$(EXTRAS))),xla-gpu) ## create .venv (re-created only when dependency files change)
 
 smoke: $(STAMP) ## train the tiny preset from scratch into OUT (default runs/smoke; replaces a previous run there, refuses anything else) and print a summary
 	@$(RUN_ARGS); $(RUN_CMD) $(PY) -m moe_train --preset tiny --out "$${OUT:-runs/smoke}" --fresh "$$@"
@@ -91,12 +119,14 @@ golden: $(STAMP) ## rewrite slurm/golden/*.sbatch after an intended change to th
 # tests/conftest.py groups what must share a worker (process-spawning modules, module fixtures)
 XDIST_ARGS = $(if $(filter 0,$(TEST_WORKERS)),,-n "$$TEST_WORKERS" --dist loadgroup)
 export TEST_WORKERS
+# "$@" = PYTEST_ARGS split on spaces, no globbing (an argument with spaces: pytest's PYTEST_ADDOPTS)
+PYTEST_SPLIT := set -f; set --; for a in $$PYTEST_ARGS; do set -- "$$@" "$$a"; done
 
 test: $(STAMP) ## run the whole test suite over TEST_WORKERS workers (GPU and Slurm tests skip where unavailable)
-	@$(RUN_CMD) $(PY) -m pytest $(XDIST_ARGS) $(PYTEST_ARGS)
+	@$(PYTEST_SPLIT); $(RUN_CMD) $(PY) -m pytest $(XDIST_ARGS) "$$@"
 
 test-fast: $(STAMP) ## the test suite without tests marked slow
-	@$(RUN_CMD) $(PY) -m pytest -m 'not slow' $(XDIST_ARGS) $(PYTEST_ARGS)
+	@$(PYTEST_SPLIT); $(RUN_CMD) $(PY) -m pytest -m 'not slow' $(XDIST_ARGS) "$$@"
 
 # the lint extra (ruff, pyright: pyproject.toml) on top of what EXTRAS installed; pyright checks
 # against .venv's packages, so lint needs $(STAMP) too
@@ -122,8 +152,11 @@ bench: $(STAMP) ## CPU benchmarks (grouped GEMM, MoE layer, EP on 8 fake devices
 study: $(STAMP) ## dropless MoE vs capacity-factor drops, dense same-active/same-total, aux-free; 3 seeds, ~16 min CPU; runs/study/<UTC>/
 	@$(RUN_CMD) $(PY) -m moe_train.study
 
-bench-gpu: $(STAMP) ## GPU benchmark: Mixtral/DeepSeek experts in bf16 per backend vs a dense GEMM; runs/bench/<UTC>/
+bench-gpu: $(STAMP) ## the same as make bench-accel (its former GPU-only name)
 	@$(RUN_CMD) $(PY) -m moe_train.bench --gpu
+
+bench-accel: $(STAMP) ## accelerator (TPU or GPU) benchmark: MoE layer vs dense and a plain ragged_dot layer, MoE step vs its dense twin, goals; runs/bench/<UTC>/
+	@$(RUN_CMD) $(PY) -m moe_train.bench --accel
 
 # gpu-check runs with the Python that has jax already (the container's, or .venv's if it exists):
 # no virtualenv is created, nothing is installed
@@ -135,12 +168,11 @@ gpu-check: ## what works on this GPU node and how fast (CPU: toy sizes); runs/gp
 plan: $(STAMP) ## the job make submit runs for MODEL on NODES of PRESET (the fastest that fits, TOP=N lists N): memory verdict first (exit 2: does not fit), the planner's choices, placement, step time (COMPUTE=file), memory
 	@$(RUN_ARGS); $(RUN_CMD) $(PY) -m slurm.show --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(COMPUTE),--compute "$$COMPUTE") $(if $(TOP),--top "$$TOP") "$$@"
 
-$(XLA_GPU)/.installed: requirements.lock | $(STAMP)
-	@echo "installing XLA:GPU's compiler into $(XLA_GPU)"
-	@$(XLA_GPU_INSTALL)
+xla-gpu: $(STAMP)
+	@$(XLA_GPU_READY) || { echo "installing XLA:GPU's compiler into $(XLA_GPU)"; $(XLA_GPU_INSTALL); }
 
-compile: $(STAMP) $(XLA_GPU)/.installed ## compile MODEL's train step on NODES of PRESET with XLA:GPU, no GPU needed: memory per bucket vs the planner, kernels, collectives (PEAK=1: what fills the peak); runs/compile/<UTC>/
-	@$(RUN_ARGS); $(RUN_CMD) $(PY) -m moe_train.compile --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(PEAK),--peak) "$$@"
+compile: $(STAMP) xla-gpu ## compile MODEL's train step on NODES of PRESET with XLA:GPU, no GPU needed: memory per bucket vs the planner, kernels, collectives (PEAK=1: what fills the peak); runs/compile/<UTC>/
+	@$(RUN_ARGS); $(if $(PRESET_DEFAULTED),export MOE_TRAIN_PRESET_DEFAULTED=1;) $(RUN_CMD) $(PY) -m moe_train.compile --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(PEAK),--peak) "$$@"
 
 probe: $(STAMP) ## time all-to-alls on DEVICES of this machine's devices (default all; on CPU, DEVICES fake ones, e.g. DEVICES=8); writes runs/probe/<PRESET>.toml
 	@$(RUN_CMD) $(PY) -m topology probe --preset "$$PRESET" --out "runs/probe/$$(basename -- "$$PRESET" .toml).toml" $(if $(DEVICES),--devices "$$DEVICES")

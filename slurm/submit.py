@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m slurm.submit", description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--preset", required=True, help="cluster preset name or a site's cluster .toml")
     p.add_argument("--model", default="", help="model preset (moe_train/config/presets); not with --smoke")
-    p.add_argument("--nodes", type=int, default=0, help="nodes to allocate")
+    p.add_argument("--nodes", type=int, help="nodes to allocate")
     p.add_argument("--steps", type=int, help="total training steps (default: the model preset's)")
     p.add_argument(
         "--set",
@@ -87,8 +87,12 @@ def parser() -> argparse.ArgumentParser:
 def request(args: argparse.Namespace) -> plan.Request:
     if args.smoke and args.model not in ("", plan.SMOKE_MODEL):
         raise plan.LaunchError(f"--smoke always trains the {plan.SMOKE_MODEL} model; drop --model")
-    if not args.smoke and (not args.model or args.nodes < 1):
-        raise plan.LaunchError("--model and --nodes (>= 1) are required (or --smoke)")
+    if not args.smoke and not args.model:
+        raise plan.LaunchError("--model is required (or --smoke)")
+    if not args.smoke and args.nodes is None:
+        raise plan.LaunchError("--nodes is required (or --smoke)")
+    if not args.smoke and args.nodes < 1:
+        raise plan.LaunchError(f"--nodes must be >= 1, got {args.nodes}")
     if args.steps is not None and args.steps < 1:
         raise plan.LaunchError(f"--steps must be at least 1, got {args.steps}")
     check_twice(args)
@@ -133,12 +137,14 @@ def check_twice(args: argparse.Namespace) -> None:
 
 
 def build(args: argparse.Namespace) -> plan.JobSpec:
-    """The validated job; LaunchError / SiteError for bad input. With ``--dry-run`` an
-    ``--image`` file that does not exist yet is fine (``_missing_image``)."""
+    """The validated job; LaunchError / SiteError for bad input. With ``--dry-run`` an image
+    file (``--image``, else the site file's ``image``) that does not exist yet is fine
+    (``_missing_image``)."""
     site = site_mod.load(site_mod.find(args.site))
     now = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     req = request(args)
-    missing = _missing_image(req)
+    ref = req.image or site.image
+    missing = _missing_image(ref, req.dry_run)
     if missing is None:
         return plan.plan(req, site, host_python=shlex.quote(sys.executable), kit_root=KIT_ROOT, now=now)
     # Planned with an empty stand-in file of the same name, which the job then names as given:
@@ -146,19 +152,17 @@ def build(args: argparse.Namespace) -> plan.JobSpec:
     with tempfile.TemporaryDirectory() as tmp:
         stand_in = Path(tmp) / missing.name
         stand_in.touch()
-        spec = plan.plan(
-            dataclasses.replace(req, image=str(stand_in)),
-            site,
-            host_python=shlex.quote(sys.executable),
-            kit_root=KIT_ROOT,
-            now=now,
-        )
+        if req.image:
+            req = dataclasses.replace(req, image=str(stand_in))
+        else:  # the site file's: a preset that runs on the host still ignores it
+            site = dataclasses.replace(site, image=str(stand_in))
+        spec = plan.plan(req, site, host_python=shlex.quote(sys.executable), kit_root=KIT_ROOT, now=now)
     if spec.container is None:
         return spec
     if re.search(r"[\s,]", str(missing)):
         raise plan.LaunchError(f"image path {str(missing)!r} contains a space or ','; Pyxis cannot take it")
     note = (
-        f"warning: image file {req.image!r} does not exist yet: the job below names it; "
+        f"warning: image file {ref!r} does not exist yet: the job below names it; "
         f"build it with `make container` (or import one with `make container-import`) "
         f"before submitting"
     )
@@ -167,10 +171,10 @@ def build(args: argparse.Namespace) -> plan.JobSpec:
     )
 
 
-def _missing_image(req: plan.Request) -> Path | None:
-    """A dry run's ``--image`` that names a .sqsh file not there yet: its absolute path."""
-    ref = req.image
-    if not (req.dry_run and ref) or not (ref.startswith(("/", "./", "../", "~")) or ref.endswith(".sqsh")):
+def _missing_image(ref: str, dry_run: bool) -> Path | None:
+    """A dry run's image (``--image`` or the site file's) that names a .sqsh file not there
+    yet: its absolute path."""
+    if not (dry_run and ref) or not (ref.startswith(("/", "./", "../", "~")) or ref.endswith(".sqsh")):
         return None
     path = Path(ref).expanduser()
     return None if path.exists() else path.absolute()

@@ -9,8 +9,13 @@ part's data file, a part's manifest deleted. Resume falls back past them; ``trai
 ``--trust-unverified``.
 """
 
+import asyncio
+import gc
+import inspect
+import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -351,3 +356,91 @@ def test_ignored_exceptions_while_reading_are_one_line_not_a_dump(capfd):
         "note: reading checkpoint 6: 50 exception(s) ignored by the storage libraries "
         "(RuntimeError), not shown"
     ]
+
+
+class _OrbaxLikeRead:
+    """A read left pending in an event loop that was then closed, as Orbax leaves the other
+    reads of a restore whose first read failed: closing it raises (Orbax's read coroutine
+    turns the GeneratorExit into an ``Exception``)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.coro = self._read()
+        self.task = self.loop.create_task(self.coro)
+        self.loop.run_until_complete(asyncio.sleep(0))  # the read starts and waits
+        self.loop.close()
+
+    async def _read(self):
+        try:
+            await asyncio.get_running_loop().create_future()  # never resolved
+        except BaseException as err:
+            raise Exception("Encountered error while reading array index") from err
+
+
+def test_reads_a_failed_read_abandoned_are_counted_against_it():
+    lines = []
+    with checkpoint.quiet_reads(lines.append, "checkpoint 4"):
+        read = _OrbaxLikeRead()
+    assert inspect.getcoroutinestate(read.coro) == inspect.CORO_CLOSED and lines == [
+        "note: reading checkpoint 4: 1 exception(s) ignored by the storage libraries (Exception), not shown"
+    ]
+
+
+def test_the_next_checkpoint_read_is_not_blamed_for_the_previous_ones_abandoned_reads():
+    lines = []
+    with checkpoint.quiet_reads(lines.append, "checkpoint 4"):
+        read = _OrbaxLikeRead()  # kept alive past the read, as its TensorStore read in flight does
+    with checkpoint.quiet_reads(lines.append, "checkpoint 2"):
+        del read  # that read completes now
+    assert [line.startswith("note: reading checkpoint 4: ") for line in lines] == [True]
+
+
+def test_abandoned_reads_leave_nothing_for_the_console_at_exit(capfd, monkeypatch):
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)  # Python's, which prints
+    with checkpoint.quiet_reads(lambda line: None, "checkpoint 4"):
+        read = _OrbaxLikeRead()
+    del read
+    gc.collect()
+    assert capfd.readouterr().err == ""
+
+
+class _ClosedLoopCallback:
+    """A TensorStore read that completes after its event loop was closed: it calls back
+    into the closed loop, whose RuntimeError Python reports as unraisable."""
+
+    def __del__(self):
+        raise RuntimeError("Event loop is closed")
+
+
+def test_a_late_callback_into_a_closed_loop_is_not_printed_after_a_read(capfd, monkeypatch):
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    with checkpoint.quiet_reads(lambda line: None, "checkpoint 4"):
+        pass
+    _ClosedLoopCallback()
+    gc.collect()
+    assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def test_a_late_callback_from_an_earlier_read_is_not_counted_against_the_next_read():
+    lines = []
+    with checkpoint.quiet_reads(lines.append, "checkpoint 2"):
+        _ClosedLoopCallback()  # checkpoint 4's read, abandoned before, completes now
+    assert lines == []
+
+
+def test_the_fallback_past_a_truncated_checkpoint_blames_only_it(copy):
+    """The intact checkpoint read after a truncated one gets no note (the abandoned reads of
+    the truncated one were intermittently finalized during the next read: 1 run in 8)."""
+    state = step_dir(copy, 6) / "state"
+    os.truncate(max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size), 1000)
+    ckpt, lines = checkpoint.open_for(copy, tiny().train), []
+    try:
+        for _ in range(5):
+            with checkpoint.quiet_reads(lines.append, "checkpoint 6"):
+                with pytest.raises(Exception, match="error while reading"):
+                    ckpt.restore_saved(6)
+            with checkpoint.quiet_reads(lines.append, "checkpoint 4"):
+                ckpt.restore_saved(4)
+    finally:
+        ckpt.close()
+    assert not [line for line in lines if "checkpoint 4" in line]

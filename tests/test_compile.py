@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,9 @@ from helpers import MIXTRAL_H100, run_module
 from helpers import sets as sets_of
 
 from moe_train import config
-from moe_train.compile import facts, hlo, overlap, plugin, report
+from moe_train.compile import __main__ as compile_main
+from moe_train.compile import facts, hlo, lower, overlap, plugin, report, xla_log
+from moe_train.compile import job as job_mod
 from moe_train.train import step
 from topology import device_mesh, presets, targets
 from topology.presets import TopologyError
@@ -406,6 +410,73 @@ def test_abstract_state_is_init_states_shapes_and_shardings():
     got = jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), abstract)
     assert jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), real) == got
     assert not any(isinstance(a, jax.Array) for a in jax.tree.leaves(abstract))
+
+
+# ----------------------------------------------------------------------------- buckets, progress
+
+
+def capped_job():
+    """tiny on one h100-dgx node, EP 8, whose 4x and 8x buckets are capped at the worst case."""
+    job = job_mod.configure("tiny", "h100-dgx", 1, 8, ("moe.capacity_buckets=1,2,4,8",))
+    return job, lower.mesh_config(job, job.cfg)
+
+
+def test_a_bucket_capped_at_the_worst_case_is_not_compiled_again():
+    job, cfg = capped_job()
+    _, plans, same = lower.bucket_plans(job, cfg, jax.devices()[:8])
+    assert [lower.bucket_name(p) for p in plans] == ["1", "2", "4"] and same == {"8": "4", "worst": "4"}
+
+
+def test_a_bucket_asked_for_by_name_is_compiled_whatever_it_equals():
+    job, cfg = capped_job()
+    _, plans, same = lower.bucket_plans(job, cfg, jax.devices()[:8], "worst")
+    assert [lower.bucket_name(p) for p in plans] == ["worst"] and same == {}
+
+
+def test_plan_only_prints_the_planner_column_and_compiles_nothing(tmp_path):
+    args = ("--set", "moe.capacity_buckets=1,2,4,8", "--plan-only", "--out", str(tmp_path))
+    proc = compile_cli("--preset", "h100-dgx", *TINY[:6], *args)
+    job, _ = capped_job()
+    want = ", ".join(
+        f"{b}{'x' if b != 'worst' else ''} {job_mod.planner_total(job, b) / 2**30:.2f}"
+        for b in job.plan.estimate.moe_buffers_by_bucket
+    )
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1].endswith(want), proc.stdout + proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+REMAT_LINE = (
+    b"W1206 20:17:51.067189    7538 hlo_rematerialization.cc:3231] Can't reduce memory use below "
+    b"60.53GiB (64994535603 bytes) by rematerialization; only reduced to 70.52GiB (75724545087 "
+    b"bytes), down from 72.14GiB (77462723743 bytes) originally"
+)
+
+
+def test_xla_s_rematerialization_warning_becomes_one_note_on_the_verdict():
+    seen = xla_log.Warnings()
+    assert seen.take(REMAT_LINE)
+    note = xla_log.remat_note(seen, peak=int(53.96 * 2**30), usable=72 * 2**30)
+    assert all(s in note for s in ("60.53 GiB", "70.52 GiB", "53.96 GiB", "fits in 72.00 GiB usable")), note
+
+
+def test_the_capture_takes_xla_s_warnings_off_stderr_and_passes_the_rest(capfd):
+    with xla_log.captured() as seen:
+        os.write(2, REMAT_LINE + b"\nan error of its own\n")
+    assert capfd.readouterr().err == "an error of its own\n" and len(seen.remat) == 1
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_ctrl_c_in_the_middle_of_a_compile_is_one_line_and_exit_130(tmp_path):
+    cmd = [sys.executable, "-m", "moe_train.compile", "--preset", "h100-dgx", *TINY, "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    first = proc.stderr.readline()
+    assert first.startswith("compiling bucket 1 (1 of 2) with XLA:GPU"), first
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and rest.strip().splitlines()[-1:] == [compile_main.INTERRUPTED], rest
+    assert "Traceback" not in rest
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -4,7 +4,9 @@ and without an index, fp8 block-scale dequantization, DeepSeek-V3's MTP layer, t
 trip, bounded memory, and every error (exit 2 naming the key or tensor, nothing left in OUT)."""
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +197,30 @@ def test_keeping_bf16_weights_as_stored_says_nothing_of_narrowing(tmp_path):
     to_hf(tmp_path / "kit", tmp_path / "back", log=lines.append)
     assert not any("narrowed" in line for line in lines) and "as stored (bfloat16)" in lines[-1]
     assert json.loads((tmp_path / "back" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_from_hf_says_which_sequence_length_it_chose_and_how_to_change_it(tmp_path):
+    lines = []
+    from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), tmp_path / "kit", log=lines.append)
+    said = [line for line in lines if line.startswith("train.seq_len = 128, from config.json's ")]
+    assert len(said) == 1 and "--set train.seq_len=N" in said[0], lines
+
+
+@pytest.fixture
+def umask():
+    """Sets the process's umask for a test, and gives the old one back after it."""
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_to_hf_writes_every_file_with_the_one_mode_the_umask_gives(tmp_path, umask, mask, mode):
+    from_hf(write_hf(tmp_path / "hf", MIXTRAL, mixtral_tensors()), tmp_path / "kit", log=lambda s: None)
+    umask(mask)
+    to_hf(tmp_path / "kit", tmp_path / "back", log=lambda s: None, shard_bytes=4096)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "back").iterdir()}
+    assert len(modes) > 3 and set(modes.values()) == {mode}, {k: oct(v) for k, v in modes.items()}
 
 
 def test_to_hf_splits_into_shards_of_the_limit(tmp_path):

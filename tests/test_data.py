@@ -259,3 +259,20 @@ def test_shipped_corpus_is_varied_english_prose():
     assert len(set(sentences)) > 0.8 * len(sentences) > 4000
     raw = np.frombuffer(text.encode(), np.uint8).astype(np.int64)
     assert _conditional_entropy(raw[None], 256) < 2.6  # bigram statistics alone: < ln(256)/2
+
+
+def test_a_missing_relative_path_is_shown_once_per_place_looked(tmp_path, monkeypatch):
+    from moe_train.data import KIT_ROOT, DataError, resolve_path
+
+    monkeypatch.chdir(KIT_ROOT)
+    with pytest.raises(DataError) as err:
+        resolve_path("no/such/file.txt")
+    assert str(err.value).count("no/such/file.txt") == 2  # as typed, and the one place looked
+
+
+def test_a_missing_absolute_path_is_shown_once(tmp_path):
+    from moe_train.data import DataError, resolve_path
+
+    with pytest.raises(DataError) as err:
+        resolve_path(str(tmp_path / "none.txt"))
+    assert str(err.value).count("none.txt") == 1

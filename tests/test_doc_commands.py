@@ -7,6 +7,14 @@ Commands are the lines of ```sh/```bash/```shell/```console and unlabelled code 
 code blocks; a trailing backslash joins the next line. Output and listings go in ```text
 blocks. A command whose comment contains ``placeholder`` stands for the user's own paths: its
 target, module, flags and named presets are checked, its paths are not (keep these few).
+
+Figures the docs quote from the planners are checked against what their command prints now,
+so they cannot go stale: a ``make plan`` command's comment (``# fits: 147.7 of 167.4 GiB``:
+every decimal figure in it), and each ``<!-- figures: A B ... | COMMAND -->`` line, which marks
+the paragraph or table right after it (the figures must be quoted there and printed by
+COMMAND, a ``make plan`` or ``python -m`` command; ``python -m moe_train.compile ...
+--plan-only`` prints the planner's column of ``make compile``). Not re-run, on purpose: what
+XLA:GPU compiled (minutes per bucket; each such figure says its date) and timings.
 """
 
 from __future__ import annotations
@@ -489,3 +497,83 @@ def test_each_relative_link_reaches_a_file_and_heading(doc, target):
     if anchor and dest.suffix == ".md":
         headings = re.findall(r"^#+ (.*)$", dest.read_text(), re.M)
         assert anchor in {_slug(h) for h in headings}, f"{doc.relative_to(ROOT)}: {target}"
+
+
+# ---- figures quoted in the docs --------------------------------------------------------------
+
+FIGURE_MARK = re.compile(r"^<!-- figures: (?P<figures>[^|]+?) \| (?P<command>.+?) -->$")
+FIGURE = r"(?<![\d.,]){}(?![\d])"  # a figure as a whole number, not part of a longer one
+
+
+class Marked:
+    """A ``<!-- figures: ... | COMMAND -->`` line: its figures, its command, the block it marks."""
+
+    def __init__(self, doc: Path, n: int, lines: list[str]):
+        match = FIGURE_MARK.match(lines[n])
+        assert match is not None
+        self.figures = match.group("figures").split()
+        self.where = f"{doc.relative_to(ROOT)}:{n + 1}"
+        self.command = Command(match.group("command"), "", self.where)
+        after = n + 1
+        while after < len(lines) and FIGURE_MARK.match(lines[after]):
+            after += 1
+        end = next((i for i in range(after, len(lines)) if not lines[i].strip()), len(lines))
+        self.block = "\n".join(lines[after:end])
+
+    def __repr__(self) -> str:
+        return f"{self.where}: {' '.join(self.figures)}"
+
+
+def _marked() -> list[Marked]:
+    out = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        out += [Marked(doc, n, lines) for n, line in enumerate(lines) if line.startswith("<!-- figures:")]
+    return out
+
+
+MARKED = _marked()
+PLAN_FIGURES = [
+    (c, re.findall(r"\d[\d,]*\.\d+", c.comment))
+    for c in MAKE
+    if make_parts(c)[0] == ["plan"] and not c.placeholder and re.search(r"\d\.\d", c.comment)
+]
+
+
+@lru_cache
+def printed(module: str, args: tuple[str, ...]) -> str:
+    """stdout and stderr of ``python -m module args`` (exit 0, or 2: a plan that does not fit)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode in (0, 2), proc.stderr[-2000:]
+    return proc.stdout + proc.stderr
+
+
+def missing_from(figures: list[str], text: str) -> list[str]:
+    return [f for f in figures if not re.search(FIGURE.format(re.escape(f)), text)]
+
+
+def test_the_docs_mark_their_planner_figures():
+    assert len(MARKED) >= 20 and len(PLAN_FIGURES) >= 2
+
+
+@pytest.mark.parametrize("m", MARKED, ids=repr)
+def test_each_marked_figure_is_quoted_where_it_is_marked(m):
+    assert missing_from(m.figures, m.block) == [], m.block[:300]
+
+
+@pytest.mark.parametrize("m", MARKED, ids=repr)
+def test_each_marked_figure_is_what_its_command_prints_now(m):
+    module, args = job(m.command)
+    assert missing_from(m.figures, printed(module, tuple(args))) == [], m.command
+
+
+@pytest.mark.parametrize("c, figures", PLAN_FIGURES, ids=[repr(c) for c, _ in PLAN_FIGURES])
+def test_each_figure_of_a_plan_comment_is_what_make_plan_prints_now(c, figures):
+    module, args = job(c)
+    assert missing_from(figures, printed(module, tuple(args))) == [], c
+
+
+def test_a_figure_is_matched_whole():
+    assert missing_from(["57.6", "3,753", "16.5%"], "57.65 of 72; 3,753 t/s; 16.5% exposed") == ["57.6"]

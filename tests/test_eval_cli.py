@@ -4,6 +4,8 @@ bad weights or data exit 2 with one line. Prepared corpora are built with a smal
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,15 @@ def test_trust_unverified_evaluates_it_as_it_is(trained, corpus, tmp_path):
     got = evaluate_weights(str(out), str(corpus / "prep"), devices=1, batch_size=8, trust_unverified=True)
     want = evaluate_weights(str(trained), str(corpus / "prep"), devices=1, batch_size=8)
     assert got["eval_loss"] == want["eval_loss"]
+
+
+def test_a_missing_data_dir_is_named_as_the_flag_the_user_typed(tmp_path):
+    missing = tmp_path / "no-such"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_train.eval", str(tmp_path), "--data", str(missing)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: --data {missing} not found; expected a directory written by python -m moe_train.data prepare"
+    )

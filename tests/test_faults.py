@@ -317,6 +317,24 @@ def test_bad_config_values_exit_2_with_one_line_and_write_nothing(tmp_path, valu
     assert not (tmp_path / "out").exists()
 
 
+def test_the_divergence_error_goes_to_stderr_as_every_error_line(tmp_path):
+    code, out, err = finish(cli(tmp_path, "--set", "optim.lr=1e6", steps=12), timeout=300)
+    assert code == EXIT_DIVERGED and one_error_line(err).startswith("error: step ")
+    assert "error" not in out, out
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_trainers_error_lines_go_to_stderr_and_progress_to_stdout(capsys, rank):
+    from moe_train.train import cli as cli_module
+    from moe_train.train.distributed import ProcessInfo
+
+    log = cli_module._logger(ProcessInfo(process_index=rank, process_count=2))
+    log("error: it diverged")
+    log("step 1/2 | loss 5.0")
+    out, err = capsys.readouterr()
+    assert err.endswith("error: it diverged\n") and out == ("step 1/2 | loss 5.0\n" if rank == 0 else "")
+
+
 def test_a_flag_and_a_set_that_disagree_exit_2(tmp_path):
     code, _, err = finish(cli(tmp_path / "out", "--set", "parallel.devices=4"), timeout=60)
     assert code == EXIT_CONFIG and "--devices" in one_error_line(err)

@@ -1,8 +1,10 @@
 """make gpu-check: its CPU run end to end, and the pieces that decide PASS/FAIL/SKIP."""
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,15 @@ def test_a_failing_section_makes_the_exit_code_one_and_the_rest_still_run(tmp_pa
     results = json.loads(next(tmp_path.rglob("results.json")).read_text())
     assert [s["status"] for s in results["sections"]] == ["FAIL", "PASS"]
     assert "kernel miscompute" in results["sections"][0]["reason"]
+
+
+def test_a_long_section_prints_a_heartbeat_with_its_name_and_elapsed_time(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpucheck, "HEARTBEAT_S", 0.3)
+    slow = gpucheck.Section("ep", "slow", 5, lambda ctx: time.sleep(1.0) or {"status": "PASS", "reason": ""})
+    monkeypatch.setattr(cli, "sections", lambda: [slow])
+    assert cli.main(["--out", str(tmp_path), "--only", "ep"]) == 0
+    beats = re.findall(r"^\[gpu-check\] still running section ep: \d+ s", capsys.readouterr().out, re.M)
+    assert len(beats) >= 2
 
 
 def test_unknown_section_is_refused():

@@ -136,6 +136,69 @@ def test_ctrl_c_during_start_up_exits_130_with_one_line_and_no_traceback(tmp_pat
     assert any(f"by signal SIGINT {when}" in out for when in ("during start-up", "after step 1"))
 
 
+# --------------------------------------------------------------------------- a stuck start-up
+
+
+@pytest.fixture
+def stuck(tmp_path) -> subprocess.Popen:
+    """A trainer stuck at start-up: it reads a prepared corpus's manifest.json that is a FIFO
+    nobody writes to, so its main thread waits in ``open`` for ever (as on a hung file system)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    os.mkfifo(corpus / "manifest.json")
+    proc = cli(tmp_path / "out", "--set", "data.source=prepared", "--set", f"data.path={corpus}")
+    time.sleep(2)  # imported, and waiting
+    assert proc.poll() is None, "the trainer should be waiting on the FIFO"
+    return proc
+
+
+def stop_line(stdout: str, signame: str) -> str:
+    """The one line a stop during start-up prints (fails on any other output)."""
+    lines = [x for x in stdout.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"stopped by signal {signame} during start-up"), stdout
+    return lines[0]
+
+
+def test_sigterm_ends_a_start_up_stuck_in_a_blocking_read(stuck):
+    stuck.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    code, out, err = finish(stuck, timeout=30)
+    assert (code, err) == (EXIT_OK, "") and time.monotonic() - sent < 10
+    assert "nothing was trained or saved" in stop_line(out, "SIGTERM")
+
+
+def test_ctrl_c_ends_a_stuck_start_up_at_once_with_one_line(stuck):
+    stuck.send_signal(signal.SIGINT)
+    code, out, err = finish(stuck, timeout=30)
+    assert (code, err) == (EXIT_INTERRUPTED, "") and stop_line(out, "SIGINT")
+
+
+def test_ctrl_c_during_start_up_says_nothing_was_saved_not_that_the_step_will_be(stuck):
+    stuck.send_signal(signal.SIGINT)
+    _, out, _ = finish(stuck, timeout=30)
+    assert "nothing was trained or saved" in out and "is saved" not in out and HINT not in out
+
+
+def test_the_start_up_line_gives_the_command_that_starts_again(stuck):
+    stuck.send_signal(signal.SIGTERM)
+    _, out, _ = finish(stuck, timeout=30)
+    command = stop_line(out, "SIGTERM").split("; to start again, run: ")[1]
+    assert shlex.split(command)[1:] == ["-m", "moe_train", *map(str, stuck.args[3:])]
+
+
+def test_ctrl_c_after_the_start_locked_a_new_out_leaves_no_directory(tmp_path):
+    out = tmp_path / "new" / "run"
+    proc = cli(out, steps=6)
+    deadline = time.monotonic() + 120
+    while not (out / "run.lock").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    code, stdout, _ = finish(proc, timeout=60)
+    if "step 1/" in stdout:
+        pytest.skip("the start-up was over before the signal")
+    assert code == EXIT_INTERRUPTED and not (tmp_path / "new").exists(), stdout
+
+
 # --------------------------------------------------------------------------- the command
 
 

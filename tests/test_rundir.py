@@ -6,11 +6,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import run_module
+from helpers import one_error_line, run_module, tiny
 
 from moe_train import config
 from moe_train.config import ConfigError
 from moe_train.train import rundir, runlock
+from moe_train.train.loop import run
 
 
 def kit_run(d: Path, preset: str = "tiny", step: int = 3) -> Path:
@@ -104,3 +105,52 @@ def test_the_resume_command_of_a_fresh_run_does_not_start_over():
     from moe_train.train import cli as cli_module
 
     assert "--fre" not in cli_module.rerun_command(["--out", "o", "--fresh", "--steps", "9"])
+
+
+# --------------------------------------------------------------------------- OUT, before the self-test
+
+
+def test_an_out_in_use_is_refused_before_the_kernel_self_test(tmp_path):
+    with runlock.acquire(tmp_path):
+        proc = cli("--preset", "tiny", "--out", str(tmp_path), "--steps", "1", "--devices", "1")
+    assert proc.returncode == 2 and "is in use by" in one_error_line(proc.stderr)
+    assert "kernels on" not in proc.stdout and "self-test" not in proc.stdout, proc.stdout
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_kernel_self_test(tmp_path):
+    (tmp_path / "out").write_text("a file")
+    proc = cli("--preset", "tiny", "--out", str(tmp_path / "out"), "--steps", "1", "--devices", "1")
+    assert proc.returncode == 5 and str(tmp_path / "out") in one_error_line(proc.stderr)
+    assert proc.stdout == "", proc.stdout
+
+
+def test_a_missing_parent_of_out_is_created_and_said_in_one_line(tmp_path):
+    lines = []
+    assert run(tiny(steps=1), tmp_path / "a" / "b" / "run", log=lines.append) == 0
+    assert [x for x in lines if x.startswith("note: created")] == [
+        f"note: created {tmp_path / 'a'} for --out {tmp_path / 'a' / 'b' / 'run'} (it did not exist)"
+    ]
+
+
+def test_an_existing_parent_is_not_mentioned(tmp_path):
+    lines = []
+    assert run(tiny(steps=1), tmp_path / "run", log=lines.append) == 0
+    assert not [x for x in lines if x.startswith("note: created")]
+
+
+def test_first_missing_is_the_highest_directory_locking_creates(tmp_path):
+    assert rundir.first_missing(tmp_path / "a" / "b") == tmp_path / "a"
+    assert rundir.first_missing(tmp_path) is None
+
+
+def test_a_start_that_wrote_nothing_takes_back_the_directories_it_created(tmp_path):
+    with runlock.acquire(tmp_path / "a" / "b"):
+        rundir.remove_if_new(tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_start_that_wrote_a_file_keeps_its_directories(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "config.json").write_text("{}")
+    rundir.remove_if_new(tmp_path / "a")
+    assert (tmp_path / "a" / "b" / "config.json").exists()

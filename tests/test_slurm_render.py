@@ -214,7 +214,7 @@ REFUSALS = [  # (the command line, what its one error line says)
         "--preset cpu-local --model tiny --nodes 1 --set train.batch_size=6",
         "train.batch_size=6 is not divisible by the job's 8 GPUs",
     ),
-    ("--preset cpu-local --model tiny", "--model and --nodes (>= 1) are required"),
+    ("--preset cpu-local --model tiny", "--nodes is required (or --smoke)"),
     (
         "--preset h100-dgx --model mixtral-8x7b --nodes 8 --ep 8 --image KIMG "
         "--set train.remat=none --set train.micro_batch_size=0",

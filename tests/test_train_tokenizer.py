@@ -88,6 +88,17 @@ def test_a_size_below_the_byte_alphabet_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
 
 
+@pytest.mark.parametrize("size", ["0", "-3"])
+def test_a_size_given_as_zero_or_less_is_named_not_called_missing(size, tmp_path, capsys):
+    """argparse took ``--train-tokenizer 0`` (its old default) for no tokenizer at all."""
+    from moe_train.data.__main__ import main
+
+    argv = ["prepare", "--train-tokenizer", size, "--input", str(CORPUS), "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    want = f"error: --train-tokenizer {size}: at least 257 (256 bytes and EOS), e.g. --train-tokenizer 8192\n"
+    assert capsys.readouterr().err == want
+
+
 def test_a_hugging_face_checkpoint_directory_is_a_tokenizer(corpus, tmp_path):
     """A checkpoint directory as from_pretrained reads it: config.json, tokenizer.json and a
     tokenizer_config.json that names the EOS."""

@@ -1,6 +1,6 @@
 """All-to-all cost model for expert parallelism under uniform routing.
 
-The model is the one in /work/shared/reference/hardware-and-topology.md ("All-to-all cost
+The model is the one in the hardware-and-topology reference notes (not shipped; "All-to-all cost
 model (uniform routing)"). Symbols, per GPU:
 
     T tokens, H hidden size, k experts per token (top-k), b bytes per element,

@@ -10,7 +10,7 @@ like the shipped ones, so a misspelt key fails at load time, not in the middle o
 
 Every ``[env]`` variable must have an entry of the same name in ``[env_source]`` saying where
 its value comes from; XLA flags change between versions, so the provenance travels with them.
-Numbers come from /work/shared/reference/hardware-and-topology.md, which names the public
+Numbers come from the hardware-and-topology reference notes (not shipped), which name the public
 sources; a ``topology probe`` measurement on the real cluster should override them.
 """
 

@@ -5,10 +5,13 @@
 the cluster preset's GPUs as simulated devices from its XLA:GPU target config
 (``topology.targets``, through the CUDA PJRT plugin: ``plugin``), chooses the kernels the
 trainer would run there (``kernels``, traced as on that GPU: ``facts``), and compiles the
-trainer's own train step with XLA:GPU once per capacity bucket the stepper can choose
-(``lower``). It reports per bucket XLA's per-GPU memory beside the memory planner's, the
-verdict against the usable memory, the compile time, the kernels in the optimized HLO and
-every collective (``hlo``, ``report``), and writes ``runs/compile/<UTC>/``.
+trainer's own train step with XLA:GPU once per distinct capacity bucket the stepper can
+choose (``lower``: a bucket capped at the worst case is the worst case's step, compiled once),
+saying as each compile starts and every 10 s while it runs (``run``). It reports per bucket
+XLA's per-GPU memory beside the memory planner's, the verdict against the usable memory, the
+compile time, the kernels in the optimized HLO and every collective (``hlo``, ``report``), XLA's
+own rematerialization and sort warnings as one note each (``xla_log``), and writes
+``runs/compile/<UTC>/``. ``--plan-only`` prints the planner's column alone, compiling nothing.
 
 Bad input (flags, presets, keys, EP sizes, a preset without a target config, a missing
 plugin) is one ``error:`` line on stderr, exit 2.

@@ -1,14 +1,19 @@
 """``python -m moe_train.compile``: compile the job's train step for its GPU without one.
 
 Exit codes: 0 compiled (whether or not it fits: the table says), 2 bad input or no plugin
-(one ``error:`` line on stderr naming the valid choices or how to install it).
+(one ``error:`` line on stderr naming the valid choices or how to install it), 130 Ctrl-C
+(one line, at once, even in the middle of XLA:GPU's compile; no report is written).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,14 +49,32 @@ def parser() -> argparse.ArgumentParser:
         help="dump XLA's buffer assignment and print what fills each bucket's peak "
         "(by source scope); the dump stays in the run directory (xla/)",
     )
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the memory planner's total per bucket (the report's planner column) and "
+        "compile nothing (seconds; needs no plugin)",
+    )
     p.add_argument("--out", default="runs/compile", help="parent of the <UTC> run directory")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
 
+# set by `make compile` when PRESET was not given: the preset is the Makefile's default, not the user's
+PRESET_DEFAULTED_ENV = "MOE_TRAIN_PRESET_DEFAULTED"
+
+
 def _error(message: object) -> int:
     print(f"error: {message}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def _defaulted_preset(preset: str) -> str:
+    with_gpu = [name for name in presets.list_presets() if presets.load(name).gpu]
+    return (
+        f"make compile needs a GPU cluster preset: PRESET was not given, and the Makefile's default, "
+        f"{preset}, names no GPU; pass PRESET=<a GPU preset>: {', '.join(with_gpu)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster = presets.load(args.preset)
     except presets.TopologyError as err:
         return _error(err)
+    if not cluster.gpu and os.environ.get(PRESET_DEFAULTED_ENV):
+        return _error(_defaulted_preset(args.preset))
     with plugin.quiet():
         return _compile(args, cluster)
 
@@ -74,6 +99,9 @@ def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
         )
     except job_mod.ERRORS as err:
         return _error(err)
+    if args.plan_only:
+        print("\n".join(job_mod.planner_lines(job)))
+        return 0
     if missing:
         return _error(missing)
     from moe_train.compile import run
@@ -87,5 +115,32 @@ def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
     return 0
 
 
+EXIT_INTERRUPTED = 130
+INTERRUPTED = "error: interrupted by Ctrl-C; no compile report was written (rerun to compile again)"
+
+
+def ctrl_c_ends_at_once() -> None:
+    """Ctrl-C prints one line and exits 130 at once. Python's own handler raises
+    KeyboardInterrupt only when XLA:GPU's compile (C++, minutes) returns, and then prints a
+    traceback of hundreds of lines; here the signal's byte on a wakeup socket wakes a thread
+    that ends the process. Its line goes to stderr as it was at the start (the plugin's and
+    XLA's filters take file descriptor 2 over later)."""
+    stderr = os.dup(2)
+    wake, woken = socket.socketpair()
+    wake.setblocking(False)
+    signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
+    signal.signal(signal.SIGINT, lambda *_: None)  # Python does nothing; the thread acts
+
+    def watch() -> None:
+        with wake, woken:  # held open by this thread for the process's life
+            while signal.SIGINT not in woken.recv(64):
+                pass
+        os.write(stderr, (INTERRUPTED + "\n").encode())
+        os._exit(EXIT_INTERRUPTED)
+
+    threading.Thread(target=watch, name="moe_train-ctrl-c", daemon=True).start()
+
+
 if __name__ == "__main__":
+    ctrl_c_ends_at_once()
     sys.exit(main())

@@ -110,3 +110,22 @@ def planner_total(job: Job, bucket: str) -> int:
     """The planner's per-GPU total with its MoE buffers at ``bucket`` ("1", ..., "worst")."""
     est = job.plan.estimate
     return est.per_device["total"] - est.per_device["moe_buffers"] + est.moe_buffers_by_bucket[bucket]
+
+
+def planner_lines(job: Job) -> list[str]:
+    """``--plan-only``: the job and the planner's per-GPU total at every capacity bucket (the
+    report's planner column), computed without compiling anything."""
+    est, budget, gib = job.plan.estimate, job.plan.budget, float(memory.GIB)
+    s = est.setup
+    buckets = est.moe_buffers_by_bucket
+    cells = ", ".join(f"{b}{'x' if b != 'worst' else ''} {planner_total(job, b) / gib:.2f}" for b in buckets)
+    return [
+        f"{job.model} on {job.nodes} {job.cluster.name} node(s): {job.devices} GPUs, EP {s.ep} x FSDP "
+        f"{s.dp}, {s.dispatcher} dispatch, {job.cfg.model.num_layers} layers, "
+        f"parallel.weight_gather={job.cfg.parallel.weight_gather}, "
+        f"train.micro_batch_size={job.cfg.train.micro_batch_size}",
+        *[f"launcher: {n}" for n in job.notes],
+        f"planner per GPU, GiB, by capacity bucket (the planner column make compile prints; usable "
+        f"{budget.usable_bytes / gib:.2f}, judged at {est.bucket}{'x' if est.bucket != 'worst' else ''}): "
+        f"{cells}",
+    ]

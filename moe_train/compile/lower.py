@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,12 +156,15 @@ def bucket_name(plan: EPPlan | None) -> str:
     return "worst" if factor is None else f"{factor:g}"
 
 
-def compile_buckets(
-    job: Job, cfg: Config, devices: Sequence[Any], only: str = "", dump_root: Path | None = None
-) -> Iterator[Compiled]:
-    """The step of every capacity bucket of ``cfg`` (kernels concrete) on ``devices``, or of
-    bucket ``only``; ConfigError naming the buckets when ``only`` is none of them. With
-    ``dump_root``, each bucket's XLA dump goes to ``dump_root/xla-<bucket>``."""
+def bucket_plans(
+    job: Job, cfg: Config, devices: Sequence[Any], only: str = ""
+) -> tuple[Any, list[EPPlan | None], dict[str, str]]:
+    """(the mesh, the EP plans to compile, {bucket not compiled: the compiled bucket it
+    equals}) for ``cfg`` (kernels concrete) on ``devices``: every capacity bucket, or only
+    bucket ``only`` (ConfigError naming the buckets when it is none of them). A bucket whose
+    receive buffers are an earlier bucket's (the planner's ``moe_buffers_by_bucket`` equal:
+    a bucket whose slots are capped at the worst case) is that bucket's step: a step never
+    overflows the earlier one onto it, so it is not compiled again."""
     mesh = device_mesh.build(cfg, devices).mesh
     plans = sharding.ep_plans(cfg, mesh)
     names = [bucket_name(p) for p in plans]
@@ -169,7 +172,15 @@ def compile_buckets(
         raise ConfigError(
             f"--bucket {only!r} is not a capacity bucket of this job; valid: {', '.join(names)}, planned"
         )
+    if only:
+        return mesh, [p for p, n in zip(plans, names) if n == only], {}
+    size = job.plan.estimate.moe_buffers_by_bucket
+    todo: list[EPPlan | None] = []
+    same: dict[str, str] = {}
     for plan, name in zip(plans, names):
-        if not only or name == only:
-            dump = dump_root / f"xla-{name}" if dump_root else None
-            yield compile_one(cfg, mesh, plan, job.target, devices, dump)
+        twin = next((bucket_name(p) for p in todo if size.get(bucket_name(p)) == size.get(name)), None)
+        if twin is None or name not in size:
+            todo.append(plan)
+        else:
+            same[name] = twin
+    return mesh, todo, same

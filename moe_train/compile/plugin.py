@@ -28,7 +28,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
@@ -101,8 +101,9 @@ def enable(xla_flags: str = "") -> str | None:
 
 
 @contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """While inside: stderr (file descriptor 2) without the plugin's no-driver lines."""
+def filtered_stderr(drop: Callable[[bytes], bool]) -> Iterator[None]:
+    """While inside: file descriptor 2 (C++ logs included) without the lines ``drop`` takes
+    (each without its newline); a thread pumps the rest through to the real stderr."""
     sys.stderr.flush()
     read, write = os.pipe()
     saved = os.dup(2)
@@ -113,10 +114,10 @@ def quiet() -> Iterator[None]:
     def pump() -> None:
         with os.fdopen(read, "rb") as src, os.fdopen(out, "wb", buffering=0) as dst:
             for line in src:
-                if not NOISE.match(line.rstrip(b"\n")):
+                if not drop(line.rstrip(b"\n")):
                     dst.write(line)
 
-    thread = threading.Thread(target=pump, daemon=True)
+    thread = threading.Thread(target=pump, name="moe_train-stderr", daemon=True)
     thread.start()
     try:
         yield
@@ -125,3 +126,8 @@ def quiet() -> Iterator[None]:
         os.dup2(saved, 2)  # closes the pipe's last write end: the pump reads to its end
         os.close(saved)
         thread.join()
+
+
+def quiet():
+    """While inside: stderr (file descriptor 2) without the plugin's no-driver lines."""
+    return filtered_stderr(lambda line: bool(NOISE.match(line)))

@@ -130,8 +130,16 @@ def schedule_vs_model(job: Job, windows: list[overlap.Window]) -> dict:
     return out
 
 
-def result(job: Job, kernels: list[Kernel], records: list[dict], jax_version: str) -> dict:
-    """Everything ``--json`` prints."""
+def result(
+    job: Job,
+    kernels: list[Kernel],
+    records: list[dict],
+    jax_version: str,
+    same: dict[str, str] | None = None,
+    notes: list[str] | None = None,
+) -> dict:
+    """Everything ``--json`` prints. ``same``: {bucket not compiled: the compiled bucket whose
+    step it is}; ``notes``: lines about the whole compile (XLA's warnings, said)."""
     s, b, est = job.plan.estimate.setup, job.plan.budget, job.plan.estimate
     return {
         "model": job.model,
@@ -157,6 +165,8 @@ def result(job: Job, kernels: list[Kernel], records: list[dict], jax_version: st
         "planner_bucket": est.bucket,
         "peak": "argument + temp + output - alias + code (CompiledMemory.peak)",
         "buckets": records,
+        "same_as": dict(same or {}),
+        "notes": list(notes or []),
     }
 
 
@@ -253,7 +263,13 @@ def render(r: dict) -> str:
             f"{b['xla_over_planner']:8.2f}  {'fits' if b['fits'] else 'DOES NOT FIT':<13}"
             f"{b['trace_s']:8.1f}{b['compile_s']:10.1f}"
         )
+    for bucket, twin in r.get("same_as", {}).items():
+        lines.append(
+            f"{bucket + ('x' if bucket != 'worst' else ''):<8}= {twin}x: the same receive buffers "
+            f"(capped at the worst case), so a step never overflows {twin}x onto it: not compiled again"
+        )
     notes = [f"note at bucket {b['bucket']}: {b['note']}" for b in r["buckets"] if b.get("note")]
+    notes += [f"note: {n}" for n in r.get("notes", [])]
     judged = next((b for b in r["buckets"] if b["bucket"] == r["planner_bucket"]), r["buckets"][-1])
     return "\n".join(lines + notes + _inventory(judged))
 

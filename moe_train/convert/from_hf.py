@@ -280,4 +280,18 @@ def from_hf(
         f"converted {fam.architecture} ({len(ents)} tensors) from {hf_dir} into {out}"
         f"{f' with {workers} processes' if workers > 1 else ''}"
     )
+    log(seq_len_line(cfg, sources, out))
     return out
+
+
+def seq_len_line(cfg: Config, sources: dict, out: Path) -> str:
+    """Which ``train.seq_len`` preset.toml holds, where it came from, and how to change it:
+    every training sequence is that long, so a fine-tune on a small corpus may want less."""
+    origin = sources.get("train.seq_len")
+    default = "the kit's default; config.json has no max_position_embeddings"
+    why = f"config.json's {origin}" if origin else default
+    n = cfg.train.seq_len
+    return (
+        f"train.seq_len = {n}, from {why}: every training sequence is {n} tokens long (a step's "
+        f"time grows with it); add --set train.seq_len=N to a run on {out / PRESET} for shorter ones"
+    )

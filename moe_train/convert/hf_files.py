@@ -195,7 +195,8 @@ def _fill(tensors: Iterable[tuple[str, np.ndarray]], max_bytes: int) -> Iterator
 def new_directory(out: Path, what: str) -> Iterator[Path]:
     """A temporary sibling ``.OUT.partial-<pid>`` to write into, renamed to ``out`` when the
     block ends and removed if it raises: ``out`` appears complete or not at all. ``out``
-    must not exist or be empty (ConfigError naming ``what`` otherwise)."""
+    must not exist or be empty (ConfigError naming ``what`` otherwise). Every file and
+    directory in it gets the mode the umask gives (``umask_modes``)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: exists and is not an empty directory; choose a new {what}")
@@ -204,9 +205,30 @@ def new_directory(out: Path, what: str) -> Iterator[Path]:
     tmp.mkdir(parents=True)
     try:
         yield tmp
+        umask_modes(tmp)
         if out.exists():
             out.rmdir()
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it, then set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def umask_modes(root: Path) -> None:
+    """Every file under ``root`` 0666 and every directory 0777, less the umask (0644 and
+    0755 under umask 022), as ``open`` and ``mkdir`` make them: the safetensors writer makes
+    its files 0600 and the JSON files are made 0644, so an export had two modes."""
+    mask = current_umask()
+    for parent, _, files in os.walk(root):
+        os.chmod(parent, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)

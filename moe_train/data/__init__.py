@@ -273,22 +273,24 @@ class BytesSource(_WindowSource):
 
 
 def resolve_path(
-    path: str, what: str = "file", *, directory: bool = False, empty: str = ""
+    path: str, what: str = "file", *, directory: bool = False, empty: str = "", key: str = "data.path"
 ) -> tuple[Path, str]:
     """The file (or, with ``directory``, the directory) ``path`` names, and how to show it:
-    cwd first, then the kit root. ``empty``: the message when ``path`` is empty."""
+    cwd first, then the kit root. ``empty``: the message when ``path`` is empty; ``key``: what
+    the user set (``data.path``, or a command's ``--data``), named in the errors."""
     if not path:
-        raise DataError(empty or f"data.path is empty; expected the path of {what}")
+        raise DataError(empty or f"{key} is empty; expected the path of {what}")
     p = Path(path).expanduser()
-    tried = [p] if p.is_absolute() else [Path.cwd() / p, KIT_ROOT / p]
+    tried = [p] if p.is_absolute() else list(dict.fromkeys([Path.cwd() / p, KIT_ROOT / p]))
     kind = "a directory" if directory else "a regular file"
     for i, cand in enumerate(tried):
         if cand.is_dir() if directory else cand.is_file():
             return cand, (str(cand) if i else str(path))
         if cand.exists():
-            raise DataError(f"data.path={path!r}: {cand} is not {kind}; expected {what}")
-    looked = " or ".join(str(c) for c in tried)
-    raise DataError(f"data.path={path!r} not found (looked in {looked}); expected {what}")
+            where = "" if str(cand) == path else f" ({cand})"
+            raise DataError(f"{key} {path}{where} is not {kind}; expected {what}")
+    looked = "" if tried == [p] and str(p) == path else " (looked in " + " and ".join(map(str, tried)) + ")"
+    raise DataError(f"{key} {path} not found{looked}; expected {what}")
 
 
 def make_source(data_cfg: DataConfig, *, vocab_size: int, seq_len: int, batch_size: int) -> Source:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from moe_train.base import exits
 from moe_train.config import ConfigError
-from moe_train.data import prepare
+from moe_train.data import prepare, train_tokenizer
 
 POLICIES = """\
 inputs (by suffix, each optionally .gz):
@@ -72,8 +72,9 @@ def parser() -> argparse.ArgumentParser:
         "--train-tokenizer",
         type=int,
         metavar="N",
-        default=0,
-        help="no tokenizer yet: train a byte-level BPE of N tokens (e.g. 8192) "
+        default=None,  # not 0: argparse counts a flag given its default as absent from the group
+        help="no tokenizer yet: train a byte-level BPE of N tokens (e.g. 8192; at least "
+        f"{train_tokenizer.MIN_VOCAB}) "
         "on the inputs with Hugging Face tokenizers, saved as "
         "DIR/tokenizer.json",
     )
@@ -135,6 +136,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def options(args: argparse.Namespace) -> prepare.Options:
+    """The job; DataError for a --train-tokenizer size too small (0 too: it was given)."""
+    if args.train_tokenizer is not None:
+        train_tokenizer.check_size(args.train_tokenizer)
     return prepare.Options(
         tokenizer=args.tokenizer or "",
         inputs=tuple(args.inputs),
@@ -147,7 +151,7 @@ def options(args: argparse.Namespace) -> prepare.Options:
         shard_tokens=args.shard_tokens,
         seed=args.seed,
         eos_id=args.eos_id,
-        train_tokenizer=args.train_tokenizer,
+        train_tokenizer=args.train_tokenizer or 0,
     )
 
 

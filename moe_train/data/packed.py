@@ -41,10 +41,12 @@ _ORDER_TAG = 0x9AC4ED  # separates the epochs' shuffles from the other random st
 _EPOCHS_KEPT = 2  # a batch spans at most two epochs when R >= B
 
 
-def resolve_dir(path: str) -> tuple[Path, str]:
-    """The prepared directory ``data.path`` names, and how to show it (cwd, then kit root)."""
+def resolve_dir(path: str, key: str = "data.path") -> tuple[Path, str]:
+    """The prepared directory ``data.path`` (or ``key``) names, and how to show it (cwd, then
+    kit root)."""
     what = "a directory written by python -m moe_train.data prepare"
-    return resolve_path(path, what, directory=True, empty=f"data.source=prepared needs data.path=<{what}>")
+    empty = f"data.source=prepared needs {key}=<{what}>" if key == "data.path" else f"{key} is empty"
+    return resolve_path(path, what, directory=True, empty=empty, key=key)
 
 
 def open_checked(path: str, name: str, vocab_size: int) -> tuple[Split, str]:

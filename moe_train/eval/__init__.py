@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -45,6 +46,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from moe_train import config
+from moe_train.base.waiting import Waiting
 from moe_train.config import Config, ConfigError
 from moe_train.data import packing
 from moe_train.model import loss
@@ -194,9 +196,11 @@ def evaluate_weights(
     batch_size: int = 0,
     tokens: int = 0,
     trust_unverified: bool = False,
+    log: Callable[[str], None] = lambda line: None,
 ) -> dict:
     """{"eval_loss", "eval_ppl", "eval_tokens", "data"} of the weights at ``path`` (a step
-    without a manifest is refused unless ``trust_unverified``)."""
+    without a manifest is refused unless ``trust_unverified``). ``log`` gets a line as each
+    phase starts (restoring the weights, compiling and scoring) and with its time."""
     from moe_train.convert import weights
     from moe_train.convert.score import pick_devices
     from moe_train.data.heldout import eval_batches
@@ -207,6 +211,11 @@ def evaluate_weights(
         weights.config_of(source), data_dir, devices=len(devs), batch_size=batch_size, tokens=tokens
     )
     batches, description = eval_batches(cfg)  # a DataError (ConfigError) before any restore
+    log(f"evaluating {source.path} on {description}: {len(batches)} batch(es), {len(devs)} device(s)")
     mesh = sharding.make_mesh(devs)
-    params, moe_state = weights.restore(source, cfg, mesh, trust_unverified)
-    return {**evaluate(cfg, mesh, params, moe_state, batches), "data": description}
+    # a line as each phase starts, "still ...: N s" every 10 s while it runs, its time when done
+    with Waiting(log, f"restoring and verifying the weights of {source.path}", after_s=0):
+        params, moe_state = weights.restore(source, cfg, mesh, trust_unverified)
+    with Waiting(log, "compiling the forward pass (once) and scoring", after_s=0):
+        out = evaluate(cfg, mesh, params, moe_state, batches)
+    return {**out, "data": description}

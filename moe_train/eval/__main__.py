@@ -8,7 +8,9 @@ document unless the weights' config says ``data.packing=false``), so the printed
 ``eval_loss`` of a run's checkpoint equals the ``eval_loss`` its run logged at that step (same
 ``--tokens`` and batch). The model runs without expert parallelism on ``--devices`` devices
 (rows split over them); an fp8-trained model is evaluated in bf16 (fp8 scales are training
-state). Prints one line, or JSON with ``--json``. A run's step (or converted weights) is
+state). Prints a line as each phase starts (restoring the weights, compiling, scoring), then
+the result: one line, or JSON with ``--json`` (then stdout is the JSON alone and the
+phases go to stderr). A run's step (or converted weights) is
 verified against its manifest first; one without a manifest is refused unless
 ``--trust-unverified``.
 
@@ -23,6 +25,7 @@ import sys
 
 from moe_train.base import exits
 from moe_train.convert.score import weights_cli
+from moe_train.data.packed import resolve_dir
 from moe_train.eval import evaluate_weights
 
 
@@ -50,6 +53,7 @@ def _options(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    resolve_dir(args.data, key="--data")  # a bad --data is named as typed, before the weights load
     out = evaluate_weights(
         args.ckpt,
         args.data,
@@ -57,6 +61,8 @@ def _run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         tokens=args.tokens,
         trust_unverified=args.trust_unverified,
+        # progress beside the result on stdout; with --json, stdout is the JSON alone
+        log=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True),
     )
     if args.json:
         print(json.dumps(out))

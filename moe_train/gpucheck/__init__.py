@@ -6,7 +6,9 @@ transformer-engine, hypothesis and pytest may be absent, and what needs them is 
 the reason. Sections run in order, each under its own time budget (``Section.budget_s``: rows
 that would start after it are marked SKIP), and the results are written after every section
 to ``<out>/<UTC>/results.json`` and ``results.md``, so a run cut short still reports what it
-did. Each section and each of its rows is PASS, FAIL or SKIP with a reason and numbers.
+did. Each section and each of its rows is PASS, FAIL or SKIP with a reason and numbers. Each
+section says when it starts, ``still running section S: N s`` every ``HEARTBEAT_S`` seconds
+while it runs (``heartbeat``; each trainer run it starts gets a line too), and its verdict.
 
   1 env           GPU, SM count, compute capability, memory, driver, jax/jaxlib/XLA, cuDNN, TE
   2 gemm_numerics every grouped-GEMM backend vs the fp32 per-expert reference, fwd and grads
@@ -125,6 +127,26 @@ def run_section(sec: Section, ctx_of: Callable[[float], Context]) -> dict[str, A
     out["seconds"] = time.perf_counter() - t0
     out["budget_s"] = sec.budget_s
     return {"name": sec.name, "title": sec.title, **out}
+
+
+HEARTBEAT_S = 10.0  # no silence longer than this while a section runs
+
+
+def say(line: str) -> None:
+    """A progress line of the check on stdout, at once."""
+    print(f"[gpu-check] {line.strip()}", flush=True)
+
+
+def heartbeat(what: str, log: Callable[[str], None] = say):
+    """``with heartbeat("running section ep"):`` ``still <what>: N s`` every ``HEARTBEAT_S``
+    seconds while the block runs (nothing for a block quicker than that): the trainer's
+    ``Waiting`` (``moe_train.train.progress``) with the elapsed time in its first line too."""
+    from moe_train.train.progress import Waiting
+
+    # the first line a little early: the section's own line came just before the block
+    beat = Waiting(log, what, after_s=0.9 * HEARTBEAT_S, every_s=HEARTBEAT_S, done=False)
+    beat.describe = lambda: f"still {what}: {time.perf_counter() - beat.t0:.0f} s"
+    return beat
 
 
 def write(out_dir: Path, results: dict[str, Any], markdown: str) -> None:

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_train.gpucheck import Context, Section, budget_scale, failed, run_section, write
+from moe_train.gpucheck import Context, Section, budget_scale, failed, heartbeat, run_section, say, write
 
 SECTION_NAMES = (
     "env",
@@ -95,27 +95,27 @@ def main(argv: list[str] | None = None) -> int:
     t0, scale, spare = time.perf_counter(), budget_scale(platform), 0.0
     for sec in (s for s in sections() if s.name in args.only):
         budget = sec.budget_s * scale + spare  # with what the sections before left unused
-        print(f"[gpu-check] {sec.name}: {sec.title} (budget {budget:.0f} s)", flush=True)
-        res = run_section(
-            sec,
-            lambda _, budget=budget: Context(
-                platform,
-                count,
-                out_dir,
-                time.perf_counter() + budget,
-                results["device_kind"],
-                tuple(results["sections"]),
-            ),
-        )
+        say(f"{sec.name}: {sec.title} (budget {budget:.0f} s)")
+        with heartbeat(f"running section {sec.name}"):
+            res = run_section(
+                sec,
+                lambda _, budget=budget: Context(
+                    platform,
+                    count,
+                    out_dir,
+                    time.perf_counter() + budget,
+                    results["device_kind"],
+                    tuple(results["sections"]),
+                ),
+            )
         res["budget_s"] = budget
         spare = max(0.0, budget - res["seconds"])
         results["sections"].append(res)
         results["wall_s"] = time.perf_counter() - t0
         write(out_dir, results, markdown(results))
-        print(
-            f"[gpu-check] {sec.name}: {res['status']} in {res['seconds']:.1f} s"
-            + (f" ({res['reason']})" if res.get("reason") else ""),
-            flush=True,
+        say(
+            f"{sec.name}: {res['status']} in {res['seconds']:.1f} s"
+            + (f" ({res['reason']})" if res.get("reason") else "")
         )
     print(markdown(results), flush=True)
     print(f"results: {out_dir}", flush=True)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moe_train.gpucheck import FAIL, PASS, SKIP, Context, over_budget, skip, verdict
+from moe_train.gpucheck import FAIL, PASS, SKIP, Context, over_budget, say, skip, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}  # max relative loss difference across backends, any step
@@ -53,6 +53,7 @@ def trainer(ctx: Context, name: str, preset: str, n_steps: int, sets: list[str])
     }
     # this process keeps what its own sections allocated: the child takes part of the rest
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", CHILD_MEM_FRACTION)
+    say(f"trainer run {name}: --preset {preset}, {n_steps} steps")
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(

@@ -9,6 +9,8 @@ Ctrl-C). SIGTERM/SIGUSR2/SIGINT are caught first thing, before JAX is imported, 
 during start-up still ends cleanly. Ctrl-C (SIGINT) stops like SIGTERM, after saving, and
 prints the command that resumes the run (this one, without ``--resume-step``) last; a second
 Ctrl-C ends the run at once, without saving (one line; the last complete checkpoint is kept).
+Before the first step there is nothing to save: SIGTERM or Ctrl-C ends a single-process
+start-up at once, wherever it waits, with one line (``signals``: exit 0 or 130).
 
 Multi-process: start one command per process with the same ``--coordinator HOST:PORT`` and
 ``--num-processes N`` and its own ``--process-id``, or run under ``srun`` (detected). Only
@@ -153,13 +155,15 @@ def _per_process_devices(
 
 
 def _logger(info: distributed.ProcessInfo):
-    """Progress from process 0 only; error lines from every process, with its rank."""
-    if info.is_main:
-        return lambda line: print(line, flush=True)
+    """Progress from process 0 only, on stdout; error lines from every process (with its
+    rank), on stderr, as every other error of the kit."""
 
     def log(line: str) -> None:
-        if line.startswith("error"):
-            print(f"[process {info.process_index} of {info.process_count}] {line}", flush=True)
+        error = line.startswith("error")
+        if error and not info.is_main:
+            line = f"[process {info.process_index} of {info.process_count}] {line}"
+        if error or info.is_main:
+            print(line, file=sys.stderr if error else sys.stdout, flush=True)
 
     return log
 
@@ -253,16 +257,20 @@ def _main(argv: list[str]) -> int:
         supervise.child_ready()
         return _train(args)
     signals.STOP.resume = resume_text(argv, multi=False)
+    signals.STOP.begin_start_up()  # a stop signal from here to the first step ends us at once
     try:
         cfg = resolve(args)
         source, kwargs = distributed.plan(cfg.parallel, os.environ)
         if args.fresh:
+            signals.STOP.end_start_up()  # --fresh empties --out: a signal waits until it is done
             _fresh(args, source)
+            signals.STOP.begin_start_up()
     except config.ConfigError as err:
         _error(err, distributed.ProcessInfo())
         return exits.EXIT_CONFIG
     if source == "single":
         return _train(args, cfg)
+    signals.STOP.end_start_up()  # the supervisor forwards signals to its child
     signals.STOP.resume = resume_text(argv, multi=True)
     return supervise.run(
         argv,
@@ -344,7 +352,7 @@ def _train(args: argparse.Namespace, cfg: config.Config | None = None) -> int:
             )
         from moe_train.train.loop import run
 
-        code = run(cfg, args.out, log=_logger(info), resume_step=args.resume_step)
+        code = run(cfg, args.out, log=_logger(info), resume_step=args.resume_step, model=args.preset)
     except config.ConfigError as err:
         _error(err, info)
         code = exits.EXIT_CONFIG

@@ -9,18 +9,24 @@ the last good checkpoint is saved); 5 the run directory cannot be written (the p
 checkpoint is intact).
 
 Order of a start: refuse an incompatible checkpoint (``rundir``) -> validate (devices, layout,
-EP plans, data and held-out data, kernels) -> lock the run directory (``runlock``) -> choose
-the checkpoint to resume from (``resume``: the newest that verifies) -> first step -> write
-the run's files. With ``train.eval_every`` the loop evaluates the held-out loss every N steps
-and at the last, into that step's record (``eval_loss``, ``eval_ppl``). It saves at the last
-step, on a stop signal and as ``checkpoint.Schedule`` says (steps, wall time). Every wait
-prints a line (``progress``).
+EP plans) -> refuse a run that cannot fit in memory (``fits``) -> lock the run directory
+(``runlock``: an unusable ``--out`` ends the start here, before the kernel self-test; a missing
+parent is created, with a note) -> data and held-out data, kernels -> choose the checkpoint
+to resume from (``resume``: the newest that verifies) -> first step -> write the run's files.
+A start that ends before writing anything removes the directories it created. Until the
+first step a stop signal ends the process at once (``signals.StopFlag.begin_start_up``).
+
+With ``train.eval_every`` the loop evaluates the held-out loss every N steps and at the last,
+into that step's record (``eval_loss``, ``eval_ppl``). It saves at the last step, on a stop
+signal and as ``checkpoint.Schedule`` says (steps, wall time). Every wait prints a line
+(``progress``).
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +46,7 @@ from moe_train.parallel import jobplan, sharding
 from moe_train.telemetry import summary
 from moe_train.train import (
     distributed,
+    fits,
     metrics,
     progress,
     resume,
@@ -132,22 +139,41 @@ def _write_run_files(cfg: Config, out_dir: Path, plan: device_mesh.Layout, kerne
     )
 
 
-def run(cfg: Config, out_dir: Path, log: Log = print, resume_step: int | None = None) -> int:
-    """Train ``cfg`` into ``out_dir``; returns the process exit code."""
+def run(cfg: Config, out_dir: Path, log: Log = print, resume_step: int | None = None, model: str = "") -> int:
+    """Train ``cfg`` into ``out_dir``; returns the process exit code. ``model``: the preset as
+    the user typed it, for messages."""
     installed = signals.STOP.install()  # the CLI installed it already: then it restores it
+    signals.STOP.begin_start_up()
     try:
-        return _run(cfg, Path(out_dir), log, resume_step)
+        return _run(cfg, Path(out_dir), log, resume_step, model)
     finally:
+        signals.STOP.end_start_up()
         if installed:
             signals.STOP.restore()
 
 
-def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
+def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None, model: str) -> int:
     rundir.refuse_incompatible(cfg, out_dir, resume_step)  # before the self-test and compiles
     devices = select_devices(cfg)
     job_cfg = for_devices(cfg, len(devices))  # train.micro_batch_size -> micro_batches here
     plan = device_mesh.build(job_cfg, devices)
     sharding.ep_plans(job_cfg, plan.mesh)  # dispatcher and capacity buckets, before any write
+    fits.check(job_cfg, devices, model)  # the memory it needs, before anything is initialised
+    created, lock = rundir.first_missing(out_dir), None  # what locking creates: removed if left empty
+    signals.STOP.at_start_up_exit.append(lambda: rundir.remove_if_new(created))
+    try:
+        lock = _lock(out_dir, log)  # an unusable --out ends the start here, before the self-test
+        if created is not None and created != out_dir.absolute():
+            log(f"note: created {created} for --out {out_dir} (it did not exist)")
+        return _started(cfg, job_cfg, plan, out_dir, log, resume_step)
+    finally:
+        rundir.remove_if_new(created)  # a start that wrote nothing leaves no directory behind
+        if lock is not None:
+            lock.release()
+
+
+def _started(cfg: Config, job_cfg: Config, plan, out_dir: Path, log: Log, resume_step: int | None) -> int:
+    """The start once ``out_dir`` is locked: data, kernel self-test, resume, train."""
     t = cfg.train
     # The data (and held-out data) before the kernel self-test: a DataError ends it sooner.
     source = make_source(
@@ -159,28 +185,16 @@ def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None) -> int:
             exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
         log(kernel_line)
         stopped = _stopped_in_start_up(log, "after the kernel self-test")
-        existed = out_dir.exists()
-        lock = _lock(out_dir, log) if stopped is None else None
-    except BaseException:
-        source.close()
-        raise
-    if stopped is not None:
-        source.close()
-        return stopped
-    try:
+        if stopped is not None:
+            return stopped
         ckpt = checkpoint.open_for(out_dir, t)
         try:
             start = Start(exec_cfg, cfg, out_dir, plan, kernels, source, ckpt, log, evals)
             return start.resume_and_train(resume_step)
         finally:
             checkpoint.close(ckpt)
-    except ConfigError:
-        rundir.remove_if_new(out_dir, existed)
-        raise
     finally:
         source.close()
-        if lock is not None:
-            lock.release()
 
 
 def _stopped_in_start_up(log: Log, where: str) -> int | None:
@@ -188,10 +202,9 @@ def _stopped_in_start_up(log: Log, where: str) -> int | None:
     signum = signals.STOP.agreed()
     if signum is None:
         return None
-    log(
-        f"stopped by signal {signals.name(signum)} during start-up, {where}; nothing was "
-        f"changed; {signals.resume_hint()}"
-    )
+    if not signals.STOP.say_start_up_stop():  # the signal thread is ending the process
+        threading.Event().wait()
+    log(signals.start_up_line(signum, f", {where}"))
     return signals.exit_code(signum)
 
 
@@ -209,7 +222,7 @@ class Start:
     def resume_and_train(self, resume_step: int | None) -> int:
         log = self.log
         log(precision.describe(self.cfg, self.mesh.devices.flat[0].platform))
-        state = init_state(self.cfg, self.mesh)
+        state = fits.initialised(init_state(self.cfg, self.mesh))
         resumed = resume.choose(self.ckpt, state, self.configured, resume_step, log)
         if resumed is not None:
             state = resumed.state
@@ -218,7 +231,10 @@ class Start:
             state = weights.start_from(self.cfg.train.init_from, state, self.cfg, self.mesh, log)
         self.origin = origin(resumed, self.cfg.train.init_from)
         stopped = _stopped_in_start_up(log, f"before step {int(state.step) + 1}")
-        return Loop(self, state).run() if stopped is None else stopped
+        if stopped is not None:
+            return stopped
+        signals.STOP.end_start_up()  # from the first step on, a stop signal saves first
+        return Loop(self, state).run()
 
     def save(self, step: int, state) -> None:
         with progress.waiting(self.log, f"saving checkpoint {step}"):

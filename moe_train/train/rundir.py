@@ -12,8 +12,9 @@ left as it is.
 checkpoint the run would resume from (its ``meta`` item, plain JSON, no Orbax) and raises
 the same ``ConfigError`` as the resume itself (``checkpoint.check_compatible``), before the
 kernel self-test and before anything compiles. A checkpoint whose meta does not read is left
-to ``moe_train.train.resume``, which skips damaged ones. ``remove_if_new`` takes back a
-directory a start created and then refused (exit 2) before writing anything in it.
+to ``moe_train.train.resume``, which skips damaged ones. ``remove_if_new`` takes back the
+directories a start created (``first_missing``: ``--out`` and any missing parent) when it
+ended before writing anything in them (exit 2, a stop during start-up).
 """
 
 from __future__ import annotations
@@ -91,15 +92,26 @@ def start_fresh(out_dir: Path) -> bool:
     return True
 
 
-def remove_if_new(out_dir: Path, existed: bool) -> None:
-    """After an exit 2: a run directory this start created holds nothing worth keeping."""
+def first_missing(out_dir: Path) -> Path | None:
+    """The highest directory of ``out_dir``'s path (absolute) that does not exist, which
+    locking ``out_dir`` creates; None when ``out_dir`` exists."""
+    path, top = Path(out_dir).absolute(), None
+    while not path.exists() and path.parent != path:
+        path, top = path.parent, path
+    return top
+
+
+def remove_if_new(created: Path | None) -> None:
+    """At the end of a start: ``created`` (``first_missing`` before the start) goes again when
+    it holds nothing but the run lock (exit 2, a stop during start-up, any error before the
+    first step wrote the run's files). Process 0 only: the others create nothing."""
     import jax
 
-    if existed or jax.process_index() != 0:
+    if created is None or jax.process_index() != 0 or not created.is_dir():
         return
-    leftovers = [p for p in out_dir.rglob("*") if p.is_file() and p.name != runlock.LOCK_NAME]
+    leftovers = [p for p in created.rglob("*") if p.is_file() and p.name != runlock.LOCK_NAME]
     if not leftovers:
-        shutil.rmtree(out_dir, ignore_errors=True)
+        shutil.rmtree(created, ignore_errors=True)
 
 
 def _resumable_steps(ckpt_dir: Path) -> list[int]:

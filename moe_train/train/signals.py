@@ -8,10 +8,16 @@ checks the flag after the kernel self-test, before its first step and after ever
 
 A second SIGINT ends the process at once (``os._exit(130)``), even inside a long compile or
 device wait: a thread counts the SIGINTs as they arrive (``signal.set_wakeup_fd``), not when
-the main thread runs Python's handler. Nothing is left corrupt: a checkpoint is written to a
-temporary directory and renamed once complete (``moe_train.checkpoints.checkpoint``), and
-``metrics.jsonl`` drops a torn last line at the next start. SIGINT that was ignored when the
-flag was installed (a background job of a script) stays ignored.
+the main thread runs Python's handler. During the trainer's start-up (``begin_start_up`` to
+``end_start_up``: until the first step is dispatched) there is no step to finish or save, so
+that thread ends the process at the first SIGTERM or SIGINT, wherever the main thread is
+stuck (a blocking read, a compile, a device wait): one line on stdout, "stopped by signal
+... during start-up: nothing was trained or saved", exit 0 (SIGTERM) or 130 (SIGINT).
+
+Nothing is left corrupt: a checkpoint is written to a temporary directory and renamed once
+complete (``moe_train.checkpoints.checkpoint``), and ``metrics.jsonl`` drops a torn last line
+at the next start. SIGINT that was ignored when the flag was installed (a background job of
+a script) stays ignored.
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ class StopFlag:
         self.signum: int | None = None
         self.resume = ""  # how to resume, set by the CLI: "run: <command>"; "": the same command
         self.before_abort: list[Callable[[], None]] = []  # run before a second SIGINT ends us
+        self.at_start_up_exit: list[Callable[[], None]] = []  # run before a start-up stop ends us
+        self._starting = False  # in start-up: the first SIGTERM/SIGINT ends the process at once
+        self._said = False  # the start-up stop's one line is taken (by either thread)
+        self._saying = threading.Lock()
         self._previous: dict = {}
         self._wakeup: tuple[int, int] | None = None  # (the wakeup fd replaced, our pipe's end)
 
@@ -48,13 +58,13 @@ class StopFlag:
         supervisor counts them, and a terminal's Ctrl-C reaches both)."""
         if self._previous:
             return False
-        self.signum = None
+        self.signum, self._said = None, False
         for sig in STOP_SIGNALS:
             if sig != signal.SIGINT or signal.getsignal(sig) is not signal.SIG_IGN:
                 self._previous[sig] = signal.signal(sig, self._handle)
         # Past ``ulimit -f`` a write fails with EFBIG (exit 5) instead of killing the process.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        if abort_on_second and signal.SIGINT in self._previous:
+        if abort_on_second:  # SIGINTs counted; in start-up, SIGTERM/SIGINT end the process
             read, write = os.pipe()
             os.set_blocking(write, False)
             self._wakeup = (signal.set_wakeup_fd(write, warn_on_full_buffer=False), write)
@@ -67,18 +77,51 @@ class StopFlag:
         self.signum = signum
 
     def _count_interrupts(self, read: int) -> None:
-        """The first SIGINT: say what happens; the second: ``abort``. Ends when ``restore``
-        closes the pipe."""
+        """In start-up, the first SIGTERM or SIGINT: ``stop_start_up``. Else the first
+        SIGINT: say what happens; the second: ``abort``. Ends when ``restore`` closes the pipe."""
         seen = 0
         try:
             while chunk := os.read(read, 64):  # one byte per signal caught, its number
+                ending = next((s for s in chunk if s in (signal.SIGTERM, signal.SIGINT)), None)
+                if self._starting and ending is not None:
+                    self.stop_start_up(ending)  # returns when the main thread is ending already
                 before, seen = seen, seen + chunk.count(signal.SIGINT)
                 if seen >= 2:
                     self.abort()
-                if seen and not before:
+                if seen and not before and not self._said:  # a start-up stop said its line
                     _say(1, HINT)
         finally:
             os.close(read)
+
+    def begin_start_up(self) -> None:
+        """From now until ``end_start_up`` a SIGTERM or SIGINT ends the process at once (where
+        the signals are counted by a thread: ``install(abort_on_second=True)``)."""
+        self._starting = self._wakeup is not None
+
+    def end_start_up(self) -> None:
+        """The first step is dispatched (or the start-up is over): stop signals save again."""
+        self._starting = False
+        self.at_start_up_exit.clear()
+
+    def say_start_up_stop(self) -> bool:
+        """Whether the caller says how the start-up stopped (True once: the main thread at a
+        check point, or the counting thread ending the process)."""
+        with self._saying:
+            said, self._said = self._said, True
+        return not said
+
+    def stop_start_up(self, signum: int) -> None:
+        """End the process now, in start-up: ``at_start_up_exit``, one line, exit 0 or 130
+        (nothing, when the main thread already said it stops: it returns on its own)."""
+        if not self.say_start_up_stop():
+            return
+        for hook in list(self.at_start_up_exit):
+            try:
+                hook()
+            except Exception:
+                pass
+        _say(1, start_up_line(signum) + "\n")
+        os._exit(exit_code(signum))
 
     def abort(self) -> None:
         """End the process now, without saving: ``before_abort``, one line, exit 130."""
@@ -97,6 +140,7 @@ class StopFlag:
 
     def restore(self) -> None:
         """Put back the handlers ``install`` replaced (e.g. submitit's USR2 requeue)."""
+        self.end_start_up()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
@@ -136,6 +180,14 @@ def name(signum: int) -> str:
 def exit_code(signum: int | None) -> int:
     """How a run that a stop signal (or nothing: None) ended exits: 130 for SIGINT, else 0."""
     return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_OK
+
+
+def start_up_line(signum: int, where: str = "") -> str:
+    """The one line of a stop during start-up (``where``: e.g. ", after the kernel self-test")."""
+    return (
+        f"stopped by signal {name(signum)} during start-up{where}: nothing was trained or saved; "
+        f"to start again, {STOP.resume or 'rerun the same command'}"
+    )
 
 
 def resume_hint() -> str:
