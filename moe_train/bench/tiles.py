@@ -86,10 +86,13 @@ class Gemm:
 
 
 def gemms(shape: MoEShape) -> tuple[Gemm, ...]:
-    """The six GEMMs of the fused SwiGLU and its backward at one expert shape."""
+    """The six GEMMs of the fused SwiGLU and its backward at one expert shape, and one of the
+    two GEMMs the forward would run with wi_0 and wi_1 apart (twice its time against the
+    fused one's says whether fusing them pays at this shape)."""
     H, F = shape.hidden, shape.ffn
     return (
         Gemm("x @ [wi_0|wi_1]", "fwd", H, 2 * F),
+        Gemm("x @ wi_0 (unfused: one of two)", "fwd", H, F),
         Gemm("h @ wo", "fwd", F, H),
         Gemm("dy @ wo^T", "dlhs", H, F, True),
         Gemm("da @ [wi_0|wi_1]^T", "dlhs", 2 * F, H, True),
