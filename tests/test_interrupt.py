@@ -9,6 +9,7 @@ supervisor is checked with a stand-in child (``test_distributed.SUPERVISOR``).
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -307,3 +308,31 @@ def test_a_second_ctrl_c_ends_the_supervisor_and_its_child_at_once(tmp_path):
     while not gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone(pid)
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_supervised_start_up_stuck_waiting_for_its_peers(tmp_path):
+    """Process 1 of 2 with no process 0: its child waits in jax.distributed.initialize. The
+    supervisor forwards SIGTERM; the child ends at once with the start-up line."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["--preset", "tiny", "--out", str(tmp_path / "out"), "--devices", "2"]
+    argv += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1"]
+    with open(tmp_path / "p.out", "w") as out:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "moe_train", *argv],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    try:
+        wait_for(tmp_path / "p.out", "waiting for the job's processes", timeout=60)
+        p.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == EXIT_OK and time.monotonic() - sent < 10, err
+    assert "stopped by signal SIGTERM during start-up" in (tmp_path / "p.out").read_text()

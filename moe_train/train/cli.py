@@ -254,6 +254,7 @@ def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if supervise.is_child():
         signals.STOP.resume = resume_text(argv, multi=True)
+        signals.STOP.begin_start_up()  # a forwarded stop signal before the first step ends us
         supervise.child_ready()
         return _train(args)
     signals.STOP.resume = resume_text(argv, multi=False)

@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from moe_train.base.exits import EXIT_DISTRIBUTED  # could not connect, or a peer failed
+from moe_train.base.waiting import Waiting
 from moe_train.config import ConfigError, ParallelConfig
 from moe_train.parallel import together
 
@@ -217,8 +218,10 @@ def initialize(p: ParallelConfig, env: Mapping[str, str] | None = None) -> Proce
     guard = threading.Timer(p.init_timeout_s, _init_timed_out, args=(where, pid, n, p.init_timeout_s))
     guard.daemon = True
     guard.start()
-    try:
-        jax.distributed.initialize(**kwargs)
+    say = lambda line: print(line, flush=True)
+    try:  # a line after 10 s, and every 10 s, while the job's processes come together
+        with Waiting(say, f"process {pid} of {n}: waiting for the job's processes at {where}", after_s=10):
+            jax.distributed.initialize(**kwargs)
     except (RuntimeError, ValueError) as err:  # JaxRuntimeError is a RuntimeError
         detail = " ".join(str(err).split())
         raise DistributedError(

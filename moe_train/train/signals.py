@@ -34,6 +34,11 @@ HINT = (
     "interrupted (Ctrl-C): stopping cleanly, the current step finishes and is saved; "
     "Ctrl-C again ends at once without saving\n"
 )
+# a supervisor's: its child may still be starting (then it stops at once and says so itself)
+SUPERVISOR_HINT = (
+    "interrupted (Ctrl-C): stopping cleanly (past start-up the current step finishes and is "
+    "saved); Ctrl-C again ends at once without saving\n"
+)
 
 
 class StopFlag:
@@ -50,6 +55,8 @@ class StopFlag:
         self._saying = threading.Lock()
         self._previous: dict = {}
         self._wakeup: tuple[int, int] | None = None  # (the wakeup fd replaced, our pipe's end)
+        self._abort_on_second = True  # a second SIGINT ends the process (not in a supervised child)
+        self.hint = HINT  # what the first SIGINT prints (a supervisor: SUPERVISOR_HINT)
 
     def install(self, abort_on_second: bool = True) -> bool:
         """Catch the stop signals (main thread only). True when this call installed them (and
@@ -64,13 +71,15 @@ class StopFlag:
                 self._previous[sig] = signal.signal(sig, self._handle)
         # Past ``ulimit -f`` a write fails with EFBIG (exit 5) instead of killing the process.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        if abort_on_second:  # SIGINTs counted; in start-up, SIGTERM/SIGINT end the process
-            read, write = os.pipe()
-            os.set_blocking(write, False)
-            self._wakeup = (signal.set_wakeup_fd(write, warn_on_full_buffer=False), write)
-            threading.Thread(
-                target=self._count_interrupts, args=(read,), daemon=True, name="moe-train-interrupts"
-            ).start()
+        # A thread sees each signal as it arrives: in start-up SIGTERM/SIGINT end the process
+        # (a supervised child's too: its supervisor forwards them); SIGINTs are counted
+        self._abort_on_second = abort_on_second
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._wakeup = (signal.set_wakeup_fd(write, warn_on_full_buffer=False), write)
+        threading.Thread(
+            target=self._count_interrupts, args=(read,), daemon=True, name="moe-train-interrupts"
+        ).start()
         return True
 
     def _handle(self, signum, frame) -> None:
@@ -85,18 +94,23 @@ class StopFlag:
                 ending = next((s for s in chunk if s in (signal.SIGTERM, signal.SIGINT)), None)
                 if self._starting and ending is not None:
                     self.stop_start_up(ending)  # returns when the main thread is ending already
+                if not self._abort_on_second:  # a supervised child: its supervisor counts them
+                    continue
                 before, seen = seen, seen + chunk.count(signal.SIGINT)
                 if seen >= 2:
                     self.abort()
                 if seen and not before and not self._said:  # a start-up stop said its line
-                    _say(1, HINT)
+                    _say(1, self.hint)
         finally:
             os.close(read)
 
     def begin_start_up(self) -> None:
         """From now until ``end_start_up`` a SIGTERM or SIGINT ends the process at once (where
-        the signals are counted by a thread: ``install(abort_on_second=True)``)."""
+        ``install``'s thread sees the signals)."""
         self._starting = self._wakeup is not None
+        early = self.signum
+        if self._starting and early is not None and early in (signal.SIGTERM, signal.SIGINT):
+            self.stop_start_up(early)  # it came before: e.g. forwarded as a child started
 
     def end_start_up(self) -> None:
         """The first step is dispatched (or the start-up is over): stop signals save again."""

@@ -303,12 +303,14 @@ def run(argv: list[str], job: Job, command: list[str] | None = None) -> int:
         if signal.getsignal(sig) is not signal.SIG_IGN
     }
     signals.STOP.before_abort.append(child.kill)  # a second Ctrl-C: the child goes first
+    signals.STOP.hint = signals.SUPERVISOR_HINT
     if pending:
         _forward(child, pending)
     try:
         return _supervise(child, job)
     finally:  # e.g. submitit's USR2 handler, which requeues the job once we return
         signals.STOP.before_abort.remove(child.kill)
+        signals.STOP.hint = signals.HINT
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
