@@ -44,6 +44,7 @@ from moe_train.bench.common import compile_jit, fmt_ms, markdown_table, time_rou
 from moe_train.bench.layer import dense_fn, layer_fn, layer_row, operands, too_big
 from moe_train.moe.gemm import available_backends, resolve_backend
 from moe_train.moe.routings import MoEShape
+from moe_train.train import fits
 from topology import peaks
 
 TITLE = "Accelerator: MoE layer and train step"
@@ -110,10 +111,10 @@ TINY = Sizes(
 
 
 def device_memory() -> float | None:
-    """Bytes the first device may allocate (``memory_stats()["bytes_limit"]``); None where
-    the platform does not say (CPU)."""
-    stats = jax.devices()[0].memory_stats()
-    return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+    """Bytes the first device may allocate (``fits.bytes_limit``); None where the platform
+    does not say (CPU)."""
+    limit = fits.bytes_limit(jax.devices()[0])
+    return None if limit is None else float(limit)
 
 
 def footprint_bytes(shape: MoEShape, dtype) -> int:

@@ -86,7 +86,7 @@ def available(platform: str, local: Sequence) -> Memory | None:
     given = env_bytes(DEVICE_ENV)
     if given is not None:
         return Memory(given, f"{DEVICE_ENV}={given} allows {_size(given)} per device", False)
-    limits = [_bytes_limit(d) for d in local]
+    limits = [bytes_limit(d) for d in local]
     if not limits or None in limits:
         return None
     low = min(x for x in limits if x is not None)
@@ -146,7 +146,9 @@ def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
         return None
 
 
-def _bytes_limit(device) -> int | None:
+def bytes_limit(device) -> int | None:
+    """What XLA may allocate on ``device`` (``memory_stats()["bytes_limit"]``); None where the
+    platform does not say (CPU)."""
     try:
         stats = device.memory_stats()
     except Exception:  # not every backend implements it
