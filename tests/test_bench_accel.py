@@ -189,6 +189,51 @@ def test_a_variant_that_fails_is_a_row_saying_why_and_the_others_run(monkeypatch
     assert rows["auto"]["skipped"] is None and rows["auto"]["ratio"] > 0
 
 
+def _fails_when_timed(after_calls: int):
+    """A function that runs ``after_calls`` times, then raises as a device out of memory would."""
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        if len(calls) > after_calls:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Attempting to allocate 896.00M")
+        return x + 1
+
+    return fn
+
+
+def test_a_variant_that_fails_while_timed_is_a_row_and_the_others_keep_their_timings():
+    x = jnp.ones(4)
+    entries = {
+        ("dense", None): (jax.jit(lambda x: x * 2), (x,)),
+        ("auto", "tiled"): (jax.jit(lambda x: x * 3), (x,)),
+        ("plain", None): (_fails_when_timed(0), (x,)),
+    }
+    timings, failed = accel._timed(entries, accel.TINY)
+    assert failed[("plain", None)].startswith("failed: RuntimeError: RESOURCE_EXHAUSTED")
+    assert timings[("auto", "tiled")]["median_s"] > 0 and timings[("dense", None)]["median_s"] > 0
+
+
+def test_models_narrows_the_shapes_run():
+    from moe_train.bench.__main__ import chosen
+
+    sizes = chosen(accel.FULL, parse(["--accel", "--models", "qwen3-30b-a3b", "--budget-s", "60"]))
+    assert [s.name for s in sizes.shapes] == ["qwen3-30b-a3b"] and sizes.budget_s == 60
+
+
+def test_an_unknown_model_exits_2_naming_the_valid_ones(capsys):
+    from moe_train.bench.__main__ import chosen
+
+    with pytest.raises(SystemExit) as exit_:
+        chosen(accel.FULL, parse(["--accel", "--models", "mixtral"]))
+    assert exit_.value.code == 2 and "choose from mixtral-8x7b, qwen3-30b-a3b" in capsys.readouterr().err
+
+
+def test_models_needs_accel():
+    with pytest.raises(SystemExit):
+        parse(["--models", "qwen3-30b-a3b"])
+
+
 # ---- the plain layer and the goals
 
 

@@ -60,8 +60,31 @@ def test_writing_records_where_the_tiles_come_from(tmp_path):
     path = tmp_path / "tiles.json"
     tiles.write_table(path, "cpu", {}, {"commit": "abc", "date": "2026-12-06"})
     assert json.loads(path.read_text())["measured"] == [
-        {"commit": "abc", "date": "2026-12-06", "device_kind": "cpu"}
+        {"commit": "abc", "date": "2026-12-06", "device_kind": "cpu", "shapes": []}
     ]
+
+
+def test_a_sweep_of_other_shapes_keeps_the_earlier_tiles(tmp_path):
+    path = tmp_path / "tiles.json"
+    tiles.write_table(path, "cpu", {"fwd": {"2x2": [8, 128, 128]}}, {"commit": "a"})
+    tiles.write_table(path, "cpu", {"fwd": {"4x4": [16, 128, 128]}, "drhs": {"4x4": [8, 128, 128]}}, {})
+    fwd = json.loads(path.read_text())["tiles"]["cpu"]["fwd"]
+    assert fwd == {"2x2": [8, 128, 128], "4x4": [16, 128, 128]}
+
+
+def test_a_sweep_takes_over_the_provenance_of_the_shapes_it_measured_again(tmp_path):
+    path = tmp_path / "tiles.json"
+    tiles.write_table(path, "cpu", {"fwd": {"2x2": [8, 128, 128], "4x4": [8, 128, 128]}}, {"commit": "a"})
+    tiles.write_table(path, "cpu", {"fwd": {"4x4": [16, 128, 128]}}, {"commit": "b"})
+    measured = json.loads(path.read_text())["measured"]
+    assert [(m["commit"], m["shapes"]) for m in measured] == [("a", ["fwd:2x2"]), ("b", ["fwd:4x4"])]
+
+
+def test_the_recorded_command_names_no_output_folder():
+    from moe_train.bench.__main__ import without_out
+
+    argv = ["--accel", "--tune", "--out", "/root/out", "--write-tiles", "--out=/tmp/x"]
+    assert without_out(argv) == ["--accel", "--tune", "--write-tiles"]
 
 
 @pytest.mark.slow

@@ -38,10 +38,15 @@ def _grad(f, x):
     return jax.grad(lambda x: jnp.sum(f(x) * w))(x)
 
 
+# (tile_rows, row_multiple): sorted rows (R = M: no zero row either way), sorted rows padded
+# to 16 (R > M), the tiled layout
+LAYOUTS = [(None, 1), (None, 16), (4, 1)]
+
+
 @pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("tile_rows", [None, 4])
-def test_permute_and_its_gradient_equal_plain_indexing(routing, tile_rows):
-    plan = make_dispatch(jnp.asarray(ROUTINGS[routing], jnp.int32), E, tile_rows)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_permute_and_its_gradient_equal_plain_indexing(routing, layout):
+    plan = make_dispatch(jnp.asarray(ROUTINGS[routing], jnp.int32), E, *layout)
     x = _x()
     np.testing.assert_array_equal(permute(x, plan), _plain_permute(x, plan))
     np.testing.assert_allclose(
@@ -53,8 +58,9 @@ def test_permute_and_its_gradient_equal_plain_indexing(routing, tile_rows):
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
-def test_unpermute_gradient_equals_plain_indexing(routing):
-    plan = make_dispatch(jnp.asarray(ROUTINGS[routing], jnp.int32), E, 4)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unpermute_gradient_equals_plain_indexing(routing, layout):
+    plan = make_dispatch(jnp.asarray(ROUTINGS[routing], jnp.int32), E, *layout)
     y = _x(plan.token_R.shape[0])
     np.testing.assert_allclose(
         _grad(lambda y: unpermute(y, plan), y), _grad(lambda y: y[plan.row_M], y), rtol=1e-6, atol=1e-6
@@ -95,6 +101,12 @@ def test_a_row_nobody_reads_gets_no_gradient():
     np.testing.assert_array_equal(got[0], 2 * jnp.ones(H))
 
 
+def test_unpadded_sorted_rows_gather_without_appending_a_zero_row():
+    plan = make_dispatch(jnp.asarray(ROUTINGS["uniform"], jnp.int32), E)
+    loss = lambda x: jnp.sum(unpermute(permute(x, plan), plan))  # noqa: E731
+    assert "concatenate" not in str(jax.make_jaxpr(jax.grad(loss))(_x()))
+
+
 @pytest.mark.parametrize("shape", [(3, 4), (5,), (2, 3, 4)])
 def test_zeros_after_are_zeros_of_the_shape_even_from_non_finite_values(shape):
     from moe_train.moe.permute import zeros_after
@@ -120,10 +132,25 @@ def test_counting_sort_and_argsort_make_the_same_plan(routing, tile_rows):
 @pytest.mark.parametrize("method", ["counting", "argsort"])
 def test_sorted_positions_are_stable_within_an_expert(method):
     ids = np.random.default_rng(3).integers(0, E, (T, K))
-    pos_M, _ = sorted_positions(jnp.asarray(ids, jnp.int32), E, method)
+    pos_M = sorted_positions(jnp.asarray(ids, jnp.int32), E, method).pos_M
     expected = np.empty(T * K, int)
     expected[np.argsort(ids.ravel(), kind="stable")] = np.arange(T * K)
     np.testing.assert_array_equal(pos_M, expected)
+
+
+@pytest.mark.parametrize("method", ["counting", "argsort"])
+def test_sorted_order_inverts_the_positions(method):
+    ids = np.random.default_rng(4).integers(0, E, (T, K))
+    pos_M, order_M, _ = sorted_positions(jnp.asarray(ids, jnp.int32), E, method)
+    np.testing.assert_array_equal(np.asarray(order_M)[np.asarray(pos_M)], np.arange(T * K))
+
+
+@pytest.mark.parametrize("tile_rows", [None, 4])
+def test_each_rows_slot_is_the_assignment_it_holds(tile_rows):
+    plan = make_dispatch(jnp.asarray(ROUTINGS["uniform"], jnp.int32), E, tile_rows, row_multiple=16)
+    slot_R, M = np.asarray(plan.slot_R), T * K
+    np.testing.assert_array_equal(slot_R[np.asarray(plan.row_M)], np.arange(M))
+    assert (slot_R[~np.asarray(plan.valid_R)] == M).all()
 
 
 def _primitives(num_experts: int) -> str:

@@ -17,6 +17,7 @@ before any device is touched): run it in its own process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -78,6 +79,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--tiny", action="store_true", help="with --accel: toy sizes (runs on CPU too)")
     ap.add_argument(
+        "--models",
+        default=None,
+        help="with --accel: comma-separated expert shapes to run (default: all; "
+        "names as the tables print them, e.g. qwen3-30b-a3b)",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="with --accel: the run's deadline in seconds (later rows are listed as skipped)",
+    )
+    ap.add_argument(
         "--out",
         type=Path,
         default=Path("runs/bench"),
@@ -98,6 +111,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--tune only applies to --accel")
     if args.write_tiles and not args.tune:
         ap.error("--write-tiles only applies to --accel --tune")
+    for flag in ("models", "budget_s"):
+        if getattr(args, flag) is not None and not args.accel:
+            ap.error(f"--{flag.replace('_', '-')} only applies to --accel")
+    if args.budget_s is not None and args.budget_s <= 0:
+        ap.error("--budget-s must be positive")
     return args
 
 
@@ -108,6 +126,8 @@ def run_accel(args) -> tuple[dict, list[str]]:
     from moe_train.train import progress
 
     what = "sweeping the megablox tiles" if args.tune else "running the accelerator benchmark"
+    module = tiles if args.tune else accel
+    sizes = chosen(module.TINY if args.tiny else module.FULL, args)  # before any line: a bad name exits 2
     every = progress.EVERY_S
     say = lambda line: print(line, flush=True)
     say(f"{what} ...")  # here, before any row: the heartbeat runs in a thread
@@ -116,18 +136,53 @@ def run_accel(args) -> tuple[dict, list[str]]:
             write = megablox_table() if args.write_tiles else None
             provenance = {
                 "commit": git_commit(),
-                "command": shlex.join(["python", "-m", "moe_train.bench", *args.argv]),
+                "command": shlex.join(["python", "-m", "moe_train.bench", *without_out(args.argv)]),
             }
             sec = tiles.run(
-                tiles.TINY if args.tiny else tiles.FULL,
+                sizes,
                 lambda line: say("  tiles: " + line),
                 write,
                 provenance,
             )
             return {"tiles": sec}, [sec.pop("markdown")]
-        sec = accel.run(accel.TINY if args.tiny else accel.FULL, say=lambda line: say("  accel: " + line))
+        sec = accel.run(sizes, say=lambda line: say("  accel: " + line))
         perm = permute.run(permute.QUICK if args.tiny else permute.ACCEL, with_goal=True)
     return {"accel": sec, "permute": perm}, [sec.pop("markdown"), perm.pop("markdown")]
+
+
+def chosen(sizes, args):
+    """``sizes`` (an accel or tiles ``Sizes``) narrowed to ``--models`` and given ``--budget-s``;
+    an unknown model name exits 2 with the valid list."""
+    names = [name for name, *_ in map(shape_fields, sizes.shapes)]
+    changes: dict = {}
+    if args.models is not None:
+        want = [m for m in args.models.split(",") if m]
+        if bad := sorted(set(want) - set(names)) or not want:
+            print(f"--models: unknown {bad or 'empty list'}; choose from {', '.join(names)}", file=sys.stderr)
+            raise SystemExit(2)
+        changes["shapes"] = tuple(s for s in sizes.shapes if shape_fields(s)[0] in want)
+    if args.budget_s is not None:
+        changes["budget_s"] = args.budget_s
+    return dataclasses.replace(sizes, **changes)
+
+
+def shape_fields(shape) -> tuple:
+    """(name, ...) of one Sizes.shapes entry: accel's ``Shape`` or tiles' (name, MoEShape)."""
+    return (shape.name,) if hasattr(shape, "name") else tuple(shape)
+
+
+def without_out(argv: list[str]) -> list[str]:
+    """``argv`` less ``--out DIR`` (``--out=DIR``): the command a shipped table records names
+    no machine's path."""
+    out, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--out="):
+            skip = False
+            continue
+        skip = arg == "--out"
+        if not skip:
+            out.append(arg)
+    return out
 
 
 def megablox_table() -> Path:

@@ -247,6 +247,31 @@ def _prepared(spec: Shape, shape: MoEShape, s: Sizes, deadline: float, ops) -> d
     return out
 
 
+def _timed(entries: dict[tuple, tuple | str], s: Sizes) -> tuple[dict[tuple, dict], dict[tuple, str]]:
+    """(timings, why a variant failed) of the variants that compiled, timed side by side.
+    Where running them all together fails (the device out of memory with one more variant's
+    buffers), each is timed beside the dense reference alone, and one that still fails gets
+    why instead of a timing."""
+    ready = {key: e[:2] for key, e in entries.items() if not isinstance(e, str)}
+    timed = lambda fns: time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s)
+    if not ready:
+        return {}, {}
+    try:
+        return timed(ready), {}
+    except Exception:  # each variant alone beside dense; the dense reference ran in _prepared
+        dense = ("dense", None)
+        timings: dict[tuple, dict] = {}
+        failed: dict[tuple, str] = {}
+        for key in ready.keys() - {dense}:
+            try:
+                timings |= timed({dense: ready[dense], key: ready[key]})
+            except Exception as err:  # a row saying why
+                failed[key] = accel_step.failure(err)
+        if dense not in timings:
+            failed[dense] = "the dense reference did not run beside any variant"
+        return timings, failed
+
+
 def shape_rows(spec: Shape, s: Sizes, limit: float | None, deadline: float, say: Say) -> list[dict]:
     """Every variant of one expert shape, timed side by side with the dense reference."""
     dtype = jnp.dtype(s.dtype)
@@ -260,16 +285,14 @@ def shape_rows(spec: Shape, s: Sizes, limit: float | None, deadline: float, say:
         return [base | {"variant": v, "backend": b, "skipped": late} for v, b in variants(shape, dtype)]
     moe_ops, dense_ops, dy, dy_n = operands(shape, dtype)
     entries = _prepared(spec, shape, s, deadline, (moe_ops, dense_ops, dy.astype(dtype), dy_n.astype(dtype)))
-    ready = {key: e[:2] for key, e in entries.items() if not isinstance(e, str)}
-    timings = (
-        time_rounds(ready, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s) if ready else {}
-    )
+    timings, failed = _timed(entries, s)
     rows = []
     for (variant, backend), entry in entries.items():
         label = f"{spec.name} {variant}{f' ({backend})' if variant == 'auto' else ''}"
-        if isinstance(entry, str):
-            rows.append(base | {"variant": variant, "backend": backend, "skipped": entry})
-            say(f"{label}: skipped: {entry}")
+        why = entry if isinstance(entry, str) else failed.get((variant, backend))
+        if why is not None or isinstance(entry, str):
+            rows.append(base | {"variant": variant, "backend": backend, "skipped": why})
+            say(f"{label}: skipped: {why}")
             continue
         timing = timings[(variant, backend)]
         row = layer_row(shape, variant, spec.score_function, timing, timings[("dense", None)], {}, entry[2])

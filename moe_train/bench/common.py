@@ -73,6 +73,7 @@ def time_rounds(
         out = jax.block_until_ready(fn(*args))  # warm-up
         if outputs is not None:
             outputs[name] = out
+        del out  # not held while the next one runs (a device fits one shape's outputs, not two)
     round_s = time.perf_counter() - t0
     reps = max(min_reps, min(max_reps, math.ceil(target_s / max(round_s, 1e-6))))
     times: dict[K, list[float]] = {name: [] for name in fns}

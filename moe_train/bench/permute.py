@@ -26,7 +26,7 @@ from moe_train.moe.permute import (
     COUNTING_MAX_EXPERTS,
     make_dispatch,
     permute,
-    scatter_rows,
+    row_values,
     sum_rows,
     unpermute,
 )
@@ -94,7 +94,7 @@ def permutation_fn(shape: MoEShape, method: str):
         weights_TK, experts_TK, _ = route_tokens(x, gate, routing)
         plan = make_dispatch(experts_TK, E, None, 1, method)
         x_RH = permute(x, plan)
-        w_R = scatter_rows(weights_TK.reshape(-1), plan.row_M, x_RH.shape[0])
+        w_R = row_values(weights_TK.reshape(-1), plan.slot_R)
         y_MH = unpermute((x_RH * w_R[:, None]).astype(x.dtype), plan)
         return jnp.vdot(sum_rows(y_MH, K, x.dtype).astype(jnp.float32), dy)
 

@@ -170,11 +170,20 @@ def best(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
 
 
 def write_table(path: Path, device_kind: str, tiles: dict, provenance: dict[str, Any]) -> None:
-    """Put ``tiles`` under ``device_kind`` in the table at ``path`` (other kinds kept)."""
+    """Put ``tiles`` under ``device_kind`` in the table at ``path``: each (kind, KxN) swept
+    replaces its entry; other shapes and device kinds are kept, and so is the provenance of
+    earlier sweeps that still own an entry."""
     table = json.loads(path.read_text()) if path.is_file() else {}
-    table.setdefault("tiles", {})[device_kind] = tiles
-    table["measured"] = [m for m in table.get("measured", []) if m.get("device_kind") != device_kind]
-    table["measured"].append(dict(provenance, device_kind=device_kind))
+    mine = table.setdefault("tiles", {}).setdefault(device_kind, {})
+    for kind, by_shape in tiles.items():
+        mine.setdefault(kind, {}).update(by_shape)
+    swept = sorted(f"{kind}:{kn}" for kind, by_shape in tiles.items() for kn in by_shape)
+    table["measured"] = [
+        dict(m, shapes=left)
+        for m in table.get("measured", [])
+        if (left := [x for x in m.get("shapes", []) if m.get("device_kind") != device_kind or x not in swept])
+    ]
+    table["measured"].append(dict(provenance, device_kind=device_kind, shapes=swept))
     table.setdefault("written_by", "python -m moe_train.bench --accel --tune --write-tiles")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")

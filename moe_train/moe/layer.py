@@ -38,7 +38,7 @@ from moe_train.moe import stats as moe_stats
 from moe_train.moe.dispatch import Arrived, Context, Dispatcher, ExchangeStats, Local, dispatcher
 from moe_train.moe.gemm import grouped_swiglu, resolve_backend
 from moe_train.moe.megablox import default_row_tile
-from moe_train.moe.permute import make_dispatch, permute, scatter_rows, sum_rows, unpermute
+from moe_train.moe.permute import make_dispatch, permute, row_values, sum_rows, unpermute
 from moe_train.moe.router import Routing, route_tokens
 from moe_train.moe.tiled import default_tile_rows
 from moe_train.parallel.jobplan import EPPlan
@@ -92,7 +92,7 @@ def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
             plan = plan._replace(group_sizes_E=plan.group_sizes_E[:E], tile_expert_P=tiles)
         x_RH = permute(arrived.x_AH, plan)
         w_AK = arrived.weights_AK
-        w_R = None if w_AK is None else scatter_rows(w_AK.reshape(-1), plan.row_M, x_RH.shape[0])
+        w_R = None if w_AK is None else row_values(w_AK.reshape(-1), plan.slot_R)
     with jax.named_scope("grouped_gemm"):
         w0, w1, wo = experts.wi_0_EHF, experts.wi_1_EHF, experts.wo_EFH
         y_RH = grouped_swiglu(x_RH, plan, w0, w1, wo, experts.backend, scale_R=w_R, row_tile=experts.row_tile)

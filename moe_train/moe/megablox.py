@@ -18,11 +18,12 @@ Six GEMMs of three kinds, each with its own tile (``tiles_for``): ``fwd`` (the f
 Tiles (tm, tk, tn) come from a table measured on the chip and shipped with the kit
 (``moe_train/assets/megablox_tiles.json``, written by ``python -m moe_train.bench --accel
 --tune``), keyed by the JAX device kind, the GEMM kind and (k, n); a shape the table lacks
-takes ``DEFAULT_TILE`` clamped to the shape, which compiled and ran at each of the three
-shapes of issue 49 on a TPU v5e (1.48-2.38x the dense limit for the three GEMMs); the larger
-(512, 1024, 1024) ran out of VMEM at two of them. megablox needs the rows to be a multiple of
-tm: the dispatch pads them to ``default_row_tile`` (rows in no group are neither read by the kernels
-nor computed; the outputs zero them).
+takes ``DEFAULT_TILE`` clamped to the shape. On a TPU v5e (2026-12-06, the sweep at the
+Mixtral, Qwen3 and DeepSeek-V3 shapes, docs/benchmarks.md) (512, 1024, 1024) compiled at every
+GEMM and came within 0.02x of the fastest tile at 13 of 14 (1.02-1.38x the dense limit),
+where (512, 512, 512) took 1.25-1.63x. megablox needs the rows to be a multiple of tm: the
+dispatch pads them to ``default_row_tile`` (at most ``MAX_ROW_TILE``; rows in no group are
+neither read by the kernels nor computed; the outputs zero them).
 
 Off a TPU the kernels run in Pallas interpret mode (the tests on CPU); ``gemm.resolve_backend``
 offers the backend on TPUs only.
@@ -44,7 +45,8 @@ from moe_train.moe.vjp import custom_vjp
 F32 = jnp.float32
 Tile = tuple[int, int, int]  # (tm, tk, tn): rows, contraction and output columns of one block
 KINDS = ("fwd", "dlhs", "drhs")  # the GEMM kinds a tile is chosen for
-DEFAULT_TILE: Tile = (512, 512, 512)
+DEFAULT_TILE: Tile = (512, 1024, 1024)
+MAX_ROW_TILE = 1024  # rows are padded to at most this: the sweep's fastest tm at several GEMMs
 MIN_ROW_TILE = 16  # rows: bf16 packs 16 rows in a TPU vreg's sublanes
 LANES = 128  # tk and tn are multiples of this (the TPU's lane width) or the whole dimension
 TILE_FILE = Path(__file__).resolve().parents[1] / "assets" / "megablox_tiles.json"
@@ -80,10 +82,11 @@ def _pow2_floor(n: int) -> int:
 
 
 def default_row_tile(rows: int, experts: int) -> int:
-    """The row tile tm that the dispatch pads the rows to a multiple of: ``DEFAULT_TILE``'s,
-    smaller where the experts' mean load is (a tile of rows mostly in no group is waste)."""
+    """The row tile that the dispatch pads the rows to a multiple of, and the largest tm a
+    GEMM then takes: ``MAX_ROW_TILE``, smaller where the experts' mean load is (a tile of rows
+    mostly in no group is waste)."""
     mean = max(1, rows // max(1, experts))
-    return max(MIN_ROW_TILE, min(DEFAULT_TILE[0], _pow2_floor(mean)))
+    return max(MIN_ROW_TILE, min(MAX_ROW_TILE, _pow2_floor(mean)))
 
 
 def _clamp(t: int, dim: int) -> int:

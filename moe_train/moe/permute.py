@@ -12,6 +12,7 @@ Everything is computed on device: no host sync, and no recompilation when routin
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -28,6 +29,7 @@ class Dispatch(NamedTuple):
     row_M: jax.Array  # dispatched row of assignment n = t*K + k
     group_sizes_E: jax.Array  # assignments per expert, sums to M
     tile_expert_P: jax.Array | None  # expert of each tile (tiled layout only)
+    slot_R: jax.Array  # assignment n each dispatched row holds (M for padding rows): row_M's inverse
 
 
 def cdiv_array(a: jax.Array, b: int) -> jax.Array:
@@ -62,15 +64,25 @@ def _exclusive_cumsum(v_E: jax.Array) -> jax.Array:
 COUNTING_MAX_EXPERTS = 64
 
 
-def sorted_positions(experts_TK: jax.Array, num_experts: int, method: str = "auto"):
-    """(pos_M: each assignment's position when sorted by expert, stable; group_sizes_E).
+class Sorted(NamedTuple):
+    """The M assignments sorted by expert (stable: token order within an expert)."""
+
+    pos_M: jax.Array  # each assignment's position in the sorted order
+    order_M: jax.Array  # the assignment at each sorted position (pos_M's inverse)
+    group_sizes_E: jax.Array  # assignments per expert
+
+
+def sorted_positions(experts_TK: jax.Array, num_experts: int, method: str = "auto") -> Sorted:
+    """The assignments sorted by expert, both ways round, with one int32 scatter of M.
 
     ``method``: ``counting`` (each position is its expert's start plus the assignments of the
-    same expert before it, from a cumsum of one-hot ids: no sort, no scatter), ``argsort`` (a
-    stable argsort, inverted by a scatter), ``auto``: counting where E <= COUNTING_MAX_EXPERTS.
+    same expert before it, from a cumsum of one-hot ids: no sort; the order by one scatter),
+    ``argsort`` (a stable argsort gives the order; the positions by one scatter), ``auto``:
+    counting where E <= COUNTING_MAX_EXPERTS.
     """
     experts_M = experts_TK.reshape(-1).astype(jnp.int32)
     E, M = num_experts, experts_M.shape[0]
+    arange_M = jnp.arange(M, dtype=jnp.int32)
     if method == "auto":
         method = "counting" if E <= COUNTING_MAX_EXPERTS else "argsort"
     if method == "counting":
@@ -78,13 +90,15 @@ def sorted_positions(experts_TK: jax.Array, num_experts: int, method: str = "aut
         seen_ME = jnp.cumsum(onehot_ME, axis=0)
         group_sizes_E = seen_ME[-1]
         rank_M = jnp.take_along_axis(seen_ME, experts_M[:, None], axis=1)[:, 0] - 1
-        return _exclusive_cumsum(group_sizes_E)[experts_M] + rank_M, group_sizes_E
+        pos_M = _exclusive_cumsum(group_sizes_E)[experts_M] + rank_M
+        order_M = jnp.zeros((M,), jnp.int32).at[pos_M].set(arange_M, unique_indices=True)
+        return Sorted(pos_M, order_M, group_sizes_E)
     if method != "argsort":
         raise ValueError(f"unknown sort method {method!r}; one of auto, counting, argsort")
     order_M = jnp.argsort(experts_M, stable=True).astype(jnp.int32)
     group_sizes_E = jnp.bincount(experts_M, length=E).astype(jnp.int32)
-    pos_M = jnp.zeros((M,), jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32), unique_indices=True)
-    return pos_M, group_sizes_E
+    pos_M = jnp.zeros((M,), jnp.int32).at[order_M].set(arange_M, unique_indices=True)
+    return Sorted(pos_M, order_M, group_sizes_E)
 
 
 def make_dispatch(
@@ -96,14 +110,16 @@ def make_dispatch(
 ) -> Dispatch:
     """Plan for sorted rows (tile_rows=None: R = M rounded up to a multiple of ``row_multiple``,
     the rows after the M sorted ones zero and in no group) or the tiled layout (R = P*m).
-    ``method``: how the assignments are sorted (``sorted_positions``). One scatter of M int32
-    (each row's token); validity comes from the group spans."""
+    ``method``: how the assignments are sorted (``sorted_positions``). Sorted rows need no
+    scatter beyond the sort's one (rows hold the sorted order); the tiled layout one more of
+    M int32 (each row's assignment). Validity comes from the group spans."""
     T, K = experts_TK.shape
     M = T * K
-    pos_M, group_sizes_E = sorted_positions(experts_TK, num_experts, method)
+    pos_M, order_M, group_sizes_E = sorted_positions(experts_TK, num_experts, method)
     if tile_rows is None:
         R, tile_expert_P, row_M = cdiv(M, row_multiple) * row_multiple, None, pos_M
         valid_R = jnp.arange(R, dtype=jnp.int32) < M
+        slot_R = jnp.concatenate([order_M, jnp.full((R - M,), M, jnp.int32)])
     else:
         P, R = tiled_padding(M, num_experts, tile_rows)
         experts_M = experts_TK.reshape(-1).astype(jnp.int32)
@@ -113,10 +129,10 @@ def make_dispatch(
         owner_R = jnp.repeat(tile_expert_P, tile_rows, total_repeat_length=R)
         rank_R = jnp.arange(R, dtype=jnp.int32) - padded_start_E[owner_R]
         valid_R = (rank_R >= 0) & (rank_R < group_sizes_E[owner_R])
-    token_R = (
-        jnp.zeros((R,), jnp.int32).at[row_M].set(jnp.arange(M, dtype=jnp.int32) // K, unique_indices=True)
-    )
-    return Dispatch(token_R, valid_R, row_M, group_sizes_E.astype(jnp.int32), tile_expert_P)
+        arange_M = jnp.arange(M, dtype=jnp.int32)
+        slot_R = jnp.full((R,), M, jnp.int32).at[row_M].set(arange_M, unique_indices=True)
+    token_R = jnp.where(slot_R < M, slot_R // K, 0)
+    return Dispatch(token_R, valid_R, row_M, group_sizes_E.astype(jnp.int32), tile_expert_P, slot_R)
 
 
 def tile_experts(padded_start_E: jax.Array, num_tiles: int, tile_rows: int) -> jax.Array:
@@ -148,8 +164,15 @@ def zeros_after(shape, dtype, after: jax.Array) -> jax.Array:
     return jnp.broadcast_to(zero, shape) if zero.shape != tuple(shape) else zero
 
 
-@jax.custom_vjp
-def take_rows(x_TH: jax.Array, index_R: jax.Array, valid_R: jax.Array, readers_TK: jax.Array) -> jax.Array:
+def take_rows(
+    x_TH: jax.Array,
+    index_R: jax.Array,
+    valid_R: jax.Array,
+    readers_TK: jax.Array,
+    *,
+    all_valid: bool = False,
+    all_read: bool = False,
+) -> jax.Array:
     """``x_TH[index_R]`` [R, H] with zero rows where ``valid_R`` is False: a gather from
     ``x_TH`` with one zero row appended, which the invalid rows read. A gather followed by a
     select would hold an [R, H] select forward and another of the cotangent backward;
@@ -160,7 +183,19 @@ def take_rows(x_TH: jax.Array, index_R: jax.Array, valid_R: jax.Array, readers_T
     ``index_R[r] == t`` is one of ``readers_TK[t]``; entries >= R stand for none), so the
     backward pass is a gather of the cotangent too, summed over K in fp32. Autodiff's
     backward, a scatter-add into a zero-filled [T, H] buffer, let XLA:GPU hoist those out of
-    deepseek-v3's MTP block, 15 of 0.82 GiB live at once (``make compile PEAK=1``)."""
+    deepseek-v3's MTP block, 15 of 0.82 GiB live at once (``make compile PEAK=1``).
+
+    ``all_valid`` (static): the caller knows every ``valid_R`` is True; ``all_read``: every
+    reader is < R. Each drops its pass's zero row: appending it copies the whole source
+    ([T+1, H] forward, the [R+1, H] cotangent backward), which on the TPU v5e cost a third of
+    the gather itself at Qwen3's unpermute (``python -m moe_train.bench --accel``)."""
+    return _take_rows(all_valid, all_read, x_TH, index_R, valid_R, readers_TK)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _take_rows(all_valid, all_read, x_TH, index_R, valid_R, readers_TK):
+    if all_valid:
+        return x_TH[index_R]
     return _gather_padded(x_TH, jnp.where(valid_R, index_R, x_TH.shape[0]))
 
 
@@ -170,18 +205,21 @@ def _gather_padded(x_TH: jax.Array, index_R: jax.Array) -> jax.Array:
     return padded[index_R]
 
 
-def _take_rows_fwd(x_TH, index_R, valid_R, readers_TK):
-    return take_rows(x_TH, index_R, valid_R, readers_TK), readers_TK
+def _take_rows_fwd(all_valid, all_read, x_TH, index_R, valid_R, readers_TK):
+    return _take_rows(all_valid, all_read, x_TH, index_R, valid_R, readers_TK), readers_TK
 
 
-def _take_rows_bwd(readers_TK, g_RH):
+def _take_rows_bwd(all_valid, all_read, readers_TK, g_RH):
     R, dtype = g_RH.shape[0], g_RH.dtype  # the cotangent has x's dtype, as the rows had
-    picked_TKH = _gather_padded(g_RH, jnp.where(readers_TK < R, readers_TK, R))
+    if all_read:
+        picked_TKH = g_RH[readers_TK]
+    else:
+        picked_TKH = _gather_padded(g_RH, jnp.where(readers_TK < R, readers_TK, R))
     dx_TH = picked_TKH.astype(jnp.float32).sum(axis=1).astype(dtype)
     return dx_TH, None, None, None
 
 
-take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def readers_of(slot_M: jax.Array, rows: int) -> jax.Array:
@@ -195,8 +233,12 @@ def readers_of(slot_M: jax.Array, rows: int) -> jax.Array:
 
 def permute(x_TH: jax.Array, plan: Dispatch) -> jax.Array:
     """Gather token rows into dispatch order [R, H]; padding rows are zero. Backward: the
-    cotangent's rows of each token's K assignments, gathered and summed."""
-    return take_rows(x_TH, plan.token_R, plan.valid_R, plan.row_M.reshape(x_TH.shape[0], -1))
+    cotangent's rows of each token's K assignments, gathered and summed (every assignment has
+    a row: no zero row appended)."""
+    T, R = x_TH.shape[0], plan.token_R.shape[0]
+    sorted_unpadded = plan.tile_expert_P is None and R == plan.row_M.shape[0]
+    readers_TK = plan.row_M.reshape(T, -1)
+    return take_rows(x_TH, plan.token_R, plan.valid_R, readers_TK, all_valid=sorted_unpadded, all_read=True)
 
 
 def weighted_sum(y_MH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array:
@@ -206,9 +248,11 @@ def weighted_sum(y_MH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array
     return jnp.einsum("tkh,tk->th", y_TKH, weights_TK.astype(jnp.float32)).astype(out_dtype)
 
 
-def scatter_rows(v_M: jax.Array, row_M: jax.Array, rows: int) -> jax.Array:
-    """[rows]: ``v_M[n]`` at row ``row_M[n]`` (each row one assignment's), 0 elsewhere."""
-    return jnp.zeros((rows,), jnp.float32).at[row_M].set(v_M.astype(jnp.float32), unique_indices=True)
+def row_values(v_M: jax.Array, slot_R: jax.Array) -> jax.Array:
+    """[R] fp32: ``v_M[slot_R[r]]`` for the assignment each row holds, 0 where it holds none
+    (slot M): a gather, where a scatter of M values by ``row_M`` cost a TPU v5e as much as
+    the dispatch plan's own at Qwen3's shape."""
+    return jnp.concatenate([v_M.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])[slot_R]
 
 
 def sum_rows(y_MH: jax.Array, per_token: int, out_dtype) -> jax.Array:
@@ -222,11 +266,16 @@ def unpermute(
 ) -> jax.Array:
     """Back to assignment order: y[t] = sum_k weights[t, k] * y_R[row of (t, k)] (fp32 sums);
     without weights, the row of every assignment n [M, H] as it is. ``valid_M`` (bool): the
-    others read zero and pass no gradient back (rows no GEMM computed; None: all valid)."""
+    others read zero and pass no gradient back (rows no GEMM computed; None: all valid).
+    Backward: a gather of the cotangent by each row's assignment (``plan.slot_R``)."""
     M, R = plan.row_M.shape[0], y_RH.shape[0]
-    row_M = plan.row_M if valid_M is None else jnp.where(valid_M, plan.row_M, R)
-    valid = jnp.ones((M,), bool) if valid_M is None else valid_M
-    y_MH = take_rows(y_RH, row_M, valid, readers_of(row_M, R))
+    if valid_M is None:
+        y_MH = take_rows(
+            y_RH, plan.row_M, jnp.ones((M,), bool), plan.slot_R[:, None], all_valid=True, all_read=R == M
+        )
+    else:
+        row_M = jnp.where(valid_M, plan.row_M, R)
+        y_MH = take_rows(y_RH, row_M, valid_M, readers_of(row_M, R))
     if weights_TK is None:
         return y_MH
     return weighted_sum(y_MH, weights_TK, out_dtype or y_RH.dtype)
