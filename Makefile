@@ -113,7 +113,7 @@ submit: $(STAMP) ## run MODEL on NODES of cluster PRESET under Slurm (DRY_RUN=1 
 smoke-cluster: $(STAMP) ## one-node smoke job on cluster PRESET: preflight + a short tiny run, followed
 	@$(RUN_CMD) $(PY) -m slurm.submit --preset "$$PRESET" --smoke --wait $(if $(IMAGE),--image "$$IMAGE")
 
-golden: $(STAMP) ## rewrite slurm/golden/*.sbatch after an intended change to the job rendering
+golden: $(STAMP) ## rewrite slurm/golden/*.sbatch and the planner snapshot tests/snapshots/planner.json after an intended change
 	@$(RUN_CMD) $(PY) -m slurm.examples --update-golden
 
 # tests/conftest.py groups what must share a worker (process-spawning modules, module fixtures)

@@ -111,6 +111,9 @@ class JobSpec:
     max_requeues: int  # bound on requeues after preemption, timeout or a hung step
     preflight: str  # shell command of the smoke job's preflight step; "" for none
     notes: tuple[str, ...]  # lines to show the user (segment choice, warnings)
+    # those of ``notes`` that are the planner's figures (memory verdict, search, its choices,
+    # the compiled peak): the golden files leave them out (slurm/examples.py, slurm/snapshot.py)
+    planner_notes: tuple[str, ...]
 
     @property
     def tasks(self) -> int:
@@ -187,14 +190,11 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
             f"warning: rendered with {cluster.name}'s base image {cluster.image}, which "
             f"lacks moe-train; a real submission needs --image (make container)"
         )
-    chosen = [n for n in (d.search_note, *(c.note for c in d.choices)) if n]
-    notes.insert(1, _memory(req, cluster, d))
-    notes[2:2] = chosen
     from slurm import compiled  # imports this module
 
-    note = compiled.preflight(req, cluster, cfg)
-    if note:
-        notes.insert(2 + len(chosen), note)
+    chosen = [d.search_note, *(c.note for c in d.choices), compiled.preflight(req, cluster, cfg)]
+    planner = [_memory(req, cluster, d), *(n for n in chosen if n)]
+    notes[1:1] = planner  # after the placement's reason, before its warnings
     return JobSpec(
         cluster=cluster.name,
         job_name=job_name,
@@ -223,6 +223,7 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
         max_requeues=site.max_requeues,
         preflight=_preflight(req, cluster, container, site),
         notes=tuple(notes),
+        planner_notes=tuple(planner),
     )
 
 

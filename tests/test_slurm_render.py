@@ -1,8 +1,9 @@
 """The Slurm launcher without Slurm: rendering, golden files, quoting, refusals, --wait logic.
 
-Golden files (slurm/golden/<preset>.sbatch) change only on purpose:
-MOE_TRAIN_UPDATE_GOLDEN=1 pytest tests/test_slurm_render.py (or python -m slurm.examples
---update-golden) rewrites them.
+Golden files (slurm/golden/<preset>.sbatch) hold what the launcher renders (the planner's
+figures for the same jobs are in the planner snapshot, tests/test_planner_snapshot.py) and change
+only on purpose: MOE_TRAIN_UPDATE_GOLDEN=1 pytest tests/test_slurm_render.py (or python -m
+slurm.examples --update-golden, make golden) rewrites them.
 """
 
 from __future__ import annotations
