@@ -2,8 +2,9 @@
 
 * ``step``: train state, optimizer and the jitted train step; ``stepper``: the compiled step
   per expert-parallel plan (capacity buckets, pipelined);
-* ``loop``: resume, step, evaluate, log, checkpoint, stop cleanly (``run``); ``cli``: the
-  command line of ``python -m moe_train``;
+* ``loop``: resume, step, evaluate, log, checkpoint, stop cleanly (``run``); ``runconfig``:
+  the one config a start hands its loop (configured plus resolved); ``cli``: the command line
+  of ``python -m moe_train``;
 * ``resume``: which verified checkpoint (``moe_train.checkpoints``) to resume from;
   ``runlock``: one trainer per run directory; ``guard``: non-finite steps;
 * ``signals``: the stop flag (SIGTERM/SIGUSR2/SIGINT; the exit codes are

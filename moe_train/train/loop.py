@@ -56,6 +56,7 @@ from moe_train.train import (
     tracking,
 )
 from moe_train.train.guard import Divergence, NonFiniteGuard, origin
+from moe_train.train.runconfig import RunConfig
 from moe_train.train.step import StepCounter, init_state
 from moe_train.train.stepper import BucketedStep, Confirmed
 from topology import device_mesh
@@ -105,8 +106,10 @@ def _lock(out_dir: Path, log: Log) -> runlock.RunLock | None:
     return lock
 
 
-def _write_run_files(cfg: Config, out_dir: Path, plan: device_mesh.Layout, kernels: dict, log: Log) -> None:
-    """config.json, kernels.json, layout.json (process 0): after the first step traced."""
+def _write_run_files(run_cfg: RunConfig, out_dir: Path, log: Log) -> None:
+    """config.json (as configured), kernels.json, layout.json (process 0): after the first
+    step traced."""
+    cfg, plan = run_cfg.configured, run_cfg.layout
     for line in plan.lines:
         log(f"layout: {line}")
     for line in plan.warnings:
@@ -121,7 +124,7 @@ def _write_run_files(cfg: Config, out_dir: Path, plan: device_mesh.Layout, kerne
     if jax.process_index() != 0:
         return
     save_json(cfg, out_dir / "config.json")
-    selftest.write(out_dir, kernels)
+    selftest.write(out_dir, run_cfg.kernels)
     p = plan.placement
     (out_dir / "layout.json").write_text(
         json.dumps(
@@ -172,8 +175,11 @@ def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None, model: s
             lock.release()
 
 
-def _started(cfg: Config, job_cfg: Config, plan, out_dir: Path, log: Log, resume_step: int | None) -> int:
-    """The start once ``out_dir`` is locked: data, kernel self-test, resume, train."""
+def _started(
+    cfg: Config, job_cfg: Config, plan: device_mesh.Layout, out_dir: Path, log: Log, resume_step: int | None
+) -> int:
+    """The start once ``out_dir`` is locked: data, kernel self-test, resume, train. ``cfg``: as
+    configured; ``job_cfg``: on this job's devices. Builds the run's one ``RunConfig``."""
     t = cfg.train
     # The data (and held-out data) before the kernel self-test: a DataError ends it sooner.
     source = make_source(
@@ -182,15 +188,15 @@ def _started(cfg: Config, job_cfg: Config, plan, out_dir: Path, log: Log, resume
     try:
         evals = evaluate.InRun.of(cfg)
         with progress.waiting(log, "running the kernel self-test", after_s=2, done=False):
-            exec_cfg, kernel_line, kernels = selftest.run(job_cfg, out_dir)
+            resolved, kernel_line, kernels = selftest.run(job_cfg, out_dir)
         log(kernel_line)
         stopped = _stopped_in_start_up(log, "after the kernel self-test")
         if stopped is not None:
             return stopped
+        run_cfg = RunConfig(configured=cfg, resolved=resolved, layout=plan, kernels=kernels)
         ckpt = checkpoint.open_for(out_dir, t)
         try:
-            start = Start(exec_cfg, cfg, out_dir, plan, kernels, source, ckpt, log, evals)
-            return start.resume_and_train(resume_step)
+            return Start(run_cfg, out_dir, source, ckpt, log, evals).resume_and_train(resume_step)
         finally:
             checkpoint.close(ckpt)
     finally:
@@ -211,25 +217,24 @@ def _stopped_in_start_up(log: Log, where: str) -> int | None:
 class Start:
     """One start of a run: what it resumes from, its loop and how it ends."""
 
-    def __init__(self, cfg, configured, out_dir, plan, kernels, source, ckpt, log, evals=None):
-        self.cfg, self.configured, self.out_dir, self.plan = cfg, configured, out_dir, plan
-        self.kernels, self.source, self.ckpt, self.log = kernels, source, ckpt, log
+    def __init__(self, run_cfg: RunConfig, out_dir: Path, source, ckpt, log: Log, evals=None):
+        self.run_cfg, self.out_dir = run_cfg, out_dir  # the one config of the run (RunConfig)
+        self.source, self.ckpt, self.log = source, ckpt, log
         self.evals = evals  # evaluate.InRun with train.eval_every, else None
-        self.mesh = plan.mesh
-        self.meta = {"config": to_dict(configured)}  # as configured: "auto" stays auto
+        self.meta = {"config": to_dict(run_cfg.configured)}  # as configured: "auto" stays auto
         self.origin = ""  # where this start's weights came from (guard.origin)
 
     def resume_and_train(self, resume_step: int | None) -> int:
-        log = self.log
-        log(precision.describe(self.cfg, self.mesh.devices.flat[0].platform))
-        state = fits.initialised(init_state(self.cfg, self.mesh))
-        resumed = resume.choose(self.ckpt, state, self.configured, resume_step, log)
+        log, cfg, mesh = self.log, self.run_cfg.resolved, self.run_cfg.mesh
+        log(precision.describe(cfg, mesh.devices.flat[0].platform))
+        state = fits.initialised(init_state(cfg, mesh))
+        resumed = resume.choose(self.ckpt, state, self.run_cfg.configured, resume_step, log)
         if resumed is not None:
             state = resumed.state
             log(f"resumed from {resumed.directory} (step {int(state.step)})")
-        elif self.cfg.train.init_from:  # a new run: the given weights, the optimizer fresh
-            state = weights.start_from(self.cfg.train.init_from, state, self.cfg, self.mesh, log)
-        self.origin = origin(resumed, self.cfg.train.init_from)
+        elif cfg.train.init_from:  # a new run: the given weights, the optimizer fresh
+            state = weights.start_from(cfg.train.init_from, state, cfg, mesh, log)
+        self.origin = origin(resumed, cfg.train.init_from)
         stopped = _stopped_in_start_up(log, f"before step {int(state.step) + 1}")
         if stopped is not None:
             return stopped
@@ -284,32 +289,34 @@ class Loop:
     """The steps of one start, from the resumed step to ``train.steps``."""
 
     def __init__(self, start: Start, state):
-        self.s, self.state, self.cfg = start, state, start.cfg
+        self.s, self.state, self.run_cfg = start, state, start.run_cfg
+        cfg, mesh = self.run_cfg.resolved, self.run_cfg.mesh
         self.first = int(state.step)
         self.counter = StepCounter()
-        self.step_fn = progress.WatchedStep(
-            BucketedStep(  # a line for every compile
-                self.cfg, start.mesh, self.counter, jax.tree.map(lambda x: x.sharding, state)
-            ),
-            start.log,
-            self.first,
+        self.step_fn = BucketedStep(  # the jitted step, its buckets and a line for every compile
+            cfg,
+            mesh,
+            self.counter,
+            jax.tree.map(lambda x: x.sharding, state),
+            log=start.log,
+            first=self.first,
         )
-        self.guard = NonFiniteGuard(self.cfg.train, start.log, first=self.first)
+        self.guard = NonFiniteGuard(cfg.train, start.log, first=self.first)
         self.writer, self.sampler = None, telemetry.NullSampler()
         self.tracker: tracking.Tracker | None = None  # TensorBoard / W&B, process 0
         self.records: list[dict] = []
         # peak FLOP/s per device for MFU (``summary.peak_for``: preset, else device kind)
-        self.peak = summary.peak_for(to_dict(self.cfg), start.mesh.devices.flat[0].device_kind)
-        self.fpt = flops.train_flops_per_token(self.cfg)
-        self.saves = checkpoint.Schedule(self.cfg.train)  # its timer starts now
+        self.peak = summary.peak_for(to_dict(cfg), mesh.devices.flat[0].device_kind)
+        self.fpt = flops.train_flops_per_token(cfg)
+        self.saves = checkpoint.Schedule(cfg.train)  # its timer starts now
         self.stopped_by: int | None = None  # the agreed stop signal, when one ended the loop
 
     def run(self) -> int:
-        s, t = self.s, self.cfg.train
+        s, t = self.s, self.run_cfg.resolved.train
         if self.first >= t.steps:
             s.log(f"nothing to do: {s.out_dir} is already at step {self.first} of {t.steps}")
             return EXIT_OK
-        m = s.mesh
+        m = self.run_cfg.mesh
         s.log(
             f"training {s.source.description} on {m.devices.size} {m.devices.flat[0].platform} "
             f"device(s) (mesh {dict(m.shape)}, {jax.process_count()} process(es)), "
@@ -355,11 +362,11 @@ class Loop:
         save timer (one gather a step). Records are written as steps are confirmed. An
         evaluation step (``train.eval_every``, and the last) drains too and evaluates the
         confirmed state before its record is written."""
-        t, s = self.cfg.train, self.s
+        t, s, mesh = self.run_cfg.resolved.train, self.s, self.run_cfg.mesh
         for step in range(self.first, t.steps):
             n = step + 1
             self.sampler.set_step(n)
-            batch = global_batch(s.source, step, s.mesh)
+            batch = global_batch(s.source, step, mesh)
             self.state, done = self.step_fn.submit(self.state, batch)
             if done is not None:
                 self._record(n - 1, done, batch=None)
@@ -368,9 +375,10 @@ class Loop:
             evaluate_now = s.evals is not None and s.evals.due(n)
             if save or step == self.first or evaluate_now:
                 self.state, done = self.step_fn.drain(self.state)
+                assert done is not None, "step n was submitted above and is in flight"
                 with progress.waiting(s.log, f"evaluating the held-out loss at step {n}"):
                     held_out = (
-                        s.evals(self.cfg, s.mesh, self.state)
+                        s.evals(self.run_cfg.resolved, mesh, self.state)
                         if evaluate_now and s.evals is not None
                         else None
                     )
@@ -389,17 +397,18 @@ class Loop:
         """Step ``n`` is confirmed: its record (the first step's with the compiled memory of
         ``batch``; an evaluation step's with ``evaluation``), the non-finite guard (raises
         Divergence), metrics.jsonl and the log."""
-        t, s = self.cfg.train, self.s
+        cfg, s = self.run_cfg.resolved, self.s
+        t = cfg.train
         rec = metrics.step_record(
             n,
             done.raw,
             step_time_s=done.seconds,
             tokens=t.batch_size * t.seq_len,
             flops_per_token=self.fpt,
-            devices=s.mesh.devices.size,
+            devices=self.run_cfg.mesh.devices.size,
             peak_flops=self.peak,
             compilations=done.traces,
-            mtp=self.cfg.model.mtp_depth > 0,
+            mtp=cfg.model.mtp_depth > 0,
         )
         rec["compiled"] = done.compiled
         peak_bytes = metrics.device_peak_bytes(jax.local_devices())
@@ -420,10 +429,11 @@ class Loop:
         run's files, truncate metrics.jsonl to the resumed step and release telemetry."""
         s = self.s
         rec.update(
-            _compiled_memory(self.step_fn, self.state, batch, s.log), selftest_s=s.kernels["selftest_s"]
+            _compiled_memory(self.step_fn, self.state, batch, s.log),
+            selftest_s=self.run_cfg.kernels["selftest_s"],
         )
         try:
-            _write_run_files(s.configured, s.out_dir, s.plan, s.kernels, s.log)
+            _write_run_files(self.run_cfg, s.out_dir, s.log)
             self.writer = metrics.MetricsWriter(
                 s.out_dir / "metrics.jsonl", self.first, enabled=jax.process_index() == 0, log=s.log
             )
@@ -433,7 +443,7 @@ class Loop:
             raise out from err
         if jax.process_index() == 0:  # never raises: a failure is one warning, tracking off
             self.tracker = tracking.Tracker(
-                s.out_dir, self.first, self.cfg.train, config=s.meta["config"], log=s.log
+                s.out_dir, self.first, self.run_cfg.resolved.train, config=s.meta["config"], log=s.log
             )
         self.sampler.release()
 
@@ -458,7 +468,7 @@ class Loop:
         self.sampler.stop()
 
 
-def _compiled_memory(step_fn: BucketedStep | progress.WatchedStep, state, batch, log: Log) -> dict:
+def _compiled_memory(step_fn: BucketedStep, state, batch, log: Log) -> dict:
     """Log the compiled step's per-device memory and return it as metrics ({} if unknown)."""
     t0 = time.perf_counter()
     mem = step_fn.compiled_memory(state, batch)

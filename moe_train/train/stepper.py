@@ -15,6 +15,13 @@ step n's overflow flag as a device input (``hold``) and step n's flags are read 
 
 In a multi-process job each bucket's step is compiled ahead of its first run and every process
 waits for the others to compile it (``together.compiled_together``) before any runs it.
+
+``BucketedStep`` is the one wrapper around the jitted step: given a ``log``, each
+``submit``/``drain`` that traces the step (a compile) prints what is compiled and why (the
+first step; a capacity bucket used for the first time; a step that overflowed its bucket and
+reruns on the next one), heartbeats while XLA compiles (``progress.Waiting``), and the compile
+time when done. A step XLA cannot fit in device memory ends the run in one line
+(``fits.step_out_of_memory``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from jax.sharding import Mesh
 from moe_train.config import Config
 from moe_train.parallel import jobplan, sharding, together
 from moe_train.train import fits
+from moe_train.train.progress import Log, Waiting
 from moe_train.train.step import (
     CompiledMemory,
     StepCounter,
@@ -76,6 +84,7 @@ class BucketedStep:
     At most one step is in flight between calls; ``drain`` confirms it. The bucket follows
     ``jobplan.BucketPolicy``; a step-down applies one step later than in a synchronous
     loop (the next step was already dispatched), which changes buffers, never results.
+    With a ``log``, every compile is announced and timed (module docstring).
     """
 
     def __init__(
@@ -85,11 +94,17 @@ class BucketedStep:
         counter: StepCounter,
         state_sharding: TrainState,
         make_step: Callable[..., Any] = make_train_step,
+        log: Log | None = None,
+        first: int = 0,
     ):
         """``make_step(cfg, mesh, counter, state_sharding, plan)`` jits one bucket's step
-        (``train.make_train_step``; the compile benchmark passes its EP layer step)."""
+        (``train.make_train_step``; the compile benchmark passes its EP layer step). ``log``:
+        where the compile lines go (None: no lines); ``first``: the step before the first
+        ``submit``."""
         self.cfg, self.mesh, self.counter, self.state_sharding = cfg, mesh, counter, state_sharding
         self.make_step = make_step
+        self.log = log
+        self.step = first  # the step the latest submit dispatched (for the compile lines)
         self.plans = sharding.ep_plans(cfg, mesh)
         self.policy = jobplan.BucketPolicy(
             [None if p is None else p.capacity_factor for p in self.plans], cfg.moe.bucket_step_down_after
@@ -138,6 +153,15 @@ class BucketedStep:
         """Dispatches the step of ``batch`` on ``state``, then confirms the step in flight
         before it (rerunning it while it overflows). Returns the newest state, whose step is
         in flight, and the confirmed earlier step, or None when none was in flight."""
+        self.step += 1
+        return self._watched(self._submit, self.step, state, batch)
+
+    def drain(self, state: TrainState) -> tuple[TrainState, Confirmed | None]:
+        """Confirms the step in flight, if any. Afterwards nothing is in flight and the
+        returned state holds every committed update (safe to save or inspect)."""
+        return self._watched(self._drain, self.step, state, confirming=self.step)
+
+    def _submit(self, state: TrainState, batch) -> tuple[TrainState, Confirmed | None]:
         prev = self._pending
         hold = self._false if prev is None else prev.raw["overflow"]
         state, self._pending = self._dispatch(state, batch, hold)
@@ -145,9 +169,7 @@ class BucketedStep:
             return state, None
         return self._confirm(state, prev, self._pending)
 
-    def drain(self, state: TrainState) -> tuple[TrainState, Confirmed | None]:
-        """Confirms the step in flight, if any. Afterwards nothing is in flight and the
-        returned state holds every committed update (safe to save or inspect)."""
+    def _drain(self, state: TrainState) -> tuple[TrainState, Confirmed | None]:
         if self._pending is None:
             return state, None
         return self._confirm(state, self._pending, None)
@@ -209,3 +231,49 @@ class BucketedStep:
         raw["ep_bucket"], raw["ep_overflow_reruns"] = self.label(prev.bucket), self.reruns
         self.policy.finished(float(raw["max_pair_load"]))
         return state, Confirmed(raw, seconds, prev.traces, prev.traced > 0)
+
+    def _watched(self, call: Callable[..., Any], n: int, *args, confirming: int | None = None):
+        """``call(*args)``, with a line for a compile it causes (module docstring); ``n``: the
+        step it dispatches, ``confirming``: the step it confirms (default ``n - 1``, the one
+        dispatched before)."""
+        if self.log is None:
+            return call(*args)
+        counter, before = self.counter, (self.counter.traces, self.reruns, self.label())
+        confirming = n - 1 if confirming is None else confirming
+        watch = Waiting(
+            self.log,
+            "compiling the train step",
+            started=lambda: counter.traces != before[0],
+            describe=lambda: "compiling the train step for " + self._why(before, n, confirming),
+            done=False,
+        )
+        with watch:
+            out = call(*args)
+        if counter.traces != before[0]:
+            # from the trace's start (seen within POLL_S) to the end of the call
+            took = watch.seconds - ((watch.announced_at or watch.t0) - watch.t0)
+            if watch.announced_at is None:  # traced and compiled within one poll
+                self.log(f"compiling the train step for {self._why(before, n, confirming)}")
+            new, label = counter.traces - before[0], self.label()
+            times = "" if new == 1 else f" {new} times (each bucket it overflowed reran on the next)"
+            now = "" if label is None else f"; capacity bucket now {label}"
+            self.log(
+                f"compiled the train step{times} in {took:.1f} s ({counter.traces} "
+                f"compile(s) in this process so far{now})"
+            )
+        return out
+
+    def _why(self, before: tuple, n: int, confirming: int) -> str:
+        """Why the step compiles: ``before`` holds (traces, reruns, label) before the call."""
+        traces, reruns, label = before
+        if traces == 0:
+            return f"step {n}, the first step (XLA compiles it once; later steps reuse it)"
+        if self.reruns != reruns:
+            return (
+                f"a rerun of step {confirming}: it overflowed its expert-parallel "
+                f"receive buffers (capacity bucket {label}), so it reruns, dropless, on "
+                f"the next bucket, {self.label()} (each bucket compiles once)"
+            )
+        return (
+            f"step {n} on capacity bucket {self.label()}, used for the first time (each bucket compiles once)"
+        )
