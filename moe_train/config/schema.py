@@ -196,7 +196,7 @@ class ParallelConfig:
     cluster: str = ""  # cluster preset name or site .toml: peak FLOP/s for MFU, topology checks; "": none
     allow_straddle: bool = False  # allow EP groups across NVLink domains when they cannot fit inside one
     # XLA:GPU runs each all-reduce over several NVLink domains as a reduce-scatter inside each,
-    # an all-reduce across them and an all-gather inside (BlueConnect; docs/compile.md)
+    # an all-reduce across them and an all-gather inside (BlueConnect; docs/compile-results.md)
     split_all_reduce: bool = False
     coordinator: str = ""  # host:port of process 0; empty: from Slurm, else single-process
     num_processes: int = 0  # processes in the job; 0: from Slurm or the coordinator setup
