@@ -95,6 +95,23 @@ def test_the_tiny_sweep_writes_a_tile_for_every_gemm(tmp_path):
     assert {kind: len(v) for kind, v in written.items()} == {"fwd": 3, "dlhs": 2, "drhs": 2}
 
 
+@pytest.mark.slow
+def test_missing_only_sweeps_the_gemms_the_table_lacks(monkeypatch):
+    g_fwd = tiles.gemms(tiles.TINY.shapes[0][1])[0]
+    have = {"cpu": {g_fwd.kind: {f"{g_fwd.k}x{g_fwd.n}": [64, 128, 256]}}}
+    monkeypatch.setattr(megablox, "load_table", lambda: have)
+    rows = tiles.run(tiles.TINY, say=lambda line: None, missing_only=True)["rows"]
+    skipped = {r["gemm"] for r in rows if r.get("skipped") == "in the table already"}
+    assert skipped == {
+        g.name for g in tiles.gemms(SHAPE) if (g.kind, g.k, g.n) == (g_fwd.kind, g_fwd.k, g_fwd.n)
+    }
+
+
+def test_missing_needs_tune(capsys):
+    code, line = _refusal(capsys, "--accel", "--missing")
+    assert code == 2 and "--missing only applies to --accel --tune" in line
+
+
 def _refusal(capsys, *argv):
     from moe_train.bench.__main__ import parse
 

@@ -77,6 +77,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="with --tune: write the fastest tiles into the table the megablox backend reads",
     )
+    ap.add_argument(
+        "--missing",
+        action="store_true",
+        help="with --tune: only the GEMMs the tile table has no entry for on this device",
+    )
     ap.add_argument("--tiny", action="store_true", help="with --accel: toy sizes (runs on CPU too)")
     ap.add_argument(
         "--models",
@@ -109,6 +114,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--tiny only applies to --accel")
     if args.tune and not args.accel:
         ap.error("--tune only applies to --accel")
+    if args.missing and not args.tune:
+        ap.error("--missing only applies to --accel --tune")
     if args.write_tiles and not args.tune:
         ap.error("--write-tiles only applies to --accel --tune")
     for flag in ("models", "budget_s"):
@@ -143,6 +150,7 @@ def run_accel(args) -> tuple[dict, list[str]]:
                 lambda line: say("  tiles: " + line),
                 write,
                 provenance,
+                missing_only=args.missing,
             )
             return {"tiles": sec}, [sec.pop("markdown")]
         sec = accel.run(sizes, say=lambda line: say("  accel: " + line))

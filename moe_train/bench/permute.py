@@ -101,8 +101,29 @@ def permutation_fn(shape: MoEShape, method: str):
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
+def row_moves(x_TH: jax.Array, ids_TK: jax.Array, num_experts: int) -> dict[str, tuple]:
+    """The permutation's row movements alone, forward only, each {name: (compiled, args)}:
+    the permute's gather from the tokens [T, H], the unpermute's gather from the rows
+    [T*K, H], and the same unpermute as a scatter of the rows into assignment order (which
+    would replace the gather where the chip runs it faster: the gather's speed follows its
+    source's size on a TPU v5e, docs/benchmarks.md)."""
+    plan = jax.jit(lambda ids: make_dispatch(ids, num_experts))(ids_TK)
+    y_RH = jnp.repeat(x_TH, ids_TK.shape[1], axis=0)  # stand-in rows, [T*K, H]
+    M = plan.row_M.shape[0]
+    moves = {
+        "rows: gather from x [T, H]": (lambda x, i: x[i], (x_TH, plan.token_R)),
+        "rows: gather from y [T*K, H]": (lambda y, i: y[i], (y_RH, plan.row_M)),
+        "rows: scatter y [T*K, H]": (
+            lambda y, i: jnp.zeros_like(y).at[i].set(y, unique_indices=True, mode="drop"),
+            (y_RH, jnp.where(plan.slot_R < M, plan.slot_R, M)),
+        ),
+    }
+    return {name: (compile_jit(jax.jit(fn), *args)[0], args) for name, (fn, args) in moves.items()}
+
+
 def shape_rows(shape: MoEShape, s: Sizes) -> list[dict[str, Any]]:
-    """Plans and permutations by each method next to the dense SwiGLU, timed side by side."""
+    """Plans and permutations by each method and the row movements alone, next to the dense
+    SwiGLU, timed side by side."""
     dtype = jnp.dtype(s.dtype)
     (x, gate, *_), dense_ops, dy, dy_n = operands(shape, dtype)
     _, ids = jax.lax.top_k(x.astype(jnp.float32) @ gate, shape.top_k)
@@ -113,6 +134,7 @@ def shape_rows(shape: MoEShape, s: Sizes) -> list[dict[str, Any]]:
             compile_jit(permutation_fn(shape, method), x, gate, dy)[0],
             (x, gate, dy),
         )
+    fns |= row_moves(x, ids.astype(jnp.int32), shape.experts)
     timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s)
     rows = []
     for name, timing in timings.items():
@@ -150,10 +172,11 @@ def run(s: Sizes, with_goal: bool = False) -> dict[str, Any]:
     """Every shape's rows; ``with_goal``: the issue's bar on the chip, met or not."""
     rows = []
     for shape in s.shapes:
-        rows += shape_rows(shape, s)
+        got = shape_rows(shape, s)
+        rows += got
         log(
             f"T={shape.tokens} E={shape.experts} K={shape.top_k}: "
-            + ", ".join(f"{r['what']} {r['ratio']:.2f}x" for r in rows[-5:] if r["what"] != "dense")
+            + ", ".join(f"{r['what']} {r['ratio']:.2f}x" for r in got if r["what"] != "dense")
         )
     bar = goal(rows) if with_goal else None
     md = markdown(rows)

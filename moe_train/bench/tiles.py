@@ -201,13 +201,30 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return f"## {TITLE}\n\n" + markdown_table(header, body)
 
 
-def run(s: Sizes, say: Say = print, write: Path | None = None, provenance: dict | None = None) -> dict:
-    """Sweep every GEMM of every shape; with ``write``, put the fastest tiles in that table."""
-    t0, rows = time.perf_counter(), []
+def measured(g: Gemm, device_kind: str) -> bool:
+    """Whether the shipped table has a tile for this GEMM's (kind, k, n) on ``device_kind``."""
+    return f"{g.k}x{g.n}" in megablox.load_table().get(device_kind, {}).get(g.kind, {})
+
+
+def run(
+    s: Sizes,
+    say: Say = print,
+    write: Path | None = None,
+    provenance: dict | None = None,
+    missing_only: bool = False,
+) -> dict:
+    """Sweep every GEMM of every shape; with ``write``, put the fastest tiles in that table;
+    ``missing_only``: only the GEMMs the table has no tile for on this device (a sweep that an
+    earlier deadline cut short goes on where it stopped)."""
+    t0, rows, device_kind = time.perf_counter(), [], jax.devices()[0].device_kind
     for model, shape in s.shapes:
         for g in gemms(shape):
+            base = dict(model=model, gemm=g.name, kind=g.kind, k=g.k, n=g.n)
+            if missing_only and measured(g, device_kind):
+                rows.append(dict(base, skipped="in the table already"))
+                continue
             if time.perf_counter() - t0 > s.budget_s:
-                rows.append(dict(model=model, gemm=g.name, kind=g.kind, k=g.k, n=g.n, skipped="budget"))
+                rows.append(dict(base, skipped="budget"))
                 continue
             got = gemm_rows(model, shape, g, s)
             rows += got
@@ -221,7 +238,7 @@ def run(s: Sizes, say: Say = print, write: Path | None = None, provenance: dict 
                     else "no tile compiled"
                 )
             )
-    tiles, kind = best(rows), jax.devices()[0].device_kind
+    tiles, kind = best(rows), device_kind
     if write is not None:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
         write_table(write, kind, tiles, dict(provenance or {}, date=stamp, jax=jax.__version__))
