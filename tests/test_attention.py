@@ -1,6 +1,7 @@
 """Attention kernels (moe_train.model.attention): chunked and the GPU paths against the xla reference,
 memory growth in S, and the choice of implementation (resolve / available)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,9 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_train.base.platform import Platform
 from moe_train.config import ConfigError
 from moe_train.model import attention
 from moe_train.model.attention import fused
+
+CPU = Platform("cpu", "cpu")  # a CPU, named: resolving for it reads nothing of this machine
 
 TOL = 1e-5  # fp32 on CPU, forward and gradients (see rel_err)
 BF16_TOL = 2e-2  # bf16 inputs vs the fp32 reference (bf16 epsilon 7.8e-3; measured ~5e-3)
@@ -194,18 +198,18 @@ def test_resolve_cudnn_on_cpu_names_the_choices_that_work():
         match=r"model.attention=cudnn needs an NVIDIA GPU.*"
         r"choose one of: xla, chunked$",
     ):
-        attention.resolve("cudnn", platform="cpu", dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=128)
+        attention.resolve("cudnn", platform=CPU, dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=128)
 
 
 def test_resolve_te_without_transformer_engine_reports_the_import_error(monkeypatch):
     monkeypatch.setattr(fused, "te_import_error", lambda: "cannot import transformer_engine.jax (X)")
     with pytest.raises(ConfigError, match=r"model.attention=te cannot import transformer_engine"):
-        attention.resolve("te", platform="cpu", dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=128)
+        attention.resolve("te", platform=CPU, dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=128)
 
 
 def test_resolve_rejects_an_unknown_name():
     with pytest.raises(ConfigError, match=r"unknown model.attention='flash'.*auto, xla"):
-        attention.resolve("flash", platform="cpu", dtype="float32", head_dim=64, v_head_dim=64, seq_len=128)
+        attention.resolve("flash", platform=CPU, dtype="float32", head_dim=64, v_head_dim=64, seq_len=128)
 
 
 @pytest.mark.parametrize(
@@ -219,22 +223,20 @@ def test_resolve_rejects_an_unknown_name():
 )
 def test_resolve_auto_on_cpu_picks_by_seq_len(seq_len, want):
     impl, why = attention.resolve(
-        "auto", platform="cpu", dtype="float32", head_dim=64, v_head_dim=64, seq_len=seq_len
+        "auto", platform=CPU, dtype="float32", head_dim=64, v_head_dim=64, seq_len=seq_len
     )
     assert (impl, str(seq_len) in why) == (want, True)
 
 
 def test_resolve_explicit_choice_that_runs_is_kept():
     assert (
-        attention.resolve("chunked", platform="cpu", dtype="float32", head_dim=64, v_head_dim=64, seq_len=8)[
-            0
-        ]
+        attention.resolve("chunked", platform=CPU, dtype="float32", head_dim=64, v_head_dim=64, seq_len=8)[0]
         == "chunked"
     )
 
 
-H100 = {"cuda": True, "version": "cuda 12.8", "cc": 9.0, "cudnn": 91000}
-A100 = dict(H100, cc=8.0)
+H100 = Platform.nvidia("NVIDIA H100 80GB HBM3", (9, 0), 91000)
+A100 = dataclasses.replace(H100, compute_capability=(8, 0))
 
 
 @pytest.mark.parametrize(
@@ -245,35 +247,38 @@ A100 = dict(H100, cc=8.0)
         (H100, "bfloat16", (264, 264), "<= 256"),
         (A100, "bfloat16", (192, 192), "<= 128"),
         (H100, "bfloat16", (12, 12), "multiple of 8"),
-        (dict(H100, cc=7.5), "bfloat16", (64, 64), "compute capability >= 8.0"),
-        (dict(H100, cuda=False, version="rocm 6"), "bfloat16", (64, 64), "NVIDIA (CUDA) GPU"),
-        (dict(H100, cudnn=None), "bfloat16", (64, 64), "cuDNN"),
+        (
+            dataclasses.replace(H100, compute_capability=(7, 5)),
+            "bfloat16",
+            (64, 64),
+            "compute capability >= 8.0",
+        ),
+        (Platform("gpu", "AMD Instinct MI300X"), "bfloat16", (64, 64), "NVIDIA (CUDA) GPU"),
+        (dataclasses.replace(H100, cudnn_version=None), "bfloat16", (64, 64), "cuDNN"),
     ],
 )
-def test_cudnn_reports_what_it_refuses_on_a_gpu(monkeypatch, facts, dtype, dims, reason):
-    monkeypatch.setattr(fused, "gpu_facts", lambda: facts)
-    why = attention.available(platform="gpu", dtype=dtype, head_dim=dims[0], v_head_dim=dims[1])
+def test_cudnn_reports_what_it_refuses_on_a_gpu(facts, dtype, dims, reason):
+    why = attention.available(platform=facts, dtype=dtype, head_dim=dims[0], v_head_dim=dims[1])
     assert reason in (why["cudnn"] or "")
 
 
-def test_resolve_auto_on_a_gpu_with_bf16_picks_cudnn(monkeypatch):
-    monkeypatch.setattr(fused, "gpu_facts", lambda: H100)
+def test_resolve_auto_on_a_gpu_with_bf16_picks_cudnn():
+    """On this machine too: the platform is the target's, not the machine's."""
     assert (
-        attention.resolve("auto", platform="gpu", dtype="bfloat16", head_dim=128, v_head_dim=128, seq_len=64)[
+        attention.resolve("auto", platform=H100, dtype="bfloat16", head_dim=128, v_head_dim=128, seq_len=64)[
             0
         ]
         == "cudnn"
     )
 
 
-def test_resolve_cudnn_with_fp32_on_a_gpu_raises(monkeypatch):
-    monkeypatch.setattr(fused, "gpu_facts", lambda: H100)
+def test_resolve_cudnn_with_fp32_on_a_gpu_raises():
     with pytest.raises(ConfigError, match=r"cudnn needs bfloat16 or float16.*choose one of: xla, chunked$"):
-        attention.resolve("cudnn", platform="gpu", dtype="float32", head_dim=128, v_head_dim=128, seq_len=64)
+        attention.resolve("cudnn", platform=H100, dtype="float32", head_dim=128, v_head_dim=128, seq_len=64)
 
 
 def test_available_on_cpu():
-    why = attention.available(platform="cpu", dtype="float32", head_dim=32, v_head_dim=32)
+    why = attention.available(platform=CPU, dtype="float32", head_dim=32, v_head_dim=32)
     runs = {name: reason is None for name, reason in why.items()}
     assert runs == {"xla": True, "cudnn": False, "chunked": True, "te": False}
 
@@ -313,7 +318,9 @@ def test_quick_bench_section_times_and_sizes_both_kernels():
 def _needs(impl: str, head_dim: int = 64):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    why = attention.available(platform="gpu", dtype="bfloat16", head_dim=head_dim, v_head_dim=head_dim)[impl]
+    why = attention.available(
+        platform=Platform.here(), dtype="bfloat16", head_dim=head_dim, v_head_dim=head_dim
+    )[impl]
     if why:
         pytest.skip(f"{impl} {why}")
 

@@ -383,24 +383,31 @@ def test_a_gpu_without_a_target_config_is_refused(tmp_path):
         targets.load("a100")
 
 
-def test_the_trace_sees_the_target_gpu_and_then_this_machine_again():
+def test_the_model_builds_for_the_target_platform_and_jax_stays_this_machines():
+    """``make compile`` passes the target GPU's platform; only JAX's private cuDNN checks (and
+    the mgpu gradient module's ``jax``) answer for the target while tracing, then are restored."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    from moe_train.base.platform import Platform
     from moe_train.model import attention
-    from moe_train.model.attention import fused
 
-    def auto() -> str:
-        """The implementation ``model.attention=auto`` resolves to on the current backend."""
-        impl, _ = attention.resolve(
-            "auto", platform=jax.default_backend(), dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=512
-        )
-        return impl
+    def auto(platform: Platform) -> str:
+        """The implementation ``model.attention=auto`` resolves to on ``platform``."""
+        return attention.resolve(
+            "auto", platform=platform, dtype="bfloat16", head_dim=64, v_head_dim=64, seq_len=512
+        )[0]
 
-    before = (jax.default_backend(), jax.devices(), fused.gpu_facts())
-    with facts.as_target(targets.load("h100-sxm"), jax.devices()[:2]):
-        assert jax.default_backend() == "gpu" and len(jax.devices()) == 2
-        assert fused.gpu_facts()["cc"] == 9.0 and fused.gpu_facts()["cudnn"] == 91000
-        assert auto() == "cudnn"
-    assert (jax.default_backend(), jax.devices(), fused.gpu_facts()) == before
-    assert auto() == "chunked"
+    target = targets.load("h100-sxm")
+    gpu = facts.platform_of(target)
+    assert (gpu.name, gpu.cuda, gpu.cc, gpu.cudnn_version) == ("gpu", True, 9.0, 91000)
+    public = (jax.default_backend, jax.devices, jax.local_devices)
+    private = cudnn.check_cudnn_version
+    with facts.jax_reads(target, jax.devices()[:2]):
+        assert (jax.default_backend, jax.devices, jax.local_devices) == public
+        assert jax.default_backend() == "cpu" and cudnn.check_cudnn_version() == 91000
+        assert auto(gpu) == "cudnn"
+    assert cudnn.check_cudnn_version is private
+    assert auto(Platform.here()) == "chunked"
 
 
 def test_abstract_state_is_init_states_shapes_and_shardings():

@@ -185,7 +185,7 @@ def test_float32_is_held_to_its_own_bound_off_a_tpu():
 
 
 def test_a_tpu_at_default_precision_holds_float32_to_the_bf16_bound(monkeypatch):
-    monkeypatch.setattr(checks.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(checks.Platform, "here", staticmethod(lambda: checks.Platform("tpu", "TPU v5 lite")))
     assert checks.tolerance("float32") == checks.TOLERANCE["bfloat16"]
     with checks.jax.default_matmul_precision("highest"):
         assert checks.tolerance("float32") == checks.TOLERANCE["float32"]

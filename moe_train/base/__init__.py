@@ -7,7 +7,9 @@
 - ``choices``: value tables that the config's validation and the code acting on the values
   share (``SCORE_FUNCTIONS``, ``BACKENDS``), kept once.
 - ``notation``: the one table of shape letters (``x_TH``: [tokens, hidden]), ``LETTERS``.
+- ``platform``: ``Platform``, the target the model and the MoE layer choose kernels for
+  (``Platform.here()``: this process's JAX backend, the one place that reads it).
 
-May import: nothing of the kit (the standard library only), so that any package may import it
-and no import of it can close a cycle.
+May import: nothing of the kit (the standard library only; ``platform`` also jax), so that any
+package may import it and no import of it can close a cycle.
 """

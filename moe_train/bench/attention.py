@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.platform import Platform
 from moe_train.bench.common import (
     compile_jit,
     fmt_ms,
@@ -94,7 +95,7 @@ def step_fn(impl: str, block: int):
 def runnable(s: Sizes) -> tuple[list[str], dict[str, str]]:
     """(implementations that run here, {name: why not} for the rest)."""
     why = attention.available(
-        platform=jax.default_backend(), dtype=s.dtype, head_dim=s.head_dim, v_head_dim=s.head_dim
+        platform=Platform.here(), dtype=s.dtype, head_dim=s.head_dim, v_head_dim=s.head_dim
     )
     return ([n for n in attention.IMPLEMENTATIONS if why[n] is None], {n: r for n, r in why.items() if r})
 

@@ -4,7 +4,7 @@
 [--layers N] [--json] [--out DIR]`` builds the job as ``make submit`` would (``job``), makes
 the cluster preset's GPUs as simulated devices from its XLA:GPU target config
 (``topology.targets``, through the CUDA PJRT plugin: ``plugin``), chooses the kernels the
-trainer would run there (``kernels``, traced as on that GPU: ``facts``), and compiles the
+trainer would run there (``kernels``, built for that GPU's platform: ``facts``), and compiles the
 trainer's own train step with XLA:GPU once per distinct capacity bucket the stepper can
 choose (``lower``: a bucket capped at the worst case is the worst case's step, compiled once),
 saying as each compile starts and every 10 s while it runs (``run``). It reports per bucket

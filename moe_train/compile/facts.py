@@ -1,14 +1,23 @@
-"""What the trace sees: the target GPU's facts in place of this machine's, while tracing.
+"""What the trace knows of the target GPU: its ``Platform``, passed in, and the few facts JAX's
+own code reads from the machine while tracing.
 
-Model code picks kernels from the machine it traces on: ``jax.default_backend()`` (attention,
-precision, the MoE tile and block sizes, the grouped-GEMM backend), ``jax.devices()[0]``'s
-compute capability (the Mosaic-GPU kernels need sm_90), the GPU facts of
-``moe_train.model.attention.fused`` (cuDNN attention), and jax's own trace-time cuDNN checks
-(``jax._src.cudnn.fused_attention_stablehlo``: the cuDNN version and the compute capability
-of the first local GPU). On a machine without a GPU every one of them says "cpu", so a trace
-there would build the CPU program. ``as_target`` answers them from the target config
-(``topology.targets``: its compute capability and cuDNN version) and the simulated devices,
-for the duration of the trace only, then restores every one.
+The model and the MoE layer choose kernels for the platform they are given
+(``moe_train.base.platform``: attention, precision, the grouped-GEMM backend, the MoE tile and
+block sizes, the Mosaic-GPU kernels' sm_90): ``platform_of`` builds the target GPU's from its
+target config (``topology.targets``: name, compute capability, cuDNN version), and the
+compile hands it to the train step (``moe_train.train.step``, ``moe_train.selftest.candidates``),
+so a trace on a machine without a GPU builds the GPU program. Nothing of JAX's public state
+(``jax.default_backend``, ``jax.devices``) nor of the kit is replaced.
+
+``jax_reads(target, devices)`` is the one place that still patches, and only JAX's private
+code that reads the machine itself and takes no argument a caller could set:
+
+- ``jax._src.cudnn.fused_attention_stablehlo`` (``jax.nn.dot_product_attention(
+  implementation="cudnn")``) checks the cuDNN version and the compute capability of the first
+  local GPU (``xla_bridge.local_devices(backend="gpu")``) at trace time;
+- ``jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu`` (the mgpu backend's weight
+  gradient) sizes its grid by ``jax.devices()[0].core_count``: that module alone sees the
+  simulated devices as ``jax.devices()`` (its ``jax`` global), ``jax`` itself is untouched.
 
 With it cuDNN flash attention traces and compiles deviceless: XLA keeps it as a
 ``__cudnn$fmha*`` custom call (its workspace is sized on a real GPU, so XLA's temp bytes do
@@ -18,50 +27,61 @@ not include it).
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 
+from moe_train.base.platform import Platform
 from topology.targets import Target
 
+MGPU_GRADIENT = "jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu"
 
-def gpu_facts(target: Target) -> dict:
-    """``moe_train.model.attention.fused.gpu_facts`` as it reads on the target GPU."""
-    major, minor = target.compute_capability
-    return {
-        "cuda": True,
-        "version": f"cuda (deviceless: {target.description})",
-        "cc": float(f"{major}.{minor}"),
-        "cudnn": target.cudnn_version,
-    }
+
+def platform_of(target: Target) -> Platform:
+    """The platform the model builds for on the target GPU."""
+    return Platform.nvidia(target.description, target.compute_capability, target.cudnn_version)
 
 
 def _at_least(target: Target, capability: str) -> bool:
     return target.compute_capability >= tuple(int(x) for x in capability.split("."))
 
 
+class _JaxSeeing:
+    """``jax`` as one JAX module sees it: ``devices()`` the simulated ones, the rest jax's."""
+
+    def __init__(self, devices: Sequence[Any]):
+        self._devices = list(devices)
+
+    def devices(self, *_, **__) -> list[Any]:
+        return self._devices
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jax, name)
+
+
 def _replacements(target: Target, devices: Sequence[Any]) -> list[tuple[Any, str, Any]]:
-    """(object, attribute, value while tracing) for every fact the trace reads."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    """(object, attribute, value while tracing) for each machine fact JAX's private code reads."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private: no public cuDNN check
 
-    from moe_train.model.attention import fused
-
-    facts = gpu_facts(target)
     cc = ".".join(map(str, target.compute_capability))
-    return [
-        (jax, "default_backend", lambda: "gpu"),
-        (jax, "devices", lambda *_, **__: list(devices)),
-        (fused, "gpu_facts", lambda: facts),
+    out: list[tuple[Any, str, Any]] = [
         (cudnn, "check_cudnn_version", lambda: target.cudnn_version),
         (cudnn, "check_compute_capability", lambda c: _at_least(target, c)),
         (cudnn, "is_cuda_compute_capability_equal", lambda c: c == cc),
     ]
+    try:
+        mgpu = importlib.import_module(MGPU_GRADIENT)
+    except Exception:  # noqa: BLE001 (no Mosaic-GPU kernels here: the mgpu backend is refused anyway)
+        return out
+    return [*out, (mgpu, "jax", _JaxSeeing(devices))]
 
 
 @contextlib.contextmanager
-def as_target(target: Target, devices: Sequence[Any]) -> Iterator[None]:
-    """Trace as on ``target`` with ``devices`` (the simulated ones) as ``jax.devices()``."""
+def jax_reads(target: Target, devices: Sequence[Any]) -> Iterator[None]:
+    """Trace with JAX's private machine reads answered for ``target`` and ``devices`` (the
+    simulated ones); every one is restored after."""
     saved = []
     try:
         for obj, name, value in _replacements(target, devices):

@@ -3,7 +3,8 @@
 The trainer's self-test (``moe_train.selftest``) lists each kernel key's candidates on the
 machine it starts on, fastest first, and ``auto`` takes the first that passes (for the grouped
 GEMM on a GPU, a later one only when it times more than 10% faster). Here the same lists
-(``moe_train.selftest.candidates.plans``) are made for the target GPU (``facts.as_target``):
+(``moe_train.selftest.candidates.plans``) are made for the target GPU's platform
+(``facts.platform_of``; JAX's private machine reads answered by ``facts.jax_reads``):
 the trainer's pick is the first candidate. A GPU kernel (Mosaic GPU, Transformer Engine,
 cuDNN attention) must also trace without a GPU: each is traced once, forward and backward,
 on the self-test's small problem; one that does not is replaced by the next candidate, and
@@ -22,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from moe_train.base.platform import Platform
 from moe_train.compile import facts
 from moe_train.config import Config, ConfigError
 from moe_train.selftest import candidates
@@ -101,28 +103,34 @@ def _trace_attention(name: str, p, devices: Sequence[Any]) -> None:
     _on_devices(loss, shapes, jnp.dtype(p.dtype), devices)
 
 
-def traces(key: str, name: str, cfg: Config, devices: Sequence[Any]) -> str | None:
-    """None when kernel ``name`` of ``key`` traces for the target (inside ``as_target``),
-    else why not (one line). Pure-XLA kernels always trace."""
+def traces(key: str, name: str, cfg: Config, platform: Platform, devices: Sequence[Any]) -> str | None:
+    """None when kernel ``name`` of ``key`` traces for the target ``platform`` (inside
+    ``facts.jax_reads``), else why not (one line). Pure-XLA kernels always trace."""
     if name not in GPU_ONLY.get(key, ()):
         return None
     try:
         if key == "moe.backend":
-            _trace_gemm(name, candidates.gemm_problem(cfg, "gpu"), devices)
+            _trace_gemm(name, candidates.gemm_problem(cfg, platform), devices)
         else:
-            _trace_attention(name, candidates.attention_problem(cfg, "gpu"), devices)
+            _trace_attention(name, candidates.attention_problem(cfg, platform), devices)
     except Exception as err:  # noqa: BLE001 (any trace failure: the kernel is replaced)
         return _first_line(err)
     return None
 
 
 def _pick(
-    key: str, requested: str, cands: list[str], cfg: Config, lead: str, devices: Sequence[Any]
+    key: str,
+    requested: str,
+    cands: list[str],
+    cfg: Config,
+    lead: str,
+    platform: Platform,
+    devices: Sequence[Any],
 ) -> Kernel:
     order = cands if requested == "auto" else [requested]
     failed = {}
     for name in order:
-        why = traces(key, name, cfg, devices)
+        why = traces(key, name, cfg, platform, devices)
         if why is None:
             break
         failed[name] = f"{name} did not trace as the layers call it ({why})"
@@ -150,9 +158,10 @@ def _te_absent() -> list[str]:
 
 def choose(cfg: Config, target: Target, devices: Sequence[Any]) -> tuple[Config, list[Kernel]]:
     """``cfg`` with every kernel key concrete for ``target``, and each choice."""
-    with facts.as_target(target, devices):
+    platform = facts.platform_of(target)
+    with facts.jax_reads(target, devices):
         picked = [
-            _pick(key, value, list(cands), cfg, lead, devices)
-            for key, value, cands, _, _, lead in candidates.plans(cfg, "gpu")
+            _pick(key, value, list(cands), cfg, lead, platform, devices)
+            for key, value, cands, _, _, lead in candidates.plans(cfg, platform)
         ]
     return candidates.apply(cfg, {k.key: k.compiled for k in picked}), picked

@@ -9,7 +9,8 @@ The step is the trainer's (``moe_train.train.step.make_train_step``) for every E
 stepper can run (``moe_train.parallel.sharding.ep_plans``: one per capacity bucket), with the
 micro-batches the loop uses (``config.for_devices``). Everything before ``lower()`` is
 abstract (``jax.ShapeDtypeStruct`` arguments with their shardings, ``step.abstract_state``)
-and traced as on the target GPU (``facts.as_target``).
+and traced for the target GPU's platform (``facts.platform_of``; JAX's private machine reads
+answered by ``facts.jax_reads``).
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ def compile_one(
     """One bucket's step; with ``dump_dir``, XLA dumps it there and the Compiled carries what
     fills its peak (``peak.read``; the dump is pruned to the files that explain it)."""
     t0 = time.perf_counter()
-    with facts.as_target(target, devices):
-        state = abstract_state(cfg, mesh)
+    platform = facts.platform_of(target)
+    with facts.jax_reads(target, devices):
+        state = abstract_state(cfg, mesh, platform)
         state_sharding = jax.tree.map(lambda a: a.sharding, state)
-        step = make_train_step(cfg, mesh, StepCounter(), state_sharding, plan)
+        step = make_train_step(cfg, mesh, StepCounter(), state_sharding, plan, platform)
         hold = plan is not None and plan.capacity_factor is not None
         args = (state, batch_arg(cfg, mesh)) + (
             (jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding.replicated(mesh)),) if hold else ()

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moe_train.base.platform import as_platform
 from moe_train.gpucheck import PASS, Context, skip
 from topology import compute, peaks
 
@@ -91,7 +92,7 @@ def attention_rate(earlier: tuple[dict[str, Any], ...], platform: str) -> tuple[
         return None
     name, _ = attention.resolve(
         "auto",
-        platform=platform,
+        platform=as_platform(platform),
         dtype=p["dtype"],
         head_dim=p["head_dim"],
         v_head_dim=p["v_head_dim"],

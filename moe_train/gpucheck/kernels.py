@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.platform import Platform, as_platform
 from moe_train.gpucheck import FAIL, PASS, SKIP, Context, over_budget, verdict
 from moe_train.selftest import checks
 
@@ -74,8 +75,6 @@ def _te() -> dict[str, Any]:
 
 def environment(ctx: Context) -> dict[str, Any]:
     """What this machine is: device, memory, driver, versions, Transformer Engine."""
-    from moe_train.model.attention.fused import gpu_facts
-
     dev = jax.devices()[0]
     stats = dev.memory_stats() or {}
     driver, total = _nvml() if ctx.on_gpu else (None, None)
@@ -91,7 +90,7 @@ def environment(ctx: Context) -> dict[str, Any]:
         "jax": jax.__version__,
         "jaxlib": _version("jaxlib"),
         "xla_platform_version": str(getattr(dev.client, "platform_version", "")),
-        "cudnn": gpu_facts().get("cudnn"),
+        "cudnn": Platform.here().cudnn_version,
         "python": host_platform.python_version(),
         "packages": {
             p: _version(p)
@@ -199,7 +198,7 @@ def attention(ctx: Context) -> dict[str, Any]:
     p = ATTENTION["gpu" if ctx.on_gpu else "cpu"]
     rows = []
     for name, reason in attn.available(
-        platform=ctx.platform, dtype=p.dtype, head_dim=p.head_dim, v_head_dim=p.v_head_dim
+        platform=as_platform(ctx.platform), dtype=p.dtype, head_dim=p.head_dim, v_head_dim=p.v_head_dim
     ).items():
         if reason:
             rows.append({"implementation": name, "status": SKIP, "reason": reason})

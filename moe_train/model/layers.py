@@ -149,7 +149,7 @@ class CausalAttention(nn.Module):
         D = q_BSND.shape[-1]
         impl, _ = attention.resolve(
             m.attention,
-            platform=jax.default_backend(),
+            platform=self.cfg.target,
             dtype=pol.dtype,
             head_dim=D,
             v_head_dim=v_BSYJ.shape[-1],

@@ -42,6 +42,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.platform import Platform, as_platform
 from moe_train.config import Config, ConfigError, PrecisionConfig, compute_dtype
 from moe_train.moe.vjp import custom_vjp
 
@@ -150,17 +151,17 @@ quantize_grad.defvjp(_quantize_grad_fwd, _quantize_grad_bwd)
 # ----------------------------------------------------------------------------- policy
 
 
-def _te_reason(p: PrecisionConfig, platform: str) -> str | None:
-    """Why Transformer Engine's fp8 cannot be used here (None when it can)."""
-    if platform != "gpu":
-        return f"Transformer Engine needs an NVIDIA GPU, this is {platform!r}"
+def _te_reason(p: PrecisionConfig, platform: Platform) -> str | None:
+    """Why Transformer Engine's fp8 cannot be used on ``platform`` (None when it can)."""
+    if platform.name != "gpu":
+        return f"Transformer Engine needs an NVIDIA GPU, this is {platform.name!r}"
     from moe_train.model import precision_te
 
-    return precision_te.unavailable_reason(p.fp8_recipe)
+    return precision_te.unavailable_reason(p.fp8_recipe, platform)
 
 
 @functools.cache
-def _resolve(p: PrecisionConfig, platform: str) -> tuple[str, str]:
+def _resolve(p: PrecisionConfig, platform: Platform) -> tuple[str, str]:
     """(fp8 backend, why) for ``p`` on ``platform``; ConfigError where it cannot run."""
     if p.compute != "fp8":
         return "none", ""
@@ -178,10 +179,10 @@ def _resolve(p: PrecisionConfig, platform: str) -> tuple[str, str]:
     return "te", "Transformer Engine found"
 
 
-def policy(p: PrecisionConfig, platform: str | None = None) -> Policy:
-    """``[precision]`` resolved for ``platform`` (default: JAX's default backend). The model
-    reads it once per ``ModelSettings`` (``moe_train.model.settings``)."""
-    backend, _ = _resolve(p, platform or jax.default_backend())
+def policy(p: PrecisionConfig, platform: Platform | str | None = None) -> Policy:
+    """``[precision]`` resolved for ``platform`` (``base.platform.as_platform``; None: this
+    process's). The model reads it once per ``ModelSettings`` (``moe_train.model.settings``)."""
+    backend, _ = _resolve(p, as_platform(platform))
     # MXFP8 block scales are TE's alone; the experts' per-tensor q/dq then scales currently.
     recipe = Recipe(current=p.fp8_recipe != "delayed", margin=p.margin)
     return Policy(
@@ -194,10 +195,10 @@ def policy(p: PrecisionConfig, platform: str | None = None) -> Policy:
     )
 
 
-def describe(cfg: Config, platform: str) -> str:
-    """One log line: what runs in which precision here, and why."""
+def describe(cfg: Config, platform: Platform | str) -> str:
+    """One log line: what runs in which precision on ``platform`` (``as_platform``), and why."""
     p = cfg.precision
-    backend, why = _resolve(p, platform)
+    backend, why = _resolve(p, as_platform(platform))
     if p.compute != "fp8":
         return f"precision: {p.compute} compute, fp32 master weights, router and losses"
     dense = "Transformer Engine" if backend == "te" else "XLA fp8 q/dq"

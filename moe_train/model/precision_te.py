@@ -27,6 +27,8 @@ import functools
 
 import jax
 
+from moe_train.base.platform import Platform, or_here
+
 MIN_COMPUTE_CAPABILITY = {"delayed": 9.0, "current": 9.0, "mxfp8": 10.0}
 
 
@@ -42,14 +44,14 @@ def _import_error() -> str | None:
     return None
 
 
-def unavailable_reason(recipe_name: str) -> str | None:
-    """Why TE cannot run ``recipe_name`` on this machine's first device (None if it can)."""
+def unavailable_reason(recipe_name: str, platform: Platform | None = None) -> str | None:
+    """Why TE cannot run ``recipe_name`` on ``platform`` (None: this process's; None if it can)."""
     err = _import_error()
     if err:
         return err
-    cc = getattr(jax.devices()[0], "compute_capability", None)
+    cc = or_here(platform).cc
     need = MIN_COMPUTE_CAPABILITY[recipe_name]
-    if cc is not None and float(cc) < need:
+    if cc is not None and cc < need:
         return f"fp8_recipe={recipe_name} needs compute capability >= {need}, found sm_{cc}"
     return None
 

@@ -149,6 +149,7 @@ class MoEBlock(nn.Module):
             tile_rows=e.tile_rows or None,
             seq_len=seq_len,
             expert_input=expert_x_TH,
+            platform=self.cfg.target,
         )
         if self.ep_plan is None:
             return dropless_moe(*operands, routing=routing, **kwargs)

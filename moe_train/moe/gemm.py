@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.base.choices import BACKENDS
+from moe_train.base.platform import Platform, or_here
 from moe_train.moe import megablox
 from moe_train.moe.tiled import default_block_rows, expert_operands, tiled_swiglu, vary, varying_axes
 
@@ -51,10 +52,6 @@ class BackendUnavailable(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- selection
-
-
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
 
 
 @functools.cache
@@ -79,19 +76,22 @@ def _mgpu_import_error() -> str | None:
     return None
 
 
-def _unavailable_reason(name: str, dtype=None, hidden=None, ffn=None) -> str | None:
-    """Why backend `name` cannot run here (None when it can)."""
+def _unavailable_reason(
+    name: str, dtype=None, hidden=None, ffn=None, platform: Platform | None = None
+) -> str | None:
+    """Why backend `name` cannot run on ``platform`` (None: this process's) for these inputs
+    (None when it can)."""
     if name in ("tiled", "ragged_dot"):
         return None
+    on = or_here(platform)
     if name == "megablox":
-        return _megablox_unavailable(dtype)
-    if not _on_gpu():
-        return f"needs an NVIDIA GPU, but jax.default_backend() is {jax.default_backend()!r}"
+        return _megablox_unavailable(dtype, on)
+    if on.name != "gpu":
+        return f"needs an NVIDIA GPU, but the platform is {on.name!r}"
     if name == "te":
         return _te_import_error()
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    if cc is not None and not str(cc).startswith("9."):
-        return f"the Mosaic-GPU ragged_dot kernels need Hopper (sm_90), found sm_{cc}"
+    if on.compute_capability is not None and on.compute_capability[0] != 9:
+        return f"the Mosaic-GPU ragged_dot kernels need Hopper (sm_90), found sm_{on.cc}"
     if dtype is not None and jnp.dtype(dtype) not in _HALF:
         return f"needs bfloat16 or float16 activations, got {jnp.dtype(dtype)}"
     bad = [d for d in (hidden, ffn) if d is not None and d % _MGPU_ALIGN]
@@ -100,21 +100,32 @@ def _unavailable_reason(name: str, dtype=None, hidden=None, ffn=None) -> str | N
     return _mgpu_import_error()
 
 
-def _megablox_unavailable(dtype=None) -> str | None:
-    if jax.default_backend() != "tpu":
-        return f"needs a TPU, but jax.default_backend() is {jax.default_backend()!r}"
+def _megablox_unavailable(dtype, on: Platform) -> str | None:
+    if on.name != "tpu":
+        return f"needs a TPU, but the platform is {on.name!r}"
     if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         return f"needs bfloat16 or float32 activations, got {jnp.dtype(dtype)}"
     return megablox.import_error()
 
 
-def available_backends(dtype=None, hidden=None, ffn=None) -> tuple[str, ...]:
-    """Concrete backends that can run here for these inputs."""
-    return tuple(b for b in BACKENDS[1:] if _unavailable_reason(b, dtype, hidden, ffn) is None)
+def available_backends(
+    dtype=None, hidden=None, ffn=None, *, platform: Platform | None = None
+) -> tuple[str, ...]:
+    """Concrete backends that can run on ``platform`` (None: this process's) for these inputs."""
+    on = or_here(platform)
+    return tuple(b for b in BACKENDS[1:] if _unavailable_reason(b, dtype, hidden, ffn, on) is None)
 
 
-def resolve_backend(name: str, dtype=None, *, hidden: int | None = None, ffn: int | None = None) -> str:
-    """Map a backend name to a concrete backend that can run here.
+def resolve_backend(
+    name: str,
+    dtype=None,
+    *,
+    hidden: int | None = None,
+    ffn: int | None = None,
+    platform: Platform | None = None,
+) -> str:
+    """Map a backend name to a concrete backend that can run on ``platform`` (None: this
+    process's, ``Platform.here()``).
 
     "auto": TPU -> megablox; CPU (or any other non-GPU) -> tiled; GPU with bf16/fp16 -> te if
     Transformer Engine imports, else mgpu when it fits (Hopper, H and F multiples of 64), else tiled;
@@ -124,22 +135,20 @@ def resolve_backend(name: str, dtype=None, *, hidden: int | None = None, ffn: in
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown MoE backend {name!r}; choose one of {BACKENDS}")
+    on = or_here(platform)
     if name == "auto":
-        if _megablox_unavailable(dtype) is None:
+        if _megablox_unavailable(dtype, on) is None:
             return "megablox"
-        if not _on_gpu():
+        if on.name != "gpu" or (dtype is not None and jnp.dtype(dtype) not in _HALF):
             return "tiled"
-        if dtype is not None and jnp.dtype(dtype) not in _HALF:
-            return "tiled"
-        for candidate in ("te", "mgpu"):
-            if _unavailable_reason(candidate, dtype, hidden, ffn) is None:
-                return candidate
-        return "tiled"
-    reason = _unavailable_reason(name, dtype, hidden, ffn)
+        return next(
+            (c for c in ("te", "mgpu") if _unavailable_reason(c, dtype, hidden, ffn, on) is None), "tiled"
+        )
+    reason = _unavailable_reason(name, dtype, hidden, ffn, on)
     if reason is not None:
         raise BackendUnavailable(
             f"MoE backend {name!r} is unavailable: {reason}. "
-            f"Available here: {available_backends(dtype, hidden, ffn)}"
+            f"Available here: {available_backends(dtype, hidden, ffn, platform=on)}"
         )
     return name
 
@@ -267,6 +276,7 @@ def grouped_swiglu(
     block_rows: int | None = None,
     scale_R: jax.Array | None = None,
     row_tile: int = 1,
+    platform: Platform | None = None,
 ) -> jax.Array:
     """Dispatch to a concrete backend; `plan` is the permute.Dispatch for x_RH's layout.
 
@@ -275,7 +285,10 @@ def grouped_swiglu(
     are computed. ``scale_R`` [R]: each row's SwiGLU activation is scaled by it before
     ``wo`` (the combine weights, so the weights' gradient needs no [R, H] output kept).
     ``row_tile``: megablox's row tile, which R is a multiple of (the dispatch padded it).
+    ``platform``: the target the tiled blocks and megablox's tiles are chosen for (None: this
+    process's).
     """
+    on = or_here(platform)
     if backend == "tiled":
         if plan.tile_expert_P is None:
             raise ValueError("the tiled backend needs a plan built with tile_rows")
@@ -287,12 +300,20 @@ def grouped_swiglu(
             wi_1_EHF,
             wo_EFH,
             tile_rows=m,
-            block_rows=block_rows or default_block_rows(m),
+            block_rows=block_rows or default_block_rows(m, on.name),
             scale_R=scale_R,
+            two_walks=on.name == "gpu",
         )
     if backend == "megablox":
         return megablox.megablox_swiglu(
-            x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, row_tile=row_tile, scale_R=scale_R
+            x_RH,
+            plan.group_sizes_E,
+            wi_0_EHF,
+            wi_1_EHF,
+            wo_EFH,
+            row_tile=row_tile,
+            scale_R=scale_R,
+            platform=on,
         )
     if backend not in _GMM:
         raise ValueError(f"not a concrete backend: {backend!r}; resolve it first")

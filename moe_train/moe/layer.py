@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from moe_train.base.platform import Platform, or_here
 from moe_train.moe import stats as moe_stats
 from moe_train.moe.dispatch import Arrived, Context, Dispatcher, ExchangeStats, Local, dispatcher
 from moe_train.moe.gemm import grouped_swiglu, resolve_backend
@@ -70,13 +71,16 @@ class Experts(NamedTuple):
     backend: str  # concrete grouped-GEMM backend
     tile_rows: int | None  # rows per tile of the tiled backend; None: sorted rows
     row_tile: int = 1  # sorted rows are padded to a multiple of this (megablox's row tile)
+    platform: Platform | None = None  # the target the kernels are built for (None: this process's)
 
 
-def row_tiles(backend: str, tile_rows: int | None, rows: int, experts: int) -> tuple[int | None, int]:
+def row_tiles(
+    backend: str, tile_rows: int | None, rows: int, experts: int, platform: Platform | None = None
+) -> tuple[int | None, int]:
     """(tile_rows, row_tile) of ``Experts`` for ``rows`` assignments to ``experts``: the tiled
-    backend's tile (``tile_rows`` or its default), megablox's row tile; else (None, 1)."""
+    backend's tile (``tile_rows`` or its default on ``platform``), megablox's row tile; else (None, 1)."""
     if backend == "tiled":
-        return tile_rows or default_tile_rows(rows, experts), 1
+        return tile_rows or default_tile_rows(rows, experts, or_here(platform).name), 1
     if backend == "megablox":
         return None, default_row_tile(rows, experts)
     return None, 1
@@ -95,7 +99,17 @@ def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
         w_R = None if w_AK is None else row_values(w_AK.reshape(-1), plan.slot_R)
     with jax.named_scope("grouped_gemm"):
         w0, w1, wo = experts.wi_0_EHF, experts.wi_1_EHF, experts.wo_EFH
-        y_RH = grouped_swiglu(x_RH, plan, w0, w1, wo, experts.backend, scale_R=w_R, row_tile=experts.row_tile)
+        y_RH = grouped_swiglu(
+            x_RH,
+            plan,
+            w0,
+            w1,
+            wo,
+            experts.backend,
+            scale_R=w_R,
+            row_tile=experts.row_tile,
+            platform=experts.platform,
+        )
     with jax.named_scope("unpermute"):
         # assignments to no expert here (the spare id E) read zero, not the rows no GEMM wrote
         valid_M = arrived.ids_AK.reshape(-1) < E if arrived.spare else None
@@ -160,6 +174,7 @@ def dropless_moe(
     tile_rows=None,
     seq_len=None,
     expert_input=None,
+    platform: Platform | None = None,
 ):
     """Dropless top-k SwiGLU mixture of experts on one device.
 
@@ -177,6 +192,8 @@ def dropless_moe(
       seq_len: rows per sequence for seq_aux_loss (None: all T rows are one sequence).
       expert_input: what the experts compute on in place of x_TH (same shape and dtype, e.g.
         an fp8 quantize-dequantized copy); routing always uses x_TH. None: x_TH.
+      platform: the target "auto", the tiles and the kernels are chosen for (None: this
+        process's, ``Platform.here()``).
 
     Returns:
       (y, stats): y shaped like x; stats a ``MoEStats`` (dropped_tokens is 0).
@@ -184,10 +201,10 @@ def dropless_moe(
     H, E, F = check_expert_shapes(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH)
     lead_shape = x_TH.shape[:-1]
     x_TH = x_TH.reshape(-1, H)
-    name = resolve_backend(backend, x_TH.dtype, hidden=H, ffn=F)
-    experts = Experts(
-        wi_0_EHF, wi_1_EHF, wo_EFH, name, *row_tiles(name, tile_rows, x_TH.shape[0] * routing.top_k, E)
-    )
+    on = or_here(platform)
+    name = resolve_backend(backend, x_TH.dtype, hidden=H, ffn=F, platform=on)
+    tiles = row_tiles(name, tile_rows, x_TH.shape[0] * routing.top_k, E, on)
+    experts = Experts(wi_0_EHF, wi_1_EHF, wo_EFH, name, *tiles, platform=on)
     xe_TH = x_TH if expert_input is None else expert_input.reshape(-1, H)
     y_TH, stats = moe_steps(
         x_TH, xe_TH, gate_kernel_HE, experts, routing, Local(), expert_bias=expert_bias, seq_len=seq_len
@@ -209,6 +226,7 @@ def ep_moe(
     tile_rows=None,
     seq_len=None,
     expert_input=None,
+    platform: Platform | None = None,
 ):
     """``dropless_moe`` on the context mesh: the same pipeline on every shard under
     ``shard_map``, with ``plan``'s dispatcher between the shards; same arguments and result.
@@ -219,12 +237,13 @@ def ep_moe(
     keeps its old state and is rerun on a larger bucket, so no token is ever dropped.
     """
     E, H, F = wi_0_EHF.shape
-    name = resolve_backend(backend, x_TH.dtype, hidden=H, ffn=F)
+    on = or_here(platform)
+    name = resolve_backend(backend, x_TH.dtype, hidden=H, ffn=F, platform=on)
     # One tile size for every buffer size, so a bucket computes exactly what the worst case
     # does; a shard receives T*K rows when routing is balanced.
     mesh = jax.sharding.get_abstract_mesh().shape
     shard_rows = x_TH.shape[0] // math.prod(mesh.values()) * routing.top_k
-    tiles = row_tiles(name, tile_rows, shard_rows // plan.chunks, E // plan.ep)
+    tiles = row_tiles(name, tile_rows, shard_rows // plan.chunks, E // plan.ep, on)
     exchange = dispatcher(Context(plan, E // plan.ep, mesh[EXPERT_X], mesh[EXPERT]))
     bias_E = jnp.zeros((E,), jnp.float32) if expert_bias is None else expert_bias
 
@@ -233,7 +252,7 @@ def ep_moe(
             x_TH,
             xe_TH,
             gate_HE,
-            Experts(w0, w1, wo, name, *tiles),
+            Experts(w0, w1, wo, name, *tiles, platform=on),
             routing,
             exchange,
             expert_bias=bias_E,

@@ -31,6 +31,7 @@ offers the backend on TPUs only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import json
@@ -39,6 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.platform import Platform, or_here
 from moe_train.moe.tiled import expert_operands, vary, varying_axes
 from moe_train.moe.vjp import custom_vjp
 
@@ -98,10 +100,10 @@ def _clamp(t: int, dim: int) -> int:
 def tiles_for(kind: str, row_tile: int, k: int, n: int, device_kind: str | None = None) -> Tile:
     """The tile of one GEMM: the table's entry for (device kind, ``kind``, k x n), else
     ``DEFAULT_TILE``; tm at most ``row_tile`` (the rows' padding), tk and tn at most the
-    dimension rounded up to the lane width."""
+    dimension rounded up to the lane width. ``device_kind`` None: this process's device."""
     if kind not in KINDS:
         raise ValueError(f"unknown GEMM kind {kind!r}; one of {KINDS}")
-    kind_of_device = device_kind if device_kind is not None else jax.devices()[0].device_kind
+    kind_of_device = device_kind if device_kind is not None else Platform.here().device_kind
     entry = load_table().get(kind_of_device, {}).get(kind, {}).get(f"{k}x{n}")
     return clamp_tile(tuple(entry) if entry else DEFAULT_TILE, row_tile, k, n)
 
@@ -116,11 +118,20 @@ def clamp_tile(tile, row_tile: int, k: int, n: int) -> Tile:
 # ----------------------------------------------------------------------------- GEMMs
 
 
-def _interpret() -> bool:
-    return jax.default_backend() != "tpu"
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What the GEMMs of one call read besides their operands (hashable: a nondiff argument)."""
+
+    row_tile: int  # the rows are a multiple of it, and no tm exceeds it
+    device_kind: str  # the tile table's key (the target's ``Platform.device_kind``)
+    interpret: bool  # Pallas interpret mode: the target is not a TPU (the tests on CPU)
+
+    @staticmethod
+    def of(row_tile: int, platform: Platform) -> Setup:
+        return Setup(row_tile, platform.device_kind, platform.name != "tpu")
 
 
-def _gmm(kind, lhs, rhs, group_sizes_E, row_tile, out_dtype, transpose_rhs=False):
+def _gmm(kind, lhs, rhs, group_sizes_E, setup: Setup, out_dtype, transpose_rhs=False):
     """Per-group ``lhs @ rhs[e]`` (``rhs[e]^T`` with ``transpose_rhs``) on the sorted rows."""
     k = lhs.shape[1]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -129,14 +140,14 @@ def _gmm(kind, lhs, rhs, group_sizes_E, row_tile, out_dtype, transpose_rhs=False
         rhs,
         group_sizes_E,
         preferred_element_type=out_dtype,
-        tiling=tiles_for(kind, row_tile, k, n),
+        tiling=tiles_for(kind, setup.row_tile, k, n, setup.device_kind),
         transpose_rhs=transpose_rhs,
-        interpret=_interpret(),
+        interpret=setup.interpret,
     )
     return vary(out, varying_axes(lhs, rhs))
 
 
-def _tgmm(lhs_RK, rhs_RN, group_sizes_E, row_tile, out_dtype):
+def _tgmm(lhs_RK, rhs_RN, group_sizes_E, setup: Setup, out_dtype):
     """Per-group ``lhs[rows of e]^T @ rhs[rows of e]`` [E, K, N] (zero for empty groups)."""
     k, n = lhs_RK.shape[1], rhs_RN.shape[1]
     out = _kernels().tgmm(
@@ -144,8 +155,8 @@ def _tgmm(lhs_RK, rhs_RN, group_sizes_E, row_tile, out_dtype):
         rhs_RN,
         group_sizes_E,
         preferred_element_type=out_dtype,
-        tiling=tiles_for("drhs", row_tile, k, n),
-        interpret=_interpret(),
+        tiling=tiles_for("drhs", setup.row_tile, k, n, setup.device_kind),
+        interpret=setup.interpret,
     )
     return vary(out, varying_axes(lhs_RK, rhs_RN))
 
@@ -169,40 +180,40 @@ def _w01(w0_EHF, w1_EHF):
     return jnp.concatenate([w0_EHF, w1_EHF], axis=2)
 
 
-def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, row_tile):
+def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup):
     dtype = x_RH.dtype
-    a_RF2 = _gmm("fwd", x_RH, _w01(w0_EHF, w1_EHF), group_sizes_E, row_tile, dtype)
+    a_RF2 = _gmm("fwd", x_RH, _w01(w0_EHF, w1_EHF), group_sizes_E, setup, dtype)
     hs_RF = _swiglu(a_RF2, s_R)[0].astype(dtype)
-    y_RH = _gmm("fwd", hs_RF, wo_EFH, group_sizes_E, row_tile, dtype)
+    y_RH = _gmm("fwd", hs_RF, wo_EFH, group_sizes_E, setup, dtype)
     return _rows_in_groups(y_RH, group_sizes_E), a_RF2
 
 
 @custom_vjp(nondiff_argnums=(6,))
-def _fused(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, row_tile):
-    return _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, row_tile)[0]
+def _fused(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup):
+    return _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup)[0]
 
 
-def _fused_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, row_tile):
-    y_RH, a_RF2 = _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, row_tile)
+def _fused_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup):
+    y_RH, a_RF2 = _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup)
     return y_RH, (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a_RF2)
 
 
-def _fused_bwd(row_tile, res, dy_RH):
+def _fused_bwd(setup, res, dy_RH):
     """(dx, dw0, dw1, dwo, None, ds): the rows' gradients by ``gmm`` with the weights
     transposed, the weights' by ``tgmm``; rows in no group get zero."""
     x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a_RF2 = res
     dtype = x_RH.dtype
     dy_RH = dy_RH.astype(dtype)
     hs, silu, sig, a0, a1 = _swiglu(a_RF2, s_R)
-    dhs_RF = _gmm("dlhs", dy_RH, wo_EFH, group_sizes_E, row_tile, F32, transpose_rhs=True)
+    dhs_RF = _gmm("dlhs", dy_RH, wo_EFH, group_sizes_E, setup, F32, transpose_rhs=True)
     ds_R = _rows_in_groups(jnp.sum(dhs_RF * silu * a1, axis=1), group_sizes_E)
     dh = dhs_RF * s_R[:, None]
     da0 = dh * a1 * sig * (1.0 + a0 * (1.0 - sig))
     da_RF2 = _rows_in_groups(jnp.concatenate([da0, dh * silu], axis=1).astype(dtype), group_sizes_E)
     w01 = _w01(w0_EHF, w1_EHF)
-    dx_RH = _gmm("dlhs", da_RF2, w01, group_sizes_E, row_tile, dtype, transpose_rhs=True)
-    dw0, dw1 = jnp.split(_tgmm(x_RH, da_RF2, group_sizes_E, row_tile, w01.dtype), 2, axis=2)
-    dwo = _tgmm(hs.astype(dtype), dy_RH, group_sizes_E, row_tile, wo_EFH.dtype)
+    dx_RH = _gmm("dlhs", da_RF2, w01, group_sizes_E, setup, dtype, transpose_rhs=True)
+    dw0, dw1 = jnp.split(_tgmm(x_RH, da_RF2, group_sizes_E, setup, w01.dtype), 2, axis=2)
+    dwo = _tgmm(hs.astype(dtype), dy_RH, group_sizes_E, setup, wo_EFH.dtype)
     return _rows_in_groups(dx_RH, group_sizes_E), dw0, dw1, dwo, None, ds_R
 
 
@@ -218,6 +229,7 @@ def megablox_swiglu(
     *,
     row_tile: int,
     scale_R: jax.Array | None = None,
+    platform: Platform | None = None,
 ) -> jax.Array:
     """SwiGLU experts on rows sorted by expert [R, H] -> [R, H] (x's dtype).
 
@@ -225,9 +237,10 @@ def megablox_swiglu(
     rest is in no group and reads zero). R must be a multiple of ``row_tile`` (``default_row_tile``).
     ``scale_R``: each row's activation is scaled by it before ``wo`` (fp32; None: 1).
     Operands are cast to x's dtype (bf16 or fp32); the GEMMs accumulate in fp32.
+    ``platform``: the target (its tile table key; interpret mode off a TPU); None: this process's.
     """
     R = x_RH.shape[0]
     if R % row_tile:
         raise ValueError(f"megablox needs rows ({R}) to be a multiple of the row tile ({row_tile})")
     ops = expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, scale_R)
-    return _fused(*ops, row_tile)
+    return _fused(*ops, Setup.of(row_tile, or_here(platform)))

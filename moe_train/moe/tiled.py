@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moe_train.base.platform import Platform
 from moe_train.moe.permute import zeros_after
 from moe_train.moe.vjp import custom_vjp
 
@@ -63,11 +64,12 @@ def default_tile_rows(num_assignments: int, num_experts: int, platform: str | No
 
     The tiled backend executes sum_e ceil(g_e/m)*m <= M + E*(m-1) rows for M useful ones,
     whatever the routing. m is the largest power of two with E*(m-1) <= MAX_PADDING * M
-    (so padding waste <= 1.1 under any routing), capped at 32 on CPU and 128 on GPU. Speed
+    (so padding waste <= 1.1 under any routing), capped at 32 on CPU and 128 on GPU
+    (``platform``: a JAX platform name; None: this process's). Speed
     comes from the blocks (``default_block_rows``, up to 256 rows on CPU), not from m:
     each expert's span runs as full blocks plus at most one block of each smaller size.
     """
-    platform = platform or jax.default_backend()
+    platform = platform or Platform.here().name
     cap = GPU_MAX_TILE_ROWS if platform == "gpu" else CPU_MAX_TILE_ROWS
     return min(cap, _pow2_floor(1 + MAX_PADDING * num_assignments / num_experts))
 
@@ -81,7 +83,7 @@ def default_block_rows(tile_rows: int, platform: str | None = None) -> int:
     tile alone, never on the buffer size, so every capacity bucket of an expert-parallel
     step runs the same blocks and gives bitwise the same rows.
     """
-    platform = platform or jax.default_backend()
+    platform = platform or Platform.here().name
     cap = GPU_MAX_BLOCK_ROWS if platform == "gpu" else CPU_MAX_BLOCK_ROWS
     return max(block_sizes(tile_rows, min(cap, MAX_BLOCK_TILES * tile_rows)))
 
@@ -359,11 +361,12 @@ def tiled_swiglu(
     ``group_sizes_E`` may cover only the first E' experts of the layout (E' = weights' E):
     rows of later groups are left out (their y is 0). Weights are cast to x's dtype.
     ``scale_R``: each row's activation is scaled by it before ``wo`` (fp32; None: 1).
-    ``two_walks``: the backward's row and weight walks (module doc); None: on GPU, where a
-    collective can run under the weight walk. Both give bitwise the same gradients.
+    ``two_walks``: the backward's row and weight walks (module doc); None: on this process's
+    GPU, where a collective can run under the weight walk (the MoE layer passes its target's).
+    Both give bitwise the same gradients.
     """
     if two_walks is None:
-        two_walks = jax.default_backend() == "gpu"
+        two_walks = Platform.here().name == "gpu"
     # Blocks larger than R never run (a span has at most R rows): the same blocks run for
     # every R, so results do not depend on the buffer size.
     block_rows = min(block_rows, x_RH.shape[0])

@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from moe_train.base.platform import Platform
 from moe_train.config import Config, ConfigError, attention_dims
 from moe_train.selftest import candidates as C
 from moe_train.selftest.checks import Result
@@ -183,7 +184,7 @@ def run(cfg: Config, out_dir: Path | None = None) -> tuple[Config, str, dict]:
 
     Returns (the config with concrete kernels, one log line, the JSON record)."""
     t0 = time.perf_counter()
-    platform = jax.local_devices()[0].platform
+    platform = Platform.here()
     skip = cfg.train.skip_selftest
     recorded = _recorded(out_dir, cfg)
     with jax.default_device(jax.local_devices()[0]):
@@ -203,7 +204,7 @@ def run(cfg: Config, out_dir: Path | None = None) -> tuple[Config, str, dict]:
     )
     record = {
         "device": _device(),
-        "platform": platform,
+        "platform": platform.name,
         "skip_selftest": skip,
         "selftest_s": seconds,
         "head_dim": attention_dims(cfg.model)[0],

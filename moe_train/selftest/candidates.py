@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from moe_train.base.platform import Platform
 from moe_train.config import Config, ConfigError, attention_dims, compute_dtype
 from moe_train.model import precision
 from moe_train.selftest import checks
@@ -63,29 +64,29 @@ def _small(n: int, cap: int) -> int:
     return min(n, cap)
 
 
-def gemm_candidates(cfg: Config, platform: str) -> list[str]:
-    """Grouped-GEMM backends that can run the run's experts here, fastest first."""
+def gemm_candidates(cfg: Config, platform: Platform) -> list[str]:
+    """Grouped-GEMM backends that can run the run's experts on ``platform``, fastest first."""
     from moe_train.moe import gemm
 
     dtype = compute_dtype(cfg.precision)
     e, H = cfg.moe, cfg.model.hidden
-    if platform == "gpu":
+    if platform.name == "gpu":
         order = GEMM_ORDER["fp32" if dtype == "float32" else "half"]
     else:
-        order = GEMM_ORDER["tpu" if platform == "tpu" else "cpu"]
-    ok = [b for b in order if gemm._unavailable_reason(b, dtype, H, e.expert_ffn) is None]
+        order = GEMM_ORDER["tpu" if platform.name == "tpu" else "cpu"]
+    ok = [b for b in order if gemm._unavailable_reason(b, dtype, H, e.expert_ffn, platform) is None]
     if e.backend != "auto" and e.backend not in ok:
-        reason = gemm._unavailable_reason(e.backend, dtype, H, e.expert_ffn)
+        reason = gemm._unavailable_reason(e.backend, dtype, H, e.expert_ffn, platform)
         raise ConfigError(
             f"moe.backend={e.backend} cannot run here: {reason}; choose one of: {', '.join(['auto', *ok])}"
         )
     return ok
 
 
-def gemm_problem(cfg: Config, platform: str) -> checks.GemmProblem:
+def gemm_problem(cfg: Config, platform: Platform) -> checks.GemmProblem:
     e, experts = cfg.moe, _small(cfg.moe.num_experts, MAX_EXPERTS)
     return checks.GemmProblem(
-        tokens=TOKENS.get(platform, TOKENS["cpu"]),
+        tokens=TOKENS.get(platform.name, TOKENS["cpu"]),
         hidden=_small(cfg.model.hidden, MAX_WIDTH),
         ffn=_small(e.expert_ffn, MAX_WIDTH),
         experts=experts,
@@ -96,8 +97,8 @@ def gemm_problem(cfg: Config, platform: str) -> checks.GemmProblem:
     )
 
 
-def attention_candidates(cfg: Config, platform: str, seq_len: int) -> tuple[list[str], str]:
-    """Attention implementations that can run here, ``auto``'s pick first, and why it leads."""
+def attention_candidates(cfg: Config, platform: Platform, seq_len: int) -> tuple[list[str], str]:
+    """Attention implementations that can run on ``platform``, ``auto``'s pick first, and why it leads."""
     from moe_train.model import attention
 
     m, dtype = cfg.model, compute_dtype(cfg.precision)
@@ -109,14 +110,14 @@ def attention_candidates(cfg: Config, platform: str, seq_len: int) -> tuple[list
     return [first, *rest], why
 
 
-def attention_problem(cfg: Config, platform: str) -> checks.AttentionProblem:
+def attention_problem(cfg: Config, platform: Platform) -> checks.AttentionProblem:
     m = cfg.model
     d, j, kv_heads = attention_dims(m)  # MLA: a head's own keys and values (kv_heads = heads)
     ratio = m.num_heads // kv_heads
     kv = _small(kv_heads, 2)
     return checks.AttentionProblem(
         batch=1,
-        seq_len=_small(cfg.train.seq_len, SEQ.get(platform, SEQ["cpu"])),
+        seq_len=_small(cfg.train.seq_len, SEQ.get(platform.name, SEQ["cpu"])),
         heads=kv * _small(ratio, 4),
         kv_heads=kv,
         head_dim=d,
@@ -126,23 +127,23 @@ def attention_problem(cfg: Config, platform: str) -> checks.AttentionProblem:
     )
 
 
-def fp8_candidates(cfg: Config, platform: str) -> list[str]:
-    """fp8 backends that can run the recipe here (ConfigError for an explicit one that cannot)."""
+def fp8_candidates(cfg: Config, platform: Platform) -> list[str]:
+    """fp8 backends that can run the recipe on ``platform`` (ConfigError for an explicit one that cannot)."""
     p = cfg.precision
     precision.policy(p, platform)  # raises ConfigError: te / mxfp8 where TE cannot run
     te_reason = precision._te_reason(p, platform)
     return (["te"] if te_reason is None else []) + ([] if p.fp8_recipe == "mxfp8" else ["xla"])
 
 
-def plans(cfg: Config, platform: str) -> Iterator[Plan]:
-    """A ``Plan`` per kernel the run uses."""
+def plans(cfg: Config, platform: Platform) -> Iterator[Plan]:
+    """A ``Plan`` per kernel the run uses on ``platform`` (the checks run on this machine)."""
     gp = gemm_problem(cfg, platform)
     yield (
         "moe.backend",
         cfg.moe.backend,
         gemm_candidates(cfg, platform),
         lambda name, reps: checks.check_gemm(name, gp, time_reps=reps),
-        platform == "gpu",
+        platform.name == "gpu",
         "",
     )
     ap = attention_problem(cfg, platform)

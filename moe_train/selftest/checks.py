@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_train.base.platform import Platform
 from moe_train.moe.routings import MoEShape, assignments
 
 # Largest relative error accepted per compute dtype. fp32 allows TF32-class matmuls on GPUs;
@@ -45,7 +46,7 @@ def tolerance(dtype) -> float:
     name = jnp.dtype(dtype).name
     if (
         name == "float32"
-        and jax.default_backend() == "tpu"
+        and Platform.here().name == "tpu"
         # jax.config's flags are attributes it sets at run time
         and jax.config.jax_default_matmul_precision in TPU_ONE_PASS  # pyright: ignore[reportAttributeAccessIssue]
     ):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from moe_train.base.platform import Platform
 from moe_train.config import Config, compute_dtype
 from moe_train.data import packing
 from moe_train.model import loss, mtp, remat
@@ -157,21 +158,23 @@ def optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
-def boxed_params(cfg: Config):
+def boxed_params(cfg: Config, platform: Platform | None = None):
     """The parameters' shapes, dtypes and logical axis names (``nn.LogicallyPartitioned``
     leaves), without computing them (nothing runs eagerly: ``moe_train.compile`` traces on
-    simulated devices, where eager work cannot run)."""
+    simulated devices, where eager work cannot run). ``platform``: the target (None: here)."""
 
     def init():
         tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
-        return Transformer(model_settings(cfg)).init(jax.random.key(0), tokens)["params"]
+        return Transformer(model_settings(cfg, platform)).init(jax.random.key(0), tokens)["params"]
 
     return jax.eval_shape(init)
 
 
-def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState:
+def state_shardings(
+    cfg: Config, mesh: Mesh, abstract: TrainState, platform: Platform | None = None
+) -> TrainState:
     """Parameters and their Adam moments FSDP/EP-sharded by the logical rules; rest replicated."""
-    boxed = boxed_params(cfg)
+    boxed = boxed_params(cfg, platform)
     shd = sharding.Sharding.of(mesh, cfg)
     param_sh, rep = shd.params(boxed), shd.replicated
     tx = optimizer(cfg)  # its state's structure, from an abstract init (its counters are arrays)
@@ -191,9 +194,10 @@ def state_shardings(cfg: Config, mesh: Mesh, abstract: TrainState) -> TrainState
     )
 
 
-def _state_maker(cfg: Config):
-    """``make(key) -> TrainState``: the initial state (parameters from ``key``)."""
-    model, tx = Transformer(model_settings(cfg)), optimizer(cfg)
+def _state_maker(cfg: Config, platform: Platform | None = None):
+    """``make(key) -> TrainState``: the initial state (parameters from ``key``) of the model
+    built for ``platform`` (None: this process's)."""
+    model, tx = Transformer(model_settings(cfg, platform)), optimizer(cfg)
 
     def make(key):
         variables = model.init(key, jnp.zeros((1, cfg.train.seq_len), jnp.int32))
@@ -226,11 +230,12 @@ def init_state(cfg: Config, mesh: Mesh) -> TrainState:
     return jax.jit(make, out_shardings=state_shardings(cfg, mesh, abstract))(key)
 
 
-def abstract_state(cfg: Config, mesh: Mesh) -> TrainState:
+def abstract_state(cfg: Config, mesh: Mesh, platform: Platform | None = None) -> TrainState:
     """The state ``init_state`` makes, as ``jax.ShapeDtypeStruct`` leaves with their shardings
-    on ``mesh``; nothing is computed (the deviceless compile's train-state argument)."""
-    abstract = jax.eval_shape(_state_maker(cfg), jax.eval_shape(lambda: _init_key(cfg)))
-    shardings = state_shardings(cfg, mesh, abstract)
+    on ``mesh``; nothing is computed (the deviceless compile's train-state argument, traced
+    for its target ``platform``; None: this process's)."""
+    abstract = jax.eval_shape(_state_maker(cfg, platform), jax.eval_shape(lambda: _init_key(cfg)))
+    shardings = state_shardings(cfg, mesh, abstract, platform)
     return jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings
     )
@@ -386,7 +391,12 @@ def guard_nonfinite(old: TrainState, new: TrainState, total, grad_norm, skip: bo
 
 
 def make_train_step(
-    cfg: Config, mesh: Mesh, counter: StepCounter, state_sharding: TrainState, ep_plan: EPPlan | None = None
+    cfg: Config,
+    mesh: Mesh,
+    counter: StepCounter,
+    state_sharding: TrainState,
+    ep_plan: EPPlan | None = None,
+    platform: Platform | None = None,
 ):
     """The jitted step ``(state, batch) -> (state, metrics)`` with the state donated; where
     ``ep_plan`` can overflow (a capacity bucket), ``(state, batch, hold) -> (state, metrics)``.
@@ -399,9 +409,10 @@ def make_train_step(
     before it has read whether this one overflowed. A non-finite loss or gradient
     (``metrics["nonfinite"]``) never reaches the state either (``guard_nonfinite``).
     The step enters its own sharding context (``sharding.Sharding.wrap``): the mesh and the
-    logical rules chosen for ``cfg`` on it.
+    logical rules chosen for ``cfg`` on it. ``platform``: the target its kernels are chosen
+    for (None: this process's; ``moe_train.compile`` passes the target GPU's).
     """
-    model, tx = Transformer(model_settings(cfg), ep_plan), optimizer(cfg)
+    model, tx = Transformer(model_settings(cfg, platform), ep_plan), optimizer(cfg)
     lr_at = schedule(cfg)
 
     def step(state: TrainState, batch_BS, hold=None):
@@ -454,7 +465,7 @@ def make_train_step(
 
     can_overflow = ep_plan is not None and ep_plan.capacity_factor is not None
     step_gather = (
-        StepGather.of(boxed_params(cfg), state_sharding.params, compute_dtype(cfg.precision))
+        StepGather.of(boxed_params(cfg, platform), state_sharding.params, compute_dtype(cfg.precision))
         if cfg.parallel.weight_gather == "step"
         else None
     )

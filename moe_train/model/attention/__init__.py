@@ -23,6 +23,7 @@ import math
 
 import jax.numpy as jnp
 
+from moe_train.base.platform import Platform
 from moe_train.config import ATTENTION, ConfigError
 from moe_train.model.attention.chunked import chunked_attention
 from moe_train.model.attention.fused import (
@@ -59,8 +60,8 @@ def default_block(seq_len: int) -> int:
     return min(MAX_BLOCK, max(MIN_BLOCK, 1 << ((seq_len // 4).bit_length() - 1)))
 
 
-def available(*, platform: str, dtype, head_dim: int, v_head_dim: int) -> dict[str, str | None]:
-    """Implementation -> None if it can run here, else the reason it cannot."""
+def available(*, platform: Platform, dtype, head_dim: int, v_head_dim: int) -> dict[str, str | None]:
+    """Implementation -> None if it can run on ``platform``, else the reason it cannot."""
     return {
         "xla": None,
         "cudnn": cudnn_unavailable(platform, dtype, head_dim, v_head_dim),
@@ -70,9 +71,10 @@ def available(*, platform: str, dtype, head_dim: int, v_head_dim: int) -> dict[s
 
 
 def resolve(
-    name: str, *, platform: str, dtype, head_dim: int, v_head_dim: int, seq_len: int
+    name: str, *, platform: Platform, dtype, head_dim: int, v_head_dim: int, seq_len: int
 ) -> tuple[str, str]:
-    """(concrete implementation, why) for ``model.attention=name`` on this machine."""
+    """(concrete implementation, why) for ``model.attention=name`` on ``platform`` (the model
+    passes its settings' target; ``Platform.here()`` is this machine)."""
     if name not in ATTENTION:
         raise ConfigError(f"unknown model.attention={name!r}; choose one of: {', '.join(ATTENTION)}")
     why_not = available(platform=platform, dtype=dtype, head_dim=head_dim, v_head_dim=v_head_dim)

@@ -33,63 +33,38 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.platform import Platform
 from moe_train.config import ConfigError
 
 HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-@functools.cache
-def gpu_facts() -> dict:
-    """The first GPU's vendor, compute capability and cuDNN version (empty dict: no GPU)."""
-    try:
-        dev = jax.devices("gpu")[0]
-    except RuntimeError:
-        return {}
-    version = str(getattr(dev.client, "platform_version", ""))
-    cc = getattr(dev, "compute_capability", None)
-    cudnn = None
-    try:
-        from jax._src.lib import cuda_versions  # what jax's own cuDNN check reads
-
-        cudnn = cuda_versions.cudnn_get_version() if cuda_versions is not None else None
-    except Exception:  # noqa: BLE001 (missing or broken CUDA plugin)
-        cudnn = None
-    return {
-        "cuda": "cuda" in version.lower(),
-        "version": version,
-        "cc": float(cc) if cc is not None else None,
-        "cudnn": cudnn,
-    }
-
-
-def _gpu_reason(platform: str, dtype) -> str | None:
+def _gpu_reason(platform: Platform, dtype) -> str | None:
     """Why neither fused path can run on ``platform`` with ``dtype`` (None: they may)."""
-    if platform not in ("gpu", "cuda"):
-        return f"needs an NVIDIA GPU (this platform is {platform})"
-    facts = gpu_facts()
-    if not facts.get("cuda"):
-        return f"needs an NVIDIA (CUDA) GPU, found {facts.get('version') or 'none'}"
+    if platform.name not in ("gpu", "cuda"):
+        return f"needs an NVIDIA GPU (this platform is {platform.name})"
+    if not platform.cuda:
+        return f"needs an NVIDIA (CUDA) GPU, found {platform.device_kind or 'none'}"
     if jnp.dtype(dtype) not in HALF:
         return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name} (set precision.compute=bf16)"
-    if facts["cc"] is not None and facts["cc"] < 8.0:
-        return f"needs compute capability >= 8.0 (Ampere), found sm_{facts['cc']}"
+    if platform.cc is not None and platform.cc < 8.0:
+        return f"needs compute capability >= 8.0 (Ampere), found sm_{platform.cc}"
     return None
 
 
-def cudnn_unavailable(platform: str, dtype, head_dim: int, v_head_dim: int) -> str | None:
-    """Why ``cudnn`` cannot run here (None: it can)."""
+def cudnn_unavailable(platform: Platform, dtype, head_dim: int, v_head_dim: int) -> str | None:
+    """Why ``cudnn`` cannot run on ``platform`` (None: it can)."""
     reason = _gpu_reason(platform, dtype)
     if reason:
         return reason
-    facts = gpu_facts()
-    if facts["cudnn"] is None:
+    if platform.cudnn_version is None:
         return "needs cuDNN, which jax does not detect"
     if head_dim != v_head_dim:
         return (
             f"needs the value head dim equal to the query/key head dim "
             f"(jax.nn.dot_product_attention; got {head_dim} and {v_head_dim})"
         )
-    limit = 256 if (facts["cc"] or 0) >= 9.0 else 128
+    limit = 256 if (platform.cc or 0) >= 9.0 else 128
     if head_dim % 8 or head_dim > limit:
         return f"needs a head dim that is a multiple of 8 and <= {limit} here, got {head_dim}"
     return None
@@ -122,8 +97,8 @@ def te_import_error() -> str | None:
     return None
 
 
-def te_unavailable(platform: str, dtype, head_dim: int, v_head_dim: int) -> str | None:
-    """Why ``te`` cannot run here (None: it may; TE's kernel check runs at trace time)."""
+def te_unavailable(platform: Platform, dtype, head_dim: int, v_head_dim: int) -> str | None:
+    """Why ``te`` cannot run on ``platform`` (None: it may; TE's kernel check runs at trace time)."""
     err = te_import_error()
     if err:
         return err
