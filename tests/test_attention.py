@@ -280,7 +280,7 @@ def test_resolve_cudnn_with_fp32_on_a_gpu_raises():
 def test_available_on_cpu():
     why = attention.available(platform=CPU, dtype="float32", head_dim=32, v_head_dim=32)
     runs = {name: reason is None for name, reason in why.items()}
-    assert runs == {"xla": True, "cudnn": False, "chunked": True, "te": False}
+    assert runs == {"xla": True, "cudnn": False, "chunked": True, "te": False, "splash": False}
 
 
 @pytest.mark.parametrize("seq_len", [1, 7, 64, 65, 300, 1024, 4096, 10**6])

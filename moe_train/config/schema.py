@@ -22,7 +22,7 @@ FP8_RECIPES = ("delayed", "current", "mxfp8")  # mxfp8: Transformer Engine on Bl
 FP8_BACKENDS = ("auto", "xla", "te")  # precision.fp8_backend
 REMAT_POLICIES = ("none", "full", "matmuls", "moe")  # moe_train.model.remat documents each
 WEIGHT_GATHERS = ("micro_batch", "step")  # moe_train.train.gather documents both
-ATTENTION = ("auto", "xla", "cudnn", "chunked", "te")  # model.attention (moe_train.model.attention)
+ATTENTION = ("auto", "xla", "cudnn", "chunked", "te", "splash")  # model.attention (moe_train.model.attention)
 ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 ROPE_LAYOUTS = ("half", "interleaved")  # rope.layout (moe_train.model.rope)
 ROPE_SCALINGS = ("none", "yarn")  # rope.scaling
@@ -49,8 +49,9 @@ class ModelConfig:
     first_dense_layers: int = 0  # the first N blocks use a dense SwiGLU MLP instead of MoE
     dense_ffn: int = 256  # hidden width of the dense SwiGLU MLP in those blocks
     param_dtype: str = "float32"  # master weight dtype (compute precision: [precision])
-    attention: str = "auto"  # attention kernel: auto | xla (full scores) | cudnn | chunked (flash-style) | te
-    attention_block: int = 0  # query/key block rows of the chunked attention; 0 picks per length
+    # attention kernel: auto | xla (full scores) | cudnn | chunked (flash-style) | te | splash (TPU)
+    attention: str = "auto"
+    attention_block: int = 0  # query/key block rows of the chunked and splash attention; 0 picks per length
     scan_layers: bool = True  # run repeated blocks under a scan (one compiled body); false: a Python loop
     # gqa (grouped-query: num_kv_heads, head_dim) | mla (multi-head latent attention, DeepSeek-V2/V3: the
     # fields below)

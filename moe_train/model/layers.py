@@ -163,6 +163,7 @@ class CausalAttention(nn.Module):
             segment_ids_BS=segment_ids_BS,
             block=m.attention_block,
             scale=rope.softmax_scale_factor(self.cfg.rope) / math.sqrt(D),
+            platform=self.cfg.target,
         )
         o_axes = ("heads", "head_dim", "embed")
         wo = weight(self, "o", (*o_BSNJ.shape[2:], m.hidden), o_axes, fan_in_axes=(0, 1))

@@ -28,14 +28,14 @@ from moe_train.selftest import checks
 MAX_WIDTH = 256  # hidden / expert ffn of the grouped-GEMM problem (multiple of 64: mgpu)
 MAX_EXPERTS = 8
 TOKENS = {"gpu": 256, "tpu": 256, "cpu": 64}  # tokens of the grouped-GEMM problem
-SEQ = {"gpu": 256, "cpu": 64}  # sequence length of the attention problem
+SEQ = {"gpu": 256, "tpu": 256, "cpu": 64}  # sequence length of the attention problem
 GEMM_ORDER = {
     "half": ("te", "mgpu", "tiled", "ragged_dot"),
     "fp32": ("tiled", "ragged_dot"),
     "cpu": ("tiled", "ragged_dot"),
     "tpu": ("megablox", "tiled", "ragged_dot"),
 }
-ATTENTION_ORDER = ("cudnn", "te", "chunked", "xla")
+ATTENTION_ORDER = ("cudnn", "te", "splash", "chunked", "xla")
 
 # (key, configured value, candidates fastest first, check(name, time_reps), time them?, why
 # the first candidate leads)

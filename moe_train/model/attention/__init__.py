@@ -12,6 +12,8 @@ Implementations (``attend(..., implementation=...)``):
   chunked  flash-style blocks with an online softmax and a recomputing custom VJP, plain JAX:
            memory linear in S on any platform (``moe_train.model.attention.chunked``).
   te       Transformer Engine's fused attention where ``transformer_engine.jax`` imports on a GPU.
+  splash   JAX's Pallas TPU flash attention (splash attention) on a TPU
+           (``moe_train.model.attention.splash``); ``auto``'s pick there.
 
 ``resolve`` turns ``model.attention`` (including ``auto``) into one of these plus a sentence
 saying why; explicit choices that cannot run here raise ``ConfigError`` naming those that can.
@@ -23,7 +25,7 @@ import math
 
 import jax.numpy as jnp
 
-from moe_train.base.platform import Platform
+from moe_train.base.platform import Platform, or_here
 from moe_train.config import ATTENTION, ConfigError
 from moe_train.model.attention.chunked import chunked_attention
 from moe_train.model.attention.fused import (
@@ -32,9 +34,10 @@ from moe_train.model.attention.fused import (
     te_attention,
     te_unavailable,
 )
+from moe_train.model.attention.splash import splash_attention, splash_unavailable
 from moe_train.model.attention.xla import xla_attention
 
-IMPLEMENTATIONS = tuple(a for a in ATTENTION if a != "auto")  # xla, cudnn, chunked, te
+IMPLEMENTATIONS = tuple(a for a in ATTENTION if a != "auto")  # xla, cudnn, chunked, te, splash
 # auto: chunked from this length on (where cuDNN cannot run). fwd+bwd step time, chunked over
 # xla, median of interleaved rounds on this 2-core CPU (python -m moe_train.bench --only
 # attention: B=2, N=4, Y=2, D=32, fp32, default blocks; per-round min-max in brackets):
@@ -67,6 +70,7 @@ def available(*, platform: Platform, dtype, head_dim: int, v_head_dim: int) -> d
         "cudnn": cudnn_unavailable(platform, dtype, head_dim, v_head_dim),
         "chunked": None,
         "te": te_unavailable(platform, dtype, head_dim, v_head_dim),
+        "splash": splash_unavailable(platform, head_dim, v_head_dim),
     }
 
 
@@ -85,6 +89,8 @@ def resolve(
         return name, f"model.attention={name} (set explicitly)"
     if why_not["cudnn"] is None:
         return "cudnn", "auto: cuDNN flash attention runs here (NVIDIA GPU, half precision)"
+    if why_not["splash"] is None:
+        return "splash", "auto: JAX's Pallas TPU splash attention runs here (TPU)"
     if seq_len >= CHUNKED_MIN_SEQ:
         return "chunked", (
             f"auto: cudnn {why_not['cudnn']}; seq_len {seq_len} >= "
@@ -121,13 +127,15 @@ def attend(
     segment_ids_BS=None,
     block: int = 0,
     scale: float | None = None,
+    platform: Platform | None = None,
 ):
     """Causal attention, GQA (N query heads, Y kv heads, Y divides N); returns [B, S, N, J].
 
-    ``implementation``: a concrete one (xla, cudnn, chunked, te), already resolved.
+    ``implementation``: a concrete one (xla, cudnn, chunked, te, splash), already resolved.
     ``segment_ids_BS``: optional int [B, S]; a query attends only to keys of the same segment
     (packed documents). ``block``: chunked's block rows, 0 = ``default_block(S)``.
-    ``scale``: softmax scale, default 1/sqrt(D).
+    ``scale``: softmax scale, default 1/sqrt(D). ``platform``: the target (splash runs in
+    Pallas interpret mode off a TPU; None: this process's).
     """
     _check_shapes(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS)
     if block < 0:
@@ -145,6 +153,11 @@ def attend(
         return cudnn_attention(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, scale=scale)
     if implementation == "te":
         return te_attention(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, scale=scale)
+    if implementation == "splash":
+        interpret = or_here(platform).name != "tpu"
+        return splash_attention(
+            q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, scale=scale, interpret=interpret, block=block
+        )
     raise ValueError(
         f"attend: implementation must be one of {IMPLEMENTATIONS} (resolve "
         f"'auto' first), got {implementation!r}"
