@@ -27,21 +27,17 @@ import functools
 
 import jax
 
+from moe_train.base.imports import import_failure
 from moe_train.base.platform import Platform, or_here
 
 MIN_COMPUTE_CAPABILITY = {"delayed": 9.0, "current": 9.0, "mxfp8": 10.0}
 
 
-@functools.cache
 def _import_error() -> str | None:
-    try:
-        from transformer_engine.common import recipe  # noqa: F401
-        from transformer_engine.jax import flax as te_flax
-
-        te_flax.make_dot_general_cls  # noqa: B018 (TE 2.x; older releases lack it)
-    except Exception as err:  # noqa: BLE001 (ImportError, AttributeError, OSError from CUDA)
-        return f"cannot use transformer_engine.jax ({type(err).__name__}: {err})"
-    return None
+    """Why TE's fp8 cannot be used here (its ``make_dot_general_cls`` is TE 2.x's)."""
+    te = "transformer_engine."
+    recipe, flax = te + "common.recipe", te + "jax.flax:make_dot_general_cls"
+    return import_failure("transformer_engine.jax", recipe, flax)
 
 
 def unavailable_reason(recipe_name: str, platform: Platform | None = None) -> str | None:

@@ -29,12 +29,11 @@ scale, 1 where none is given).
 # pyright: reportMissingImports=false
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from moe_train.base.choices import BACKENDS
+from moe_train.base.imports import import_failure
 from moe_train.base.platform import Platform, or_here
 from moe_train.moe import megablox
 from moe_train.moe.tiled import default_block_rows, expert_operands, tiled_swiglu, vary, varying_axes
@@ -54,26 +53,16 @@ class BackendUnavailable(RuntimeError):
 # ----------------------------------------------------------------------------- selection
 
 
-@functools.cache
 def _te_import_error() -> str | None:
-    try:
-        import transformer_engine.jax  # noqa: F401
-        from transformer_engine.jax.dense import grouped_dense  # noqa: F401
-    except Exception as err:  # ImportError, or OSError from missing CUDA libraries
-        return f"cannot import transformer_engine.jax ({type(err).__name__}: {err}); {_TE_HINT}"
-    return None
+    why = import_failure("transformer_engine.jax", "transformer_engine.jax.dense:grouped_dense")
+    return None if why is None else f"{why}; {_TE_HINT}"
 
 
-@functools.cache
 def _mgpu_import_error() -> str | None:
-    try:
-        from jax.experimental.pallas.ops.gpu import (
-            ragged_dot_mgpu,  # noqa: F401
-            transposed_ragged_dot_mgpu,  # noqa: F401
-        )
-    except Exception as err:
-        return f"cannot import the Pallas Mosaic-GPU kernels ({type(err).__name__}: {err})"
-    return None
+    gpu = "jax.experimental.pallas.ops.gpu."
+    return import_failure(
+        "the Pallas Mosaic-GPU kernels", gpu + "ragged_dot_mgpu", gpu + "transposed_ragged_dot_mgpu"
+    )
 
 
 def _unavailable_reason(

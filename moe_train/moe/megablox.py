@@ -40,6 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.imports import import_failure
 from moe_train.base.platform import Platform, or_here
 from moe_train.moe.tiled import expert_operands, vary, varying_axes
 from moe_train.moe.vjp import custom_vjp
@@ -61,11 +62,7 @@ def _kernels():
 
 def import_error() -> str | None:
     """Why the megablox kernels cannot be imported here (None when they can)."""
-    try:
-        _kernels()
-    except Exception as err:  # ImportError, or a jax build without Pallas TPU
-        return f"cannot import JAX's Pallas megablox kernels ({type(err).__name__}: {err})"
-    return None
+    return import_failure("JAX's Pallas megablox kernels", "jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 
 # ----------------------------------------------------------------------------- tiles

@@ -37,17 +37,25 @@ F32 = jnp.float32
 NEG = -0.7 * float(np.finfo(np.float32).max)  # masked score (finite; see the module doc)
 
 
+def pad_sequence(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, multiple: int):
+    """q, k, v and the segment ids with S padded to a multiple of ``multiple``: the padding
+    sits after every real query, hidden by the causal mask, in the last real segment."""
+    pad = -q_BSND.shape[1] % multiple
+    if not pad:
+        return q_BSND, k_BSYD, v_BSYJ, segment_ids_BS
+    widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+    q_BSND, k_BSYD, v_BSYJ = (jnp.pad(x, widths) for x in (q_BSND, k_BSYD, v_BSYJ))
+    if segment_ids_BS is not None:
+        segment_ids_BS = jnp.pad(segment_ids_BS, ((0, 0), (0, pad)), mode="edge")
+    return q_BSND, k_BSYD, v_BSYJ, segment_ids_BS
+
+
 def chunked_attention(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, *, scale: float, block: int):
     """Causal GQA attention through blocks of ``block`` rows; returns [B, S, N, J]."""
     B, S, N, D = q_BSND.shape
     Y, J = k_BSYD.shape[2], v_BSYJ.shape[3]
     G, P = N // Y, -(-S // block)
-    pad = P * block - S
-    if pad:
-        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        q_BSND, k_BSYD, v_BSYJ = (jnp.pad(x, widths) for x in (q_BSND, k_BSYD, v_BSYJ))
-        if segment_ids_BS is not None:
-            segment_ids_BS = jnp.pad(segment_ids_BS, ((0, 0), (0, pad)), mode="edge")
+    q_BSND, k_BSYD, v_BSYJ, segment_ids_BS = pad_sequence(q_BSND, k_BSYD, v_BSYJ, segment_ids_BS, block)
     q_PBYGCD = q_BSND.reshape(B, P, block, Y, G, D).transpose(1, 0, 3, 4, 2, 5)
     k_PBYCD = k_BSYD.reshape(B, P, block, Y, D).transpose(1, 0, 3, 2, 4)
     v_PBYCJ = v_BSYJ.reshape(B, P, block, Y, J).transpose(1, 0, 3, 2, 4)

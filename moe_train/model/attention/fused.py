@@ -26,13 +26,13 @@ are refused: TE expresses packed documents only through its THD layout and
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.imports import import_failure
 from moe_train.base.platform import Platform
 from moe_train.config import ConfigError
 
@@ -88,13 +88,9 @@ def cudnn_attention(q_BSND, k_BSYD, v_BSYD, segment_ids_BS, *, scale: float):
     return out[:, :S]
 
 
-@functools.cache
 def te_import_error() -> str | None:
-    try:
-        from transformer_engine.jax.flax import DotProductAttention  # noqa: F401
-    except Exception as err:  # noqa: BLE001 (ImportError, OSError from CUDA libraries)
-        return f"cannot import transformer_engine.jax ({type(err).__name__}: {err})"
-    return None
+    """Why TE's fused attention cannot be imported here (None when it can)."""
+    return import_failure("transformer_engine.jax", "transformer_engine.jax.flax:DotProductAttention")
 
 
 def te_unavailable(platform: Platform, dtype, head_dim: int, v_head_dim: int) -> str | None:

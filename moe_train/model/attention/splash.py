@@ -18,7 +18,9 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.imports import import_failure
 from moe_train.base.platform import Platform
+from moe_train.model.attention.chunked import pad_sequence
 
 BLOCKS = (512, 256, 128)  # block rows tried, largest first; the kernel's tiles are multiples of 128
 LANES = 128  # the head dim is a multiple of this (the TPU's lane width)
@@ -42,11 +44,8 @@ def splash_unavailable(platform: Platform, head_dim: int, v_head_dim: int) -> st
             f"needs equal query/key and value head dims, a multiple of {LANES} "
             f"(got {head_dim} and {v_head_dim})"
         )
-    try:
-        _splash()
-    except Exception as err:  # ImportError, or a jax build without Pallas TPU
-        return f"cannot import JAX's splash attention ({type(err).__name__}: {err})"
-    return None
+    base = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_"
+    return import_failure("JAX's splash attention", base + "kernel", base + "mask")
 
 
 def block_rows(seq_len: int, block: int = 0) -> int:
@@ -82,14 +81,9 @@ def splash_attention(
     interpret mode (off a TPU)."""
     B, S, N, D = q_BSND.shape
     m = block_rows(S, block)
-    pad = -S % m
-    if pad:
-        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        q_BSND, k_BSYD, v_BSYD = (jnp.pad(x, widths) for x in (q_BSND, k_BSYD, v_BSYD))
-        if segment_ids_BS is not None:
-            segment_ids_BS = jnp.pad(segment_ids_BS, ((0, 0), (0, pad)), mode="edge")
+    q_BSND, k_BSYD, v_BSYD, segment_ids_BS = pad_sequence(q_BSND, k_BSYD, v_BSYD, segment_ids_BS, m)
     kernel_lib, _ = _splash()
-    kernel = _kernel(S + pad, N, m, interpret)
+    kernel = _kernel(q_BSND.shape[1], N, m, interpret)
     q_BNSD = (q_BSND * jnp.asarray(scale, q_BSND.dtype)).transpose(0, 2, 1, 3)
     k_BYSD, v_BYSD = k_BSYD.transpose(0, 2, 1, 3), v_BSYD.transpose(0, 2, 1, 3)
     if segment_ids_BS is None:
