@@ -26,6 +26,7 @@ def test_each_shape_times_plans_permutations_and_row_moves(quick_rows):
     first = {r["what"] for r in quick_rows if r["experts"] == permute.QUICK.shapes[0].experts}
     assert {"dense", "plan counting", "plan argsort", "permutation argsort"} <= first
     assert {"rows: gather from x [T, H]", "rows: gather from y [T*K, H]", "rows: scatter y [T*K, H]"} <= first
+    assert "route (router, top-k) fwd+bwd" in first
 
 
 def test_every_row_has_a_ratio_to_dense(quick_rows):

@@ -121,6 +121,19 @@ def row_moves(x_TH: jax.Array, ids_TK: jax.Array, num_experts: int) -> dict[str,
     return {name: (compile_jit(jax.jit(fn), *args)[0], args) for name, (fn, args) in moves.items()}
 
 
+def route_fn(shape: MoEShape):
+    """jit of (x, gate, dy) -> gradients of the routing alone (router logits, top-k, the
+    combine weights and the balance statistics) w.r.t. x and the gate: what the permutation
+    rows spend before any row moves."""
+    routing = Routing(shape.top_k)
+
+    def loss(x, gate, dy):
+        weights_TK, _, stats = route_tokens(x, gate, routing)
+        return jnp.vdot(weights_TK, dy[:, : shape.top_k].astype(jnp.float32)) + stats.aux_loss
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
 def shape_rows(shape: MoEShape, s: Sizes) -> list[dict[str, Any]]:
     """Plans and permutations by each method and the row movements alone, next to the dense
     SwiGLU, timed side by side."""
@@ -134,6 +147,7 @@ def shape_rows(shape: MoEShape, s: Sizes) -> list[dict[str, Any]]:
             compile_jit(permutation_fn(shape, method), x, gate, dy)[0],
             (x, gate, dy),
         )
+    fns["route (router, top-k) fwd+bwd"] = (compile_jit(route_fn(shape), x, gate, dy)[0], (x, gate, dy))
     fns |= row_moves(x, ids.astype(jnp.int32), shape.experts)
     timings = time_rounds(fns, min_reps=s.min_reps, max_reps=s.max_reps, target_s=s.target_s)
     rows = []
