@@ -12,7 +12,12 @@ job and a preset without an XLA:GPU target config.
 A compile takes minutes on a login node, so its result is cached in
 ``$XDG_CACHE_HOME/moe_train/compile/<key>.json`` (default ``~/.cache``), keyed by the
 trainer's config, the preset, the node count, jax's version and the kit's source files: a
-resubmission of the same job pays nothing; any change to them compiles again.
+resubmission of the same job pays nothing; any change to them compiles again. ``make
+compile`` of the same job at full depth stores its planned bucket there too (``store``).
+
+Where the cache holds the job's peak (``cached_peak``), it decides the memory verdict of
+``make plan`` and ``make submit`` (``slurm.decide``; ``moe_train.memory.verdict``), the
+planner's estimate beside it; ``COMPILE=0`` leaves the verdict to the estimate.
 
 The compile runs in a subprocess (the plugin must be set up before jax starts, and the
 launcher does not import the compile package, which imports the launcher).
@@ -29,6 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moe_train.memory.verdict import Compiled
 from slurm.plan import LaunchError, Request
 from topology.presets import Cluster
 
@@ -36,11 +42,8 @@ ENV = "MOE_TRAIN_COMPILE"  # "0": skip the preflight compile (make submit COMPIL
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 NO_PLUGIN = "needs the CUDA PJRT plugin"
-SOURCES = (
-    "moe_train",
-    "topology",
-    "slurm",
-)  # the kit's code, presets and target configs  # the compile command's message when it is missing
+SOURCES = ("moe_train", "topology", "slurm")  # the kit's code, presets and target configs
+PREFLIGHT = "the submit preflight"  # who compiled a cached job (its "compiled_by"), in words
 
 
 def cache_dir() -> Path:
@@ -134,12 +137,46 @@ def verdict(result: dict, ignore_memory: bool, cached: bool) -> str:
     )
 
 
+def cache_path(req: Request, cfg) -> Path:
+    """Where the cache keeps the compile of the job ``req`` with config ``cfg``."""
+    return cache_dir() / f"{cache_key(req, cfg)}.json"
+
+
+def store(req: Request, cfg, result: dict, compiled_by: str = PREFLIGHT) -> Path:
+    """Cache ``result`` (one bucket, the planned one) for the job; the file written."""
+    path = cache_path(req, cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({**result, "compiled_by": compiled_by}))
+    tmp.replace(path)
+    return path
+
+
+def peak_of(result: dict) -> Compiled:
+    """XLA:GPU's peak in a cached compile (one bucket)."""
+    (b,) = result["buckets"]
+    who = result.get("compiled_by", PREFLIGHT)
+    return Compiled(b["memory"]["peak"], b["bucket"], f"compiled by {who} (cached)")
+
+
+def cached_peak(req: Request, cluster: Cluster, cfg) -> Compiled | None:
+    """XLA:GPU's peak of the job where the cache holds its compile; None where it does not,
+    under ``COMPILE=0`` and for a preset without an XLA:GPU target config."""
+    if os.environ.get(ENV, "1") == "0" or not cluster.gpu:
+        return None
+    path = cache_path(req, cfg)
+    try:
+        return peak_of(json.loads(path.read_text())) if path.is_file() else None
+    except (OSError, ValueError, KeyError):  # a damaged entry: compiled again by the preflight
+        return None
+
+
 def preflight(req: Request, cluster: Cluster, cfg) -> str | None:
     """The compile note for ``req`` (None where skipped for a dry run or the smoke job)."""
     reason = skip_reason(req, cluster)
     if reason is not None:
         return None if (req.dry_run or req.smoke) else f"compile: skipped: {reason}"
-    path = cache_dir() / f"{cache_key(req, cfg)}.json"
+    path = cache_path(req, cfg)
     if path.is_file():
         return verdict(json.loads(path.read_text()), req.ignore_memory, cached=True)
     print(
@@ -150,8 +187,5 @@ def preflight(req: Request, cluster: Cluster, cfg) -> str | None:
     result = run_compile(compile_args(req, cfg), path.parent / "runs")
     if "skipped" in result:
         return f"compile: skipped: {result['skipped']}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(path)
+    store(req, cfg, result)
     return verdict(result, req.ignore_memory, cached=False)

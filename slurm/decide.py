@@ -6,24 +6,23 @@ items, ``--ep``, ``--steps``), the batch against the job's GPUs and micro-batche
 (``moe_train.parallel.jobplan.check_batch``: a batch that does not split names the nearest
 sizes that do, with their tokens per step), the planner's choices (``slurm.choices``: the
 fastest job of its search, ``slurm.search``, that fits), the placement (``--segment``) and
-the memory plan (``moe_train.memory``). No site file, no image,
-no Slurm: ``slurm.plan.plan`` adds those to make the JobSpec, ``slurm.show`` prints this.
+the memory plan (``moe_train.memory``), whose verdict XLA:GPU's compiled peak decides where
+the submit preflight's cache holds one for the job (``slurm.compiled.cached_peak``; the
+estimate beside it). No site file, no image, no Slurm: ``slurm.plan.plan`` adds those to
+make the JobSpec, ``slurm.show`` prints this.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from moe_train import config
+from moe_train import config, memory
+from moe_train.memory import Plan as MemoryPlan
 from moe_train.parallel import jobplan
-from slurm import choices, layout, search
+from slurm import choices, compiled, layout, search
 from slurm.plan import LaunchError, Request, check_text, load_cluster, smoke_request
 from topology import presets
-
-if TYPE_CHECKING:
-    from moe_train.memory import Plan as MemoryPlan
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,6 @@ def decide(req: Request, top: int = 1) -> Decision:
     planner's choices (``top``: how many jobs its search ranks, ``Decision.found``), the
     placement and the memory plan; LaunchError for a job the trainer would refuse (a batch
     that does not split over the GPUs names the nearest sizes that do)."""
-    from moe_train import memory
-
     cluster = load_cluster(req.preset)
     req = smoke_request(req, cluster) if req.smoke else req
     if req.nodes < 1:
@@ -72,7 +69,7 @@ def decide(req: Request, top: int = 1) -> Decision:
             f"{cluster.gpus_per_node} devices per node"
         )
     try:
-        mem = memory.plan(cfg, cluster, req.nodes)
+        mem = memory.plan(cfg, cluster, req.nodes, compiled=compiled.cached_peak(req, cluster, cfg))
     except memory.PlanError as err:  # sizes the trainer would refuse too (e.g. width vs dp)
         raise LaunchError(str(err)) from None
     return Decision(
@@ -88,6 +85,15 @@ def decide(req: Request, top: int = 1) -> Decision:
         memory=mem,
         per_task=per_task,
     )
+
+
+def with_compiled(d: Decision) -> Decision:
+    """``d`` with its memory verdict decided by XLA:GPU's compiled peak where the cache holds
+    one for the job now (the submit preflight has just compiled it); else ``d`` itself."""
+    peak = compiled.cached_peak(d.req, d.cluster, d.cfg)
+    if peak is None or peak == d.memory.verdict.compiled:
+        return d
+    return dataclasses.replace(d, memory=memory.plan(d.cfg, d.cluster, d.req.nodes, compiled=peak))
 
 
 def _check_compute(path: str) -> None:

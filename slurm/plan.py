@@ -191,8 +191,10 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
             f"lacks moe-train; a real submission needs --image (make container)"
         )
     from slurm import compiled  # imports this module
+    from slurm.decide import with_compiled  # imports this module
 
     chosen = [d.search_note, *(c.note for c in d.choices), compiled.preflight(req, cluster, cfg)]
+    d = with_compiled(d)  # the preflight's compile, where it made one, decides the verdict
     planner = [_memory(req, cluster, d), *(n for n in chosen if n)]
     notes[1:1] = planner  # after the placement's reason, before its warnings
     return JobSpec(

@@ -1,17 +1,22 @@
 """The submit preflight's XLA:GPU compile (``slurm/compiled.py``): the job compiled at its
 planned bucket by the real ``python -m moe_train.compile`` (skipped with the reason where the
 CUDA PJRT plugin is not installed), cached, refused when its peak exceeds the usable memory,
-and skipped for COMPILE=0, dry runs and presets without a GPU target."""
+and skipped for COMPILE=0, dry runs and presets without a GPU target; a cached peak decides
+the memory verdict of make plan and make submit, the estimate beside it."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
+from moe_train import memory
 from moe_train.compile import plugin
-from slurm import choices, compiled, layout
+from moe_train.memory import GIB
+from slurm import choices, compiled, layout, plan, show, site
+from slurm.decide import decide
 from slurm.plan import LaunchError, Request
 from topology import presets
 
@@ -20,6 +25,7 @@ needs_plugin = pytest.mark.skipif(PROBLEM is not None, reason=f"no CUDA PJRT plu
 TINY = Request(
     preset="h100-dgx", model="tiny", nodes=1, ep=8, sets=("precision.compute=bf16", "moe.capacity_buckets=1")
 )
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def job(req: Request):
@@ -92,3 +98,72 @@ def test_the_compile_gets_the_jobs_own_arguments():
     assert args[:8] == ["--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--ep", "8"]
     assert args[-3:] == ["--bucket", "planned", "--json"]
     assert all(f"--set {s}" in " ".join(args) for s in req.sets)
+
+
+# ----------------------------------------------------------------------------- the verdict
+
+
+def cache_peak(monkeypatch, tmp_path, over_usable: int):
+    """The TINY job's decision, its cache holding a compile whose peak is the usable memory
+    plus ``over_usable`` bytes (no plugin needed: the entry is written as the preflight would)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(compiled.ENV, "0")
+    d = decide(TINY)  # COMPILE=0: the estimate's verdict, the cache not read
+    usable, bucket = d.memory.verdict.usable_bytes, d.memory.estimate.bucket
+    result = {
+        "buckets": [{"bucket": bucket, "memory": {"peak": usable + over_usable}, "planner": {"total": 1}}],
+        "usable_bytes": usable,
+        "gpu": "h100-sxm",
+        "jax": "test",
+    }
+    compiled.store(d.req, d.cfg, result)
+    monkeypatch.setenv(compiled.ENV, "1")
+    return d, decide(TINY)
+
+
+def test_a_cached_peak_over_the_usable_memory_decides_does_not_fit(monkeypatch, tmp_path):
+    estimated, d = cache_peak(monkeypatch, tmp_path, over_usable=GIB)
+    assert estimated.fits and not d.fits  # the estimate fits; XLA:GPU's peak does not
+    v = d.memory.verdict
+    assert v.compiled is not None and v.needed_bytes == v.usable_bytes + GIB
+    line = show.render(show.show(TINY)).splitlines()[0]
+    assert line.startswith(f"memory: does not fit: needs {v.needed_bytes / GIB:.1f} GiB per GPU")
+    assert "XLA:GPU's compiled peak" in line and "compiled by the submit preflight (cached)" in line
+    assert f"the planner's estimate {v.total_bytes / GIB:.1f} GiB" in line
+    with pytest.raises(LaunchError, match="does not fit: .*--ignore-memory"):  # make submit refuses it
+        (tmp_path / "kit.sqsh").write_bytes(b"")
+        plan.plan(
+            dataclasses.replace(TINY, image=str(tmp_path / "kit.sqsh")),
+            site.Site(),
+            host_python="python3",
+            kit_root=ROOT,
+            now="20260101-000000",
+        )
+
+
+def test_a_cached_peak_within_the_usable_memory_fits_with_the_estimate_beside_it(monkeypatch, tmp_path):
+    _, d = cache_peak(monkeypatch, tmp_path, over_usable=-GIB)
+    v = d.memory.verdict
+    assert d.fits and v.spare_bytes == GIB
+    assert v.message.startswith(f"fits with 1.0 GiB to spare ({v.needed_bytes / GIB:.1f} GiB of ")
+    assert f"the planner's estimate {v.total_bytes / GIB:.1f} GiB" in v.message
+
+
+def test_compile_0_leaves_the_verdict_to_the_estimate(monkeypatch, tmp_path):
+    estimated, _ = cache_peak(monkeypatch, tmp_path, over_usable=GIB)
+    monkeypatch.setenv(compiled.ENV, "0")
+    d = decide(TINY)
+    assert d.memory.verdict == estimated.memory.verdict and d.memory.verdict.compiled is None
+
+
+def test_a_compiled_peak_that_fits_decides_where_the_estimate_does_not():
+    req, cluster, cfg = job(TINY)
+    total = memory.plan(cfg, cluster, 1).estimate.per_device["total"]
+    reserve = (cluster.gpu_memory_gib * GIB - total + GIB) / GIB  # usable: 1 GiB below the estimate
+    bucket = memory.plan(cfg, cluster, 1).estimate.bucket
+    peak = memory.Compiled(total - 2 * GIB, bucket, "compiled by make compile (cached)")
+    v = memory.plan(cfg, cluster, 1, reserve_gib=reserve, compiled=peak).verdict
+    assert v.fits and v.alternatives == () and "the planner's estimate" in v.message
+    assert not memory.plan(cfg, cluster, 1, reserve_gib=reserve).verdict.fits
+    other = dataclasses.replace(peak, bucket="worst" if bucket != "worst" else "1")
+    assert memory.plan(cfg, cluster, 1, compiled=other).verdict.compiled is None  # not the job's peak

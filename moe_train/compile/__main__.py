@@ -16,10 +16,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moe_train.compile import plugin
 from moe_train.config.cli import EXIT_USAGE, OneLineParser, job_arguments
 from topology import presets
+
+if TYPE_CHECKING:
+    from moe_train.compile.job import Job
 
 
 def parser() -> argparse.ArgumentParser:
@@ -111,8 +115,23 @@ def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
         result, out_dir = run.compile_job(job, Path(args.out) / stamp, args.bucket, args.peak)
     except job_mod.ERRORS as err:
         return _error(err)
+    _cache_planned(args, job, result)
     print(json.dumps(result, indent=1) if args.json else f"{run.render(result)}\nwritten: {out_dir}")
     return 0
+
+
+def _cache_planned(args: argparse.Namespace, job: Job, result: dict) -> None:
+    """A full-depth compile of the planned bucket goes into the submit preflight's cache,
+    where ``make plan`` and ``make submit`` find it: its peak decides their memory verdict
+    (``slurm.compiled``; not under COMPILE=0, nor at ``--layers``, which is another job)."""
+    from slurm import compiled  # after plugin.enable, as everything here that may import jax
+    from slurm.plan import Request
+
+    planned = [b for b in result["buckets"] if b["bucket"] == job.plan.estimate.bucket]
+    if args.layers is not None or not planned or os.environ.get(compiled.ENV, "1") == "0":
+        return
+    req = Request(preset=args.preset, model=args.model, nodes=args.nodes)
+    compiled.store(req, job.cfg, {**result, "buckets": planned}, compiled_by="make compile")
 
 
 EXIT_INTERRUPTED = 130

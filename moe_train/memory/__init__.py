@@ -96,7 +96,12 @@ layer by layer inside the backward loop
 (grads: the reduced shards, copy / dp, in place of the fp32 micro-batch gradient, plus one
 layer's share in flight), and the whole-vocabulary buffers at the end of the backward pass
 are counted in the precision copies: the embedding's gathered copy and the gradients of
-the head and the embedding, V*H*a each (untied). Under full/matmuls remat each MTP block's
+the head and the embedding, V*H*a each (untied). Gradient accumulation of weights gathered
+per micro-batch over FSDP (``micro_batch`` mode, dp > 1, micro_batches > 1, scanned layers)
+adds the routed experts' gradient bytes and a third of them to grads: XLA:GPU's backward loop
+holds a zero-initialised stacked gradient beside the one it writes, and one projection's
+master transposed (``estimate.accumulation_bytes``; mixtral-8x7b's preset job was 1.19x low
+at full depth without it). Under full/matmuls remat each MTP block's
 expert weight-gradient operands, R * (2H + 3F) * a, are held through the main layers'
 backward (XLA:GPU's scheduler defers those GEMMs, which only the optimizer needs, while
 memory allows: ``rows.deferred_mtp_bytes``).
@@ -131,7 +136,7 @@ from dataclasses import dataclass
 from moe_train.config import Config
 from moe_train.memory.estimate import ALL_ITEMS, ITEMS, Estimate, Setup, estimate
 from moe_train.memory.job import PlanError, setup_for
-from moe_train.memory.verdict import GIB, Alternative, Budget, Verdict, budget, judge
+from moe_train.memory.verdict import GIB, Alternative, Budget, Compiled, Verdict, budget, judge
 from topology.presets import Cluster, load
 
 __all__ = [
@@ -140,6 +145,7 @@ __all__ = [
     "GIB",
     "Alternative",
     "Budget",
+    "Compiled",
     "Estimate",
     "Plan",
     "PlanError",
@@ -170,9 +176,11 @@ def plan(
     devices: int | None = None,
     reserve_gib: float | None = None,
     search: bool = True,
+    compiled: Compiled | None = None,
 ) -> Plan:
     """Estimate ``cfg`` on ``nodes`` nodes of ``cluster`` (or ``devices`` GPUs) with EP ``ep``
-    (default ``parallel.ep``). Raises PlanError (a ConfigError) for jobs the trainer refuses."""
+    (default ``parallel.ep``); ``compiled``: XLA:GPU's peak of the job, which then decides the
+    verdict (``verdict.judge``). Raises PlanError (a ConfigError) for jobs the trainer refuses."""
     cluster = load(cluster) if isinstance(cluster, str) else cluster
     if ep is not None and ep != cfg.parallel.ep:
         from moe_train.memory.job import with_ep
@@ -180,7 +188,7 @@ def plan(
         cfg = with_ep(cfg, ep)
     est = estimate(cfg, setup_for(cfg, cluster, nodes, devices=devices))
     bud = budget(cluster, reserve_gib)
-    return Plan(cluster, nodes, est, bud, judge(cfg, est, bud, cluster, nodes, devices, search))
+    return Plan(cluster, nodes, est, bud, judge(cfg, est, bud, cluster, nodes, devices, search, compiled))
 
 
 def check_fits(cfg: Config, cluster: Cluster | str, nodes: int) -> Verdict:

@@ -137,8 +137,27 @@ def state_bytes(cfg: Config, s: Setup) -> dict[str, int]:
         n_moe * cfg.moe.num_experts * 4 + seqs * (cfg.train.seq_len + 1) * 4 + 64 + fp8_state_bytes(cfg, s)
     )
     # gradient accumulation carries the running sum beside each micro-batch's gradients
-    grads = params * (2 if cfg.train.micro_batches > 1 else 1)
+    grads = params * (2 if cfg.train.micro_batches > 1 else 1) + accumulation_bytes(cfg, s)
     return dict(params=params, grads=grads, optimizer=2 * params, other=other)
+
+
+def accumulation_bytes(cfg: Config, s: Setup) -> int:
+    """What XLA:GPU holds beyond the running sum and one micro-batch's gradient when it
+    accumulates gradients of FSDP-gathered weights (``micro_batch`` mode, dp > 1, more than one
+    micro-batch, scanned layers): the backward loop writes each layer's reduce-scattered
+    expert gradient into a stacked buffer while a zero-initialised stacked buffer of the same
+    size is live beside it, and one stacked expert projection's master is copied transposed
+    for its reduce-scatter: the routed experts' bytes and a third of them again (mixtral-8x7b
+    on 8 h100-dgx nodes, EP 8, one-sequence micro-batches, compiled with --peak at 4 and 8
+    layers: four stacked fp32 expert arrays beyond the planner's six, at the peak; without
+    them the estimate was 1.19x low at full depth). Not counted without FSDP (dp = 1), where
+    XLA:GPU held one stacked array beyond the six and the estimate errs high anyway (Mixtral on
+    one node, EP 8, 4 layers: 0.91x)."""
+    gather = cfg.parallel.weight_gather != step_gather.STEP
+    if not (s.gpu and gather and s.dp > 1 and cfg.train.micro_batches > 1 and cfg.model.scan_layers):
+        return 0
+    experts = sum(n * size // ways for n, size, ways, kind in weight_shards(cfg, s) if kind == "expert")
+    return experts + experts // 3  # SwiGLU's three projections: one of them transposed
 
 
 def step_copy_bytes(cfg: Config, s: Setup) -> int:

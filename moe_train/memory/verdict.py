@@ -14,6 +14,12 @@ computes in bf16, so the estimate counts it as bf16 plus its scaling state and t
 quantized input copy, never less memory (Transformer Engine's fp8 activation copies are not
 modelled). If no single change fits, ``train.remat=full`` combined with a smaller batch,
 then with more nodes.
+
+Where XLA:GPU has compiled the job (``Compiled``: the submit preflight's cache, which ``make
+compile`` of the same job fills too, ``slurm.compiled``), its peak at the planned bucket
+decides instead, and the estimate stands beside it in the verdict's line; the estimate's
+error on the job (compiled peak less estimate) is carried to the other buckets, the worst
+case and the changes tried, which are judged by the estimate.
 """
 
 from __future__ import annotations
@@ -42,6 +48,15 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class Compiled:
+    """XLA:GPU's compiled peak of the job (``python -m moe_train.compile``)."""
+
+    peak_bytes: int  # XLA:GPU's per-GPU peak (arguments + temp + outputs - aliased)
+    bucket: str  # the capacity bucket compiled ("4", "worst"): the one the estimate judges by
+    source: str  # where it was found, in words ("the submit preflight's compile, cached")
+
+
+@dataclass(frozen=True)
 class Alternative:
     """One change and its estimate."""
 
@@ -55,11 +70,11 @@ class Alternative:
 class Verdict:
     """Fits or not, and what to do about it."""
 
-    fits: bool  # total <= usable
+    fits: bool  # needed <= usable (needed: the compiled peak where one exists, else the total)
     total_bytes: int  # estimated per-GPU peak
     usable_bytes: int  # budget after the reserve
     device_bytes: int  # the GPU's memory
-    spare_bytes: int  # usable - total (negative when it does not fit)
+    spare_bytes: int  # usable - needed (negative when it does not fit)
     largest: str  # the largest item of ALL_ITEMS
     largest_bytes: int  # its bytes
     change: str | None  # the cheapest available change that fits; None if it fits or none does
@@ -67,6 +82,12 @@ class Verdict:
     worst_case_bytes: int  # the total with worst-case MoE buffers (no capacity bucket)
     bucket_fits: str | None  # the largest capacity bucket ("1.5", "worst") whose total fits
     message: str  # one line for humans
+    compiled: Compiled | None = None  # XLA:GPU's peak that decided it; None: the estimate did
+
+    @property
+    def needed_bytes(self) -> int:
+        """What the verdict judged: the compiled peak where one exists, else the estimate."""
+        return self.compiled.peak_bytes if self.compiled else self.total_bytes
 
 
 def budget(cluster: Cluster, reserve_gib: float | None = None) -> Budget:
@@ -179,13 +200,19 @@ def judge(
     nodes: int,
     devices: int | None,
     search: bool = True,
+    compiled: Compiled | None = None,
 ) -> Verdict:
-    """The verdict for ``est`` against ``bud``; alternatives only when it does not fit."""
+    """The verdict for ``est`` against ``bud``, decided by ``compiled`` where given (at the
+    estimate's bucket; another bucket's compile is not the job's peak and is ignored);
+    alternatives only when it does not fit."""
     per = est.per_device
-    total, usable = per["total"], bud.usable_bytes
+    total = per["total"]
+    compiled = compiled if compiled is not None and compiled.bucket == est.bucket else None
+    need = compiled.peak_bytes if compiled else total
+    usable = bud.usable_bytes - (need - total)  # what the estimate may reach: its error carried
     largest = max(ALL_ITEMS, key=lambda k: per[k])
-    worst = total - per["moe_buffers"] + est.moe_buffers_by_bucket["worst"]
-    fits = total <= usable
+    worst = need - per["moe_buffers"] + est.moe_buffers_by_bucket["worst"]
+    fits = need <= bud.usable_bytes
     base = total - per["moe_buffers"]
     bucket_fits = next(
         (b for b, v in reversed(list(est.moe_buffers_by_bucket.items())) if base + v <= usable), None
@@ -195,31 +222,43 @@ def judge(
     return Verdict(
         fits=fits,
         total_bytes=total,
-        usable_bytes=usable,
+        usable_bytes=bud.usable_bytes,
         device_bytes=bud.device_bytes,
-        spare_bytes=usable - total,
+        spare_bytes=bud.usable_bytes - need,
         largest=largest,
         largest_bytes=per[largest],
         change=change,
         alternatives=alts,
         worst_case_bytes=worst,
         bucket_fits=bucket_fits,
-        message=_message(fits, total, usable, largest, per[largest], change, worst, est),
+        message=_message(fits, total, bud.usable_bytes, largest, per[largest], change, worst, est, compiled),
+        compiled=compiled,
     )
 
 
-def _message(fits, total, usable, largest, largest_bytes, change, worst, est) -> str:
-    g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+def _g(b: int) -> str:
+    return f"{b / GIB:.1f} GiB"
+
+
+def _message(fits, total, usable, largest, largest_bytes, change, worst, est, compiled=None) -> str:
+    need, peak = total, ""
+    if compiled:
+        label = compiled.bucket + ("x" if compiled.bucket != "worst" else "")
+        need, peak = (
+            compiled.peak_bytes,
+            f"XLA:GPU's compiled peak at the {label} bucket, {compiled.source}; "
+            f"the planner's estimate {_g(total)}",
+        )
     if fits:
-        text = f"fits with {g(usable - total)} to spare ({g(total)} of {g(usable)} usable per GPU)"
+        text = f"fits with {_g(usable - need)} to spare ({_g(need)} of {_g(usable)} usable per GPU"
+        text += f": {peak})" if peak else ")"
         if worst > usable and est.bucket != "worst":
             text += (
-                f"; worst-case MoE buffers would need {g(worst)}: a step overflowing the "
+                f"; worst-case MoE buffers would need {_g(worst)}: a step overflowing the "
                 f"{est.bucket}x bucket would run out of memory"
             )
         return text
-    text = (
-        f"does not fit: needs {g(total)} per GPU, {g(usable)} usable; largest item: "
-        f"{largest} ({g(largest_bytes)})"
-    )
+    text = f"does not fit: needs {_g(need)} per GPU, {_g(usable)} usable"
+    text += f" ({peak})" if peak else ""
+    text += f"; largest item: {largest} ({_g(largest_bytes)})"
     return text + (f"; cheapest change that fits: {change}" if change else "; no single change tried fits")
