@@ -28,6 +28,21 @@ def test_the_sweep_times_one_unfused_gate_gemm_beside_the_fused_one():
     assert {(SHAPE.hidden, 2 * SHAPE.ffn), (SHAPE.hidden, SHAPE.ffn)} <= fwd
 
 
+def test_the_sweep_covers_the_step_benchmark_s_experts():
+    from moe_train.bench import accel_step
+
+    moe = accel_step.configs(accel_step.FULL)["moe"]
+    step = dict(tiles.FULL.shapes)["accel-step-moe"]
+    tokens = moe.train.batch_size * moe.train.seq_len
+    assert (step.tokens, step.hidden, step.ffn, step.experts, step.top_k) == (
+        tokens,
+        moe.model.hidden,
+        moe.moe.expert_ffn,
+        moe.moe.num_experts,
+        moe.moe.top_k,
+    )
+
+
 def test_the_fastest_tile_wins():
     rows = [_row("fwd", "128x512", (64, 128, 256), 2.0), _row("fwd", "128x512", (128, 128, 128), 1.0)]
     assert tiles.best(rows) == {"fwd": {"128x512": [128, 128, 128]}}

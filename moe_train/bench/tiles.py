@@ -49,6 +49,8 @@ FULL = Sizes(
         ("mixtral-8x7b", MoEShape(8192, 4096, 14336, 8, 2)),
         ("qwen3-30b-a3b", MoEShape(16384, 2048, 768, 128, 8)),
         ("deepseek-v3-like", MoEShape(8192, 7168, 2048, 32, 8)),
+        # the step section's MoE model (accel_step.FULL: 8 x 2048 tokens, hidden 1024, 32 x 512, top-4)
+        ("accel-step-moe", MoEShape(16384, 1024, 512, 32, 4)),
     ),
     candidates=(
         (512, 512, 512),
