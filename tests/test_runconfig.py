@@ -7,6 +7,7 @@ import jax
 import pytest
 from helpers import QUIET, tiny
 
+from moe_train.base.platform import Platform
 from moe_train.config import Config
 from moe_train.parallel import sharding
 from moe_train.train import loop as run_mod
@@ -47,6 +48,10 @@ def test_the_run_config_keeps_what_was_configured(loop):
 
 def test_the_run_config_resolves_micro_batches_on_the_job(loop):
     assert (loop.run_cfg.resolved.train.micro_batches, loop.run_cfg.resolved.train.micro_batch_size) == (2, 0)
+
+
+def test_the_run_config_names_the_platform_the_step_is_built_for(loop):
+    assert loop.run_cfg.platform == Platform.here()
 
 
 def test_the_run_config_cannot_change(loop):

@@ -37,6 +37,7 @@ import numpy as np
 from moe_train import eval as evaluate
 from moe_train import python_command, selftest, telemetry
 from moe_train.base.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, OutputError, output_error  # noqa: F401
+from moe_train.base.platform import Platform
 from moe_train.checkpoints import checkpoint
 from moe_train.config import Config, ConfigError, for_devices, save_json, study_changes, to_dict
 from moe_train.convert import weights
@@ -193,7 +194,9 @@ def _started(
         stopped = _stopped_in_start_up(log, "after the kernel self-test")
         if stopped is not None:
             return stopped
-        run_cfg = RunConfig(configured=cfg, resolved=resolved, layout=plan, kernels=kernels)
+        run_cfg = RunConfig(
+            configured=cfg, resolved=resolved, layout=plan, kernels=kernels, platform=Platform.here()
+        )
         ckpt = checkpoint.open_for(out_dir, t)
         try:
             return Start(run_cfg, out_dir, source, ckpt, log, evals).resume_and_train(resume_step)
@@ -226,7 +229,7 @@ class Start:
 
     def resume_and_train(self, resume_step: int | None) -> int:
         log, cfg, mesh = self.log, self.run_cfg.resolved, self.run_cfg.mesh
-        log(precision.describe(cfg, mesh.devices.flat[0].platform))
+        log(precision.describe(cfg, self.run_cfg.platform))
         state = fits.initialised(init_state(cfg, mesh))
         resumed = resume.choose(self.ckpt, state, self.run_cfg.configured, resume_step, log)
         if resumed is not None:

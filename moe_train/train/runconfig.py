@@ -15,6 +15,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from moe_train.base.platform import Platform
 from moe_train.config import Config
 from topology import device_mesh
 
@@ -34,6 +35,8 @@ class RunConfig:
     # The self-test's record (kernels.json): device, platform, each kernel chosen and why,
     # selftest_s.
     kernels: dict[str, Any]
+    # The platform the kernels were chosen for and the step is built for (this process's).
+    platform: Platform
 
     @property
     def mesh(self) -> Mesh:
