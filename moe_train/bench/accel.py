@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.bench import accel_step
-from moe_train.bench.common import compile_jit, fmt_ms, markdown_table, time_rounds
+from moe_train.bench.common import ACCEL_SHAPES, compile_jit, fmt_ms, markdown_table, time_rounds
 from moe_train.bench.layer import dense_fn, layer_fn, layer_row, operands, too_big
 from moe_train.moe.gemm import available_backends, resolve_backend
 from moe_train.moe.routings import MoEShape
@@ -82,11 +82,7 @@ class Sizes:
 
 
 FULL = Sizes(
-    shapes=(
-        Shape("mixtral-8x7b", MoEShape(8192, 4096, 14336, 8, 2), "softmax"),
-        Shape("qwen3-30b-a3b", MoEShape(16384, 2048, 768, 128, 8), "softmax"),
-        Shape("deepseek-v3-like", MoEShape(8192, 7168, 2048, 32, 8), "sigmoid"),
-    ),
+    shapes=tuple(Shape(*spec) for spec in ACCEL_SHAPES),
     step=accel_step.FULL,
     square=8192,
 )

@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from moe_train.moe.routings import MoEShape
+
 
 def row_done(section: str, text: str) -> None:
     """One line as a benchmark row finishes (the full table comes at the end)."""
@@ -50,6 +52,14 @@ def time_compiled(
 
 
 K = TypeVar("K", bound=Hashable)
+
+# The accelerator benchmark's expert shapes (issue 49), (model, full-size shape, router score
+# function): its layer rows, its permutation rows and the megablox tile sweep all take these.
+ACCEL_SHAPES: tuple[tuple[str, MoEShape, str], ...] = (
+    ("mixtral-8x7b", MoEShape(8192, 4096, 14336, 8, 2), "softmax"),
+    ("qwen3-30b-a3b", MoEShape(16384, 2048, 768, 128, 8), "softmax"),
+    ("deepseek-v3-like", MoEShape(8192, 7168, 2048, 32, 8), "sigmoid"),
+)
 
 
 def time_rounds(

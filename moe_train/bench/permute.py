@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_train.bench.common import compile_jit, markdown_table, ratio_stats, time_rounds
+from moe_train.bench.common import ACCEL_SHAPES, compile_jit, markdown_table, ratio_stats, time_rounds
 from moe_train.bench.layer import dense_fn, operands
 from moe_train.moe import Routing
 from moe_train.moe.permute import (
@@ -57,11 +57,7 @@ FULL = Sizes(
     target_s=3.0,
 )
 ACCEL = Sizes(  # on the accelerator, beside the layer rows of ``--accel``: the shapes
-    shapes=(
-        MoEShape(8192, 4096, 14336, 8, 2),
-        MoEShape(16384, 2048, 768, 128, 8),
-        MoEShape(8192, 7168, 2048, 32, 8),
-    ),
+    shapes=tuple(shape for _, shape, _ in ACCEL_SHAPES),
     min_reps=3,
     max_reps=10,
     target_s=2.0,

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_train.bench.common import markdown_table, time_rounds
+from moe_train.bench.common import ACCEL_SHAPES, markdown_table, time_rounds
 from moe_train.moe import megablox
 from moe_train.moe.routings import MoEShape
 
@@ -46,9 +46,7 @@ class Sizes:
 
 FULL = Sizes(
     shapes=(
-        ("mixtral-8x7b", MoEShape(8192, 4096, 14336, 8, 2)),
-        ("qwen3-30b-a3b", MoEShape(16384, 2048, 768, 128, 8)),
-        ("deepseek-v3-like", MoEShape(8192, 7168, 2048, 32, 8)),
+        *((name, shape) for name, shape, _ in ACCEL_SHAPES),
         # the step section's MoE model (accel_step.FULL: 8 x 2048 tokens, hidden 1024, 32 x 512, top-4)
         ("accel-step-moe", MoEShape(16384, 1024, 512, 32, 4)),
     ),
