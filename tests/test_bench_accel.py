@@ -229,6 +229,14 @@ def test_an_unknown_model_exits_2_naming_the_valid_ones(capsys):
     assert exit_.value.code == 2 and "choose from mixtral-8x7b, qwen3-30b-a3b" in capsys.readouterr().err
 
 
+def test_an_empty_model_list_exits_2_naming_the_valid_ones(capsys):
+    from moe_train.bench.__main__ import chosen
+
+    with pytest.raises(SystemExit) as exit_:
+        chosen(accel.FULL, parse(["--accel", "--models", ","]))
+    assert exit_.value.code == 2 and "no model named; choose from mixtral-8x7b" in capsys.readouterr().err
+
+
 def test_models_needs_accel():
     with pytest.raises(SystemExit):
         parse(["--models", "qwen3-30b-a3b"])

@@ -161,22 +161,24 @@ def run_accel(args) -> tuple[dict, list[str]]:
 def chosen(sizes, args):
     """``sizes`` (an accel or tiles ``Sizes``) narrowed to ``--models`` and given ``--budget-s``;
     an unknown model name exits 2 with the valid list."""
-    names = [name for name, *_ in map(shape_fields, sizes.shapes)]
+    names = [shape_name(s) for s in sizes.shapes]
     changes: dict = {}
     if args.models is not None:
         want = [m for m in args.models.split(",") if m]
-        if bad := sorted(set(want) - set(names)) or not want:
-            print(f"--models: unknown {bad or 'empty list'}; choose from {', '.join(names)}", file=sys.stderr)
+        bad = sorted(set(want) - set(names))
+        if bad or not want:
+            what = f"unknown {', '.join(bad)}" if bad else "no model named"
+            print(f"--models: {what}; choose from {', '.join(names)}", file=sys.stderr)
             raise SystemExit(2)
-        changes["shapes"] = tuple(s for s in sizes.shapes if shape_fields(s)[0] in want)
+        changes["shapes"] = tuple(s for s in sizes.shapes if shape_name(s) in want)
     if args.budget_s is not None:
         changes["budget_s"] = args.budget_s
     return dataclasses.replace(sizes, **changes)
 
 
-def shape_fields(shape) -> tuple:
-    """(name, ...) of one Sizes.shapes entry: accel's ``Shape`` or tiles' (name, MoEShape)."""
-    return (shape.name,) if hasattr(shape, "name") else tuple(shape)
+def shape_name(shape) -> str:
+    """The model name of one ``Sizes.shapes`` entry: accel's ``Shape`` or tiles' (name, MoEShape)."""
+    return shape.name if hasattr(shape, "name") else shape[0]
 
 
 def without_out(argv: list[str]) -> list[str]:
