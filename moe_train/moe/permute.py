@@ -251,7 +251,7 @@ def weighted_sum(y_MH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array
 def row_values(v_M: jax.Array, slot_R: jax.Array) -> jax.Array:
     """[R] fp32: ``v_M[slot_R[r]]`` for the assignment each row holds, 0 where it holds none
     (slot M): a gather, not a scatter of M values by ``row_M`` (a scatter of M int32 took
-    1.25 ms on a TPU v5e at Qwen3's shape, a sixth of the permutation's whole forward)."""
+    1.25 ms on a TPU v5e at Qwen3's shape, where the whole plan took 2.85 ms)."""
     return jnp.concatenate([v_M.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])[slot_R]
 
 
