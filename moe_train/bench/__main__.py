@@ -133,27 +133,29 @@ def run_accel(args) -> tuple[dict, list[str]]:
     from moe_train.train import progress
 
     what = "sweeping the megablox tiles" if args.tune else "running the accelerator benchmark"
-    module = tiles if args.tune else accel
-    sizes = chosen(module.TINY if args.tiny else module.FULL, args)  # before any line: a bad name exits 2
+    # chosen before any line: a bad model name exits 2
+    tune_sizes = chosen(tiles.TINY if args.tiny else tiles.FULL, args) if args.tune else None
+    accel_sizes = None if args.tune else chosen(accel.TINY if args.tiny else accel.FULL, args)
     every = progress.EVERY_S
     say = lambda line: print(line, flush=True)
     say(f"{what} ...")  # here, before any row: the heartbeat runs in a thread
     with progress.Waiting(say, what, after_s=every, describe=lambda: f"  still {what}: {every:.0f} s"):
-        if args.tune:
+        if tune_sizes is not None:
             write = megablox_table() if args.write_tiles else None
             provenance = {
                 "commit": git_commit(),
                 "command": shlex.join(["python", "-m", "moe_train.bench", *without_out(args.argv)]),
             }
             sec = tiles.run(
-                sizes,
+                tune_sizes,
                 lambda line: say("  tiles: " + line),
                 write,
                 provenance,
                 missing_only=args.missing,
             )
             return {"tiles": sec}, [sec.pop("markdown")]
-        sec = accel.run(sizes, say=lambda line: say("  accel: " + line))
+        assert accel_sizes is not None
+        sec = accel.run(accel_sizes, say=lambda line: say("  accel: " + line))
         perm = permute.run(permute.QUICK if args.tiny else permute.ACCEL, with_goal=True)
     return {"accel": sec, "permute": perm}, [sec.pop("markdown"), perm.pop("markdown")]
 
