@@ -59,7 +59,7 @@ RUN_ARGS := set -f; set --; for s in $$SET; do set -- "$$@" --set "$$s"; done; [
 RUN_CMD := run() { local line; printf -v line '%q ' "$$@"; printf '%s\n' "$${line% }"; "$$@"; }; run
 # --ep only when EP is given (command line or environment), so SET='parallel.ep=N' works alone
 EP_ARG = $(if $(EP),--ep "$$EP")
-# make plan: a compute calibration (make gpu-check writes one) instead of topology/compute.toml
+# make plan: a compute calibration (make gpu-check writes one) instead of moe_train/planner/compute.toml
 COMPUTE ?=
 # make plan: list the N fastest jobs that fit (unset: the one make submit runs)
 TOP ?=
@@ -72,13 +72,13 @@ export COMPUTE COMPILE TOP
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 # EXTRAS=...,compile (make compile: XLA:GPU without a GPU) puts the CUDA PJRT plugin pinned in
 # requirements.lock into $(XLA_GPU), not site-packages, where every jax process on a machine
-# without CUDA would print its CUDA errors (moe_train/compile/plugin.py); pip gets the rest
+# without CUDA would print its CUDA errors (moe_train/planner/compile/plugin.py); pip gets the rest
 XLA_GPU := $(VENV)/xla-gpu
 PIP_EXTRAS := $(subst $(space),$(comma),$(filter-out compile,$(subst $(comma),$(space),$(EXTRAS))))
 XLA_GPU_INSTALL = $(PY) -m pip install -q --no-deps --upgrade -c requirements.lock --target $(XLA_GPU) jax-cuda12-plugin jax-cuda12-pjrt
 # make compile and make venv EXTRAS=...,compile (re)install it whenever the kit's own check finds it
-# missing or not at jax's version: the install advice of moe_train/compile/plugin.py then works
-XLA_GPU_READY = $(PY) -c 'import sys; from moe_train.compile import plugin; sys.exit(plugin.version_problem(plugin.search_path()) is not None)' 2>/dev/null
+# missing or not at jax's version: the install advice of moe_train/planner/compile/plugin.py then works
+XLA_GPU_READY = $(PY) -c 'import sys; from moe_train.planner.compile import plugin; sys.exit(plugin.version_problem(plugin.search_path()) is not None)' 2>/dev/null
 
 .PHONY: help venv xla-gpu smoke train submit smoke-cluster golden test test-fast lint format bench bench-gpu bench-accel gpu-check study plan compile probe report \
 	cluster-up cluster-down \
@@ -166,13 +166,13 @@ gpu-check: ## what works on this GPU node and how fast (CPU: toy sizes); runs/gp
 	@export PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"; $(RUN_CMD) $(CHECK_PYTHON) -m moe_train.gpucheck
 
 plan: $(STAMP) ## the job make submit runs for MODEL on NODES of PRESET (the fastest that fits, TOP=N lists N): memory verdict first (exit 2: does not fit), the planner's choices, placement, step time (COMPUTE=file), memory
-	@$(RUN_ARGS); $(RUN_CMD) $(PY) -m slurm.show --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(COMPUTE),--compute "$$COMPUTE") $(if $(TOP),--top "$$TOP") "$$@"
+	@$(RUN_ARGS); $(RUN_CMD) $(PY) -m moe_train.planner --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(COMPUTE),--compute "$$COMPUTE") $(if $(TOP),--top "$$TOP") "$$@"
 
 xla-gpu: $(STAMP)
 	@$(XLA_GPU_READY) || { echo "installing XLA:GPU's compiler into $(XLA_GPU)"; $(XLA_GPU_INSTALL); }
 
 compile: $(STAMP) xla-gpu ## compile MODEL's train step on NODES of PRESET with XLA:GPU, no GPU needed: memory per bucket vs the planner, kernels, collectives (PEAK=1: what fills the peak); runs/compile/<UTC>/
-	@$(RUN_ARGS); $(if $(PRESET_DEFAULTED),export MOE_TRAIN_PRESET_DEFAULTED=1;) $(RUN_CMD) $(PY) -m moe_train.compile --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(PEAK),--peak) "$$@"
+	@$(RUN_ARGS); $(if $(PRESET_DEFAULTED),export MOE_TRAIN_PRESET_DEFAULTED=1;) $(RUN_CMD) $(PY) -m moe_train.planner.compile --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(PEAK),--peak) "$$@"
 
 probe: $(STAMP) ## time all-to-alls on DEVICES of this machine's devices (default all; on CPU, DEVICES fake ones, e.g. DEVICES=8); writes runs/probe/<PRESET>.toml
 	@$(RUN_CMD) $(PY) -m topology probe --preset "$$PRESET" --out "runs/probe/$$(basename -- "$$PRESET" .toml).toml" $(if $(DEVICES),--devices "$$DEVICES")

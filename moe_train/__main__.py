@@ -4,9 +4,10 @@ import (before ``cli.main`` installs its handlers) ends with one line and exit c
 import sys
 
 try:
+    from moe_train.planner.memory import trainer as memory  # the planner's memory check, passed in
     from moe_train.train.cli import main
 except KeyboardInterrupt:
     print("interrupted (Ctrl-C) while starting: nothing was run or written", file=sys.stderr, flush=True)
     sys.exit(130)
 
-sys.exit(main())
+sys.exit(main(memory=memory))

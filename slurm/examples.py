@@ -9,7 +9,7 @@ lines (memory verdict, search, its choices) are in one planner snapshot, compare
 tolerance (``slurm/snapshot.py``), and each environment variable's source comment (the
 preset's own prose, measured numbers included) stands as ``<the preset's env_source.NAME>``.
 Each example sets the keys the planner would choose by predicted step time
-(``Example.sets``), so a change of the planner's numbers (``topology/compute.toml``; the
+(``Example.sets``), so a change of the planner's numbers (``moe_train/planner/compute.toml``; the
 memory model, while the jobs still fit) moves the snapshot and no golden file.
 
 tests/test_slurm_render.py and tests/test_planner_snapshot.py compare them; change them only
@@ -27,8 +27,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_train.planner.decide import decide
+from moe_train.planner.request import Request
 from slurm import plan, render, site, snapshot
-from slurm.decide import decide
 from slurm.submit import dry_run_text
 from topology import presets
 
@@ -49,7 +50,7 @@ class Example:
     ep: int  # --ep
     steps: int  # --steps
     # --set overrides: a per-GPU batch and remat that fit in memory, and every key the planner
-    # chooses by predicted step time (slurm/choices.py: weight gathering, overlap chunks; one
+    # chooses by predicted step time (moe_train/planner/choices.py: weight gathering, overlap chunks; one
     # sequence per GPU leaves one micro-batch), so that no figure of the planner's moves the job
     sets: tuple[str, ...] = ()
 
@@ -76,11 +77,11 @@ EXAMPLES: dict[str, Example] = {
 }
 
 
-def request_for(preset: str) -> plan.Request:
+def request_for(preset: str) -> Request:
     """The preset's example job as ``make submit DRY_RUN=1`` would be asked for it."""
     e = EXAMPLES[preset]
     image = "" if presets.load(preset).nominal else KIT_IMAGE
-    return plan.Request(
+    return Request(
         preset=preset,
         model=e.model,
         nodes=e.nodes,

@@ -4,7 +4,7 @@
 preset, the model config with the user's ``--set`` overrides (``moe_train.config.build``), the
 EP size against the GPUs and the experts, the ``--segment`` choice (``topology.placement``),
 the container image, and every free-text value that will reach the batch script (the part
-that needs no site file or image, ``slurm.decide``, is also what ``make plan`` shows). Any problem
+that needs no site file or image, ``moe_train.planner.decide``, is also what ``make plan`` shows). Any problem
 raises ``LaunchError`` with one line naming it and the valid choices; the CLI prints it and
 exits 2 with nothing submitted.
 
@@ -15,7 +15,6 @@ characters are refused everywhere: a newline would end an ``#SBATCH`` comment li
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import shlex
@@ -23,54 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_train import config
-from slurm import layout
+from moe_train.planner import layout
+from moe_train.planner.request import LaunchError, Request, check_text
 from slurm import site as site_mod
 from topology import presets
 
 if TYPE_CHECKING:
-    from slurm.decide import Decision
+    from moe_train.planner.decide import Decision
 
 CONTAINER_NAME = "moe-train"  # Pyxis --container-name; job-scoped, so one fixed name suffices
-SMOKE_MODEL, SMOKE_STEPS = "tiny", 20
 DEFAULT_TIME = "01:00:00"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+,-]*")  # partition, account, qos
 _NAME_OR_EMPTY = re.compile(f"(?:{_NAME.pattern})?")  # "" leaves the value to Slurm
 _PYTHON = re.compile(r"[A-Za-z0-9_./+-]+")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-class LaunchError(ValueError):
-    """A request that cannot become a job: printed as one ``error:`` line, exit code 2."""
-
-
-@dataclass(frozen=True)
-class Request:
-    """What the user asked for (command line flags; empty strings mean "not given")."""
-
-    preset: str  # cluster preset name or path to a site's cluster .toml
-    model: str  # model preset (moe_train/config/presets)
-    nodes: int  # nodes to allocate
-    steps: int | None = None  # total training steps; None: the model preset's
-    sets: tuple[str, ...] = ()  # "section.key=value" trainer overrides
-    out: str = ""  # run directory; "": runs/slurm/<job name>-<UTC time>
-    ep: int | None = None  # expert-parallel size; None: the model config's parallel.ep
-    # ep stands in for the model preset's parallel.ep, which does not divide the job's GPUs
-    # (the largest valid EP below it): searched like the preset's, not kept as the user's
-    ep_fitted: int = 0  # the model preset's parallel.ep it replaced; 0: none replaced
-    time: str = ""  # wall-clock limit; "": site file, else DEFAULT_TIME
-    partition: str = ""  # "": site file
-    account: str = ""  # "": site file
-    qos: str = ""  # "": site file
-    job_name: str = ""  # "": moe-<model>
-    image: str = ""  # container image; "": site file, else the preset's
-    allow_straddle: bool = False  # accept EP groups that cross NVLink domains (with a warning)
-    no_container: bool = False  # run on the host's Python even on a container preset
-    smoke: bool = False  # the single-node smoke job: preflight + a short tiny-model run
-    dry_run: bool = False  # only render: the preset's base image may stand in for the kit image
-    ignore_memory: bool = False  # submit even when the memory planner says it will not fit
-    compute: str = ""  # compute calibration the planner's choices use; "": topology/compute.toml
 
 
 @dataclass(frozen=True)
@@ -124,15 +89,6 @@ class JobSpec:
         return self.run_dir / "slurm"
 
 
-def check_text(what: str, value: str, pattern: re.Pattern | None = None, hint: str = "") -> str:
-    """``value`` unchanged when it has no control characters (and matches ``pattern``)."""
-    if _CONTROL.search(value):
-        raise LaunchError(f"{what} {value!r} contains a control character (newline, tab, ...)")
-    if pattern is not None and not pattern.fullmatch(value):
-        raise LaunchError(f"{what} {value!r} is not valid{'; ' + hint if hint else ''}")
-    return value
-
-
 def parse_time(text: str) -> int:
     """Minutes (rounded up) of a Slurm time limit: MINUTES, [D-]HH:MM:SS or D-HH[:MM]."""
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
@@ -162,20 +118,13 @@ def signal_delay(cluster: presets.Cluster) -> int:
     return int(m.group(1))
 
 
-def load_cluster(ref: str) -> presets.Cluster:
-    try:
-        return presets.load(check_text("cluster preset", ref))
-    except presets.TopologyError as err:
-        raise LaunchError(str(err)) from None
-
-
 def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path, now: str) -> JobSpec:
     """Validate ``req`` (with ``site`` defaults) into a JobSpec; raises LaunchError.
 
     ``host_python`` starts Python on the host (quoted shell words), ``kit_root`` is this
     checkout (the working directory of host runs), ``now`` a UTC stamp for default run dirs.
     """
-    from slurm.decide import decide  # imports this module
+    from moe_train.planner.decide import decide  # imports JAX-free modules only, but many: make plan's cost
 
     d = decide(req)
     req, cluster, cfg = d.req, d.cluster, d.cfg
@@ -190,10 +139,10 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
             f"warning: rendered with {cluster.name}'s base image {cluster.image}, which "
             f"lacks moe-train; a real submission needs --image (make container)"
         )
-    from slurm import compiled  # imports this module
-    from slurm.decide import with_compiled  # imports this module
+    from moe_train.planner import preflight
+    from moe_train.planner.decide import with_compiled
 
-    chosen = [d.search_note, *(c.note for c in d.choices), compiled.preflight(req, cluster, cfg)]
+    chosen = [d.search_note, *(c.note for c in d.choices), preflight.preflight(req, cluster, cfg)]
     d = with_compiled(d)  # the preflight's compile, where it made one, decides the verdict
     planner = [_memory(req, cluster, d), *(n for n in chosen if n)]
     notes[1:1] = planner  # after the placement's reason, before its warnings
@@ -240,20 +189,6 @@ def _memory(req: Request, cluster: presets.Cluster, d: Decision) -> str:
     raise LaunchError(
         f"memory: {verdict.message}; pass --ignore-memory to submit anyway "
         f"(details: make plan with the same PRESET, MODEL, NODES, EP and SET)"
-    )
-
-
-def smoke_request(req: Request, cluster: presets.Cluster) -> Request:
-    """The smoke job: one node, the tiny model, a few steps, EP over the node's devices."""
-    tiny = config.build(SMOKE_MODEL)
-    ep = req.ep or math.gcd(cluster.gpus_per_node, tiny.moe.num_experts)
-    return dataclasses.replace(
-        req,
-        model=SMOKE_MODEL,
-        nodes=1,
-        ep=ep,
-        steps=req.steps or SMOKE_STEPS,
-        job_name=req.job_name or f"moe-smoke-{cluster.name}",
     )
 
 

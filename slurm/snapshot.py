@@ -5,7 +5,7 @@ launcher renders; what the planner made of the same jobs (the memory verdict, th
 choices: the lines ``make submit`` prints before the script) is here, in one file,
 ``tests/snapshots/planner.json``: for each preset's example job, its command line, the
 planner's lines as the user sees them and the figures behind them. A change of the planner's
-numbers (``topology/compute.toml``; the memory model, while the jobs still fit) moves this
+numbers (``moe_train/planner/compute.toml``; the memory model, while the jobs still fit) moves this
 file and no golden.
 
 ``python -m slurm.examples --update-golden`` (``make golden``) writes it with the golden files;
@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from slurm.decide import Decision
+from moe_train.planner.decide import Decision
 
 SNAPSHOT = Path(__file__).resolve().parents[1] / "tests" / "snapshots" / "planner.json"
 # How far (relative) a figure may drift from the snapshot before the test asks for a new one:

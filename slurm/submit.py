@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_train import config
+from moe_train.planner.request import SMOKE_MODEL, LaunchError, Request, check_twice
 from slurm import follow, plan, render
 from slurm import site as site_mod
 
@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
         "--compute",
         default="",
         help="compute calibration the planner's choices use "
-        "(make gpu-check writes one; default: topology/compute.toml), as make plan's",
+        "(make gpu-check writes one; default: moe_train/planner/compute.toml), as make plan's",
     )
     p.add_argument(
         "--ignore-memory",
@@ -84,21 +84,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def request(args: argparse.Namespace) -> plan.Request:
-    if args.smoke and args.model not in ("", plan.SMOKE_MODEL):
-        raise plan.LaunchError(f"--smoke always trains the {plan.SMOKE_MODEL} model; drop --model")
+def request(args: argparse.Namespace) -> Request:
+    if args.smoke and args.model not in ("", SMOKE_MODEL):
+        raise LaunchError(f"--smoke always trains the {SMOKE_MODEL} model; drop --model")
     if not args.smoke and not args.model:
-        raise plan.LaunchError("--model is required (or --smoke)")
+        raise LaunchError("--model is required (or --smoke)")
     if not args.smoke and args.nodes is None:
-        raise plan.LaunchError("--nodes is required (or --smoke)")
+        raise LaunchError("--nodes is required (or --smoke)")
     if not args.smoke and args.nodes < 1:
-        raise plan.LaunchError(f"--nodes must be >= 1, got {args.nodes}")
+        raise LaunchError(f"--nodes must be >= 1, got {args.nodes}")
     if args.steps is not None and args.steps < 1:
-        raise plan.LaunchError(f"--steps must be at least 1, got {args.steps}")
+        raise LaunchError(f"--steps must be at least 1, got {args.steps}")
     check_twice(args)
-    return plan.Request(
+    return Request(
         preset=args.preset,
-        model=args.model or plan.SMOKE_MODEL,
+        model=args.model or SMOKE_MODEL,
         nodes=args.nodes or 1,
         steps=args.steps,
         sets=tuple(args.sets),
@@ -117,23 +117,6 @@ def request(args: argparse.Namespace) -> plan.Request:
         ignore_memory=args.ignore_memory,
         compute=args.compute,
     )
-
-
-# flags that set a trainer key, as config.build(flags=) takes them
-FLAG_KEYS = {"ep": ("--ep", "parallel.ep"), "steps": ("--steps", "train.steps")}
-
-
-def check_twice(args: argparse.Namespace) -> None:
-    """LaunchError when a flag and a ``--set`` (or two ``--set``) give one key different values."""
-    flags = {
-        flag: (key, str(getattr(args, name)))
-        for name, (flag, key) in FLAG_KEYS.items()
-        if getattr(args, name) is not None
-    }
-    try:
-        config.merge_flags(list(args.sets), flags)
-    except config.ConfigError as err:
-        raise plan.LaunchError(str(err)) from None
 
 
 def build(args: argparse.Namespace) -> plan.JobSpec:
@@ -160,7 +143,7 @@ def build(args: argparse.Namespace) -> plan.JobSpec:
     if spec.container is None:
         return spec
     if re.search(r"[\s,]", str(missing)):
-        raise plan.LaunchError(f"image path {str(missing)!r} contains a space or ','; Pyxis cannot take it")
+        raise LaunchError(f"image path {str(missing)!r} contains a space or ','; Pyxis cannot take it")
     note = (
         f"warning: image file {ref!r} does not exist yet: the job below names it; "
         f"build it with `make container` (or import one with `make container-import`) "
@@ -222,7 +205,7 @@ def submit_slurm(spec: plan.JobSpec) -> str:
         return ex.submit(_task(spec)).job_id
     except FailedJobError as err:
         first = next((ln for ln in str(err).splitlines() if ln.strip()), "no message")
-        raise plan.LaunchError(f"sbatch refused the job: {first}") from None
+        raise LaunchError(f"sbatch refused the job: {first}") from None
 
 
 def _free_port() -> int:
@@ -236,7 +219,7 @@ def submit_local(spec: plan.JobSpec):
     from submitit import LocalExecutor
 
     if spec.container is not None or spec.nodes != 1:
-        raise plan.LaunchError(
+        raise LaunchError(
             f"no sbatch on PATH: only a nominal (CPU) preset on 1 node runs "
             f"without Slurm, not {spec.cluster} on {spec.nodes} node(s)"
         )
@@ -303,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return run(args)
-    except (plan.LaunchError, site_mod.SiteError) as err:
+    except (LaunchError, site_mod.SiteError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:

@@ -65,9 +65,10 @@ class TrainTask(Checkpointable):
 
     def __call__(self) -> int:
         argv = list(self.trainer_args) + self._local_process_args()
+        from moe_train.planner.memory import trainer as memory  # here, not at import: submitit unpickles this
         from moe_train.train import cli
 
-        code = cli.main(argv)
+        code = cli.main(argv, memory=memory)
         rank = _rank()
         if code != 0:
             print(f"error: rank {rank}: trainer exited with code {code}", file=sys.stderr, flush=True)

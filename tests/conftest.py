@@ -22,7 +22,7 @@ CACHE_DIR = Path(
 )
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-# the launcher's XLA:GPU preflight compile (slurm/compiled.py) takes minutes per job: off for
+# the launcher's XLA:GPU preflight compile (moe_train/planner/preflight.py) takes minutes per job: off for
 # the suite, on in tests/test_submit_compile.py
 os.environ.setdefault("MOE_TRAIN_COMPILE", "0")
 

@@ -56,7 +56,7 @@ def tiny_saving(*overrides: str, steps: int = 4) -> config.Config:
     return tiny(*SAVING, *overrides, steps=steps)
 
 
-# the docs' Mixtral job: 8 h100-dgx nodes, EP 8 (the flags of slurm.submit, slurm.show, compile)
+# the docs' Mixtral job: 8 h100-dgx nodes, EP 8 (the flags of slurm.submit, moe_train.planner.show, compile)
 MIXTRAL_H100 = ("--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8", "--ep", "8")
 
 

@@ -1,4 +1,4 @@
-"""``python -m moe_train.compile``: the trainer's step compiled by XLA:GPU for simulated H100 and
+"""``python -m moe_train.planner.compile``: the trainer's step compiled by XLA:GPU for simulated H100 and
 B200 GPUs (the CUDA PJRT plugin, no GPU), its memory beside the planner's, the HLO inventory,
 the target configs, and bad input as one ``error:`` line with exit code 2.
 
@@ -23,9 +23,9 @@ from helpers import MIXTRAL_H100, run_module
 from helpers import sets as sets_of
 
 from moe_train import config
-from moe_train.compile import __main__ as compile_main
-from moe_train.compile import facts, hlo, lower, overlap, plugin, report, xla_log
-from moe_train.compile import job as job_mod
+from moe_train.planner.compile import __main__ as compile_main
+from moe_train.planner.compile import facts, hlo, lower, overlap, plugin, report, xla_log
+from moe_train.planner.compile import job as job_mod
 from moe_train.train import step
 from topology import device_mesh, presets, targets
 from topology.presets import TopologyError
@@ -42,7 +42,7 @@ TINY = (
 
 
 def compile_cli(*args: str, env: dict | None = None, timeout: int = 600):
-    return run_module("moe_train.compile", *args, env=env, timeout=timeout)
+    return run_module("moe_train.planner.compile", *args, env=env, timeout=timeout)
 
 
 def one_line_error(proc, *needles: str) -> str:
@@ -186,7 +186,7 @@ def test_the_planner_is_within_15_percent_of_xla_gpu(mixtral, mode):
 @needs_plugin
 @pytest.mark.slow
 def test_step_mode_reduces_the_large_gradients_in_the_compute_dtype(mixtral):
-    """What ``topology.steptime`` assumes: XLA:GPU reduce-scatters each weight gradient as the
+    """What ``moe_train.planner.steptime`` assumes: XLA:GPU reduce-scatters each weight gradient as the
     bf16 partial sums its matmul makes (only small fp32 ones, such as the router's, remain)."""
     result, run_dir = mixtral["step"]
     text = (run_dir / result["buckets"][0]["hlo"]).read_text()
@@ -475,7 +475,16 @@ def test_the_capture_takes_xla_s_warnings_off_stderr_and_passes_the_rest(capfd):
 @needs_plugin
 @pytest.mark.slow
 def test_ctrl_c_in_the_middle_of_a_compile_is_one_line_and_exit_130(tmp_path):
-    cmd = [sys.executable, "-m", "moe_train.compile", "--preset", "h100-dgx", *TINY, "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_train.planner.compile",
+        "--preset",
+        "h100-dgx",
+        *TINY,
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     first = proc.stderr.readline()
@@ -545,7 +554,7 @@ def test_the_version_check_names_the_package(tmp_path):
 
 
 FP8_PROBE = """
-from moe_train.compile import plugin
+from moe_train.planner.compile import plugin
 assert plugin.enable() is None
 import jax, jax.numpy as jnp
 from jax.experimental import topologies

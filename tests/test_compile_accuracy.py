@@ -1,7 +1,7 @@
 """The memory planner against XLA:GPU on the Mixtral preset's own job: 8 h100-dgx nodes, EP 8,
 the preset's one-sequence micro-batches (eight a step), weights gathered per micro-batch, one
 overlap chunk. Compiled at reduced depth (4 and 8 layers; the compiles run the real ``python -m
-moe_train.compile`` in a subprocess and skip with the reason where the CUDA PJRT plugin is not
+moe_train.planner.compile`` in a subprocess and skip with the reason where the CUDA PJRT plugin is not
 installed): the planner within 15% of XLA:GPU's peak at the 1x and the planned bucket, and
 what four more layers add within 15% of what XLA:GPU adds, so that the full depth holds too (a
 per-layer term the planner missed was 1.19x low at 32 layers and 1.07x at 4; docs/compile.md
@@ -16,7 +16,7 @@ import pytest
 from helpers import MIXTRAL_H100, run_module
 from helpers import sets as sets_of
 
-from moe_train.compile import plugin
+from moe_train.planner.compile import plugin
 
 PROBLEM = plugin.version_problem(plugin.search_path())
 needs_plugin = pytest.mark.skipif(PROBLEM is not None, reason=f"no CUDA PJRT plugin: {PROBLEM}")
@@ -36,7 +36,7 @@ def buckets(tmp_path_factory) -> dict[tuple[int, str], dict]:
     for layers, bucket in ((4, "1"), (4, "planned"), (8, "1")):
         parent = tmp_path_factory.mktemp(f"mixtral-{layers}-{bucket}")
         proc = run_module(
-            "moe_train.compile",
+            "moe_train.planner.compile",
             *PRESET_JOB,
             *("--layers", str(layers), "--bucket", bucket, "--out", str(parent)),
             timeout=1200,

@@ -1,4 +1,4 @@
-"""``moe_train.compile.overlap``: the windows of scheduled HLO text (what runs between an async
+"""``moe_train.planner.compile.overlap``: the windows of scheduled HLO text (what runs between an async
 collective's start and its done), their GEMM FLOPs, loop trip counts and the seconds they can
 hide. Hand-written HLO in XLA:GPU's text form; no plugin needed."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_train.compile import groups, hlo, overlap, trips
+from moe_train.planner.compile import groups, hlo, overlap, trips
 
 OVERLAP = """HloModule m, is_scheduled=true
 
@@ -333,7 +333,7 @@ def test_the_first_replica_group_is_read_in_each_of_xlas_forms(attrs, group):
 
 
 def _row_of(w: overlap.Window, step: bool) -> list[str]:
-    from moe_train.compile import report
+    from moe_train.planner.compile import report
 
     return [r for r, (kinds, keep) in report.rows(256, 64, step).items() if w.kind in kinds and keep(w)]
 
@@ -360,7 +360,7 @@ def test_in_micro_batch_mode_every_gather_and_reduce_scatter_is_fsdp():
 
 
 def test_the_report_has_a_row_for_each_part_of_the_step_time_model():
-    from moe_train.compile import report
-    from topology import steptime
+    from moe_train.planner import steptime
+    from moe_train.planner.compile import report
 
     assert set(steptime.STEP_PARTS) <= set(report.rows(256, 64, step=True))

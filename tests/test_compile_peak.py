@@ -1,6 +1,6 @@
-"""moe_train.compile.peak: XLA's live-at-peak buffers traced to their source scopes."""
+"""moe_train.planner.compile.peak: XLA's live-at-peak buffers traced to their source scopes."""
 
-from moe_train.compile import peak
+from moe_train.planner.compile import peak
 
 HLO = """HloModule jit_step
 

@@ -12,7 +12,7 @@ Figures the docs quote from the planners are checked against what their command 
 so they cannot go stale: a ``make plan`` command's comment (``# fits: 147.7 of 167.4 GiB``:
 every decimal figure in it), and each ``<!-- figures: A B ... | COMMAND -->`` line, which marks
 the paragraph or table right after it (the figures must be quoted there and printed by
-COMMAND, a ``make plan`` or ``python -m`` command; ``python -m moe_train.compile ...
+COMMAND, a ``make plan`` or ``python -m`` command; ``python -m moe_train.planner.compile ...
 --plan-only`` prints the planner's column of ``make compile``). Not re-run, on purpose: what
 XLA:GPU compiled (minutes per bucket; each such figure says its date) and timings.
 """
@@ -55,7 +55,7 @@ MAKE_TARGETS = {
     "smoke": ("moe_train", {"OUT": "--out", "STEPS": "--steps"}, ["--preset", "tiny", "--fresh"]),
     "train": ("moe_train", {"MODEL": "--preset", "OUT": "--out", "STEPS": "--steps"}, []),
     "plan": (
-        "slurm.show",
+        "moe_train.planner",
         {
             "PRESET": "--preset",
             "MODEL": "--model",
@@ -68,7 +68,7 @@ MAKE_TARGETS = {
         [],
     ),
     "compile": (
-        "moe_train.compile",
+        "moe_train.planner.compile",
         {"PRESET": "--preset", "MODEL": "--model", "NODES": "--nodes", "EP": "--ep", "STEPS": "--steps"},
         [],
     ),
@@ -316,10 +316,10 @@ def _preset_ok(value: str, kind: Path, placeholder: bool) -> bool:
 # flags that name presets, per module: (flag, directory)
 PRESET_FLAGS = {
     "moe_train": [("--preset", MODEL_PRESETS)],
-    "slurm.show": [("--preset", CLUSTER_PRESETS), ("--model", MODEL_PRESETS)],
+    "moe_train.planner": [("--preset", CLUSTER_PRESETS), ("--model", MODEL_PRESETS)],
     "slurm.submit": [("--preset", CLUSTER_PRESETS), ("--model", MODEL_PRESETS)],
-    "moe_train.compile": [("--preset", CLUSTER_PRESETS), ("--model", MODEL_PRESETS)],
-    "moe_train.memory": [("--cluster", CLUSTER_PRESETS), ("--model", MODEL_PRESETS)],
+    "moe_train.planner.compile": [("--preset", CLUSTER_PRESETS), ("--model", MODEL_PRESETS)],
+    "moe_train.planner.memory": [("--cluster", CLUSTER_PRESETS), ("--model", MODEL_PRESETS)],
     "topology": [("--preset", CLUSTER_PRESETS), ("--model", MODEL_PRESETS)],
     "containers.preflight": [("--preset", CLUSTER_PRESETS)],
 }
@@ -456,7 +456,7 @@ README_PLANS = [c for c in MAKE if c.where.startswith("README.md") and make_part
 
 @pytest.mark.parametrize("c", README_PLANS, ids=_ids(README_PLANS))
 def test_each_readme_plan_runs_and_gives_its_verdict_first(c):
-    """make plan, as its recipe runs it (python -m slurm.show): exit 0, the memory line first
+    """make plan, as its recipe runs it (python -m moe_train.planner): exit 0, the memory line first
     (exit 2 where the comment says so)."""
     module, args = job(c)
     proc = subprocess.run(

@@ -14,6 +14,7 @@ from helpers import ROOT, one_error_line, train_cli
 from moe_train import config
 from moe_train.base.exits import EXIT_CONFIG
 from moe_train.config import ConfigError
+from moe_train.planner.memory import trainer as memory
 from moe_train.train import fits
 
 TINY_NEEDS = 23_200_000  # bytes: a little over the planner's estimate for tiny on one device (22.0 MiB)
@@ -55,27 +56,33 @@ def test_the_refusal_leaves_no_directory(refused):
 def test_a_smaller_preset_that_fits_is_named(monkeypatch):
     monkeypatch.setenv(fits.HOST_ENV, str(TINY_NEEDS))
     with pytest.raises(ConfigError, match=r"a smaller model: --preset tiny\b"):
-        fits.check(config.build("small", []), jax.devices()[:1], "small")
+        fits.check(config.build("small", []), jax.devices()[:1], "small", memory=memory)
 
 
 def test_a_change_of_a_key_that_fits_is_named(monkeypatch):
     monkeypatch.setenv(fits.HOST_ENV, str(TINY_NEEDS * 3 // 4))
     with pytest.raises(ConfigError, match=r"--set train\.\w+="):
-        fits.check(config.build("tiny", []), jax.devices()[:1], "tiny")
+        fits.check(config.build("tiny", []), jax.devices()[:1], "tiny", memory=memory)
 
 
 def test_the_local_devices_share_the_hosts_memory(monkeypatch):
     cfg = config.for_devices(config.build("tiny", ["parallel.devices=8"]), 8)
-    est = fits.need(cfg, fits.cluster_for("cpu", "", 8), 8)
+    est = memory.need(cfg, fits.cluster_for("cpu", "", 8), 8)
     assert est is not None
     per_device = est.per_device["total"]
     monkeypatch.setenv(fits.HOST_ENV, str(per_device * 4))  # one device's need 4 times, not 8
     with pytest.raises(ConfigError, match="for its 8 devices"):
-        fits.check(cfg, jax.devices()[:8], "tiny")
+        fits.check(cfg, jax.devices()[:8], "tiny", memory=memory)
 
 
 def test_a_run_that_fits_passes(monkeypatch):
     monkeypatch.setenv(fits.HOST_ENV, str(TINY_NEEDS))
+    assert fits.check(config.build("tiny", []), jax.devices()[:1], "tiny", memory=memory) is None
+
+
+def test_without_the_planners_model_nothing_is_checked(monkeypatch):
+    """The trainer core does not import the planner: a library call that passes no model runs."""
+    monkeypatch.setenv(fits.HOST_ENV, str(TINY_NEEDS // 100))
     assert fits.check(config.build("tiny", []), jax.devices()[:1], "tiny") is None
 
 
@@ -89,7 +96,7 @@ def test_without_the_variable_the_hosts_available_memory_counts(monkeypatch):
 def test_a_bad_memory_variable_is_one_line_naming_it(monkeypatch, value):
     monkeypatch.setenv(fits.HOST_ENV, value)
     with pytest.raises(ConfigError, match=f"^{fits.HOST_ENV}="):
-        fits.check(config.build("tiny", []), jax.devices()[:1])
+        fits.check(config.build("tiny", []), jax.devices()[:1], memory=memory)
 
 
 def test_mixtral_on_this_kind_of_machine_is_refused_in_the_issues_words(monkeypatch):
@@ -97,7 +104,7 @@ def test_mixtral_on_this_kind_of_machine_is_refused_in_the_issues_words(monkeypa
     monkeypatch.setenv(fits.HOST_ENV, str(24 * 2**30))
     cfg = config.build("mixtral-8x7b", [])
     with pytest.raises(ConfigError, match=r"mixtral-8x7b \(46\.7B parameters.*879\.4 GiB per device"):
-        fits.check(config.for_devices(cfg, 1), jax.devices()[:1], "mixtral-8x7b")
+        fits.check(config.for_devices(cfg, 1), jax.devices()[:1], "mixtral-8x7b", memory=memory)
 
 
 # A multi-output initialisation one of whose outputs cannot be allocated anywhere (2**45 fp32:

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from moe_train.gpucheck import Context, calibrate
-from topology import compute
+from moe_train.planner import compute
 
 F = 8.66e12  # useful FLOPs of one row (Mixtral experts, T 4096, fwd+bwd)
 SPEED = {

@@ -2,9 +2,13 @@
 statement of every module, also those inside functions, followed transitively (importing
 ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` too).
 
-- The training path (the loop and everything it runs) never imports the benchmarks.
-- The model and the MoE layer never import the loop, the launcher or the planners.
-- ``topology`` and the planners never import the loop.
+- The training path (the loop and everything it runs) never imports the benchmarks, and the
+  trainer core never imports the planner (``python -m moe_train`` hands it its memory check).
+- The model and the MoE layer never import the loop, the launcher or the planner.
+- ``topology`` never imports the loop or the planner; the planner never imports the launcher
+  or the benchmarks, and only its ``compile`` (which lowers the real step) imports the loop.
+- No module imports itself through others at import time (module-level statements, outside
+  ``if TYPE_CHECKING:``; a package's ``__init__`` naming its own submodules does not count).
 - No package imports itself through others: the packages (``moe_train``'s subpackages,
   ``topology``, ``slurm``, ``containers``) form no cycle, so each can be read, tested and
   imported first on its own; ``moe_train.base`` is the floor every one of them may import.
@@ -25,7 +29,8 @@ PACKAGES = ("moe_train", "topology", "slurm", "containers")
 LOOP = ("moe_train.train",)
 BENCH = ("moe_train.bench", "moe_train.study")
 LAUNCHER = ("slurm",)
-PLANNERS = ("moe_train.memory", "topology.plan", "topology.cost", "topology.__main__")
+PLANNER = ("moe_train.planner",)
+PLANNER_COMPILE = ("moe_train.planner.compile",)  # lowers the trainer's real step: imports the loop
 TRAINING_PATH = (
     "moe_train.train",
     "moe_train.selftest",
@@ -38,6 +43,8 @@ TRAINING_PATH = (
     "moe_train.telemetry",
     "moe_train.__main__",
 )
+# the entry point (moe_train.__main__) hands the trainer the planner's memory check
+TRAINER_CORE = tuple(m for m in TRAINING_PATH if m != "moe_train.__main__")
 
 
 def _module_name(path: Path) -> str:
@@ -51,21 +58,42 @@ def modules() -> dict[str, Path]:
     return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
-def _targets(name: str, path: Path) -> set[str]:
-    """The kit's modules that ``name``'s import statements name (the nearest existing module)."""
+def _import_nodes(path: Path, *, load_time: bool) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of ``path``; with ``load_time`` only those that run when the
+    module is imported: module-level ones (inside ``if``/``try`` too), not those in a function
+    or under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text(), str(path))
+    if not load_time:
+        return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+    out: list[ast.Import | ast.ImportFrom] = []
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            out.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return out
+
+
+def _targets(name: str, path: Path, *, load_time: bool = False) -> set[str]:
+    """The kit's modules that ``name``'s import statements name (the nearest existing module);
+    ``load_time``: only the statements that run on import, and ``from package import module``
+    naming the module alone (``_import_nodes``)."""
     known, out = modules(), set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _import_nodes(path, load_time=load_time):
         if isinstance(node, ast.Import):
             candidates = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
+        else:
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            candidates = [f"{base}.{a.name}" for a in node.names] + [base]
-        else:
-            continue
+            named = [f"{base}.{a.name}" for a in node.names]
+            candidates = [c if c in known else base for c in named] if load_time else [*named, base]
         for c in candidates:
             while c and c not in known:
                 c = c.rpartition(".")[0]
@@ -83,6 +111,26 @@ def graph() -> dict[str, set[str]]:
         deps.update(".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in edges)
         deps.discard(name)
     return edges
+
+
+@functools.cache
+def load_graph() -> dict[str, set[str]]:
+    """The edges that run when a module is imported (``_targets(load_time=True)``); a package's
+    ``__init__`` naming its own submodules is left out (it re-exports them)."""
+    edges = {}
+    for name, path in modules().items():
+        deps = _targets(name, path, load_time=True) - {name}
+        if path.name == "__init__.py":
+            deps = {d for d in deps if not d.startswith(name + ".")}
+        edges[name] = deps
+    return edges
+
+
+def module_cycles(edges: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """Each group of modules that import one another through ``edges``, sorted."""
+    reach = {m: _reach(edges, m) for m in edges}
+    groups = {tuple(sorted({m} | {q for q in reach[m] if m in reach.get(q, set())})) for m in edges}
+    return sorted(g for g in groups if len(g) > 1)
 
 
 def reached(name: str) -> set[str]:
@@ -173,7 +221,9 @@ def _a_cycle(members: tuple[str, ...]) -> str:
 
 
 def test_the_graph_sees_the_packages():
-    assert {"moe_train.train.loop", "moe_train.model.transformer", "topology.plan"} <= set(graph())
+    assert {"moe_train.train.loop", "moe_train.model.transformer", "moe_train.planner.ep_plan"} <= set(
+        graph()
+    )
     assert "moe_train.model.transformer" in reached("moe_train.train.loop")
 
 
@@ -181,12 +231,25 @@ def test_the_training_path_never_imports_the_benchmarks():
     assert violations(TRAINING_PATH, BENCH) == []
 
 
-def test_model_and_moe_never_import_the_loop_launcher_or_planners():
-    assert violations(("moe_train.model", "moe_train.moe"), LOOP + LAUNCHER + PLANNERS) == []
+def test_the_trainer_core_never_imports_the_planner():
+    assert violations(TRAINER_CORE, PLANNER) == []
 
 
-def test_topology_and_the_planners_never_import_the_loop():
-    assert violations(("topology",) + PLANNERS, LOOP) == []
+def test_model_and_moe_never_import_the_loop_launcher_or_planner():
+    assert violations(("moe_train.model", "moe_train.moe"), LOOP + LAUNCHER + PLANNER) == []
+
+
+def test_topology_never_imports_the_loop_or_the_planner():
+    assert violations(("topology",), LOOP + PLANNER) == []
+
+
+def test_the_planner_never_imports_the_launcher_or_the_benchmarks():
+    assert violations(PLANNER, LAUNCHER + BENCH) == []
+
+
+def test_only_the_planners_compile_imports_the_loop():
+    outside = [m for m in graph() if _under(m, PLANNER) and not _under(m, PLANNER_COMPILE)]
+    assert sorted(f"{m} -> {d}" for m in outside for d in reached(m) if _under(d, LOOP)) == []
 
 
 def test_a_forbidden_edge_is_found(monkeypatch):
@@ -210,6 +273,19 @@ def test_a_package_cycle_is_found(monkeypatch):
     assert any({"moe_train.config", "moe_train.train"} <= set(c) for c in package_cycles())
 
 
+def test_no_module_imports_itself_at_import_time():
+    assert module_cycles(load_graph()) == []
+
+
+def test_a_module_cycle_is_found():
+    """The check can fail: the search importing the decision at module level closes a cycle."""
+    edges = {k: set(v) for k, v in load_graph().items()}
+    edges["moe_train.planner.search"].add("moe_train.planner.decide")
+    assert ("moe_train.planner.decide", "moe_train.planner.search") in [
+        tuple(c for c in g if c.endswith(("decide", "search"))) for g in module_cycles(edges)
+    ]
+
+
 def test_the_base_imports_no_package_of_the_kit():
     assert package_graph()["moe_train.base"] == set()
 
@@ -228,7 +304,7 @@ def test_starting_the_loop_loads_no_benchmark_module():
     [
         "moe_train.parallel.jobplan",
         "moe_train.config.checks",
-        "topology.cost",
+        "moe_train.planner.cost",
         "moe_train.data.packing",
         "moe_train.model.flops",
         "moe_train.moe.routings",

@@ -15,8 +15,6 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_train.compile import hlo as overlap_hlo
-from moe_train.compile import overlap
 from moe_train.model.loss import (
     CHUNK_LOGITS_BYTES,
     MIN_CHUNK_TOKENS,
@@ -26,6 +24,8 @@ from moe_train.model.loss import (
     lm_loss,
     vocab_tile,
 )
+from moe_train.planner.compile import hlo as overlap_hlo
+from moe_train.planner.compile import overlap
 
 T, H, V = 37, 16, 50
 F32_TOL = 1e-6  # relative to the largest entry

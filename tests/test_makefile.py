@@ -81,7 +81,7 @@ def test_every_recipe_line_is_quiet_but_make_plan_s():
         for before, line in zip([""] + lines, lines)  # not a continued line
         if line.startswith("\t") and not line.startswith("\t@") and not before.endswith("\\")
     ]
-    assert all("slurm.show" in line for line in loud), loud
+    assert all("moe_train.planner" in line for line in loud), loud
 
 
 def test_clean_leaves_the_runs_directory():
@@ -233,7 +233,7 @@ def test_compile_reinstalls_xla_gpu_when_the_kit_finds_it_missing_despite_the_ma
 
 def test_compile_installs_nothing_when_the_kit_finds_xla_gpu_usable(tmp_path):
     called = compile_with_fake_venv(tmp_path, check_rc=0)
-    assert not pip_installs(called) and ["-m", "moe_train.compile"] == called[-1][:2], called
+    assert not pip_installs(called) and ["-m", "moe_train.planner.compile"] == called[-1][:2], called
 
 
 def test_venv_with_the_compile_extra_reinstalls_xla_gpu_when_the_kit_finds_it_missing(tmp_path):

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import pytest
 
 from moe_train import config
-from moe_train.memory import GIB, ITEMS, PlanError, Verdict, check_fits, plan
-from moe_train.memory.__main__ import main
-from moe_train.memory.estimate import ALL_ITEMS, STEP_WEIGHTS
 from moe_train.model import flops
 from moe_train.parallel import sharding
 from moe_train.parallel.sharding import ep_plans
+from moe_train.planner.memory import GIB, ITEMS, PlanError, Verdict, check_fits, plan
+from moe_train.planner.memory.__main__ import main
+from moe_train.planner.memory.estimate import ALL_ITEMS, STEP_WEIGHTS
 from moe_train.train import step as train
 from topology import device_mesh, presets
 
@@ -491,7 +491,7 @@ def test_gpu_planner_holds_each_mtp_blocks_deferred_weight_gradient_operands():
     """GPU presets under full remat: the MTP block's dispatched rows x, dy (2H) and a0, a1, h
     (3F) in the compute dtype per MTP depth, beside the layer being recomputed; nothing
     without MTP or on CPU (XLA:GPU's scheduler defers those weight-gradient GEMMs)."""
-    from moe_train.memory import job, rows
+    from moe_train.planner.memory import job, rows
 
     sets = ["model.num_layers=4", "train.remat=full", "train.micro_batch_size=1", "parallel.ep=64"]
     cluster = presets.load("h100-dgx")
@@ -507,7 +507,7 @@ def test_gpu_planner_holds_each_mtp_blocks_deferred_weight_gradient_operands():
 
 
 def _mixtral_setup(*sets):
-    from moe_train.memory import job
+    from moe_train.planner.memory import job
 
     cfg = config.for_devices(config.build("mixtral-8x7b", ["train.micro_batch_size=8", *sets]), 64)
     return cfg, job.setup_for(cfg, presets.load("h100-dgx"), 8, ep=8)
@@ -516,7 +516,7 @@ def _mixtral_setup(*sets):
 def test_gpu_recomputed_block_and_head_keep_fused_residuals():
     """On GPU the norms keep 2*H*a and the combine K*H*a (XLA:GPU fuses the fp32 casts), where
     the unfused residuals are H*(a+8) and K*H*(a+4)."""
-    from moe_train.memory.estimate import token_bytes
+    from moe_train.planner.memory.estimate import token_bytes
 
     cfg, s = _mixtral_setup()
     H, K, a = cfg.model.hidden, cfg.moe.top_k, s.a
@@ -528,7 +528,7 @@ def test_gpu_recomputed_block_and_head_keep_fused_residuals():
 def test_gpu_stacked_layers_keep_what_autodiff_saved():
     """Under remat none the scan stacks the fp32 residuals too: the saved layers are counted
     unfused, only the recomputed block (none here) fused."""
-    from moe_train.memory.estimate import activation_bytes, head_chunk_bytes, token_bytes
+    from moe_train.planner.memory.estimate import activation_bytes, head_chunk_bytes, token_bytes
 
     cfg, s = _mixtral_setup("train.remat=none")
     t, tf = token_bytes(cfg, s), token_bytes(cfg, s, fused=True)
@@ -540,7 +540,7 @@ def test_gpu_expert_rows_keep_3a_when_recomputed_and_16_plus_4a_when_stacked():
     """Expert rows per F element on GPU: a0, a1, h in the compute dtype for the recomputed
     layer (full remat); 16 + 4a for the layers a scan stacks (remat none: 24 bytes at bf16,
     as XLA:GPU compiled mixtral-8x7b)."""
-    from moe_train.memory import rows
+    from moe_train.planner.memory import rows
 
     cfg_full, full = _mixtral_setup("train.remat=full")
     cfg_none, none = _mixtral_setup("train.remat=none")

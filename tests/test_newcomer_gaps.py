@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import CORPUS, ROOT
 
-from moe_train.compile import plugin
+from moe_train.planner.compile import plugin
 from moe_train.train.progress import EVERY_S
 
 SLACK_S = 1.0
@@ -60,8 +60,8 @@ def commands(tmp: Path) -> dict[str, list[str]]:
         "prepare": ["moe_train.data", "prepare", "--train-tokenizer", "512", "--input", str(CORPUS)],
         "train": ["moe_train", "--preset", "tiny", "--out", str(run), "--steps", "5"],
         "eval": ["moe_train.eval", str(run), "--data", str(data)],
-        "plan": ["slurm.show", "--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8"],
-        "compile": ["moe_train.compile", "--preset", "h100-dgx", "--model", "tiny", "--nodes", "1"],
+        "plan": ["moe_train.planner", "--preset", "h100-dgx", "--model", "mixtral-8x7b", "--nodes", "8"],
+        "compile": ["moe_train.planner.compile", "--preset", "h100-dgx", "--model", "tiny", "--nodes", "1"],
     }
     out["prepare"] += ["--out", str(data)]
     out["plan"] += ["--ep", "8"]

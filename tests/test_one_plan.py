@@ -1,4 +1,4 @@
-"""``make plan`` shows the job ``make submit`` runs (``python -m slurm.show``): the same choices,
+"""``make plan`` shows the job ``make submit`` runs (``python -m moe_train.planner``): the same choices,
 the memory verdict first, a batch that does not split refused before any prediction."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import MIXTRAL_H100
 
-from slurm import show, submit
+from moe_train.planner import show
+from slurm import submit
 
 ROOT = Path(__file__).resolve().parent.parent
 READMES = (ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "docs").glob("*.md")))
@@ -26,7 +27,7 @@ V3_H100 = ["--preset", "h100-dgx", "--model", "deepseek-v3", "--nodes", "128"]
 
 
 def readme_examples() -> list[list[str]]:
-    """Every ``make plan``/``make submit`` job of the READMEs (once each), as slurm.show
+    """Every ``make plan``/``make submit`` job of the READMEs (once each), as moe_train.planner.show
     arguments."""
     out = []
     for readme in READMES:
@@ -103,7 +104,7 @@ def test_the_gb200_deepseek_plan_without_set_is_the_fast_job(examples):
 
 def test_the_gb200_deepseek_plan_exposes_at_most_a_fifth_of_its_step(examples):
     """The issue's bar, at the overlap shares make compile measured on this job's own
-    program (topology/compute.toml, docs/compile.md)."""
+    program (moe_train/planner/compute.toml, docs/compile.md)."""
     plan, _ = examples[shlex.join(V3_GB200)]
     assert plan["topology"]["step"]["comm_share"] <= 0.20
 
@@ -162,8 +163,8 @@ def test_micro_batches_that_do_not_split_name_batch_sizes_that_do():
 def test_a_preset_ep_that_does_not_divide_the_gpus_gives_way_to_the_largest_that_does():
     """DeepSeek-V3's preset EP 64 on 4 h100-dgx nodes (32 GPUs): the plan takes EP 32, says
     why, and keeps it searchable (not the user's)."""
-    from slurm import decide
-    from slurm.plan import Request
+    from moe_train.planner import decide
+    from moe_train.planner.request import Request
 
     d = decide.decide(Request(preset="h100-dgx", model="deepseek-v3", nodes=4))
     ep = next(c for c in d.choices if c.key == "parallel.ep")
@@ -171,8 +172,8 @@ def test_a_preset_ep_that_does_not_divide_the_gpus_gives_way_to_the_largest_that
 
 
 def test_an_ep_the_user_set_that_does_not_divide_the_gpus_is_refused():
-    from slurm import decide
-    from slurm.plan import LaunchError, Request
+    from moe_train.planner import decide
+    from moe_train.planner.request import LaunchError, Request
 
     with pytest.raises(LaunchError, match="ep 64 does not divide the 32 GPUs.*valid ep: .*32"):
         decide.decide(Request(preset="h100-dgx", model="deepseek-v3", nodes=4, ep=64))

@@ -1,7 +1,7 @@
 """The planner snapshot (tests/snapshots/planner.json, slurm/snapshot.py) beside the launcher's golden
 files (slurm/golden/*.sbatch): the goldens hold what the launcher renders, the snapshot the
 planner's figures for the same jobs, compared within ``snapshot.REL_TOL``; a change of a share in
-topology/compute.toml moves the snapshot and no golden.
+moe_train/planner/compute.toml moves the snapshot and no golden.
 
 The snapshot changes only on purpose: MOE_TRAIN_UPDATE_GOLDEN=1 pytest tests/test_planner_snapshot.py
 (or python -m slurm.examples --update-golden, make golden) rewrites it with the golden files.
@@ -15,16 +15,17 @@ import re
 
 import pytest
 
-from slurm import choices, examples, snapshot
-from slurm.decide import decide
-from topology import compute, presets
+from moe_train.planner import choices, compute
+from moe_train.planner.decide import decide
+from slurm import examples, snapshot
+from topology import presets
 
 PRESETS = presets.list_presets()
 
 
 @pytest.fixture
 def slower_gemms(monkeypatch, tmp_path):
-    """topology/compute.toml with the dense GEMM share halved, loaded in place of the shipped one."""
+    """moe_train/planner/compute.toml with the dense GEMM share halved, loaded in place of the shipped one."""
     share = compute.load().gemm_efficiency
     text, count = re.subn(
         r"(?m)^gemm_efficiency = [0-9.]+", f"gemm_efficiency = {share / 2}", compute.DEFAULTS.read_text()

@@ -13,15 +13,20 @@ import pytest
 
 from moe_train import config
 from moe_train.base.platform import Platform
-from moe_train.compile import facts
 from moe_train.model import attention
 from moe_train.model.settings import model_settings
 from moe_train.moe import gemm, layer, megablox
+from moe_train.planner.compile import facts
 from topology import targets
 
 ROOT = Path(__file__).resolve().parents[1]
 # the code that chooses kernels, tiles and attention for a platform
-CHOOSERS = ("moe_train/model", "moe_train/moe", "moe_train/compile", "moe_train/selftest/candidates.py")
+CHOOSERS = (
+    "moe_train/model",
+    "moe_train/moe",
+    "moe_train/planner/compile",
+    "moe_train/selftest/candidates.py",
+)
 READERS = ("default_backend", "devices", "local_devices")  # jax.<name>: the machine's platform
 H100 = facts.platform_of(targets.load("h100-sxm"))
 TPU = Platform("tpu", "TPU v5 lite")

@@ -1,4 +1,4 @@
-"""The planner's search (``slurm/search.py``): the fastest jobs that fit, over the keys the user
+"""The planner's search (``moe_train/planner/search.py``): the fastest jobs that fit, over the keys the user
 left open, ranked by predicted step time; ``make plan --top N`` prints them and ``make submit``
 runs the first."""
 
@@ -12,21 +12,16 @@ import re
 
 import pytest
 
-from moe_train import config, memory
+from moe_train import config
+from moe_train.planner import choices, layout, memory, search, show
+from moe_train.planner import ep_plan as topo_plan
+from moe_train.planner.decide import decide
+from moe_train.planner.request import Request
 
-# slurm.show imports slurm.submit, whose submitit sets up logging with dictConfig: that closes
+# moe_train.planner.show imports slurm.submit, whose submitit sets up logging with dictConfig: that closes
 # every handler there is, absl's too, and absl's writes to the stream pytest captured when
 # jax was first imported. Importing submitit before any test imports jax keeps it open.
-from slurm import (
-    choices,
-    layout,
-    search,
-    show,
-    submit,  # noqa: F401
-)
-from slurm.decide import decide
-from slurm.plan import Request
-from topology import plan as topo_plan
+from slurm import submit  # noqa: F401  (first: see above)
 from topology import presets
 
 V3_64 = Request(preset="gb200-nvl72", model="deepseek-v3", nodes=64, ep=64)

@@ -1,9 +1,9 @@
 """Every weight shards at every size: the published models on every cluster preset, 1 to 512
-nodes, at every EP the job rules allow (``moe_train.memory.job.setup_for``: EP divides the
+nodes, at every EP the job rules allow (``moe_train.planner.memory.job.setup_for``: EP divides the
 devices and the experts, FSDP divides the width, EP groups placeable). The trainer's rules
 (``sharding.logical_rules``) resolve the model's abstract parameters (``jax.eval_shape`` of
 its init: no devices, no compile) on each job's mesh sizes; the planner's state bytes come
-from ``moe_train.memory``."""
+from ``moe_train.planner.memory``."""
 
 import collections
 import functools
@@ -14,9 +14,9 @@ import jax
 import pytest
 
 from moe_train import config
-from moe_train.memory import PlanError, job
-from moe_train.memory.estimate import state_bytes
 from moe_train.parallel import sharding
+from moe_train.planner.memory import PlanError, job
+from moe_train.planner.memory.estimate import state_bytes
 from moe_train.train import step as train
 from topology import presets
 

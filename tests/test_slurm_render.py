@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from helpers import MIXTRAL_H100
 
+from moe_train.planner.steptime import StepTime
 from slurm import examples, follow, plan, render, submit, task
 from slurm import site as site_mod
 from topology import presets
 from topology.placement import allocation
-from topology.steptime import StepTime
 
 KIT = Path(__file__).resolve().parent.parent
 CPU_TINY = ("--preset", "cpu-local", "--model", "tiny", "--nodes", "1")  # the smallest job
@@ -249,7 +249,7 @@ def predicted(
     preset: str, nodes: int, model: str, ep: int, sets: tuple[str, ...], compute: str | None = None
 ) -> StepTime:
     """The planner's predicted step of a job (bf16 compute: there is one)."""
-    from topology.plan import make_plan
+    from moe_train.planner.ep_plan import make_plan
 
     step = make_plan(preset, nodes, model, ep, overrides=sets, compute=compute).step
     assert step is not None
@@ -257,7 +257,7 @@ def predicted(
 
 
 def test_overlap_chunks_default_to_the_planners_choice(capsys, tmp_path):
-    from topology import compute
+    from moe_train.planner import compute
 
     # the shipped shares without DeepSeek-V3's own (an empty [model] table): chunks pay off
     text = compute.DEFAULTS.read_text()
@@ -289,8 +289,8 @@ def test_weight_gather_defaults_to_the_faster_mode_that_fits(capsys, tmp_path):
 
 
 def test_the_memory_line_counts_the_chosen_job(capsys, tmp_path):
-    from moe_train import memory
-    from slurm.decide import decide
+    from moe_train.planner import memory
+    from moe_train.planner.decide import decide
 
     req = plan.Request(preset="h100-dgx", model="mixtral-8x7b", nodes=8, ep=8)
     total = memory.check_fits(decide(req).cfg, "h100-dgx", 8).total_bytes / 1024**3
@@ -305,7 +305,8 @@ def test_a_users_weight_gather_stays(capsys, tmp_path):
 
 
 def test_weight_gather_stays_where_the_faster_mode_does_not_fit(capsys, tmp_path):
-    from moe_train import config, memory
+    from moe_train import config
+    from moe_train.planner import memory
 
     sets = ("train.micro_batch_size=2", "train.remat=full", "parallel.weight_gather=step")
     by = predicted("gb200-nvl72", 32, "deepseek-v3", 32, sets).by_gather

@@ -1,4 +1,4 @@
-"""The step-time prediction of ``make plan`` (``topology.steptime``, ``topology.compute``):
+"""The step-time prediction of ``make plan`` (``moe_train.planner.steptime``, ``moe_train.planner.compute``):
 the FLOP split adds up, each term moves the way its input says, the plan prints it with the
 published figure, and a bad compute file is one line, exit 2."""
 
@@ -17,8 +17,9 @@ from helpers import run_module
 
 from moe_train import config
 from moe_train.model import flops
-from topology import compute, presets, steptime
-from topology.plan import make_plan
+from moe_train.planner import compute, steptime
+from moe_train.planner.ep_plan import make_plan
+from topology import presets
 
 V3 = ("gb200-nvl72", 64, "deepseek-v3", 64)
 
@@ -35,7 +36,7 @@ def predicted(*overrides: str, job=V3, **kw) -> steptime.StepTime:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return run_module("topology", "plan", *args, timeout=120)
+    return run_module("moe_train.planner.ep_plan", *args, timeout=120)
 
 
 def test_the_flop_kinds_sum_to_the_model_flops():

@@ -1,5 +1,5 @@
-"""The submit preflight's XLA:GPU compile (``slurm/compiled.py``): the job compiled at its
-planned bucket by the real ``python -m moe_train.compile`` (skipped with the reason where the
+"""The submit preflight's XLA:GPU compile (``moe_train/planner/preflight.py``): the job compiled at its
+planned bucket by the real ``python -m moe_train.planner.compile`` (skipped with the reason where the
 CUDA PJRT plugin is not installed), cached, refused when its peak exceeds the usable memory,
 and skipped for COMPILE=0, dry runs and presets without a GPU target; a cached peak decides
 the memory verdict of make plan and make submit, the estimate beside it."""
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from moe_train import memory
-from moe_train.compile import plugin
-from moe_train.memory import GIB
-from slurm import choices, compiled, layout, plan, show, site
-from slurm.decide import decide
-from slurm.plan import LaunchError, Request
+from moe_train.planner import choices, layout, memory, preflight, show
+from moe_train.planner.compile import plugin
+from moe_train.planner.decide import decide
+from moe_train.planner.memory import GIB
+from moe_train.planner.request import LaunchError, Request
+from slurm import plan, site
 from topology import presets
 
 PROBLEM = plugin.version_problem(plugin.search_path())
@@ -41,8 +41,8 @@ def first_and_second(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(cache))
-        mp.setenv(compiled.ENV, "1")
-        notes = [compiled.preflight(*job(TINY)) for _ in range(2)]
+        mp.setenv(preflight.ENV, "1")
+        notes = [preflight.preflight(*job(TINY)) for _ in range(2)]
     return notes, cache / "moe_train" / "compile"
 
 
@@ -69,32 +69,32 @@ def test_a_compiled_peak_over_the_usable_memory_is_refused(first_and_second):
     result = json.loads(path.read_text())
     smaller = {**result, "usable_bytes": result["buckets"][0]["memory"]["peak"] - 1}
     with pytest.raises(LaunchError, match="compile: does not fit: .*--ignore-memory.*COMPILE=0"):
-        compiled.verdict(smaller, ignore_memory=False, cached=True)
-    assert compiled.verdict(smaller, ignore_memory=True, cached=True).startswith("warning: ")
+        preflight.verdict(smaller, ignore_memory=False, cached=True)
+    assert preflight.verdict(smaller, ignore_memory=True, cached=True).startswith("warning: ")
 
 
 def test_a_change_to_the_config_is_another_cache_key():
     req, _, cfg = job(TINY)
     other = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=cfg.optim.lr / 2))
-    assert compiled.cache_key(req, cfg) != compiled.cache_key(req, other)
-    assert compiled.cache_key(req, cfg) == compiled.cache_key(req, cfg)
+    assert preflight.cache_key(req, cfg) != preflight.cache_key(req, other)
+    assert preflight.cache_key(req, cfg) == preflight.cache_key(req, cfg)
 
 
 def test_compile_0_skips_it(monkeypatch):
-    monkeypatch.setenv(compiled.ENV, "0")
-    assert compiled.preflight(*job(TINY)) == "compile: skipped: MOE_TRAIN_COMPILE=0 (COMPILE=0)"
+    monkeypatch.setenv(preflight.ENV, "0")
+    assert preflight.preflight(*job(TINY)) == "compile: skipped: MOE_TRAIN_COMPILE=0 (COMPILE=0)"
 
 
 def test_dry_runs_and_presets_without_a_gpu_target_do_not_compile(monkeypatch):
-    monkeypatch.setenv(compiled.ENV, "1")
-    assert compiled.preflight(*job(dataclasses.replace(TINY, dry_run=True))) is None
-    note = compiled.preflight(*job(dataclasses.replace(TINY, preset="cpu-local")))
+    monkeypatch.setenv(preflight.ENV, "1")
+    assert preflight.preflight(*job(dataclasses.replace(TINY, dry_run=True))) is None
+    note = preflight.preflight(*job(dataclasses.replace(TINY, preset="cpu-local")))
     assert note == "compile: skipped: cluster preset cpu-local names no XLA:GPU target config"
 
 
 def test_the_compile_gets_the_jobs_own_arguments():
     req, _, cfg = job(TINY)
-    args = compiled.compile_args(req, cfg)
+    args = preflight.compile_args(req, cfg)
     assert args[:8] == ["--preset", "h100-dgx", "--model", "tiny", "--nodes", "1", "--ep", "8"]
     assert args[-3:] == ["--bucket", "planned", "--json"]
     assert all(f"--set {s}" in " ".join(args) for s in req.sets)
@@ -107,7 +107,7 @@ def cache_peak(monkeypatch, tmp_path, over_usable: int):
     """The TINY job's decision, its cache holding a compile whose peak is the usable memory
     plus ``over_usable`` bytes (no plugin needed: the entry is written as the preflight would)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv(compiled.ENV, "0")
+    monkeypatch.setenv(preflight.ENV, "0")
     d = decide(TINY)  # COMPILE=0: the estimate's verdict, the cache not read
     usable, bucket = d.memory.verdict.usable_bytes, d.memory.estimate.bucket
     result = {
@@ -116,8 +116,8 @@ def cache_peak(monkeypatch, tmp_path, over_usable: int):
         "gpu": "h100-sxm",
         "jax": "test",
     }
-    compiled.store(d.req, d.cfg, result)
-    monkeypatch.setenv(compiled.ENV, "1")
+    preflight.store(d.req, d.cfg, result)
+    monkeypatch.setenv(preflight.ENV, "1")
     return d, decide(TINY)
 
 
@@ -151,7 +151,7 @@ def test_a_cached_peak_within_the_usable_memory_fits_with_the_estimate_beside_it
 
 def test_compile_0_leaves_the_verdict_to_the_estimate(monkeypatch, tmp_path):
     estimated, _ = cache_peak(monkeypatch, tmp_path, over_usable=GIB)
-    monkeypatch.setenv(compiled.ENV, "0")
+    monkeypatch.setenv(preflight.ENV, "0")
     d = decide(TINY)
     assert d.memory.verdict == estimated.memory.verdict and d.memory.verdict.compiled is None
 

@@ -14,7 +14,8 @@ import dataclasses
 
 import pytest
 
-from topology import cost, presets
+from moe_train.planner import cost
+from topology import presets
 
 T, H, K, BF16 = 8192, 7168, 8, 2
 TOL = 0.10

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import run_module
 
-from topology import calibration, compute, presets
+from moe_train.planner import compute
+from topology import calibration, presets
 from topology.calibration import Fit, Sample
 from topology.presets import TopologyError
 
@@ -34,7 +35,7 @@ def _calibration(tmp_path: Path, old: str, new: str) -> Path:
 
 def _plan(*extra: str, preset: str = "cpu-local") -> subprocess.CompletedProcess:
     job = ["--preset", preset, "--nodes", "2", "--model", "tiny", "--ep", "8"]
-    return run_module("topology", "plan", *job, *extra, timeout=300)
+    return run_module("moe_train.planner.ep_plan", *job, *extra, timeout=300)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from topology import cost, presets
+from moe_train.planner import cost
+from topology import presets
 from topology.placement import (
     PlacementError,
     allocation,

@@ -1,4 +1,4 @@
-"""``python -m topology plan``: allocation shapes, the JSON plan, the human output, errors."""
+"""``python -m moe_train.planner.ep_plan``: allocation shapes, the JSON plan, the human output, errors."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 from helpers import pipe, run_module, start_module
 
+from moe_train.planner.ep_plan import make_plan
 from topology import presets
 from topology.placement import PlacementError, allocation
-from topology.plan import make_plan
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return run_module("topology", *args, timeout=120)
+    return run_module("moe_train.planner.ep_plan", *args, timeout=120)
 
 
 def plan_json(*args: str) -> dict:
-    r = cli("plan", *args, "--json")
+    r = cli(*args, "--json")
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -129,7 +129,7 @@ def test_h100_mixtral_planned_equals_naive():
 
 
 def test_human_output_mentions_the_segment():
-    r = cli("plan", "--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3", "--ep", "64")
+    r = cli("--preset", "gb200-nvl72", "--nodes", "32", "--model", "deepseek-v3", "--ep", "64")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "--segment=16" in out and "mesh (data, expert_x, expert): (2, 1, 64)" in out
@@ -139,7 +139,6 @@ def test_human_output_mentions_the_segment():
 
 def test_many_groups_are_abbreviated():
     r = cli(
-        "plan",
         "--preset",
         "h100-dgx",
         "--nodes",
@@ -176,14 +175,14 @@ def test_many_groups_are_abbreviated():
     ],
 )
 def test_errors_are_one_line_exit_2(args, needle):
-    r = cli("plan", *args)
+    r = cli(*args)
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
 
 
-def test_no_subcommand_prints_usage():
-    r = cli()
+def test_topology_without_a_subcommand_prints_usage():
+    r = run_module("topology", timeout=120)
     assert r.returncode == 2 and "usage:" in r.stderr
 
 
@@ -195,7 +194,7 @@ def test_site_file_straddle_refused_then_allowed(tmp_path):
     args = ("--preset", str(site), "--nodes", "4", "--model", "tiny", "--ep", "8")
     assert plan_json(*args)["straddling"]["planned"] is False  # 24 and 8 hold whole groups
     args = ("--preset", str(site), "--nodes", "4", "--model", "qwen3-30b-a3b", "--ep", "16")
-    r = cli("plan", *args)
+    r = cli(*args)
     assert r.returncode == 2 and "straddle" in r.stderr
     d = plan_json(*args, "--allow-straddle")
     assert d["straddling"]["planned"] is True and d["allocation"]["segment"] is None
@@ -203,8 +202,10 @@ def test_site_file_straddle_refused_then_allowed(tmp_path):
 
 
 def test_closed_stdout_is_not_a_traceback():
-    # `python -m topology plan ... | head` closes the pipe early: exit quietly, as shell tools do.
-    proc = start_module("topology", *"plan --preset h100-dgx --nodes 2 --model tiny --ep 8".split())
+    # `python -m moe_train.planner.ep_plan ... | head` closes the pipe early: exit quietly.
+    proc = start_module(
+        "moe_train.planner.ep_plan", *"--preset h100-dgx --nodes 2 --model tiny --ep 8".split()
+    )
     pipe(proc.stdout).close()  # before the child has written anything
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "Traceback" not in err, err

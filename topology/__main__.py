@@ -1,10 +1,8 @@
-"""``python -m topology <command>``: expert-parallel planning tools.
+"""``python -m topology <command>``: measuring the machine (the EP plan of a model on a preset is
+``python -m moe_train.planner.ep_plan``).
 
 Commands (``COMMANDS`` maps each name to its argument setup and its runner):
 
-* ``plan`` -- the Slurm allocation, EP groups and predicted all-to-all cost of a model on a
-  cluster preset, against the topology-blind placement (``topology.plan``); ``--calibration``
-  replaces the preset's link numbers with a probe's measurement.
 * ``probe`` -- time all-to-alls over message sizes on the devices this job has (NCCL on GPUs,
   fake host devices on CPU) and write a calibration file (``topology.probe``,
   ``topology.calibration``). Under ``srun`` with several tasks every task runs it together.
@@ -17,7 +15,6 @@ and exits 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -26,75 +23,6 @@ from moe_train.config.cli import OneLineParser
 from topology.presets import TopologyError
 
 EXIT_USAGE = 2
-
-
-def _plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--preset", required=True, help="cluster preset name (topology/presets/*.toml) or a site .toml path"
-    )
-    p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
-    p.add_argument("--model", required=True, help="model preset (moe_train/config/presets/*.toml)")
-    p.add_argument(
-        "--ep",
-        type=int,
-        default=None,
-        help="expert-parallel group size (default: the model's parallel.ep after --set)",
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model config override, as for training (batch, remat, precision, "
-        "micro-batches, moe.overlap_chunks change the predicted step)",
-    )
-    p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # make plan's STEPS
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default GPUs / ep)")
-    p.add_argument(
-        "--tokens", type=int, default=None, help="tokens per GPU (default: the model's train batch / GPUs)"
-    )
-    p.add_argument(
-        "--allow-straddle",
-        action="store_true",
-        help="place EP groups across NVLink domains instead of refusing",
-    )
-    p.add_argument(
-        "--calibration",
-        default=None,
-        help="calibration file from `python -m topology probe` (measured link numbers)",
-    )
-    p.add_argument(
-        "--compute", default=None, help="compute calibration file (default: topology/compute.toml)"
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _plan_run(args: argparse.Namespace) -> int:
-    from moe_train import config
-    from topology import plan  # imports moe_train.config (no jax)
-
-    ep = args.ep
-    if ep is None or args.overrides:  # the model's parallel.ep, after --set; --ep must agree
-        flags = {} if ep is None else {"--ep": ("parallel.ep", str(ep))}
-        try:
-            ep = config.build(args.model, args.overrides, flags=flags).parallel.ep
-        except config.ConfigError as err:
-            raise TopologyError(str(err)) from None
-    result = plan.make_plan(
-        args.preset,
-        args.nodes,
-        args.model,
-        ep,
-        dp=args.dp,
-        tokens=args.tokens,
-        allow_straddle=args.allow_straddle,
-        calibration=args.calibration,
-        overrides=tuple(args.overrides),
-        compute=args.compute,
-    )
-    print(json.dumps(plan.plan_json(result)) if args.json else plan.render(result))
-    return 0
 
 
 def _probe_args(p: argparse.ArgumentParser) -> None:
@@ -162,7 +90,6 @@ def _probe_run(args: argparse.Namespace) -> int:
 COMMANDS: dict[
     str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 ] = {
-    "plan": ("EP placement, Slurm allocation and predicted all-to-all cost", _plan_args, _plan_run),
     "probe": (
         "measure all-to-all time over message sizes and write a calibration file",
         _probe_args,

@@ -4,7 +4,7 @@ such GPU in front of it.
 Each ``topology/targets/<gpu>.txtpb`` is a ``stream_executor.GpuTargetConfigProto`` in text
 form (SM count, shared memory, memory size and bandwidth, compute capability, cuDNN version),
 with a comment naming its source. A cluster preset names its GPU with the key ``gpu``
-(``topology.presets``); ``python -m moe_train.compile`` hands the file's text to
+(``topology.presets``); ``python -m moe_train.planner.compile`` hands the file's text to
 ``jax.experimental.topologies.get_topology_desc(..., "cuda", target_config=...)``.
 
 ``load(name)`` reads one and the few facts the kit itself needs (memory, compute capability,

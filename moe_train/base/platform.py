@@ -3,7 +3,7 @@ grouped-GEMM backend, the tile sizes and the attention kernel.
 
 ``Platform.here()`` reads it from this process's JAX backend (the one place the kit asks JAX
 which machine it runs on to choose a kernel); ``Platform.nvidia(...)`` describes a named NVIDIA
-GPU that is not here (``make compile``: ``moe_train.compile.facts.platform_of``). The trainer,
+GPU that is not here (``make compile``: ``moe_train.planner.compile.facts.platform_of``). The trainer,
 the self-test and the benchmarks take ``here()``; a deviceless compile passes the target GPU's,
 so the trace builds the GPU program on a machine without one. The TPU path reads the same
 fields (``name`` "tpu", ``device_kind`` for megablox's tile table).

@@ -11,7 +11,7 @@ to the whole logits; nothing is timed, so the numbers do not depend on the machi
 In fp32 the [H, V] head gradient is the loop's carry, written in place into the output, so
 it is not temp: the temp bytes are the loss's working set alone.
 
-Planner: ``moe_train.memory.plan``'s activation bytes per GPU of a GPU job (the preset's
+Planner: ``moe_train.planner.memory.plan``'s activation bytes per GPU of a GPU job (the preset's
 Mixtral on 8 H100 nodes, EP 8) at each sequence length, with the tokens per GPU micro-batch
 held equal (``train.micro_batch_size`` = that many tokens / S sequences; the batch keeps
 the tokens per step too), for the attention ``auto`` resolves to there (cuDNN), chunked and
@@ -93,8 +93,8 @@ def _plan_row(s: Sizes, attention: str, seq: int, micro_tokens: int) -> dict[str
     """The planner's activations for the job at ``seq`` with ``micro_tokens`` per GPU
     micro-batch (0: the preset's micro-batches) and the preset's tokens per step."""
     from moe_train import config
-    from moe_train.memory import plan
-    from moe_train.memory.job import attention_kind
+    from moe_train.planner.memory import plan
+    from moe_train.planner.memory.job import attention_kind
     from topology.presets import load
 
     model, cluster, nodes, ep = s.job

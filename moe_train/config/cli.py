@@ -1,6 +1,7 @@
 """What the kit's command-line entry points share: a parser whose errors are one line.
 
-``python -m moe_train.memory``, ``python -m moe_train.compile`` and ``python -m topology`` take
+``python -m moe_train.planner.memory``, ``python -m moe_train.planner.compile`` and
+``python -m moe_train.planner.ep_plan`` take
 a model, a cluster preset, nodes, an EP size and ``--set`` overrides; a bad argument is one
 ``error:`` line on stderr and exit 2 (the kit's rule for bad input), never argparse's usage
 block.

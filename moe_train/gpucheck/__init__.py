@@ -23,7 +23,7 @@ while it runs (``heartbeat``; each trainer run it starts gets a line too), and i
   9 gpu_tests     the test suite's GPU-marked tests
  10 compute       a compute calibration for ``make plan`` from the measured numbers
                   (``<out>/compute.toml``: the dense GEMM's share of the bf16 peak, the grouped
-                  GEMM's from the gemm_speed ratio; ``topology.compute``)
+                  GEMM's from the gemm_speed ratio; ``moe_train.planner.compute``)
 
 On a machine without a GPU the same command runs the sections that can run there at toy
 sizes (a few minutes, under budgets ``CPU_BUDGET_SCALE`` times the GPU ones: 2-core machines

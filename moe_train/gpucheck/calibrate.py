@@ -10,9 +10,9 @@ the mask halves 2 x 2 S^2 N D) over its forward+backward time, of the bf16 peak
 (``attention_efficiency``). From the fp8 section, the fastest fp8
 projection whose HLO has fp8 GEMMs: 3 x 2 M H F over its time, of the fp8 peak
 (``fp8_gemm_efficiency``). The other fields keep the shipped defaults
-(``topology/compute.toml``), and ``[compute.source]`` says which is which. The file is
+(``moe_train/planner/compute.toml``), and ``[compute.source]`` says which is which. The file is
 ``<out>/compute.toml``; ``make plan ... SET=...`` reads it with
-``python -m topology plan --compute FILE``. Elsewhere (CPU, an unknown GPU) the section is
+``python -m moe_train.planner.ep_plan --compute FILE``. Elsewhere (CPU, an unknown GPU) the section is
 SKIP: no peak to divide by.
 """
 
@@ -25,7 +25,8 @@ from typing import Any
 
 from moe_train.base.platform import as_platform
 from moe_train.gpucheck import PASS, Context, skip
-from topology import compute, peaks
+from moe_train.planner import compute
+from topology import peaks
 
 SQUARE = 8192  # side of the timed bf16 matmul (on an H200: ~790 TFLOP/s of 989)
 REPS = 10

@@ -9,7 +9,7 @@ fits one GPU (``JOB``: Mixtral-8x7B's real layer shapes at reduced depth and bat
   it compiled on this GPU (``compiled_peak_bytes`` ...) and what the allocator really held
   (``device_peak_bytes``);
 - in this process, the same config's step compiled for the simulated GPU of this device's
-  target config (``moe_train.compile.lower``, as ``make compile`` does it).
+  target config (``moe_train.planner.compile.lower``, as ``make compile`` does it).
 
 Each of argument, temp, output and peak bytes is compared (deviceless / on-device): PASS
 within ``MEM_RTOL``. The real peak against the compiled one is reported beside it. SKIP
@@ -54,8 +54,8 @@ def _deviceless(name: str) -> dict[str, int]:
     from jax.experimental import topologies
 
     from moe_train import config
-    from moe_train.compile import kernels, lower
     from moe_train.parallel import sharding
+    from moe_train.planner.compile import kernels, lower
     from topology import device_mesh, targets
 
     target = targets.load(name)

@@ -15,6 +15,6 @@
 
 May import: ``moe_train.config``, ``moe_train.parallel``, ``moe_train.moe``,
 ``moe_train.data.packing`` (the batch representation). Never the training loop
-(``moe_train.train``), the launcher (``slurm``), the planners (``moe_train.memory``,
+(``moe_train.train``), the launcher (``slurm``), the planners (``moe_train.planner.memory``,
 ``topology``) or the benchmarks.
 """

@@ -8,7 +8,7 @@ module argument of its own).
 
 ``platform`` is the target the modules choose their kernels for (the grouped-GEMM backend and
 its tiles, the attention kernel, Transformer Engine's fp8): this process's JAX backend unless
-the caller names another (``make compile`` names the target GPU, ``moe_train.compile.facts``).
+the caller names another (``make compile`` names the target GPU, ``moe_train.planner.compile.facts``).
 ``policy`` is ``[precision]`` resolved for it once per settings object (the modules read it at
 every call; it was rebuilt at each one).
 """

@@ -36,7 +36,7 @@ from pathlib import Path
 from moe_train import config, python_command
 from moe_train.base import exits
 from moe_train.parallel import together
-from moe_train.train import distributed, rundir, signals, supervise
+from moe_train.train import distributed, fits, rundir, signals, supervise
 
 
 def parser() -> argparse.ArgumentParser:
@@ -237,26 +237,29 @@ class _DropClosedLoop:
         return getattr(self._stream, name)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, memory: fits.MemoryModel | None = None) -> int:
+    """Run the command line ``argv`` (None: ``sys.argv``); ``memory``: the planner's memory
+    model that refuses a run that cannot fit before it starts (``fits.check``), passed in by
+    the entry point (``python -m moe_train``, the launcher's task)."""
     # Before anything slow: SIGTERM or Ctrl-C during start-up ends the run cleanly. The
     # handlers it replaced come back on return (submitit's USR2 handler requeues the job after
     # us). A supervised child leaves a second Ctrl-C to its supervisor (``supervise``).
     installed = signals.STOP.install(abort_on_second=not supervise.is_child())
     try:
-        return _main(sys.argv[1:] if argv is None else list(argv))
+        return _main(sys.argv[1:] if argv is None else list(argv), memory)
     finally:
         if installed:
             signals.STOP.restore()
             signals.STOP.resume = ""
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], memory: fits.MemoryModel | None) -> int:
     args = parser().parse_args(argv)
     if supervise.is_child():
         signals.STOP.resume = resume_text(argv, multi=True)
         signals.STOP.begin_start_up()  # a forwarded stop signal before the first step ends us
         supervise.child_ready()
-        return _train(args)
+        return _train(args, memory=memory)
     signals.STOP.resume = resume_text(argv, multi=False)
     signals.STOP.begin_start_up()  # a stop signal from here to the first step ends us at once
     try:
@@ -270,7 +273,7 @@ def _main(argv: list[str]) -> int:
         _error(err, distributed.ProcessInfo())
         return exits.EXIT_CONFIG
     if source == "single":
-        return _train(args, cfg)
+        return _train(args, cfg, memory)
     signals.STOP.end_start_up()  # the supervisor forwards signals to its child
     signals.STOP.resume = resume_text(argv, multi=True)
     return supervise.run(
@@ -327,7 +330,9 @@ def _python() -> str:
     return python_command()
 
 
-def _train(args: argparse.Namespace, cfg: config.Config | None = None) -> int:
+def _train(
+    args: argparse.Namespace, cfg: config.Config | None = None, memory: fits.MemoryModel | None = None
+) -> int:
     """Run the trainer in this process (single-process, or the supervised child)."""
     info = distributed.ProcessInfo()
     try:
@@ -353,7 +358,9 @@ def _train(args: argparse.Namespace, cfg: config.Config | None = None) -> int:
             )
         from moe_train.train.loop import run
 
-        code = run(cfg, args.out, log=_logger(info), resume_step=args.resume_step, model=args.preset)
+        code = run(
+            cfg, args.out, log=_logger(info), resume_step=args.resume_step, model=args.preset, memory=memory
+        )
     except config.ConfigError as err:
         _error(err, info)
         code = exits.EXIT_CONFIG

@@ -1,7 +1,7 @@
 """Does the run fit in the memory it has? Checked before anything is initialised or compiled.
 
-``check(cfg, devices)`` compares the memory planner's per-device estimate
-(``moe_train.memory.estimate``, what ``make plan`` prints) with the memory this process's
+``check(cfg, devices, memory=...)`` compares the memory planner's per-device estimate
+(``moe_train.planner.memory.trainer``, what ``make plan`` prints) with the memory this process's
 devices have, and raises ``ConfigError`` (exit 2, one line) when the run cannot fit: the
 model's need, what the run has, and what would fit (a change of ``train.*`` keys the planner
 found, a smaller preset, or ``make plan`` for a cluster job).
@@ -20,6 +20,11 @@ What the run has:
 replace those figures: tests shrink them to see the refusal at toy scale; a value above the
 estimate starts a run the estimate refuses (the estimate errs high by up to ~1.3x on CPU).
 Where no figure is known, or the planner cannot model the job, nothing is checked.
+
+The planner is an input (``MemoryModel``): the trainer core never imports it. ``python -m
+moe_train`` and the launcher's task pass it in; a library call that passes none (tests, the
+benchmarks) is not checked here, and an out-of-memory compile is still refused in one line
+(``step_out_of_memory``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 from moe_train.config import Config, ConfigError, list_presets
 from moe_train.config import build as build_config
@@ -47,30 +53,46 @@ class Memory:
     shared: bool  # True: one pool for all local devices (CPU); False: per device
 
 
-def check(cfg: Config, devices: Sequence, model: str = "") -> None:
+class MemoryModel(Protocol):
+    """What the trainer asks the memory planner (``moe_train.planner.memory.trainer`` is one)."""
+
+    def need(self, cfg: Config, cluster, n: int) -> Any:
+        """The per-device ``Estimate`` of ``cfg`` on ``n`` devices of ``cluster`` (None where
+        the planner cannot model the job)."""
+        ...
+
+    def local_change(self, cfg: Config, est, cluster, usable: int) -> str | None:
+        """The cheapest ``key=value`` change of ``train.*``/``parallel.*`` keys that fits in
+        ``usable`` bytes per device on these devices (None: none does)."""
+        ...
+
+
+def check(cfg: Config, devices: Sequence, model: str = "", memory: MemoryModel | None = None) -> None:
     """ConfigError when ``cfg`` on ``devices`` (the job's, all processes) cannot fit in this
-    process's memory (see the module doc); ``model``: the preset as typed, for the message."""
+    process's memory (see the module doc); ``model``: the preset as typed, for the message;
+    ``memory``: the planner's model (None: nothing is checked)."""
     local = [d for d in devices if d.process_index == _process_index()]
-    why = _refusal(cfg, devices, local, model) if local else None
+    why = _refusal(cfg, devices, local, model, memory) if local and memory is not None else None
     why = _agree(why)
     if why is not None:
         raise ConfigError(why)
 
 
-def _refusal(cfg: Config, devices: Sequence, local: Sequence, model: str) -> str | None:
+def _refusal(cfg: Config, devices: Sequence, local: Sequence, model: str, memory: MemoryModel) -> str | None:
     """Why ``cfg`` cannot start here (None: it fits, or nothing is known)."""
     platform = local[0].platform
     have = available(platform, local)
     if have is None:
         return None
     cluster = cluster_for(platform, getattr(local[0], "device_kind", ""), len(devices))
-    est = need(cfg, cluster, len(devices))
+    est = memory.need(cfg, cluster, len(devices))
     if est is None:
         return None
     usable = have.bytes // len(local) if have.shared else have.bytes
     if est.per_device["total"] <= usable:
         return None
-    return message(cfg, est, have, len(local), model) + " " + _what_fits(cfg, est, cluster, usable, model)
+    fix = _what_fits(cfg, est, cluster, usable, model, memory)
+    return message(cfg, est, have, len(local), model) + " " + fix
 
 
 def available(platform: str, local: Sequence) -> Memory | None:
@@ -157,17 +179,6 @@ def bytes_limit(device) -> int | None:
     return int(limit) if limit else None
 
 
-def need(cfg: Config, cluster, n: int):
-    """The planner's per-device ``Estimate`` of ``cfg`` on ``n`` devices of ``cluster`` (None
-    where the planner cannot model the job; the trainer's own checks report those)."""
-    from moe_train.memory import PlanError, estimate, setup_for
-
-    try:
-        return estimate(cfg, setup_for(cfg, cluster, 1, devices=n))
-    except (PlanError, ConfigError):
-        return None
-
-
 def cluster_for(platform: str, kind: str, n: int):
     """The cluster preset that models these devices: ``cpu-local`` (one host holding all ``n``
     devices) on CPU and other non-GPU platforms; on GPU the preset of the device kind's
@@ -200,13 +211,13 @@ def message(cfg: Config, est, have: Memory, local: int, model: str = "") -> str:
     )
 
 
-def _what_fits(cfg: Config, est, cluster, usable: int, model: str) -> str:
+def _what_fits(cfg: Config, est, cluster, usable: int, model: str, memory: MemoryModel) -> str:
     """The cheapest local change the planner finds, a shipped preset that fits, make plan."""
     fixes = []
-    change = _local_change(cfg, est, cluster, usable)
+    change = memory.local_change(cfg, est, cluster, usable)
     if change:
         fixes.append(f"--set {change}")
-    preset = _smaller_preset(cluster, est.setup.devices, usable)
+    preset = _smaller_preset(cluster, est.setup.devices, usable, memory)
     if preset:
         fixes.append(f"a smaller model: --preset {preset}")
     plan = f"make plan MODEL={shlex.quote(model) if model else '<preset>'} PRESET=<cluster> NODES=<n>"
@@ -214,24 +225,12 @@ def _what_fits(cfg: Config, est, cluster, usable: int, model: str) -> str:
     return f"Fits here: {what}; on a cluster: {plan}" if what else f"On a cluster: {plan}"
 
 
-def _local_change(cfg: Config, est, cluster, usable: int) -> str | None:
-    """The cheapest single change of ``train.*``/``parallel.*`` keys that fits on these
-    devices (``moe_train.memory.verdict.alternatives``; more nodes are ``make plan``'s)."""
-    from moe_train.memory.verdict import alternatives
-
-    try:
-        alts = alternatives(cfg, cluster, 1, est.setup.devices, usable, est.per_device["total"])
-    except ConfigError:
-        return None
-    return next((a.change for a in alts if a.fits and a.available and "nodes=" not in a.change), None)
-
-
-def _smaller_preset(cluster, n: int, usable: int) -> str | None:
+def _smaller_preset(cluster, n: int, usable: int, memory: MemoryModel) -> str | None:
     """The shipped model preset with the largest estimate that still fits on these devices."""
     best: tuple[int, str] | None = None
     for name in list_presets():
         try:
-            est = need(build_config(name, []), cluster, n)
+            est = memory.need(build_config(name, []), cluster, n)
         except ConfigError:
             continue
         total = None if est is None else est.per_device["total"]

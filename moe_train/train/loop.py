@@ -143,26 +143,36 @@ def _write_run_files(run_cfg: RunConfig, out_dir: Path, log: Log) -> None:
     )
 
 
-def run(cfg: Config, out_dir: Path, log: Log = print, resume_step: int | None = None, model: str = "") -> int:
+def run(
+    cfg: Config,
+    out_dir: Path,
+    log: Log = print,
+    resume_step: int | None = None,
+    model: str = "",
+    memory: fits.MemoryModel | None = None,
+) -> int:
     """Train ``cfg`` into ``out_dir``; returns the process exit code. ``model``: the preset as
-    the user typed it, for messages."""
+    the user typed it, for messages; ``memory``: the planner's memory model that checks the run
+    fits before anything starts (``fits.check``; None: not checked)."""
     installed = signals.STOP.install()  # the CLI installed it already: then it restores it
     signals.STOP.begin_start_up()
     try:
-        return _run(cfg, Path(out_dir), log, resume_step, model)
+        return _run(cfg, Path(out_dir), log, resume_step, model, memory)
     finally:
         signals.STOP.end_start_up()
         if installed:
             signals.STOP.restore()
 
 
-def _run(cfg: Config, out_dir: Path, log: Log, resume_step: int | None, model: str) -> int:
+def _run(
+    cfg: Config, out_dir: Path, log: Log, resume_step: int | None, model: str, memory: fits.MemoryModel | None
+) -> int:
     rundir.refuse_incompatible(cfg, out_dir, resume_step)  # before the self-test and compiles
     devices = select_devices(cfg)
     job_cfg = for_devices(cfg, len(devices))  # train.micro_batch_size -> micro_batches here
     plan = device_mesh.build(job_cfg, devices)
     sharding.ep_plans(job_cfg, plan.mesh)  # dispatcher and capacity buckets, before any write
-    fits.check(job_cfg, devices, model)  # the memory it needs, before anything is initialised
+    fits.check(job_cfg, devices, model, memory)  # the memory it needs, before anything is initialised
     created, lock = rundir.first_missing(out_dir), None  # what locking creates: removed if left empty
     signals.STOP.at_start_up_exit.append(lambda: rundir.remove_if_new(created))
     try:

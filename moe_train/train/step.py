@@ -160,7 +160,7 @@ def optimizer(cfg: Config) -> optax.GradientTransformation:
 
 def boxed_params(cfg: Config, platform: Platform | None = None):
     """The parameters' shapes, dtypes and logical axis names (``nn.LogicallyPartitioned``
-    leaves), without computing them (nothing runs eagerly: ``moe_train.compile`` traces on
+    leaves), without computing them (nothing runs eagerly: ``moe_train.planner.compile`` traces on
     simulated devices, where eager work cannot run). ``platform``: the target (None: here)."""
 
     def init():
@@ -410,7 +410,7 @@ def make_train_step(
     (``metrics["nonfinite"]``) never reaches the state either (``guard_nonfinite``).
     The step enters its own sharding context (``sharding.Sharding.wrap``): the mesh and the
     logical rules chosen for ``cfg`` on it. ``platform``: the target its kernels are chosen
-    for (None: this process's; ``moe_train.compile`` passes the target GPU's).
+    for (None: this process's; ``moe_train.planner.compile`` passes the target GPU's).
     """
     model, tx = Transformer(model_settings(cfg, platform), ep_plan), optimizer(cfg)
     lr_at = schedule(cfg)
