@@ -271,10 +271,10 @@ def check_fabric(nvml: Mapping[str, Any], required: bool) -> Check:
 def load_preset(name: str) -> Any:
     """The topology preset (a name or a .toml path); the repo root is importable as fallback."""
     try:
-        from topology import presets
+        from topology import presets  # the installed kit; else this checkout (below)
     except ImportError:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from topology import presets
+        from topology import presets  # this checkout's, where the kit is not installed
     return presets.load(name)
 
 
@@ -284,7 +284,7 @@ def check_xla_flags(preset: Any, unknown: Callable[[str], list[str]] | None = No
     if not flags:
         return Check("xla_flags", SKIP, "no preset XLA_FLAGS to check")
     if unknown is None:
-        from topology.xla_flags import unknown_flags as unknown
+        from topology.xla_flags import unknown_flags as unknown  # the parameter's default
     try:
         bad = unknown(flags)
     except Exception as err:  # a broken jax install is the jax check's to report

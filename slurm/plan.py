@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_train.planner import layout
+from containers.images import pyxis_image, validate_image
+from moe_train.planner import layout, preflight
+from moe_train.planner.decide import decide, with_compiled
 from moe_train.planner.request import LaunchError, Request, check_text
 from slurm import site as site_mod
 from topology import presets
@@ -124,8 +126,6 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
     ``host_python`` starts Python on the host (quoted shell words), ``kit_root`` is this
     checkout (the working directory of host runs), ``now`` a UTC stamp for default run dirs.
     """
-    from moe_train.planner.decide import decide  # imports JAX-free modules only, but many: make plan's cost
-
     d = decide(req)
     req, cluster, cfg = d.req, d.cluster, d.cfg
     job_name = check_text("job name", req.job_name or f"moe-{req.model}")
@@ -139,9 +139,6 @@ def plan(req: Request, site: site_mod.Site, *, host_python: str, kit_root: Path,
             f"warning: rendered with {cluster.name}'s base image {cluster.image}, which "
             f"lacks moe-train; a real submission needs --image (make container)"
         )
-    from moe_train.planner import preflight
-    from moe_train.planner.decide import with_compiled
-
     chosen = [d.search_note, *(c.note for c in d.choices), preflight.preflight(req, cluster, cfg)]
     d = with_compiled(d)  # the preflight's compile, where it made one, decides the verdict
     planner = [_memory(req, cluster, d), *(n for n in chosen if n)]
@@ -213,8 +210,6 @@ def _run_dir(req: Request, job_name: str, now: str, container: bool) -> Path:
 
 def _image(ref: str) -> str:
     """A Pyxis --container-image value: an existing .sqsh as an absolute path, or a reference."""
-    from containers.images import pyxis_image, validate_image
-
     check_text("image", ref)
     if ref.startswith(("/", "./", "../", "~")) or ref.endswith(".sqsh"):
         path = Path(ref).expanduser()

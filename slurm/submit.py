@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from moe_train.planner.request import SMOKE_MODEL, LaunchError, Request, check_twice
-from slurm import follow, plan, render
+from slurm import follow, plan, render, task
 from slurm import site as site_mod
 
 KIT_ROOT = Path(__file__).resolve().parent.parent  # this checkout: host runs start here
@@ -183,8 +183,6 @@ def dry_run_text(spec: plan.JobSpec, script: str) -> str:
 
 def _task(spec: plan.JobSpec, local_port: int = 0):
     import cloudpickle
-
-    from slurm import task
 
     cloudpickle.register_pickle_by_value(task)  # the image needs moe_train, not slurm/
     return task.TrainTask(

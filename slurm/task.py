@@ -37,6 +37,9 @@ from pathlib import Path
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
+from moe_train.planner.memory import trainer as memory
+from moe_train.train import cli
+
 
 def latest_checkpoint(run_dir: Path) -> int | None:
     """The highest finished checkpoint step in ``run_dir/checkpoints`` (orbax step dirs)."""
@@ -65,9 +68,6 @@ class TrainTask(Checkpointable):
 
     def __call__(self) -> int:
         argv = list(self.trainer_args) + self._local_process_args()
-        from moe_train.planner.memory import trainer as memory  # here, not at import: submitit unpickles this
-        from moe_train.train import cli
-
         code = cli.main(argv, memory=memory)
         rank = _rank()
         if code != 0:

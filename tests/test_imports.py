@@ -7,6 +7,8 @@ statement of every module, also those inside functions, followed transitively (i
 - The model and the MoE layer never import the loop, the launcher or the planner.
 - ``topology`` never imports the loop or the planner; the planner never imports the launcher
   or the benchmarks, and only its ``compile`` (which lowers the real step) imports the loop.
+- An import of the kit inside a function says why on its line (JAX or orbax loaded only where
+  needed, an optional dependency, a parameter's default): the rest are at the top.
 - No module imports itself through others at import time (module-level statements, outside
   ``if TYPE_CHECKING:``; a package's ``__init__`` naming its own submodules does not count).
 - No package imports itself through others: the packages (``moe_train``'s subpackages,
@@ -284,6 +286,39 @@ def test_a_module_cycle_is_found():
     assert ("moe_train.planner.decide", "moe_train.planner.search") in [
         tuple(c for c in g if c.endswith(("decide", "search"))) for g in module_cycles(edges)
     ]
+
+
+def unexplained_local_imports(path: Path) -> list[str]:
+    """'file:line' of each import of the kit inside a function of ``path`` with no comment on
+    its line saying why it is there and not at the top."""
+    text = path.read_text()
+    lines, out = text.splitlines(), []
+    for func in ast.walk(ast.parse(text, str(path))):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = ["moe_train"] if node.level else [node.module or ""]
+            else:
+                continue
+            kit = any(n.split(".")[0] in PACKAGES for n in names)
+            if kit and "#" not in lines[node.lineno - 1]:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def test_a_local_import_of_the_kit_says_why():
+    assert [x for p in modules().values() for x in unexplained_local_imports(p)] == []
+
+
+def test_an_unexplained_local_import_is_found(tmp_path, monkeypatch):
+    """The check can fail: a bare import of the kit in a function is named."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from topology import presets\n    from jax import numpy  # not the kit\n")
+    assert unexplained_local_imports(path) == ["m.py:2"]
 
 
 def test_the_base_imports_no_package_of_the_kit():

@@ -13,6 +13,7 @@ import pytest
 from moe_train.moe import BackendUnavailable, layer, megablox, resolve_backend
 from moe_train.moe.dispatch import Arrived
 from moe_train.moe.permute import make_dispatch
+from moe_train.moe.tiled import expert_operands
 from moe_train.selftest import checks
 
 T, H, F, E, K = 37, 128, 256, 8, 2  # M = 74 rows: groups end mid-tile, 6 rows of padding
@@ -164,7 +165,8 @@ def test_rows_not_a_multiple_of_the_tile_are_refused():
     x = jnp.zeros((40, H), jnp.float32)
     w = jnp.zeros((E, H, F), jnp.float32)
     with pytest.raises(ValueError, match="multiple of the row tile"):
-        megablox.megablox_swiglu(x, jnp.zeros((E,), jnp.int32), w, w, w.swapaxes(1, 2), row_tile=16)
+        ops = expert_operands(x, w, w, w.swapaxes(1, 2), jnp.zeros((E,), jnp.int32))
+        megablox.megablox_swiglu(ops, row_tile=16)
 
 
 @pytest.mark.skipif(on_tpu, reason="off a TPU only")

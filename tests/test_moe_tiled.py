@@ -11,6 +11,7 @@ from moe_train.moe.tiled import (
     block_sizes,
     default_block_rows,
     executed_rows,
+    expert_operands,
     expert_spans,
     for_blocks,
     for_experts,
@@ -123,10 +124,8 @@ def test_two_walks_give_one_walks_gradients_bitwise(case, tile_rows, block_rows)
 
     def grads(two_walks):
         def loss(x_RH, w0, w1, wo, s_R):
-            y = tiled_swiglu(
-                x_RH, plan.group_sizes_E, w0, w1, wo, tile_rows=tile_rows, block_rows=block_rows,
-                scale_R=s_R, two_walks=two_walks,
-            )  # fmt: skip
+            ops = expert_operands(x_RH, w0, w1, wo, plan.group_sizes_E, s_R)
+            y = tiled_swiglu(ops, tile_rows=tile_rows, block_rows=block_rows, two_walks=two_walks)
             return jnp.vdot(y, dy_RH)
 
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x_RH, *w, s_R)

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 
 from moe_train.config.cli import OneLineParser
+from topology import presets
 from topology.presets import TopologyError
 
 EXIT_USAGE = 2
@@ -47,12 +48,10 @@ def _probe_args(p: argparse.ArgumentParser) -> None:
 
 
 def _probe_run(args: argparse.Namespace) -> int:
-    from topology import presets
-
     cluster = presets.load(args.preset)  # fail on a bad name before starting JAX
     import jax
 
-    from topology import calibration, discovery, probe
+    from topology import calibration, discovery, probe  # JAX: once the preset is known good
 
     platforms = jax.config.jax_platforms  # pyright: ignore[reportAttributeAccessIssue]  (a run-time attribute)
     if args.devices and platforms in (None, "", "cpu"):

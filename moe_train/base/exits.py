@@ -22,6 +22,7 @@ Every way a run ends has its own code (the README's exit-code table lists the sa
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 EXIT_OK, EXIT_BUG, EXIT_CONFIG, EXIT_DIVERGED, EXIT_DISTRIBUTED, EXIT_OUTPUT = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
@@ -47,6 +48,29 @@ def output_error(err: BaseException, what: str | os.PathLike) -> OutputError | N
             return OutputError(f"cannot write {what}: {hit} ({' '.join(text.split())[:200]})")
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+class RaisedAs:
+    """``with RaisedAs(translate):`` an exception of type ``catch`` raised in the block is
+    raised as ``translate(err)`` (from ``err``; with ``cause=False`` from None) when that is
+    not None (e.g. ``output_error``: an OutputError, one line); otherwise it goes on as it
+    was, its traceback untouched."""
+
+    def __init__(
+        self,
+        translate: Callable[[BaseException], BaseException | None],
+        catch: type[BaseException] = Exception,
+        cause: bool = True,
+    ):
+        self.translate, self.catch, self.cause = translate, catch, cause
+
+    def __enter__(self) -> RaisedAs:
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        if not isinstance(err, self.catch) or (out := self.translate(err)) is None:
+            return  # not suppressed: the exception goes on
+        raise out from (err if self.cause else None)
 
 
 OUTPUT_ERRNOS = {13, 28, 27, 30, 122, 1, 20, 21}  # EACCES ENOSPC EFBIG EROFS EDQUOT EPERM ENOTDIR EISDIR

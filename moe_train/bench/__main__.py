@@ -28,6 +28,9 @@ from pathlib import Path
 
 import jax
 
+from moe_train.base.cliargs import add_out_option, comma_list, utc_stamp
+from moe_train.train import progress
+
 CPU_SECTIONS = ("gemm", "layer", "permute", "ep", "overlap", "compiles", "attention", "scan", "loss")
 QUICK_SECTIONS = ("gemm", "layer", "ep", "compiles")  # --quick without --only
 SECTION_DEVICES = {
@@ -41,6 +44,16 @@ SECTION_DEVICES = {
     "loss": 1,
     "permute": 1,
 }  # JAX CPU devices per section
+# (option, the option it needs): given without the latter, the former is refused, in this order
+NEEDS = (
+    ("tiny", "accel"),
+    ("tune", "accel"),
+    ("missing", "tune"),
+    ("write_tiles", "tune"),
+    ("models", "accel"),
+    ("budget_s", "accel"),
+)
+NEEDS_TEXT = {"accel": "--accel", "tune": "--accel --tune"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -95,32 +108,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="with --accel: the run's deadline in seconds (later rows are listed as skipped)",
     )
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=Path("runs/bench"),
-        help="results go to OUT/<UTC timestamp>/ (default: runs/bench)",
-    )
+    add_out_option(ap, "runs/bench", "<UTC timestamp>/")
     ap.add_argument("--part", type=Path, default=None, help=argparse.SUPPRESS)  # child: JSON here
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.accel = args.accel or args.gpu
     only = args.only if args.only is not None else ",".join(QUICK_SECTIONS if args.quick else CPU_SECTIONS)
-    args.sections = [s for s in only.split(",") if s]
+    args.sections = comma_list(only)
     bad = sorted(set(args.sections) - set(CPU_SECTIONS))
     if bad and not args.accel:
         ap.error(f"unknown section(s) {bad}; choose from {CPU_SECTIONS}")
-    if args.tiny and not args.accel:
-        ap.error("--tiny only applies to --accel")
-    if args.tune and not args.accel:
-        ap.error("--tune only applies to --accel")
-    if args.missing and not args.tune:
-        ap.error("--missing only applies to --accel --tune")
-    if args.write_tiles and not args.tune:
-        ap.error("--write-tiles only applies to --accel --tune")
-    for flag in ("models", "budget_s"):
-        if getattr(args, flag) is not None and not args.accel:
-            ap.error(f"--{flag.replace('_', '-')} only applies to --accel")
+    for flag, needs in NEEDS:
+        given = getattr(args, flag)
+        if given is not None and given is not False and not getattr(args, needs):
+            ap.error(f"--{flag.replace('_', '-')} only applies to {NEEDS_TEXT[needs]}")
     if args.budget_s is not None and args.budget_s <= 0:
         ap.error("--budget-s must be positive")
     return args
@@ -129,8 +130,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def run_accel(args) -> tuple[dict, list[str]]:
     """The accelerator benchmark: a line when it starts, one as each row finishes, a heartbeat
     every 10 s in between (``progress.Waiting``), its time when done."""
-    from moe_train.bench import accel, permute, tiles
-    from moe_train.train import progress
+    from moe_train.bench import accel, permute, tiles  # flax: after the arguments are checked
 
     what = "sweeping the megablox tiles" if args.tune else "running the accelerator benchmark"
     # chosen before any line: a bad model name exits 2
@@ -166,7 +166,7 @@ def chosen(sizes, args):
     names = [shape_name(s) for s in sizes.shapes]
     changes: dict = {}
     if args.models is not None:
-        want = [m for m in args.models.split(",") if m]
+        want = comma_list(args.models)
         bad = sorted(set(want) - set(names))
         if bad or not want:
             what = f"unknown {', '.join(bad)}" if bad else "no model named"
@@ -199,19 +199,28 @@ def without_out(argv: list[str]) -> list[str]:
 
 def megablox_table() -> Path:
     """The tile table the megablox backend reads (``--write-tiles`` writes it)."""
-    from moe_train.moe import megablox
+    from moe_train.moe import megablox  # flax: after the arguments are checked
 
     return megablox.TILE_FILE
 
 
 def run_sections(args) -> tuple[dict, list[str]]:
     """Run the chosen sections; returns (JSON sections, Markdown parts)."""
-    from moe_train.bench import report
-    from moe_train.train import progress
+    from moe_train.bench import report  # flax: after the arguments are checked
 
     if args.accel:
         return run_accel(args)
-    from moe_train.bench import attention, compiles, ep, gemm, layer, loss, overlap, permute, scan
+    from moe_train.bench import (  # flax, optax: as above
+        attention,
+        compiles,
+        ep,
+        gemm,
+        layer,
+        loss,
+        overlap,
+        permute,
+        scan,
+    )
 
     modules = {
         "gemm": (gemm, report.gemm_md),
@@ -314,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_train.bench import common, report  # after the device setup
 
     t0 = time.perf_counter()
-    stamp = common.utc_stamp()
+    stamp = utc_stamp()
     sections, parts = run_sections(args) if args.accel else run_groups(args)
     items = report.targets(sections)
     given = sys.argv[1:] if argv is None else argv

@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_train.bench import accel_step
+from moe_train.bench import accel_step, common
 from moe_train.bench.common import ACCEL_SHAPES, compile_jit, fmt_ms, markdown_table, time_rounds
 from moe_train.bench.layer import dense_fn, layer_fn, layer_row, operands, too_big
 from moe_train.moe.gemm import available_backends, resolve_backend
@@ -95,8 +95,7 @@ TINY = Sizes(
     step=accel_step.TINY,
     square=256,
     min_reps=3,
-    max_reps=3,
-    target_s=0.05,
+    **common.QUICK_TIMING,
     budget_s=240.0,
     step_reserve_s=120.0,
     min_tokens=64,
@@ -373,8 +372,7 @@ def _layer_cells(r: dict) -> list:
     cells = [r["model"], dims, r["router"], r["variant"], r["backend"] or ""]
     if r["skipped"]:
         return [*cells, "", "", "", "skipped: " + r["skipped"]]
-    spread = f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
-    return [*cells, fmt_ms(r["time"])[0], spread, _tflops(r["tflops"]), r["note"] or ""]
+    return [*cells, fmt_ms(r["time"])[0], common.ratio_cell(r), _tflops(r["tflops"]), r["note"] or ""]
 
 
 def layer_md(rows: list[dict]) -> str:

@@ -25,6 +25,7 @@ from moe_train.bench.common import compile_jit, summarize
 from moe_train.model.flops import param_counts, train_flops_per_token
 from moe_train.moe.gemm import resolve_backend
 from moe_train.parallel import sharding
+from moe_train.train.step import StepCounter, init_state, make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +86,6 @@ def _batch(cfg: config.Config, mesh) -> jax.Array:
 
 def _timed_steps(cfg: config.Config, steps: int) -> tuple[list[float], float]:
     """(seconds of each timed step, compile seconds) of the trainer's step on one device."""
-    from moe_train.train.step import StepCounter, init_state, make_train_step
-
     mesh = sharding.make_mesh(jax.devices()[:1])
     batch = _batch(cfg, mesh)
     with sharding.activate(mesh):

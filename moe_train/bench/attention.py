@@ -24,14 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.base.platform import Platform
-from moe_train.bench.common import (
-    compile_jit,
-    fmt_ms,
-    markdown_table,
-    mib,
-    ratio_stats,
-    time_rounds,
-)
+from moe_train.bench import common
+from moe_train.bench.common import compile_jit, fmt_ms, markdown_table, mib, ratio_stats, time_rounds
 from moe_train.model import attention
 
 TITLE = "Attention kernels"
@@ -61,7 +55,7 @@ FULL = Sizes(
     memory_tokens=8192,
 )
 QUICK = Sizes(
-    seq_lens=(64, 256), batch=2, memory_seq_lens=(256, 1024), memory_tokens=1024, max_reps=3, target_s=0.05
+    seq_lens=(64, 256), batch=2, memory_seq_lens=(256, 1024), memory_tokens=1024, **common.QUICK_TIMING
 )
 
 
@@ -191,7 +185,7 @@ def markdown(sec: dict[str, Any]) -> str:
             r["block"] or "",
             fmt_ms(r["time"])[0],
             f"{r['tokens_per_s']:,.0f}",
-            f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})" if r["ratio"] else "",
+            common.ratio_cell(r) if r["ratio"] else "",
             f"{r['cpu_ratio']:.2f}" if r["ratio"] else "",
         ]
         for r in sec["timing"]
@@ -240,15 +234,15 @@ def run(s: Sizes) -> dict[str, Any]:
     impls, unavailable = runnable(s)
     timing = timing_rows(s, impls)
     memory = memory_rows(s, impls)
-    sec = {
-        "title": TITLE,
-        "sizes": dataclasses.asdict(s),
-        "timing": timing,
-        "memory": memory,
-        "crossover": crossover(timing),
-        "auto_threshold": attention.CHUNKED_MIN_SEQ,
-        "unavailable": unavailable,
-        "wall_s": time.perf_counter() - t0,
-    }
+    sec = common.section_result(
+        TITLE,
+        s,
+        timing=timing,
+        memory=memory,
+        crossover=crossover(timing),
+        auto_threshold=attention.CHUNKED_MIN_SEQ,
+        unavailable=unavailable,
+        wall_s=time.perf_counter() - t0,
+    )
     sec["markdown"] = markdown(sec)
     return sec

@@ -8,7 +8,7 @@ fill about ``target_s`` seconds, at least ``min_reps``.
 
 from __future__ import annotations
 
-import datetime as dt
+import dataclasses
 import json
 import math
 import os
@@ -25,6 +25,10 @@ import jax
 import numpy as np
 
 from moe_train.moe.routings import MoEShape
+
+# The timing bounds of every section's quick (or tiny) sizes: 3 timed rounds at most, rounds
+# added up to about 0.05 s (``Sizes(..., **QUICK_TIMING)``).
+QUICK_TIMING: dict[str, Any] = {"max_reps": 3, "target_s": 0.05}
 
 
 def row_done(section: str, text: str) -> None:
@@ -123,6 +127,11 @@ def ratio_stats(timing: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]
     }
 
 
+def ratio_cell(r: dict[str, Any]) -> str:
+    """A table cell of a row's ``ratio_stats``: the median ratio (min-max per round)."""
+    return f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+
+
 def summarize(times: Sequence[float]) -> dict[str, Any]:
     ts = sorted(times)
     q = np.percentile(ts, [25, 75]) if len(ts) > 1 else (ts[0], ts[0])
@@ -216,10 +225,6 @@ def collective_bytes(hlo_text: str, domain_of: Callable[[int], int]) -> dict[str
 # ----------------------------------------------------------------------------- output
 
 
-def utc_stamp() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-
-
 def cpu_model() -> str:
     """The CPU's model name (Linux /proc/cpuinfo), else platform.processor()."""
     try:
@@ -286,6 +291,11 @@ def finite_or_none(obj):
     if isinstance(obj, (float, np.floating)):
         return float(obj) if math.isfinite(obj) else None
     return obj
+
+
+def section_result(title: str, sizes: Any, **fields: Any) -> dict[str, Any]:
+    """A section's results: its title, its ``Sizes`` (a dataclass) as a dict, then ``fields``."""
+    return {"title": title, "sizes": dataclasses.asdict(sizes), **fields}
 
 
 def write_results(out_dir: Path, results: dict[str, Any], markdown: str) -> tuple[Path, Path]:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_train.bench import common
 from moe_train.config import Config, MoEConfig
 from moe_train.moe import Routing, dropless_moe, ep_moe
 from moe_train.moe.routings import (
@@ -38,6 +39,7 @@ from moe_train.moe.routings import (
 )
 from moe_train.parallel import sharding
 from moe_train.train import stepper
+from moe_train.train.step import StepCounter
 
 TITLE = "Compilations over drifting routing"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -171,8 +173,6 @@ def ep_run(s: Sizes, batches: Batches) -> dict[str, Any]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from moe_train.train.step import StepCounter
-
     mesh = sharding.make_mesh(jax.devices("cpu")[: int(np.prod(s.mesh))], s.mesh)
     cfg = dataclasses.replace(
         Config(),
@@ -246,10 +246,4 @@ def run(s: Sizes) -> dict[str, Any]:
         f"ep a2a: {ep['compilations']} compilations, buckets touched {ep['buckets_touched']}, "
         f"{ep['reruns']} reruns"
     )
-    return {
-        "title": TITLE,
-        "sizes": dataclasses.asdict(s),
-        "dropless": dropless,
-        "ep": ep,
-        "wall_s": time.perf_counter() - t0,
-    }
+    return common.section_result(TITLE, s, dropless=dropless, ep=ep, wall_s=time.perf_counter() - t0)

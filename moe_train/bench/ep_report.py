@@ -92,12 +92,18 @@ def _balanced_lines(sec: dict[str, Any]) -> list[str]:
     ]
 
 
+KEY_COLUMNS = ["mesh", "dispatcher", "routing"]  # the first columns of both tables
+
+
+def _keys(r: dict[str, Any]) -> list[Any]:
+    """A timing or bucket row's ``KEY_COLUMNS`` cells."""
+    return [r[k] for k in KEY_COLUMNS]
+
+
 def _timing_table(sec: dict[str, Any]) -> str:
     """The forward+backward time and bytes-moved table."""
     header = [
-        "mesh",
-        "dispatcher",
-        "routing",
+        *KEY_COLUMNS,
         "bucket",
         "chunks",
         "median ms",
@@ -112,49 +118,24 @@ def _timing_table(sec: dict[str, Any]) -> str:
     for r in sec["timing"]:
         med, spread = fmt_ms(r["time"])
         if r["kind"] == "dense":
-            rows.append(
-                [
-                    r["mesh"],
-                    r["dispatcher"],
-                    r["routing"],
-                    "",
-                    1,
-                    med,
-                    spread,
-                    r["time"]["reps"],
-                    "",
-                    "",
-                    "",
-                    "",
-                ]
-            )
-            continue
-        by = r["fwd_bytes_per_device"]
-        rows.append(
-            [
-                r["mesh"],
-                r["dispatcher"],
-                r["routing"],
-                r["bucket"] or "",
-                r["chunks"],
-                med,
-                spread,
-                r["time"]["reps"],
+            bucket, chunks, moved = "", 1, ["", "", "", ""]
+        else:
+            by = r["fwd_bytes_per_device"]
+            bucket, chunks = r["bucket"] or "", r["chunks"]
+            moved = [
                 f"{r['fill']:.3f}",
                 mib(by["total"]),
                 mib(by["cross_domain"]),
                 mib(r["slow_link_bytes_per_device"]),
             ]
-        )
+        rows.append([*_keys(r), bucket, chunks, med, spread, r["time"]["reps"], *moved])
     return markdown_table(header, rows)
 
 
 def _bucket_table(sec: dict[str, Any]) -> str:
     """The capacity-bucket table (stepper emulation)."""
     header = [
-        "mesh",
-        "dispatcher",
-        "routing",
+        *KEY_COLUMNS,
         "bucket held",
         "reruns",
         "fill",
@@ -173,9 +154,7 @@ def _bucket_table(sec: dict[str, Any]) -> str:
 
     rows = [
         [
-            b["mesh"],
-            b["dispatcher"],
-            b["routing"],
+            *_keys(b),
             b["held_bucket"],
             b["reruns"],
             f"{b['fill']:.3f}",

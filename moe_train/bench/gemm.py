@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moe_train.bench import common
 from moe_train.bench import experts as X
 from moe_train.bench.common import compile_jit, min_time, ratio_stats, time_rounds
 from moe_train.moe.gemm import ragged_dot_expansion_bytes
@@ -73,20 +74,17 @@ FULL = Sizes(
     budget_s=12.0,
     max_assignments=16384,
 )
-QUICK = Sizes(
+QUICK = dataclasses.replace(
+    FULL,
     experts=(8,),
     rows_per_expert=16,
     hidden=32,
     ffn=64,
-    top_k=2,
     routings=("uniform", "hot"),
     fwd_routings=("hot",),
-    modes=("fwd", "fwd+bwd"),
-    candidates=CANDIDATES,
-    min_reps=3,
-    max_reps=3,
-    target_s=0.05,
+    **common.QUICK_TIMING,
     budget_s=2.0,
+    max_assignments=Sizes.max_assignments,  # no cap (FULL caps N)
 )
 
 
@@ -267,7 +265,7 @@ def run(s: Sizes) -> dict[str, Any]:
                 + ", ".join(f"{r['routing']} {r['ratio']:.2f}" for r in timed)
                 + f" [{time.perf_counter() - t1:.0f} s]"
             )
-    return {"title": TITLE, "sizes": dataclasses.asdict(s), "rows": rows, "wall_s": time.perf_counter() - t0}
+    return common.section_result(TITLE, s, rows=rows, wall_s=time.perf_counter() - t0)
 
 
 def summary(rows: list[dict], backend: str = "tiled") -> dict[str, Any]:

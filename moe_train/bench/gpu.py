@@ -16,8 +16,8 @@ import time
 
 import jax.numpy as jnp
 
+from moe_train.bench import common, gemm
 from moe_train.bench import experts as X
-from moe_train.bench import gemm
 from moe_train.moe.routings import MoEShape, assignments
 
 
@@ -54,8 +54,7 @@ TINY = Sizes(
         Model("deepseek-tiny", MoEShape(256, 64, 64, 16, 4)),
     ),
     gemm_routings=("hot",),
-    max_reps=3,
-    target_s=0.05,
+    **common.QUICK_TIMING,
 )
 
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_train import config
+from moe_train.bench import common
 from moe_train.bench import experts as X
 from moe_train.bench.common import compile_jit, min_time, ratio_stats, summarize, time_rounds
 from moe_train.model.transformer import MoEBlock
@@ -40,6 +41,7 @@ from moe_train.moe.gemm import ragged_dot_expansion_bytes, resolve_backend
 from moe_train.moe.routings import MoEShape
 from moe_train.moe.stats import exchange_stats
 from moe_train.parallel import sharding
+from moe_train.train.step import StepCounter, init_state, make_train_step
 
 TITLE = "MoE layer and train step"
 ROUTERS = {
@@ -75,16 +77,14 @@ FULL = Sizes(
     preset="small",
     step_reps=3,
 )
-QUICK = Sizes(
+QUICK = dataclasses.replace(
+    FULL,
     shapes=(MoEShape(256, 32, 64, 8, 2),),
     backends=("tiled", "ragged_dot", "mgpu"),
     routers=("sigmoid-groups",),
-    min_reps=3,
-    max_reps=3,
-    target_s=0.05,
+    **common.QUICK_TIMING,
     budget_s=5.0,
     preset="tiny",
-    step_reps=3,
 )
 
 
@@ -166,13 +166,11 @@ def too_big(kind: str, shape: MoEShape, dtype) -> str | None:
 def _skip(kind: str, shape: MoEShape, dense_s: float, s: Sizes) -> str | None:
     if kind in ("capacity",):
         return None
-    reason = unavailable(kind, shape, s.dtype)
-    if reason:
+    if reason := unavailable(kind, shape, s.dtype):
         return reason
     if kind != "ragged_dot":
         return None
-    reason = too_big(kind, shape, s.dtype)
-    if reason:
+    if reason := too_big(kind, shape, s.dtype):
         return reason
     est = shape.experts * dense_s * (s.min_reps + 1)
     if est > s.budget_s:
@@ -253,8 +251,6 @@ def _without_routed_experts(next_fun, args, kwargs, context):
 
 def train_step(s: Sizes) -> dict[str, Any]:
     """The preset's train step with and without its MoE layers' work (see module doc)."""
-    from moe_train.train.step import StepCounter, init_state, make_train_step
-
     cfg = config.build(s.preset, ["parallel.devices=1"])
     mesh = sharding.make_mesh(jax.devices()[:1])
     t = cfg.train
@@ -319,10 +315,4 @@ def run(s: Sizes) -> dict[str, Any]:
         )
     step = train_step(s)
     log(f"train step {s.preset}: {step['tokens_per_s']:.0f} tokens/s, MoE {step['moe_fraction']:.0%}")
-    return {
-        "title": TITLE,
-        "sizes": dataclasses.asdict(s),
-        "rows": rows,
-        "train_step": step,
-        "wall_s": time.perf_counter() - t0,
-    }
+    return common.section_result(TITLE, s, rows=rows, train_step=step, wall_s=time.perf_counter() - t0)

@@ -28,8 +28,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from moe_train import config
+from moe_train.bench import common
 from moe_train.bench.common import markdown_table, mib
 from moe_train.model import loss
+from moe_train.planner.memory import plan
+from moe_train.planner.memory.job import attention_kind
+from topology.presets import load
 
 TITLE = "Memory: LM loss temp vs vocab, planner activations vs sequence length"
 
@@ -92,11 +97,6 @@ def loss_rows(s: Sizes) -> list[dict[str, Any]]:
 def _plan_row(s: Sizes, attention: str, seq: int, micro_tokens: int) -> dict[str, Any]:
     """The planner's activations for the job at ``seq`` with ``micro_tokens`` per GPU
     micro-batch (0: the preset's micro-batches) and the preset's tokens per step."""
-    from moe_train import config
-    from moe_train.planner.memory import plan
-    from moe_train.planner.memory.job import attention_kind
-    from topology.presets import load
-
     model, cluster, nodes, ep = s.job
     base = config.build(model)
     step_tokens = base.train.batch_size * base.train.seq_len
@@ -195,10 +195,4 @@ def markdown(s: Sizes, rows: list[dict], plans: list[dict]) -> str:
 
 def run(s: Sizes) -> dict[str, Any]:
     rows, plans = loss_rows(s), plan_rows(s)
-    return {
-        "title": TITLE,
-        "sizes": dataclasses.asdict(s),
-        "rows": rows,
-        "plan_rows": plans,
-        "markdown": markdown(s, rows, plans),
-    }
+    return common.section_result(TITLE, s, rows=rows, plan_rows=plans, markdown=markdown(s, rows, plans))

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_train.bench import common
 from moe_train.bench.common import collective_bytes, markdown_table, mib, row_done, time_rounds
 from moe_train.moe import Routing, ep_moe
 from moe_train.parallel import sharding
@@ -179,4 +180,4 @@ def run(s: Sizes) -> dict[str, Any]:
         f"unchunked ones to fp32 rounding; fp8 rows (e4m3 + a per-row scale) carry "
         f"(H + 4) bytes per row instead of 4H here (bf16 on a GPU: 2H).\n\n{table}\n"
     )
-    return {"title": TITLE, "sizes": dataclasses.asdict(s), "rows": rows, "markdown": md}
+    return common.section_result(TITLE, s, rows=rows, markdown=md)

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moe_train.bench import common
 from moe_train.bench.common import ACCEL_SHAPES, compile_jit, markdown_table, ratio_stats, time_rounds
 from moe_train.bench.layer import dense_fn, operands
 from moe_train.moe import Routing
@@ -56,19 +57,12 @@ FULL = Sizes(
     max_reps=10,
     target_s=3.0,
 )
-ACCEL = Sizes(  # on the accelerator, beside the layer rows of ``--accel``: the shapes
-    shapes=tuple(shape for _, shape, _ in ACCEL_SHAPES),
-    min_reps=3,
-    max_reps=10,
-    target_s=2.0,
-    dtype="bfloat16",
+ACCEL = dataclasses.replace(  # on the accelerator, beside the layer rows of ``--accel``: the shapes
+    FULL, shapes=tuple(shape for _, shape, _ in ACCEL_SHAPES), target_s=2.0, dtype="bfloat16"
 )
 GOAL_OVER_DENSE = 0.25  # the permutation (auto's method) at most this of the dense time at E = 128
-QUICK = Sizes(
-    shapes=(MoEShape(256, 32, 64, 8, 2), MoEShape(256, 32, 32, 128, 8)),
-    min_reps=3,
-    max_reps=3,
-    target_s=0.05,
+QUICK = dataclasses.replace(
+    FULL, shapes=(MoEShape(256, 32, 64, 8, 2), MoEShape(256, 32, 32, 128, 8)), **common.QUICK_TIMING
 )
 
 
@@ -193,4 +187,4 @@ def run(s: Sizes, with_goal: bool = False) -> dict[str, Any]:
     if bar:
         verdict = "met" if bar["met"] else "not met"
         md += f"\n\nGoal: {bar['goal']} {bar['measured']:.2f}x, target <= {bar['target']:.2f}x: {verdict}."
-    return {"title": TITLE, "sizes": dataclasses.asdict(s), "rows": rows, "goal": bar, "markdown": md}
+    return common.section_result(TITLE, s, rows=rows, goal=bar, markdown=md)

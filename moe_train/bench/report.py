@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from moe_train.bench import common
 from moe_train.bench.common import fmt_ms, markdown_table
 from moe_train.bench.gemm import realistic
 
@@ -37,10 +38,6 @@ def _rows_table(
     kept, note = _split_unavailable(rows)
     table = markdown_table(header, [skipped(r) if r["skipped"] else timed(r) for r in kept])
     return table + (f"\n\n{note}." if note else "")
-
-
-def _ratio(r: dict) -> str:
-    return f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
 
 
 def _cpu(r: dict) -> str:
@@ -105,7 +102,7 @@ def gemm_md(sec: dict[str, Any]) -> str:
             tile,
             fmt_ms(r["time"])[0],
             fmt_ms(r["dense_time"])[0],
-            _ratio(r),
+            common.ratio_cell(r),
             _cpu(r),
             f"{r['padding_waste']:.3f}",
             f"{r['drop_rate']:.1%}" if r["backend"] == "capacity" else "",
@@ -142,7 +139,7 @@ def layer_md(sec: dict[str, Any]) -> str:
             r["router"],
             fmt_ms(r["time"])[0],
             f"{r['tokens_per_s']:,.0f}",
-            _ratio(r),
+            common.ratio_cell(r),
             _cpu(r),
             f"{r['drop_rate']:.1%}" if r["backend"] == "capacity" else "",
             load,

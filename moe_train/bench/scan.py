@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train import config
+from moe_train.bench import common
 from moe_train.bench.common import markdown_table
 from moe_train.parallel import sharding
 from moe_train.train import step as train
@@ -135,14 +136,9 @@ def run(s: Sizes) -> dict[str, Any]:
             )
     by = {(r["layers"], r["scan"]): r["total_s"] for r in rows}
     ratio = {str(n): by[(n, False)] / by[(n, True)] for n in s.layers}
-    return {
-        "title": TITLE,
-        "sizes": dataclasses.asdict(s),
-        "rows": rows,
-        "loop_over_scan": ratio,
-        "markdown": _markdown(rows),
-        "wall_s": time.perf_counter() - t0,
-    }
+    return common.section_result(
+        TITLE, s, rows=rows, loop_over_scan=ratio, markdown=_markdown(rows), wall_s=time.perf_counter() - t0
+    )
 
 
 if __name__ == "__main__":  # python -m moe_train.bench.scan [--quick]

@@ -25,7 +25,6 @@ VM (``STEPS`` steps of 16 x 128 tokens per run, 18 runs).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import statistics
@@ -34,7 +33,8 @@ import time
 from pathlib import Path
 
 from moe_train import config
-from moe_train.data import KIT_ROOT
+from moe_train.base.cliargs import utc_stamp
+from moe_train.data import KIT_ROOT, prepare
 from moe_train.model import flops
 
 CORPUS = KIT_ROOT / "moe_train" / "assets" / "corpus.txt"
@@ -63,8 +63,6 @@ VARIANTS = {
 def prepare_corpus(out: Path) -> Path:
     """The shipped corpus tokenized with a 512-token BPE trained on it, 10% held out."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from moe_train.data import prepare
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -108,7 +106,7 @@ def variant_config(name: str, data: Path, seed: int, steps: int) -> config.Confi
 
 
 def train_one(cfg: config.Config, out: Path) -> list[dict]:
-    from moe_train.train.loop import EXIT_OK, run
+    from moe_train.train.loop import EXIT_OK, run  # orbax, optax: after the arguments are checked
 
     if run(cfg, out, log=lambda s: None) != EXIT_OK:
         raise RuntimeError(f"study run {out} did not finish")
@@ -190,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--seeds", type=int, default=len(SEEDS))
     args = p.parse_args(argv)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    stamp = utc_stamp()
     out = Path(args.out) / stamp
     t0 = time.perf_counter()
     data = prepare_corpus(out)

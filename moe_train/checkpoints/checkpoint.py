@@ -383,23 +383,15 @@ class Checkpointer:
 def open_for(out_dir: Path, t: Any) -> Checkpointer:
     """The run's checkpointer (``t``: its ``train`` config); OutputError when the directory
     cannot be created."""
-    try:
+    with exits.RaisedAs(lambda err: exits.output_error(err, Path(out_dir) / "checkpoints"), OSError):
         return Checkpointer(out_dir, keep=t.keep_checkpoints, use_async=t.async_checkpoint)
-    except OSError as err:
-        if (out := exits.output_error(err, Path(out_dir) / "checkpoints")) is None:
-            raise
-        raise out from err
 
 
 def close(ckpt: Checkpointer) -> None:
     """Wait for the last save and close: an async save that failed raises what the file
     system said (OutputError)."""
-    try:
+    with exits.RaisedAs(lambda err: exits.output_error(err, ckpt.directory)):
         ckpt.close()
-    except Exception as err:
-        if (out := exits.output_error(err, ckpt.directory)) is None:
-            raise
-        raise out from err
 
 
 class Schedule:

@@ -357,15 +357,12 @@ def _check_capacity(cfg: Any) -> None:
     if not f:
         return
     if cfg.parallel.ep != 1:
-        raise ConfigError(
-            f"study.capacity_factor={f} (the token-dropping baseline) runs without "
-            f"expert parallelism; set parallel.ep=1 or study.capacity_factor=0"
-        )
-    if cfg.precision.compute == "fp8":
-        raise ConfigError(
-            f"study.capacity_factor={f} (the token-dropping baseline) has no fp8 "
-            f"path; choose precision.compute fp32 or bf16"
-        )
+        why = "runs without expert parallelism; set parallel.ep=1 or study.capacity_factor=0"
+    elif cfg.precision.compute == "fp8":
+        why = "has no fp8 path; choose precision.compute fp32 or bf16"
+    else:
+        return
+    raise ConfigError(f"study.capacity_factor={f} (the token-dropping baseline) {why}")
 
 
 def _not_dividing(a: int, b: int) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moe_train import config
+
 EXIT_USAGE = 2
 
 
@@ -25,17 +27,21 @@ class OneLineParser(argparse.ArgumentParser):
 
 def job_arguments(p: argparse.ArgumentParser, cluster_flag: str, cluster_help: str) -> None:
     """--model, the cluster flag, --nodes, --ep and --set, as every job command takes them."""
-    from moe_train import config
-
     p.add_argument("--model", required=True, help=f"model preset: {', '.join(config.list_presets())}")
     p.add_argument(cluster_flag, required=True, help=cluster_help)
     p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default parallel.ep)")
+    set_argument(p, "train.remat=full")
+
+
+def set_argument(p: argparse.ArgumentParser, example: str) -> None:
+    """``--set KEY=VALUE`` (repeatable) into ``overrides``: the config overrides every command
+    that builds a config takes; ``example`` is shown in the help."""
     p.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field, e.g. --set train.remat=full (repeatable)",
+        help=f"override a config field, e.g. --set {example} (repeatable)",
     )

@@ -25,18 +25,26 @@ def parser() -> argparse.ArgumentParser:
         description="Convert checkpoints between Hugging Face and the kit.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    a = sub.add_parser("from-hf", help="a Hugging Face checkpoint -> preset.toml + orbax weights")
-    a.add_argument("hf_dir", metavar="HF_DIR", help="config.json and *.safetensors")
-    a.add_argument("out", metavar="OUT", help="new (or empty) output directory")
+    a = _command(
+        sub,
+        "from-hf",
+        "a Hugging Face checkpoint -> preset.toml + orbax weights",
+        ("hf_dir", "HF_DIR", "config.json and *.safetensors"),
+        "OUT",
+    )
     a.add_argument(
         "--workers",
         type=int,
         default=1,
         help="processes that split the layers between them (each holds about one layer in memory; default 1)",
     )
-    b = sub.add_parser("to-hf", help="kit weights -> a Hugging Face checkpoint directory")
-    b.add_argument("ckpt", metavar="CKPT", help="a converted checkpoint, a run directory or a step")
-    b.add_argument("out", metavar="HF_OUT", help="new (or empty) output directory")
+    b = _command(
+        sub,
+        "to-hf",
+        "kit weights -> a Hugging Face checkpoint directory",
+        ("ckpt", "CKPT", "a converted checkpoint, a run directory or a step"),
+        "HF_OUT",
+    )
     b.add_argument(
         "--dtype",
         default=None,
@@ -56,15 +64,27 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command(
+    sub: argparse._SubParsersAction, name: str, what: str, source: tuple[str, str, str], out: str
+) -> argparse.ArgumentParser:
+    """Subcommand ``name`` (help ``what``) with its positionals: ``source`` (dest, metavar,
+    help), then the output directory (metavar ``out``)."""
+    p = sub.add_parser(name, help=what)
+    dest, metavar, help_ = source
+    p.add_argument(dest, metavar=metavar, help=help_)
+    p.add_argument("out", metavar=out, help="new (or empty) output directory")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.command == "from-hf":
-            from moe_train.convert.from_hf import from_hf
+            from moe_train.convert.from_hf import from_hf  # JAX and orbax: after the arguments are checked
 
             from_hf(args.hf_dir, args.out, workers=max(1, args.workers))
         else:
-            from moe_train.convert.to_hf import to_hf
+            from moe_train.convert.to_hf import to_hf  # JAX and orbax: after the arguments are checked
 
             to_hf(args.ckpt, args.out, dtype=args.dtype, trust_unverified=args.trust_unverified)
     except ConfigError as err:

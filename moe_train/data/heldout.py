@@ -28,6 +28,7 @@ import numpy as np
 
 from moe_train.config import Config
 from moe_train.data import DataError, SyntheticSource, packing
+from moe_train.data.packed import val_rows
 
 DEFAULT_SEQUENCES = 64  # sequences per evaluation when train.eval_tokens is 0
 _HELD_OUT_TAG = 0x4E1D  # separates the held-out walks' streams from the batches'
@@ -46,8 +47,6 @@ def eval_batches(cfg: Config) -> tuple[list[Any], str]:
     d, t, m = cfg.data, cfg.train, cfg.model
     rows, B = sequences(cfg), t.batch_size
     if d.source == "prepared":
-        from moe_train.data.packed import val_rows
-
         batch, real, shown = val_rows(
             d.path, vocab_size=m.vocab_size, seq_len=t.seq_len, rows=rows, packed=bool(d.packing)
         )

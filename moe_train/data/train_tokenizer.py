@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from moe_train.base.exits import OutputError
 from moe_train.data import DataError, shards
 from moe_train.data import inputs as inputs_mod
 
@@ -106,8 +107,6 @@ def ensure(
         path.parent.mkdir(parents=True, exist_ok=True)
         shards.atomic_write(path, tok.to_str(pretty=True).encode("utf-8"))
     except OSError as err:
-        from moe_train.base.exits import OutputError
-
         raise OutputError(f"--out {out}: cannot write ({err.strerror or err})") from None
     log(
         f"trained the tokenizer in {time.perf_counter() - t0:.1f} s: {tok.get_vocab_size():,} "

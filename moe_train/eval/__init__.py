@@ -49,6 +49,7 @@ from moe_train import config
 from moe_train.base.waiting import Waiting
 from moe_train.config import Config, ConfigError
 from moe_train.data import packing
+from moe_train.data.heldout import eval_batches
 from moe_train.model import loss
 from moe_train.model.precision import FP8_COLLECTION
 from moe_train.model.settings import model_settings
@@ -136,8 +137,6 @@ class InRun:
     ``moe_train.data.heldout``, every ``eval_every`` steps and at the last step."""
 
     def __init__(self, cfg: Config):
-        from moe_train.data.heldout import eval_batches
-
         self.every, self.last = cfg.train.eval_every, cfg.train.steps
         self.batches, self.description = eval_batches(cfg)  # a DataError: before any write
 
@@ -201,9 +200,8 @@ def evaluate_weights(
     """{"eval_loss", "eval_ppl", "eval_tokens", "data"} of the weights at ``path`` (a step
     without a manifest is refused unless ``trust_unverified``). ``log`` gets a line as each
     phase starts (restoring the weights, compiling and scoring) and with its time."""
-    from moe_train.convert import weights
-    from moe_train.convert.score import pick_devices
-    from moe_train.data.heldout import eval_batches
+    from moe_train.convert import weights  # orbax: only to read a checkpoint's weights
+    from moe_train.convert.score import pick_devices  # with the weights above
 
     source = weights.locate(path)
     devs = pick_devices(devices)

@@ -45,6 +45,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moe_train.train.progress import Waiting
+
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 
 
@@ -141,8 +143,6 @@ def heartbeat(what: str, log: Callable[[str], None] = say):
     """``with heartbeat("running section ep"):`` ``still <what>: N s`` every ``HEARTBEAT_S``
     seconds while the block runs (nothing for a block quicker than that): the trainer's
     ``Waiting`` (``moe_train.train.progress``) with the elapsed time in its first line too."""
-    from moe_train.train.progress import Waiting
-
     # the first line a little early: the section's own line came just before the block
     beat = Waiting(log, what, after_s=0.9 * HEARTBEAT_S, every_s=HEARTBEAT_S, done=False)
     beat.describe = lambda: f"still {what}: {time.perf_counter() - beat.t0:.0f} s"

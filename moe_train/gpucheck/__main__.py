@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
+from moe_train.base.cliargs import add_out_option, comma_list, utc_stamp
 from moe_train.gpucheck import Context, Section, budget_scale, failed, heartbeat, run_section, say, write
 
 SECTION_NAMES = (
@@ -28,7 +28,13 @@ SECTION_NAMES = (
 def sections() -> list[Section]:
     """The sections in order, with their time budgets on a GPU (560 s together; what a
     section leaves unused goes to the next, so the whole run stays within the sum)."""
-    from moe_train.gpucheck import calibrate, compiled, kernels, overlap, runs
+    from moe_train.gpucheck import (  # JAX: after main() sets its env
+        calibrate,
+        compiled,
+        kernels,
+        overlap,
+        runs,
+    )
 
     return [
         Section("env", "Environment", 5, kernels.environment),
@@ -49,19 +55,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m moe_train.gpucheck", description="What works on this GPU node, and how fast."
     )
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=Path("runs/gpucheck"),
-        help="results go to OUT/<UTC>/results.{json,md} (default: runs/gpucheck)",
-    )
+    add_out_option(ap, "runs/gpucheck", "<UTC>/results.{json,md}")
     ap.add_argument(
         "--only",
         default=",".join(SECTION_NAMES),
         help=f"comma-separated sections (default: all of {', '.join(SECTION_NAMES)})",
     )
     args = ap.parse_args(argv)
-    args.only = [s for s in args.only.split(",") if s]
+    args.only = comma_list(args.only)
     bad = sorted(set(args.only) - set(SECTION_NAMES))
     if bad:
         ap.error(f"unknown section(s) {', '.join(bad)}; choose from {', '.join(SECTION_NAMES)}")
@@ -69,7 +70,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def markdown(results: dict) -> str:
-    from moe_train.gpucheck.report import render
+    from moe_train.gpucheck.report import render  # JAX: after main() sets its env
 
     return render(results)
 
@@ -79,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     # grow GPU memory as needed (not 75% up front): the trainer runs are child processes
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
-
-    from moe_train.bench.common import utc_stamp
 
     stamp = utc_stamp()
     out_dir = args.out / stamp

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from moe_train.base.platform import as_platform
 from moe_train.gpucheck import PASS, Context, skip
+from moe_train.model import attention
 from moe_train.planner import compute
 from topology import peaks
 
@@ -60,15 +62,11 @@ def grouped_rate(earlier: tuple[dict[str, Any], ...]) -> tuple[float, str] | Non
     """(useful FLOP/s, what ran) of the gemm_speed section's fastest passing fwd+bwd row under
     uniform routing: its useful expert FLOPs over its time. (Not its ratio to the section's
     dense GEMM chain: on an H200 mgpu ran at 0.64x that chain, which is no GEMM peak.)"""
-    rows = [
-        r
-        for r in _section(earlier, "gemm_speed").get("rows", [])
-        if r.get("status") == PASS
-        and r.get("mode") == "fwd+bwd"
-        and r.get("routing") == "uniform"
-        and r.get("useful_flops")
-        and r.get("time_ms")
-    ]
+    rows = _timed_rows(
+        earlier,
+        "gemm_speed",
+        lambda r: r.get("mode") == "fwd+bwd" and r.get("routing") == "uniform" and r.get("useful_flops"),
+    )
     if not rows:
         return None
     best = max(rows, key=lambda r: r["useful_flops"] / r["time_ms"])
@@ -82,11 +80,20 @@ def _section(earlier: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
     return next((sec for sec in earlier if sec.get("name") == name), {})
 
 
+def _timed_rows(
+    earlier: tuple[dict[str, Any], ...], name: str, keep: Callable[[dict[str, Any]], Any]
+) -> list[dict[str, Any]]:
+    """The rows of section ``name`` that passed, were timed and that ``keep`` accepts."""
+    return [
+        r
+        for r in _section(earlier, name).get("rows", [])
+        if r.get("status") == PASS and r.get("time_ms") and keep(r)
+    ]
+
+
 def attention_rate(earlier: tuple[dict[str, Any], ...], platform: str) -> tuple[float, str] | None:
     """(model FLOP/s, what ran) of the attention row of the implementation ``auto`` picks on
     ``platform`` for the section's problem; None when it did not pass or was not timed."""
-    from moe_train.model import attention
-
     sec = _section(earlier, "attention")
     p = sec.get("problem")
     if not p:
@@ -99,14 +106,7 @@ def attention_rate(earlier: tuple[dict[str, Any], ...], platform: str) -> tuple[
         v_head_dim=p["v_head_dim"],
         seq_len=p["seq_len"],
     )
-    row = next(
-        (
-            r
-            for r in sec.get("rows", [])
-            if r.get("implementation") == name and r.get("status") == PASS and r.get("time_ms")
-        ),
-        None,
-    )
+    row = next(iter(_timed_rows(earlier, "attention", lambda r: r.get("implementation") == name)), None)
     if row is None:
         return None
     # forward: B S^2 N (Dqk + Dv) (QK^T and AV, halved by the causal mask); x3 with backward
@@ -119,14 +119,9 @@ def attention_rate(earlier: tuple[dict[str, Any], ...], platform: str) -> tuple[
 
 def fp8_rate(earlier: tuple[dict[str, Any], ...]) -> tuple[float, str] | None:
     """(FLOP/s, what ran) of the fastest passing fp8 projection with fp8 GEMMs in its HLO."""
-    rows = [
-        r
-        for r in _section(earlier, "fp8").get("rows", [])
-        if r.get("status") == PASS
-        and (r.get("fp8_gemm_calls") or r.get("fp8_dots"))
-        and r.get("time_ms")
-        and r.get("shape")
-    ]
+    rows = _timed_rows(
+        earlier, "fp8", lambda r: (r.get("fp8_gemm_calls") or r.get("fp8_dots")) and r.get("shape")
+    )
     if not rows:
         return None
     best = min(rows, key=lambda r: r["time_ms"] / math.prod(r["shape"]))
@@ -152,23 +147,30 @@ def file_text(measured: dict[str, float], why: dict[str, str], base: compute.Com
     return "\n".join(lines) + "\n"
 
 
+def _share(
+    measured: dict[str, float],
+    why: dict[str, str],
+    field: str,
+    found: tuple[float, str] | None,
+    peak: float,
+    rates: str,
+) -> None:
+    """Record ``found`` (FLOP/s, what ran), if any, as ``field``: its share of ``peak``, and why;
+    ``rates`` words the two in TFLOP/s (``{rate:.0f}``, ``{peak:.0f}``)."""
+    if found:
+        rate, what = found
+        measured[field] = rate / peak
+        why[field] = f"gpu-check: {what} at " + rates.format(rate=rate / 1e12, peak=peak / 1e12)
+
+
 def _measured_rates(ctx: Context, peak: float, measured: dict[str, float], why: dict[str, str]) -> None:
     """The attention and fp8 shares from the earlier sections' timings, where they ran."""
     found = attention_rate(ctx.earlier, ctx.platform)
-    if found:
-        rate, what = found
-        measured["attention_efficiency"] = rate / peak
-        why["attention_efficiency"] = (
-            f"gpu-check: {what} at {rate / 1e12:.0f} model TFLOP/s of {peak / 1e12:.0f}"
-        )
+    _share(measured, why, "attention_efficiency", found, peak, "{rate:.0f} model TFLOP/s of {peak:.0f}")
     fp8_peak = peaks.peak_flops(ctx.device_kind, "fp8")
-    found = fp8_rate(ctx.earlier) if fp8_peak else None
-    if found and fp8_peak:
-        rate, what = found
-        measured["fp8_gemm_efficiency"] = rate / fp8_peak
-        why["fp8_gemm_efficiency"] = (
-            f"gpu-check: {what} at {rate / 1e12:.0f} of {fp8_peak / 1e12:.0f} TFLOP/s fp8"
-        )
+    if fp8_peak:
+        found = fp8_rate(ctx.earlier)
+        _share(measured, why, "fp8_gemm_efficiency", found, fp8_peak, "{rate:.0f} of {peak:.0f} TFLOP/s fp8")
 
 
 def section(ctx: Context) -> dict[str, Any]:
@@ -186,12 +188,7 @@ def section(ctx: Context) -> dict[str, Any]:
         f"{peak / 1e12:.0f} TFLOP/s on {ctx.device_kind}"
     }
     found = grouped_rate(ctx.earlier)
-    if found:
-        grouped, what = found
-        measured["grouped_gemm_efficiency"] = grouped / peak
-        why["grouped_gemm_efficiency"] = (
-            f"gpu-check: {what} at {grouped / 1e12:.0f} of {peak / 1e12:.0f} TFLOP/s"
-        )
+    _share(measured, why, "grouped_gemm_efficiency", found, peak, "{rate:.0f} of {peak:.0f} TFLOP/s")
     _measured_rates(ctx, peak, measured, why)
     path = Path(ctx.out_dir) / "compute.toml"
     path.parent.mkdir(parents=True, exist_ok=True)

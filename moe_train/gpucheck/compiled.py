@@ -21,7 +21,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from moe_train.gpucheck import FAIL, PASS, Context, skip
+from moe_train import config
+from moe_train.gpucheck import FAIL, PASS, Context, runs, skip
+from moe_train.parallel import sharding
+from moe_train.planner.compile import kernels, lower
+from topology import device_mesh, targets
 
 JOB = (
     "mixtral-8x7b",
@@ -53,11 +57,6 @@ def _deviceless(name: str) -> dict[str, int]:
     """The JOB's step compiled for one simulated GPU of target ``name``: memory by field."""
     from jax.experimental import topologies
 
-    from moe_train import config
-    from moe_train.parallel import sharding
-    from moe_train.planner.compile import kernels, lower
-    from topology import device_mesh, targets
-
     target = targets.load(name)
     devices = list(
         topologies.get_topology_desc(target.name, "cuda", target_config=target.text, topology="1x1x1").devices
@@ -73,8 +72,6 @@ def _deviceless(name: str) -> dict[str, int]:
 def _on_device(ctx: Context) -> tuple[dict[str, int] | None, int | None, str]:
     """(compiled memory by field, the allocator's peak, why None) of the trainer's own run."""
     import os
-
-    from moe_train.gpucheck import runs
 
     saved = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = CHILD_MEM_FRACTION

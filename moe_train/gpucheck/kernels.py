@@ -20,7 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.base.platform import Platform, as_platform
-from moe_train.gpucheck import FAIL, PASS, SKIP, Context, over_budget, verdict
+from moe_train.bench import gpu
+from moe_train.bench.experts import unavailable
+from moe_train.gpucheck import FAIL, PASS, SKIP, Context, over_budget, runs, verdict
+from moe_train.model import attention as attn
+from moe_train.model import precision_te
 from moe_train.selftest import checks
 
 ROUTINGS = ("uniform", "zipf", "hot", "empty")
@@ -62,8 +66,6 @@ def _nvml() -> tuple[str | None, int | None]:
 
 
 def _te() -> dict[str, Any]:
-    from moe_train.model import precision_te
-
     err = precision_te._import_error()
     if err:
         return {"imports": False, "error": err}
@@ -109,8 +111,6 @@ def _shapes(ctx: Context) -> dict[str, tuple[int, ...]]:
 
 
 def _reason(backend: str, hidden: int, ffn: int) -> str | None:
-    from moe_train.bench.experts import unavailable
-
     return unavailable(backend, jnp.bfloat16, hidden, ffn)
 
 
@@ -155,8 +155,6 @@ def gemm_numerics(ctx: Context) -> dict[str, Any]:
 
 def gemm_speed(ctx: Context) -> dict[str, Any]:
     """Each backend's grouped GEMM (fwd, fwd+bwd) over a dense GEMM chain of the same FLOPs."""
-    from moe_train.bench import gpu
-
     sizes = gpu.FULL if ctx.on_gpu else gpu.TINY
     rows = []
     for model in sizes.models:
@@ -193,8 +191,6 @@ def _temp_bytes(fn, args) -> int | None:
 
 def attention(ctx: Context) -> dict[str, Any]:
     """Every implementation the trainer can pick here vs the xla reference (fp32)."""
-    from moe_train.model import attention as attn
-
     p = ATTENTION["gpu" if ctx.on_gpu else "cpu"]
     rows = []
     for name, reason in attn.available(
@@ -258,8 +254,6 @@ def _fp8_backends(ctx: Context) -> dict[str, str | None]:
     if not ctx.on_gpu:
         reasons["te"] = "Transformer Engine needs an NVIDIA GPU"
     else:
-        from moe_train.model import precision_te
-
         reasons["te"] = precision_te.unavailable_reason("delayed")
     return reasons
 
@@ -298,8 +292,6 @@ def _fp8_row(ctx: Context, backend: str) -> dict[str, Any]:
 
 def fp8(ctx: Context) -> dict[str, Any]:
     """fp8 projections per backend (numerics, HLO) and a short fp8 run against bf16."""
-    from moe_train.gpucheck import runs
-
     rows = []
     for backend, reason in _fp8_backends(ctx).items():
         rows.append(

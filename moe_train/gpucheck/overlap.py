@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_train.bench import overlap
+from moe_train.bench.overlap import Sizes
 from moe_train.gpucheck import FAIL, PASS, Context, skip, verdict
 
 VARIANTS = ((1, "activation"), (2, "activation"), (4, "activation"), (4, "fp8"))
@@ -33,8 +35,6 @@ TRACE_DIR = "overlap_trace"
 
 def sizes(ctx: Context, n: int):
     """GPU: T 4,096 per device, H 2,048, F 1,024, E 64, K 4; elsewhere toy sizes."""
-    from moe_train.bench.overlap import Sizes
-
     if ctx.on_gpu:
         return Sizes(tokens=4096 * n, hidden=2048, ffn=1024, experts=64, top_k=4, min_reps=5, target_s=3.0)
     return Sizes(tokens=32 * n, hidden=16, ffn=16, experts=2 * n, top_k=2, min_reps=1, target_s=0.01)
@@ -43,8 +43,6 @@ def sizes(ctx: Context, n: int):
 def operands(s) -> tuple:
     """The bench's operands with tokens and expert weights in bf16 (the router stays fp32)."""
     import jax.numpy as jnp
-
-    from moe_train.bench import overlap
 
     x, gate, w0, w1, wo = overlap.operands(s)
     return (
@@ -74,8 +72,6 @@ def _checked(row: dict[str, Any]) -> dict[str, Any]:
 def section(ctx: Context, devices=None) -> dict[str, Any]:
     """The section; ``devices`` defaults to every local device (at most 8, a power of two)."""
     import jax
-
-    from moe_train.bench import overlap
 
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < 2:

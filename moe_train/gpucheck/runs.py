@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moe_train import config
+from moe_train.bench.experts import unavailable
 from moe_train.gpucheck import FAIL, PASS, SKIP, Context, over_budget, say, skip, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,8 +117,6 @@ def _run_row(ctx: Context, run: dict[str, Any], n_steps: int, backend: str, pres
 
 
 def _runnable(ctx: Context, compute: str, hidden: int, ffn: int) -> tuple[list[str], list[dict]]:
-    from moe_train.bench.experts import unavailable
-
     dtype = "float32" if compute == "fp32" else "bfloat16"
     ok, rows = [], []
     for b in TRAIN_BACKENDS:
@@ -129,8 +129,6 @@ def _runnable(ctx: Context, compute: str, hidden: int, ffn: int) -> tuple[list[s
 
 
 def _preset_runs(ctx: Context, preset: str, n_steps: int, compute: str) -> list[dict]:
-    from moe_train import config
-
     m = config.build(preset)
     backends, rows = _runnable(ctx, compute, m.model.hidden, m.moe.expert_ffn)
     losses = {}

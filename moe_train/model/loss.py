@@ -240,17 +240,24 @@ def _tiles(x_CH, head_HV, width: int, scale: float, body, carry):
     columns from ``start``, of which those from ``first`` on (``fresh_W``) are new: the last
     tile ends at V and overlaps the one before when W does not divide V; the overlap counts
     once, in the earlier tile."""
-    V = head_HV.shape[1]
 
     def step(carry, v):
-        first = v * width
-        start = jnp.minimum(first, V - width)
-        head_HW = jax.lax.dynamic_slice_in_dim(head_HV, start, width, axis=1)
-        fresh_W = start + jnp.arange(width, dtype=jnp.int32) >= first
+        head_HW, start, first, fresh_W = _vocab_tile(head_HV, v, width)
         tile = (_logits(x_CH, head_HW, scale), start, first, fresh_W)
         return body(carry, tile), None
 
-    return _loop(step, carry, cdiv(V, width))[0]
+    return _loop(step, carry, cdiv(head_HV.shape[1], width))[0]
+
+
+def _vocab_tile(head_HV, v, width: int):
+    """Vocab tile ``v``: ``(head_HW, start, first, fresh_W)``, the head's W = ``width``
+    columns from ``start`` = min(``first``, V - W), ``first`` = v * W, and which of them are
+    new (from ``first`` on: the last tile ends at V and may overlap the one before)."""
+    first = v * width
+    start = jnp.minimum(first, head_HV.shape[1] - width)
+    head_HW = jax.lax.dynamic_slice_in_dim(head_HV, start, width, axis=1)
+    fresh_W = start + jnp.arange(width, dtype=jnp.int32) >= first
+    return head_HW, start, first, fresh_W
 
 
 def _chunk_lse_and_picked(x_CH, labels_C, head_HV, width: int, scale: float):
@@ -306,10 +313,7 @@ def _nll_and_lse_bwd(chunk: int, width: int, scale: float, residuals, cotangents
 
     def per_tile(carry, v):
         dx_CPH, dhead_HV = carry
-        first = v * width
-        start = jnp.minimum(first, V - width)
-        head_HW = jax.lax.dynamic_slice_in_dim(head, start, width, axis=1)
-        fresh_W = start + jnp.arange(width, dtype=jnp.int32) >= first
+        head_HW, start, _, fresh_W = _vocab_tile(head, v, width)
 
         def per_chunk(carry, g):
             dhead_HW, dx_CPH = carry

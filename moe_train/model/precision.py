@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from moe_train.base.platform import Platform, as_platform
 from moe_train.config import Config, ConfigError, PrecisionConfig, compute_dtype
+from moe_train.model import precision_te
 from moe_train.moe.vjp import custom_vjp
 
 FP8_COLLECTION = "_overwrite_with_gradient"
@@ -155,7 +156,6 @@ def _te_reason(p: PrecisionConfig, platform: Platform) -> str | None:
     """Why Transformer Engine's fp8 cannot be used on ``platform`` (None when it can)."""
     if platform.name != "gpu":
         return f"Transformer Engine needs an NVIDIA GPU, this is {platform.name!r}"
-    from moe_train.model import precision_te
 
     return precision_te.unavailable_reason(p.fp8_recipe, platform)
 
@@ -301,7 +301,5 @@ def dot(pol: Policy, name: str, x, w, n: int = 1):
     if not pol.fp8:
         return jax.lax.dot_general(x, w, _dims(x.ndim, n))
     if pol.backend == "te":
-        from moe_train.model import precision_te
-
         return precision_te.dot(name, x, w, _dims(x.ndim, n), pol.recipe_name, pol.history, pol.recipe.margin)
     return Fp8Dot(pol, n, name=f"{name}_fp8")(x, w)

@@ -29,6 +29,8 @@ scale, 1 where none is given).
 # pyright: reportMissingImports=false
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -40,6 +42,8 @@ from moe_train.moe.tiled import default_block_rows, expert_operands, tiled_swigl
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MGPU_ALIGN = 64  # H and F must be multiples of this (block_k and block_n of the kernels)
+# the pipelining both Mosaic GPU kernels (ragged_dot, transposed_ragged_dot) run with
+_MGPU_PIPELINE: dict[str, Any] = {"block_k": _MGPU_ALIGN, "max_concurrent_steps": 4, "grid_block_n": 1}
 _TE_HINT = (
     "install Transformer Engine for JAX on a CUDA machine: "
     "pip install --no-build-isolation 'transformer_engine[jax]'"
@@ -176,10 +180,8 @@ def _mgpu_forward(lhs, rhs, group_sizes_E, transpose_rhs=False):
         group_sizes=group_sizes_E,
         block_m=128,
         block_n=_mgpu_blocks(n_out),
-        block_k=_MGPU_ALIGN,
-        max_concurrent_steps=4,
-        grid_block_n=1,
         transpose_rhs=transpose_rhs,
+        **_MGPU_PIPELINE,
     )
 
 
@@ -214,9 +216,7 @@ def _mgpu_gmm_bwd(res, dy):
         group_sizes=group_sizes_E,
         block_m=_mgpu_blocks(k),
         block_n=_mgpu_blocks(f),
-        block_k=_MGPU_ALIGN,
-        max_concurrent_steps=4,
-        grid_block_n=1,
+        **_MGPU_PIPELINE,
     )
     return (_typed_like(dx, lhs), _typed_like(dw.astype(rhs.dtype), rhs), None)
 
@@ -277,33 +277,16 @@ def grouped_swiglu(
     ``platform``: the target the tiled blocks and megablox's tiles are chosen for (None: this
     process's).
     """
-    on = or_here(platform)
-    if backend == "tiled":
-        if plan.tile_expert_P is None:
-            raise ValueError("the tiled backend needs a plan built with tile_rows")
-        m = x_RH.shape[0] // plan.tile_expert_P.shape[0]  # R = P * m
-        return tiled_swiglu(
-            x_RH,
-            plan.group_sizes_E,
-            wi_0_EHF,
-            wi_1_EHF,
-            wo_EFH,
-            tile_rows=m,
-            block_rows=block_rows or default_block_rows(m, on.name),
-            scale_R=scale_R,
-            two_walks=on.name == "gpu",
-        )
-    if backend == "megablox":
-        return megablox.megablox_swiglu(
-            x_RH,
-            plan.group_sizes_E,
-            wi_0_EHF,
-            wi_1_EHF,
-            wo_EFH,
-            row_tile=row_tile,
-            scale_R=scale_R,
-            platform=on,
-        )
-    if backend not in _GMM:
+    if backend in _GMM:
+        return sorted_swiglu(x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, backend, scale_R)
+    if backend not in ("tiled", "megablox"):
         raise ValueError(f"not a concrete backend: {backend!r}; resolve it first")
-    return sorted_swiglu(x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, backend, scale_R)
+    if backend == "tiled" and plan.tile_expert_P is None:
+        raise ValueError("the tiled backend needs a plan built with tile_rows")
+    on = or_here(platform)
+    ops = expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, plan.group_sizes_E, scale_R)
+    if backend == "megablox":
+        return megablox.megablox_swiglu(ops, row_tile=row_tile, platform=on)
+    m = x_RH.shape[0] // plan.tile_expert_P.shape[0]  # R = P * m
+    block_rows = block_rows or default_block_rows(m, on.name)
+    return tiled_swiglu(ops, tile_rows=m, block_rows=block_rows, two_walks=on.name == "gpu")

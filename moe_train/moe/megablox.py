@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from moe_train.base.imports import import_failure
 from moe_train.base.platform import Platform, or_here
-from moe_train.moe.tiled import expert_operands, vary, varying_axes
+from moe_train.moe.tiled import vary, varying_axes
 from moe_train.moe.vjp import custom_vjp
 
 F32 = jnp.float32
@@ -218,26 +218,18 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def megablox_swiglu(
-    x_RH: jax.Array,
-    group_sizes_E: jax.Array,
-    wi_0_EHF: jax.Array,
-    wi_1_EHF: jax.Array,
-    wo_EFH: jax.Array,
-    *,
-    row_tile: int,
-    scale_R: jax.Array | None = None,
-    platform: Platform | None = None,
+    ops: tuple[jax.Array, ...], *, row_tile: int, platform: Platform | None = None
 ) -> jax.Array:
-    """SwiGLU experts on rows sorted by expert [R, H] -> [R, H] (x's dtype).
+    """SwiGLU experts on rows sorted by expert [R, H] -> [R, H] (x's dtype); ``ops`` is
+    ``tiled.expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, scale_R)``.
 
     ``group_sizes_E`` counts each expert's rows from row 0 (they may sum to less than R: the
     rest is in no group and reads zero). R must be a multiple of ``row_tile`` (``default_row_tile``).
-    ``scale_R``: each row's activation is scaled by it before ``wo`` (fp32; None: 1).
-    Operands are cast to x's dtype (bf16 or fp32); the GEMMs accumulate in fp32.
+    ``scale_R``: each row's activation is scaled by it before ``wo``. The GEMMs run in x's
+    dtype (bf16 or fp32) and accumulate in fp32.
     ``platform``: the target (its tile table key; interpret mode off a TPU); None: this process's.
     """
-    R = x_RH.shape[0]
+    R = ops[0].shape[0]
     if R % row_tile:
         raise ValueError(f"megablox needs rows ({R}) to be a multiple of the row tile ({row_tile})")
-    ops = expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, scale_R)
     return _fused(*ops, Setup.of(row_tile, or_here(platform)))

@@ -345,22 +345,14 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 def tiled_swiglu(
-    x_RH: jax.Array,
-    group_sizes_E: jax.Array,
-    wi_0_EHF: jax.Array,
-    wi_1_EHF: jax.Array,
-    wo_EFH: jax.Array,
-    *,
-    tile_rows: int,
-    block_rows: int,
-    scale_R: jax.Array | None = None,
-    two_walks: bool | None = None,
+    ops: tuple[jax.Array, ...], *, tile_rows: int, block_rows: int, two_walks: bool | None = None
 ) -> jax.Array:
-    """SwiGLU experts on the tile-padded layout [R, H] -> [R, H] (x's dtype).
+    """SwiGLU experts on the tile-padded layout [R, H] -> [R, H] (x's dtype); ``ops`` is
+    ``expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, scale_R)``.
 
     ``group_sizes_E`` may cover only the first E' experts of the layout (E' = weights' E):
-    rows of later groups are left out (their y is 0). Weights are cast to x's dtype.
-    ``scale_R``: each row's activation is scaled by it before ``wo`` (fp32; None: 1).
+    rows of later groups are left out (their y is 0). ``scale_R``: each row's activation is
+    scaled by it before ``wo``.
     ``two_walks``: the backward's row and weight walks (module doc); None: on this process's
     GPU, where a collective can run under the weight walk (the MoE layer passes its target's).
     Both give bitwise the same gradients.
@@ -369,8 +361,7 @@ def tiled_swiglu(
         two_walks = Platform.here().name == "gpu"
     # Blocks larger than R never run (a span has at most R rows): the same blocks run for
     # every R, so results do not depend on the buffer size.
-    block_rows = min(block_rows, x_RH.shape[0])
-    ops = expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, scale_R)
+    block_rows = min(block_rows, ops[0].shape[0])
     return _tiled(*ops, tile_rows, block_rows, two_walks)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moe_train import config
+from moe_train.planner import ep_plan as topo_plan
 from moe_train.planner import layout, search
 from moe_train.planner.search import (
     BUCKETS_KEY,
@@ -195,8 +196,6 @@ def summary(found: search.Found | None) -> str | None:
 def prediction(req: Request, cfg: config.Config) -> Plan:
     """The placement, all-to-all and predicted step of this job as its ``--set`` items make
     it (``moe_train.planner.ep_plan``); TopologyError, ConfigError or ValueError where it cannot be made."""
-    from moe_train.planner import ep_plan as topo_plan
-
     return topo_plan.make_plan(
         req.preset,
         req.nodes,

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 from moe_train import config
 from moe_train.parallel import jobplan
-from moe_train.planner import choices, layout, memory, preflight, search
+from moe_train.planner import choices, compute, layout, memory, preflight, search
 from moe_train.planner.memory import Plan as MemoryPlan
 from moe_train.planner.request import LaunchError, Request, check_text, load_cluster, smoke_request
 from topology import presets
+from topology.placement import valid_eps_for_nodes
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,6 @@ def with_compiled(d: Decision) -> Decision:
 
 
 def _check_compute(path: str) -> None:
-    from moe_train.planner import compute
-
     try:
         compute.load(check_text("compute calibration", path))
     except presets.TopologyError as err:
@@ -131,8 +130,6 @@ def _model_config(req: Request, cluster: presets.Cluster) -> tuple[Request, conf
 def _fitted_ep(req: Request, cluster: presets.Cluster, bare: config.Config) -> int | None:
     """The largest EP below the model preset's that the job's GPUs and the experts allow,
     where the user fixed no EP (None: the user did, or none is valid)."""
-    from topology.placement import valid_eps_for_nodes
-
     if req.ep is not None or "parallel.ep" in search.user_keys(req) or "parallel.dp" in search.user_keys(req):
         return None
     valid = [e for e in valid_eps_for_nodes(cluster, req.nodes, bare.moe.num_experts) if e < bare.parallel.ep]

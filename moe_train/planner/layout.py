@@ -16,7 +16,17 @@ from typing import TYPE_CHECKING
 
 from moe_train import config
 from moe_train.parallel import jobplan
+from moe_train.planner import cost
+from moe_train.planner.request import LaunchError, check_text
 from topology import presets
+from topology.placement import (
+    PlacementError,
+    allocation,
+    domain_index,
+    place,
+    synth_domains,
+    valid_eps_for_nodes,
+)
 
 if TYPE_CHECKING:
     from moe_train.planner.request import Request
@@ -33,8 +43,6 @@ LAUNCHER_KEYS = (
 
 
 def _error(message: str) -> Exception:
-    from moe_train.planner.request import LaunchError
-
     return LaunchError(message)
 
 
@@ -60,8 +68,6 @@ def trainer_cluster_overrides(preset: str, allow_straddle: bool) -> list[str]:
 
 def model_config(req: Request, cluster: presets.Cluster) -> tuple[config.Config, int]:
     """(the trainer's validated config, EP size); LaunchError for any bad key or value."""
-    from moe_train.planner.request import check_text
-
     for item in req.sets:
         check_text("--set", item)
         key = item.partition("=")[0].strip()
@@ -86,8 +92,6 @@ def model_config(req: Request, cluster: presets.Cluster) -> tuple[config.Config,
 
 def check_ep(cfg: config.Config, cluster: presets.Cluster, nodes: int, ep: int) -> None:
     """EP divides the job's GPUs and the experts; the batch divides over the GPUs."""
-    from topology.placement import valid_eps_for_nodes
-
     gpus = nodes * cluster.gpus_per_node
     experts = cfg.moe.num_experts
     fault = jobplan.ep_fault(gpus, ep, experts)  # the trainer's rule, in the launcher's words
@@ -112,8 +116,6 @@ def placement(
     req: Request, cluster: presets.Cluster, ep: int, cfg: config.Config
 ) -> tuple[int | None, list[str]]:
     """(the --segment value or None, lines telling the user what was chosen and why)."""
-    from topology.placement import PlacementError, allocation
-
     experts = cfg.moe.num_experts
     notes = []
     try:
@@ -135,9 +137,6 @@ def straddle_warning(cluster: presets.Cluster, alloc, ep: int, cfg: config.Confi
     Priced with ``moe_train.planner.cost`` on the domains the allocation gets (flat all-to-all, bf16,
     tokens per GPU from the config's batch), per GPU.
     """
-    from moe_train.planner import cost
-    from topology.placement import domain_index, place, synth_domains
-
     head = (
         f"warning: EP groups of {ep} straddle {cluster.name}'s NVLink domains of "
         f"{cluster.domain_size} GPUs (--allow-straddle)"

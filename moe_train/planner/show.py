@@ -41,9 +41,11 @@ from pathlib import Path
 
 from moe_train import config
 from moe_train.config.cli import OneLineParser
-from moe_train.planner import choices, layout, search
+from moe_train.planner import choices, layout, memory, search
 from moe_train.planner import ep_plan as topo_plan
 from moe_train.planner.decide import Decision, decide
+from moe_train.planner.memory.__main__ import render as memory_render
+from moe_train.planner.memory.__main__ import to_json as memory_json
 from moe_train.planner.request import LaunchError, Request, check_twice
 from topology.presets import TopologyError
 
@@ -88,8 +90,6 @@ def show(req: Request, top: int = 1) -> Shown:
 
 def _timed(d: Decision, step) -> tuple[Timed, ...]:
     """Every weight-gather mode with its memory, then every chunk count (none: no step)."""
-    from moe_train.planner import memory
-
     if step is None:
         return ()
     out = []
@@ -209,8 +209,6 @@ def render(s: Shown) -> str:
 
 
 def _memory_render(d: Decision) -> str:
-    from moe_train.planner.memory.__main__ import render as memory_render
-
     return memory_render(d.memory, d.req.model)
 
 
@@ -281,8 +279,6 @@ def render_top(s: Shown) -> str:
 
 def to_json(s: Shown) -> dict:
     """The job as one JSON object."""
-    from moe_train.planner.memory.__main__ import to_json as memory_json
-
     d = s.decision
     return {
         "fits": d.fits,

@@ -13,6 +13,7 @@ from typing import Any
 
 from moe_train.report.plots import Figure
 from moe_train.telemetry.files import RunData
+from topology import presets
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1100px;padding:0 16px;color:#222}
@@ -202,8 +203,6 @@ def cluster_section(config: dict[str, Any] | None, layout: dict[str, Any] | None
 
 
 def _preset_table(name: str) -> str:
-    from topology import presets
-
     try:
         c = presets.load(name)
     except presets.TopologyError as err:

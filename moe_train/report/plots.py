@@ -56,11 +56,18 @@ def _save(fig: Any, out_dir: Path, name: str, title: str, caption: str) -> Figur
     return Figure(name, title, path, caption)
 
 
+def _step_panels(rows: int, height: float) -> tuple[Any, Any]:
+    """A figure of ``rows`` panels, one above the other, over a shared step axis."""
+    fig, axes = plt.subplots(rows, 1, figsize=(9, height), sharex=True)
+    axes[-1].set_xlabel("step")
+    return fig, axes
+
+
 def training(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
     """Loss, auxiliary losses and learning rate over steps."""
     if not metrics:
         return []
-    fig, axes = plt.subplots(3, 1, figsize=(9, 6.5), sharex=True)
+    fig, axes = _step_panels(3, 6.5)
     for ax, keys, label in (
         (axes[0], ("loss", "eval_loss", "mtp_loss", "total_loss"), "loss"),
         (axes[1], ("aux_loss", "seq_aux_loss"), "aux loss"),
@@ -75,19 +82,13 @@ def training(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(loc="upper right", fontsize=8)
-    axes[-1].set_xlabel("step")
-    return [
-        _save(
-            fig,
-            out_dir,
-            "training",
-            "Loss, aux loss and learning rate",
-            "loss is the next-token cross-entropy; eval_loss (with train.eval_every) the "
-            "same on held-out data; mtp_loss (with multi-token prediction) "
-            "the mean cross-entropy of the MTP depths; total_loss adds the weighted MTP, "
-            "aux and z losses",
-        )
-    ]
+    caption = (
+        "loss is the next-token cross-entropy; eval_loss (with train.eval_every) the "
+        "same on held-out data; mtp_loss (with multi-token prediction) "
+        "the mean cross-entropy of the MTP depths; total_loss adds the weighted MTP, "
+        "aux and z losses"
+    )
+    return [_save(fig, out_dir, "training", "Loss, aux loss and learning rate", caption)]
 
 
 def _loads(metrics: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -169,7 +170,7 @@ def throughput(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
     if not metrics:
         return []
     compiled = [r for r in metrics if r.get("compiled")]
-    fig, axes = plt.subplots(2, 1, figsize=(9, 5), sharex=True)
+    fig, axes = _step_panels(2, 5)
     for ax, key, scale, label in (
         (axes[0], "step_time_s", 1e3, "step time (ms)"),
         (axes[1], "tokens_per_s", 1.0, "tokens/s"),
@@ -186,16 +187,8 @@ def throughput(metrics: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
         ax.legend(fontsize=8)
     if any(v > 0 for v in _series(metrics, "step_time_s")[1]):
         axes[0].set_yscale("log")
-    axes[-1].set_xlabel("step")
-    return [
-        _save(
-            fig,
-            out_dir,
-            "throughput",
-            "Step time and throughput",
-            f"{len(compiled)} step(s) compiled (red x); step time on a log scale",
-        )
-    ]
+    caption = f"{len(compiled)} step(s) compiled (red x); step time on a log scale"
+    return [_save(fig, out_dir, "throughput", "Step time and throughput", caption)]
 
 
 def _rank_lines(

@@ -22,7 +22,8 @@ from typing import Any
 
 from moe_train.base.platform import Platform
 from moe_train.config import Config, ConfigError, attention_dims, compute_dtype
-from moe_train.model import precision
+from moe_train.model import attention, precision
+from moe_train.moe import gemm
 from moe_train.selftest import checks
 
 MAX_WIDTH = 256  # hidden / expert ffn of the grouped-GEMM problem (multiple of 64: mgpu)
@@ -66,8 +67,6 @@ def _small(n: int, cap: int) -> int:
 
 def gemm_candidates(cfg: Config, platform: Platform) -> list[str]:
     """Grouped-GEMM backends that can run the run's experts on ``platform``, fastest first."""
-    from moe_train.moe import gemm
-
     dtype = compute_dtype(cfg.precision)
     e, H = cfg.moe, cfg.model.hidden
     if platform.name == "gpu":
@@ -99,8 +98,6 @@ def gemm_problem(cfg: Config, platform: Platform) -> checks.GemmProblem:
 
 def attention_candidates(cfg: Config, platform: Platform, seq_len: int) -> tuple[list[str], str]:
     """Attention implementations that can run on ``platform``, ``auto``'s pick first, and why it leads."""
-    from moe_train.model import attention
-
     m, dtype = cfg.model, compute_dtype(cfg.precision)
     d, j, _ = attention_dims(m)
     dims: dict[str, Any] = dict(platform=platform, dtype=dtype, head_dim=d, v_head_dim=j)

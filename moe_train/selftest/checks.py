@@ -26,6 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_train.base.platform import Platform
+from moe_train.model import attention, precision
+from moe_train.moe import layer
+from moe_train.moe.dispatch import Arrived
 from moe_train.moe.routings import MoEShape, assignments
 
 # Largest relative error accepted per compute dtype. fp32 allows TF32-class matmuls on GPUs;
@@ -195,8 +198,6 @@ def gemm_operands(p: GemmProblem) -> dict[str, jax.Array]:
 def gemm_layer(backend: str, num_experts: int, tile_rows: int) -> Callable:
     """(x, w0, w1, wo, experts, weights) -> y [T, H]: the MoE layer's expert steps (permute,
     grouped SwiGLU with each row scaled by its combine weight, unpermute) on one device."""
-    from moe_train.moe import layer
-    from moe_train.moe.dispatch import Arrived
 
     def fn(x, w0, w1, wo, experts, weights):
         tiles = layer.row_tiles(backend, tile_rows, experts.size, num_experts)
@@ -308,8 +309,6 @@ def attention_operands(p: AttentionProblem) -> tuple[jax.Array, ...]:
 
 def check_attention(name: str, p: AttentionProblem, *, time_reps: int = 0) -> Result:
     """Attention ``name`` (forward, dq, dk, dv) against ``xla`` attention in fp32."""
-    from moe_train.model import attention
-
     kind = "model.attention"
     try:
         args = attention_operands(p)
@@ -336,8 +335,6 @@ def check_attention(name: str, p: AttentionProblem, *, time_reps: int = 0) -> Re
 def fp8_probe(backend: str, recipe_name: str, history: int, margin: int) -> Callable:
     """(x [M, H], w [H, F]) -> y through ``precision.dot`` under fp8 with ``backend``."""
     import flax.linen as nn
-
-    from moe_train.model import precision
 
     pol = precision.Policy(
         dtype=jnp.dtype(jnp.bfloat16),

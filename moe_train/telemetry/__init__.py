@@ -45,8 +45,6 @@ def target_for(
     more notes that in ``context``). Its NVML index comes from ``local_hardware_id`` through
     CUDA_VISIBLE_DEVICES (``topology.discovery.nvml_indices``).
     """
-    from topology.discovery import nvml_indices
-
     env = os.environ if env is None else env
     first = devices[0] if devices else None
     platform = getattr(first, "platform", "none")
@@ -59,6 +57,8 @@ def target_for(
         context["note"] = f"{len(devices)} devices in this process; telemetry samples the first"
     index, reason = None, f"JAX platform is {platform}"
     if platform in GPU_PLATFORMS:
+        from topology.discovery import nvml_indices  # numpy: only on a GPU
+
         hw = getattr(first, "local_hardware_id", None)
         mapped = None if hw is None else nvml_indices([hw], env.get("CUDA_VISIBLE_DEVICES"))
         if mapped:

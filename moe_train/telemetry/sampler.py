@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_train.base.threads import start_daemon
 from moe_train.telemetry import nvml as nvml_probe
 from moe_train.telemetry.host import HostProbe
 
@@ -72,8 +73,7 @@ class Sampler:
 
     def start(self) -> Sampler:
         """Start the thread (returns at once; NVML is initialised in the thread)."""
-        self._thread = threading.Thread(target=self._run, name="moe-train-telemetry", daemon=True)
-        self._thread.start()
+        self._thread = start_daemon(self._run, "moe-train-telemetry")
         return self
 
     def set_step(self, step: int | None) -> None:

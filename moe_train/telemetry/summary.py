@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from moe_train.telemetry.files import RunData, load_run, run_dir_main, samples, starts
+from topology import peaks, presets
 
 STRAGGLER_UTIL_GAP_PCT = 10.0  # percentage points under the job's median GPU utilization
 STRAGGLER_STEP_RATIO = 1.05  # median step time over the job's median step time
@@ -75,7 +76,6 @@ def peak_for(config: dict[str, Any] | None, device_kind: str | None) -> float | 
     fp32 (TF32 or true FP32 is ambiguous)."""
     if not config:
         return None
-    from topology import peaks, presets
 
     compute = config.get("precision", {}).get("compute")
     dtype = PEAK_DTYPE.get(compute, "float32")
@@ -150,6 +150,11 @@ def _window(sample_recs: list[dict], compiled: set[int]) -> tuple[list[dict], st
     return sample_recs, "whole run"
 
 
+def _utilization(judged: list[dict]) -> dict[str, dict[str, float] | None]:
+    """``gpu_util_pct`` and ``host_cpu_pct``: the ``stats`` of the samples judged on."""
+    return {key: stats(s.get(key) for s in judged) for key in ("gpu_util_pct", "host_cpu_pct")}
+
+
 def _energy(records: list[dict[str, Any]]) -> float | None:
     """Joules over all sampler sessions in the file (the counter restarts at each start line)."""
     total, session, seen = 0.0, 0.0, False
@@ -178,8 +183,7 @@ def rank_summary(
         "device_kind": first.get("device_kind"),
         "samples": len(recs),
         "window": which,
-        "gpu_util_pct": stats(s.get("gpu_util_pct") for s in window),
-        "host_cpu_pct": stats(s.get("host_cpu_pct") for s in window),
+        **_utilization(window),
         "power_w_mean": _mean(s.get("power_w") for s in window),
         "energy_j": energy,
         "energy_per_token_j": energy / tokens_per_rank if (energy is not None and tokens_per_rank) else None,
@@ -200,24 +204,36 @@ def _mean(values: Iterable[Any]) -> float | None:
 
 def stragglers(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ranks well under the job's median GPU utilization or over its median step time."""
-    out: list[dict[str, Any]] = []
     util = {r["rank"]: r["gpu_util_pct"]["mean"] for r in ranks if r["gpu_util_pct"]}
-    if len(util) > 1:
-        mid = statistics.median(util.values())
-        out += [
-            {"rank": k, "why": f"GPU utilization {v:.0f}% vs job median {mid:.0f}%"}
-            for k, v in sorted(util.items(), key=lambda kv: kv[1])
-            if v < mid - STRAGGLER_UTIL_GAP_PCT
-        ]
     steps = {r["rank"]: r["step_time_s_median"] for r in ranks if r["step_time_s_median"]}
-    if len(steps) > 1:
-        mid = statistics.median(steps.values())
-        out += [
-            {"rank": k, "why": f"median step {v * 1e3:.1f} ms vs job median {mid * 1e3:.1f} ms"}
-            for k, v in sorted(steps.items(), key=lambda kv: -kv[1])
-            if v > STRAGGLER_STEP_RATIO * mid
-        ]
-    return out
+    return _off_median(
+        util,
+        lambda v, mid: v < mid - STRAGGLER_UTIL_GAP_PCT,
+        lambda v, mid: f"GPU utilization {v:.0f}% vs job median {mid:.0f}%",
+    ) + _off_median(
+        steps,
+        lambda v, mid: v > STRAGGLER_STEP_RATIO * mid,
+        lambda v, mid: f"median step {v * 1e3:.1f} ms vs job median {mid * 1e3:.1f} ms",
+        highest_first=True,
+    )
+
+
+def _off_median(
+    by_rank: dict[Any, float],
+    off: Callable[[float, float], bool],
+    why: Callable[[float, float], str],
+    highest_first: bool = False,
+) -> list[dict[str, Any]]:
+    """``{"rank", "why"}`` of the ranks whose value is ``off`` the ranks' median (none with
+    fewer than two ranks), lowest value first (``highest_first``: highest first)."""
+    if len(by_rank) <= 1:
+        return []
+    mid = statistics.median(by_rank.values())
+    return [
+        {"rank": k, "why": why(v, mid)}
+        for k, v in sorted(by_rank.items(), key=lambda kv: kv[1], reverse=highest_first)
+        if off(v, mid)
+    ]
 
 
 def _expected_ranks(data: RunData, process_count: int | None) -> int:
@@ -247,21 +263,13 @@ def build(
     energies = [r["energy_j"] for r in ranks]
     energy = sum(energies) if energies and None not in energies else None
     powers = [r["power_w_mean"] for r in ranks if r["power_w_mean"] is not None]
+    judged = [s for recs in data.telemetry.values() for s in _window(samples(recs), compiled)[0]]
     job = {
         **tput,
         "ranks_expected": expected,
         "ranks_found": len(ranks),
         "missing_ranks": missing,
-        "gpu_util_pct": stats(
-            s.get("gpu_util_pct")
-            for recs in data.telemetry.values()
-            for s in _window(samples(recs), compiled)[0]
-        ),
-        "host_cpu_pct": stats(
-            s.get("host_cpu_pct")
-            for recs in data.telemetry.values()
-            for s in _window(samples(recs), compiled)[0]
-        ),
+        **_utilization(judged),
         "mean_power_w": float(np.mean(powers)) if powers else None,
         "total_power_w": float(np.sum(powers)) if powers else None,
         "energy_j": energy,

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from moe_train import config, python_command
 from moe_train.base import exits
+from moe_train.config.cli import set_argument
 from moe_train.parallel import together
 from moe_train.train import distributed, fits, rundir, signals, supervise
 
@@ -82,14 +83,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="resume from checkpoint N instead of the newest verified one",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set moe.top_k=4 (repeatable)",
-    )
+    set_argument(p, "moe.top_k=4")
     return p
 
 
@@ -356,7 +350,7 @@ def _train(
                 startup_timeout_s=together.startup_s(cfg.parallel),
                 label=f"process {info.process_index} of {info.process_count}",
             )
-        from moe_train.train.loop import run
+        from moe_train.train.loop import run  # JAX's users: after jax_num_cpu_devices is set
 
         code = run(
             cfg, args.out, log=_logger(info), resume_step=args.resume_step, model=args.preset, memory=memory

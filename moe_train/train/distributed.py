@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from moe_train.base.exits import EXIT_DISTRIBUTED  # could not connect, or a peer failed
+from moe_train.base.threads import start_daemon
 from moe_train.base.waiting import Waiting
 from moe_train.config import ConfigError, ParallelConfig
 from moe_train.parallel import together
@@ -346,8 +347,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def start(self) -> Watchdog:
-        self._thread = threading.Thread(target=self._run, name="moe-train-watchdog", daemon=True)
-        self._thread.start()
+        self._thread = start_daemon(self._run, "moe-train-watchdog")
         return self
 
     def beat(self, step: int | None = None) -> None:

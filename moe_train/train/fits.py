@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from moe_train.config import Config, ConfigError, list_presets
 from moe_train.config import build as build_config
+from topology.presets import load
 
 HOST_ENV = "MOE_TRAIN_HOST_MEMORY_BYTES"  # bytes the run may use on a CPU host (all its devices)
 DEVICE_ENV = "MOE_TRAIN_DEVICE_MEMORY_BYTES"  # bytes the run may use on each accelerator
@@ -183,8 +184,6 @@ def cluster_for(platform: str, kind: str, n: int):
     """The cluster preset that models these devices: ``cpu-local`` (one host holding all ``n``
     devices) on CPU and other non-GPU platforms; on GPU the preset of the device kind's
     name (H100, H200, B200, GB200), else ``h100-dgx``."""
-    from topology.presets import load
-
     if platform != "gpu":
         cpu = load("cpu-local")
         return dataclasses.replace(cpu, domain_size=max(cpu.domain_size, n))

@@ -130,7 +130,7 @@ def _saved_config(step_dir: Path) -> dict | None:
 
 def refuse_incompatible(cfg: Config, out_dir: Path, resume_step: int | None = None) -> None:
     """ConfigError when the checkpoint this start would resume from has another structure."""
-    from moe_train.checkpoints.checkpoint import check_compatible
+    from moe_train.checkpoints.checkpoint import check_compatible  # orbax: the CLI starts without it
 
     ckpt_dir = Path(out_dir).absolute() / "checkpoints"
     steps = _resumable_steps(ckpt_dir)

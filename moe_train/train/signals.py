@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 
 from moe_train.base.exits import EXIT_INTERRUPTED, EXIT_OK
+from moe_train.base.threads import start_daemon
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 HINT = (
@@ -39,6 +40,16 @@ SUPERVISOR_HINT = (
     "interrupted (Ctrl-C): stopping cleanly (past start-up the current step finishes and is "
     "saved); Ctrl-C again ends at once without saving\n"
 )
+
+
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    """Call each hook in turn before the process ends at once; one that raises is passed over
+    (the process ends anyway)."""
+    for hook in list(hooks):
+        try:
+            hook()
+        except Exception:
+            pass
 
 
 class StopFlag:
@@ -77,9 +88,7 @@ class StopFlag:
         read, write = os.pipe()
         os.set_blocking(write, False)
         self._wakeup = (signal.set_wakeup_fd(write, warn_on_full_buffer=False), write)
-        threading.Thread(
-            target=self._count_interrupts, args=(read,), daemon=True, name="moe-train-interrupts"
-        ).start()
+        start_daemon(self._count_interrupts, "moe-train-interrupts", read)
         return True
 
     def _handle(self, signum, frame) -> None:
@@ -129,21 +138,13 @@ class StopFlag:
         (nothing, when the main thread already said it stops: it returns on its own)."""
         if not self.say_start_up_stop():
             return
-        for hook in list(self.at_start_up_exit):
-            try:
-                hook()
-            except Exception:
-                pass
+        _run_hooks(self.at_start_up_exit)
         _say(1, start_up_line(signum) + "\n")
         os._exit(exit_code(signum))
 
     def abort(self) -> None:
         """End the process now, without saving: ``before_abort``, one line, exit 130."""
-        for hook in list(self.before_abort):
-            try:
-                hook()
-            except Exception:
-                pass
+        _run_hooks(self.before_abort)
         _say(
             2,
             f"error: interrupted twice (Ctrl-C): ended at once, without saving (complete "

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from moe_train.base import exits
 from moe_train.config import Config
 from moe_train.parallel import jobplan, sharding, together
 from moe_train.train import fits
@@ -192,25 +193,22 @@ class BucketedStep:
         args = (state, batch, hold) if self._holds(bucket) else (state, batch)
         t0 = time.perf_counter() if again is None else again.t0
         fn = self._fn(bucket)
-        try:
+        with self._out_of_memory():
             together.compiled_together(fn, args, f"train step, bucket {bucket}", self.cfg.parallel)
             state, raw = fn(*args)
-        except Exception as err:  # XLA could not fit the step in device memory: one line, exit 2
-            if (refusal := fits.step_out_of_memory(err, self.cfg)) is None:
-                raise
-            raise refusal from None
         traced = self.counter.traces - before + (0 if again is None else again.traced)
         return state, _InFlight(batch, raw, bucket, t0, self.counter.traces, traced)
 
     def _read(self, raw: dict[str, Any]) -> dict[str, Any]:
         """The host copy of a step's metrics: the only point where the host waits (where a
         step that ran out of device memory as it ran raises)."""
-        try:
+        with self._out_of_memory():
             return jax.device_get(raw)
-        except Exception as err:
-            if (refusal := fits.step_out_of_memory(err, self.cfg)) is None:
-                raise
-            raise refusal from None
+
+    def _out_of_memory(self) -> exits.RaisedAs:
+        """Around a step's dispatch or read: XLA could not fit the step in device memory is
+        one line, exit 2 (``fits.step_out_of_memory``); any other error goes on as it was."""
+        return exits.RaisedAs(lambda err: fits.step_out_of_memory(err, self.cfg), cause=False)
 
     def _confirm(
         self, state: TrainState, prev: _InFlight, nxt: _InFlight | None

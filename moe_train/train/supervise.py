@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 from moe_train.base import exits
+from moe_train.base.threads import start_daemon
 from moe_train.train import signals
 
 MARKER = "MOE_TRAIN_SUPERVISED"  # set in the child's environment: "run the trainer here"
@@ -109,7 +110,7 @@ def child_ready() -> None:
             time.sleep(1.0)
         os._exit(exits.EXIT_DISTRIBUTED)  # orphaned: the supervisor was killed
 
-    threading.Thread(target=watch, name="moe-train-parent-watch", daemon=True).start()
+    start_daemon(watch, "moe-train-parent-watch")
 
 
 def _in_child(parent: int) -> None:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.moe.dispatch.buffers import all_to_all, pack, pair_stats, unpack
-from moe_train.moe.dispatch.contract import Arrived, Context, ExchangeStats, static
+from moe_train.moe.dispatch.contract import Arrived, ExchangeStats, OnContext, static
 from moe_train.moe.dispatch.fp8 import send_rows
 from moe_train.moe.permute import sum_rows
 from moe_train.parallel import jobplan
@@ -41,14 +41,11 @@ class A2ASent:
     dtype: Any = static()  # the tokens' dtype
 
 
-class A2A:
+class A2A(OnContext):
     """Send every assignment's row, with its combine weight, to its expert's shard; the rows
     come back weighted and each token's K rows are summed here, in fp32."""
 
     sent_type: ClassVar[type[A2ASent]] = A2ASent
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
 
     def dispatch(self, x_TH, weights_TK, experts_TK) -> tuple[Arrived, A2ASent]:
         T, K = experts_TK.shape

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from moe_train.moe.dispatch.contract import Arrived, Context, ExchangeStats, static
+from moe_train.moe.dispatch.contract import Arrived, ExchangeStats, OnContext, static
 from moe_train.moe.dispatch.fp8 import send_rows
 from moe_train.moe.stats import exchange_stats
 from moe_train.parallel.sharding import EP_AXES
@@ -31,13 +31,10 @@ class AllGatherSent:
     gathered: int = static()  # assignments of the gathered tokens, A*K
 
 
-class AllGather:
+class AllGather(OnContext):
     """Gather the group's tokens; reduce-scatter the partial (weighted) outputs back."""
 
     sent_type: ClassVar[type[AllGatherSent]] = AllGatherSent
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
 
     def dispatch(self, x_TH, weights_TK, experts_TK) -> tuple[Arrived, AllGatherSent]:
         per_shard = self.ctx.local_experts

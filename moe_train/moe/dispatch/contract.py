@@ -57,6 +57,14 @@ class Arrived:
     spare: bool = static(default=True)  # some ids are local_experts (rows or slots with no expert here)
 
 
+class OnContext:
+    """Base of the dispatchers that exchange between shards: they are built from the
+    ``Context`` (``BY_NAME[name](ctx)``) and keep it as ``ctx``."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+
 SentT = TypeVar("SentT")
 
 

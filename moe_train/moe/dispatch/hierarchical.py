@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.moe.dispatch.buffers import all_to_all, gather_rows, pack, pair_stats, unpack
-from moe_train.moe.dispatch.contract import Arrived, Context, ExchangeStats, static
+from moe_train.moe.dispatch.contract import Arrived, ExchangeStats, OnContext, static
 from moe_train.moe.dispatch.fp8 import send_rows
 from moe_train.moe.permute import sum_rows
 from moe_train.parallel import jobplan
@@ -45,13 +45,10 @@ class HierarchicalSent:
     dtype: Any = static()  # the tokens' dtype
 
 
-class Hierarchical:
+class Hierarchical(OnContext):
     """Token rows over the slow links once per remote domain, then assignments inside it."""
 
     sent_type: ClassVar[type[HierarchicalSent]] = HierarchicalSent
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
 
     def _stage_one(self, x_TH, weights_TK, experts_TK, C1: int):
         """Send buffers of stage 1: the token, its experts in that domain (-1 elsewhere) and

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_train.config.cli import EXIT_USAGE, OneLineParser, job_arguments
+from moe_train.planner.compile import job as job_mod
 from moe_train.planner.compile import plugin
+from moe_train.planner.request import Request
 from topology import presets
 
 if TYPE_CHECKING:
@@ -97,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
     missing = plugin.enable(cluster.env.get("XLA_FLAGS", ""))  # before anything imports jax
-    from moe_train.planner.compile import job as job_mod
 
     try:
         job = job_mod.configure(
@@ -110,7 +111,7 @@ def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
         return 0
     if missing:
         return _error(missing)
-    from moe_train.planner.compile import run
+    from moe_train.planner.compile import run  # JAX: after plugin.enable points it at XLA:GPU
 
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     try:
@@ -127,7 +128,6 @@ def _cache_planned(args: argparse.Namespace, job: Job, result: dict) -> None:
     where ``make plan`` and ``make submit`` find it: its peak decides their memory verdict
     (``moe_train.planner.preflight``; not under COMPILE=0, nor at ``--layers``, which is another job)."""
     from moe_train.planner import preflight  # after plugin.enable, as everything here that may import jax
-    from moe_train.planner.request import Request
 
     planned = [b for b in result["buckets"] if b["bucket"] == job.plan.estimate.bucket]
     if args.layers is not None or not planned or os.environ.get(preflight.ENV, "1") == "0":

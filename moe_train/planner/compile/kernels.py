@@ -25,6 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 from moe_train.base.platform import Platform
 from moe_train.config import Config, ConfigError
+from moe_train.model import attention
+from moe_train.model.attention.fused import te_import_error
+from moe_train.moe import gemm
 from moe_train.planner.compile import facts
 from moe_train.selftest import candidates
 from topology.targets import Target
@@ -70,8 +73,6 @@ def _on_devices(loss, shapes: list[tuple[int, ...]], dtype, devices: Sequence[An
 
 
 def _trace_gemm(name: str, p, devices: Sequence[Any]) -> None:
-    from moe_train.moe import gemm
-
     rows = p.tokens * p.top_k
     sizes = [rows // p.experts] * p.experts
     sizes[0] += rows - sum(sizes)
@@ -90,8 +91,6 @@ def _trace_gemm(name: str, p, devices: Sequence[Any]) -> None:
 
 
 def _trace_attention(name: str, p, devices: Sequence[Any]) -> None:
-    from moe_train.model import attention
-
     def loss(q, k, v):
         return attention.attend(q, k, v, implementation=name).astype(jnp.float32).sum()
 
@@ -150,8 +149,6 @@ def _pick(
 
 def _te_absent() -> list[str]:
     """Why Transformer Engine is no candidate here (a GPU image that has it would try it)."""
-    from moe_train.model.attention.fused import te_import_error
-
     err = te_import_error()
     return ["te not tried: Transformer Engine does not import here"] if err else []
 

@@ -135,7 +135,7 @@ from dataclasses import dataclass
 
 from moe_train.config import Config
 from moe_train.planner.memory.estimate import ALL_ITEMS, ITEMS, Estimate, Setup, estimate
-from moe_train.planner.memory.job import PlanError, setup_for
+from moe_train.planner.memory.job import PlanError, setup_for, with_ep
 from moe_train.planner.memory.verdict import GIB, Alternative, Budget, Compiled, Verdict, budget, judge
 from topology.presets import Cluster, load
 
@@ -183,8 +183,6 @@ def plan(
     verdict (``verdict.judge``). Raises PlanError (a ConfigError) for jobs the trainer refuses."""
     cluster = load(cluster) if isinstance(cluster, str) else cluster
     if ep is not None and ep != cfg.parallel.ep:
-        from moe_train.planner.memory.job import with_ep
-
         cfg = with_ep(cfg, ep)
     est = estimate(cfg, setup_for(cfg, cluster, nodes, devices=devices))
     bud = budget(cluster, reserve_gib)

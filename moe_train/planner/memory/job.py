@@ -17,6 +17,7 @@ from moe_train.config import Config, ConfigError, attention_dims, for_devices
 from moe_train.parallel import jobplan
 from moe_train.planner.memory.estimate import Setup
 from moe_train.planner.memory.rows import tile_rows
+from topology import targets
 from topology.placement import PlacementError, allocation
 from topology.presets import Cluster
 
@@ -66,8 +67,6 @@ def _backend(cfg: Config, cluster: Cluster) -> str:
 
 def _hopper(gpu: str) -> bool:
     """Whether the preset's XLA:GPU target is sm_90 (where the ``mgpu`` kernels run)."""
-    from topology import targets
-
     return targets.load(gpu).compute_capability[0] == 9
 
 
@@ -83,7 +82,7 @@ def attention_kind(cfg: Config, cluster: Cluster) -> str:
     d, j, _ = attention_dims(m)  # MLA: cuDNN refuses v head dim != q/k head dim
     if not cluster.nominal and cfg.precision.compute != "fp32" and d == j and d % 8 == 0 and d <= 256:
         return "cudnn"
-    from moe_train.model.attention import CHUNKED_MIN_SEQ
+    from moe_train.model.attention import CHUNKED_MIN_SEQ  # JAX: make plan stays JAX-free
 
     return "chunked" if cfg.train.seq_len >= CHUNKED_MIN_SEQ else "xla"
 
@@ -105,14 +104,14 @@ def loss_chunk(cfg: Config, tokens: int) -> int:
     """Tokens per device of one cross-entropy chunk (``moe_train.model.loss.sharded_chunk``)."""
     if cfg.train.loss_chunk:
         return min(cfg.train.loss_chunk, tokens)
-    from moe_train.model.loss import default_chunk
+    from moe_train.model.loss import default_chunk  # JAX: make plan stays JAX-free
 
     return default_chunk(tokens, cfg.model.vocab_size)
 
 
 def loss_tile(cfg: Config) -> int:
     """Vocab columns of one cross-entropy tile (``moe_train.model.loss.vocab_tile``)."""
-    from moe_train.model.loss import vocab_tile
+    from moe_train.model.loss import vocab_tile  # JAX: make plan stays JAX-free
 
     return vocab_tile(cfg.model.vocab_size)
 

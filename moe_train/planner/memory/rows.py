@@ -36,7 +36,7 @@ def tile_rows(cfg: Config, assignments: int, local_experts: int, nominal: bool) 
     (imported on demand: the tiled backend is the CPU path, where JAX is at hand)."""
     if cfg.moe.tile_rows:
         return cfg.moe.tile_rows
-    from moe_train.moe.tiled import default_tile_rows
+    from moe_train.moe.tiled import default_tile_rows  # JAX: make plan stays JAX-free
 
     return default_tile_rows(assignments, local_experts, "cpu" if nominal else "gpu")
 
