@@ -158,3 +158,20 @@ def test_moe_removed_ablation_skips_exactly_the_routed_experts():
     routed = 2 * 8 * cfg.moe.top_k * (cfg.model.num_layers - cfg.model.first_dense_layers)
     assert int(stats.tokens_per_expert.sum()) == routed
     assert int(removed.tokens_per_expert.sum()) == 0
+
+
+def test_collective_bytes_counts_each_exchange_per_device():
+    from moe_train.bench.common import collective_bytes  # JAX: the other tests run it in a subprocess
+
+    hlo = "\n".join(
+        [
+            "%a = bf16[8,128]{1,0} all-to-all(bf16[8,128]{1,0} %x), replica_groups={{0,1},{2,3}}",
+            "%b = f32[16,64]{1,0} all-gather(f32[4,64]{1,0} %y), replica_groups=[2,2]<=[4]",
+            "%c = s32[32]{0} reduce-scatter(s32[64]{0} %z), replica_groups=[2,2]<=[2,2]T(1,0)",
+        ]
+    )
+    got = collective_bytes(hlo, lambda d: d // 2)
+    assert (got["all_to_all"], got["all_gather"], got["reduce_scatter"]) == (2048, 4096, 256)
+    assert got["count"] == 3 and got["total"] == 2048 + 4096 + 256
+    # groups {0,1},{2,3} stay in a domain; [2,2]T(1,0) pairs {0,2},{1,3}: half of it crosses
+    assert got["cross_domain"] == 0.5 * 256

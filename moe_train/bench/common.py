@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from moe_train.moe.routings import MoEShape
+from moe_train.planner.compile.hlo import shape_bytes
 
 # The timing bounds of every section's quick (or tiny) sizes: 3 timed rounds at most, rounds
 # added up to about 0.05 s (``Sizes(..., **QUICK_TIMING)``).
@@ -155,21 +156,6 @@ def compile_jit(jitted, *args):
 
 # ----------------------------------------------------------------------------- collectives
 
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-}
 _COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+(all-to-all|all-gather|reduce-scatter)\(")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,{}]*\})\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -206,7 +192,7 @@ def collective_bytes(hlo_text: str, domain_of: Callable[[int], int]) -> dict[str
         if not m:
             continue
         dtype, dims, op = m.groups()
-        nbytes = math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
+        nbytes = shape_bytes(f"{dtype}[{dims}]")
         groups = _replica_groups(line)
         n = len(groups[0]) if groups else 1
         if op == "reduce-scatter":

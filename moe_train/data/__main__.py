@@ -10,6 +10,7 @@ resume; complete shards are kept).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 from concurrent.futures.process import BrokenProcessPool
@@ -139,20 +140,14 @@ def options(args: argparse.Namespace) -> prepare.Options:
     """The job; DataError for a --train-tokenizer size too small (0 too: it was given)."""
     if args.train_tokenizer is not None:
         train_tokenizer.check_size(args.train_tokenizer)
-    return prepare.Options(
-        tokenizer=args.tokenizer or "",
-        inputs=tuple(args.inputs),
-        out=args.out,
-        text_field=args.text_field,
-        split_on=args.split_on,
-        val_fraction=args.val_fraction,
-        val_docs=args.val_docs,
-        workers=args.workers,
-        shard_tokens=args.shard_tokens,
-        seed=args.seed,
-        eos_id=args.eos_id,
-        train_tokenizer=args.train_tokenizer or 0,
-    )
+    # every field of the job is the flag of its name; these three differ in type or absent value
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(prepare.Options)}
+    differ = {
+        "tokenizer": args.tokenizer or "",
+        "inputs": tuple(args.inputs),
+        "train_tokenizer": args.train_tokenizer or 0,
+    }
+    return prepare.Options(**(flags | differ))
 
 
 class _Terminated(Exception):

@@ -6,49 +6,41 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from importlib import import_module
+from typing import Any
 
 from moe_train.base.cliargs import add_out_option, comma_list, utc_stamp
 from moe_train.gpucheck import Context, Section, budget_scale, failed, heartbeat, run_section, say, write
 
-SECTION_NAMES = (
-    "env",
-    "gemm_numerics",
-    "gemm_speed",
-    "attention",
-    "fp8",
-    "training",
-    "ep",
-    "overlap",
-    "gpu_tests",
-    "compute",
-    "compile",
+# The sections in order: name, title, time budget on a GPU (560 s together; what a section
+# leaves unused goes to the next, so the whole run stays within the sum), and the
+# ``module.function`` of ``moe_train.gpucheck`` that runs it.
+SECTION_TABLE = (
+    ("env", "Environment", 5, "kernels.environment"),
+    ("gemm_numerics", "Grouped GEMM numerics (bf16 vs fp32 reference)", 70, "kernels.gemm_numerics"),
+    ("gemm_speed", "Grouped GEMM speed (vs dense bf16)", 55, "kernels.gemm_speed"),
+    ("attention", "Attention implementations", 30, "kernels.attention"),
+    ("fp8", "fp8 projections and loss band", 55, "kernels.fp8"),
+    ("training", "Training per backend", 130, "runs.training"),
+    ("ep", "Expert parallelism", 50, "runs.expert_parallel"),
+    ("overlap", "Overlap chunks and fp8 dispatch, with a profile", 50, "overlap.section"),
+    ("gpu_tests", "GPU-marked tests", 45, "runs.gpu_tests"),
+    ("compute", "Compute calibration for make plan", 10, "calibrate.section"),
+    ("compile", "make compile's deviceless XLA:GPU compile vs this GPU's", 60, "compiled.section"),
 )
+SECTION_NAMES = tuple(name for name, *_ in SECTION_TABLE)
+
+
+def _runner(path: str) -> Callable[[Context], dict[str, Any]]:
+    """The function ``module.function`` of ``moe_train.gpucheck`` (JAX: after main() sets its env)."""
+    module, function = path.split(".")
+    return getattr(import_module(f"moe_train.gpucheck.{module}"), function)
 
 
 def sections() -> list[Section]:
-    """The sections in order, with their time budgets on a GPU (560 s together; what a
-    section leaves unused goes to the next, so the whole run stays within the sum)."""
-    from moe_train.gpucheck import (  # JAX: after main() sets its env
-        calibrate,
-        compiled,
-        kernels,
-        overlap,
-        runs,
-    )
-
-    return [
-        Section("env", "Environment", 5, kernels.environment),
-        Section("gemm_numerics", "Grouped GEMM numerics (bf16 vs fp32 reference)", 70, kernels.gemm_numerics),
-        Section("gemm_speed", "Grouped GEMM speed (vs dense bf16)", 55, kernels.gemm_speed),
-        Section("attention", "Attention implementations", 30, kernels.attention),
-        Section("fp8", "fp8 projections and loss band", 55, kernels.fp8),
-        Section("training", "Training per backend", 130, runs.training),
-        Section("ep", "Expert parallelism", 50, runs.expert_parallel),
-        Section("overlap", "Overlap chunks and fp8 dispatch, with a profile", 50, overlap.section),
-        Section("gpu_tests", "GPU-marked tests", 45, runs.gpu_tests),
-        Section("compute", "Compute calibration for make plan", 10, calibrate.section),
-        Section("compile", "make compile's deviceless XLA:GPU compile vs this GPU's", 60, compiled.section),
-    ]
+    """The sections of ``SECTION_TABLE`` in order, each with its function."""
+    return [Section(name, title, budget_s, _runner(run)) for name, title, budget_s, run in SECTION_TABLE]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -23,16 +23,6 @@ from typing import TYPE_CHECKING
 from moe_train import config
 from moe_train.planner import ep_plan as topo_plan
 from moe_train.planner import layout, search
-from moe_train.planner.search import (
-    BUCKETS_KEY,
-    CHUNKS_KEY,
-    DISPATCH_KEY,
-    EP_KEY,
-    GATHER_KEY,
-    MICRO_BATCHES_KEY,
-    MICRO_SIZE_KEY,
-    REMAT_KEY,
-)
 from topology import presets
 
 if TYPE_CHECKING:
@@ -42,14 +32,14 @@ if TYPE_CHECKING:
 USER, PLANNER, PRESET = "user", "planner", "preset"  # Choice.source
 # each key the planner decides, in the order shown, and the word its note starts with
 PREFIX = {
-    EP_KEY: "ep",
-    GATHER_KEY: "fsdp",
-    MICRO_BATCHES_KEY: "micro-batches",
-    MICRO_SIZE_KEY: "micro-batches",
-    REMAT_KEY: "remat",
-    CHUNKS_KEY: "overlap",
-    DISPATCH_KEY: "dispatch",
-    BUCKETS_KEY: "buckets",
+    search.EP_KEY: "ep",
+    search.GATHER_KEY: "fsdp",
+    search.MICRO_BATCHES_KEY: "micro-batches",
+    search.MICRO_SIZE_KEY: "micro-batches",
+    search.REMAT_KEY: "remat",
+    search.CHUNKS_KEY: "overlap",
+    search.DISPATCH_KEY: "dispatch",
+    search.BUCKETS_KEY: "buckets",
 }
 
 
@@ -82,7 +72,7 @@ def value_of(cfg: config.Config, key: str) -> str:
     """The config's value of one of the planner's keys, as a --set value."""
     section, name = key.split(".")
     value = getattr(getattr(cfg, section), name)
-    return search.buckets_text(value) if key == BUCKETS_KEY else str(value)
+    return search.buckets_text(value) if key == search.BUCKETS_KEY else str(value)
 
 
 def decided(req: Request, cluster: presets.Cluster, cfg: config.Config, top: int = 1) -> Decided:
@@ -93,12 +83,12 @@ def decided(req: Request, cluster: presets.Cluster, cfg: config.Config, top: int
     job_req, job_cfg = req, cfg
     if best and best.changes:
         ep = best.settings.ep if best.settings.ep != cfg.parallel.ep else req.ep
-        items = tuple(c for c in best.changes if not c.startswith(EP_KEY + "="))
+        items = tuple(c for c in best.changes if not c.startswith(search.EP_KEY + "="))
         job_req = dataclasses.replace(req, sets=(*req.sets, *items), ep=ep)
         job_cfg, _ = layout.model_config(job_req, cluster)
     chosen = tuple(_choice(key, cfg, job_cfg, fixed, best) for key in _keys(cfg, fixed))
     if req.ep_fitted:
-        chosen = tuple(_fitted(c, req) if c.key == EP_KEY else c for c in chosen)
+        chosen = tuple(_fitted(c, req) if c.key == search.EP_KEY else c for c in chosen)
     return Decided(job_req, job_cfg, chosen, found, summary(found))
 
 
@@ -122,10 +112,10 @@ def _choice(
         return Choice(key, value, USER, None)
     if best is None or f"{key}={value}" not in best.changes:
         return Choice(key, value, PRESET, None)
-    how = f"--ep {was}" if key == EP_KEY else f"--set {key}={was}"
+    how = f"--ep {was}" if key == search.EP_KEY else f"--set {key}={was}"
     count = (
         f" ({best.settings.micro_batches} micro-batches per step)"
-        if key in (MICRO_BATCHES_KEY, MICRO_SIZE_KEY)
+        if key in (search.MICRO_BATCHES_KEY, search.MICRO_SIZE_KEY)
         else ""
     )
     return Choice(
@@ -139,7 +129,7 @@ def _choice(
 
 def _keys(cfg: config.Config, fixed: frozenset[str]) -> list[str]:
     micro = search.micro_key(cfg, fixed)
-    return [k for k in PREFIX if k not in (MICRO_BATCHES_KEY, MICRO_SIZE_KEY) or k == micro]
+    return [k for k in PREFIX if k not in (search.MICRO_BATCHES_KEY, search.MICRO_SIZE_KEY) or k == micro]
 
 
 def planned(

@@ -106,10 +106,25 @@ def dispatch_time(
 ) -> Breakdown:
     """Time of one dispatch (or combine) all-to-all on ``cluster``, per the model above."""
     v_nv, v_ib = dispatch_bytes(T, H, k, bytes_per_elem, ep, cluster.domain_size, hierarchical)
-    t_nv = v_nv / (cluster.eta_nvlink * cluster.nvlink_gbps_per_gpu * GB)
-    t_ib = v_ib / (cluster.eta_network * cluster.nic_gbps_per_gpu * GB)
+    nvlink, network = _rates(cluster)
+    return _breakdown(cluster, v_nv, v_ib, v_nv / nvlink, v_ib / network, ep > cluster.domain_size)
+
+
+def _rates(cluster: Cluster) -> tuple[float, float]:
+    """(NVLink, network) bytes per second one GPU achieves: eta * bandwidth."""
+    return (
+        cluster.eta_nvlink * cluster.nvlink_gbps_per_gpu * GB,
+        cluster.eta_network * cluster.nic_gbps_per_gpu * GB,
+    )
+
+
+def _breakdown(
+    cluster: Cluster, v_nv: float, v_ib: float, t_nv: float, t_ib: float, spans: bool
+) -> Breakdown:
+    """One all-to-all of these bytes and transfer times: the NVLink latency, plus the network's
+    when a group ``spans`` NVLink domains, plus the slower of the two overlapping links."""
     latency = cluster.latency_nvlink_us * US
-    if ep > cluster.domain_size:
+    if spans:
         latency += cluster.latency_network_us * US
     return Breakdown(
         v_nvlink_bytes=v_nv,
@@ -149,7 +164,12 @@ def layer_time(
     the backward pass. The GEMM time uses the dense bf16 peak, so it is a lower bound and
     the communication fraction an upper bound for a given cluster.
     """
-    a2a = dispatch_time(cluster, T, H, k, bytes_per_elem, ep, hierarchical)
+    return _layer_cost(cluster, dispatch_time(cluster, T, H, k, bytes_per_elem, ep, hierarchical), T, H, k, F)
+
+
+def _layer_cost(cluster: Cluster, a2a: Breakdown, T: int, H: int, k: int, F: int) -> LayerCost:
+    """One MoE layer per step: ALL_TO_ALLS_PER_LAYER of ``a2a`` plus the expert GEMMs at the
+    dense bf16 peak."""
     comm = ALL_TO_ALLS_PER_LAYER * a2a.total_s
     flops = expert_gemm_flops(T, H, k, F)
     gemm = flops / cluster.peak_bf16_flops
@@ -216,8 +236,7 @@ def placement_dispatch_time(
     largest = max(len(g) for g in groups)
     _check(T, H, k, bytes_per_elem, largest, largest)
     v = T * k * H * bytes_per_elem
-    eta_nv = cluster.eta_nvlink * cluster.nvlink_gbps_per_gpu * GB
-    eta_ib = cluster.eta_network * cluster.nic_gbps_per_gpu * GB
+    eta_nv, eta_ib = _rates(cluster)
     worst = None
     spans = False
     for g in groups:
@@ -226,19 +245,8 @@ def placement_dispatch_time(
             t_nv, t_ib = v_nv / eta_nv, v_ib / eta_ib
             if worst is None or max(t_nv, t_ib) > max(worst[2], worst[3]):
                 worst = (v_nv, v_ib, t_nv, t_ib)
-    latency = cluster.latency_nvlink_us * US
-    if spans:
-        latency += cluster.latency_network_us * US
     assert worst is not None, "at least one group"
-    v_nv, v_ib, t_nv, t_ib = worst
-    return Breakdown(
-        v_nvlink_bytes=v_nv,
-        v_network_bytes=v_ib,
-        t_nvlink_s=t_nv,
-        t_network_s=t_ib,
-        latency_s=latency,
-        total_s=latency + max(t_nv, t_ib),
-    )
+    return _breakdown(cluster, *worst, spans)
 
 
 def placement_layer_time(
@@ -254,10 +262,4 @@ def placement_layer_time(
 ) -> LayerCost:
     """``layer_time`` for a placement: 4 of its all-to-alls plus the expert GEMMs per GPU."""
     a2a = placement_dispatch_time(cluster, groups, domain_of, T, H, k, bytes_per_elem, hierarchical)
-    comm = ALL_TO_ALLS_PER_LAYER * a2a.total_s
-    flops = expert_gemm_flops(T, H, k, F)
-    gemm = flops / cluster.peak_bf16_flops
-    total = comm + gemm
-    return LayerCost(
-        all_to_all=a2a, comm_s=comm, gemm_flops=flops, gemm_s=gemm, total_s=total, comm_fraction=comm / total
-    )
+    return _layer_cost(cluster, a2a, T, H, k, F)

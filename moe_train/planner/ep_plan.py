@@ -19,13 +19,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from moe_train import config as model_config
-from moe_train.config.cli import OneLineParser
+from moe_train.config.cli import (
+    command_parser,
+    ep_argument,
+    job_config,
+    nodes_argument,
+    print_out,
+    set_argument,
+    usage_error,
+)
 from moe_train.planner import compute as compute_calibration
 from moe_train.planner import cost, steptime
 from topology import calibration as topology_calibration
@@ -425,25 +432,15 @@ def _count_domains(p: Placement) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m moe_train.planner.ep_plan``."""
-    description = (__doc__ or "").partition("\n")[0]
-    p = OneLineParser(prog="python -m moe_train.planner.ep_plan", description=description)
+    p = command_parser("python -m moe_train.planner.ep_plan", __doc__)
     p.add_argument(
         "--preset", required=True, help="cluster preset name (topology/presets/*.toml) or a site .toml path"
     )
-    p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
+    nodes_argument(p)
     p.add_argument("--model", required=True, help="model preset (moe_train/config/presets/*.toml)")
-    p.add_argument(
-        "--ep",
-        type=int,
-        default=None,
-        help="expert-parallel group size (default: the model's parallel.ep after --set)",
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
+    ep_argument(p, "expert-parallel group size (default: the model's parallel.ep after --set)")
+    set_argument(
+        p,
         help="model config override, as for training (batch, remat, precision, "
         "micro-batches, moe.overlap_chunks change the predicted step)",
     )
@@ -473,9 +470,8 @@ def run(args: argparse.Namespace) -> int:
     """The plan of ``args`` printed (text or ``--json``); TopologyError for bad input."""
     ep = args.ep
     if ep is None or args.overrides:  # the model's parallel.ep, after --set; --ep must agree
-        flags = {} if ep is None else {"--ep": ("parallel.ep", str(ep))}
         try:
-            ep = model_config.build(args.model, args.overrides, flags=flags).parallel.ep
+            ep = job_config(args).parallel.ep
         except model_config.ConfigError as err:
             raise TopologyError(str(err)) from None
     result = make_plan(
@@ -490,7 +486,7 @@ def run(args: argparse.Namespace) -> int:
         overrides=tuple(args.overrides),
         compute=args.compute,
     )
-    print(json.dumps(plan_json(result)) if args.json else render(result))
+    print_out(json.dumps(plan_json(result)) if args.json else render(result))
     return 0
 
 
@@ -500,11 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except TopologyError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # `... | head` closed our stdout: stop quietly, as shell tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return usage_error(err)
 
 
 if __name__ == "__main__":

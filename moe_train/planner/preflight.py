@@ -34,6 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moe_train.planner.memory import bucket_label
 from moe_train.planner.memory.verdict import Compiled
 from moe_train.planner.request import LaunchError, Request
 from topology.presets import Cluster
@@ -121,7 +122,7 @@ def _size(n: int) -> str:
 def verdict(result: dict, ignore_memory: bool, cached: bool) -> str:
     """The note for a compiled job; LaunchError where its peak exceeds the usable memory."""
     (b,) = result["buckets"]
-    label = b["bucket"] + ("x" if b["bucket"] != "worst" else "")
+    label = bucket_label(b["bucket"])
     text = (
         f"XLA:GPU peak {_size(b['memory']['peak'])} of {_size(result['usable_bytes'])} "
         f"usable per GPU at the {label} bucket (simulated {result['gpu']}, jax "

@@ -33,14 +33,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from moe_train import config
-from moe_train.config.cli import OneLineParser
+from moe_train.config.cli import (
+    EXIT_USAGE,
+    command_parser,
+    ep_argument,
+    nodes_argument,
+    print_out,
+    set_argument,
+    usage_error,
+)
 from moe_train.planner import choices, layout, memory, search
 from moe_train.planner import ep_plan as topo_plan
 from moe_train.planner.decide import Decision, decide
@@ -49,7 +55,7 @@ from moe_train.planner.memory.__main__ import to_json as memory_json
 from moe_train.planner.request import LaunchError, Request, check_twice
 from topology.presets import TopologyError
 
-EXIT_USAGE = EXIT_DOES_NOT_FIT = 2  # make submit's refusals, a job that will not fit among them
+EXIT_DOES_NOT_FIT = EXIT_USAGE  # make submit's refusals, a job that will not fit among them
 GIB = 2**30
 OUT = "OUT"  # stands in for the run directory make submit picks
 PREFIX = choices.PREFIX  # each key's first word, as the choices' notes
@@ -101,7 +107,7 @@ def _timed(d: Decision, step) -> tuple[Timed, ...]:
             v = None
         out.append(
             Timed(
-                f"{choices.GATHER_KEY}={mode}",
+                f"{search.GATHER_KEY}={mode}",
                 s,
                 v.total_bytes if v else None,
                 v.fits if v else None,
@@ -109,7 +115,7 @@ def _timed(d: Decision, step) -> tuple[Timed, ...]:
             )
         )
     out += [
-        Timed(f"{choices.CHUNKS_KEY}={c}", s, None, None, c == d.cfg.moe.overlap_chunks)
+        Timed(f"{search.CHUNKS_KEY}={c}", s, None, None, c == d.cfg.moe.overlap_chunks)
         for c, s in step.by_chunks.items()
     ]
     return tuple(out)
@@ -138,13 +144,13 @@ def _choice_line(c: choices.Choice, d: Decision, step) -> str:
     head = f"{PREFIX[c.key]}: {c.item}"
     if c.source == choices.USER:
         best = None
-        if step is not None and c.key in (choices.GATHER_KEY, choices.CHUNKS_KEY):
+        if step is not None and c.key in (search.GATHER_KEY, search.CHUNKS_KEY):
             best = (
                 min(step.by_gather, key=step.by_gather.get)
-                if c.key == choices.GATHER_KEY
+                if c.key == search.GATHER_KEY
                 else step.best_chunks
             )
-        flag = "--ep or --set" if c.key == choices.EP_KEY else "--set"
+        flag = "--ep or --set" if c.key == search.EP_KEY else "--set"
         return (
             head
             + f", yours ({flag}), kept"
@@ -309,19 +315,12 @@ def to_json(s: Shown) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m moe_train.planner", description=(__doc__ or "").partition("\n")[0])
+    p = command_parser("python -m moe_train.planner", __doc__)
     p.add_argument("--preset", required=True, help="cluster preset name or a site's cluster .toml")
     p.add_argument("--model", required=True, help="model preset (moe_train/config/presets)")
-    p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
-    p.add_argument("--ep", type=int, help="expert-parallel size (default: the model's parallel.ep)")
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="trainer override, as make submit takes it (repeatable)",
-    )
+    nodes_argument(p)
+    ep_argument(p, "expert-parallel size (default: the model's parallel.ep)")
+    set_argument(p, help="trainer override, as make submit takes it (repeatable)", dest="sets")
     p.add_argument("--steps", type=int, help="total training steps (default: the model preset's)")
     p.add_argument(
         "--compute",
@@ -371,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(f"--top must be at least 1, got {args.top}")
         shown = show(request(args), max(args.top, 1))
     except (LaunchError, TopologyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error(err)
     text = (
         json.dumps(to_json(shown), indent=1)
         if args.json
@@ -380,8 +378,5 @@ def main(argv: list[str] | None = None) -> int:
         if args.top
         else render(shown)
     )
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:  # `make plan | head`: stop quietly, as shell tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print_out(text)
     return 0 if shown.decision.fits else EXIT_DOES_NOT_FIT

@@ -52,6 +52,7 @@ from moe_train.model import flops
 from moe_train.planner import compute as compute_calibration
 from moe_train.planner import cost
 from moe_train.planner.compute import Compute
+from moe_train.planner.memory.job import replaced
 from topology.presets import Cluster
 
 ADAMW_BYTES = 28  # fp32 param, grad, m, v read; param, m, v written
@@ -135,17 +136,8 @@ def flops_by_kind(cfg: Config) -> dict[str, float]:
 
 def _compute_s(cfg: Config, cluster: Cluster, eff: Compute, T: int) -> dict[str, float]:
     recompute = RECOMPUTE[cfg.train.remat][0]
-    fp8 = cfg.precision.compute == "fp8"
-    gemm = (
-        cluster.peak_fp8_flops * eff.fp8_gemm_efficiency
-        if fp8
-        else cluster.peak_bf16_flops * eff.gemm_efficiency
-    )
-    grouped = (
-        cluster.peak_fp8_flops * eff.fp8_gemm_efficiency
-        if fp8
-        else cluster.peak_bf16_flops * eff.grouped_gemm_efficiency
-    )
+    gemm = _gemm_rate(cfg, cluster, eff, eff.gemm_efficiency)
+    grouped = _gemm_rate(cfg, cluster, eff, eff.grouped_gemm_efficiency)
     rate = {
         "experts": grouped,
         "scores": cluster.peak_bf16_flops * eff.attention_efficiency,
@@ -154,6 +146,14 @@ def _compute_s(cfg: Config, cluster: Cluster, eff: Compute, T: int) -> dict[str,
         "other": gemm,
     }
     return {k: T * f * recompute.get(k, 1.0) / rate[k] for k, f in flops_by_kind(cfg).items()}
+
+
+def _gemm_rate(cfg: Config, cluster: Cluster, eff: Compute, bf16_efficiency: float) -> float:
+    """FLOP/s of a GEMM: with fp8 compute, the fp8 peak at ``fp8_gemm_efficiency``; else the
+    bf16 peak at ``bf16_efficiency``."""
+    if cfg.precision.compute == "fp8":
+        return cluster.peak_fp8_flops * eff.fp8_gemm_efficiency
+    return cluster.peak_bf16_flops * bf16_efficiency
 
 
 def _shared_expert_s(cfg: Config, compute: dict[str, float]) -> float:
@@ -284,30 +284,20 @@ def predict(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> StepTime |
         return None
     rows = job.tokens_per_gpu // cfg.train.micro_batches
     by = {
-        c: _predict(
-            dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, overlap_chunks=c)),
-            cluster,
-            eff,
-            job,
-            {},
-            0,
-        ).step_s
+        c: _step_s(replaced(cfg, "moe", overlap_chunks=c), cluster, eff, job)
         for c in CHUNK_CHOICES
         if rows % c == 0
     }
     best = min(c for c, s in by.items() if s <= 1.01 * min(by.values())) if by else 1
     gathers = {
-        g: _predict(
-            dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, weight_gather=g)),
-            cluster,
-            eff,
-            job,
-            {},
-            0,
-        ).step_s
-        for g in WEIGHT_GATHERS
+        g: _step_s(replaced(cfg, "parallel", weight_gather=g), cluster, eff, job) for g in WEIGHT_GATHERS
     }
     return dataclasses.replace(_predict(cfg, cluster, eff, job, by, best), by_gather=gathers)
+
+
+def _step_s(cfg: Config, cluster: Cluster, eff: Compute, job: Job) -> float:
+    """The predicted step seconds of ``cfg`` alone (without the alternatives ``predict`` times)."""
+    return _predict(cfg, cluster, eff, job, {}, 0).step_s
 
 
 def _predict(

@@ -20,5 +20,6 @@ May import: ``moe_train.config``, the rest of the planner (memory, the request's
 choices, the preflight's cache), ``moe_train.model``, ``moe_train.moe``, ``moe_train.parallel``,
 ``moe_train.selftest`` (kernel candidates), ``moe_train.train`` (the step, the stepper's EP
 plans), ``moe_train.data`` (the batch form) and ``topology`` (presets, targets, placement).
-Nothing imports it but its entry point and the submit preflight.
+Imported by its entry point, the submit preflight, gpu-check's compile section and the
+benchmarks (the HLO reader's ``shape_bytes``).
 """

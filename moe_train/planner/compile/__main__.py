@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_train.config.cli import EXIT_USAGE, OneLineParser, job_arguments
+from moe_train.config.cli import command_parser, job_arguments, usage_error
 from moe_train.planner.compile import job as job_mod
 from moe_train.planner.compile import plugin
 from moe_train.planner.request import Request
@@ -29,9 +29,7 @@ if TYPE_CHECKING:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="python -m moe_train.planner.compile", description=(__doc__ or "").partition("\n")[0]
-    )
+    p = command_parser("python -m moe_train.planner.compile", __doc__)
     job_arguments(p, "--preset", f"cluster preset ({', '.join(presets.list_presets())}) or a site .toml")
     p.add_argument(
         "--steps",
@@ -72,11 +70,6 @@ def parser() -> argparse.ArgumentParser:
 PRESET_DEFAULTED_ENV = "MOE_TRAIN_PRESET_DEFAULTED"
 
 
-def _error(message: object) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return EXIT_USAGE
-
-
 def _defaulted_preset(preset: str) -> str:
     with_gpu = [name for name in presets.list_presets() if presets.load(name).gpu]
     return (
@@ -90,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the preset's XLA_FLAGS go to XLA before jax starts: read the preset first
         cluster = presets.load(args.preset)
     except presets.TopologyError as err:
-        return _error(err)
+        return usage_error(err)
     if not cluster.gpu and os.environ.get(PRESET_DEFAULTED_ENV):
-        return _error(_defaulted_preset(args.preset))
+        return usage_error(_defaulted_preset(args.preset))
     with plugin.quiet():
         return _compile(args, cluster)
 
@@ -105,19 +98,19 @@ def _compile(args: argparse.Namespace, cluster: presets.Cluster) -> int:
             args.model, args.preset, args.nodes, args.ep, tuple(args.overrides), args.layers, args.steps
         )
     except job_mod.ERRORS as err:
-        return _error(err)
+        return usage_error(err)
     if args.plan_only:
         print("\n".join(job_mod.planner_lines(job)))
         return 0
     if missing:
-        return _error(missing)
+        return usage_error(missing)
     from moe_train.planner.compile import run  # JAX: after plugin.enable points it at XLA:GPU
 
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     try:
         result, out_dir = run.compile_job(job, Path(args.out) / stamp, args.bucket, args.peak)
     except job_mod.ERRORS as err:
-        return _error(err)
+        return usage_error(err)
     _cache_planned(args, job, result)
     print(json.dumps(result, indent=1) if args.json else f"{run.render(result)}\nwritten: {out_dir}")
     return 0

@@ -118,7 +118,7 @@ def planner_lines(job: Job) -> list[str]:
     est, budget, gib = job.plan.estimate, job.plan.budget, float(memory.GIB)
     s = est.setup
     buckets = est.moe_buffers_by_bucket
-    cells = ", ".join(f"{b}{'x' if b != 'worst' else ''} {planner_total(job, b) / gib:.2f}" for b in buckets)
+    cells = ", ".join(f"{memory.bucket_label(b)} {planner_total(job, b) / gib:.2f}" for b in buckets)
     return [
         f"{job.model} on {job.nodes} {job.cluster.name} node(s): {job.devices} GPUs, EP {s.ep} x FSDP "
         f"{s.dp}, {s.dispatcher} dispatch, {job.cfg.model.num_layers} layers, "
@@ -126,6 +126,6 @@ def planner_lines(job: Job) -> list[str]:
         f"train.micro_batch_size={job.cfg.train.micro_batch_size}",
         *[f"launcher: {n}" for n in job.notes],
         f"planner per GPU, GiB, by capacity bucket (the planner column make compile prints; usable "
-        f"{budget.usable_bytes / gib:.2f}, judged at {est.bucket}{'x' if est.bucket != 'worst' else ''}): "
+        f"{budget.usable_bytes / gib:.2f}, judged at {memory.bucket_label(est.bucket)}): "
         f"{cells}",
     ]

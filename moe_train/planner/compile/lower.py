@@ -31,6 +31,8 @@ from moe_train.parallel import sharding
 from moe_train.parallel.jobplan import EPPlan
 from moe_train.planner.compile import facts, peak
 from moe_train.planner.compile.job import Job
+from moe_train.planner.memory.estimate import bucket_key
+from moe_train.planner.memory.job import replaced
 from moe_train.train.step import CompiledMemory, StepCounter, abstract_state, make_train_step
 from topology import device_mesh, placement
 
@@ -85,8 +87,7 @@ def mesh_config(job: Job, cfg: Config) -> Config:
             f"the {job.nodes} nodes fill NVLink domains unevenly "
             f"({sorted(sizes)} GPUs); compile a node count that fills whole domains"
         )
-    par = dataclasses.replace(cfg.parallel, domain_size=sizes.pop())
-    return dataclasses.replace(cfg, parallel=par)
+    return replaced(cfg, "parallel", domain_size=sizes.pop())
 
 
 def batch_arg(cfg: Config, mesh) -> Any:
@@ -154,8 +155,7 @@ def xla_compile(lowered, options: dict | None = None) -> tuple[Any, str]:
 
 def bucket_name(plan: EPPlan | None) -> str:
     """The memory planner's key of ``plan``'s capacity bucket ("1", "1.25", ..., "worst")."""
-    factor = None if plan is None else plan.capacity_factor
-    return "worst" if factor is None else f"{factor:g}"
+    return bucket_key(None if plan is None else plan.capacity_factor)
 
 
 def bucket_plans(

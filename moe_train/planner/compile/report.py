@@ -24,7 +24,7 @@ from moe_train.planner.compile import hlo, overlap, peak
 from moe_train.planner.compile.job import Job, planner_total
 from moe_train.planner.compile.kernels import Kernel
 from moe_train.planner.compile.lower import Compiled
-from moe_train.planner.memory import ALL_ITEMS, GIB
+from moe_train.planner.memory import ALL_ITEMS, GIB, bucket_label
 from moe_train.planner.steptime import link_bytes_per_s
 
 NAMES = {
@@ -256,7 +256,7 @@ def render(r: dict) -> str:
     ]
     for b in r["buckets"]:
         m = b["memory"]
-        label = b["bucket"] + ("x" if b["bucket"] != "worst" else "")
+        label = bucket_label(b["bucket"])
         lines.append(
             f"{label:<8}{num(m['argument'])}{num(m['temp'])}"
             f"{num(m['output'] - m['alias'])}{num(m['peak'])} {num(b['planner']['total'])}"
@@ -265,7 +265,7 @@ def render(r: dict) -> str:
         )
     for bucket, twin in r.get("same_as", {}).items():
         lines.append(
-            f"{bucket + ('x' if bucket != 'worst' else ''):<8}= {twin}x: the same receive buffers "
+            f"{bucket_label(bucket):<8}= {twin}x: the same receive buffers "
             f"(capped at the worst case), so a step never overflows {twin}x onto it: not compiled again"
         )
     notes = [f"note at bucket {b['bucket']}: {b['note']}" for b in r["buckets"] if b.get("note")]

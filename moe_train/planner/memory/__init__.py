@@ -134,7 +134,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_train.config import Config
-from moe_train.planner.memory.estimate import ALL_ITEMS, ITEMS, Estimate, Setup, estimate
+from moe_train.planner.memory.estimate import ALL_ITEMS, ITEMS, Estimate, Setup, bucket_label, estimate
 from moe_train.planner.memory.job import PlanError, setup_for, with_ep
 from moe_train.planner.memory.verdict import GIB, Alternative, Budget, Compiled, Verdict, budget, judge
 from topology.presets import Cluster, load
@@ -151,6 +151,7 @@ __all__ = [
     "PlanError",
     "Setup",
     "Verdict",
+    "bucket_label",
     "check_fits",
     "plan",
 ]

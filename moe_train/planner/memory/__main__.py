@@ -12,19 +12,16 @@ import argparse
 import json
 import sys
 
-from moe_train import config
 from moe_train.config import ConfigError
-from moe_train.config.cli import OneLineParser, job_arguments
-from moe_train.planner.memory import ALL_ITEMS, GIB, Plan, plan
+from moe_train.config.cli import command_parser, job_arguments, job_config, usage_error
+from moe_train.planner.memory import ALL_ITEMS, GIB, Plan, bucket_label, plan
 from topology.presets import TopologyError, list_presets, load
 
-EXIT_USAGE, EXIT_DOES_NOT_FIT = 2, 1
+EXIT_DOES_NOT_FIT = 1
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="python -m moe_train.planner.memory", description=(__doc__ or "").partition("\n")[0]
-    )
+    p = command_parser("python -m moe_train.planner.memory", __doc__)
     job_arguments(p, "--cluster", f"cluster preset ({', '.join(list_presets())}) or a site .toml path")
     p.add_argument("--devices", type=int, default=None, help="GPUs in the job when not whole nodes (e.g. 1)")
     p.add_argument(
@@ -52,9 +49,7 @@ def _notes(pl: Plan) -> dict[str, str]:
     s, est = pl.estimate.setup, pl.estimate
     name, unit = _unit(est.per_device["total"])
     step = est.per_device["step_weights"] > 0
-    buckets = ", ".join(
-        f"{k}{'x' if k != 'worst' else ''} {v / unit:.2f}" for k, v in est.moe_buffers_by_bucket.items()
-    )
+    buckets = ", ".join(f"{bucket_label(k)} {v / unit:.2f}" for k, v in est.moe_buffers_by_bucket.items())
     return {
         "params": f"{_count(est.params_total)} parameters: routed experts / {s.ep * s.dp} "
         f"(EP {s.ep} x FSDP {s.dp}), other matrices / {s.devices}, norms replicated",
@@ -65,7 +60,7 @@ def _notes(pl: Plan) -> dict[str, str]:
         ),
         "optimizer": "AdamW mu and nu",
         "activations": f"remat {s.remat}, {s.tokens} tokens per GPU",
-        "moe_buffers": f"bucket {est.bucket}{'x' if est.bucket != 'worst' else ''} "
+        "moe_buffers": f"bucket {bucket_label(est.bucket)} "
         f"({s.dispatcher}, {s.backend}); by bucket: {buckets}",
         "precision_copies": (
             f"{s.compute} weights gathered per use inside the EP group"
@@ -146,10 +141,8 @@ def to_json(pl: Plan, model: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        flags = {} if args.ep is None else {"--ep": ("parallel.ep", str(args.ep))}
-        cfg = config.build(args.model, args.overrides, flags=flags)
         pl = plan(
-            cfg,
+            job_config(args),
             load(args.cluster),
             args.nodes,
             ep=args.ep,
@@ -157,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             reserve_gib=args.reserve_gib,
         )
     except (ConfigError, TopologyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error(err)
     print(json.dumps(to_json(pl, args.model), indent=1) if args.json else render(pl, args.model))
     return EXIT_DOES_NOT_FIT if args.check and not pl.verdict.fits else 0
 

@@ -369,6 +369,16 @@ def _vocab_bytes(cfg: Config, s: Setup, head_copy: int) -> int:
     return head_copy + 2 * whole + mtp + summed
 
 
+def bucket_key(factor: float | None) -> str:
+    """The key of the capacity bucket of ``factor``: "1", "1.25", ...; "worst" for None."""
+    return "worst" if factor is None else f"{factor:g}"
+
+
+def bucket_label(bucket: str) -> str:
+    """A bucket's key as printed: its factor with an ``x`` ("1.25x"), or "worst"."""
+    return bucket if bucket == "worst" else f"{bucket}x"
+
+
 def estimate(cfg: Config, s: Setup) -> Estimate:
     """Every item of ``ITEMS`` for ``cfg`` on the job ``s``; MoE buffers at each bucket."""
     cfg = for_devices(cfg, s.devices)  # train.micro_batch_size as micro-batches of this job
@@ -376,10 +386,7 @@ def estimate(cfg: Config, s: Setup) -> Estimate:
     per["activations"] = activation_bytes(cfg, s)
     per["precision_copies"] = precision_copy_bytes(cfg, s)
     factors = jobplan.bucket_factors(s.dispatcher, cfg.moe.capacity_buckets)
-    by_bucket = {
-        ("worst" if f is None else f"{f:g}"): rows.moe_buffer_bytes(cfg, s, f, _layer_kinds(cfg)[1])
-        for f in factors
-    }
+    by_bucket = {bucket_key(f): rows.moe_buffer_bytes(cfg, s, f, _layer_kinds(cfg)[1]) for f in factors}
     bucket = "worst" if len(factors) == 1 else f"{factors[-2]:g}"
     per["moe_buffers"] = by_bucket[bucket]
     per[STEP_WEIGHTS] = step_copy_bytes(cfg, s)

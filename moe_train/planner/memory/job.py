@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Any
 
 from moe_train.config import Config, ConfigError, attention_dims, for_devices
 from moe_train.parallel import jobplan
@@ -167,21 +168,26 @@ def setup_for(
     )
 
 
+def replaced(cfg: Config, section: str, **values: Any) -> Config:
+    """``cfg`` with the fields ``values`` of its section ``section`` (e.g. "train") replaced."""
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
+
+
 def with_remat(cfg: Config, remat: str) -> Config:
     """``cfg`` with ``train.remat`` replaced."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat=remat))
+    return replaced(cfg, "train", remat=remat)
 
 
 def with_micro_batches(cfg: Config, n: int) -> Config:
     """``cfg`` with ``train.micro_batches`` replaced (and ``micro_batch_size`` off)."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=n, micro_batch_size=0))
+    return replaced(cfg, "train", micro_batches=n, micro_batch_size=0)
 
 
 def with_batch(cfg: Config, batch_size: int) -> Config:
     """``cfg`` with ``train.batch_size`` replaced."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size))
+    return replaced(cfg, "train", batch_size=batch_size)
 
 
 def with_ep(cfg: Config, ep: int) -> Config:
     """``cfg`` with ``parallel.ep`` replaced (and ``parallel.dp`` left to follow)."""
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, dp=0))
+    return replaced(cfg, "parallel", ep=ep, dp=0)

@@ -24,17 +24,20 @@ case and the changes tried, which are judged by the estimate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from moe_train.config import REMAT_POLICIES, Config
 from moe_train.parallel import jobplan
 from moe_train.planner.memory import job
-from moe_train.planner.memory.estimate import ALL_ITEMS, Estimate, estimate
+from moe_train.planner.memory.estimate import ALL_ITEMS, Estimate, bucket_label, estimate
 from topology.presets import Cluster
 
 GIB = 2**30
 DEFAULT_FRACTION = 0.90
 REMAT_ORDER = ("moe", "matmuls", "full")  # least recompute first
+Total = Callable[[Config], int | None]  # a config's estimated total on the job; None: refused
 assert set(REMAT_ORDER) < set(REMAT_POLICIES)
 
 
@@ -123,31 +126,37 @@ def _first_fit(label, candidates, usable: int) -> Alternative | None:
     return best
 
 
+def _first_setting(key: str, values, with_value, total: Total, usable: int) -> Alternative | None:
+    """``_first_fit`` over ``key=v`` for each ``v`` of ``values``: ``with_value(v)`` is the
+    config with it, ``total`` that config's estimated total."""
+    return _first_fit(lambda v: f"{key}={v}", ((v, total(with_value(v))) for v in values), usable)
+
+
 def alternatives(
     cfg: Config, cluster: Cluster, nodes: int, devices: int | None, usable: int, current: int
 ) -> list[Alternative]:
     """Single changes that lower ``current``, cheapest first (module docstring); with remat
     ``full`` combined when no single available change fits."""
     n = devices or nodes * cluster.gpus_per_node
-    total = lambda c: _total(c, cluster, nodes, devices)  # noqa: E731
+    total: Total = lambda c: _total(c, cluster, nodes, devices)  # noqa: E731
     E = cfg.moe.num_experts
     eps = [e for e in range(cfg.parallel.ep + 1, min(n, E) + 1) if jobplan.ep_fault(n, e, E) is None]
-    out = [_first_fit(lambda e: f"parallel.ep={e}", ((e, total(job.with_ep(cfg, e))) for e in eps), usable)]
+    out = [_first_setting("parallel.ep", eps, partial(job.with_ep, cfg), total, usable)]
     out += [
-        _first_fit(lambda r: f"train.remat={r}", [(r, total(job.with_remat(cfg, r)))], usable)
+        _first_setting("train.remat", [r], partial(job.with_remat, cfg), total, usable)
         for r in REMAT_ORDER
         if r != cfg.train.remat
     ]
     out += [
-        _micro_alt(cfg, cluster, nodes, devices, n, usable),
-        _batch_alt(cfg, cluster, nodes, devices, n, usable),
+        _micro_alt(cfg, n, total, usable),
+        _batch_alt(cfg, n, total, usable),
         _nodes_alt(cfg, cluster, nodes, devices, usable),
     ]
     out = [a for a in out if a is not None and a.total_bytes < current]
     if not any(a.fits and a.available for a in out) and cfg.train.remat != "full":
         full = job.with_remat(cfg, "full")
         for alt in (
-            _batch_alt(full, cluster, nodes, devices, n, usable),
+            _batch_alt(full, n, total, usable),
             _nodes_alt(full, cluster, nodes, devices, usable),
         ):
             if alt is not None and alt.total_bytes < current:
@@ -155,30 +164,17 @@ def alternatives(
     return out
 
 
-def _micro_alt(
-    cfg: Config, cluster: Cluster, nodes: int, devices: int | None, n: int, usable: int
-) -> Alternative | None:
+def _micro_alt(cfg: Config, n: int, total: Total, usable: int) -> Alternative | None:
     """The fewest ``train.micro_batches`` (dividing the sequences per device) that fit."""
     per = cfg.train.batch_size // n
     counts = [k for k in range(cfg.train.micro_batches + 1, per + 1) if per % k == 0]
-    return _first_fit(
-        lambda k: f"train.micro_batches={k}",
-        ((k, _total(job.with_micro_batches(cfg, k), cluster, nodes, devices)) for k in counts),
-        usable,
-    )
+    return _first_setting("train.micro_batches", counts, partial(job.with_micro_batches, cfg), total, usable)
 
 
-def _batch_alt(
-    cfg: Config, cluster: Cluster, nodes: int, devices: int | None, n: int, usable: int
-) -> Alternative | None:
+def _batch_alt(cfg: Config, n: int, total: Total, usable: int) -> Alternative | None:
     """The largest smaller ``train.batch_size`` (a multiple of the devices) that fits."""
-    per = cfg.train.batch_size // n
-    sizes = [n * k for k in range(per - 1, 0, -1)]
-    return _first_fit(
-        lambda b: f"train.batch_size={b}",
-        ((b, _total(job.with_batch(cfg, b), cluster, nodes, devices)) for b in sizes),
-        usable,
-    )
+    sizes = [n * k for k in range(cfg.train.batch_size // n - 1, 0, -1)]
+    return _first_setting("train.batch_size", sizes, partial(job.with_batch, cfg), total, usable)
 
 
 def _nodes_alt(
@@ -243,7 +239,7 @@ def _g(b: int) -> str:
 def _message(fits, total, usable, largest, largest_bytes, change, worst, est, compiled=None) -> str:
     need, peak = total, ""
     if compiled:
-        label = compiled.bucket + ("x" if compiled.bucket != "worst" else "")
+        label = bucket_label(compiled.bucket)
         need, peak = (
             compiled.peak_bytes,
             f"XLA:GPU's compiled peak at the {label} bucket, {compiled.source}; "
