@@ -80,7 +80,7 @@ XLA_GPU_INSTALL = $(PY) -m pip install -q --no-deps --upgrade -c requirements.lo
 # missing or not at jax's version: the install advice of moe_train/planner/compile/plugin.py then works
 XLA_GPU_READY = $(PY) -c 'import sys; from moe_train.planner.compile import plugin; sys.exit(plugin.version_problem(plugin.search_path()) is not None)' 2>/dev/null
 
-.PHONY: help venv xla-gpu smoke train submit smoke-cluster golden test test-fast lint format bench bench-gpu bench-accel gpu-check study plan compile probe report \
+.PHONY: help venv xla-gpu smoke train submit smoke-cluster golden test test-fast lint format bench bench-gpu bench-accel gpu-check study plan compile compute-shares probe report \
 	cluster-up cluster-down \
 	container container-import preflight clean
 
@@ -173,6 +173,9 @@ xla-gpu: $(STAMP)
 
 compile: $(STAMP) xla-gpu ## compile MODEL's train step on NODES of PRESET with XLA:GPU, no GPU needed: memory per bucket vs the planner, kernels, collectives (PEAK=1: what fills the peak); runs/compile/<UTC>/
 	@$(RUN_ARGS); $(if $(PRESET_DEFAULTED),export MOE_TRAIN_PRESET_DEFAULTED=1;) $(RUN_CMD) $(PY) -m moe_train.planner.compile --preset "$$PRESET" --model "$$MODEL" --nodes "$$NODES" $(EP_ARG) $(if $(PEAK),--peak) "$$@"
+
+compute-shares: $(STAMP) xla-gpu ## regenerate compute.toml's overlap shares from make compile runs of moe_train/planner/overlap_jobs.toml (about 15 compiles, tens of minutes; kept in runs/overlap-shares and reused)
+	@$(RUN_CMD) $(PY) -m moe_train.planner.overlap_shares
 
 probe: $(STAMP) ## time all-to-alls on DEVICES of this machine's devices (default all; on CPU, DEVICES fake ones, e.g. DEVICES=8); writes runs/probe/<PRESET>.toml
 	@$(RUN_CMD) $(PY) -m topology probe --preset "$$PRESET" --out "runs/probe/$$(basename -- "$$PRESET" .toml).toml" $(if $(DEVICES),--devices "$$DEVICES")

@@ -8,6 +8,11 @@ takes another (one
 ``make gpu-check`` writes from its measurements). A missing, unknown, non-numeric or
 out-of-range field is a ``TopologyError`` naming the file and the key.
 
+A share measured at each of ``MEASURED_CHUNKS`` (``a2a_hidden_step_4chunks``) may be given once
+for all of them by its chunk-less name (``a2a_hidden_step``, ``FAMILIES``); a per-chunk key beside
+it overrides it at that count. The generated ``compute.toml`` (``overlap_shares``) keeps a
+per-chunk share only where the counts differ beyond ``overlap_shares.SPREAD``.
+
 The overlap shares (the fields with ``hidden`` in their name) depend on the program XLA
 schedules, so a ``[model.<preset>]`` table gives those measured on one model's own program
 (with its ``[model.<preset>.source]``); ``load(path, model=...)`` applies them. Exchange shares
@@ -24,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -86,10 +92,25 @@ class Compute:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Compute) if f.name not in ("source", "path", "model"))
+MEASURED_CHUNKS = (1, 2, 4, 8)  # the chunk counts the per-chunk shares are measured at
 
-
-MEASURED_CHUNKS = (1, 2, 4, 8)  # the chunk counts the a2a_hidden_* shares were measured at
 OVERLAP_FIELDS = tuple(f for f in FIELDS if "hidden" in f)  # what a [model.<preset>] table may give
+
+
+def _family(field: str) -> str | None:
+    m = re.fullmatch(r"(.+)_(\d+)chunks?", field)
+    return m.group(1) if m else None
+
+
+# chunk-less name -> its fields at each of MEASURED_CHUNKS (a share measured per chunk count)
+def _families() -> dict[str, tuple[str, ...]]:
+    """Chunk-less name -> its fields at each of ``MEASURED_CHUNKS``."""
+    names = dict.fromkeys(name for f in FIELDS if (name := _family(f)) is not None)
+    members = {name: tuple(f for f in FIELDS if _family(f) == name) for name in names}
+    return {name: fields for name, fields in members.items() if len(fields) == len(MEASURED_CHUNKS)}
+
+
+FAMILIES = _families()  # a share measured per chunk count, by its chunk-less name
 EXCHANGE_FIELDS = tuple(f for f in OVERLAP_FIELDS if f.startswith("a2a_hidden"))
 MODEL_RATIO_NOTE = (
     "the default times {ratio:.2f}, {model}'s measured exchange shares over the defaults at the same points"
@@ -169,12 +190,28 @@ def load(path: str | os.PathLike[str] | None = None, model: str | None = None) -
     return base if model is None or model not in models else for_model(base, model, models[model])
 
 
+def expanded(values: Mapping[str, Any], source: Mapping[str, str]) -> tuple[dict, dict]:
+    """(values, sources) with each chunk-less share (``FAMILIES``) given to each of its
+    per-chunk fields that ``values`` does not give itself, and the chunk-less name dropped."""
+    out, why = dict(values), dict(source)
+    for name, members in FAMILIES.items():
+        if name in out:
+            value, note = out.pop(name), why.pop(name, None)
+            for field in members:
+                if field not in out:
+                    out[field] = value
+                    if note is not None and field not in why:
+                        why[field] = note
+    return out, why
+
+
 def for_model(base: Compute, model: str, table: Mapping) -> Compute:
     """``base`` with a model's measured overlap shares (a checked ``[model.<model>]`` table);
     the exchange shares it does not give scaled by its measured ones over ``base``'s."""
-    given = {k: float(v) for k, v in table.items() if k != "source"}
+    raw = {k: float(v) for k, v in table.items() if k != "source"}
+    given, notes = expanded(raw, table.get("source", {}))
     source = dict(base.source)
-    source.update({k: f"{model}: {v}" for k, v in table.get("source", {}).items()})
+    source.update({k: f"{model}: {v}" for k, v in notes.items()})
     pairs = [(given[k], getattr(base, k)) for k in EXCHANGE_FIELDS if k in given and getattr(base, k) > 0]
     if pairs:
         ratio = sum(m for m, _ in pairs) / sum(d for _, d in pairs)
@@ -189,9 +226,10 @@ def _check_model(table, name: str, p: Path) -> None:
     where = f"model.{name}"
     if not isinstance(table, dict):
         raise TopologyError(f"{p}: [{where}] must be a table of overlap shares")
-    unknown = sorted(set(table) - set(OVERLAP_FIELDS) - {"source"})
+    valid = OVERLAP_FIELDS + tuple(f for f in FAMILIES if "hidden" in f)
+    unknown = sorted(set(table) - set(valid) - {"source"})
     if unknown:
-        raise TopologyError(f"{p}: unknown key {where}.{unknown[0]}; valid keys: {', '.join(OVERLAP_FIELDS)}")
+        raise TopologyError(f"{p}: unknown key {where}.{unknown[0]}; valid keys: {', '.join(valid)}")
     for key, value in table.items():
         if key != "source":
             check_number(value, f"{where}.{key}", str(p), hi=1.0, lo_open=False)
@@ -205,10 +243,13 @@ def _compute(data: Mapping, p: Path) -> Compute:
     if not isinstance(table, dict):
         raise TopologyError(f"{p}: no [compute] table (fields: {', '.join(FIELDS)})")
     source = table.get("source", {})
-    values = {k: v for k, v in table.items() if k != "source"}
-    unknown = sorted(set(values) - set(FIELDS))
+    if not isinstance(source, dict):
+        raise TopologyError(f"{p}: [compute.source] must map each field to a string")
+    unknown = sorted(set(table) - set(FIELDS) - set(FAMILIES) - {"source"})
     if unknown:
-        raise TopologyError(f"{p}: unknown key compute.{unknown[0]}; valid keys: {', '.join(FIELDS)}")
+        valid = ", ".join(FIELDS + tuple(FAMILIES))
+        raise TopologyError(f"{p}: unknown key compute.{unknown[0]}; valid keys: {valid}")
+    values, source = expanded({k: v for k, v in table.items() if k != "source"}, source)
     for key in FIELDS:
         value = values.get(key)
         if value is None:
