@@ -12,8 +12,9 @@ The file is written whole: a header naming the jax version, the date and the job
 measured efficiencies of ``[compute]`` that no compile measures kept as they were, each share
 with a source saying which compile gave it.
 
-Compiles are kept under ``--results`` (``<job>/<n>chunks.json``) and reused by a later run
-with the same folder: a run that stopped goes on where it was.
+Compiles are kept under ``--results`` (``<job>/<n>chunks.json``, with the arguments that made
+each in ``<n>chunks.args``) and reused by a later run with the same folder and the same job:
+a run that stopped goes on where it was.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -106,32 +108,25 @@ def compile_args(job: Job, chunks: int, layers: int | None, out: Path) -> list[s
 
 
 def measured(job: Job, chunks: int, results: Path, layers: int | None, say: Callable[[str], None]) -> dict:
-    """The compile record of ``job`` at ``chunks`` (a kept one when its job matches)."""
+    """The compile record of ``job`` at ``chunks``: one kept in ``results`` when it was
+    compiled with the same arguments (``<n>chunks.args`` beside it), else a new compile."""
     path = results / job.name / f"{chunks}chunks.json"
-    if path.is_file():
-        record = json.loads(path.read_text())
-        if (record["model"], record["cluster"], record["nodes"], record["ep"]) == (
-            job.model,
-            job.preset,
-            job.nodes,
-            job.ep,
-        ):
-            say(f"  {job.name}, {chunks} chunk(s): kept from {path}")
-            return record
+    same = shlex.join(compile_args(job, chunks, layers, Path("OUT")))
+    args_file = path.with_suffix(".args")
+    if path.is_file() and args_file.is_file() and args_file.read_text().strip() == same:
+        say(f"  {job.name}, {chunks} chunk(s): kept from {path}")
+        return json.loads(path.read_text())
     path.parent.mkdir(parents=True, exist_ok=True)
     say(f"  {job.name}, {chunks} chunk(s): compiling {job.describe()} ...")
-    cmd = [
-        sys.executable,
-        "-m",
-        "moe_train.planner.compile",
-        *compile_args(job, chunks, layers, path.parent / "runs"),
-    ]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # its progress lines go to our stderr
+    args = compile_args(job, chunks, layers, path.parent / "runs")
+    proc = subprocess.run(  # its progress lines go to our stderr
+        [sys.executable, "-m", "moe_train.planner.compile", *args], stdout=subprocess.PIPE, text=True
+    )
     if proc.returncode != 0:
-        raise TopologyError(
-            f"make compile failed for {job.name} at {chunks} chunk(s) (exit {proc.returncode})"
-        )
+        what = f"{job.name} at {chunks} chunk(s)"
+        raise TopologyError(f"make compile failed for {what} (exit {proc.returncode}; its error is above)")
     path.write_text(proc.stdout)
+    args_file.write_text(same + "\n")
     return json.loads(proc.stdout)
 
 
