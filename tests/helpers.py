@@ -113,6 +113,14 @@ def write_tokens(path: Path, ids: np.ndarray) -> Path:
 # --------------------------------------------------------------------------- command lines
 
 
+def toml_key(text: str, key: str, value: str | None) -> str:
+    """``text`` (a TOML file) with the first line assigning ``key`` set to ``value`` (None:
+    removed), whatever the number's spelling there (``0.8`` or ``0.80``)."""
+    line = re.compile(rf"(?m)^{re.escape(key)} = .*\n")
+    assert line.search(text), f"no line assigns {key}"
+    return line.sub("" if value is None else f"{key} = {value}\n", text, count=1)
+
+
 def sets(*assignments: str) -> list[str]:
     """``--set`` before each ``section.key=value``."""
     return [word for a in assignments for word in ("--set", a)]

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from helpers import run_module
+from helpers import run_module, toml_key
 
 from moe_train import config
 from moe_train.model import flops
@@ -235,7 +235,7 @@ def test_remat_recomputes_the_forward_but_gathers_each_weight_twice():
 
 
 def test_better_efficiency_is_a_shorter_step(tmp_path):
-    text = compute.DEFAULTS.read_text().replace("gemm_efficiency = 0.80", "gemm_efficiency = 1.0")
+    text = toml_key(compute.DEFAULTS.read_text(), "gemm_efficiency", "1.0")
     (tmp_path / "c.toml").write_text(text)
     one = ("train.micro_batch_size=0", "train.micro_batches=1")  # compute-bound: FSDP hides
     assert predicted(*one, compute=str(tmp_path / "c.toml")).step_s < predicted(*one).step_s
@@ -318,9 +318,7 @@ def test_the_plan_uses_and_names_the_models_own_shares():
 
 def test_a_compute_file_without_model_tables_takes_the_shipped_ones(tmp_path):
     text = compute.DEFAULTS.read_text()
-    (tmp_path / "c.toml").write_text(
-        text[: text.index("\n[model.")].replace("gemm_efficiency = 0.80", "gemm_efficiency = 0.9")
-    )
+    (tmp_path / "c.toml").write_text(toml_key(text[: text.index("\n[model.")], "gemm_efficiency", "0.9"))
     got = compute.load(tmp_path / "c.toml", model="deepseek-v3")
     assert got.gemm_efficiency == 0.9
     assert (
@@ -333,15 +331,15 @@ def test_a_compute_file_without_model_tables_takes_the_shipped_ones(tmp_path):
     "edit,needle",
     [
         (
-            lambda t: t.replace("hbm_efficiency = 0.90", "hbm_efficiency = -0.9"),
+            lambda t: toml_key(t, "hbm_efficiency", "-0.9"),
             "compute.hbm_efficiency must be a number in (0, 1]",
         ),
-        (lambda t: t.replace("attention_efficiency = 0.40", ""), "missing key compute.attention_efficiency"),
+        (lambda t: toml_key(t, "attention_efficiency", None), "missing key compute.attention_efficiency"),
         (
             lambda t: t.replace("[compute]\n", "[compute]\nflops_fudge = 2\n"),
             "unknown key compute.flops_fudge",
         ),
-        (lambda t: t.replace("gemm_efficiency = 0.80", 'gemm_efficiency = "fast"'), "gemm_efficiency"),
+        (lambda t: toml_key(t, "gemm_efficiency", '"fast"'), "gemm_efficiency"),
         (lambda t: "[compute\n", "not valid TOML"),
         (
             lambda t: t.replace("[model.deepseek-v3]\n", "[model.deepseek-v3]\ngemm_efficiency = 0.5\n"),

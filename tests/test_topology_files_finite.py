@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import run_module
+from helpers import run_module, toml_key
 
 from moe_train.planner import compute
 from topology import calibration, presets
@@ -111,9 +111,7 @@ def test_plan_with_an_infinite_site_latency_exits_2_with_one_line(tmp_path):
 )
 def test_a_bad_compute_number_names_the_key_and_file(tmp_path, value, message):
     path = tmp_path / "compute.toml"
-    path.write_text(
-        compute.DEFAULTS.read_text().replace("gemm_efficiency = 0.80", f"gemm_efficiency = {value}", 1)
-    )
+    path.write_text(toml_key(compute.DEFAULTS.read_text(), "gemm_efficiency", value))
     with pytest.raises(TopologyError, match=rf"^{path}: compute.gemm_efficiency {message}$"):
         compute.load(path)
 
