@@ -12,6 +12,7 @@
 - ``platform``: ``Platform``, the target the model and the MoE layer choose kernels for
   (``Platform.here()``: this process's JAX backend, the one place that reads it).
 - ``threads``: ``start_daemon``, the kit's background threads (named daemons).
+- ``waiting``: ``Waiting``, the heartbeat around a blocking call (no silent wait over 10 s).
 
 May import: nothing of the kit (the standard library only; ``platform`` also jax), so that any
 package may import it and no import of it can close a cycle.
