@@ -7,8 +7,6 @@
 - ``choices``: value tables that the config's validation and the code acting on the values
   share (``SCORE_FUNCTIONS``, ``BACKENDS``), kept once.
 - ``notation``: the one table of shape letters (``x_TH``: [tokens, hidden]), ``LETTERS``.
-- ``cliargs``: command-line pieces the tool commands share (``add_out_option``: ``--out``;
-  ``comma_list``: a comma-separated option's names; ``utc_stamp``: a results folder's name).
 - ``platform``: ``Platform``, the target the model and the MoE layer choose kernels for
   (``Platform.here()``: this process's JAX backend, the one place that reads it).
 - ``threads``: ``start_daemon``, the kit's background threads (named daemons).

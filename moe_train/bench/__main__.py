@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jax
 
-from moe_train.base.cliargs import add_out_option, comma_list, utc_stamp
+from moe_train.config.cli import add_out_option, comma_list, utc_stamp
 from moe_train.train import progress
 
 CPU_SECTIONS = ("gemm", "layer", "permute", "ep", "overlap", "compiles", "attention", "scan", "loss")

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from moe_train import config
-from moe_train.base.cliargs import utc_stamp
+from moe_train.config.cli import utc_stamp
 from moe_train.data import KIT_ROOT, prepare
 from moe_train.model import flops
 

@@ -4,14 +4,17 @@
 ``python -m moe_train.planner.ep_plan`` and ``python -m moe_train.planner`` take
 a model, a cluster preset, nodes, an EP size and ``--set`` overrides; a bad argument is one
 ``error:`` line on stderr and exit 2 (the kit's rule for bad input), never argparse's usage
-block.
+block. The tool commands (``bench``, ``gpucheck``, ``study``) also share their ``--out`` option,
+comma lists and results folders' names from here.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import os
 import sys
+from pathlib import Path
 
 from moe_train import config
 
@@ -85,3 +88,23 @@ def set_argument(
         metavar="KEY=VALUE",
         help=help or f"override a config field, e.g. --set {example} (repeatable)",
     )
+
+
+def add_out_option(parser: argparse.ArgumentParser, default: str, layout: str) -> None:
+    """``--out OUT`` (a ``Path``, default ``default``): results go to ``OUT/<layout>``."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(default),
+        help=f"results go to OUT/{layout} (default: {default})",
+    )
+
+
+def utc_stamp() -> str:
+    """Now in UTC, as a results folder's name: ``20261207T020304Z``."""
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def comma_list(text: str) -> list[str]:
+    """The names of a comma-separated option value, empty ones dropped."""
+    return [s for s in text.split(",") if s]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from importlib import import_module
 from typing import Any
 
-from moe_train.base.cliargs import add_out_option, comma_list, utc_stamp
+from moe_train.config.cli import add_out_option, comma_list, utc_stamp
 from moe_train.gpucheck import Context, Section, budget_scale, failed, heartbeat, run_section, say, write
 
 # The sections in order: name, title, time budget on a GPU (560 s together; what a section

@@ -1,9 +1,9 @@
-"""``moe_train.base.cliargs``: the ``--out`` option and comma lists the tool commands share."""
+"""``moe_train.config.cli``: the ``--out`` option and comma lists the tool commands share."""
 
 import argparse
 from pathlib import Path
 
-from moe_train.base.cliargs import add_out_option, comma_list
+from moe_train.config.cli import add_out_option, comma_list
 
 
 def test_out_option_is_a_path_with_its_default_and_layout_in_the_help():
