@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train.moe import Routing, dropless_moe, ep_moe
+from moe_train.moe import Routing, dropless_moe
 from moe_train.parallel import sharding
 from moe_train.parallel.jobplan import EPPlan, bucket_slots
 
@@ -32,7 +32,7 @@ def mesh_for(devices, ep, inner=None):
 
 def run_ep(mesh, plan, ops, bias=None, **kw):
     def loss(ops):
-        y, stats = ep_moe(*ops, routing=Routing(K, **kw), plan=plan, expert_bias=bias, seq_len=16)
+        y, stats = dropless_moe(*ops, routing=Routing(K, **kw), plan=plan, expert_bias=bias, seq_len=16)
         return jnp.sum(y * jnp.cos(y)) + stats.aux_loss, (y, stats)
 
     with jax.set_mesh(mesh):
@@ -186,7 +186,7 @@ def _scopes(fn, mesh=None) -> set[str]:
 )
 def test_every_dispatcher_runs_the_same_named_steps(dispatcher, devices, ep, inner):
     plan = EPPlan(dispatcher, ep, None)
-    fn = lambda *ops: ep_moe(*ops, routing=Routing(K), plan=plan)  # noqa: E731
+    fn = lambda *ops: dropless_moe(*ops, routing=Routing(K), plan=plan)  # noqa: E731
     assert (LOCAL_STEPS if ep == 1 else STEPS) <= _scopes(fn, mesh_for(devices, ep, inner))
 
 

@@ -119,6 +119,11 @@ def test_a_long_section_prints_a_heartbeat_with_its_name_and_elapsed_time(tmp_pa
     assert len(beats) >= 2
 
 
+def test_every_section_of_the_table_has_its_function():
+    assert [s.name for s in cli.sections()] == list(cli.SECTION_NAMES)
+    assert all(callable(s.run) for s in cli.sections())
+
+
 def test_unknown_section_is_refused():
     with pytest.raises(SystemExit) as err:
         cli.parse(["--only", "env,warp"])
@@ -192,6 +197,15 @@ def test_compile_section_maps_every_gpu_kind_to_a_shipped_target():
     assert compiled.target_for("NVIDIA GB200") == "gb200"
     assert compiled.target_for("cpu") is None
     assert {name for _, name in compiled.TARGETS} <= set(targets.list_targets())
+
+
+def test_compile_section_passes_a_memory_field_within_its_tolerance():
+    from moe_train.gpucheck import compiled
+
+    assert compiled._compare("temp", 105, 100)["status"] == "PASS"
+    assert compiled._compare("temp", 0, 0)["status"] == "PASS"
+    far = compiled._compare("temp", 150, 100)
+    assert far["status"] == "FAIL" and "outside 1 +- 0.1" in far["reason"]
 
 
 @pytest.mark.parametrize("section", ["training", "expert_parallel"])

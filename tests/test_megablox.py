@@ -197,7 +197,7 @@ def _ep_grads(ops, dispatcher: str, ep: int, inner: int, backend: str):
     mesh = sharding.make_mesh(jax.devices()[:8], (8 // ep, ep // inner, inner))
 
     def loss(ops):
-        y, _ = layer.ep_moe(
+        y, _ = layer.dropless_moe(
             *ops, routing=Routing(K), plan=EPPlan(dispatcher, ep), seq_len=16, backend=backend
         )
         return jnp.sum(y * jnp.cos(y)), y
@@ -211,7 +211,7 @@ def _ep_grads(ops, dispatcher: str, ep: int, inner: int, backend: str):
 @pytest.mark.parametrize("dispatcher,ep,inner", [("a2a", 4, 4), ("hierarchical", 8, 2)])
 def test_expert_parallel_megablox_equals_tiled(monkeypatch, dispatcher, ep, inner):
     """Under shard_map, with rows for other shards in the spare group; off a TPU the platform
-    check is lifted so that ep_moe runs the kernels in interpret mode."""
+    check is lifted so that dropless_moe runs the kernels in interpret mode."""
     resolve = layer.resolve_backend
     monkeypatch.setattr(
         layer, "resolve_backend", lambda n, d=None, **kw: n if n == "megablox" else resolve(n, d, **kw)

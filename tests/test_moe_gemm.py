@@ -245,6 +245,7 @@ def test_default_tile_rows_bounds_padding_waste(n, e):
 def test_mgpu_vjp_traces_on_cpu(monkeypatch):
     """The Mosaic-GPU kernels' Python-level checks and our VJP shapes, without a GPU."""
     from moe_train.moe.gemm import sorted_swiglu
+    from moe_train.moe.tiled import expert_operands
 
     # transposed_ragged_dot reads the SM count from the device; fake a Hopper one.
     monkeypatch.setattr(jax, "devices", lambda *a: [type("Gpu", (), {"core_count": 132})()])
@@ -254,7 +255,7 @@ def test_mgpu_vjp_traces_on_cpu(monkeypatch):
     group_sizes = jnp.full((E,), n // E, jnp.int32)
 
     def loss(x, w0, w1, wo):
-        y = sorted_swiglu(x, group_sizes, w0, w1, wo, "mgpu")
+        y = sorted_swiglu(expert_operands(x, w0, w1, wo, group_sizes, with_scale=False), "mgpu")
         return jnp.sum(y.astype(jnp.float32))
 
     traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, w_ehf, w_ehf, w_efh)

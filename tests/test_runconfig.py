@@ -66,5 +66,5 @@ def test_the_loop_calls_the_one_step_wrapper(loop):
 def test_the_step_wrapper_holds_the_jitted_step_itself(loop):
     """What it calls is ``make_train_step``'s: the ``jax.jit`` function in its mesh context."""
     fn = loop.step_fn._fn(loop.step_fn.bucket)
-    assert loop.step_fn.make_step is make_train_step
+    assert loop.step_fn.step_for.func is make_train_step
     assert type(fn) is sharding.InContext and type(fn.jitted) is type(jax.jit(lambda x: x))

@@ -60,7 +60,8 @@ def grid() -> tuple:
                 devices = nodes * cluster.gpus_per_node
                 for ep in (d for d in range(1, E + 1) if E % d == 0 and devices % d == 0):
                     # one sequence per device: the batch never refuses a job
-                    cfg = job.with_batch(job.with_ep(base, ep), devices)
+                    cfg = job.with_setting(base, "parallel.ep", ep)
+                    cfg = job.with_setting(cfg, "train.batch_size", devices)
                     try:
                         out.append((model, cluster.name, nodes, ep, cfg, job.setup_for(cfg, cluster, nodes)))
                     except PlanError:

@@ -29,6 +29,7 @@ from topology.placement import (
 )
 
 T, H, K, BF16 = 8192, 7168, 8, 2
+V3 = cost.Traffic(T, H, K, BF16)
 V = 939_524_096
 
 
@@ -43,7 +44,7 @@ def blocks(*sizes: int) -> list[list[int]]:
 
 def network_bytes(cluster, p, hierarchical=False) -> float:
     return cost.placement_dispatch_time(
-        cluster, p.ep_groups, domain_index(p.domains), T, H, K, BF16, hierarchical
+        cluster, p.ep_groups, domain_index(p.domains), V3, hierarchical
     ).v_network_bytes
 
 
@@ -143,20 +144,20 @@ def test_bytes_per_dispatch():
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_equal_domains_match_the_flat_and_hierarchical_formulas(h100, gb200, hierarchical):
     groups = [list(range(64))]
-    b = cost.placement_dispatch_time(h100, groups, [r // 8 for r in range(64)], T, H, K, BF16, hierarchical)
-    assert b == cost.dispatch_time(h100, T, H, K, BF16, 64, hierarchical)
-    g = cost.placement_dispatch_time(gb200, groups, [0] * 64, T, H, K, BF16, hierarchical)
-    assert g == cost.dispatch_time(gb200, T, H, K, BF16, 64, hierarchical)
+    b = cost.placement_dispatch_time(h100, groups, [r // 8 for r in range(64)], V3, hierarchical)
+    assert b == cost.dispatch_time(h100, V3, 64, hierarchical)
+    g = cost.placement_dispatch_time(gb200, groups, [0] * 64, V3, hierarchical)
+    assert g == cost.dispatch_time(gb200, V3, 64, hierarchical)
 
 
 def test_hand_computed_h100_ep64(h100):
-    b = cost.placement_dispatch_time(h100, [list(range(64))], [r // 8 for r in range(64)], T, H, K, BF16)
+    b = cost.placement_dispatch_time(h100, [list(range(64))], [r // 8 for r in range(64)], V3)
     assert b.v_network_bytes == 822_083_584 and b.v_nvlink_bytes == 102_760_448
     assert b.t_network_s == pytest.approx(0.0191182229, rel=1e-8)
     assert b.t_nvlink_s == pytest.approx(0.000278483599, rel=1e-8)
     assert b.total_s == pytest.approx(0.0191182229 + 17.4e-6, rel=1e-8)
     hier = cost.placement_dispatch_time(
-        h100, [list(range(64))], [r // 8 for r in range(64)], T, H, K, BF16, hierarchical=True
+        h100, [list(range(64))], [r // 8 for r in range(64)], V3, hierarchical=True
     )
     # 8192*7168*2 * 7 * (1 - (7/8)^8) = 539,608,335 bytes; V*7/8 over NVLink
     assert hier.v_network_bytes == pytest.approx(539_608_335) and hier.v_nvlink_bytes == V * 7 / 8
@@ -164,26 +165,26 @@ def test_hand_computed_h100_ep64(h100):
 
 def test_hand_computed_nvl72_planned_vs_naive(gb200):
     planned = place(blocks(64, 64), ep=64)
-    b = cost.placement_dispatch_time(gb200, planned.ep_groups, domain_index(planned.domains), T, H, K, BF16)
+    b = cost.placement_dispatch_time(gb200, planned.ep_groups, domain_index(planned.domains), V3)
     assert b.v_network_bytes == 0 and b.v_nvlink_bytes == 924_844_032
     assert b.total_s == pytest.approx(0.00126864751 + 3.4e-6, rel=1e-8)
     # naive: group 1 = ranks 64-127, of which 64-71 sit in rack 0: each of those sends 56/64
     naive = naive_placement(128, 64, domains=blocks(72, 56))
-    n = cost.placement_dispatch_time(gb200, naive.ep_groups, domain_index(naive.domains), T, H, K, BF16)
+    n = cost.placement_dispatch_time(gb200, naive.ep_groups, domain_index(naive.domains), V3)
     assert n.v_network_bytes == 822_083_584 and n.v_nvlink_bytes == 102_760_448
     assert n.total_s == pytest.approx(0.0191182229 + 17.4e-6, rel=1e-8)
 
 
 def test_layer_time_of_a_placement(h100):
     groups, dom = [list(range(64))], [r // 8 for r in range(64)]
-    layer = cost.placement_layer_time(h100, groups, dom, T, H, K, 2048, BF16)
-    assert layer == cost.layer_time(h100, T, H, K, 2048, BF16, 64)
+    layer = cost.placement_layer_time(h100, groups, dom, V3, 2048)
+    assert layer == cost.layer_time(h100, V3, 2048, 64)
 
 
 def test_hierarchical_needs_even_packing(h100):
     with pytest.raises(ValueError, match="same number of GPUs"):
         cost.placement_dispatch_time(
-            h100, [list(range(12))], [r // 8 for r in range(12)], T, H, K, BF16, hierarchical=True
+            h100, [list(range(12))], [r // 8 for r in range(12)], V3, hierarchical=True
         )
 
 

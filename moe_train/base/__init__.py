@@ -11,6 +11,8 @@
   (``Platform.here()``: this process's JAX backend, the one place that reads it).
 - ``threads``: ``start_daemon``, the kit's background threads (named daemons).
 - ``waiting``: ``Waiting``, the heartbeat around a blocking call (no silent wait over 10 s).
+- ``calls``: ``from_names``, a call whose keyword arguments are another object's attributes of
+  the same names (a parsed command line, a record a larger one repeats).
 
 May import: nothing of the kit (the standard library only; ``platform`` also jax), so that any
 package may import it and no import of it can close a cycle.

@@ -29,7 +29,7 @@ import numpy as np
 
 from moe_train.bench import common
 from moe_train.config import Config, MoEConfig
-from moe_train.moe import Routing, dropless_moe, ep_moe
+from moe_train.moe import Routing, dropless_moe
 from moe_train.moe.routings import (
     MoEShape,
     expert_weights,
@@ -146,18 +146,18 @@ def dropless_run(s: Sizes, batches: Batches) -> dict[str, Any]:
     }
 
 
-def _layer_step(s: Sizes, batches: Batches):
-    """BucketedStep's ``make_step`` for this section: the EP layer's fwd+bwd as the bucketed
+def _layer_step(s: Sizes, batches: Batches, counter: StepCounter):
+    """BucketedStep's ``step_for`` for this section: the EP layer's fwd+bwd as the bucketed
     step (the optimizer and the rest of the model left out)."""
 
-    def make(cfg, mesh, counter, state_sharding, plan):
-        """``train.make_train_step``'s signature; returns the jitted bucketed layer step."""
+    def make(plan):
+        """The jitted bucketed layer step of ``plan``."""
 
         def step(state, x, hold=None):  # the state never changes, so a held step is the same
             counter.traces += 1
 
             def loss(*ops):
-                y, stats = ep_moe(*ops, routing=Routing(s.top_k), plan=plan, backend="tiled")
+                y, stats = dropless_moe(*ops, routing=Routing(s.top_k), plan=plan, backend="tiled")
                 return _loss(y, stats), stats
 
             (_, stats), _ = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, *state)
@@ -191,8 +191,7 @@ def ep_run(s: Sizes, batches: Batches) -> dict[str, Any]:
     gate, *experts = batches.weights
     # the layer step's state is its weights, not a TrainState (BucketedStep only passes it on)
     state: Any = (jax.device_put(gate, NamedSharding(mesh, P())), *(jax.device_put(w, exp) for w in experts))
-    no_sharding: Any = None
-    bucketed = stepper.BucketedStep(cfg, mesh, counter, no_sharding, make_step=_layer_step(s, batches))
+    bucketed = stepper.BucketedStep(cfg, mesh, counter, _layer_step(s, batches, counter))
 
     def loop():
         per_step = []

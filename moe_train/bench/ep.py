@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from moe_train.bench.common import collective_bytes, compile_jit, fmt_ms, time_compiled
 from moe_train.bench.ep_report import beside_balanced, buffer_ratios, markdown, skew_summary
 from moe_train.config import MoEConfig
-from moe_train.moe import Routing, dropless_moe, ep_moe, route, router_logits
+from moe_train.moe import Routing, dropless_moe, route, router_logits
 from moe_train.moe.routings import (
     ZIPF_S,
     MoEShape,
@@ -177,14 +177,14 @@ def _loss(y_TH, stats):
 
 def ep_step(plan: EPPlan, routing: Routing):
     def loss(x, gate, w0, w1, wo):
-        y, stats = ep_moe(x, gate, w0, w1, wo, routing, plan=plan, backend=BACKEND)
+        y, stats = dropless_moe(x, gate, w0, w1, wo, routing, plan=plan, backend=BACKEND)
         return _loss(y, stats), stats
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
 
 def ep_forward(plan: EPPlan, routing: Routing):
-    return jax.jit(lambda *ops: ep_moe(*ops, routing=routing, plan=plan, backend=BACKEND))
+    return jax.jit(lambda *ops: dropless_moe(*ops, routing=routing, plan=plan, backend=BACKEND))
 
 
 def dense_step(routing: Routing):

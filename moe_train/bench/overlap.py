@@ -24,7 +24,7 @@ import numpy as np
 
 from moe_train.bench import common
 from moe_train.bench.common import collective_bytes, markdown_table, mib, row_done, time_rounds
-from moe_train.moe import Routing, ep_moe
+from moe_train.moe import Routing, dropless_moe
 from moe_train.parallel import sharding
 from moe_train.parallel.jobplan import EPPlan
 
@@ -60,7 +60,7 @@ def operands(s: Sizes, seed: int = 0) -> tuple[np.ndarray, ...]:
 
 def step(plan: EPPlan, top_k: int):
     def loss(*ops):
-        y, stats = ep_moe(*ops, routing=Routing(top_k), plan=plan)
+        y, stats = dropless_moe(*ops, routing=Routing(top_k), plan=plan)
         return jnp.mean(jnp.square(y)) + 0.01 * stats.aux_loss, y
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
@@ -93,7 +93,7 @@ def dispatcher_rows(
         outputs: dict = {}
         timing = time_rounds(fns, min_reps=s.min_reps, target_s=s.target_s, outputs=outputs)
         hlo = {
-            v: jax.jit(lambda *o, p=p: ep_moe(*o, routing=Routing(s.top_k), plan=p)[0])
+            v: jax.jit(lambda *o, p=p: dropless_moe(*o, routing=Routing(s.top_k), plan=p)[0])
             .lower(*ops)
             .as_text(dialect="hlo")
             for v, p in plans.items()

@@ -5,7 +5,10 @@
 a model, a cluster preset, nodes, an EP size and ``--set`` overrides; a bad argument is one
 ``error:`` line on stderr and exit 2 (the kit's rule for bad input), never argparse's usage
 block. The tool commands (``bench``, ``gpucheck``, ``study``) also share their ``--out`` option,
-comma lists and results folders' names from here.
+comma lists and results folders' names from here. Commands that declare their options as data
+(an ``options.toml`` beside them: ``data prepare``, ``eval``, ``score``, ``convert``) have them
+read and added here (``options_file``, ``add_options``), and pass them on to the function they
+call by name (``moe_train.base.calls.from_names``).
 """
 
 from __future__ import annotations
@@ -14,11 +17,16 @@ import argparse
 import datetime as dt
 import os
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from moe_train import config
+from moe_train.base.tomlfile import read_toml
 
 EXIT_USAGE = 2
+# the argument types an options table names (add_options)
+TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "path": Path}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -69,6 +77,11 @@ def nodes_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
 
 
+def json_argument(p: argparse.ArgumentParser) -> None:
+    """``--json``: print the command's result as one JSON object (the planner commands)."""
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def ep_argument(p: argparse.ArgumentParser, help: str) -> None:
     """``--ep N``: the expert-parallel size (None where not given: the model's ``parallel.ep``)."""
     p.add_argument("--ep", type=int, default=None, help=help)
@@ -108,3 +121,30 @@ def utc_stamp() -> str:
 def comma_list(text: str) -> list[str]:
     """The names of a comma-separated option value, empty ones dropped."""
     return [s for s in text.split(",") if s]
+
+
+def options_file(module: str) -> dict[str, Any]:
+    """The options tables of the commands of ``module`` (pass ``__file__``): the
+    ``options.toml`` beside it, one table a command."""
+    return read_toml(Path(module).with_name("options.toml"), ValueError)
+
+
+def add_options(
+    p: argparse.ArgumentParser, table: dict[str, Any], values: Mapping[str, object] | None = None
+) -> None:
+    """A command's options table (its ``[[<command>.option]]`` rows) as ``add_argument`` calls,
+    in its order: each row is ``flag`` (or a positional's name), then argparse's keywords, with
+    ``type`` one of TYPES' names and each ``{NAME}`` in ``help`` ``values[NAME]``. Rows that
+    name the same ``exclusive`` group exclude each other; the table's ``exclusive`` says, for
+    each group, whether one of its options is required."""
+    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for row in table["option"]:
+        kw = dict(row)
+        flag, group = kw.pop("flag"), kw.pop("exclusive", "")
+        if "type" in kw:
+            kw["type"] = TYPES[kw["type"]]
+        if "help" in kw:
+            kw["help"] = kw["help"].format_map(values or {})
+        if group and group not in groups:
+            groups[group] = p.add_mutually_exclusive_group(required=table["exclusive"][group])
+        (groups[group] if group else p).add_argument(flag, **kw)

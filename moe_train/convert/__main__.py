@@ -17,6 +17,7 @@ from pathlib import Path
 
 from moe_train.base import exits
 from moe_train.config import ConfigError
+from moe_train.config.cli import add_options, options_file
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,54 +26,9 @@ def parser() -> argparse.ArgumentParser:
         description="Convert checkpoints between Hugging Face and the kit.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    a = _command(
-        sub,
-        "from-hf",
-        "a Hugging Face checkpoint -> preset.toml + orbax weights",
-        ("hf_dir", "HF_DIR", "config.json and *.safetensors"),
-        "OUT",
-    )
-    a.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="processes that split the layers between them (each holds about one layer in memory; default 1)",
-    )
-    b = _command(
-        sub,
-        "to-hf",
-        "kit weights -> a Hugging Face checkpoint directory",
-        ("ckpt", "CKPT", "a converted checkpoint, a run directory or a step"),
-        "HF_OUT",
-    )
-    b.add_argument(
-        "--dtype",
-        default=None,
-        choices=("bf16", "fp32"),
-        help="cast every tensor to this dtype (default: keep each as stored: the "
-        "run's model.param_dtype, a converted source's own; bf16 rounds an "
-        "fp32 run's weights: per token, logits move by about 3e-3 of the "
-        "token's largest logit (median; 6e-3 worst) on the test models, more "
-        "where a token's expert choice flips)",
-    )
-    b.add_argument(
-        "--trust-unverified",
-        action="store_true",
-        help="export a run's checkpoint that has no manifest (unverified: saved "
-        "before manifests existed); refused otherwise",
-    )
-    return p
-
-
-def _command(
-    sub: argparse._SubParsersAction, name: str, what: str, source: tuple[str, str, str], out: str
-) -> argparse.ArgumentParser:
-    """Subcommand ``name`` (help ``what``) with its positionals: ``source`` (dest, metavar,
-    help), then the output directory (metavar ``out``)."""
-    p = sub.add_parser(name, help=what)
-    dest, metavar, help_ = source
-    p.add_argument(dest, metavar=metavar, help=help_)
-    p.add_argument("out", metavar=out, help="new (or empty) output directory")
+    options = options_file(__file__)
+    for name in ("from-hf", "to-hf"):
+        add_options(sub.add_parser(name, help=options[name]["help"]), options[name])
     return p
 
 

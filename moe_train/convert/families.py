@@ -20,7 +20,7 @@ kit's coefficient is theirs times top_k, and back.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, get_type_hints
 
 from moe_train.config import Config, ConfigError
 from moe_train.convert import fields
@@ -44,6 +44,28 @@ FAMILIES = {
         Family("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
     )
 }
+
+
+# config.json keys every family has that are one kit model.* field each, as it is: kit_tables
+# reads them, hf_config writes them back ({kit field: HF key})
+MODEL_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "norm_eps": "rms_norm_eps",
+}
+# the keys of a yarn RoPE's rope_scaling that are one kit rope.* field each, read and written alike
+YARN_KEYS = {
+    "factor": "factor",
+    "original_max_positions": "original_max_position_embeddings",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+}
+# DeepSeek-V3's MLA sizes: config.json keys with the name of their kit model.* field, read and written alike
+MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def family_of(hf: dict) -> Family:
@@ -84,22 +106,17 @@ def kit_tables(fam: Family, hf: dict, *, mtp: bool) -> tuple[dict, dict]:
         t[section][key] = value
         src[dotted] = origin
 
-    def take(dotted: str, key: str, cast=lambda v: v, default: Any = None) -> None:
-        """``key`` may be "a|b": the first present (releases spell some keys differently)."""
+    def take(dotted: str, key: str, default: Any = None) -> None:
+        """``key`` may be "a|b": the first present (releases spell some keys differently); its
+        value is cast to the kit field's type."""
         present = [k for k in key.split("|") if hf.get(k) is not None]
         value = hf[present[0]] if present else default
         if value is None:
             raise ConfigError(f"config.json: {key.split('|')[0]} is missing (needed for {dotted})")
-        put(dotted, cast(value), present[0] if present else f"{key.split('|')[0]} (default)")
+        put(dotted, _kit_type(dotted)(value), present[0] if present else f"{key.split('|')[0]} (default)")
 
-    for key, hf_key, cast in (
-        ("vocab_size", "vocab_size", int),
-        ("hidden", "hidden_size", int),
-        ("num_layers", "num_hidden_layers", int),
-        ("num_heads", "num_attention_heads", int),
-        ("norm_eps", "rms_norm_eps", float),
-    ):
-        take(f"model.{key}", hf_key, cast)
+    for key, hf_key in MODEL_KEYS.items():
+        take(f"model.{key}", hf_key)
     tied = bool(hf.get("tie_word_embeddings", False))
     put("model.tie_embeddings", tied, "tie_word_embeddings")
     if tied:
@@ -120,22 +137,21 @@ def kit_tables(fam: Family, hf: dict, *, mtp: bool) -> tuple[dict, dict]:
 
 def _yarn(rope: dict, put) -> None:
     put("rope.scaling", "yarn", "rope_scaling.type")
-    for kit, key, cast in (
-        ("factor", "factor", float),
-        ("original_max_positions", "original_max_position_embeddings", int),
-        ("beta_fast", "beta_fast", float),
-        ("beta_slow", "beta_slow", float),
-        ("mscale", "mscale", float),
-        ("mscale_all_dim", "mscale_all_dim", float),
-    ):
+    for kit, key in YARN_KEYS.items():
         if rope.get(key) is not None:
-            put(f"rope.{kit}", cast(rope[key]), f"rope_scaling.{key}")
+            put(f"rope.{kit}", _kit_type(f"rope.{kit}")(rope[key]), f"rope_scaling.{key}")
+
+
+def _kit_type(dotted: str) -> Any:
+    """The type of the kit's config field ``dotted`` ("section.key"): what a value read for it is cast to."""
+    section, key = dotted.split(".")
+    return get_type_hints(get_type_hints(Config)[section])[key]
 
 
 def _gqa(hf: dict, take, put) -> None:
-    take("model.num_kv_heads", "num_key_value_heads", int)
+    take("model.num_kv_heads", "num_key_value_heads")
     if hf.get("head_dim"):
-        take("model.head_dim", "head_dim", int)
+        take("model.head_dim", "head_dim")
 
 
 def _balance(hf: dict, put, top_k: int) -> None:
@@ -149,9 +165,9 @@ def _balance(hf: dict, put, top_k: int) -> None:
 
 def _experts(take, num_key: str, ffn_key: str) -> None:
     """The routed experts: how many (HF ``num_key``), top-k, one's width (``ffn_key``)."""
-    take("moe.num_experts", num_key, int)
-    take("moe.top_k", "num_experts_per_tok", int)
-    take("moe.expert_ffn", ffn_key, int)
+    take("moe.num_experts", num_key)
+    take("moe.top_k", "num_experts_per_tok")
+    take("moe.expert_ffn", ffn_key)
 
 
 def _mixtral(hf: dict, take, put, mtp: bool) -> None:
@@ -167,12 +183,12 @@ def _qwen3(hf: dict, take, put, mtp: bool) -> None:
     put("model.qk_norm", True, "Qwen3MoeAttention: q_norm, k_norm")
     _experts(take, "num_experts|num_local_experts", "moe_intermediate_size")
     put("moe.score_function", "softmax", "Qwen3MoeSparseMoeBlock: softmax")
-    take("moe.normalize_top_k", "norm_topk_prob", bool, False)
+    take("moe.normalize_top_k", "norm_topk_prob", False)
     _balance(hf, put, int(hf["num_experts_per_tok"]))
     dense = _qwen3_dense_layers(hf)
     if dense:
         put("model.first_dense_layers", dense, "mlp_only_layers, decoder_sparse_step")
-        take("model.dense_ffn", "intermediate_size", int)
+        take("model.dense_ffn", "intermediate_size")
 
 
 def _qwen3_dense_layers(hf: dict) -> int:
@@ -194,24 +210,24 @@ def _deepseek(hf: dict, take, put, mtp: bool) -> None:
     put("model.attention_kind", "mla", "model_type deepseek_v3: multi-head latent attention")
     put("model.num_kv_heads", int(hf["num_attention_heads"]), "num_attention_heads (MLA)")
     put("model.q_lora_rank", int(hf.get("q_lora_rank") or 0), "q_lora_rank")
-    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        take(f"model.{key}", key, int)
+    for key in MLA_DIMS:
+        take(f"model.{key}", key)
     put("rope.layout", "interleaved" if hf.get("rope_interleave", True) else "half", "rope_interleave")
-    take("model.first_dense_layers", "first_k_dense_replace", int, 0)
-    take("model.dense_ffn", "intermediate_size", int)
+    take("model.first_dense_layers", "first_k_dense_replace", 0)
+    take("model.dense_ffn", "intermediate_size")
     _experts(take, "n_routed_experts|num_local_experts", "moe_intermediate_size")
-    take("moe.num_shared_experts", "n_shared_experts", int, 0)
-    take("moe.shared_ffn", "moe_intermediate_size", int)
-    take("moe.score_function", "scoring_func", str, "sigmoid")
-    take("moe.normalize_top_k", "norm_topk_prob", bool, True)
-    take("moe.num_groups", "n_group", int, 0)
-    take("moe.group_top_k", "topk_group", int, 0)
-    take("moe.routed_scaling", "routed_scaling_factor", float, 1.0)
+    take("moe.num_shared_experts", "n_shared_experts", 0)
+    take("moe.shared_ffn", "moe_intermediate_size")
+    take("moe.score_function", "scoring_func", "sigmoid")
+    take("moe.normalize_top_k", "norm_topk_prob", True)
+    take("moe.num_groups", "n_group", 0)
+    take("moe.group_top_k", "topk_group", 0)
+    take("moe.routed_scaling", "routed_scaling_factor", 1.0)
     put("moe.aux_loss_coef", 0.0, "auxiliary-loss-free balancing (the report)")
     put("moe.z_loss_coef", 0.0, "none in the report")
     put("moe.bias_update_rate", 0.001, "the report's bias update speed (not in config.json)")
     if hf.get("seq_aux", True) and hf.get("aux_loss_alpha") is not None:
-        take("moe.seq_aux_loss_coef", "aux_loss_alpha", float)
+        take("moe.seq_aux_loss_coef", "aux_loss_alpha")
     depth = int(hf.get("num_nextn_predict_layers") or 0) if mtp else 0
     put("model.mtp_depth", depth, "num_nextn_predict_layers (0 when the files hold no MTP layer)")
 
@@ -264,11 +280,7 @@ def hf_config(fam: Family, cfg: Config, dtype: str) -> dict:
         "architectures": [fam.architecture],
         "model_type": fam.name,
         "torch_dtype": dtype,
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads,
-        "rms_norm_eps": m.norm_eps,
+        **{hf_key: getattr(m, key) for key, hf_key in MODEL_KEYS.items()},
         "tie_word_embeddings": m.tie_embeddings,
         "hidden_act": "silu",
         "max_position_embeddings": max(cfg.train.seq_len, 4096),
@@ -278,16 +290,8 @@ def hf_config(fam: Family, cfg: Config, dtype: str) -> dict:
     if fam.name != "mixtral":  # Mixtral's config has no such field
         hf["attention_bias"] = False
     if r.scaling == "yarn":
-        hf["rope_scaling"] = {
-            "type": "yarn",
-            "rope_type": "yarn",
-            "factor": r.factor,
-            "original_max_position_embeddings": r.original_max_positions,
-            "beta_fast": r.beta_fast,
-            "beta_slow": r.beta_slow,
-            "mscale": r.mscale,
-            "mscale_all_dim": r.mscale_all_dim,
-        }
+        yarn = {key: getattr(r, kit) for kit, key in YARN_KEYS.items()}
+        hf["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", **yarn}
     if fam.name != "deepseek_v3":
         hf.update(
             num_key_value_heads=m.num_kv_heads,
@@ -317,27 +321,24 @@ def hf_config(fam: Family, cfg: Config, dtype: str) -> dict:
 
 def _deepseek_hf(cfg: Config) -> dict:
     m, e = cfg.model, cfg.moe
-    return dict(
-        num_key_value_heads=m.num_heads,
-        q_lora_rank=m.q_lora_rank or None,
-        kv_lora_rank=m.kv_lora_rank,
-        qk_nope_head_dim=m.qk_nope_head_dim,
-        qk_rope_head_dim=m.qk_rope_head_dim,
-        v_head_dim=m.v_head_dim,
-        qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim,
-        rope_interleave=cfg.rope.layout == "interleaved",
-        first_k_dense_replace=m.first_dense_layers,
-        intermediate_size=m.dense_ffn,
-        n_routed_experts=e.num_experts,
-        moe_intermediate_size=e.expert_ffn,
-        n_shared_experts=e.num_shared_experts,
-        scoring_func=e.score_function,
-        norm_topk_prob=e.normalize_top_k,
-        n_group=e.num_groups or 1,
-        topk_group=e.group_top_k or 1,
-        routed_scaling_factor=e.routed_scaling,
-        topk_method="noaux_tc",
-        num_nextn_predict_layers=m.mtp_depth,
-        aux_loss_alpha=e.seq_aux_loss_coef,
-        seq_aux=True,
-    )
+    return {
+        "num_key_value_heads": m.num_heads,
+        "q_lora_rank": m.q_lora_rank or None,
+        **{key: getattr(m, key) for key in MLA_DIMS},
+        "qk_head_dim": m.qk_nope_head_dim + m.qk_rope_head_dim,
+        "rope_interleave": cfg.rope.layout == "interleaved",
+        "first_k_dense_replace": m.first_dense_layers,
+        "intermediate_size": m.dense_ffn,
+        "n_routed_experts": e.num_experts,
+        "moe_intermediate_size": e.expert_ffn,
+        "n_shared_experts": e.num_shared_experts,
+        "scoring_func": e.score_function,
+        "norm_topk_prob": e.normalize_top_k,
+        "n_group": e.num_groups or 1,
+        "topk_group": e.group_top_k or 1,
+        "routed_scaling_factor": e.routed_scaling,
+        "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": m.mtp_depth,
+        "aux_loss_alpha": e.seq_aux_loss_coef,
+        "seq_aux": True,
+    }

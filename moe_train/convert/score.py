@@ -23,6 +23,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +32,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_train.base import exits
+from moe_train.base.calls import from_names
 from moe_train.config import ConfigError
+from moe_train.config.cli import add_options, options_file
 from moe_train.convert import weights
 from moe_train.model.settings import model_settings
 from moe_train.model.transformer import Transformer
 from moe_train.parallel import sharding
+
+OPTIONS = options_file(__file__)  # score's options, and every weights command's (options.toml)
 
 
 def load_ids(path: str, vocab: int) -> np.ndarray:
@@ -109,26 +114,14 @@ def score(
 
 
 def weights_cli(
-    argv: list[str] | None,
-    *,
-    prog: str,
-    description: str,
-    ckpt: tuple[str, str],
-    options: Callable[[argparse.ArgumentParser], None],
-    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None, command: dict[str, Any], run: Callable[[argparse.Namespace], int]
 ) -> int:
-    """A command over saved weights: positional ``ckpt`` (metavar, help), ``options``, then
-    ``--devices``; returns ``run(args)``, or EXIT_CONFIG after one line for a ConfigError."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("ckpt", metavar=ckpt[0], help=ckpt[1])
-    options(p)
-    p.add_argument("--devices", type=int, default=0, help="devices to use (default: all)")
-    p.add_argument(
-        "--trust-unverified",
-        action="store_true",
-        help="read a run's checkpoint that has no manifest (unverified: saved "
-        "before manifests existed); refused otherwise",
-    )
+    """A command over saved weights: its options table ``command`` (prog, description, its
+    options, the weights' positional ``ckpt`` first), then OPTIONS' ``weights`` (``--devices``,
+    ``--trust-unverified``); returns ``run(args)``, or EXIT_CONFIG after one line for a ConfigError."""
+    p = argparse.ArgumentParser(prog=command["prog"], description=command["description"])
+    add_options(p, command)
+    add_options(p, OPTIONS["weights"])
     args = p.parse_args(argv)
     try:
         return run(args)
@@ -138,25 +131,11 @@ def weights_cli(
 
 
 def main(argv: list[str] | None = None) -> int:
-    return weights_cli(
-        argv,
-        prog="python -m moe_train.score",
-        description="Mean next-token loss and perplexity of token ids.",
-        ckpt=("CKPT", "converted checkpoint, run directory or step"),
-        options=_options,
-        run=_run,
-    )
-
-
-def _options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", required=True, metavar="IDS.npy", help="int array [B, S]")
-    p.add_argument("--logits", metavar="LOGITS.npy", help="write fp32 logits [B, S, V] here")
+    return weights_cli(argv, OPTIONS["score"], _run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    loss, logits = score(
-        args.ckpt, tokens=args.tokens, devices=args.devices, trust_unverified=args.trust_unverified
-    )
+    loss, logits = from_names(score, args)
     B, S = logits.shape[:2]
     print(f"loss {loss:.6f}  perplexity {math.exp(loss):.4f}  ({B} x {S - 1} predicted tokens)")
     if args.logits:

@@ -43,6 +43,16 @@ ATTN = {
     "kv_a_norm": "kv_a_layernorm",
 }
 DENSE = {"wi_0": "gate_proj", "wi_1": "up_proj", "wo": "down_proj"}
+# leaves that are one HF tensor each (_one): the model's own, an MTP module's (under its layer's
+# prefix) and a block's norms
+TOP = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+MTP = {
+    "enorm": "enorm.weight",
+    "hnorm": "hnorm.weight",
+    "eh_proj": "eh_proj.weight",
+    "norm": "shared_head.norm.weight",
+}
+NORMS = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}
 LAYER = re.compile(r"(layer|mtp)_(\d+)")
 
 
@@ -107,53 +117,44 @@ def _leaves(tree, prefix=()):
 
 def _entry(fam: Family, cfg: Config, kit: tuple[str, ...], shape) -> Entry:
     path = kit[1:]
-    top = {
-        "embed": ("model.embed_tokens.weight", "same"),
-        "final_norm": ("model.norm.weight", "same"),
-        "lm_head": ("lm_head.weight", "linear"),
-    }
-    if path[0] in top:
-        name, kind = top[path[0]]
-        return Entry(kit, (name,), kind, shape)
+    if path[0] in TOP:
+        return _one(kit, path[0], TOP[path[0]], shape)
     match = LAYER.fullmatch(path[0])
     if not match:
         raise ValueError(f"no Hugging Face name for {'/'.join(kit)}")
     i = int(match[2]) + (cfg.model.num_layers if match[1] == "mtp" else 0)
     prefix, rest = f"model.layers.{i}.", path[1:]
     if match[1] == "mtp":
-        mtp = {
-            "enorm": ("enorm.weight", "same"),
-            "hnorm": ("hnorm.weight", "same"),
-            "eh_proj": ("eh_proj.weight", "linear"),
-            "norm": ("shared_head.norm.weight", "same"),
-        }
-        if rest[0] in mtp:
-            name, kind = mtp[rest[0]]
-            return Entry(kit, (prefix + name,), kind, shape)
+        if rest[0] in MTP:
+            return _one(kit, rest[0], prefix + MTP[rest[0]], shape)
         rest = rest[1:]  # the block
     return _block(fam, kit, prefix, rest, shape)
 
 
+def _one(kit, leaf: str, name: str, shape, n_in: int = 1) -> Entry:
+    """Leaf ``leaf`` as the one HF tensor ``name``: as it is for the embedding and the norm
+    scales, else a torch Linear weight (its input the first ``n_in`` kit dims)."""
+    kind = "same" if leaf == "embed" or leaf.endswith("norm") else "linear"
+    return Entry(kit, (name,), kind, shape, n_in=n_in)
+
+
 def _block(fam: Family, kit, prefix: str, rest: tuple[str, ...], shape) -> Entry:
-    norms = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}
-    if rest[0] in norms:
-        return Entry(kit, (prefix + norms[rest[0]],), "same", shape)
+    if rest[0] in NORMS:
+        return _one(kit, rest[0], prefix + NORMS[rest[0]], shape)
     if rest[0] == "attn":
         name = f"{prefix}self_attn.{ATTN[rest[1]]}.weight"
-        if rest[1].endswith("norm"):
-            return Entry(kit, (name,), "same", shape)
-        return Entry(kit, (name,), "linear", shape, n_in=2 if rest[1] == "o" else 1)
+        return _one(kit, rest[1], name, shape, n_in=2 if rest[1] == "o" else 1)
     if rest[0] == "mlp":
-        return Entry(kit, (f"{prefix}mlp.{DENSE[rest[1]]}.weight",), "linear", shape)
+        return _one(kit, rest[1], f"{prefix}mlp.{DENSE[rest[1]]}.weight", shape)
     moe = f"{prefix}{fam.moe_prefix}."
     if rest[1] == "gate":
-        return Entry(kit, (moe + "gate.weight",), "linear", shape)
+        return _one(kit, rest[1], moe + "gate.weight", shape)
     if rest[1] == "expert_bias":
         if fam.name != "deepseek_v3":
             return Entry(kit, (), "zeros", shape)
         return Entry(kit, (moe + "gate.e_score_correction_bias",), "same", shape)
     if rest[1] == "shared":
-        return Entry(kit, (f"{moe}shared_experts.{DENSE[rest[2]]}.weight",), "linear", shape)
+        return _one(kit, rest[2], f"{moe}shared_experts.{DENSE[rest[2]]}.weight", shape)
     proj = fam.expert_names[("wi_0", "wi_1", "wo").index(rest[1])]
     return Entry(kit, tuple(f"{moe}experts.{e}.{proj}.weight" for e in range(shape[0])), "experts", shape)
 

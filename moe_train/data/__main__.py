@@ -14,11 +14,13 @@ import dataclasses
 import signal
 import sys
 from concurrent.futures.process import BrokenProcessPool
-from pathlib import Path
 
 from moe_train.base import exits
 from moe_train.config import ConfigError
+from moe_train.config.cli import add_options, options_file
 from moe_train.data import prepare, train_tokenizer
+
+OPTIONS = options_file(__file__)  # prepare's options (options.toml)
 
 POLICIES = """\
 inputs (by suffix, each optionally .gz):
@@ -62,78 +64,28 @@ def parser() -> argparse.ArgumentParser:
         epilog=POLICIES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    which = prep.add_mutually_exclusive_group(required=True)
-    which.add_argument(
-        "--tokenizer",
-        metavar="TOK",
-        help="Hugging Face tokenizer.json, or a directory holding one (a "
-        "Hugging Face checkpoint's), or a SentencePiece .model; read locally",
-    )
-    which.add_argument(
-        "--train-tokenizer",
-        type=int,
-        metavar="N",
-        default=None,  # not 0: argparse counts a flag given its default as absent from the group
-        help="no tokenizer yet: train a byte-level BPE of N tokens (e.g. 8192; at least "
-        f"{train_tokenizer.MIN_VOCAB}) "
-        "on the inputs with Hugging Face tokenizers, saved as "
-        "DIR/tokenizer.json",
-    )
-    prep.add_argument(
-        "--input",
-        dest="inputs",
-        required=True,
-        nargs="+",
-        action="extend",
-        metavar="FILE_OR_GLOB",
-        help="input files or globs (quote globs to keep them from the shell)",
-    )
-    prep.add_argument(
-        "--out",
-        required=True,
-        type=Path,
-        metavar="DIR",
-        help="output directory: new, empty, or an earlier run of the same job",
-    )
-    prep.add_argument(
-        "--text-field", default="text", help="JSON field / Parquet column holding the text (default: text)"
-    )
-    prep.add_argument(
-        "--split-on",
-        choices=("blank-lines", "file"),
-        default="blank-lines",
-        help="plain text: documents separated by blank lines (default), or one document per file",
-    )
-    val = prep.add_mutually_exclusive_group()
-    val.add_argument(
-        "--val-fraction",
-        type=float,
-        metavar="F",
-        help=f"hold out about this fraction of documents for validation "
-        f"(default: {prepare.DEFAULT_VAL_FRACTION}; 0 for none)",
-    )
-    val.add_argument("--val-docs", type=int, metavar="N", help="hold out exactly N documents")
-    prep.add_argument(
-        "--workers",
-        type=int,
-        default=0,
-        metavar="N",
-        help=f"tokenizer processes (default: min(CPUs, 8) = "
-        f"{prepare.default_workers()} here); the output does not depend on it",
-    )
-    prep.add_argument(
-        "--shard-tokens",
-        type=int,
-        default=prepare.DEFAULT_SHARD_TOKENS,
-        metavar="N",
-        help=f"tokens per shard at most, unless one document is longer "
-        f"(default: 2**28 = {prepare.DEFAULT_SHARD_TOKENS:,})",
-    )
-    prep.add_argument("--seed", type=int, default=0, help="seed of the validation choice (default: 0)")
-    prep.add_argument(
-        "--eos-id", type=int, metavar="N", help="EOS token id, when the tokenizer does not name one"
-    )
+    add_options(prep, OPTIONS["prepare"], _help_values())
+    # the defaults are the job's (prepare.Options'), but for --train-tokenizer's (None, not 0:
+    # argparse counts a flag given its default as absent from its group)
+    prep.set_defaults(**(_job_defaults() | {"train_tokenizer": None}))
     return p
+
+
+def _help_values() -> dict[str, object]:
+    """What the options' help shows: the job's limits and defaults."""
+    return {
+        "MIN_VOCAB": train_tokenizer.MIN_VOCAB,
+        "DEFAULT_VAL_FRACTION": prepare.DEFAULT_VAL_FRACTION,
+        "default_workers": prepare.default_workers(),
+        "DEFAULT_SHARD_TOKENS": prepare.DEFAULT_SHARD_TOKENS,
+    }
+
+
+def _job_defaults() -> dict[str, object]:
+    """The defaults of prepare.Options' fields that have one."""
+    return {
+        f.name: f.default for f in dataclasses.fields(prepare.Options) if f.default is not dataclasses.MISSING
+    }
 
 
 def options(args: argparse.Namespace) -> prepare.Options:

@@ -24,46 +24,24 @@ import json
 import sys
 
 from moe_train.base import exits
+from moe_train.base.calls import from_names
+from moe_train.config.cli import options_file
 from moe_train.convert.score import weights_cli
 from moe_train.data.packed import resolve_dir
 from moe_train.eval import evaluate_weights
 
 
 def main(argv: list[str] | None = None) -> int:
-    return weights_cli(
-        argv,
-        prog="python -m moe_train.eval",
-        description="Held-out loss and perplexity of saved weights.",
-        ckpt=("RUN_OR_CKPT", "run directory, step or converted checkpoint"),
-        options=_options,
-        run=_run,
-    )
-
-
-def _options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, metavar="DIR", help="a prepared corpus (its val split)")
-    p.add_argument(
-        "--tokens",
-        type=int,
-        default=0,
-        help="held-out tokens to score (default: the run's train.eval_tokens, or 64 sequences)",
-    )
-    p.add_argument("--batch-size", type=int, default=0, help="sequences per batch (default 8)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return weights_cli(argv, options_file(__file__)["eval"], _run)
 
 
 def _run(args: argparse.Namespace) -> int:
     resolve_dir(args.data, key="--data")  # a bad --data is named as typed, before the weights load
-    out = evaluate_weights(
-        args.ckpt,
-        args.data,
-        devices=args.devices,
-        batch_size=args.batch_size,
-        tokens=args.tokens,
-        trust_unverified=args.trust_unverified,
-        # progress beside the result on stdout; with --json, stdout is the JSON alone
-        log=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True),
-    )
+
+    def log(line: str) -> None:  # progress beside the result on stdout; with --json, stdout is the JSON alone
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    out = from_names(evaluate_weights, args, path=args.ckpt, data_dir=args.data, log=log)
     if args.json:
         print(json.dumps(out))
     else:

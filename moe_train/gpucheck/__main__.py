@@ -8,28 +8,17 @@ import sys
 import time
 from collections.abc import Callable
 from importlib import import_module
+from pathlib import Path
 from typing import Any
 
+from moe_train.base.tomlfile import read_toml
 from moe_train.config.cli import add_out_option, comma_list, utc_stamp
 from moe_train.gpucheck import Context, Section, budget_scale, failed, heartbeat, run_section, say, write
 
-# The sections in order: name, title, time budget on a GPU (560 s together; what a section
-# leaves unused goes to the next, so the whole run stays within the sum), and the
-# ``module.function`` of ``moe_train.gpucheck`` that runs it.
-SECTION_TABLE = (
-    ("env", "Environment", 5, "kernels.environment"),
-    ("gemm_numerics", "Grouped GEMM numerics (bf16 vs fp32 reference)", 70, "kernels.gemm_numerics"),
-    ("gemm_speed", "Grouped GEMM speed (vs dense bf16)", 55, "kernels.gemm_speed"),
-    ("attention", "Attention implementations", 30, "kernels.attention"),
-    ("fp8", "fp8 projections and loss band", 55, "kernels.fp8"),
-    ("training", "Training per backend", 130, "runs.training"),
-    ("ep", "Expert parallelism", 50, "runs.expert_parallel"),
-    ("overlap", "Overlap chunks and fp8 dispatch, with a profile", 50, "overlap.section"),
-    ("gpu_tests", "GPU-marked tests", 45, "runs.gpu_tests"),
-    ("compute", "Compute calibration for make plan", 10, "calibrate.section"),
-    ("compile", "make compile's deviceless XLA:GPU compile vs this GPU's", 60, "compiled.section"),
-)
-SECTION_NAMES = tuple(name for name, *_ in SECTION_TABLE)
+# The sections in order, each {name, title, budget_s, run} (the file says what they mean).
+SECTIONS_FILE = Path(__file__).with_name("sections.toml")
+SECTION_TABLE: tuple[dict[str, Any], ...] = tuple(read_toml(SECTIONS_FILE, ValueError)["section"])
+SECTION_NAMES = tuple(sec["name"] for sec in SECTION_TABLE)
 
 
 def _runner(path: str) -> Callable[[Context], dict[str, Any]]:
@@ -40,7 +29,7 @@ def _runner(path: str) -> Callable[[Context], dict[str, Any]]:
 
 def sections() -> list[Section]:
     """The sections of ``SECTION_TABLE`` in order, each with its function."""
-    return [Section(name, title, budget_s, _runner(run)) for name, title, budget_s, run in SECTION_TABLE]
+    return [Section(sec["name"], sec["title"], sec["budget_s"], _runner(sec["run"])) for sec in SECTION_TABLE]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from moe_train.base.calls import from_names
 from moe_train.base.platform import Platform
 from moe_train.config import Config, ModelConfig, MoEConfig, PrecisionConfig, RopeConfig, StudyConfig
 from moe_train.model import precision
@@ -50,12 +51,4 @@ class ModelSettings:
 
 def model_settings(cfg: Config, platform: Platform | None = None) -> ModelSettings:
     """The settings of ``cfg`` that the model reads, built for ``platform`` (None: this process's)."""
-    return ModelSettings(
-        model=cfg.model,
-        moe=cfg.moe,
-        rope=cfg.rope,
-        precision=cfg.precision,
-        study=cfg.study,
-        remat=cfg.train.remat,
-        platform=platform,
-    )
+    return from_names(ModelSettings, cfg, remat=cfg.train.remat, platform=platform)  # its sections

@@ -47,7 +47,7 @@ from moe_train.model.mla import MLA
 from moe_train.model.mtp import MTPModule
 from moe_train.model.precision import FP8_COLLECTION
 from moe_train.model.settings import ModelSettings
-from moe_train.moe import Routing, capacity_moe, dropless_moe, ep_moe
+from moe_train.moe import Routing, capacity_moe, dropless_moe
 from moe_train.parallel.jobplan import EPPlan
 
 GROUPS = ("dense_layers", "moe_layers")  # scanned layer groups, in depth order
@@ -86,8 +86,8 @@ class Attention(CausalAttention):
 class MoEBlock(nn.Module):
     """Routed experts (dropless) plus optional shared experts.
 
-    With an ``ep_plan`` the experts run expert-parallel on the context mesh (``ep_moe``);
-    without one, on this device (``dropless_moe``).
+    The experts run in ``dropless_moe``: with an ``ep_plan``, expert-parallel on the context
+    mesh; without one, on this device.
     """
 
     cfg: ModelSettings
@@ -134,26 +134,19 @@ class MoEBlock(nn.Module):
         benchmark's MoE-removed ablation)."""
         e = self.cfg.moe
         study = self.cfg.study
-        operands, routing = (x_TH, gate_HE, *w), Routing.of(e, study)
+        operands = (x_TH, gate_HE, *w)
+        common = dict(routing=Routing.of(e, study), seq_len=seq_len, expert_bias=bias_E)  # both layers take
         if study.capacity_factor:  # the token-dropping baseline of studies (ep 1, no fp8)
-            return capacity_moe(
-                *operands,
-                routing=routing,
-                capacity_factor=study.capacity_factor,
-                seq_len=seq_len,
-                expert_bias=bias_E,
-            )
-        kwargs = dict(
-            expert_bias=bias_E,
+            return capacity_moe(*operands, capacity_factor=study.capacity_factor, **common)
+        return dropless_moe(
+            *operands,
+            **common,
+            plan=self.ep_plan,
             backend=e.backend,
             tile_rows=e.tile_rows or None,
-            seq_len=seq_len,
             expert_input=expert_x_TH,
             platform=self.cfg.target,
         )
-        if self.ep_plan is None:
-            return dropless_moe(*operands, routing=routing, **kwargs)
-        return ep_moe(*operands, routing=routing, plan=self.ep_plan, **kwargs)
 
 
 def _attention_sublayer(block: nn.Module, x_BSH, segment_ids_BS=None, positions_BS=None):

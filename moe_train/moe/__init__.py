@@ -16,7 +16,7 @@ loop, the launcher, the planners or the benchmarks.
 
 from moe_train.moe.capacity import capacity_moe, expert_capacity
 from moe_train.moe.gemm import BACKENDS, BackendUnavailable, available_backends, resolve_backend
-from moe_train.moe.layer import dropless_moe, ep_moe
+from moe_train.moe.layer import dropless_moe
 from moe_train.moe.permute import tiled_padding
 from moe_train.moe.reference import dense_reference_moe, swiglu_mlp
 from moe_train.moe.router import Routing, route, route_tokens, router_logits, router_stats
@@ -33,7 +33,6 @@ __all__ = [
     "default_tile_rows",
     "dense_reference_moe",
     "dropless_moe",
-    "ep_moe",
     "expert_capacity",
     "resolve_backend",
     "route",

@@ -226,27 +226,19 @@ _mgpu_gmm.defvjp(_mgpu_gmm_fwd, _mgpu_gmm_bwd)
 _GMM = {"ragged_dot": _ragged_dot, "mgpu": _mgpu_gmm, "te": _te_gmm}
 
 
-def sorted_swiglu(
-    x_MH: jax.Array,
-    group_sizes_E: jax.Array,
-    wi_0_EHF: jax.Array,
-    wi_1_EHF: jax.Array,
-    wo_EFH: jax.Array,
-    backend: str,
-    scale_M: jax.Array | None = None,
-) -> jax.Array:
-    """SwiGLU experts on rows sorted by expert with `group_sizes_E` rows each -> [M, H];
-    ``scale_M`` scales each row's activation before ``wo`` (fp32; None: 1).
+def sorted_swiglu(ops: tuple[jax.Array, ...], backend: str, scale_M: jax.Array | None = None) -> jax.Array:
+    """SwiGLU experts on rows sorted by expert -> [M, H]: ``ops`` is ``tiled.expert_operands``'
+    (x_MH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E) without the scale; ``scale_M`` scales
+    each row's activation before ``wo`` (fp32; None: 1).
 
-    Inside ``shard_map`` every operand is first typed as varying along every mesh axis any
-    of them varies along (``tiled.vary``): a custom VJP (mgpu, te) must return gradients of
-    its operands' own types, and the transpose of that cast sums the weight gradients over
-    the token axes the weights do not vary along. (Without it mgpu's backward failed to
-    trace at EP > 1: "Custom VJP bwd rule must produce an output with the same type".)"""
+    Inside ``shard_map`` every operand is typed as varying along every mesh axis any of them
+    varies along (``expert_operands``): a custom VJP (mgpu, te) must return gradients of its
+    operands' own types, and the transpose of that cast sums the weight gradients over the
+    token axes the weights do not vary along. (Without it mgpu's backward failed to trace at
+    EP > 1: "Custom VJP bwd rule must produce an output with the same type".)"""
     gmm = _GMM[backend]
-    dtype = x_MH.dtype
-    ops = expert_operands(x_MH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, with_scale=False)
     x_MH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E = ops
+    dtype = x_MH.dtype
     a0_MF = gmm(x_MH, w0_EHF, group_sizes_E).astype(jnp.float32)
     a1_MF = gmm(x_MH, w1_EHF, group_sizes_E).astype(jnp.float32)
     h_MF = jax.nn.silu(a0_MF) * a1_MF
@@ -278,7 +270,8 @@ def grouped_swiglu(
     process's).
     """
     if backend in _GMM:
-        return sorted_swiglu(x_RH, plan.group_sizes_E, wi_0_EHF, wi_1_EHF, wo_EFH, backend, scale_R)
+        ops = expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, plan.group_sizes_E, with_scale=False)
+        return sorted_swiglu(ops, backend, scale_R)
     if backend not in ("tiled", "megablox"):
         raise ValueError(f"not a concrete backend: {backend!r}; resolve it first")
     if backend == "tiled" and plan.tile_expert_P is None:

@@ -16,10 +16,10 @@ recomputing ``train.remat`` repeats no combine); ``unpermute`` puts the results 
 arrival order, each row's K results summed; ``combine`` is the dispatch's inverse. Every
 dispatcher implements one contract (``moe_train.moe.dispatch.contract.Dispatcher``):
 ``dispatch`` returns the rows that arrived (``Arrived``) and its own metadata type, which its
-``combine`` takes back. With one shard
-(``dropless_moe``, or an EP group of size 1) dispatch and combine are identities. Each step
-runs under ``jax.named_scope`` of its name, so a profile shows the same phases whatever the
-EP size.
+``combine`` takes back. ``dropless_moe`` runs it on one device or, given an ``EPPlan``, on
+every shard under ``shard_map``; with one shard (no plan, or an EP group of size 1) dispatch
+and combine are identities. Each step runs under ``jax.named_scope`` of its name, so a
+profile shows the same phases whatever the EP size.
 
 Every assignment is computed (no capacity, no dropping). Shapes are static: routing only
 changes array values, so a jitted layer compiles once and never syncs with the host.
@@ -169,6 +169,7 @@ def dropless_moe(
     wo_EFH,
     routing: Routing,
     *,
+    plan: EPPlan | None = None,
     expert_bias=None,
     backend="auto",
     tile_rows=None,
@@ -176,7 +177,7 @@ def dropless_moe(
     expert_input=None,
     platform: Platform | None = None,
 ):
-    """Dropless top-k SwiGLU mixture of experts on one device.
+    """Dropless top-k SwiGLU mixture of experts: on this device, or expert-parallel (``plan``).
 
     y[t] = sum over chosen e of w[t, e] * (silu(x[t] @ wi_0[e]) * (x[t] @ wi_1[e])) @ wo[e].
 
@@ -186,6 +187,11 @@ def dropless_moe(
       gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH: router and expert weights (any float
         dtype; experts are cast to x's dtype, the router runs in fp32).
       routing: the router's settings (``router.Routing``).
+      plan: None: one device (dispatch and combine are identities). An ``EPPlan``: the same
+        pipeline on every shard of the context mesh under ``shard_map``, with the plan's
+        dispatcher between the shards; ``x_TH`` is the global token batch (split over
+        TOKEN_AXES), expert weights are split over EP_AXES; each shard routes its own tokens
+        and the statistics are over the whole batch.
       expert_bias: [E] added to the scores for choosing only (aux-loss-free balancing).
       backend: one of BACKENDS ("auto" picks per platform, see gemm.resolve_backend).
       tile_rows: rows per tile of the tiled backend (None or 0: default_tile_rows).
@@ -197,55 +203,20 @@ def dropless_moe(
 
     Returns:
       (y, stats): y shaped like x; stats a ``MoEStats`` (dropped_tokens is 0).
+      ``stats.overflow``: some bucketed exchange needed more slots than it has: the train
+      step keeps its old state and is rerun on a larger bucket, so no token is ever dropped.
     """
     H, E, F = check_expert_shapes(x_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH)
     lead_shape = x_TH.shape[:-1]
     x_TH = x_TH.reshape(-1, H)
-    on = or_here(platform)
-    name = resolve_backend(backend, x_TH.dtype, hidden=H, ffn=F, platform=on)
-    tiles = row_tiles(name, tile_rows, x_TH.shape[0] * routing.top_k, E, on)
-    experts = Experts(wi_0_EHF, wi_1_EHF, wo_EFH, name, *tiles, platform=on)
     xe_TH = x_TH if expert_input is None else expert_input.reshape(-1, H)
-    y_TH, stats = moe_steps(
-        x_TH, xe_TH, gate_kernel_HE, experts, routing, Local(), expert_bias=expert_bias, seq_len=seq_len
-    )
-    return y_TH.reshape(*lead_shape, H), stats
-
-
-def ep_moe(
-    x_TH,
-    gate_kernel_HE,
-    wi_0_EHF,
-    wi_1_EHF,
-    wo_EFH,
-    routing: Routing,
-    *,
-    plan: EPPlan,
-    expert_bias=None,
-    backend="auto",
-    tile_rows=None,
-    seq_len=None,
-    expert_input=None,
-    platform: Platform | None = None,
-):
-    """``dropless_moe`` on the context mesh: the same pipeline on every shard under
-    ``shard_map``, with ``plan``'s dispatcher between the shards; same arguments and result.
-
-    ``x_TH`` is the global token batch (split over TOKEN_AXES), expert weights are split over
-    EP_AXES; each shard routes its own tokens and the statistics are over the whole batch.
-    ``stats.overflow``: some bucketed exchange needed more slots than it has: the train step
-    keeps its old state and is rerun on a larger bucket, so no token is ever dropped.
-    """
-    E, H, F = wi_0_EHF.shape
     on = or_here(platform)
     name = resolve_backend(backend, x_TH.dtype, hidden=H, ffn=F, platform=on)
+    exchange, local_E, shards = shard_exchange(plan, E)
+    chunks, axes = (1, None) if plan is None else (plan.chunks, TOKEN_AXES)
     # One tile size for every buffer size, so a bucket computes exactly what the worst case
     # does; a shard receives T*K rows when routing is balanced.
-    mesh = jax.sharding.get_abstract_mesh().shape
-    shard_rows = x_TH.shape[0] // math.prod(mesh.values()) * routing.top_k
-    tiles = row_tiles(name, tile_rows, shard_rows // plan.chunks, E // plan.ep, on)
-    exchange = dispatcher(Context(plan, E // plan.ep, mesh[EXPERT_X], mesh[EXPERT]))
-    bias_E = jnp.zeros((E,), jnp.float32) if expert_bias is None else expert_bias
+    tiles = row_tiles(name, tile_rows, x_TH.shape[0] // shards * routing.top_k // chunks, local_E, on)
 
     def shard(x_TH, xe_TH, gate_HE, w0, w1, wo, bias_E):
         return moe_steps(
@@ -257,11 +228,32 @@ def ep_moe(
             exchange,
             expert_bias=bias_E,
             seq_len=seq_len,
-            axes=TOKEN_AXES,
-            chunks=plan.chunks,
+            axes=axes,
+            chunks=chunks,
         )
 
-    # Inside the map each shard holds its tokens and its experts' whole weights.
+    operands = (x_TH, xe_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH)
+    if plan is None:
+        y_TH, stats = shard(*operands, expert_bias)
+    else:
+        bias_E = jnp.zeros((E,), jnp.float32) if expert_bias is None else expert_bias
+        y_TH, stats = shard_mapped(shard, name)(*operands, bias_E)
+    return y_TH.reshape(*lead_shape, H), stats
+
+
+def shard_exchange(plan: EPPlan | None, experts: int) -> tuple[Dispatcher, int, int]:
+    """(dispatcher, experts per shard, shards of the token batch) of ``plan`` on the context
+    mesh; without a plan, one device's: (``Local()``, ``experts``, 1)."""
+    if plan is None:
+        return Local(), experts, 1
+    mesh = jax.sharding.get_abstract_mesh().shape
+    local = experts // plan.ep
+    return dispatcher(Context(plan, local, mesh[EXPERT_X], mesh[EXPERT])), local, math.prod(mesh.values())
+
+
+def shard_mapped(shard, backend: str):
+    """``shard(x_TH, xe_TH, gate_HE, wi_0, wi_1, wo, bias_E) -> (y_TH, MoEStats)`` under
+    ``shard_map`` on the context mesh: each shard holds its tokens and its experts' whole weights."""
     tokens = logical_spec("activation_batch", "activation_embed")
     experts = logical_spec("expert", None, None)
     spec_of: dict[str, Any] = {k: P() for k in moe_stats.KIND}  # MoEStats as a pytree of specs
@@ -269,11 +261,9 @@ def ep_moe(
     # megablox's Pallas calls declare outputs without the mesh axes they vary along, which
     # shard_map's type check (check_vma) refuses; without it shard_map sums the replicated
     # inputs' gradients over the token axes itself (tests/test_megablox.py checks EP runs)
-    fn = jax.shard_map(
+    return jax.shard_map(
         shard,
         in_specs=(tokens, tokens, P(), experts, experts, experts, P()),
         out_specs=(tokens, stat_specs),
-        check_vma=name != "megablox",
+        check_vma=backend != "megablox",
     )
-    xe_TH = x_TH if expert_input is None else expert_input
-    return fn(x_TH, xe_TH, gate_kernel_HE, wi_0_EHF, wi_1_EHF, wo_EFH, bias_E)

@@ -65,7 +65,7 @@ class Decided:
     cfg: config.Config  # its config
     choices: tuple[Choice, ...]  # one per key, in PREFIX's order
     found: search.Found | None  # the search (None: nothing predicted)
-    note: str | None  # what the search found, in one line (None: nothing searched)
+    search_note: str | None  # what the search found, in one line (None: nothing searched)
 
 
 def value_of(cfg: config.Config, key: str) -> str:
@@ -134,11 +134,11 @@ def _keys(cfg: config.Config, fixed: frozenset[str]) -> list[str]:
 
 def planned(
     req: Request, cluster: presets.Cluster, cfg: config.Config
-) -> tuple[Request, config.Config, list[str]]:
+) -> tuple[Request, config.Config, tuple[str, ...]]:
     """(``req`` with the planner's choices, its config, the notes: what the search found,
     then one per key the planner chose)."""
     d = decided(req, cluster, cfg)
-    return d.req, d.cfg, [n for n in (d.note, *(c.note for c in d.choices)) if n]
+    return d.req, d.cfg, tuple(n for n in (d.search_note, *(c.note for c in d.choices)) if n)
 
 
 def _secs(s: float) -> str:
@@ -186,12 +186,4 @@ def summary(found: search.Found | None) -> str | None:
 def prediction(req: Request, cfg: config.Config) -> Plan:
     """The placement, all-to-all and predicted step of this job as its ``--set`` items make
     it (``moe_train.planner.ep_plan``); TopologyError, ConfigError or ValueError where it cannot be made."""
-    return topo_plan.make_plan(
-        req.preset,
-        req.nodes,
-        req.model,
-        cfg.parallel.ep,
-        allow_straddle=req.allow_straddle,
-        overrides=tuple(req.sets),
-        compute=req.compute or None,
-    )
+    return topo_plan.request_plan(req, cfg.parallel.ep)

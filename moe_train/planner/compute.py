@@ -61,15 +61,11 @@ class Compute:
     fsdp_hidden_step_gather_group_2chunks: float  # ... 2 chunks
     fsdp_hidden_step_gather_group_4chunks: float  # ... 4
     fsdp_hidden_step_gather_group_8chunks: float  # ... 8
-    fsdp_hidden_step_reduce_scatter_group_1chunk: (
-        float  # the gradient reduce-scatters inside the EP group, 1 chunk
-    )
+    fsdp_hidden_step_reduce_scatter_group_1chunk: float  # gradient reduce-scatters in the EP group, 1 chunk
     fsdp_hidden_step_reduce_scatter_group_2chunks: float  # ... 2 chunks
     fsdp_hidden_step_reduce_scatter_group_4chunks: float  # ... 4
     fsdp_hidden_step_reduce_scatter_group_8chunks: float  # ... 8
-    fsdp_hidden_step_reduce_scatter_data_1chunk: (
-        float  # the expert gradients' reduce-scatters over data, 1 chunk
-    )
+    fsdp_hidden_step_reduce_scatter_data_1chunk: float  # expert gradients' reduce-scatters over data, 1 chunk
     fsdp_hidden_step_reduce_scatter_data_2chunks: float  # ... 2 chunks
     fsdp_hidden_step_reduce_scatter_data_4chunks: float  # ... 4
     fsdp_hidden_step_reduce_scatter_data_8chunks: float  # ... 8
@@ -172,6 +168,14 @@ class Anchor:
     tokens_per_s_per_gpu: float
     tflops_per_gpu: float
     source: str
+
+    def line(self, note: str = "") -> str:
+        """The figure as ``make plan`` prints it, one line (``note``: added after its source)."""
+        layout = f", {self.layout}" if self.layout else ""
+        return (
+            f"  published: {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {self.tflops_per_gpu:,.0f} "
+            f"TFLOP/s/GPU on {self.gpus} GPUs, {self.precision}{layout} ({self.source}{note})"
+        )
 
 
 def load(path: str | os.PathLike[str] | None = None, model: str | None = None) -> Compute:

@@ -28,11 +28,14 @@ In both cases NVLink and network traffic overlap, so
     t = alpha_nv + [P > D] * alpha_ib + max(V_nv / (eta_nv * B_nv), V_ib / (eta_ib * B_ib))
 
 The same time is used for the combine (the reverse all-to-all moves the same bytes).
-Bandwidths, efficiencies and latencies come from a ``topology.presets.Cluster``.
+Bandwidths, efficiencies and latencies come from a ``topology.presets.Cluster``; T, H, k and b
+travel together as a ``Traffic``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from moe_train.parallel.jobplan import domain_hit
@@ -43,6 +46,9 @@ US = 1e-6  # preset latencies are microseconds
 
 # Per MoE layer per training step: dispatch + combine forward, and their transposes backward.
 ALL_TO_ALLS_PER_LAYER = 4
+
+Groups = Sequence[Sequence[int]]  # EP groups of global ranks
+Domains = Mapping[int, int] | Sequence[int]  # rank -> index of its NVLink domain
 
 
 @dataclass(frozen=True)
@@ -69,9 +75,24 @@ class LayerCost:
     comm_fraction: float  # comm_s / total_s
 
 
-def _check(T: int, H: int, k: int, bytes_per_elem: float, ep: int, domain: int) -> None:
+@dataclass(frozen=True)
+class Traffic:
+    """What one GPU dispatches: T tokens of H elements of b bytes, each to its k experts."""
+
+    T: int  # tokens per GPU
+    H: int  # hidden size
+    k: int  # experts per token (top-k)
+    bytes_per_elem: float  # b, bytes per element (2: bf16)
+
+    @property
+    def v(self) -> float:
+        """V = T * k * H * b: the bytes one GPU sends per dispatch."""
+        return self.T * self.k * self.H * self.bytes_per_elem
+
+
+def _check(t: Traffic, ep: int, domain: int) -> None:
     """Reject sizes the model has no meaning for."""
-    for name, value in (("T", T), ("H", H), ("k", k), ("bytes_per_elem", bytes_per_elem), ("ep", ep)):
+    for name, value in (*dataclasses.asdict(t).items(), ("ep", ep)):
         if value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
     if ep > domain and ep % domain:
@@ -88,24 +109,20 @@ def remote_domains_per_token(groups: int, k: int) -> float:
     return (groups - 1) * domain_hit(groups, k)
 
 
-def dispatch_bytes(
-    T: int, H: int, k: int, bytes_per_elem: float, ep: int, domain_size: int, hierarchical: bool
-) -> tuple[float, float]:
+def dispatch_bytes(t: Traffic, ep: int, domain_size: int, hierarchical: bool) -> tuple[float, float]:
     """(V_nv, V_ib): bytes one GPU sends over NVLink and over the network per dispatch."""
-    _check(T, H, k, bytes_per_elem, ep, domain_size)
-    v = T * k * H * bytes_per_elem
+    _check(t, ep, domain_size)
+    v = t.v
     d = min(ep, domain_size)
     if not hierarchical:
         return v * (d - 1) / ep, v * (ep - d) / ep
     g = ep // d
-    return v * (d - 1) / d, T * H * bytes_per_elem * remote_domains_per_token(g, k)
+    return v * (d - 1) / d, t.T * t.H * t.bytes_per_elem * remote_domains_per_token(g, t.k)
 
 
-def dispatch_time(
-    cluster: Cluster, T: int, H: int, k: int, bytes_per_elem: float, ep: int, hierarchical: bool = False
-) -> Breakdown:
+def dispatch_time(cluster: Cluster, t: Traffic, ep: int, hierarchical: bool = False) -> Breakdown:
     """Time of one dispatch (or combine) all-to-all on ``cluster``, per the model above."""
-    v_nv, v_ib = dispatch_bytes(T, H, k, bytes_per_elem, ep, cluster.domain_size, hierarchical)
+    v_nv, v_ib = dispatch_bytes(t, ep, cluster.domain_size, hierarchical)
     nvlink, network = _rates(cluster)
     return _breakdown(cluster, v_nv, v_ib, v_nv / nvlink, v_ib / network, ep > cluster.domain_size)
 
@@ -148,30 +165,22 @@ def expert_gemm_flops(T: int, H: int, k: int, F: int) -> float:
     return 3 * 2 * T * k * 3 * H * F
 
 
-def layer_time(
-    cluster: Cluster,
-    T: int,
-    H: int,
-    k: int,
-    F: int,
-    bytes_per_elem: float,
-    ep: int,
-    hierarchical: bool = False,
-) -> LayerCost:
-    """Per-GPU cost of one MoE layer per step: 4 all-to-alls plus the expert GEMMs.
+def layer_time(cluster: Cluster, t: Traffic, F: int, ep: int, hierarchical: bool = False) -> LayerCost:
+    """Per-GPU cost of one MoE layer per step: 4 all-to-alls plus the expert GEMMs (F: the
+    routed experts' SwiGLU width).
 
     The 4 all-to-alls are dispatch and combine in the forward pass and their transposes in
     the backward pass. The GEMM time uses the dense bf16 peak, so it is a lower bound and
     the communication fraction an upper bound for a given cluster.
     """
-    return _layer_cost(cluster, dispatch_time(cluster, T, H, k, bytes_per_elem, ep, hierarchical), T, H, k, F)
+    return _layer_cost(cluster, dispatch_time(cluster, t, ep, hierarchical), t, F)
 
 
-def _layer_cost(cluster: Cluster, a2a: Breakdown, T: int, H: int, k: int, F: int) -> LayerCost:
+def _layer_cost(cluster: Cluster, a2a: Breakdown, t: Traffic, F: int) -> LayerCost:
     """One MoE layer per step: ALL_TO_ALLS_PER_LAYER of ``a2a`` plus the expert GEMMs at the
     dense bf16 peak."""
     comm = ALL_TO_ALLS_PER_LAYER * a2a.total_s
-    flops = expert_gemm_flops(T, H, k, F)
+    flops = expert_gemm_flops(t.T, t.H, t.k, F)
     gemm = flops / cluster.peak_bf16_flops
     total = comm + gemm
     return LayerCost(
@@ -192,7 +201,7 @@ def _layer_cost(cluster: Cluster, a2a: Breakdown, T: int, H: int, k: int, F: int
 
 
 def _group_bytes(
-    group, domain_of, v: float, T: int, H: int, k: int, bytes_per_elem: float, hierarchical: bool
+    group: Sequence[int], domain_of: Domains, t: Traffic, hierarchical: bool
 ) -> list[tuple[float, float]]:
     """(V_nv, V_ib) for each GPU of one EP group, in group order."""
     p = len(group)
@@ -206,24 +215,17 @@ def _group_bytes(
                 f"hierarchical dispatch needs the same number of GPUs of a group in "
                 f"each of its domains, got {sorted(counts.values())}"
             )
-        pair = dispatch_bytes(T, H, k, bytes_per_elem, p, per_domain.pop(), hierarchical=True)
+        pair = dispatch_bytes(t, p, per_domain.pop(), hierarchical=True)
         return [pair] * p
     out = []
     for r in group:
         same = counts[domain_of[r]] - 1
-        out.append((v * same / p, v * (p - 1 - same) / p))
+        out.append((t.v * same / p, t.v * (p - 1 - same) / p))
     return out
 
 
 def placement_dispatch_time(
-    cluster: Cluster,
-    groups,
-    domain_of,
-    T: int,
-    H: int,
-    k: int,
-    bytes_per_elem: float,
-    hierarchical: bool = False,
+    cluster: Cluster, groups: Groups, domain_of: Domains, t: Traffic, hierarchical: bool = False
 ) -> Breakdown:
     """One dispatch (or combine) all-to-all over ``groups``: the slowest GPU's Breakdown.
 
@@ -234,14 +236,13 @@ def placement_dispatch_time(
     if not groups:
         raise ValueError("no EP groups")
     largest = max(len(g) for g in groups)
-    _check(T, H, k, bytes_per_elem, largest, largest)
-    v = T * k * H * bytes_per_elem
+    _check(t, largest, largest)
     eta_nv, eta_ib = _rates(cluster)
     worst = None
     spans = False
     for g in groups:
         spans = spans or len({domain_of[r] for r in g}) > 1
-        for v_nv, v_ib in _group_bytes(g, domain_of, v, T, H, k, bytes_per_elem, hierarchical):
+        for v_nv, v_ib in _group_bytes(g, domain_of, t, hierarchical):
             t_nv, t_ib = v_nv / eta_nv, v_ib / eta_ib
             if worst is None or max(t_nv, t_ib) > max(worst[2], worst[3]):
                 worst = (v_nv, v_ib, t_nv, t_ib)
@@ -250,16 +251,7 @@ def placement_dispatch_time(
 
 
 def placement_layer_time(
-    cluster: Cluster,
-    groups,
-    domain_of,
-    T: int,
-    H: int,
-    k: int,
-    F: int,
-    bytes_per_elem: float,
-    hierarchical: bool = False,
+    cluster: Cluster, groups: Groups, domain_of: Domains, t: Traffic, F: int, hierarchical: bool = False
 ) -> LayerCost:
     """``layer_time`` for a placement: 4 of its all-to-alls plus the expert GEMMs per GPU."""
-    a2a = placement_dispatch_time(cluster, groups, domain_of, T, H, k, bytes_per_elem, hierarchical)
-    return _layer_cost(cluster, a2a, T, H, k, F)
+    return _layer_cost(cluster, placement_dispatch_time(cluster, groups, domain_of, t, hierarchical), t, F)

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from moe_train import config
+from moe_train.base.calls import from_names
 from moe_train.parallel import jobplan
 from moe_train.planner import choices, compute, layout, memory, preflight, search
 from moe_train.planner.memory import Plan as MemoryPlan
@@ -27,16 +28,14 @@ from topology.placement import valid_eps_for_nodes
 
 
 @dataclass(frozen=True)
-class Decision:
-    """What ``decide`` made of a request: the job both ``make plan`` and ``make submit`` show."""
+class Decision(choices.Decided):
+    """What ``decide`` made of a request: the job both ``make plan`` and ``make submit`` show.
+    Its ``choices.Decided`` part: the request (the smoke job's, for --smoke) and the trainer's
+    config with the planner's choices applied, each key's value and who chose it, the search
+    (``found``; None: nothing predicted) and its line (``search_note``, make submit prints it)."""
 
     cluster: presets.Cluster  # the cluster preset
-    req: Request  # the request (the smoke job's, for --smoke) with the planner's --set items
-    cfg: config.Config  # the trainer's config, the planner's choices applied
     ep: int  # expert-parallel size (the planner's where the user left it open)
-    choices: tuple[choices.Choice, ...]  # each key the planner decides: value and who chose
-    found: search.Found | None  # the planner's search (None: nothing predicted)
-    search_note: str | None  # what the search found, in one line (make submit prints it)
     segment: int | None  # the --segment the placement asks for (None: none)
     placement: tuple[str, ...]  # placement notes (its reason; a straddle warning)
     memory: MemoryPlan  # the job's memory plan: estimate, budget, verdict
@@ -61,7 +60,7 @@ def decide(req: Request, top: int = 1) -> Decision:
     req, cfg = _model_config(req, cluster)
     chosen = choices.decided(req, cluster, cfg, top)  # rendered as the launcher's --set
     req, cfg, ep = chosen.req, chosen.cfg, chosen.cfg.parallel.ep
-    segment, notes = layout.placement(req, cluster, ep, cfg)
+    segment, placement = layout.placement(req, cluster, ep, cfg)
     per_task, rest = divmod(cluster.gpus_per_node, cluster.slurm.ntasks_per_node)
     if rest or not per_task:
         raise LaunchError(
@@ -73,16 +72,13 @@ def decide(req: Request, top: int = 1) -> Decision:
         mem = memory.plan(cfg, cluster, req.nodes, compiled=preflight.cached_peak(req, cluster, cfg))
     except memory.PlanError as err:  # sizes the trainer would refuse too (e.g. width vs dp)
         raise LaunchError(str(err)) from None
-    return Decision(
+    return from_names(  # req, cfg, choices, found, search_note: the chosen job's
+        Decision,
+        chosen,
         cluster=cluster,
-        req=req,
-        cfg=cfg,
         ep=ep,
-        choices=chosen.choices,
-        found=chosen.found,
-        search_note=chosen.note,
         segment=segment,
-        placement=tuple(notes),
+        placement=placement,
         memory=mem,
         per_task=per_task,
     )

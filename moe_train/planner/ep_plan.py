@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_train import config as model_config
+from moe_train.base.calls import from_names
 from moe_train.config.cli import (
     command_parser,
     ep_argument,
     job_config,
+    json_argument,
     nodes_argument,
     print_out,
     set_argument,
@@ -35,6 +37,7 @@ from moe_train.config.cli import (
 )
 from moe_train.planner import compute as compute_calibration
 from moe_train.planner import cost, steptime
+from moe_train.planner.request import Request
 from topology import calibration as topology_calibration
 from topology import presets
 from topology.placement import (
@@ -118,16 +121,10 @@ def model_config_of(name: str, overrides: tuple[str, ...] = ()) -> model_config.
 def model_shape(name: str, cfg: model_config.Config | None = None) -> ModelShape:
     """The MoE shape of a model preset (or of ``cfg``, the preset with overrides)."""
     cfg = cfg or model_config_of(name)
-    m, moe, tr = cfg.model, cfg.moe, cfg.train
-    return ModelShape(
-        name=name,
-        hidden=m.hidden,
-        expert_ffn=moe.expert_ffn,
-        top_k=moe.top_k,
-        num_experts=moe.num_experts,
-        moe_layers=model_config.moe_layer_count(m),
-        batch_tokens=tr.batch_size * tr.seq_len,
-    )
+    m, tr = cfg.model, cfg.train
+    layers, tokens = model_config.moe_layer_count(m), tr.batch_size * tr.seq_len
+    # expert_ffn, top_k, num_experts: the MoE section's
+    return from_names(ModelShape, cfg.moe, name=name, hidden=m.hidden, moe_layers=layers, batch_tokens=tokens)
 
 
 def _tokens(shape: ModelShape, devices: int, tokens: int | None) -> tuple[int, str]:
@@ -151,13 +148,13 @@ def _side(
     cluster: Cluster, shape: ModelShape, p: Placement, T: int, hierarchical: bool, dispatch: str
 ) -> Side:
     """Price ``p``: one layer, and a step over all MoE layers."""
-    dom = domain_index(p.domains)
-    args = (T, shape.hidden, shape.top_k, shape.expert_ffn, BYTES_PER_ELEM)
+    traffic = cost.Traffic(T, shape.hidden, shape.top_k, BYTES_PER_ELEM)
+    args = (cluster, p.ep_groups, domain_index(p.domains), traffic, shape.expert_ffn)
     try:
-        layer = cost.placement_layer_time(cluster, p.ep_groups, dom, *args, hierarchical)
+        layer = cost.placement_layer_time(*args, hierarchical)
     except ValueError:  # groups not evenly packed: price the flat all-to-all instead
         hierarchical, dispatch = False, "flat all-to-all (groups uneven across domains)"
-        layer = cost.placement_layer_time(cluster, p.ep_groups, dom, *args, False)
+        layer = cost.placement_layer_time(*args, False)
     per_layer = cost.ALL_TO_ALLS_PER_LAYER * layer.all_to_all.v_network_bytes
     return Side(
         placement=p,
@@ -225,6 +222,12 @@ def make_plan(
         step=_step(cfg, cluster, efficiency, devices, planned, T, side),
         anchors=tuple(compute_calibration.anchors(model, cluster.name)),
     )
+
+
+def request_plan(req: Request, ep: int) -> Plan:
+    """``make_plan`` of a launcher request at EP ``ep`` (its preset, nodes, model and
+    --allow-straddle by name), with its ``--set`` items and its compute file."""
+    return from_names(make_plan, req, ep=ep, overrides=tuple(req.sets), compute=req.compute or None)
 
 
 def _step(
@@ -414,13 +417,7 @@ def _step_lines(plan: Plan, timed: bool = True) -> list[str]:
         if timed
         else []
     )
-    for a in plan.anchors:
-        lines.append(
-            f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
-            f"{a.tflops_per_gpu:,.0f} TFLOP/s/GPU on {a.gpus} GPUs, {a.precision}"
-            f"{', ' + a.layout if a.layout else ''} ({a.source}; forced balance)"
-        )
-    return lines
+    return lines + [a.line("; forced balance") for a in plan.anchors]
 
 
 def _count_domains(p: Placement) -> str:
@@ -462,7 +459,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compute", default=None, help="compute calibration file (default: moe_train/planner/compute.toml)"
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    json_argument(p)
     return p
 
 
@@ -474,18 +471,7 @@ def run(args: argparse.Namespace) -> int:
             ep = job_config(args).parallel.ep
         except model_config.ConfigError as err:
             raise TopologyError(str(err)) from None
-    result = make_plan(
-        args.preset,
-        args.nodes,
-        args.model,
-        ep,
-        dp=args.dp,
-        tokens=args.tokens,
-        allow_straddle=args.allow_straddle,
-        calibration=args.calibration,
-        overrides=tuple(args.overrides),
-        compute=args.compute,
-    )
+    result = from_names(make_plan, args, ep=ep, overrides=tuple(args.overrides))
     print_out(json.dumps(plan_json(result)) if args.json else render(result))
     return 0
 

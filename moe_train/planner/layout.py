@@ -114,10 +114,10 @@ def check_ep(cfg: config.Config, cluster: presets.Cluster, nodes: int, ep: int) 
 
 def placement(
     req: Request, cluster: presets.Cluster, ep: int, cfg: config.Config
-) -> tuple[int | None, list[str]]:
+) -> tuple[int | None, tuple[str, ...]]:
     """(the --segment value or None, lines telling the user what was chosen and why)."""
     experts = cfg.moe.num_experts
-    notes = []
+    notes: list[str] = []
     try:
         alloc = allocation(cluster, req.nodes, ep, num_experts=experts)
     except PlacementError as err:
@@ -127,8 +127,7 @@ def placement(
             ) from None
         alloc = allocation(cluster, req.nodes, ep, num_experts=experts, allow_straddle=True)
         notes.append(straddle_warning(cluster, alloc, ep, cfg))
-    notes.insert(0, f"placement: {alloc.reason}")
-    return alloc.segment, notes
+    return alloc.segment, (f"placement: {alloc.reason}", *notes)
 
 
 def straddle_warning(cluster: presets.Cluster, alloc, ep: int, cfg: config.Config) -> str:
@@ -145,9 +144,8 @@ def straddle_warning(cluster: presets.Cluster, alloc, ep: int, cfg: config.Confi
     try:
         p = place(synth_domains(cluster, alloc), ep, allow_straddle=True)
         tokens = max(1, t.batch_size * t.seq_len // len(p.order))
-        layer = cost.placement_layer_time(
-            cluster, p.ep_groups, domain_index(p.domains), tokens, m.hidden, e.top_k, e.expert_ffn, 2, False
-        )
+        traffic, dom = cost.Traffic(tokens, m.hidden, e.top_k, 2), domain_index(p.domains)
+        layer = cost.placement_layer_time(cluster, p.ep_groups, dom, traffic, e.expert_ffn)
     except (presets.TopologyError, ValueError):
         return head + "; its all-to-all traffic crosses the scale-out network"
     moe_layers = config.moe_layer_count(m)  # the MTP modules' MoE blocks too

@@ -232,15 +232,7 @@ def _step_job(req: Request, ep: int) -> steptime.Job | None:
     """The step model's job for EP ``ep`` (placement and all-to-all), or None where the
     topology planner refuses that EP size."""
     try:
-        plan = topo_plan.make_plan(
-            req.preset,
-            req.nodes,
-            req.model,
-            ep,
-            allow_straddle=req.allow_straddle,
-            overrides=tuple(req.sets),
-            compute=req.compute or None,
-        )
+        plan = topo_plan.request_plan(req, ep)
     except (presets.TopologyError, config.ConfigError, ValueError):
         return None
     return topo_plan.step_job(plan)

@@ -38,15 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_train import config
-from moe_train.config.cli import (
-    EXIT_USAGE,
-    command_parser,
-    ep_argument,
-    nodes_argument,
-    print_out,
-    set_argument,
-    usage_error,
-)
+from moe_train.base.calls import from_names
+from moe_train.config import cli
 from moe_train.planner import choices, layout, memory, search
 from moe_train.planner import ep_plan as topo_plan
 from moe_train.planner.decide import Decision, decide
@@ -55,7 +48,7 @@ from moe_train.planner.memory.__main__ import to_json as memory_json
 from moe_train.planner.request import LaunchError, Request, check_twice
 from topology.presets import TopologyError
 
-EXIT_DOES_NOT_FIT = EXIT_USAGE  # make submit's refusals, a job that will not fit among them
+EXIT_DOES_NOT_FIT = cli.EXIT_USAGE  # make submit's refusals, a job that will not fit among them
 GIB = 2**30
 OUT = "OUT"  # stands in for the run directory make submit picks
 PREFIX = choices.PREFIX  # each key's first word, as the choices' notes
@@ -274,13 +267,7 @@ def render_top(s: Shown) -> str:
             f"{st.model_tflops:>12,.0f} {st.mfu:>6.1%} {st.comm_share:>8.1%} "
             f"{mem:>13}  {_settings_text(c)}"
         )
-    lines += [
-        f"  published: {a.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {a.tflops_per_gpu:,.0f} "
-        f"TFLOP/s/GPU on {a.gpus} GPUs, {a.precision}{', ' + a.layout if a.layout else ''}"
-        f" ({a.source})"
-        for a in s.topology.anchors
-    ]
-    return "\n".join(lines)
+    return "\n".join(lines + [a.line() for a in s.topology.anchors])
 
 
 def to_json(s: Shown) -> dict:
@@ -315,12 +302,12 @@ def to_json(s: Shown) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = command_parser("python -m moe_train.planner", __doc__)
+    p = cli.command_parser("python -m moe_train.planner", __doc__)
     p.add_argument("--preset", required=True, help="cluster preset name or a site's cluster .toml")
     p.add_argument("--model", required=True, help="model preset (moe_train/config/presets)")
-    nodes_argument(p)
-    ep_argument(p, "expert-parallel size (default: the model's parallel.ep)")
-    set_argument(p, help="trainer override, as make submit takes it (repeatable)", dest="sets")
+    cli.nodes_argument(p)
+    cli.ep_argument(p, "expert-parallel size (default: the model's parallel.ep)")
+    cli.set_argument(p, help="trainer override, as make submit takes it (repeatable)", dest="sets")
     p.add_argument("--steps", type=int, help="total training steps (default: the model preset's)")
     p.add_argument(
         "--compute",
@@ -341,7 +328,7 @@ def parser() -> argparse.ArgumentParser:
         help="print the N fastest jobs of the planner's search that fit, as a table "
         "(the first is the job make submit runs)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    cli.json_argument(p)
     return p
 
 
@@ -350,17 +337,7 @@ def request(args: argparse.Namespace) -> Request:
     if args.steps is not None and args.steps < 1:
         raise LaunchError(f"--steps must be at least 1, got {args.steps}")
     check_twice(args)
-    return Request(
-        preset=args.preset,
-        model=args.model,
-        nodes=args.nodes,
-        steps=args.steps,
-        sets=tuple(args.sets),
-        ep=args.ep,
-        allow_straddle=args.allow_straddle,
-        compute=args.compute,
-        dry_run=True,
-    )
+    return from_names(Request, args, sets=tuple(args.sets), dry_run=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(f"--top must be at least 1, got {args.top}")
         shown = show(request(args), max(args.top, 1))
     except (LaunchError, TopologyError) as err:
-        return usage_error(err)
+        return cli.usage_error(err)
     text = (
         json.dumps(to_json(shown), indent=1)
         if args.json
@@ -378,5 +355,5 @@ def main(argv: list[str] | None = None) -> int:
         if args.top
         else render(shown)
     )
-    print_out(text)
+    cli.print_out(text)
     return 0 if shown.decision.fits else EXIT_DOES_NOT_FIT

@@ -70,6 +70,9 @@ def _stat(s: dict | None, unit: str = "%") -> str:
     return "n/a" if not s else f"{s['mean']:.1f}{unit} (p5 {s['p5']:.1f}, p95 {s['p95']:.1f})"
 
 
+RANK_KEYS = ("rank", "host", "nvml", "samples")  # the per-rank table's first columns, shown as they are
+
+
 def summary_section(summary: dict[str, Any]) -> str:
     """Job-wide figures, per-rank table and stragglers."""
     j = summary["job"]
@@ -96,10 +99,7 @@ def summary_section(summary: dict[str, Any]) -> str:
     ]
     ranks = [
         (
-            r["rank"],
-            r["host"],
-            r["nvml"],
-            r["samples"],
+            *(r[k] for k in RANK_KEYS),
             _stat(r["gpu_util_pct"]),
             _stat(r["host_cpu_pct"]),
             r["power_w_mean"],
@@ -110,10 +110,7 @@ def summary_section(summary: dict[str, Any]) -> str:
         for r in summary["ranks"]
     ]
     header = (
-        "rank",
-        "host",
-        "nvml",
-        "samples",
+        *RANK_KEYS,
         "GPU util",
         "host CPU",
         "power W",

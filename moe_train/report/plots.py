@@ -14,6 +14,8 @@ from typing import Any
 
 import matplotlib
 
+from moe_train.base.tomlfile import read_toml
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
@@ -231,15 +233,9 @@ def compile_spans(records: list[dict[str, Any]], compiled: Set[int]) -> list[tup
 
 
 def _time_panels(
-    telemetry: dict[int, list[dict]],
-    rows: list[tuple[str, list, float]],
-    out_dir: Path,
-    name: str,
-    title: str,
-    caption: str,
-    compiled: Set[int] = frozenset(),
+    telemetry: dict[int, list[dict]], figure: dict[str, Any], out_dir: Path, compiled: Set[int] = frozenset()
 ) -> list[Figure]:
-    """One panel per row (label, [(key, style, label suffix)], scale) with data; x = seconds."""
+    """One of the ``TIME_FIGURES``: a panel per panel of it with data; x = seconds."""
     times = [
         r["time"]
         for recs in telemetry.values()
@@ -247,9 +243,9 @@ def _time_panels(
         if r.get("kind") == "sample" and _num(r.get("time")) is not None
     ]
     present = [
-        row
-        for row in rows
-        if any(_series(recs, key, x="time")[0] for recs in telemetry.values() for key, *_ in row[1])
+        panel
+        for panel in figure["panel"]
+        if any(_series(recs, key, x="time")[0] for recs in telemetry.values() for key, *_ in panel["lines"])
     ]
     if not times or not present:
         return []
@@ -258,52 +254,23 @@ def _time_panels(
         len(present), 1, figsize=(9, 1.9 * len(present) + 0.8), sharex=True, squeeze=False
     )
     spans = compile_spans(next(iter(telemetry.values())), compiled)
-    for ax, (ylabel, keys, scale) in zip(axes[:, 0], present):
+    for ax, panel in zip(axes[:, 0], present):
         for i, (a, b) in enumerate(spans):
             ax.axvspan(a - t0, b - t0, color="red", alpha=0.08, label=None if i else "compiling step")
-        for key, style, suffix in keys:
-            _rank_lines(ax, telemetry, key, t0, scale, style, suffix)
-        ax.set_ylabel(ylabel, fontsize=8)
+        for key, style, suffix in panel["lines"]:
+            _rank_lines(ax, telemetry, key, t0, panel["scale"], style, suffix)
+        ax.set_ylabel(panel["label"], fontsize=8)
         ax.grid(alpha=0.3)
         if len(telemetry) <= MAX_LEGEND_RANKS:
             ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("seconds since the first sample")
-    return [_save(fig, out_dir, name, title, caption)]
+    return [_save(fig, out_dir, figure["name"], figure["title"], figure["caption"])]
 
 
-# Figures over time, one line per rank: (name, title, caption, panels); a panel is (y label,
-# [(telemetry key, line style, legend suffix)], scale). Panels no rank has data for are left out.
-TIME_FIGURES = (
-    (
-        "gpu",
-        "GPUs over time",
-        "one line per rank (NVML); NVLink over all links, tx solid, rx dashed; "
-        "shaded: steps that compiled (rank 0's clock)",
-        [
-            ("GPU util (%)", [("gpu_util_pct", "-", "")], 1.0),
-            ("power (W)", [("power_w", "-", "")], 1.0),
-            ("memory used (GB)", [("mem_used_bytes", "-", "")], 1e-9),
-            ("NVLink (GB/s)", [("nvlink_tx_gbps", "-", " tx"), ("nvlink_rx_gbps", "--", " rx")], 1.0),
-            ("PCIe (GB/s)", [("pcie_tx_gbps", "-", " tx"), ("pcie_rx_gbps", "--", " rx")], 1.0),
-            (
-                "GPM SM / tensor (%)",
-                [("gpm_sm_active_pct", "-", " SM"), ("gpm_tensor_active_pct", "--", " tensor")],
-                1.0,
-            ),
-        ],
-    ),
-    (
-        "host",
-        "Hosts over time",
-        "one line per rank (the process's host); shaded: steps that compiled",
-        [
-            ("host CPU (%)", [("host_cpu_pct", "-", "")], 1.0),
-            ("process CPU (% of a core)", [("proc_cpu_pct", "-", "")], 1.0),
-            ("process RSS (GB)", [("rss_bytes", "-", "")], 1e-9),
-            ("load (1 min)", [("load1", "-", "")], 1.0),
-        ],
-    ),
-)
+# The figures over time, one line per rank, each {name, title, caption, panel: [{label, lines,
+# scale}]} (the file says what they mean).
+TIME_FIGURES_FILE = Path(__file__).with_name("time_figures.toml")
+TIME_FIGURES: list[dict[str, Any]] = read_toml(TIME_FIGURES_FILE, ValueError)["figure"]
 
 
 def over_time(
@@ -311,11 +278,7 @@ def over_time(
 ) -> list[Figure]:
     """The ``TIME_FIGURES``: GPU utilization, power, memory, NVLink and GPM activity, then host
     CPU, process CPU, resident memory and load, over time per rank."""
-    return [
-        fig
-        for name, title, caption, rows in TIME_FIGURES
-        for fig in _time_panels(telemetry, rows, out_dir, name, title, caption, compiled)
-    ]
+    return [fig for figure in TIME_FIGURES for fig in _time_panels(telemetry, figure, out_dir, compiled)]
 
 
 def all_figures(metrics: list[dict], telemetry: dict[int, list[dict]], out_dir: Path) -> list[Figure]:

@@ -51,11 +51,17 @@ KERNELS_FILE = "kernels.json"
 
 
 @dataclasses.dataclass(frozen=True)
-class Choice:
-    """The kernel chosen for one config key."""
+class KernelKey:
+    """A kernel's config key and the value configured for it."""
 
     key: str  # moe.backend | model.attention | precision.fp8_backend
-    requested: str  # the configured value
+    requested: str  # the configured value ("auto" or a kernel's name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice(KernelKey):
+    """The kernel chosen for one config key."""
+
     chosen: str  # the concrete kernel the run uses
     why: str  # in words, for the first log line
     results: tuple[Result, ...]  # the checks that ran (empty when skipped)

@@ -24,6 +24,7 @@ signal and as ``checkpoint.Schedule`` says (steps, wall time). Every wait prints
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import threading
@@ -58,7 +59,7 @@ from moe_train.train import (
 )
 from moe_train.train.guard import Divergence, NonFiniteGuard, origin
 from moe_train.train.runconfig import RunConfig
-from moe_train.train.step import StepCounter, init_state
+from moe_train.train.step import StepCounter, init_state, make_train_step
 from moe_train.train.stepper import BucketedStep, Confirmed
 from topology import device_mesh
 
@@ -306,14 +307,10 @@ class Loop:
         cfg, mesh = self.run_cfg.resolved, self.run_cfg.mesh
         self.first = int(state.step)
         self.counter = StepCounter()
-        self.step_fn = BucketedStep(  # the jitted step, its buckets and a line for every compile
-            cfg,
-            mesh,
-            self.counter,
-            jax.tree.map(lambda x: x.sharding, state),
-            log=start.log,
-            first=self.first,
-        )
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        step_for = functools.partial(make_train_step, cfg, mesh, self.counter, shardings)
+        # the jitted step, its buckets and a line for every compile
+        self.step_fn = BucketedStep(cfg, mesh, self.counter, step_for, log=start.log, first=self.first)
         self.guard = NonFiniteGuard(cfg.train, start.log, first=self.first)
         self.writer, self.sampler = None, telemetry.NullSampler()
         self.tracker: tracking.Tracker | None = None  # TensorBoard / W&B, process 0

@@ -38,6 +38,7 @@ from jax.sharding import Mesh
 from moe_train.base import exits
 from moe_train.config import Config
 from moe_train.parallel import jobplan, sharding, together
+from moe_train.parallel.jobplan import EPPlan
 from moe_train.train import fits
 from moe_train.train.progress import Log, Waiting
 from moe_train.train.step import (
@@ -45,7 +46,6 @@ from moe_train.train.step import (
     StepCounter,
     TrainState,
     compiled_memory,
-    make_train_step,
 )
 
 
@@ -93,17 +93,16 @@ class BucketedStep:
         cfg: Config,
         mesh: Mesh,
         counter: StepCounter,
-        state_sharding: TrainState,
-        make_step: Callable[..., Any] = make_train_step,
+        step_for: Callable[[EPPlan | None], Any],
         log: Log | None = None,
         first: int = 0,
     ):
-        """``make_step(cfg, mesh, counter, state_sharding, plan)`` jits one bucket's step
-        (``train.make_train_step``; the compile benchmark passes its EP layer step). ``log``:
-        where the compile lines go (None: no lines); ``first``: the step before the first
-        ``submit``."""
-        self.cfg, self.mesh, self.counter, self.state_sharding = cfg, mesh, counter, state_sharding
-        self.make_step = make_step
+        """``step_for(plan)`` jits one bucket's step, counting its traces in ``counter`` (the
+        loop passes ``train.make_train_step`` bound to the run's config, mesh, counter and
+        state sharding; the compile benchmark its EP layer step). ``log``: where the compile
+        lines go (None: no lines); ``first``: the step before the first ``submit``."""
+        self.cfg, self.mesh, self.counter = cfg, mesh, counter
+        self.step_for = step_for
         self.log = log
         self.step = first  # the step the latest submit dispatched (for the compile lines)
         self.plans = sharding.ep_plans(cfg, mesh)
@@ -128,9 +127,7 @@ class BucketedStep:
 
     def _fn(self, bucket: int):
         if bucket not in self._compiled:
-            self._compiled[bucket] = self.make_step(
-                self.cfg, self.mesh, self.counter, self.state_sharding, self.plans[bucket]
-            )
+            self._compiled[bucket] = self.step_for(self.plans[bucket])
         return self._compiled[bucket]
 
     def _holds(self, bucket: int) -> bool:

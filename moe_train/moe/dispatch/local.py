@@ -1,7 +1,8 @@
 """EP size 1: every expert is on this shard, so nothing is exchanged.
 
 Shape letters (``moe_train.base.notation``): T tokens, H hidden, K top-k. The pipeline of
-``moe_train.moe.layer`` with this dispatcher is exactly the single-device layer ``dropless_moe``.
+``moe_train.moe.layer`` with this dispatcher is exactly the single-device layer
+(``dropless_moe`` without a plan).
 """
 
 from __future__ import annotations

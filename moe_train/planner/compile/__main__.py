@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_train.config.cli import command_parser, job_arguments, usage_error
+from moe_train.config.cli import command_parser, job_arguments, json_argument, usage_error
 from moe_train.planner.compile import job as job_mod
 from moe_train.planner.compile import plugin
 from moe_train.planner.request import Request
@@ -31,17 +31,9 @@ if TYPE_CHECKING:
 def parser() -> argparse.ArgumentParser:
     p = command_parser("python -m moe_train.planner.compile", __doc__)
     job_arguments(p, "--preset", f"cluster preset ({', '.join(presets.list_presets())}) or a site .toml")
+    p.add_argument("--steps", type=int, help="train.steps, as for make submit (changes only the LR schedule)")
     p.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="train.steps, as for make submit (changes only the LR schedule)",
-    )
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="compile at reduced depth: model.num_layers=N (said in the output)",
+        "--layers", type=int, help="compile at reduced depth: model.num_layers=N (said in the output)"
     )
     p.add_argument(
         "--bucket",
@@ -62,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
         "compile nothing (seconds; needs no plugin)",
     )
     p.add_argument("--out", default="runs/compile", help="parent of the <UTC> run directory")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    json_argument(p)
     return p
 
 

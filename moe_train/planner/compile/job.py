@@ -92,7 +92,7 @@ def configure(
         nodes=nodes,
         layers=layers,
         cfg=cfg,
-        notes=tuple(notes),
+        notes=notes,
         plan=plan,
         step=_predicted(req, cfg),
     )

@@ -28,19 +28,18 @@ from moe_train.config import Config, ConfigError
 from moe_train.model import attention
 from moe_train.model.attention.fused import te_import_error
 from moe_train.moe import gemm
+from moe_train.moe.tiled import expert_operands
 from moe_train.planner.compile import facts
-from moe_train.selftest import candidates
+from moe_train.selftest import KernelKey, candidates
 from topology.targets import Target
 
 GPU_ONLY = {"moe.backend": ("mgpu", "te"), "model.attention": ("cudnn", "te")}
 
 
 @dataclasses.dataclass(frozen=True)
-class Kernel:
+class Kernel(KernelKey):
     """One kernel key: what was asked, what the trainer picks on the target, what compiled."""
 
-    key: str  # moe.backend | model.attention | precision.fp8_backend
-    requested: str  # the configured value
     trainer: str  # the trainer's first choice on the target GPU
     compiled: str  # the kernel this compile traced
     note: str  # why, and what was replaced
@@ -78,7 +77,8 @@ def _trace_gemm(name: str, p, devices: Sequence[Any]) -> None:
     sizes[0] += rows - sum(sizes)
 
     def loss(x, w0, w1, wo):
-        y = gemm.sorted_swiglu(x, jnp.asarray(sizes, jnp.int32), w0, w1, wo, backend=name)
+        ops = expert_operands(x, w0, w1, wo, jnp.asarray(sizes, jnp.int32), with_scale=False)
+        y = gemm.sorted_swiglu(ops, backend=name)
         return y.astype(jnp.float32).sum()
 
     shapes = [

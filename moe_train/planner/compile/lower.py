@@ -41,7 +41,6 @@ from topology import device_mesh, placement
 class Compiled:
     """One capacity bucket's step, compiled."""
 
-    bucket: str  # "1", "1.25", ..., "worst" (the memory planner's keys)
     plan: EPPlan | None  # its EP plan (None on one device)
     memory: CompiledMemory  # XLA's per-GPU memory analysis
     trace_s: float  # trace and lower (StableHLO), seconds
@@ -49,6 +48,11 @@ class Compiled:
     hlo: str  # the optimized, scheduled HLO (compiled.as_text())
     note: str = ""  # how the compile deviated from the preset's settings ("" where it did not)
     peak: dict | None = None  # what fills the peak (peak.Peak.record), where it was dumped
+
+    @property
+    def bucket(self) -> str:
+        """Its bucket: "1", "1.25", ..., "worst" (the memory planner's keys)."""
+        return bucket_name(self.plan)
 
 
 # XLA:GPU without a GPU does not autotune: its default Triton GEMM tiling can fail on small
@@ -125,7 +129,6 @@ def compile_one(
     memory = CompiledMemory.of(compiled)
     assert memory is not None, "XLA:GPU's executable has a memory analysis"
     return Compiled(
-        bucket=bucket_name(plan),
         plan=plan,
         memory=memory,
         trace_s=t1 - t0,

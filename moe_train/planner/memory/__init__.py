@@ -135,7 +135,7 @@ from dataclasses import dataclass
 
 from moe_train.config import Config
 from moe_train.planner.memory.estimate import ALL_ITEMS, ITEMS, Estimate, Setup, bucket_label, estimate
-from moe_train.planner.memory.job import PlanError, setup_for, with_ep
+from moe_train.planner.memory.job import PlanError, setup_for, with_setting
 from moe_train.planner.memory.verdict import GIB, Alternative, Budget, Compiled, Verdict, budget, judge
 from topology.presets import Cluster, load
 
@@ -184,7 +184,7 @@ def plan(
     verdict (``verdict.judge``). Raises PlanError (a ConfigError) for jobs the trainer refuses."""
     cluster = load(cluster) if isinstance(cluster, str) else cluster
     if ep is not None and ep != cfg.parallel.ep:
-        cfg = with_ep(cfg, ep)
+        cfg = with_setting(cfg, "parallel.ep", ep)
     est = estimate(cfg, setup_for(cfg, cluster, nodes, devices=devices))
     bud = budget(cluster, reserve_gib)
     return Plan(cluster, nodes, est, bud, judge(cfg, est, bud, cluster, nodes, devices, search, compiled))

@@ -12,10 +12,11 @@ import argparse
 import json
 import sys
 
+from moe_train.base.calls import from_names
 from moe_train.config import ConfigError
-from moe_train.config.cli import command_parser, job_arguments, job_config, usage_error
+from moe_train.config.cli import command_parser, job_arguments, job_config, json_argument, usage_error
 from moe_train.planner.memory import ALL_ITEMS, GIB, Plan, bucket_label, plan
-from topology.presets import TopologyError, list_presets, load
+from topology.presets import TopologyError, list_presets
 
 EXIT_DOES_NOT_FIT = 1
 
@@ -30,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="GiB per GPU kept free (default: the preset's XLA memory fraction)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    json_argument(p)
     p.add_argument("--check", action="store_true", help="exit 1 when it does not fit")
     return p
 
@@ -141,14 +142,7 @@ def to_json(pl: Plan, model: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        pl = plan(
-            job_config(args),
-            load(args.cluster),
-            args.nodes,
-            ep=args.ep,
-            devices=args.devices,
-            reserve_gib=args.reserve_gib,
-        )
+        pl = from_names(plan, args, cfg=job_config(args))  # plan loads the --cluster preset
     except (ConfigError, TopologyError) as err:
         return usage_error(err)
     print(json.dumps(to_json(pl, args.model), indent=1) if args.json else render(pl, args.model))

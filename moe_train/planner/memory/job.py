@@ -173,21 +173,13 @@ def replaced(cfg: Config, section: str, **values: Any) -> Config:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
 
 
-def with_remat(cfg: Config, remat: str) -> Config:
-    """``cfg`` with ``train.remat`` replaced."""
-    return replaced(cfg, "train", remat=remat)
+# what a change of a key also resets in its section: parallel.dp left to follow EP, and
+# train.micro_batch_size off (train.micro_batches counts the micro-batches)
+FOLLOW: dict[str, dict[str, Any]] = {"parallel.ep": {"dp": 0}, "train.micro_batches": {"micro_batch_size": 0}}
 
 
-def with_micro_batches(cfg: Config, n: int) -> Config:
-    """``cfg`` with ``train.micro_batches`` replaced (and ``micro_batch_size`` off)."""
-    return replaced(cfg, "train", micro_batches=n, micro_batch_size=0)
-
-
-def with_batch(cfg: Config, batch_size: int) -> Config:
-    """``cfg`` with ``train.batch_size`` replaced."""
-    return replaced(cfg, "train", batch_size=batch_size)
-
-
-def with_ep(cfg: Config, ep: int) -> Config:
-    """``cfg`` with ``parallel.ep`` replaced (and ``parallel.dp`` left to follow)."""
-    return replaced(cfg, "parallel", ep=ep, dp=0)
+def with_setting(cfg: Config, key: str, value: Any) -> Config:
+    """``cfg`` with ``key`` ("section.name", e.g. "train.remat") set to ``value`` (and what
+    follows it reset, ``FOLLOW``)."""
+    section, name = key.split(".")
+    return replaced(cfg, section, **{name: value, **FOLLOW.get(key, {})})

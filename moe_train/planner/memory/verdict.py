@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 from moe_train.config import REMAT_POLICIES, Config
 from moe_train.parallel import jobplan
@@ -126,10 +125,11 @@ def _first_fit(label, candidates, usable: int) -> Alternative | None:
     return best
 
 
-def _first_setting(key: str, values, with_value, total: Total, usable: int) -> Alternative | None:
-    """``_first_fit`` over ``key=v`` for each ``v`` of ``values``: ``with_value(v)`` is the
-    config with it, ``total`` that config's estimated total."""
-    return _first_fit(lambda v: f"{key}={v}", ((v, total(with_value(v))) for v in values), usable)
+def _first_setting(key: str, values, cfg: Config, total: Total, usable: int) -> Alternative | None:
+    """``_first_fit`` over ``key=v`` for each ``v`` of ``values``: ``cfg`` with ``key`` set to
+    ``v`` (``job.with_setting``), ``total`` that config's estimated total."""
+    pairs = ((v, total(job.with_setting(cfg, key, v))) for v in values)
+    return _first_fit(lambda v: f"{key}={v}", pairs, usable)
 
 
 def alternatives(
@@ -141,11 +141,9 @@ def alternatives(
     total: Total = lambda c: _total(c, cluster, nodes, devices)  # noqa: E731
     E = cfg.moe.num_experts
     eps = [e for e in range(cfg.parallel.ep + 1, min(n, E) + 1) if jobplan.ep_fault(n, e, E) is None]
-    out = [_first_setting("parallel.ep", eps, partial(job.with_ep, cfg), total, usable)]
+    out = [_first_setting("parallel.ep", eps, cfg, total, usable)]
     out += [
-        _first_setting("train.remat", [r], partial(job.with_remat, cfg), total, usable)
-        for r in REMAT_ORDER
-        if r != cfg.train.remat
+        _first_setting("train.remat", [r], cfg, total, usable) for r in REMAT_ORDER if r != cfg.train.remat
     ]
     out += [
         _micro_alt(cfg, n, total, usable),
@@ -154,7 +152,7 @@ def alternatives(
     ]
     out = [a for a in out if a is not None and a.total_bytes < current]
     if not any(a.fits and a.available for a in out) and cfg.train.remat != "full":
-        full = job.with_remat(cfg, "full")
+        full = job.with_setting(cfg, "train.remat", "full")
         for alt in (
             _batch_alt(full, n, total, usable),
             _nodes_alt(full, cluster, nodes, devices, usable),
@@ -168,13 +166,13 @@ def _micro_alt(cfg: Config, n: int, total: Total, usable: int) -> Alternative | 
     """The fewest ``train.micro_batches`` (dividing the sequences per device) that fit."""
     per = cfg.train.batch_size // n
     counts = [k for k in range(cfg.train.micro_batches + 1, per + 1) if per % k == 0]
-    return _first_setting("train.micro_batches", counts, partial(job.with_micro_batches, cfg), total, usable)
+    return _first_setting("train.micro_batches", counts, cfg, total, usable)
 
 
 def _batch_alt(cfg: Config, n: int, total: Total, usable: int) -> Alternative | None:
     """The largest smaller ``train.batch_size`` (a multiple of the devices) that fits."""
     sizes = [n * k for k in range(cfg.train.batch_size // n - 1, 0, -1)]
-    return _first_setting("train.batch_size", sizes, partial(job.with_batch, cfg), total, usable)
+    return _first_setting("train.batch_size", sizes, cfg, total, usable)
 
 
 def _nodes_alt(
