@@ -7,8 +7,8 @@ Zipf skew, holding, ramping back and ending uniform, so capacity buckets go up a
 
 - ``dropless``: the single-device ``dropless_moe`` layer, forward+backward, jitted once.
   Routing only changes values, so it must compile exactly once.
-- ``ep``: ``ep_moe`` with the ``a2a`` dispatcher on 8 fake CPU devices, driven by the
-  trainer's own ``stepper.BucketedStep`` (its bucket choice, overflow reruns and step-down),
+- ``ep``: ``dropless_moe`` with an EP plan (``a2a`` dispatcher) on 8 fake CPU devices, driven
+  by the trainer's own ``stepper.BucketedStep`` (its bucket choice, overflow reruns and step-down),
   with the train step replaced by the layer's forward+backward. It must compile once per
   capacity bucket it touches, never more.
 

@@ -1,7 +1,7 @@
 """Expert-parallel benchmark on 8 fake CPU devices: dispatchers, routings, capacity buckets.
 
-Every EP row runs ``ep_moe`` forward+backward under ``jit`` on a mesh (data, expert_x,
-expert) = (dp, domains, shards per domain) of the process's 8 CPU devices; the
+Every EP row runs ``dropless_moe`` with an EP plan forward+backward under ``jit`` on a mesh
+(data, expert_x, expert) = (dp, domains, shards per domain) of the process's 8 CPU devices; the
 reference row runs the single-device ``dropless_moe`` on the same global batch. Data is
 fp32 and the grouped GEMM uses the ``tiled`` backend (the CPU default), which multiplies
 only the rows routed to local experts: empty buffer slots cost copies (exchange, permute,
@@ -395,7 +395,7 @@ class EPBench:
         return out
 
     def experts(self, routing: str, step: int) -> np.ndarray:
-        """experts_TK of a batch, routed as ep_moe routes it (softmax top-k; forced balance
+        """experts_TK of a batch, routed as dropless_moe routes it (softmax top-k; forced balance
         per device's tokens)."""
         key = ("experts", routing, step)
         if key not in self._x:
@@ -408,7 +408,7 @@ class EPBench:
     def stage1(self, mc: MeshCfg, routing: str, step: int, factor: float | None) -> tuple[int, int]:
         """(rows received, buffer rows) of hierarchical's cross-domain stage, summed over devices.
 
-        Not in ep_moe's stats (recv_rows/recv_slots cover the in-domain stage): a token
+        Not in dropless_moe's stats (recv_rows/recv_slots cover the in-domain stage): a token
         sends one row to every domain holding one of its experts, its own included, into
         G * C1 slots per device; C1 as ``jobplan.hierarchical_stages`` sizes it.
         """

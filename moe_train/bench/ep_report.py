@@ -232,7 +232,7 @@ def markdown(sec: dict[str, Any]) -> str:
         f"{step_down}and reruns are summed. fill and buffer/received are over all devices and batches "
         f"(buffer/received = 1/fill). hierarchical has two receive buffers: its fill and "
         f"buffer/received count both (stage 1, cross-domain: one row per token and domain "
-        f"used, counted from the batch's routing; stage 2, in-domain: ep_moe's "
+        f"used, counted from the batch's routing; stage 2, in-domain: dropless_moe's "
         f"recv_rows/recv_slots), each stage's ratio is shown on its own. With a dense "
         f"all_to_all every (source, destination) pair gets the same C slots, so an a2a "
         f"buffer/received >= max pair load / mean pair load (the `max_pair_load` stat, mean "

@@ -196,7 +196,7 @@ def compiles_md(sec: dict[str, Any]) -> str:
                     d["ok"],
                 ],
                 [
-                    "ep_moe a2a, BucketedStep, 8 devices",
+                    "dropless_moe a2a, BucketedStep, 8 devices",
                     f"{e['traces']} / {e['compilations']}",
                     e["expected"],
                     f"{e['compile_s']:.1f}",
