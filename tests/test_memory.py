@@ -117,7 +117,8 @@ def test_step_gather_holds_a_compute_dtype_copy_and_its_gradient():
     bf16 copy split over its EP group only (routed experts / 64, other matrices / 64; the
     router in fp32) and, per micro-batch, the gradient with respect to it, reduced over data
     layer by layer inside the backward loop (XLA:GPU): the reduced bf16 shards (copy / 4) in
-    place of the fp32 micro-batch gradient, plus one layer's share in flight; the per-layer
+    place of the fp32 micro-batch gradient, the scanned layers' reduced expert gradients again
+    (the zero-initialised stacked buffer beside them), plus one layer's share in flight; the per-layer
     gathers shrink to the in-group ones, whose gradients stay bf16. ``micro_batch`` mode's
     gradient accumulation holds XLA:GPU's buffers beside (``accumulation_bytes``): the fp32
     experts' gradient again and a third of it."""
@@ -142,7 +143,8 @@ def test_step_gather_holds_a_compute_dtype_copy_and_its_gradient():
     copy = experts // 64 * 2 + other // 64 * 2 + router // 64 * 4
     assert step[STEP_WEIGHTS] == copy and mb[STEP_WEIGHTS] == 0
     assert copy == pytest.approx((experts + other + router) / 64 * 2, rel=1e-3)
-    reduced = copy // 4 - step["params"]  # bf16 shards in place of an fp32 gradient
+    zeroed = c["routed_experts"] // 64 * 2 // 4  # the 58 scanned MoE layers' experts, bf16, / FSDP 4
+    reduced = copy // 4 - step["params"] + zeroed  # bf16 shards in place of an fp32 gradient
     diff = step["grads"] - mb["grads"] + accumulation
     assert reduced - 64 < diff < reduced + copy // 50  # + one of 61 layers
     assert 0 < mb["precision_copies"] - step["precision_copies"] < copy / 10

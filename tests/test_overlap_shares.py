@@ -46,7 +46,7 @@ def test_one_count_that_differs_keeps_its_whole_family():
 
 def test_a_chunk_less_share_is_every_count_and_a_per_chunk_key_overrides_it(tmp_path):
     lines = compute.DEFAULTS.read_text().splitlines()
-    drop = tuple(f"{f} =" for f in compute.FAMILIES["a2a_hidden"])
+    drop = tuple(f"{f} =" for f in ("a2a_hidden", *compute.FAMILIES["a2a_hidden"]))
     kept = [line for line in lines if not line.startswith(drop)]
     at = kept.index("[compute]") + 1
     kept[at:at] = ["a2a_hidden = 0.3", "a2a_hidden_4chunks = 0.5"]

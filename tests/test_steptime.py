@@ -118,8 +118,11 @@ def chunk_rewarding_shares(tmp_path) -> str:
     """The shipped defaults (no model's own shares) with an exchange that hides 0%, 30%, 60%
     and 90% at 1, 2, 4 and 8 chunks in ``micro_batch`` mode."""
     text = Path(default_shares(tmp_path)).read_text()
-    for chunks, share in zip(("1chunk", "2chunks", "4chunks", "8chunks"), (0.0, 0.3, 0.6, 0.9), strict=True):
-        text = re.sub(rf"^a2a_hidden_{chunks} = [0-9.]+", f"a2a_hidden_{chunks} = {share}", text, flags=re.M)
+    counts = ("1chunk", "2chunks", "4chunks", "8chunks")
+    rewarding = "".join(
+        f"a2a_hidden_{chunks} = {share}\n" for chunks, share in zip(counts, (0.0, 0.3, 0.6, 0.9), strict=True)
+    )
+    text = toml_key(text, "a2a_hidden", None).replace("[compute.source]", rewarding + "[compute.source]", 1)
     (tmp_path / "rewarding.toml").write_text(text)
     return str(tmp_path / "rewarding.toml")
 

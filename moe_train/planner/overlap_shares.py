@@ -1,5 +1,6 @@
-"""``python -m moe_train.planner.overlap_shares`` (``make compute-shares``): regenerate the
-step-time model's overlap shares in ``compute.toml`` from ``make compile`` runs.
+"""``make compute-shares``: the step-time model's overlap shares in compute.toml, regenerated.
+
+``python -m moe_train.planner.overlap_shares`` reads them from ``make compile`` runs.
 
 Each job of ``overlap_jobs.toml`` is compiled by XLA:GPU without a GPU (``python -m
 moe_train.planner.compile``, bucket 1x, full depth unless ``--layers``) once per overlap chunk
