@@ -52,81 +52,67 @@ DEEPSEEK_JOB = (
 BAND = (0.85, 1.15)  # XLA:GPU's peak over the planner's total
 
 
-def compiled(factory, job: tuple[str, ...], runs) -> dict[tuple[int | None, str], dict]:
-    """(layers, bucket) -> the bucket record of ``job`` compiled at each (layers, bucket) of
-    ``runs`` (layers None: full depth)."""
-    out = {}
-    for layers, bucket in runs:
-        depth = () if layers is None else ("--layers", str(layers))
-        parent = factory.mktemp(f"{job[3]}-{layers}-{bucket}")
-        proc = run_module(
-            "moe_train.planner.compile", *job, *depth, "--bucket", bucket, "--out", str(parent), timeout=1200
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        (out[layers, bucket],) = json.loads(proc.stdout)["buckets"]
-    return out
+def compiled(parent, job: tuple[str, ...], layers: int | None, bucket: str) -> dict:
+    """The bucket record of ``job`` compiled at ``layers`` (None: full depth), one bucket."""
+    depth = () if layers is None else ("--layers", str(layers))
+    proc = run_module(
+        "moe_train.planner.compile", *job, *depth, "--bucket", bucket, "--out", str(parent), timeout=1200
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (found,) = json.loads(proc.stdout)["buckets"]
+    return found
 
 
-def added(records: dict, fewer: int, more: int) -> tuple[float, float]:
+def added(record, model: str, fewer: int, more: int) -> tuple[float, float]:
     """(XLA:GPU, planner): what going from ``fewer`` to ``more`` layers adds at 1x."""
-    a, b = records[fewer, "1"], records[more, "1"]
+    a, b = record(model, fewer, "1"), record(model, more, "1")
     return b["memory"]["peak"] - a["memory"]["peak"], b["planner"]["total"] - a["planner"]["total"]
 
 
-@pytest.fixture(scope="module")
-def buckets(tmp_path_factory) -> dict[tuple[int | None, str], dict]:
-    """Mixtral's job at 4 layers at 1x and the planned bucket, 8 layers at 1x."""
-    return compiled(tmp_path_factory, PRESET_JOB, ((4, "1"), (4, "planned"), (8, "1")))
-
-
-@needs_plugin
-@pytest.mark.slow
-@pytest.mark.parametrize("layers, bucket", [(4, "1"), (4, "planned"), (8, "1")])
-def test_the_planner_is_within_15_percent_on_the_mixtral_presets_job(buckets, layers, bucket):
-    record = buckets[layers, bucket]
-    assert BAND[0] <= record["xla_over_planner"] <= BAND[1], record
-
-
-@needs_plugin
-@pytest.mark.slow
-def test_what_more_layers_add_is_within_15_percent(buckets):
-    """The per-layer terms, which full depth multiplies by 32."""
-    xla, planner = added(buckets, 4, 8)
-    assert BAND[0] <= xla / planner <= BAND[1], (xla, planner)
+JOBS = {"mixtral": PRESET_JOB, "qwen3": QWEN3_JOB, "deepseek": DEEPSEEK_JOB}
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory) -> dict[tuple[int | None, str], dict]:
-    """The Qwen3 preset's job at full depth at 1x and the planned bucket."""
-    return compiled(tmp_path_factory, QWEN3_JOB, ((None, "1"), (None, "planned")))
+def record(tmp_path_factory):
+    """``record(model, layers, bucket)``: the bucket record of that model preset's job (JOBS)
+    at that depth (None: full), compiled at its first use in this module."""
+    cache: dict[tuple[str, int | None, str], dict] = {}
+
+    def get(model: str, layers: int | None, bucket: str) -> dict:
+        key = (model, layers, bucket)
+        if key not in cache:
+            parent = tmp_path_factory.mktemp(f"{model}-{layers}-{bucket}")
+            cache[key] = compiled(parent, JOBS[model], layers, bucket)
+        return cache[key]
+
+    return get
 
 
 @needs_plugin
 @pytest.mark.slow
-@pytest.mark.parametrize("bucket", ["1", "planned"])
-def test_the_planner_is_within_15_percent_on_the_qwen3_presets_job(qwen3, bucket):
-    record = qwen3[None, bucket]
-    assert BAND[0] <= record["xla_over_planner"] <= BAND[1], record
-
-
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory) -> dict[tuple[int | None, str], dict]:
-    """DeepSeek-V3's job at 4 layers at the planned bucket, 8 and 12 layers at 1x."""
-    return compiled(tmp_path_factory, DEEPSEEK_JOB, ((4, "planned"), (8, "1"), (12, "1")))
+@pytest.mark.parametrize(
+    "model, layers, bucket",
+    [
+        ("mixtral", 4, "1"),
+        ("mixtral", 4, "planned"),
+        ("mixtral", 8, "1"),
+        ("qwen3", None, "1"),
+        ("qwen3", None, "planned"),
+        ("deepseek", 4, "planned"),
+        ("deepseek", 8, "1"),
+        ("deepseek", 12, "1"),
+    ],
+)
+def test_the_planner_is_within_15_percent_on_the_presets_job(record, model, layers, bucket):
+    found = record(model, layers, bucket)
+    assert BAND[0] <= found["xla_over_planner"] <= BAND[1], found
 
 
 @needs_plugin
 @pytest.mark.slow
-@pytest.mark.parametrize("layers, bucket", [(4, "planned"), (8, "1"), (12, "1")])
-def test_the_planner_is_within_15_percent_on_the_deepseek_presets_job(deepseek, layers, bucket):
-    record = deepseek[layers, bucket]
-    assert BAND[0] <= record["xla_over_planner"] <= BAND[1], record
-
-
-@needs_plugin
-@pytest.mark.slow
-def test_what_four_more_deepseek_layers_add_is_within_15_percent(deepseek):
-    """Four MoE layers' terms (the stacked expert gradients XLA:GPU holds twice among them),
-    which full depth multiplies by 14."""
-    xla, planner = added(deepseek, 8, 12)
+@pytest.mark.parametrize("model, fewer, more", [("mixtral", 4, 8), ("deepseek", 8, 12)])
+def test_what_more_layers_add_is_within_15_percent(record, model, fewer, more):
+    """The per-layer terms, which full depth multiplies (Mixtral's 32 layers, DeepSeek-V3's 58
+    MoE layers: the stacked expert gradients XLA:GPU holds twice among them)."""
+    xla, planner = added(record, model, fewer, more)
     assert BAND[0] <= xla / planner <= BAND[1], (xla, planner)
