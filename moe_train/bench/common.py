@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from moe_train import config
 from moe_train.moe.routings import MoEShape
 from moe_train.planner.compile.hlo import shape_bytes
 
@@ -58,12 +59,22 @@ def time_compiled(
 
 K = TypeVar("K", bound=Hashable)
 
+
+def preset_shape(preset: str, tokens: int) -> MoEShape:
+    """The routed experts' shape of model preset ``preset`` (its hidden size, expert width,
+    experts and top-k) on ``tokens`` tokens."""
+    m = config.build(preset)
+    return MoEShape(tokens, m.model.hidden, m.moe.expert_ffn, m.moe.num_experts, m.moe.top_k)
+
+
 # The accelerator benchmark's expert shapes (issue 49), (model, full-size shape, router score
 # function): its layer rows, its permutation rows and the megablox tile sweep all take these.
+# DeepSeek-V3's experts, 32 of its 256 (the 256 experts' bf16 weights alone, 22.5 GB, pass one
+# TPU v5e chip's 15.7 GiB).
 ACCEL_SHAPES: tuple[tuple[str, MoEShape, str], ...] = (
-    ("mixtral-8x7b", MoEShape(8192, 4096, 14336, 8, 2), "softmax"),
-    ("qwen3-30b-a3b", MoEShape(16384, 2048, 768, 128, 8), "softmax"),
-    ("deepseek-v3-like", MoEShape(8192, 7168, 2048, 32, 8), "sigmoid"),
+    ("mixtral-8x7b", preset_shape("mixtral-8x7b", 8192), "softmax"),
+    ("qwen3-30b-a3b", preset_shape("qwen3-30b-a3b", 16384), "softmax"),
+    ("deepseek-v3-like", dataclasses.replace(preset_shape("deepseek-v3", 8192), experts=32), "sigmoid"),
 )
 
 

@@ -42,10 +42,7 @@ class Sizes:
 
 
 FULL = Sizes(
-    models=(
-        Model("mixtral-8x7b", MoEShape(4096, 4096, 14336, 8, 2)),
-        Model("deepseek-v3", MoEShape(4096, 7168, 2048, 256, 8)),
-    ),
+    models=tuple(Model(name, common.preset_shape(name, 4096)) for name in ("mixtral-8x7b", "deepseek-v3")),
     gemm_routings=("uniform", "hot"),
 )
 TINY = Sizes(
