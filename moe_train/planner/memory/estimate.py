@@ -294,7 +294,7 @@ def _weight_copies(cfg: Config, s: Setup, experts: bool = True) -> dict[str, int
     H = m.hidden
     shared = e.num_shared_experts * (e.shared_ffn or e.expert_ffn)
     gate = H * e.num_experts * 4 if s.devices > 1 else 0  # the fp32 router, all-gathered
-    routed = (e.num_experts // s.ep) * 3 * H * e.expert_ffn * a if experts else 0
+    routed = _routed_layer_bytes(cfg, s) if experts else 0
     return dict(
         attention=flops.attention_params(m)[0] * a,
         moe=routed + gate + 3 * H * shared * a,
@@ -432,9 +432,14 @@ def _zeroed_expert_grads(cfg: Config, s: Setup) -> int:
     12 layers XLA:GPU added 8.29 GiB, the planner 7.59 without this term and 8.25 with it."""
     if not (cfg.model.scan_layers and cfg.train.micro_batches > 1):
         return 0
-    m, e = cfg.model, cfg.moe
-    scanned = m.num_layers - m.first_dense_layers if e.num_experts else 0
-    return scanned * (e.num_experts // s.ep) * 3 * m.hidden * e.expert_ffn * s.a // s.dp
+    scanned = _layer_kinds(cfg)[1] - cfg.model.mtp_depth if cfg.moe.num_experts else 0
+    return scanned * _routed_layer_bytes(cfg, s) // s.dp
+
+
+def _routed_layer_bytes(cfg: Config, s: Setup) -> int:
+    """One MoE layer's routed experts on one device (its EP shard, whole over FSDP), in the
+    compute dtype."""
+    return (cfg.moe.num_experts // s.ep) * 3 * cfg.model.hidden * cfg.moe.expert_ffn * s.a
 
 
 def _copy_layer_bytes(cfg: Config, s: Setup) -> int:
