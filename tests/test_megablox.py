@@ -152,6 +152,82 @@ def test_tiles_come_from_the_measured_table(tmp_path, monkeypatch):
     assert megablox.tiles_for("fwd", 512, 2048, 1536, device_kind="TPU test") == (256, 1024, 768)
 
 
+def test_a_tile_over_the_vmem_budget_is_halved():
+    """Mixtral's ``dy @ wo^T`` (fp32 output) at (1024, 512, 1024) did not compile on the v5e."""
+    fitted = megablox.clamp_tile((1024, 512, 1024), 1024, 4096, 14336, kind="dlhs", out_bytes=4)
+    assert fitted == (512, 512, 1024)
+
+
+def test_a_tile_within_the_vmem_budget_is_kept():
+    assert megablox.clamp_tile((1024, 512, 1024), 1024, 4096, 14336, kind="fwd") == (1024, 512, 1024)
+
+
+def test_the_weight_gradients_vmem_counts_their_output_block():
+    """tgmm's (128, 1024, 2048) did not compile at Mixtral's shape: its (tk, tn) output is big."""
+    assert megablox.vmem_bytes("drhs", (128, 1024, 2048), 2, 2) > megablox.VMEM_BUDGET
+
+
+# (k, n) of the six GEMMs at the presets' expert shapes (Mixtral, Qwen3, DeepSeek-V3, the bench's
+# step model), both dtypes: every tile the backend would run is within the budget
+PRESET_KN = [
+    (4096, 14336),
+    (14336, 4096),
+    (4096, 28672),
+    (28672, 4096),
+    (2048, 768),
+    (768, 2048),
+    (2048, 1536),
+    (1536, 2048),
+    (7168, 2048),
+    (2048, 7168),
+    (7168, 4096),
+    (4096, 7168),
+    (1024, 512),
+    (512, 1024),
+    (1024, 1024),
+]
+
+
+@pytest.mark.parametrize("kind", megablox.KINDS)
+@pytest.mark.parametrize("nbytes", [2, 4])
+def test_every_preset_gemm_tile_fits_the_vmem_budget(kind, nbytes):
+    for device_kind in [*megablox.load_table(), "no such chip"]:
+        for k, n in PRESET_KN:
+            for out_bytes in {nbytes, 4}:
+                tile = megablox.tiles_for(kind, 1024, k, n, device_kind, nbytes, out_bytes)
+                assert megablox.vmem_bytes(kind, tile, nbytes, out_bytes) <= megablox.VMEM_BUDGET, (
+                    k,
+                    n,
+                    tile,
+                )
+
+
+def test_the_backend_fits_each_gemms_tile_to_its_output_dtype(monkeypatch):
+    """The rows' gradient through wo has an fp32 output: its tile is fitted to that, not to x's."""
+    seen = []
+    real = megablox._kernels()
+
+    class Recording:
+        tgmm = staticmethod(real.tgmm)
+
+        @staticmethod
+        def gmm(lhs, rhs, sizes, preferred_element_type, tiling, **kw):
+            seen.append((jnp.dtype(preferred_element_type), tiling))
+            return real.gmm(
+                lhs, rhs, sizes, preferred_element_type=preferred_element_type, tiling=tiling, **kw
+            )
+
+    monkeypatch.setattr(megablox, "_kernels", Recording)
+    monkeypatch.setattr(megablox, "VMEM_BUDGET", megablox.vmem_bytes("dlhs", (16, 128, 256), 2, 2))
+    x, w0 = _normal(32, H).astype(jnp.bfloat16), _normal(E, H, F, seed=1).astype(jnp.bfloat16)
+    ops = expert_operands(x, w0, w0, w0.swapaxes(1, 2), jnp.full((E,), 4, jnp.int32))
+    jax.grad(lambda x: megablox.megablox_swiglu((x, *ops[1:]), row_tile=16).astype(jnp.float32).sum())(x)
+    fp32_tiles = [tile for dtype, tile in seen if dtype == jnp.float32]
+    assert fp32_tiles and all(
+        megablox.vmem_bytes("dlhs", t, 2, 4) <= megablox.VMEM_BUDGET for t in fp32_tiles
+    )
+
+
 def test_an_unknown_gemm_kind_is_refused():
     with pytest.raises(ValueError, match="unknown GEMM kind"):
         megablox.tiles_for("backward", 512, 128, 128)

@@ -81,3 +81,24 @@ def test_the_self_test_tries_splash_first_on_a_tpu():
     cfg = config.build("tiny", ["model.head_dim=128", "precision.compute=bf16"])
     names, _ = candidates.attention_candidates(cfg, TPU, 2048)
     assert names[0] == "splash" and "chunked" in names
+
+
+def test_splash_in_a_scanned_flax_module_traces_twice():
+    """Under flax's scan a kernel's mask arrays are tracers of the trace that builds it; a
+    kernel kept across traces (a cache) leaked them into the next one: the TPU train step
+    failed at init with an UnexpectedTracerError."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            q = nn.Dense(2 * D)(x).reshape(1, 128, 2, D)
+            kv = x[:, None, None, :].reshape(1, 128, 1, D)
+            o = splash.splash_attention(q, kv, kv, None, scale=0.1, interpret=True)
+            return x + o.sum(axis=2).reshape(128, D), None
+
+    Stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+    x = jax.numpy.ones((128, D))
+    params = jax.jit(lambda x: Stack().init(jax.random.key(0), x, None))(x)
+    out, _ = jax.jit(lambda p, x: Stack().apply(p, x, None))(params, x)
+    assert out.shape == (128, D)

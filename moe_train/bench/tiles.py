@@ -83,6 +83,7 @@ class Gemm:
     k: int  # contraction
     n: int  # output columns
     transpose_rhs: bool = False  # the rows' gradients multiply by the transposed weights
+    out_f32: bool = False  # fp32 output, as the backend asks of it (``dy @ wo^T``; else x's dtype)
 
 
 def gemms(shape: MoEShape) -> tuple[Gemm, ...]:
@@ -94,7 +95,7 @@ def gemms(shape: MoEShape) -> tuple[Gemm, ...]:
         Gemm("x @ [wi_0|wi_1]", "fwd", H, 2 * F),
         Gemm("x @ wi_0 (unfused: one of two)", "fwd", H, F),
         Gemm("h @ wo", "fwd", F, H),
-        Gemm("dy @ wo^T", "dlhs", H, F, True),
+        Gemm("dy @ wo^T", "dlhs", H, F, True, out_f32=True),
         Gemm("da @ [wi_0|wi_1]^T", "dlhs", 2 * F, H, True),
         Gemm("x^T da", "drhs", H, 2 * F),
         Gemm("(h s)^T dy", "drhs", F, H),
@@ -113,13 +114,17 @@ def _operands(g: Gemm, rows: int, experts: int, dtype):
     return lhs, rhs, jnp.full((experts,), rows // experts, jnp.int32)
 
 
+def _out_dtype(g: Gemm, dtype):
+    return jnp.dtype(jnp.float32) if g.out_f32 else jnp.dtype(dtype)
+
+
 def _kernel_fn(g: Gemm, tile: megablox.Tile):
     kernels, interpret = megablox._kernels(), jax.default_backend() != "tpu"
     if g.kind == "drhs":
         return jax.jit(lambda a, b, gs: kernels.tgmm(a.T, b, gs, b.dtype, tiling=tile, interpret=interpret))
     return jax.jit(
         lambda a, b, gs: kernels.gmm(
-            a, b, gs, a.dtype, tiling=tile, transpose_rhs=g.transpose_rhs, interpret=interpret
+            a, b, gs, _out_dtype(g, a.dtype), tiling=tile, transpose_rhs=g.transpose_rhs, interpret=interpret
         )
     )
 
@@ -136,14 +141,20 @@ def _compile(fn, args) -> tuple[Any, str | None]:
 
 
 def gemm_rows(model: str, shape: MoEShape, g: Gemm, s: Sizes) -> list[dict[str, Any]]:
-    """Every candidate tile of one GEMM, timed beside the dense matmul of its FLOPs."""
+    """Every candidate tile of one GEMM, fitted as the backend fits it (``clamp_tile``: its
+    rows, and its VMEM at this GEMM's dtypes), timed beside the dense matmul of its FLOPs."""
     rows, dtype = shape.tokens * shape.top_k, jnp.dtype(s.dtype)
     lhs, rhs, sizes_E = _operands(g, rows, shape.experts, dtype)
     dense_b = jnp.ones((g.k, g.n), dtype)
     fns: dict[Any, tuple] = {"dense": (_dense_fn(), (lhs, dense_b))}
     base = dict(model=model, gemm=g.name, kind=g.kind, m=rows, k=g.k, n=g.n, experts=shape.experts)
     out = []
-    for tile in dict.fromkeys(megablox.clamp_tile(t, rows, g.k, g.n) for t in s.candidates):
+    in_bytes, out_bytes = dtype.itemsize, _out_dtype(g, dtype).itemsize
+    fitted = (
+        megablox.clamp_tile(t, rows, g.k, g.n, kind=g.kind, in_bytes=in_bytes, out_bytes=out_bytes)
+        for t in s.candidates
+    )
+    for tile in dict.fromkeys(fitted):
         compiled, error = _compile(_kernel_fn(g, tile), (lhs, rhs, sizes_E))
         if error:
             out.append(dict(base, tile=list(tile), error=error))

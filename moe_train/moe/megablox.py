@@ -53,6 +53,11 @@ MAX_ROW_TILE = 1024  # rows are padded to at most this: the sweep's fastest tm a
 MIN_ROW_TILE = 16  # rows: bf16 packs 16 rows in a TPU vreg's sublanes
 LANES = 128  # tk and tn are multiples of this (the TPU's lane width) or the whole dimension
 TILE_FILE = Path(__file__).resolve().parents[1] / "assets" / "megablox_tiles.json"
+# A tile's VMEM (``vmem_bytes``) is held to this. megablox sets no VMEM limit, so Mosaic's
+# default scoped one applies (16 MiB on a TPU v5e). On the v5e (2026-12-07) tiles of 16.0 and
+# 17.5 MiB by that count failed to compile (CompileTimeScopedVmemOom: Mixtral's and
+# DeepSeek-V3's ``dy @ wo^T`` at (1024, 512, 1024) with fp32 output); 12.5 MiB compiled.
+VMEM_BUDGET = 14 * 2**20
 
 
 def _kernels():
@@ -94,22 +99,58 @@ def _clamp(t: int, dim: int) -> int:
     return t if dim >= t else -(-dim // LANES) * LANES
 
 
-def tiles_for(kind: str, row_tile: int, k: int, n: int, device_kind: str | None = None) -> Tile:
+def tiles_for(
+    kind: str,
+    row_tile: int,
+    k: int,
+    n: int,
+    device_kind: str | None = None,
+    in_bytes: int = 2,
+    out_bytes: int = 2,
+) -> Tile:
     """The tile of one GEMM: the table's entry for (device kind, ``kind``, k x n), else
-    ``DEFAULT_TILE``; tm at most ``row_tile`` (the rows' padding), tk and tn at most the
-    dimension rounded up to the lane width. ``device_kind`` None: this process's device."""
+    ``DEFAULT_TILE``, fitted by ``clamp_tile`` (operands of ``in_bytes``, output of
+    ``out_bytes`` per element). ``device_kind`` None: this process's device."""
     if kind not in KINDS:
         raise ValueError(f"unknown GEMM kind {kind!r}; one of {KINDS}")
     kind_of_device = device_kind if device_kind is not None else Platform.here().device_kind
     entry = load_table().get(kind_of_device, {}).get(kind, {}).get(f"{k}x{n}")
-    return clamp_tile(tuple(entry) if entry else DEFAULT_TILE, row_tile, k, n)
+    tile = tuple(entry) if entry else DEFAULT_TILE
+    return clamp_tile(tile, row_tile, k, n, kind=kind, in_bytes=in_bytes, out_bytes=out_bytes)
 
 
-def clamp_tile(tile, row_tile: int, k: int, n: int) -> Tile:
+def clamp_tile(tile, row_tile: int, k: int, n: int, *, kind="fwd", in_bytes=2, out_bytes=2) -> Tile:
     """``tile`` fitted to a GEMM: tm at most ``row_tile``, tk and tn at most k and n rounded up
-    to the lane width."""
+    to the lane width, then halved until its VMEM (``vmem_bytes``) is within ``VMEM_BUDGET``."""
     tm, tk, tn = tile
-    return min(tm, row_tile), _clamp(tk, k), _clamp(tn, n)
+    fitted = (min(tm, row_tile), _clamp(tk, k), _clamp(tn, n))
+    return fit_vmem(kind, fitted, in_bytes, out_bytes)
+
+
+def vmem_bytes(kind: str, tile: Tile, in_bytes: int, out_bytes: int) -> int:
+    """VMEM one megablox kernel holds at ``tile``: its two inputs' blocks and its output block,
+    each double-buffered, and the fp32 accumulator of one output block. ``gmm``'s blocks are
+    lhs (tm, tk), rhs (tk, tn) and out (tm, tn); ``tgmm``'s (``drhs``) lhs^T (tk, tm), rhs
+    (tm, tn) and out (tk, tn)."""
+    tm, tk, tn = tile
+    if kind == "drhs":
+        return 2 * (tk * tm + tm * tn) * in_bytes + tk * tn * (2 * out_bytes + 4)
+    return 2 * (tm * tk + tk * tn) * in_bytes + tm * tn * (2 * out_bytes + 4)
+
+
+def fit_vmem(kind: str, tile: Tile, in_bytes: int, out_bytes: int) -> Tile:
+    """``tile`` with the dimensions of its output block halved, the larger first (tm before
+    tn before tk on ties; none below ``LANES`` nor off a multiple of it), until
+    ``vmem_bytes`` is within ``VMEM_BUDGET``; as it is where no halving is left."""
+    sizes = dict(zip("mkn", tile))
+    order = "kn" if kind == "drhs" else "mn"
+    while vmem_bytes(kind, (sizes["m"], sizes["k"], sizes["n"]), in_bytes, out_bytes) > VMEM_BUDGET:
+        halvable = [d for d in order + "k" if sizes[d] >= 2 * LANES and (sizes[d] // 2) % LANES == 0]
+        if not halvable:
+            break
+        dim = max(halvable, key=lambda d: sizes[d])  # max keeps the first of equal sizes
+        sizes[dim] //= 2
+    return sizes["m"], sizes["k"], sizes["n"]
 
 
 # ----------------------------------------------------------------------------- GEMMs
@@ -132,12 +173,13 @@ def _gmm(kind, lhs, rhs, group_sizes_E, setup: Setup, out_dtype, transpose_rhs=F
     """Per-group ``lhs @ rhs[e]`` (``rhs[e]^T`` with ``transpose_rhs``) on the sorted rows."""
     k = lhs.shape[1]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    sizes = (lhs.dtype.itemsize, jnp.dtype(out_dtype).itemsize)
     out = _kernels().gmm(
         lhs,
         rhs,
         group_sizes_E,
         preferred_element_type=out_dtype,
-        tiling=tiles_for(kind, setup.row_tile, k, n, setup.device_kind),
+        tiling=tiles_for(kind, setup.row_tile, k, n, setup.device_kind, *sizes),
         transpose_rhs=transpose_rhs,
         interpret=setup.interpret,
     )
@@ -147,12 +189,13 @@ def _gmm(kind, lhs, rhs, group_sizes_E, setup: Setup, out_dtype, transpose_rhs=F
 def _tgmm(lhs_RK, rhs_RN, group_sizes_E, setup: Setup, out_dtype):
     """Per-group ``lhs[rows of e]^T @ rhs[rows of e]`` [E, K, N] (zero for empty groups)."""
     k, n = lhs_RK.shape[1], rhs_RN.shape[1]
+    sizes = (lhs_RK.dtype.itemsize, jnp.dtype(out_dtype).itemsize)
     out = _kernels().tgmm(
         lhs_RK.swapaxes(0, 1),
         rhs_RN,
         group_sizes_E,
         preferred_element_type=out_dtype,
-        tiling=tiles_for("drhs", setup.row_tile, k, n, setup.device_kind),
+        tiling=tiles_for("drhs", setup.row_tile, k, n, setup.device_kind, *sizes),
         interpret=setup.interpret,
     )
     return vary(out, varying_axes(lhs_RK, rhs_RN))

@@ -12,7 +12,6 @@ is the last real one's). Off a TPU the kernels run in Pallas interpret mode (the
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 import jax
@@ -56,9 +55,12 @@ def block_rows(seq_len: int, block: int = 0) -> int:
     return next((b for b in BLOCKS if seq_len >= b), BLOCKS[-1])
 
 
-@functools.cache
 def _kernel(seq_len: int, heads: int, block: int, interpret: bool):
-    """The splash kernel for one sequence: causal over ``seq_len``, ``heads`` query heads."""
+    """The splash kernel for one sequence: causal over ``seq_len``, ``heads`` query heads.
+    Built anew in each trace, never cached: its mask arrays are made by ``jnp.array`` and so
+    are tracers of the trace that builds it (under flax's scan even inside
+    ``ensure_compile_time_eval``); a cached kernel leaked them into the next trace (the TPU
+    train step failed with an UnexpectedTracerError of int8[1, 4, 4])."""
     kernel_lib, mask_lib = _splash()
     mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((seq_len, seq_len)) for _ in range(heads)])
     sizes = kernel_lib.BlockSizes(
