@@ -95,6 +95,30 @@ def test_rows_for_no_expert_here_read_zero_and_pass_no_gradient():
 
 
 @pytest.mark.slow
+def test_rows_that_fill_the_row_tile_match_the_reference():
+    """40 tokens x top-2 = 80 rows, a multiple of the row tile: every row is in a group, so the
+    outputs' rows after the groups are not zeroed (no [R, H] select)."""
+    T40 = 40
+    rng = np.random.default_rng(8)
+    x, dy = _normal(T40, H, seed=2), _normal(T40, H, seed=7)
+    w0, w1 = _normal(E, H, F, seed=3, scale=H**-0.5), _normal(E, H, F, seed=4, scale=H**-0.5)
+    wo = _normal(E, F, H, seed=5, scale=F**-0.5)
+    weights = jnp.asarray(rng.random((T40, K)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(T40)]), jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        y, grads = _layer_vjp("megablox", False)(x, w0, w1, wo, ids, weights, dy)
+        ref_y, ref_grads = checks.gemm_reference(x, w0, w1, wo, ids, weights, dy)
+    errors = [_max_rel(a, b) for a, b in zip((y, *grads), (ref_y, *ref_grads))]
+    assert max(errors) < 1e-5, errors
+
+
+def test_all_grouped_rows_are_not_selected():
+    a = jnp.ones((32, H))
+    setup = megablox.Setup(16, "x", True, all_grouped=True)
+    assert megablox._rows_in_groups(a, jnp.array([3, 4]), setup) is a
+
+
+@pytest.mark.slow
 def test_bf16_matches_the_reference_to_bf16_rounding():
     x, w0, w1, wo, weights, dy = _operands(jnp.bfloat16)
     ids = jnp.asarray(_ids("random"), jnp.int32)
@@ -194,7 +218,7 @@ def test_every_preset_gemm_tile_fits_the_vmem_budget(kind, nbytes):
     for device_kind in [*megablox.load_table(), "no such chip"]:
         for k, n in PRESET_KN:
             for out_bytes in {nbytes, 4}:
-                tile = megablox.tiles_for(kind, 1024, k, n, device_kind, nbytes, out_bytes)
+                tile = megablox.tiles_for(kind, 1024, k, n, device_kind, (nbytes, out_bytes))
                 assert megablox.vmem_bytes(kind, tile, nbytes, out_bytes) <= megablox.VMEM_BUDGET, (
                     k,
                     n,

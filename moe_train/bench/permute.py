@@ -4,7 +4,8 @@ Rows per shape (T tokens, H hidden, F expert ffn, E experts, top-K): the dispatc
 (``permute.make_dispatch``: each assignment's sorted position, one scatter of the rows'
 tokens) by counting sort and by argsort, and the whole permutation forward+backward by each
 (router, top-k, plan, row gather, each row scaled by its combine weight in place of the
-experts, gather back, sum over K; gradients with respect to x and the gate), all timed side
+experts, gather back and sum over K as the layer does: by row DMAs on a TPU; gradients with
+respect to x and the gate), all timed side
 by side with a dense SwiGLU forward+backward on the T*K useful rows (the experts' FLOPs: the
 limit the layer is measured against). The issue's bar: the permutation at most 0.25x of that
 dense time at Qwen3's shape on the chip.
@@ -19,17 +20,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.platform import Platform
 from moe_train.bench import common
 from moe_train.bench.common import ACCEL_SHAPES, compile_jit, markdown_table, ratio_stats, time_rounds
 from moe_train.bench.layer import dense_fn, operands
-from moe_train.moe import Routing
+from moe_train.moe import Routing, dma_rows
 from moe_train.moe.permute import (
     COUNTING_MAX_EXPERTS,
     make_dispatch,
     permute,
     row_values,
-    sum_rows,
-    unpermute,
+    sum_gathered,
+    unpermute_sum,
 )
 from moe_train.moe.router import route_tokens
 from moe_train.moe.routings import MoEShape
@@ -81,33 +83,39 @@ def permutation_fn(shape: MoEShape, method: str):
     routing, E, K = Routing(shape.top_k), shape.experts, shape.top_k
 
     def loss(x, gate, dy):
+        dma = dma_rows.for_target(Platform.here(), x)
         weights_TK, experts_TK, _ = route_tokens(x, gate, routing)
         plan = make_dispatch(experts_TK, E, None, 1, method)
-        x_RH = permute(x, plan)
+        x_RH = permute(x, plan, dma)
         w_R = row_values(weights_TK.reshape(-1), plan.slot_R)
-        y_MH = unpermute((x_RH * w_R[:, None]).astype(x.dtype), plan)
-        return jnp.vdot(sum_rows(y_MH, K, x.dtype).astype(jnp.float32), dy)
+        y_TH = unpermute_sum((x_RH * w_R[:, None]).astype(x.dtype), plan, K, x.dtype, dma)
+        return jnp.vdot(y_TH.astype(jnp.float32), dy)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
 def row_moves(x_TH: jax.Array, ids_TK: jax.Array, num_experts: int) -> dict[str, tuple]:
     """The permutation's row movements alone, forward only, each {name: (compiled, args)}:
-    the permute's gather from the tokens [T, H], the unpermute's gather from the rows
-    [T*K, H], and the same unpermute as a scatter of the rows into assignment order (which
-    would replace the gather where the chip runs it faster: the gather's speed follows its
-    source's size on a TPU v5e, docs/benchmarks.md)."""
+    the permute's gather from the tokens [T, H] and the unpermute's sum over K of the rows
+    [T*K, H] by XLA's gather, and on a TPU by row DMAs (``moe_train.moe.dma_rows``; its
+    relayout of the rows included). A scatter of the rows into assignment order, timed here
+    until 2026-12-07, was slower than the gather at every shape on a TPU v5e."""
     plan = jax.jit(lambda ids: make_dispatch(ids, num_experts))(ids_TK)
-    y_RH = jnp.repeat(x_TH, ids_TK.shape[1], axis=0)  # stand-in rows, [T*K, H]
-    M = plan.row_M.shape[0]
+    y_RH = jax.jit(lambda x, i: x[i])(x_TH, plan.token_R)  # the rows as the experts get them, [T*K, H]
+    row_TK = plan.row_M.reshape(ids_TK.shape)
     moves = {
         "rows: gather from x [T, H]": (lambda x, i: x[i], (x_TH, plan.token_R)),
-        "rows: gather from y [T*K, H]": (lambda y, i: y[i], (y_RH, plan.row_M)),
-        "rows: scatter y [T*K, H]": (
-            lambda y, i: jnp.zeros_like(y).at[i].set(y, unique_indices=True, mode="drop"),
-            (y_RH, jnp.where(plan.slot_R < M, plan.slot_R, M)),
+        "rows: sum over K of y [T*K, H], XLA gather": (
+            lambda y, i: sum_gathered(y, i, y.dtype),
+            (y_RH, row_TK),
         ),
     }
+    dma = dma_rows.for_target(Platform.here(), x_TH)
+    if dma is not None and not dma.interpret:
+        moves["rows: sum over K of y [T*K, H], row DMAs"] = (
+            lambda y, i: sum_gathered(y, i, y.dtype, dma),
+            (y_RH, row_TK),
+        )
     return {name: (compile_jit(jax.jit(fn), *args)[0], args) for name, (fn, args) in moves.items()}
 
 

@@ -38,7 +38,8 @@ from moe_train.base.choices import BACKENDS
 from moe_train.base.imports import import_failure
 from moe_train.base.platform import Platform, or_here
 from moe_train.moe import megablox
-from moe_train.moe.tiled import default_block_rows, expert_operands, tiled_swiglu, vary, varying_axes
+from moe_train.moe.tiled import default_block_rows, expert_operands, tiled_swiglu
+from moe_train.moe.vjp import vary, varying_axes
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MGPU_ALIGN = 64  # H and F must be multiples of this (block_k and block_n of the kernels)
@@ -258,6 +259,7 @@ def grouped_swiglu(
     scale_R: jax.Array | None = None,
     row_tile: int = 1,
     platform: Platform | None = None,
+    all_grouped: bool = False,
 ) -> jax.Array:
     """Dispatch to a concrete backend; `plan` is the permute.Dispatch for x_RH's layout.
 
@@ -267,7 +269,8 @@ def grouped_swiglu(
     ``wo`` (the combine weights, so the weights' gradient needs no [R, H] output kept).
     ``row_tile``: megablox's row tile, which R is a multiple of (the dispatch padded it).
     ``platform``: the target the tiled blocks and megablox's tiles are chosen for (None: this
-    process's).
+    process's). ``all_grouped``: every row is in a group (no padding, no spare group), so
+    megablox need not zero the rows after the groups.
     """
     if backend in _GMM:
         ops = expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, plan.group_sizes_E, with_scale=False)
@@ -279,7 +282,7 @@ def grouped_swiglu(
     on = or_here(platform)
     ops = expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, plan.group_sizes_E, scale_R)
     if backend == "megablox":
-        return megablox.megablox_swiglu(ops, row_tile=row_tile, platform=on)
+        return megablox.megablox_swiglu(ops, row_tile=row_tile, platform=on, all_grouped=all_grouped)
     m = x_RH.shape[0] // plan.tile_expert_P.shape[0]  # R = P * m
     block_rows = block_rows or default_block_rows(m, on.name)
     return tiled_swiglu(ops, tile_rows=m, block_rows=block_rows, two_walks=on.name == "gpu")

@@ -35,11 +35,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_train.base.platform import Platform, or_here
+from moe_train.moe import dma_rows
 from moe_train.moe import stats as moe_stats
 from moe_train.moe.dispatch import Arrived, Context, Dispatcher, ExchangeStats, Local, dispatcher
 from moe_train.moe.gemm import grouped_swiglu, resolve_backend
 from moe_train.moe.megablox import default_row_tile
-from moe_train.moe.permute import make_dispatch, permute, row_values, sum_rows, unpermute
+from moe_train.moe.permute import make_dispatch, permute, row_values, sum_rows, unpermute, unpermute_sum
 from moe_train.moe.router import Routing, route_tokens
 from moe_train.moe.tiled import default_tile_rows
 from moe_train.parallel.jobplan import EPPlan
@@ -87,14 +88,17 @@ def row_tiles(
 
 
 def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
-    """permute -> grouped_gemm -> unpermute on the rows that arrived at this shard."""
+    """permute -> grouped_gemm -> unpermute on the rows that arrived at this shard. On a TPU
+    the gathers that sum a token's rows (the unpermute, the permute's backward) run by row
+    DMAs (``dma_rows``)."""
     E = experts.wi_0_EHF.shape[0]
+    dma = dma_rows.for_target(or_here(experts.platform), arrived.x_AH)
     with jax.named_scope("permute"):
         plan = make_dispatch(arrived.ids_AK, E + arrived.spare, experts.tile_rows, experts.row_tile)
         if arrived.spare:  # id E (not here) is an extra group that no GEMM reads
             tiles = None if plan.tile_expert_P is None else jnp.minimum(plan.tile_expert_P, E - 1)
             plan = plan._replace(group_sizes_E=plan.group_sizes_E[:E], tile_expert_P=tiles)
-        x_RH = permute(arrived.x_AH, plan)
+        x_RH = permute(arrived.x_AH, plan, dma)
         w_AK = arrived.weights_AK
         w_R = None if w_AK is None else row_values(w_AK.reshape(-1), plan.slot_R)
     with jax.named_scope("grouped_gemm"):
@@ -109,8 +113,11 @@ def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
             scale_R=w_R,
             row_tile=experts.row_tile,
             platform=experts.platform,
+            all_grouped=not arrived.spare and x_RH.shape[0] == plan.row_M.shape[0],
         )
     with jax.named_scope("unpermute"):
+        if w_AK is not None and not arrived.spare:
+            return unpermute_sum(y_RH, plan, w_AK.shape[1], arrived.out_dtype, dma)
         # assignments to no expert here (the spare id E) read zero, not the rows no GEMM wrote
         valid_M = arrived.ids_AK.reshape(-1) < E if arrived.spare else None
         y_MH = unpermute(y_RH, plan, valid_M=valid_M)

@@ -42,8 +42,7 @@ import jax.numpy as jnp
 
 from moe_train.base.imports import import_failure
 from moe_train.base.platform import Platform, or_here
-from moe_train.moe.tiled import vary, varying_axes
-from moe_train.moe.vjp import custom_vjp
+from moe_train.moe.vjp import custom_vjp, vary, varying_axes
 
 F32 = jnp.float32
 Tile = tuple[int, int, int]  # (tm, tk, tn): rows, contraction and output columns of one block
@@ -99,24 +98,16 @@ def _clamp(t: int, dim: int) -> int:
     return t if dim >= t else -(-dim // LANES) * LANES
 
 
-def tiles_for(
-    kind: str,
-    row_tile: int,
-    k: int,
-    n: int,
-    device_kind: str | None = None,
-    in_bytes: int = 2,
-    out_bytes: int = 2,
-) -> Tile:
+def tiles_for(kind: str, row_tile: int, k: int, n: int, device_kind: str | None = None, sizes=(2, 2)) -> Tile:
     """The tile of one GEMM: the table's entry for (device kind, ``kind``, k x n), else
-    ``DEFAULT_TILE``, fitted by ``clamp_tile`` (operands of ``in_bytes``, output of
-    ``out_bytes`` per element). ``device_kind`` None: this process's device."""
+    ``DEFAULT_TILE``, fitted by ``clamp_tile`` (``sizes``: bytes per element of the operands
+    and of the output). ``device_kind`` None: this process's device."""
     if kind not in KINDS:
         raise ValueError(f"unknown GEMM kind {kind!r}; one of {KINDS}")
     kind_of_device = device_kind if device_kind is not None else Platform.here().device_kind
     entry = load_table().get(kind_of_device, {}).get(kind, {}).get(f"{k}x{n}")
     tile = tuple(entry) if entry else DEFAULT_TILE
-    return clamp_tile(tile, row_tile, k, n, kind=kind, in_bytes=in_bytes, out_bytes=out_bytes)
+    return clamp_tile(tile, row_tile, k, n, kind=kind, in_bytes=sizes[0], out_bytes=sizes[1])
 
 
 def clamp_tile(tile, row_tile: int, k: int, n: int, *, kind="fwd", in_bytes=2, out_bytes=2) -> Tile:
@@ -163,10 +154,11 @@ class Setup:
     row_tile: int  # the rows are a multiple of it, and no tm exceeds it
     device_kind: str  # the tile table's key (the target's ``Platform.device_kind``)
     interpret: bool  # Pallas interpret mode: the target is not a TPU (the tests on CPU)
+    all_grouped: bool = False  # every row is in a group: no rows after them to zero
 
     @staticmethod
-    def of(row_tile: int, platform: Platform) -> Setup:
-        return Setup(row_tile, platform.device_kind, platform.name != "tpu")
+    def of(row_tile: int, platform: Platform, all_grouped: bool = False) -> Setup:
+        return Setup(row_tile, platform.device_kind, platform.name != "tpu", all_grouped)
 
 
 def _gmm(kind, lhs, rhs, group_sizes_E, setup: Setup, out_dtype, transpose_rhs=False):
@@ -179,7 +171,7 @@ def _gmm(kind, lhs, rhs, group_sizes_E, setup: Setup, out_dtype, transpose_rhs=F
         rhs,
         group_sizes_E,
         preferred_element_type=out_dtype,
-        tiling=tiles_for(kind, setup.row_tile, k, n, setup.device_kind, *sizes),
+        tiling=tiles_for(kind, setup.row_tile, k, n, setup.device_kind, sizes),
         transpose_rhs=transpose_rhs,
         interpret=setup.interpret,
     )
@@ -195,14 +187,17 @@ def _tgmm(lhs_RK, rhs_RN, group_sizes_E, setup: Setup, out_dtype):
         rhs_RN,
         group_sizes_E,
         preferred_element_type=out_dtype,
-        tiling=tiles_for("drhs", setup.row_tile, k, n, setup.device_kind, *sizes),
+        tiling=tiles_for("drhs", setup.row_tile, k, n, setup.device_kind, sizes),
         interpret=setup.interpret,
     )
     return vary(out, varying_axes(lhs_RK, rhs_RN))
 
 
-def _rows_in_groups(a, group_sizes_E):
-    """``a`` with the rows after the last group zeroed (the kernels leave them unwritten)."""
+def _rows_in_groups(a, group_sizes_E, setup: Setup):
+    """``a`` with the rows after the last group zeroed (the kernels leave them unwritten); as it
+    is where every row is in a group (an [R, H] select is a pass over HBM of its own)."""
+    if setup.all_grouped:
+        return a
     row_R = jax.lax.broadcasted_iota(jnp.int32, (a.shape[0],) + (1,) * (a.ndim - 1), 0)
     return jnp.where(row_R < jnp.sum(group_sizes_E), a, jnp.zeros((), a.dtype))
 
@@ -225,7 +220,7 @@ def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup):
     a_RF2 = _gmm("fwd", x_RH, _w01(w0_EHF, w1_EHF), group_sizes_E, setup, dtype)
     hs_RF = _swiglu(a_RF2, s_R)[0].astype(dtype)
     y_RH = _gmm("fwd", hs_RF, wo_EFH, group_sizes_E, setup, dtype)
-    return _rows_in_groups(y_RH, group_sizes_E), a_RF2
+    return _rows_in_groups(y_RH, group_sizes_E, setup), a_RF2
 
 
 @custom_vjp(nondiff_argnums=(6,))
@@ -246,22 +241,22 @@ def _fused_bwd(setup, res, dy_RH):
     dy_RH = dy_RH.astype(dtype)
     hs, silu, sig, a0, a1 = _swiglu(a_RF2, s_R)
     dhs_RF = _gmm("dlhs", dy_RH, wo_EFH, group_sizes_E, setup, F32, transpose_rhs=True)
-    ds_R = _rows_in_groups(jnp.sum(dhs_RF * silu * a1, axis=1), group_sizes_E)
+    ds_R = _rows_in_groups(jnp.sum(dhs_RF * silu * a1, axis=1), group_sizes_E, setup)
     dh = dhs_RF * s_R[:, None]
     da0 = dh * a1 * sig * (1.0 + a0 * (1.0 - sig))
-    da_RF2 = _rows_in_groups(jnp.concatenate([da0, dh * silu], axis=1).astype(dtype), group_sizes_E)
+    da_RF2 = _rows_in_groups(jnp.concatenate([da0, dh * silu], axis=1).astype(dtype), group_sizes_E, setup)
     w01 = _w01(w0_EHF, w1_EHF)
     dx_RH = _gmm("dlhs", da_RF2, w01, group_sizes_E, setup, dtype, transpose_rhs=True)
     dw0, dw1 = jnp.split(_tgmm(x_RH, da_RF2, group_sizes_E, setup, w01.dtype), 2, axis=2)
     dwo = _tgmm(hs.astype(dtype), dy_RH, group_sizes_E, setup, wo_EFH.dtype)
-    return _rows_in_groups(dx_RH, group_sizes_E), dw0, dw1, dwo, None, ds_R
+    return _rows_in_groups(dx_RH, group_sizes_E, setup), dw0, dw1, dwo, None, ds_R
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def megablox_swiglu(
-    ops: tuple[jax.Array, ...], *, row_tile: int, platform: Platform | None = None
+    ops: tuple[jax.Array, ...], *, row_tile: int, platform: Platform | None = None, all_grouped: bool = False
 ) -> jax.Array:
     """SwiGLU experts on rows sorted by expert [R, H] -> [R, H] (x's dtype); ``ops`` is
     ``tiled.expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, scale_R)``.
@@ -271,8 +266,9 @@ def megablox_swiglu(
     ``scale_R``: each row's activation is scaled by it before ``wo``. The GEMMs run in x's
     dtype (bf16 or fp32) and accumulate in fp32.
     ``platform``: the target (its tile table key; interpret mode off a TPU); None: this process's.
+    ``all_grouped``: the groups cover all R rows (the outputs' rows after them need no zeroing).
     """
     R = ops[0].shape[0]
     if R % row_tile:
         raise ValueError(f"megablox needs rows ({R}) to be a multiple of the row tile ({row_tile})")
-    return _fused(*ops, Setup.of(row_tile, or_here(platform)))
+    return _fused(*ops, Setup.of(row_tile, or_here(platform), all_grouped))

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.base.arith import cdiv
+from moe_train.moe.dma_rows import DmaRows, gather_sum
 
 
 class Dispatch(NamedTuple):
@@ -172,6 +173,7 @@ def take_rows(
     *,
     all_valid: bool = False,
     all_read: bool = False,
+    dma: DmaRows | None = None,
 ) -> jax.Array:
     """``x_TH[index_R]`` [R, H] with zero rows where ``valid_R`` is False: a gather from
     ``x_TH`` with one zero row appended, which the invalid rows read. A gather followed by a
@@ -188,12 +190,13 @@ def take_rows(
     ``all_valid`` (static): the caller knows every ``valid_R`` is True; ``all_read``: every
     reader is < R. Each drops its pass's zero row: appending it copies the whole source
     ([T+1, H] forward, the [R+1, H] cotangent backward), which on the TPU v5e cost a third of
-    the gather itself at Qwen3's unpermute (``python -m moe_train.bench --accel``)."""
-    return _take_rows(all_valid, all_read, x_TH, index_R, valid_R, readers_TK)
+    the gather itself at Qwen3's unpermute (``python -m moe_train.bench --accel``).
+    ``dma``: with ``all_read``, the backward's gather and sum by row DMAs (``sum_gathered``)."""
+    return _take_rows(all_valid, all_read, dma, x_TH, index_R, valid_R, readers_TK)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _take_rows(all_valid, all_read, x_TH, index_R, valid_R, readers_TK):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _take_rows(all_valid, all_read, dma, x_TH, index_R, valid_R, readers_TK):
     if all_valid:
         return x_TH[index_R]
     return _gather_padded(x_TH, jnp.where(valid_R, index_R, x_TH.shape[0]))
@@ -205,18 +208,25 @@ def _gather_padded(x_TH: jax.Array, index_R: jax.Array) -> jax.Array:
     return padded[index_R]
 
 
-def _take_rows_fwd(all_valid, all_read, x_TH, index_R, valid_R, readers_TK):
-    return _take_rows(all_valid, all_read, x_TH, index_R, valid_R, readers_TK), readers_TK
+def _take_rows_fwd(all_valid, all_read, dma, x_TH, index_R, valid_R, readers_TK):
+    return _take_rows(all_valid, all_read, dma, x_TH, index_R, valid_R, readers_TK), readers_TK
 
 
-def _take_rows_bwd(all_valid, all_read, readers_TK, g_RH):
+def _take_rows_bwd(all_valid, all_read, dma, readers_TK, g_RH):
     R, dtype = g_RH.shape[0], g_RH.dtype  # the cotangent has x's dtype, as the rows had
     if all_read:
-        picked_TKH = g_RH[readers_TK]
-    else:
-        picked_TKH = _gather_padded(g_RH, jnp.where(readers_TK < R, readers_TK, R))
+        return sum_gathered(g_RH, readers_TK, dtype, dma), None, None, None
+    picked_TKH = _gather_padded(g_RH, jnp.where(readers_TK < R, readers_TK, R))
     dx_TH = picked_TKH.astype(jnp.float32).sum(axis=1).astype(dtype)
     return dx_TH, None, None, None
+
+
+def sum_gathered(src_RH: jax.Array, idx_TK: jax.Array, out_dtype, dma: DmaRows | None = None) -> jax.Array:
+    """[T, H] of ``out_dtype``: ``sum_k src[idx[t, k]]`` in fp32, every index a row of ``src``:
+    by row DMAs with ``dma`` (``moe_train.moe.dma_rows``), else XLA's gather."""
+    if dma is not None:
+        return gather_sum(src_RH, idx_TK, out_dtype, dma)
+    return src_RH[idx_TK].astype(jnp.float32).sum(axis=1).astype(out_dtype)
 
 
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
@@ -231,14 +241,51 @@ def readers_of(slot_M: jax.Array, rows: int) -> jax.Array:
     )
 
 
-def permute(x_TH: jax.Array, plan: Dispatch) -> jax.Array:
+def _sorted_unpadded(plan: Dispatch) -> bool:
+    """Every dispatched row holds an assignment (sorted rows, none added for padding)."""
+    return plan.tile_expert_P is None and plan.token_R.shape[0] == plan.row_M.shape[0]
+
+
+def permute(x_TH: jax.Array, plan: Dispatch, dma: DmaRows | None = None) -> jax.Array:
     """Gather token rows into dispatch order [R, H]; padding rows are zero. Backward: the
     cotangent's rows of each token's K assignments, gathered and summed (every assignment has
-    a row: no zero row appended)."""
-    T, R = x_TH.shape[0], plan.token_R.shape[0]
-    sorted_unpadded = plan.tile_expert_P is None and R == plan.row_M.shape[0]
-    readers_TK = plan.row_M.reshape(T, -1)
-    return take_rows(x_TH, plan.token_R, plan.valid_R, readers_TK, all_valid=sorted_unpadded, all_read=True)
+    a row: no zero row appended), by row DMAs with ``dma``."""
+    readers_TK = plan.row_M.reshape(x_TH.shape[0], -1)
+    return take_rows(
+        x_TH, plan.token_R, plan.valid_R, readers_TK, all_valid=_sorted_unpadded(plan), all_read=True, dma=dma
+    )
+
+
+def unpermute_sum(
+    y_RH: jax.Array, plan: Dispatch, per_token: int, out_dtype, dma: DmaRows | None = None
+) -> jax.Array:
+    """[T, H] of ``out_dtype``: y[t] = sum_k y_R[row of (t, k)] in fp32, every assignment's row
+    computed here (no spare group): ``unpermute`` and ``sum_rows`` in one step, by row DMAs with
+    ``dma``. Backward: each row reads its token's cotangent (zero for padding rows)."""
+    row_TK = plan.row_M.reshape(-1, per_token)
+    kinds = (jnp.dtype(out_dtype), y_RH.dtype, _sorted_unpadded(plan), dma)
+    return _unpermute_sum(kinds, y_RH, row_TK, plan.token_R, plan.valid_R)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _unpermute_sum(kinds, y_RH, row_TK, token_R, valid_R):
+    out_dtype, _, _, dma = kinds
+    return sum_gathered(y_RH, row_TK, out_dtype, dma)
+
+
+def _unpermute_sum_fwd(kinds, y_RH, row_TK, token_R, valid_R):
+    return _unpermute_sum(kinds, y_RH, row_TK, token_R, valid_R), (token_R, valid_R)
+
+
+def _unpermute_sum_bwd(kinds, res, g_TH):
+    _, rows_dtype, all_valid, _ = kinds
+    token_R, valid_R = res
+    g_TH = g_TH.astype(rows_dtype)
+    g_RH = g_TH[token_R] if all_valid else _gather_padded(g_TH, jnp.where(valid_R, token_R, g_TH.shape[0]))
+    return g_RH, None, None, None
+
+
+_unpermute_sum.defvjp(_unpermute_sum_fwd, _unpermute_sum_bwd)
 
 
 def weighted_sum(y_MH: jax.Array, weights_TK: jax.Array, out_dtype) -> jax.Array:

@@ -41,7 +41,7 @@ from jax import lax
 
 from moe_train.base.platform import Platform
 from moe_train.moe.permute import zeros_after
-from moe_train.moe.vjp import custom_vjp
+from moe_train.moe.vjp import custom_vjp, vary, varying_axes
 
 F32 = jnp.float32
 
@@ -146,25 +146,6 @@ def for_experts(group_sizes_E, tile_rows: int, expert, carry):
         return expert(e, start_E[e], padded_E[e], carry)
 
     return lax.fori_loop(0, jnp.sum(used.astype(jnp.int32)), step, carry)
-
-
-def varying_axes(*arrays) -> tuple:
-    """Mesh axes along which any of ``arrays`` varies inside ``shard_map`` (else ())."""
-    axes = frozenset()
-    for a in arrays:
-        mat = getattr(jax.typeof(a), "manual_axis_type", None)
-        axes |= getattr(mat, "varying", frozenset())
-    return tuple(sorted(axes))
-
-
-def vary(a, axes: tuple):
-    """``a`` typed as varying along ``axes`` (a no-op outside shard_map).
-
-    Called on the operands before the custom VJP, so that JAX's transpose of this cast
-    sums the weight gradients over the axes the weights do not vary along (the token axes).
-    """
-    missing = tuple(ax for ax in axes if ax not in varying_axes(a))
-    return lax.pcast(a, missing, to="varying") if missing else a
 
 
 def expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E, scale_R=None, *, with_scale=True):
