@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_train.moe.router import Routing, route, route_tokens, router_logits, router_stats
+from moe_train.moe.router import Routing, picked_scores, route, route_tokens, router_logits, router_stats
 
 
 def _route(logits, top_k, expert_bias=None, **kwargs):
@@ -245,3 +245,25 @@ def test_balanced_routing_never_overflows_the_balanced_bucket():
     _, stats, _ = run_ep(mesh_for(8, 8), EPPlan("a2a", 8, 1.0), operands(), balanced=True)
     assert not bool(stats.overflow)
     np.testing.assert_array_equal(stats.tokens_per_expert, stats.tokens_per_expert[0])
+
+
+def test_picked_scores_and_their_gradient_equal_a_gather():
+    rng = np.random.default_rng(11)
+    scores = jnp.asarray(rng.random((16, 8)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.permutation(8)[:3] for _ in range(16)]), jnp.int32)
+    gather = lambda s: jnp.take_along_axis(s, experts, axis=-1)  # noqa: E731
+    np.testing.assert_array_equal(picked_scores(scores, experts), gather(scores))
+    g = jnp.asarray(rng.standard_normal((16, 3)), jnp.float32)
+    got = jax.vjp(lambda s: picked_scores(s, experts), scores)[1](g)[0]
+    np.testing.assert_array_equal(got, jax.vjp(gather, scores)[1](g)[0])
+
+
+def test_routing_gradients_never_scatter():
+    x = jnp.ones((16, 8))
+    gate = jnp.asarray(np.random.default_rng(12).standard_normal((8, 8)), jnp.float32)
+
+    def loss(gate):
+        weights, _, stats = route_tokens(x, gate, Routing(2))
+        return jnp.sum(weights) + stats.aux_loss
+
+    assert "scatter" not in str(jax.make_jaxpr(jax.grad(loss))(gate))

@@ -77,7 +77,7 @@ def _tiled_case(experts_TK, tile_rows, block_rows, num_experts=E, seed=0, scaled
     def tiled(x, w0, w1, wo, s_M):
         plan = make_dispatch(experts_TK, num_experts, tile_rows)
         x_RH = permute(x, plan)
-        s_R = row_values(s_M, plan.slot_R) if scaled else None
+        s_R = row_values(s_M, plan) if scaled else None
         y_RH = grouped_swiglu(x_RH, plan, w0, w1, wo, "tiled", block_rows=block_rows, scale_R=s_R)
         return jnp.vdot(y_RH[plan.row_M], dy), y_RH[plan.row_M]
 
@@ -118,7 +118,7 @@ def test_two_walks_give_one_walks_gradients_bitwise(case, tile_rows, block_rows)
     ids = jnp.asarray(ADVERSARIAL_IDS[case](np.random.default_rng(0)), jnp.int32)
     plan = make_dispatch(ids, E, tile_rows)
     x_RH = permute(_normal(T, H), plan)
-    s_R = row_values(jnp.abs(_normal(T * K, seed=5)), plan.slot_R)
+    s_R = row_values(jnp.abs(_normal(T * K, seed=5)), plan)
     w = (_normal(E, H, F, seed=1), _normal(E, H, F, seed=2), _normal(E, F, H, seed=3))
     dy_RH = _normal(*x_RH.shape, seed=4)
 

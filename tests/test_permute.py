@@ -9,9 +9,11 @@ import pytest
 from moe_train.moe.dispatch import gather_rows, unpack
 from moe_train.moe.permute import (
     COUNTING_MAX_EXPERTS,
+    count_ids,
     make_dispatch,
     permute,
     readers_of,
+    row_values,
     sorted_positions,
     take_rows,
     unpermute,
@@ -174,3 +176,29 @@ def test_an_unknown_sort_method_is_refused():
 def test_padded_sorted_rows_hold_no_token():
     plan = make_dispatch(jnp.asarray(ROUTINGS["uniform"], jnp.int32), E, None, row_multiple=16)
     assert plan.token_R.shape == (32,) and not np.asarray(plan.valid_R)[T * K :].any()
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_counts_equal_bincount(routing):
+    ids = jnp.asarray(ROUTINGS[routing], jnp.int32)
+    np.testing.assert_array_equal(count_ids(ids, E), np.bincount(np.ravel(ROUTINGS[routing]), minlength=E))
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_row_values_and_their_gradient_equal_plain_indexing(routing, layout):
+    """Each row's value by its slot (0 for padding rows); the gradient gathers by each
+    assignment's row instead of autodiff's scatter-add by the slots."""
+    plan = make_dispatch(jnp.asarray(ROUTINGS[routing], jnp.int32), E, *layout)
+    v = jnp.asarray(np.random.default_rng(3).standard_normal(T * K), jnp.float32)
+    plain = lambda v: jnp.concatenate([v, jnp.zeros((1,))])[plan.slot_R]  # noqa: E731
+    np.testing.assert_array_equal(row_values(v, plan), plain(v))
+    g = jnp.asarray(np.random.default_rng(4).standard_normal(plan.slot_R.shape[0]), jnp.float32)
+    got = jax.vjp(lambda v: row_values(v, plan), v)[1](g)[0]
+    np.testing.assert_array_equal(got, jax.vjp(plain, v)[1](g)[0])
+
+
+def test_the_row_values_gradient_never_scatters():
+    plan = make_dispatch(jnp.asarray(ROUTINGS["uniform"], jnp.int32), E)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda v: jnp.sum(row_values(v, plan))))(jnp.ones(T * K)))
+    assert "gather" in jaxpr and "scatter" not in jaxpr

@@ -87,7 +87,7 @@ def permutation_fn(shape: MoEShape, method: str):
         weights_TK, experts_TK, _ = route_tokens(x, gate, routing)
         plan = make_dispatch(experts_TK, E, None, 1, method)
         x_RH = permute(x, plan, dma)
-        w_R = row_values(weights_TK.reshape(-1), plan.slot_R)
+        w_R = row_values(weights_TK.reshape(-1), plan)
         y_TH = unpermute_sum((x_RH * w_R[:, None]).astype(x.dtype), plan, K, x.dtype, dma)
         return jnp.vdot(y_TH.astype(jnp.float32), dy)
 

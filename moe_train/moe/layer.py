@@ -100,7 +100,7 @@ def expert_steps(arrived: Arrived, experts: Experts) -> jax.Array:
             plan = plan._replace(group_sizes_E=plan.group_sizes_E[:E], tile_expert_P=tiles)
         x_RH = permute(arrived.x_AH, plan, dma)
         w_AK = arrived.weights_AK
-        w_R = None if w_AK is None else row_values(w_AK.reshape(-1), plan.slot_R)
+        w_R = None if w_AK is None else row_values(w_AK.reshape(-1), plan)
     with jax.named_scope("grouped_gemm"):
         w0, w1, wo = experts.wi_0_EHF, experts.wi_1_EHF, experts.wo_EFH
         y_RH = grouped_swiglu(

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.base.choices import SCORE_FUNCTIONS
+from moe_train.moe.permute import count_ids
 from moe_train.moe.stats import MoEStats, exchange_stats
 
 
@@ -117,10 +118,19 @@ def route(logits_TE: jax.Array, routing: Routing, expert_bias: jax.Array | None 
         experts_TK = balanced_experts(T, top_k, E) + zero_T1
     else:
         experts_TK = jax.lax.top_k(choice_TE, top_k)[1].astype(jnp.int32)
-    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
+    weights_TK = picked_scores(scores_TE, experts_TK)
     if r.normalize_top_k:
         weights_TK = weights_TK / (weights_TK.sum(axis=-1, keepdims=True) + 1e-20)
     return weights_TK * r.routed_scaling, experts_TK, scores_TE
+
+
+def picked_scores(scores_TE: jax.Array, experts_TK: jax.Array) -> jax.Array:
+    """[T, K]: ``scores_TE[t, experts_TK[t, k]]``, each a select of its expert's column summed
+    over E (one term is not zero: exact). The gradient is a select too, where a gather's is a
+    scatter-add of T*K values into [T, E] (such a scatter took 1.25 ms on a TPU v5e at Qwen3's
+    shape, of the routing's 5.7 ms)."""
+    hit_TKE = experts_TK[..., None] == jnp.arange(scores_TE.shape[-1], dtype=experts_TK.dtype)
+    return jnp.sum(jnp.where(hit_TKE, scores_TE[:, None, :], 0.0), axis=-1)
 
 
 def balanced_experts(T: int, top_k: int, num_experts: int) -> jax.Array:
@@ -133,7 +143,7 @@ def balanced_experts(T: int, top_k: int, num_experts: int) -> jax.Array:
 
 def expert_counts(experts_TK: jax.Array, num_experts: int) -> jax.Array:
     """Assignments per expert [E] int32 (sums to T*K)."""
-    return jnp.bincount(experts_TK.reshape(-1), length=num_experts).astype(jnp.int32)
+    return count_ids(experts_TK, num_experts)
 
 
 def _token_distribution(scores_TE: jax.Array, score_function: str) -> jax.Array:
