@@ -99,6 +99,23 @@ def test_tiny_layer_rows_have_ratios_and_tflops(tiny):
 
 
 @pytest.mark.slow
+def test_the_auto_layers_time_goes_mostly_to_the_grouped_gemm(tiny):
+    """The breakdown (``bench.profile``) of each `auto` layer: the experts' GEMMs are there."""
+    for r in tiny[0]["sections"]["accel"]["layer_rows"]:
+        if r["variant"] == "auto" and not r.get("skipped"):
+            assert r["time_by_scope"]["by_scope"]["grouped_gemm"] > 0, r["model"]
+
+
+def test_the_steps_time_is_broken_down_by_scope(tiny):
+    rows = tiny[0]["sections"]["accel"]["step"]["rows"]
+    by = rows["moe"]["time_by_scope"]["by_scope"]
+    assert by["attention"] > 0 and by["route"] > 0 and by["grouped_gemm"] > 0
+
+
+def test_the_markdown_says_where_the_time_goes(tiny):
+    assert "### Where the time goes" in tiny[1] and "| step: moe |" in tiny[1]
+
+
 def test_tiny_steps_the_moe_model_and_its_dense_twin(tiny):
     step = tiny[0]["sections"]["accel"]["step"]
     assert [r["tokens_per_s"] > 0 for r in step["rows"].values()] == [True, True]

@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_train.bench import accel_step, common
+from moe_train.bench import accel_step, common, profile
 from moe_train.bench.common import ACCEL_SHAPES, compile_jit, fmt_ms, markdown_table, time_rounds
 from moe_train.bench.layer import dense_fn, layer_fn, layer_row, operands, too_big
 from moe_train.moe.gemm import available_backends, resolve_backend
@@ -267,6 +267,11 @@ def _timed(entries: dict[tuple, tuple | str], s: Sizes) -> tuple[dict[tuple, dic
         return timings, failed
 
 
+def _where(compiled, args) -> dict[str, Any]:
+    """``profile.breakdown`` of a compiled layer function."""
+    return profile.breakdown(lambda: jax.block_until_ready(compiled(*args)), compiled.as_text())
+
+
 def shape_rows(spec: Shape, s: Sizes, limit: float | None, deadline: float, say: Say) -> list[dict]:
     """Every variant of one expert shape, timed side by side with the dense reference."""
     dtype = jnp.dtype(s.dtype)
@@ -293,6 +298,8 @@ def shape_rows(spec: Shape, s: Sizes, limit: float | None, deadline: float, say:
         row = layer_row(shape, variant, spec.score_function, timing, timings[("dense", None)], {}, entry[2])
         row |= base | {"variant": variant, "backend": backend, "dtype": dtype.name}
         row["tflops"] = row["useful_flops"] / timing["median_s"] / 1e12
+        if variant == "auto":  # where the layer's time goes, by pipeline step
+            row["time_by_scope"] = _where(*entry[:2])
         rows.append(row)
         say(f"{label}: {fmt_ms(timing)[0]} ms, {row['ratio']:.2f}x dense, {_tflops(row['tflops'])} TFLOP/s")
     return rows
@@ -422,7 +429,24 @@ def markdown(sec: dict) -> str:
         "of the same useful FLOPs (1.0 is the limit; the per-round range in brackets). Step rows: the "
         "trainer's step; TFLOP/s of its model FLOPs, MFU against the peak.\n\n"
         f"### Goals\n\n{goals_md(sec['goals'])}\n\n### MoE layer\n\n{layer_md(sec['layer_rows'])}\n\n"
-        f"### Train step\n\n{step_md(sec['step'])}"
+        f"### Train step\n\n{step_md(sec['step'])}\n\n### Where the time goes\n\n{where_md(sec)}"
+    )
+
+
+def where_md(sec: dict) -> str:
+    """ms per call by pipeline step (``bench.profile``) of the `auto` layers and the steps."""
+    profiles = {
+        f"{r['model']} layer (auto)": r["time_by_scope"] for r in sec["layer_rows"] if "time_by_scope" in r
+    }
+    profiles |= {
+        f"step: {n}": r["time_by_scope"] for n, r in sec["step"]["rows"].items() if "time_by_scope" in r
+    }
+    if not profiles:
+        return "nothing profiled"
+    header, rows = profile.markdown_rows(profiles)
+    return (
+        "Device time per call (ms) of each op, by the named scope it was traced under (a trace of "
+        "two more calls after the timed ones).\n\n" + markdown_table(header, rows)
     )
 
 

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from moe_train import config
+from moe_train.bench import profile
 from moe_train.bench.common import compile_jit, summarize
 from moe_train.model.flops import param_counts, train_flops_per_token
 from moe_train.moe.gemm import resolve_backend
@@ -84,8 +85,9 @@ def _batch(cfg: config.Config, mesh) -> jax.Array:
     return jax.device_put(tokens.astype(np.int32), sharding.batch_sharding(mesh))
 
 
-def _timed_steps(cfg: config.Config, steps: int) -> tuple[list[float], float]:
-    """(seconds of each timed step, compile seconds) of the trainer's step on one device."""
+def _timed_steps(cfg: config.Config, steps: int) -> tuple[list[float], float, dict[str, Any]]:
+    """(seconds of each timed step, compile seconds, where two more steps' time goes:
+    ``profile.breakdown``) of the trainer's step on one device."""
     mesh = sharding.make_mesh(jax.devices()[:1])
     batch = _batch(cfg, mesh)
     with sharding.activate(mesh):
@@ -95,13 +97,19 @@ def _timed_steps(cfg: config.Config, steps: int) -> tuple[list[float], float]:
         state, _ = compiled(state, batch)  # warm-up
         jax.block_until_ready(state)
         times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
+
+        def step_once():
+            nonlocal state
             state, _ = compiled(state, batch)
             jax.block_until_ready(state)
+
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step_once()
             times.append(time.perf_counter() - t0)
+        where = profile.breakdown(step_once, compiled.as_text())
     del state
-    return times, compile_s
+    return times, compile_s, where
 
 
 def failure(err: BaseException) -> str:
@@ -134,7 +142,7 @@ def measure(cfg: config.Config, steps: int, peak: float | None) -> dict[str, Any
     backend = resolve_backend(cfg.moe.backend, dtype, hidden=cfg.model.hidden, ffn=cfg.moe.expert_ffn)
     row = describe(cfg) | {"backend": backend, "skipped": None}
     try:
-        times, compile_s = _timed_steps(cfg, steps)
+        times, compile_s, where = _timed_steps(cfg, steps)
     except Exception as err:  # RESOURCE_EXHAUSTED, a kernel refusing a shape: a row, not a lost run
         return row | {"skipped": failure(err)}
     timing = summarize(times)
@@ -146,6 +154,7 @@ def measure(cfg: config.Config, steps: int, peak: float | None) -> dict[str, Any
         "tokens_per_s": tokens_per_s,
         "tflops_per_device": tflops,
         "mfu": tflops * 1e12 / peak if peak else None,
+        "time_by_scope": where,
     }
 
 

@@ -1,0 +1,72 @@
+"""Where a compiled program's time goes (``moe_train.bench.profile``): op events of a real
+``jax.profiler`` trace on CPU, attributed by their HLO instructions' named scopes."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from moe_train.bench import profile
+from moe_train.moe import Routing, layer
+from moe_train.planner.compile import hlo
+
+
+@pytest.mark.parametrize(
+    "path, scope",
+    [
+        ("jit(loss)/transpose(jvp(permute))/gather", "permute"),
+        ("jit(step)/jvp(Transformer)/moe_layers/attn/dot_general", "attention"),
+        ("jit(step)/jvp(Transformer)/moe_layers/attn.qkv/dot_general", "attention"),
+        ("jit(step)/jvp(Transformer)/moe_layers/attn_norm/mul", "norms"),
+        ("jit(step)/jvp(Transformer)/embed/gather", "model, other"),
+        ("jit(step)/transpose(jvp())/dot_general", "other"),
+        ("jit(step)/jvp(Transformer)/moe/moe.routed/route/top_k", "route"),
+    ],
+)
+def test_an_op_counts_for_the_scope_its_path_names(path, scope):
+    assert profile.scope_of(path) == scope
+
+
+def test_loops_are_not_ops_of_their_own():
+    fn = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, c: jnp.sin(c) * 2, x))
+    text = fn.lower(jnp.ones(8)).compile().as_text()
+    loops = [i.name for instrs in hlo.parse(text)[0].values() for i in instrs if i.op == "while"]
+    paths = profile.instruction_paths(text)
+    assert loops and paths and not set(loops) & set(paths)
+
+
+@pytest.fixture(scope="module")
+def layer_profile():
+    T, H, E, F, K = 128, 64, 8, 128, 2
+    keys = jax.random.split(jax.random.key(0), 5)
+    ops = (
+        jax.random.normal(keys[0], (T, H)),
+        jax.random.normal(keys[1], (H, E)),
+        *(jax.random.normal(k, s) for k, s in zip(keys[2:], [(E, H, F), (E, H, F), (E, F, H)])),
+    )
+
+    def loss(ops):
+        y, stats = layer.dropless_moe(*ops, routing=Routing(K), backend="tiled")
+        return jnp.sum(y) + stats.aux_loss
+
+    compiled = jax.jit(jax.grad(loss)).lower(ops).compile()
+    jax.block_until_ready(compiled(ops))
+    return profile.breakdown(lambda: jax.block_until_ready(compiled(ops)), compiled.as_text())
+
+
+@pytest.mark.parametrize("step", ["route", "permute", "grouped_gemm"])
+def test_the_layers_steps_take_time(layer_profile, step):
+    assert layer_profile["by_scope"][step] > 0
+
+
+def test_the_traced_time_is_the_sum_of_the_scopes(layer_profile):
+    assert layer_profile["traced_ms"] == pytest.approx(sum(layer_profile["by_scope"].values()))
+
+
+def test_the_longest_ops_are_listed_longest_first(layer_profile):
+    ms = [op["ms"] for op in layer_profile["top_ops"]]
+    assert ms and ms == sorted(ms, reverse=True)
+
+
+def test_a_program_without_traced_ops_is_a_row_saying_so():
+    header, rows = profile.markdown_rows({"x": {"skipped": "nothing traced"}})
+    assert len(rows[0]) == len(header) and rows[0][-1] == "nothing traced"
