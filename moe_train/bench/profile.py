@@ -100,10 +100,12 @@ def op_seconds(trace_dir: Path, paths: dict[str, str]) -> dict[str, float]:
     return out
 
 
-def breakdown(call: Callable[[], Any], hlo_text: str, calls: int = 2) -> dict[str, Any]:
+def breakdown(call: Callable[[], Any], hlo_text: str | None, calls: int = 2) -> dict[str, Any]:
     """Trace ``calls`` runs of ``call`` (which runs the compiled program once and waits for it)
     and attribute its ops' time: {"by_scope": {scope: ms per call}, "traced_ms": their sum,
     "top_ops": the longest ops}; {"skipped": why} where the trace holds none of its ops."""
+    if not hlo_text:
+        return {"skipped": "the compiled program has no HLO text"}
     paths = instruction_paths(hlo_text)
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
