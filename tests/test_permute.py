@@ -15,6 +15,7 @@ from moe_train.moe.permute import (
     readers_of,
     row_values,
     sorted_positions,
+    stable_order,
     take_rows,
     unpermute,
 )
@@ -202,3 +203,10 @@ def test_the_row_values_gradient_never_scatters():
     plan = make_dispatch(jnp.asarray(ROUTINGS["uniform"], jnp.int32), E)
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda v: jnp.sum(row_values(v, plan))))(jnp.ones(T * K)))
     assert "gather" in jaxpr and "scatter" not in jaxpr
+
+
+@pytest.mark.parametrize("E, M", [(4, 24), (128, 4096), (2**20, 2**12)])
+def test_the_stable_order_is_argsorts(E, M):
+    """Packed keys (an id and its position in one int32), and argsort where they do not fit."""
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, min(E, 7), M), jnp.int32)
+    np.testing.assert_array_equal(stable_order(ids, E), np.argsort(np.asarray(ids), kind="stable"))

@@ -81,12 +81,25 @@ def count_ids(ids: jax.Array, length: int) -> jax.Array:
     return jnp.sum(hits, axis=0, dtype=jnp.int32)
 
 
+def stable_order(ids_M: jax.Array, length: int) -> jax.Array:
+    """[M] int32: the stable argsort of ``ids_M`` (values in [0, length)). Where an id and a
+    position fit one int32 together, one sort of ``id << b | position`` (unique keys: no
+    stability needed, and one operand where an argsort sorts two), the positions its low b
+    bits; else ``jnp.argsort``."""
+    M = ids_M.shape[0]
+    bits = max(1, (M - 1).bit_length())
+    if (max(1, length - 1)).bit_length() + bits > 31:
+        return jnp.argsort(ids_M, stable=True).astype(jnp.int32)
+    keys_M = (ids_M.astype(jnp.int32) << bits) | jnp.arange(M, dtype=jnp.int32)
+    return jnp.sort(keys_M) & ((1 << bits) - 1)
+
+
 def sorted_positions(experts_TK: jax.Array, num_experts: int, method: str = "auto") -> Sorted:
     """The assignments sorted by expert, both ways round, with one int32 scatter of M.
 
     ``method``: ``counting`` (each position is its expert's start plus the assignments of the
     same expert before it, from a cumsum of one-hot ids: no sort; the order by one scatter),
-    ``argsort`` (a stable argsort gives the order; the positions by one scatter), ``auto``:
+    ``argsort`` (a stable sort gives the order, ``stable_order``; the positions by one scatter), ``auto``:
     counting where E <= COUNTING_MAX_EXPERTS.
     """
     experts_M = experts_TK.reshape(-1).astype(jnp.int32)
@@ -104,7 +117,7 @@ def sorted_positions(experts_TK: jax.Array, num_experts: int, method: str = "aut
         return Sorted(pos_M, order_M, group_sizes_E)
     if method != "argsort":
         raise ValueError(f"unknown sort method {method!r}; one of auto, counting, argsort")
-    order_M = jnp.argsort(experts_M, stable=True).astype(jnp.int32)
+    order_M = stable_order(experts_M, E)
     group_sizes_E = count_ids(experts_M, E)
     pos_M = jnp.zeros((M,), jnp.int32).at[order_M].set(arange_M, unique_indices=True)
     return Sorted(pos_M, order_M, group_sizes_E)
