@@ -70,3 +70,10 @@ def test_the_longest_ops_are_listed_longest_first(layer_profile):
 def test_a_program_without_traced_ops_is_a_row_saying_so():
     header, rows = profile.markdown_rows({"x": {"skipped": "nothing traced"}})
     assert len(rows[0]) == len(header) and rows[0][-1] == "nothing traced"
+
+
+def test_a_call_that_fails_under_the_trace_is_a_row_saying_so():
+    def fail():
+        raise RuntimeError("device lost")
+
+    assert "device lost" in profile.breakdown(fail, "HloModule m\n")["skipped"]
