@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_train.moe.layer import check_expert_shapes
-from moe_train.moe.permute import weighted_sum
+from moe_train.moe.permute import count_ids, stable_order, weighted_sum
 from moe_train.moe.router import Routing, route_tokens
 
 
@@ -29,9 +29,9 @@ def slot_positions(experts_TK: jax.Array, num_experts: int) -> jax.Array:
     """Position [T, K] of each assignment in its expert's queue (slot-major priority)."""
     T, K = experts_TK.shape
     experts_M = experts_TK.T.reshape(-1)  # n = k*T + t
-    order_M = jnp.argsort(experts_M, stable=True)
+    order_M = stable_order(experts_M, num_experts)
     sorted_M = experts_M[order_M]
-    counts_E = jnp.bincount(experts_M, length=num_experts)
+    counts_E = count_ids(experts_M, num_experts)
     start_E = jnp.cumsum(counts_E) - counts_E
     rank_M = jnp.arange(T * K) - start_E[sorted_M]
     position_M = jnp.zeros((T * K,), jnp.int32).at[order_M].set(rank_M.astype(jnp.int32))

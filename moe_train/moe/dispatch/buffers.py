@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_train.moe.permute import readers_of, take_rows
+from moe_train.moe.permute import count_ids, readers_of, stable_order, take_rows
 
 
 def all_to_all(x, axis):
@@ -39,8 +39,8 @@ def pack(x_XH, dest_XK, local_XK, n_dest: int, C: int, per_shard: int, w_XK) -> 
     R, M = n_dest * C, X * K
     dest_M = dest_XK.reshape(-1)
     local_M = jnp.where(dest_M < n_dest, local_XK.reshape(-1), 0)
-    order_M = jnp.argsort(dest_M * per_shard + local_M, stable=True)
-    counts = jnp.bincount(dest_M, length=n_dest + 1).astype(jnp.int32)
+    order_M = stable_order(dest_M * per_shard + local_M, (n_dest + 1) * per_shard)
+    counts = count_ids(dest_M, n_dest + 1)
     start = jnp.cumsum(counts) - counts
     pos_M = (
         jnp.zeros((M,), jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32) - start[dest_M[order_M]])
