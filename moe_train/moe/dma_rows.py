@@ -42,7 +42,7 @@ UNROLL = 8  # DMA starts (and waits) per loop iteration
 class DmaRows:
     """Row sums by this kernel (hashable: a static argument of the custom VJPs that use it)."""
 
-    interpret: bool  # Pallas interpret mode: this process has no TPU (the tests on CPU)
+    interpret: bool  # Pallas interpret mode: this process has no TPU (the tests on CPU; Platform.here())
 
 
 def for_target(platform: Platform, x_TH: jax.Array) -> DmaRows | None:
@@ -52,7 +52,7 @@ def for_target(platform: Platform, x_TH: jax.Array) -> DmaRows | None:
     there on CPU (the TPU one hangs, the other trips JAX's varying-axes check of its loops)."""
     if platform.name != "tpu" or x_TH.shape[-1] % LANES or varying_axes(x_TH):
         return None
-    return DmaRows(interpret=jax.default_backend() != "tpu")
+    return DmaRows(interpret=Platform.here().name != "tpu")
 
 
 def block_tokens(tokens: int, per_token: int, hidden: int, itemsize: int) -> int:
