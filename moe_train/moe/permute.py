@@ -242,15 +242,15 @@ def _take_rows_bwd(all_valid, all_read, dma, readers_TK, g_RH):
     return dx_TH, None, None, None
 
 
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
 def sum_gathered(src_RH: jax.Array, idx_TK: jax.Array, out_dtype, dma: DmaRows | None = None) -> jax.Array:
     """[T, H] of ``out_dtype``: ``sum_k src[idx[t, k]]`` in fp32, every index a row of ``src``:
     by row DMAs with ``dma`` (``moe_train.moe.dma_rows``), else XLA's gather."""
     if dma is not None:
         return gather_sum(src_RH, idx_TK, out_dtype, dma)
     return src_RH[idx_TK].astype(jnp.float32).sum(axis=1).astype(out_dtype)
-
-
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def readers_of(slot_M: jax.Array, rows: int) -> jax.Array:
