@@ -70,9 +70,8 @@ def gather_sum(src_RH: jax.Array, idx_TK: jax.Array, out_dtype, dma: DmaRows) ->
         raise ValueError(f"row DMAs need the hidden size ({H}) to be a multiple of {LANES}")
     b = block_tokens(T, K, H, src_RH.dtype.itemsize)
     padded = cdiv(T, b) * b
-    idx_N = jnp.pad(idx_TK.astype(jnp.int32), ((0, padded - T), (0, 0))).reshape(
-        -1
-    )  # extra tokens read row 0
+    idx_TK = jnp.pad(idx_TK.astype(jnp.int32), ((0, padded - T), (0, 0)))  # extra tokens read row 0
+    idx_N = idx_TK.reshape(-1)
     src_RCL = src_RH.reshape(R, H // LANES, LANES)
     out = _call(K, b, jnp.dtype(out_dtype), dma.interpret, idx_N, src_RCL)
     return out[:T].reshape(T, H)
