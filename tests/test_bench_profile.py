@@ -77,3 +77,13 @@ def test_a_call_that_fails_under_the_trace_is_a_row_saying_so():
         raise RuntimeError("device lost")
 
     assert "device lost" in profile.breakdown(fail, "HloModule m\n")["skipped"]
+
+
+def test_a_tpu_op_event_names_its_instruction_by_its_text():
+    """A TPU's "XLA Ops" events are named by the instruction's HLO text (seen on a v5e, 2026-12-07)."""
+    name = "%gmm.4 = bf16[131072,1536]{1,0:T(8,128)(2,1)} custom-call(s32[] %get-tuple-element.518)"
+    assert profile.instruction_name(name) == "gmm.4"
+
+
+def test_an_op_event_named_by_its_instruction_alone_keeps_the_name():
+    assert profile.instruction_name("fusion.12") == "fusion.12"

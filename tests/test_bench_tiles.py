@@ -59,8 +59,9 @@ def test_the_choice_sums_over_models_sharing_a_gemm():
 
 
 def test_a_tile_that_does_not_compile_is_listed_with_its_error():
-    s = dataclasses.replace(tiles.TINY, candidates=((48, 128, 128),))  # 48 does not divide 128 rows
-    rows = tiles.gemm_rows("tiny", SHAPE, tiles.gemms(SHAPE)[1], s)
+    shape = MoEShape(512, 128, 256, 4, 2)  # row tile 64 (1,024 rows over 4 experts, / 4)
+    s = dataclasses.replace(tiles.TINY, candidates=((48, 128, 128),))  # 48 does not divide 1,024 rows
+    rows = tiles.gemm_rows("tiny", shape, tiles.gemms(shape)[1], s)
     assert rows and "divisible" in rows[0]["error"]
 
 
@@ -143,3 +144,14 @@ def test_tune_needs_accel(capsys):
 def test_writing_tiles_needs_tune(capsys):
     code, line = _refusal(capsys, "--accel", "--write-tiles")
     assert code == 2 and "--write-tiles only applies to --accel --tune" in line
+
+
+def test_routed_loads_count_every_row():
+    shape = MoEShape(512, 64, 32, 32, 8)
+    assert tiles.routed_loads(shape).sum() == 512 * 8
+
+
+def test_routed_loads_are_not_balanced():
+    """Balanced loads align every group to the tiles; a router's do not."""
+    shape = MoEShape(512, 64, 32, 32, 8)
+    assert len(set(tiles.routed_loads(shape).tolist())) > 1

@@ -476,3 +476,8 @@ def test_a_preset_file_that_is_not_toml_is_a_config_error_naming_it(tmp_path):
     bad.write_text("[model\n")
     with pytest.raises(ConfigError, match=rf"^preset {bad}: not valid TOML"):
         config.load_preset(str(bad))
+
+
+def test_megablox_tile_rows_off_its_row_multiple_are_refused_up_front():
+    with pytest.raises(ConfigError, match=r"moe.tile_rows=100: megablox .* choose e.g. 96 or 0"):
+        config.build("tiny", ["moe.backend=megablox", "moe.tile_rows=100"])

@@ -48,13 +48,15 @@ def _operands(dtype=jnp.float32):
 
 
 @functools.cache
-def _layer_vjp(backend: str, spare: bool):
-    """jit of (x, w0, w1, wo, ids, weights, dy) -> (y, (dx, dw0, dw1, dwo)): the expert steps."""
+def _layer_vjp(backend: str, spare: bool, padded: bool = False):
+    """jit of (x, w0, w1, wo, ids, weights, dy) -> (y, (dx, dw0, dw1, dwo)): the expert steps,
+    on sorted rows or (``padded``) each group padded to the row tile."""
+    tile_rows = ROW_TILE if padded else None
 
     def run(x, w0, w1, wo, ids, weights, dy):
         def fn(x, w0, w1, wo):
             arrived = Arrived(x, ids, weights, x.dtype, spare=spare)
-            return layer.expert_steps(arrived, layer.Experts(w0, w1, wo, backend, None, ROW_TILE))
+            return layer.expert_steps(arrived, layer.Experts(w0, w1, wo, backend, tile_rows, ROW_TILE))
 
         y, vjp = jax.vjp(fn, x, w0, w1, wo)
         return y, vjp(dy.astype(y.dtype))
@@ -68,19 +70,21 @@ def _max_rel(a, b) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("padded", [False, True], ids=["sorted", "padded"])
 @pytest.mark.parametrize("case", ["random", "one-expert", "empty-first", "ties"])
-def test_forward_and_gradients_match_the_reference(case):
+def test_forward_and_gradients_match_the_reference(case, padded):
     x, w0, w1, wo, weights, dy = _operands()
     ids = jnp.asarray(_ids(case), jnp.int32)
     with jax.default_matmul_precision("highest"):
-        y, grads = _layer_vjp("megablox", False)(x, w0, w1, wo, ids, weights, dy)
+        y, grads = _layer_vjp("megablox", False, padded)(x, w0, w1, wo, ids, weights, dy)
         ref_y, ref_grads = checks.gemm_reference(x, w0, w1, wo, ids, weights, dy)
     errors = [_max_rel(a, b) for a, b in zip((y, *grads), (ref_y, *ref_grads))]
     assert max(errors) < 1e-5, errors
 
 
 @pytest.mark.slow
-def test_rows_for_no_expert_here_read_zero_and_pass_no_gradient():
+@pytest.mark.parametrize("padded", [False, True], ids=["sorted", "padded"])
+def test_rows_for_no_expert_here_read_zero_and_pass_no_gradient(padded):
     """Under expert parallelism ids == E mark rows for another shard (the spare group)."""
     x, w0, w1, wo, weights, dy = _operands()
     ids = np.asarray(_ids("random"))
@@ -88,7 +92,7 @@ def test_rows_for_no_expert_here_read_zero_and_pass_no_gradient():
     ids = jnp.asarray(ids, jnp.int32)
     kept = jnp.where(ids < E, weights, 0.0)
     with jax.default_matmul_precision("highest"):
-        y, grads = _layer_vjp("megablox", True)(x, w0, w1, wo, ids, weights, dy)
+        y, grads = _layer_vjp("megablox", True, padded)(x, w0, w1, wo, ids, weights, dy)
         ref_y, ref_grads = checks.gemm_reference(x, w0, w1, wo, jnp.minimum(ids, E - 1), kept, dy)
     errors = [_max_rel(a, b) for a, b in zip((y, *grads), (ref_y, *ref_grads))]
     assert max(errors) < 1e-5, errors
@@ -138,12 +142,17 @@ def test_padding_rows_are_invalid():
     assert not np.asarray(plan.valid_R)[T * K :].any()
 
 
-def test_the_row_tile_is_the_largest_for_large_loads():
-    assert megablox.default_row_tile(131072, 128) == megablox.MAX_ROW_TILE
+def test_the_row_tile_is_capped_for_large_loads():
+    assert megablox.default_row_tile(1 << 20, 8) == megablox.MAX_ROW_TILE
 
 
-def test_the_row_tile_follows_a_small_mean_load():
-    assert megablox.default_row_tile(8 * 40, 8) == 32
+def test_the_row_tile_is_a_share_of_the_mean_load():
+    """Qwen3-30B's shape: 131,072 rows over 128 experts, 1,024 each on average."""
+    assert megablox.default_row_tile(131072, 128) == 1024 // megablox.LOAD_PER_TILE
+
+
+def test_the_row_tile_is_a_power_of_two_within_the_share():
+    assert megablox.default_row_tile(8 * 40 * megablox.LOAD_PER_TILE, 8) == 32
 
 
 def test_the_row_tile_has_a_floor():
@@ -286,7 +295,16 @@ def test_auto_picks_megablox_on_a_tpu():
 
 
 def test_row_tiles_of_megablox_leave_the_tiled_layout_off():
-    assert layer.row_tiles("megablox", None, 131072, 128) == (None, megablox.MAX_ROW_TILE)
+    assert layer.row_tiles("megablox", None, 131072, 128) == (None, megablox.default_row_tile(131072, 128))
+
+
+def test_row_tiles_of_megablox_with_tile_rows_pad_each_group_to_them():
+    assert layer.row_tiles("megablox", 256, 131072, 128) == (256, 256)
+
+
+def test_megablox_tile_rows_off_the_sublane_packing_are_refused():
+    with pytest.raises(ValueError, match="moe.tile_rows=100"):
+        layer.row_tiles("megablox", 100, 131072, 128)
 
 
 def _ep_grads(ops, dispatcher: str, ep: int, inner: int, backend: str):

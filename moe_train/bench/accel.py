@@ -14,6 +14,8 @@ so. Rows per shape, timed side by side in interleaved rounds (``common.time_roun
   GEMMs, unsort, weighted combine;
 - ``auto``: ``dropless_moe(backend="auto")``, with the backend it resolved to (that backend is
   timed once, as this row);
+- ``megablox padded`` where megablox runs here: the same with each expert's rows padded to
+  megablox's row tile (``moe.tile_rows``), so no tile of rows spans two groups;
 - every other concrete backend ``moe.gemm.available_backends`` lists for the shape.
 
 Each row: median time, ratio to dense (with the per-round spread), TFLOP/s of the useful
@@ -42,6 +44,7 @@ import jax.numpy as jnp
 from moe_train.bench import accel_step, common, profile
 from moe_train.bench.common import ACCEL_SHAPES, compile_jit, fmt_ms, markdown_table, time_rounds
 from moe_train.bench.layer import dense_fn, layer_fn, layer_row, operands, too_big
+from moe_train.moe import megablox
 from moe_train.moe.gemm import available_backends, resolve_backend
 from moe_train.moe.routings import MoEShape
 from moe_train.train import fits
@@ -50,6 +53,7 @@ from topology import peaks
 TITLE = "Accelerator: MoE layer and train step"
 F32 = jnp.float32
 LAYER_OVER_DENSE = 1.5  # goal: the layer as auto runs it, time / dense time, at most
+PADDED = "megablox padded"  # the variant with each expert's rows padded to the row tile
 STEP_OVER_DENSE = 0.8  # goal: MoE step TFLOP/s / its dense twin's, at least
 MFU = 0.40  # goal: the MoE step's model FLOP/s / the device's dense bf16 peak, at least
 Say = Callable[[str], None]
@@ -195,7 +199,8 @@ def variants(shape: MoEShape, dtype) -> list[tuple[str, str | None]]:
     resolves here), then each other available backend."""
     auto = resolve_backend("auto", dtype, hidden=shape.hidden, ffn=shape.ffn)
     others = [b for b in available_backends(dtype, hidden=shape.hidden, ffn=shape.ffn) if b != auto]
-    return [("dense", None), ("plain", None), ("auto", auto), *((b, b) for b in others)]
+    padded = [(PADDED, "megablox")] if "megablox" in (auto, *others) else []
+    return [("dense", None), ("plain", None), ("auto", auto), *padded, *((b, b) for b in others)]
 
 
 def _function(variant: str, shape: MoEShape, score_function: str):
@@ -203,6 +208,9 @@ def _function(variant: str, shape: MoEShape, score_function: str):
         return dense_fn()
     if variant == "plain":
         return plain_fn(shape, score_function)
+    if variant == PADDED:  # moe.tile_rows set to megablox's own row tile
+        tile = megablox.default_row_tile(shape.tokens * shape.top_k, shape.experts)
+        return layer_fn("megablox", shape, dict(score_function=score_function), tile_rows=tile)
     return layer_fn(variant, shape, dict(score_function=score_function))
 
 

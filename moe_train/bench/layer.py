@@ -112,10 +112,11 @@ def operands(shape: MoEShape, dtype, seed: int = 0):
     return moe, dense, n(T, H), n(T * K, H)
 
 
-def layer_fn(kind: str, shape: MoEShape, router_kw: dict, capacity_factor: float = 1.25):
+def layer_fn(kind: str, shape: MoEShape, router_kw: dict, capacity_factor: float = 1.25, tile_rows=None):
     """Jitted fwd+bwd of one layer variant: (x, gate, w0, w1, wo, dy) -> (grads, stats).
 
-    ``kind`` is a grouped-GEMM backend or ``capacity``; a sigmoid router gets an expert bias.
+    ``kind`` is a grouped-GEMM backend or ``capacity``; a sigmoid router gets an expert bias;
+    ``tile_rows``: ``dropless_moe``'s (``moe.tile_rows``).
     """
     routing = Routing(shape.top_k, **router_kw)
     kw = {}
@@ -124,7 +125,7 @@ def layer_fn(kind: str, shape: MoEShape, router_kw: dict, capacity_factor: float
     if kind == "capacity":
         layer = lambda *ops: capacity_moe(*ops, routing=routing, capacity_factor=capacity_factor, **kw)
     else:
-        layer = lambda *ops: dropless_moe(*ops, routing=routing, backend=kind, **kw)
+        layer = lambda *ops: dropless_moe(*ops, routing=routing, backend=kind, tile_rows=tile_rows, **kw)
 
     def loss(x, gate, w0, w1, wo, dy):
         y, stats = layer(x, gate, w0, w1, wo)

@@ -94,10 +94,17 @@ def op_seconds(trace_dir: Path, paths: dict[str, str]) -> dict[str, float]:
         lines = [ln for ln in lines if ln.name == "XLA Ops"] or lines
         for line in lines:
             for event in line.events:
-                op = dict(event.stats).get("hlo_op", event.name)
+                op = dict(event.stats).get("hlo_op") or instruction_name(event.name)
                 if op in paths:
                     out[op] = out.get(op, 0.0) + event.duration_ns * 1e-9
     return out
+
+
+def instruction_name(event_name: str) -> str:
+    """The HLO instruction an op event is of: a TPU names each by its instruction's text
+    (``%fusion.12 = bf16[...] fusion(...)``), XLA:CPU and GPU by the name alone."""
+    m = re.match(r"%?([\w.\-]+) = ", event_name)
+    return m.group(1) if m else event_name
 
 
 def breakdown(call: Callable[[], Any], hlo_text: str | None, calls: int = 2) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 For each GEMM the ``megablox`` backend runs at the expert shapes of Mixtral, Qwen3 and
 DeepSeek-V3 (``moe_train.moe.megablox``: the forward's ``x @ [wi_0|wi_1]`` and ``h @ wo``,
 the rows' gradients through the transposed weights, the weights' gradients by ``tgmm``), on
-pre-sorted balanced rows in bf16, every candidate tile (tm, tk, tn) is compiled and timed
+rows sorted by expert with the loads of a uniform random top-k routing (``routed_loads``: group
+boundaries fall inside row tiles, as a router's do, and megablox runs such a tile once per
+group in it; the sweeps up to 2026-12-07 had balanced loads, aligned to every tile) in bf16,
+every candidate tile (tm, tk, tn) is compiled and timed
 side by side with a dense matmul of the same FLOPs. A tile that does not compile (Mosaic
 runs out of VMEM) is listed with its error's first line. The fastest tile of each (GEMM
 kind, k, n) is the result; ``--write-tiles`` writes those into the table the backend reads
@@ -24,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_train.bench.common import ACCEL_SHAPES, markdown_table, time_rounds
 from moe_train.moe import megablox
@@ -102,16 +106,25 @@ def gemms(shape: MoEShape) -> tuple[Gemm, ...]:
     )
 
 
-def _operands(g: Gemm, rows: int, experts: int, dtype):
-    """(lhs [rows, k], rhs, balanced group sizes [E]) drawn on the device."""
+def routed_loads(shape: MoEShape, seed: int = 0) -> np.ndarray:
+    """Rows per expert [E] (summing to T * k) of ``shape``'s tokens each choosing ``top_k``
+    distinct experts uniformly at random."""
+    rng = np.random.default_rng(seed)
+    picks = np.argsort(rng.random((shape.tokens, shape.experts)), axis=1)[:, : shape.top_k]
+    return np.bincount(picks.ravel(), minlength=shape.experts)
+
+
+def _operands(g: Gemm, shape: MoEShape, dtype):
+    """(lhs [T * k, k], rhs, the group sizes [E] of ``routed_loads``) drawn on the device."""
+    rows, experts = shape.tokens * shape.top_k, shape.experts
     keys = jax.random.split(jax.random.key(0), 2)
     lhs = jax.random.normal(keys[0], (rows, g.k), dtype)
     if g.kind == "drhs":
         rhs = jax.random.normal(keys[1], (rows, g.n), dtype)
     else:
-        shape = (experts, g.n, g.k) if g.transpose_rhs else (experts, g.k, g.n)
-        rhs = jax.random.normal(keys[1], shape, dtype) * g.k**-0.5
-    return lhs, rhs, jnp.full((experts,), rows // experts, jnp.int32)
+        dims = (experts, g.n, g.k) if g.transpose_rhs else (experts, g.k, g.n)
+        rhs = jax.random.normal(keys[1], dims, dtype) * g.k**-0.5
+    return lhs, rhs, jnp.asarray(routed_loads(shape), jnp.int32)
 
 
 def _out_dtype(g: Gemm, dtype):
@@ -141,17 +154,19 @@ def _compile(fn, args) -> tuple[Any, str | None]:
 
 
 def gemm_rows(model: str, shape: MoEShape, g: Gemm, s: Sizes) -> list[dict[str, Any]]:
-    """Every candidate tile of one GEMM, fitted as the backend fits it (``clamp_tile``: its
-    rows, and its VMEM at this GEMM's dtypes), timed beside the dense matmul of its FLOPs."""
+    """Every candidate tile of one GEMM, fitted as the backend fits it (``clamp_tile``: tm at
+    most the layer's row tile, and its VMEM at this GEMM's dtypes), timed beside the dense
+    matmul of its FLOPs."""
     rows, dtype = shape.tokens * shape.top_k, jnp.dtype(s.dtype)
-    lhs, rhs, sizes_E = _operands(g, rows, shape.experts, dtype)
+    row_tile = megablox.default_row_tile(rows, shape.experts)
+    lhs, rhs, sizes_E = _operands(g, shape, dtype)
     dense_b = jnp.ones((g.k, g.n), dtype)
     fns: dict[Any, tuple] = {"dense": (_dense_fn(), (lhs, dense_b))}
     base = dict(model=model, gemm=g.name, kind=g.kind, m=rows, k=g.k, n=g.n, experts=shape.experts)
     out = []
     in_bytes, out_bytes = dtype.itemsize, _out_dtype(g, dtype).itemsize
     fitted = (
-        megablox.clamp_tile(t, rows, g.k, g.n, kind=g.kind, in_bytes=in_bytes, out_bytes=out_bytes)
+        megablox.clamp_tile(t, row_tile, g.k, g.n, kind=g.kind, in_bytes=in_bytes, out_bytes=out_bytes)
         for t in s.candidates
     )
     for tile in dict.fromkeys(fitted):

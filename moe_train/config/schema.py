@@ -86,7 +86,7 @@ class MoEConfig:
     group_top_k: int = 0  # groups each token may use when num_groups > 0
     routed_scaling: float = 1.0  # factor on the routed experts' weights
     backend: str = "auto"  # grouped GEMM: auto | tiled | ragged_dot | mgpu | te | megablox (TPU)
-    tile_rows: int = 0  # row tile of the tiled backend; 0 picks per platform
+    tile_rows: int = 0  # row tile of the tiled backend and of megablox's padded groups; 0: per platform
     # switch-style load-balance loss over the global batch, E*sum_e f_e*P_e with f the share of the top-k
     # assignments (balanced: 1; Hugging Face's router_aux_loss_coef multiplies top_k times this value, so
     # theirs x top_k is ours); 0 disables

@@ -38,6 +38,7 @@ from moe_train.base.choices import BACKENDS
 from moe_train.base.imports import import_failure
 from moe_train.base.platform import Platform, or_here
 from moe_train.moe import megablox
+from moe_train.moe.permute import cdiv_array
 from moe_train.moe.tiled import default_block_rows, expert_operands, tiled_swiglu
 from moe_train.moe.vjp import vary, varying_axes
 
@@ -282,6 +283,9 @@ def grouped_swiglu(
     on = or_here(platform)
     ops = expert_operands(x_RH, wi_0_EHF, wi_1_EHF, wo_EFH, plan.group_sizes_E, scale_R)
     if backend == "megablox":
+        if plan.tile_expert_P is not None:  # groups padded to the tile: the kernels see whole tiles
+            m = x_RH.shape[0] // plan.tile_expert_P.shape[0]
+            ops = (*ops[:4], cdiv_array(ops[4], m) * m, *ops[5:])
         return megablox.megablox_swiglu(ops, row_tile=row_tile, platform=on, all_grouped=all_grouped)
     m = x_RH.shape[0] // plan.tile_expert_P.shape[0]  # R = P * m
     block_rows = block_rows or default_block_rows(m, on.name)

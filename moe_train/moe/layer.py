@@ -35,11 +35,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_train.base.platform import Platform, or_here
-from moe_train.moe import dma_rows
+from moe_train.moe import dma_rows, megablox
 from moe_train.moe import stats as moe_stats
 from moe_train.moe.dispatch import Arrived, Context, Dispatcher, ExchangeStats, Local, dispatcher
 from moe_train.moe.gemm import grouped_swiglu, resolve_backend
-from moe_train.moe.megablox import default_row_tile
 from moe_train.moe.permute import make_dispatch, permute, row_values, sum_rows, unpermute, unpermute_sum
 from moe_train.moe.router import Routing, route_tokens
 from moe_train.moe.tiled import default_tile_rows
@@ -79,11 +78,19 @@ def row_tiles(
     backend: str, tile_rows: int | None, rows: int, experts: int, platform: Platform | None = None
 ) -> tuple[int | None, int]:
     """(tile_rows, row_tile) of ``Experts`` for ``rows`` assignments to ``experts``: the tiled
-    backend's tile (``tile_rows`` or its default on ``platform``), megablox's row tile; else (None, 1)."""
+    backend's tile (``tile_rows`` or its default on ``platform``); megablox's row tile on
+    sorted rows, or with ``tile_rows`` each group padded to it (the tiled layout) and it the
+    row tile; else (None, 1)."""
     if backend == "tiled":
         return tile_rows or default_tile_rows(rows, experts, or_here(platform).name), 1
+    if backend == "megablox" and tile_rows:
+        if tile_rows % megablox.MIN_ROW_TILE:
+            raise ValueError(
+                f"moe.tile_rows={tile_rows}: megablox needs a multiple of {megablox.MIN_ROW_TILE}"
+            )
+        return tile_rows, tile_rows
     if backend == "megablox":
-        return None, default_row_tile(rows, experts)
+        return None, megablox.default_row_tile(rows, experts)
     return None, 1
 
 

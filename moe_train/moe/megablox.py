@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from moe_train.base.imports import import_failure
 from moe_train.base.platform import Platform, or_here
+from moe_train.config.checks import MEGABLOX_ROWS
 from moe_train.moe.vjp import custom_vjp, vary, varying_axes
 
 F32 = jnp.float32
@@ -49,7 +50,15 @@ Tile = tuple[int, int, int]  # (tm, tk, tn): rows, contraction and output column
 KINDS = ("fwd", "dlhs", "drhs")  # the GEMM kinds a tile is chosen for
 DEFAULT_TILE: Tile = (512, 1024, 1024)
 MAX_ROW_TILE = 1024  # rows are padded to at most this: the sweep's fastest tm at several GEMMs
-MIN_ROW_TILE = 16  # rows: bf16 packs 16 rows in a TPU vreg's sublanes
+# A group boundary inside a tile of rows makes megablox run that tile once per group. The row
+# tile below trades those repeats against smaller tiles; the layer can instead pad each group to
+# the tile (``moe.tile_rows``: the tiled layout), which leaves no boundary inside a tile but
+# makes the permutation a scatter into a larger buffer. On a TPU v5e (2026-12-07, fwd+bwd /
+# dense, docs/benchmarks.md) unpadded with LOAD_PER_TILE 4 took 2.90 / 1.60 / 1.40 at Qwen3 /
+# DeepSeek-V3 / Mixtral (LOAD_PER_TILE 1: 2.97 / 1.64 / 1.43); padded to the same tile
+# 3.06 / 1.63 / 1.30, and the step model's train step 9% slower than unpadded.
+LOAD_PER_TILE = 4  # the row tile is at most the experts' mean load over this
+MIN_ROW_TILE = MEGABLOX_ROWS  # rows: bf16 packs 16 rows in a TPU vreg's sublanes
 LANES = 128  # tk and tn are multiples of this (the TPU's lane width) or the whole dimension
 TILE_FILE = Path(__file__).resolve().parents[1] / "assets" / "megablox_tiles.json"
 # A tile's VMEM (``vmem_bytes``) is held to this. megablox sets no VMEM limit, so Mosaic's
@@ -86,10 +95,11 @@ def _pow2_floor(n: int) -> int:
 
 def default_row_tile(rows: int, experts: int) -> int:
     """The row tile that the dispatch pads the rows to a multiple of, and the largest tm a
-    GEMM then takes: ``MAX_ROW_TILE``, smaller where the experts' mean load is (a tile of rows
-    mostly in no group is waste)."""
+    GEMM then takes: the largest power of two within the experts' mean load over
+    ``LOAD_PER_TILE``, in [``MIN_ROW_TILE``, ``MAX_ROW_TILE``] (tiles repeated at group
+    boundaries add about (E - 1) * tm rows of work)."""
     mean = max(1, rows // max(1, experts))
-    return max(MIN_ROW_TILE, min(MAX_ROW_TILE, _pow2_floor(mean)))
+    return max(MIN_ROW_TILE, min(MAX_ROW_TILE, _pow2_floor(max(1, mean // LOAD_PER_TILE))))
 
 
 def _clamp(t: int, dim: int) -> int:
