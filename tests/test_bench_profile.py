@@ -87,3 +87,11 @@ def test_a_tpu_op_event_names_its_instruction_by_its_text():
 
 def test_an_op_event_named_by_its_instruction_alone_keeps_the_name():
     assert profile.instruction_name("fusion.12") == "fusion.12"
+
+
+def test_an_attention_kernel_without_a_path_counts_for_attention():
+    assert profile.scope_of("", "splash_mha_fwd_residuals.18") == "attention"
+
+
+def test_a_path_decides_over_the_instruction_name():
+    assert profile.scope_of("jit(step)/jvp(Transformer)/embed/gather", "splash_x.1") == "model, other"

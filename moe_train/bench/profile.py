@@ -29,10 +29,15 @@ MOE_STEPS = ("route", "dispatch", "permute", "grouped_gemm", "unpermute", "combi
 SCOPES = (*MOE_STEPS, "attention", "norms", "model, other", "other")
 CONTROL_OPS = frozenset({"while", "conditional", "call"})  # their events span their bodies' ops
 TOP_OPS = 12  # the longest ops listed by name
+ATTENTION_KERNEL = re.compile(r"(splash|flash)_")  # Pallas attention kernels' instruction names
 
 
-def scope_of(op_name: str) -> str:
-    """The scope (one of ``SCOPES``) an op traced under ``op_name`` (a '/'-separated path) counts for."""
+def scope_of(op_name: str, instruction: str = "") -> str:
+    """The scope (one of ``SCOPES``) an op traced under ``op_name`` (a '/'-separated path) counts
+    for; an op without a path goes by its instruction's name where that names an attention
+    kernel (on a TPU splash's custom calls carry no op_name: ``splash_mha_fwd_residuals.18``)."""
+    if not op_name and ATTENTION_KERNEL.match(instruction):
+        return "attention"
     segments = [_unwrapped(s) for s in op_name.split("/")]
     for step in MOE_STEPS:
         if step in segments:
@@ -126,13 +131,18 @@ def breakdown(call: Callable[[], Any], hlo_text: str | None, calls: int = 2) -> 
         return {"skipped": "the trace holds none of the program's ops"}
     by_scope: dict[str, float] = dict.fromkeys(SCOPES, 0.0)
     for op, secs in seconds.items():
-        by_scope[scope_of(paths[op])] += secs * 1e3 / calls
+        by_scope[scope_of(paths[op], op)] += secs * 1e3 / calls
     top = sorted(seconds.items(), key=lambda kv: -kv[1])[:TOP_OPS]
     return {
         "by_scope": by_scope,
         "traced_ms": sum(by_scope.values()),
         "top_ops": [
-            {"op": op, "scope": scope_of(paths[op]), "ms": secs * 1e3 / calls, "op_name": _short(paths[op])}
+            {
+                "op": op,
+                "scope": scope_of(paths[op], op),
+                "ms": secs * 1e3 / calls,
+                "op_name": _short(paths[op]),
+            }
             for op, secs in top
         ],
     }
