@@ -227,7 +227,7 @@ def test_every_preset_gemm_tile_fits_the_vmem_budget(kind, nbytes):
     for device_kind in [*megablox.load_table(), "no such chip"]:
         for k, n in PRESET_KN:
             for out_bytes in {nbytes, 4}:
-                tile = megablox.tiles_for(kind, 1024, k, n, device_kind, (nbytes, out_bytes))
+                tile = megablox.tiles_for(kind, 1024, k, n, device_kind, in_bytes=nbytes, out_bytes=out_bytes)
                 assert megablox.vmem_bytes(kind, tile, nbytes, out_bytes) <= megablox.VMEM_BUDGET, (
                     k,
                     n,

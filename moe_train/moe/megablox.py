@@ -108,16 +108,18 @@ def _clamp(t: int, dim: int) -> int:
     return t if dim >= t else -(-dim // LANES) * LANES
 
 
-def tiles_for(kind: str, row_tile: int, k: int, n: int, device_kind: str | None = None, sizes=(2, 2)) -> Tile:
+def tiles_for(
+    kind: str, row_tile: int, k: int, n: int, device_kind: str | None = None, *, in_bytes=2, out_bytes=2
+) -> Tile:
     """The tile of one GEMM: the table's entry for (device kind, ``kind``, k x n), else
-    ``DEFAULT_TILE``, fitted by ``clamp_tile`` (``sizes``: bytes per element of the operands
-    and of the output). ``device_kind`` None: this process's device."""
+    ``DEFAULT_TILE``, fitted by ``clamp_tile`` (``in_bytes``, ``out_bytes``: bytes per element
+    of the operands and of the output). ``device_kind`` None: this process's device."""
     if kind not in KINDS:
         raise ValueError(f"unknown GEMM kind {kind!r}; one of {KINDS}")
     kind_of_device = device_kind if device_kind is not None else Platform.here().device_kind
     entry = load_table().get(kind_of_device, {}).get(kind, {}).get(f"{k}x{n}")
     tile = tuple(entry) if entry else DEFAULT_TILE
-    return clamp_tile(tile, row_tile, k, n, kind=kind, in_bytes=sizes[0], out_bytes=sizes[1])
+    return clamp_tile(tile, row_tile, k, n, kind=kind, in_bytes=in_bytes, out_bytes=out_bytes)
 
 
 def clamp_tile(tile, row_tile: int, k: int, n: int, *, kind="fwd", in_bytes=2, out_bytes=2) -> Tile:
@@ -175,13 +177,13 @@ def _gmm(kind, lhs, rhs, group_sizes_E, setup: Setup, out_dtype, transpose_rhs=F
     """Per-group ``lhs @ rhs[e]`` (``rhs[e]^T`` with ``transpose_rhs``) on the sorted rows."""
     k = lhs.shape[1]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    sizes = (lhs.dtype.itemsize, jnp.dtype(out_dtype).itemsize)
+    nbytes = dict(in_bytes=lhs.dtype.itemsize, out_bytes=jnp.dtype(out_dtype).itemsize)
     out = _kernels().gmm(
         lhs,
         rhs,
         group_sizes_E,
         preferred_element_type=out_dtype,
-        tiling=tiles_for(kind, setup.row_tile, k, n, setup.device_kind, sizes),
+        tiling=tiles_for(kind, setup.row_tile, k, n, setup.device_kind, **nbytes),
         transpose_rhs=transpose_rhs,
         interpret=setup.interpret,
     )
@@ -191,13 +193,13 @@ def _gmm(kind, lhs, rhs, group_sizes_E, setup: Setup, out_dtype, transpose_rhs=F
 def _tgmm(lhs_RK, rhs_RN, group_sizes_E, setup: Setup, out_dtype):
     """Per-group ``lhs[rows of e]^T @ rhs[rows of e]`` [E, K, N] (zero for empty groups)."""
     k, n = lhs_RK.shape[1], rhs_RN.shape[1]
-    sizes = (lhs_RK.dtype.itemsize, jnp.dtype(out_dtype).itemsize)
+    nbytes = dict(in_bytes=lhs_RK.dtype.itemsize, out_bytes=jnp.dtype(out_dtype).itemsize)
     out = _kernels().tgmm(
         lhs_RK.swapaxes(0, 1),
         rhs_RN,
         group_sizes_E,
         preferred_element_type=out_dtype,
-        tiling=tiles_for("drhs", setup.row_tile, k, n, setup.device_kind, sizes),
+        tiling=tiles_for("drhs", setup.row_tile, k, n, setup.device_kind, **nbytes),
         interpret=setup.interpret,
     )
     return vary(out, varying_axes(lhs_RK, rhs_RN))
