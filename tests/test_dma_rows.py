@@ -2,6 +2,7 @@
 interpret mode) against XLA's gather, alone and where the MoE layer uses them (the unpermute and
 the permute's backward), forward and gradients, under adversarial routings."""
 
+import dataclasses
 import functools
 
 import jax
@@ -38,21 +39,28 @@ def _ids(case: str, T: int, K: int) -> jnp.ndarray:
     return jnp.asarray(ids, jnp.int32)
 
 
-@pytest.mark.parametrize("T, K", [(37, 2), (64, 8), (5, 1)])
-def test_the_kernel_sums_the_gathered_rows(T, K):
-    """T not a multiple of the block (padded tokens), repeated indices (a row read twice)."""
+KERNELS = {"one buffer": DMA, "prefetch": dataclasses.replace(DMA, prefetch=True)}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("T, K", [(37, 2), (64, 8), (5, 1), (300, 4)])
+def test_the_kernel_sums_the_gathered_rows(T, K, kernel):
+    """T not a multiple of the block (padded tokens), repeated indices (a row read twice),
+    several blocks (300 tokens: three of 128; the prefetching kernel's hand-over)."""
     src = _rows(3 * T)
     idx = jnp.asarray(np.random.default_rng(2).integers(0, 3 * T, (T, K)), jnp.int32)
     want = sum_gathered(src, idx, jnp.float32)
-    np.testing.assert_allclose(dma_rows.gather_sum(src, idx, jnp.float32, DMA), want, rtol=1e-6, atol=1e-6)
+    got = dma_rows.gather_sum(src, idx, jnp.float32, KERNELS[kernel])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_the_kernel_sums_bf16_rows_in_fp32():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_kernel_sums_bf16_rows_in_fp32(kernel):
     src, idx = (
         _rows(96, jnp.bfloat16),
         jnp.asarray(np.random.default_rng(3).integers(0, 96, (40, 8)), jnp.int32),
     )
-    got = dma_rows.gather_sum(src, idx, jnp.bfloat16, DMA)
+    got = dma_rows.gather_sum(src, idx, jnp.bfloat16, KERNELS[kernel])
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(
         np.asarray(got, np.float32), np.asarray(sum_gathered(src, idx, jnp.bfloat16), np.float32)

@@ -97,8 +97,8 @@ def permutation_fn(shape: MoEShape, method: str):
 def row_moves(x_TH: jax.Array, ids_TK: jax.Array, num_experts: int) -> dict[str, tuple]:
     """The permutation's row movements alone, forward only, each {name: (compiled, args)}:
     the permute's gather from the tokens [T, H] and the unpermute's sum over K of the rows
-    [T*K, H] by XLA's gather, and on a TPU by row DMAs (``moe_train.moe.dma_rows``; its
-    relayout of the rows included). A scatter of the rows into assignment order, timed here
+    [T*K, H] by XLA's gather, and on a TPU by row DMAs (``moe_train.moe.dma_rows``, both of
+    its kernels; the relayout of the rows included). A scatter of the rows into assignment order, timed here
     until 2026-12-07, was slower than the gather at every shape on a TPU v5e."""
     plan = jax.jit(lambda ids: make_dispatch(ids, num_experts))(ids_TK)
     y_RH = jax.jit(lambda x, i: x[i])(x_TH, plan.token_R)  # the rows as the experts get them, [T*K, H]
@@ -112,8 +112,13 @@ def row_moves(x_TH: jax.Array, ids_TK: jax.Array, num_experts: int) -> dict[str,
     }
     dma = dma_rows.for_target(Platform.here(), x_TH)
     if dma is not None and not dma.interpret:
+        ahead = dataclasses.replace(dma, prefetch=True)
         moves["rows: sum over K of y [T*K, H], row DMAs"] = (
             lambda y, i: sum_gathered(y, i, y.dtype, dma),
+            (y_RH, row_TK),
+        )
+        moves["rows: sum over K of y [T*K, H], row DMAs, next block prefetched"] = (
+            lambda y, i: sum_gathered(y, i, y.dtype, ahead),
             (y_RH, row_TK),
         )
     return {name: (compile_jit(jax.jit(fn), *args)[0], args) for name, (fn, args) in moves.items()}
