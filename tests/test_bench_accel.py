@@ -2,6 +2,7 @@
 accelerator, runs its whole code path at toy sizes on CPU (``--tiny``), sizes each expert shape
 to the device's memory, and names the peak of the TPUs it runs on (``topology.peaks``)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -339,3 +340,42 @@ def test_tpu_peaks(kind, model, bf16):
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v5", "TPU v6 lite"])
 def test_a_tpu_has_no_fp8_peak(kind):
     assert peak_flops(kind, "fp8") is None
+
+
+def _at(row: dict, tokens: int) -> dict:
+    return row | {"tokens": tokens}
+
+
+def test_auto_over_plain_is_compared_at_the_largest_t_both_ran():
+    rows = [
+        _row("m", "dense", 1.0, 1.0),
+        _row("m", "auto", 1.4, 1.4),
+        _row("m", "plain", 0, 0) | {"skipped": "failed: RESOURCE_EXHAUSTED"},
+        _at(_row("m", "dense", 0.5, 1.0), 4),
+        _at(_row("m", "plain", 1.0, 2.0), 4),
+        _at(_row("m", "auto", 0.8, 1.6), 4),
+    ]
+    step = {"rows": {"moe": {"skipped": "over the run's time budget"}}, "moe_over_dense_tflops": None}
+    dense_goal, plain_goal = accel.goals(rows, step)[:2]
+    assert (dense_goal["measured"], plain_goal["measured"]) == (1.4, 0.8) and "(T 4)" in plain_goal["goal"]
+
+
+def test_a_plain_layer_out_of_memory_is_run_again_at_half_the_tokens():
+    rows = [
+        {"variant": "auto", "skipped": None, "tokens": SMALL.shape.tokens},
+        {"variant": "plain", "skipped": "failed: JaxRuntimeError: RESOURCE_EXHAUSTED: E0101"},
+    ]
+    sizes = dataclasses.replace(accel.TINY, min_tokens=16)
+    again = accel.halved_rows(SMALL, rows, sizes, None, 1e30, lambda line: None)
+    assert {(r["variant"], r["tokens"]) for r in again} == {
+        (v, SMALL.shape.tokens // 2) for v in ("dense", "plain", "auto")
+    }
+    assert all("plain out of device memory at T=64" in r["note"] for r in again)
+
+
+def test_a_plain_layer_that_failed_otherwise_is_not_run_again():
+    rows = [
+        {"variant": "auto", "skipped": None, "tokens": SMALL.shape.tokens},
+        {"variant": "plain", "skipped": "over the run's time budget"},
+    ]
+    assert accel.halved_rows(SMALL, rows, accel.TINY, None, 1e30, lambda line: None) == []

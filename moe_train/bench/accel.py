@@ -27,7 +27,9 @@ each shape; the step at least ``STEP_OVER_DENSE`` x its dense twin's TFLOP/s and
 
 A deadline bounds the run: layer rows that would start after ``budget_s - step_reserve_s``,
 and step rows after ``budget_s``, are listed as skipped. A variant that fails to compile or
-run (VMEM or HBM exhausted, a kernel refusing the shape) is a row saying so. ``TINY``: toy
+run (VMEM or HBM exhausted, a kernel refusing the shape) is a row saying so; where the plain
+layer ran out of device memory, it and ``auto`` run again beside dense at half the tokens, and
+the goal ``auto`` / plain compares them there. ``TINY``: toy
 sizes, so the code path runs on CPU (CI).
 """
 
@@ -233,13 +235,15 @@ def _prepare(fn, args) -> tuple[Any, Any, float] | str:
     return compiled, args, secs
 
 
-def _prepared(spec: Shape, shape: MoEShape, s: Sizes, deadline: float, ops) -> dict[tuple, tuple | str]:
+def _prepared(
+    spec: Shape, shape: MoEShape, s: Sizes, deadline: float, ops, only=None
+) -> dict[tuple, tuple | str]:
     """{(variant, backend): (compiled, args, compile seconds) or why it does not run}, in
-    ``variants`` order (dense first: the others need it)."""
+    ``variants`` order (dense first: the others need it); ``only``: those variants (and dense)."""
     dtype = jnp.dtype(s.dtype)
     moe_ops, dense_ops, dy, dy_n = ops
     out: dict[tuple, tuple | str] = {}
-    for variant, backend in variants(shape, dtype):
+    for variant, backend in _chosen(variants(shape, dtype), only):
         why = _expansion(variant, shape, dtype)
         if why is None and time.perf_counter() > deadline:
             why = "over the run's time budget"
@@ -280,19 +284,29 @@ def _where(compiled, args) -> dict[str, Any]:
     return profile.breakdown(lambda: jax.block_until_ready(compiled(*args)), compiled.as_text())
 
 
-def shape_rows(spec: Shape, s: Sizes, limit: float | None, deadline: float, say: Say) -> list[dict]:
-    """Every variant of one expert shape, timed side by side with the dense reference."""
+def _chosen(pairs: list[tuple[str, str | None]], only) -> list[tuple[str, str | None]]:
+    return pairs if only is None else [p for p in pairs if p[0] in ("dense", *only)]
+
+
+def shape_rows(
+    spec: Shape, s: Sizes, limit: float | None, deadline: float, say: Say, only=None, note=None
+) -> list[dict]:
+    """Every variant of one expert shape (``only``: those and dense), timed side by side with
+    the dense reference; ``note``: said on each row (why this shape was run)."""
     dtype = jnp.dtype(s.dtype)
-    shape, note = fit(spec.shape, dtype, limit, s.memory_fraction, s.min_tokens)
+    shape, fitted = fit(spec.shape, dtype, limit, s.memory_fraction, s.min_tokens)
+    note = "; ".join(n for n in (fitted, note) if n) or None
     base = {"model": spec.name, "full_tokens": spec.shape.tokens, "router": spec.score_function, "note": note}
     if shape is None:
         return [base | dataclasses.asdict(spec.shape) | {"variant": "all", "backend": None, "skipped": note}]
     base |= dataclasses.asdict(shape)
     if time.perf_counter() > deadline:  # no operands drawn for nothing
         late = "over the run's time budget"
-        return [base | {"variant": v, "backend": b, "skipped": late} for v, b in variants(shape, dtype)]
+        pairs = _chosen(variants(shape, dtype), only)
+        return [base | {"variant": v, "backend": b, "skipped": late} for v, b in pairs]
     moe_ops, dense_ops, dy, dy_n = operands(shape, dtype)
-    entries = _prepared(spec, shape, s, deadline, (moe_ops, dense_ops, dy.astype(dtype), dy_n.astype(dtype)))
+    ops = (moe_ops, dense_ops, dy.astype(dtype), dy_n.astype(dtype))
+    entries = _prepared(spec, shape, s, deadline, ops, only)
     timings, failed = _timed(entries, s)
     rows = []
     for (variant, backend), entry in entries.items():
@@ -311,6 +325,27 @@ def shape_rows(spec: Shape, s: Sizes, limit: float | None, deadline: float, say:
         rows.append(row)
         say(f"{label}: {fmt_ms(timing)[0]} ms, {row['ratio']:.2f}x dense, {_tflops(row['tflops'])} TFLOP/s")
     return rows
+
+
+OUT_OF_HBM = ("RESOURCE_EXHAUSTED", "out of memory")  # a row's reason that says the device ran out
+
+
+def halved_rows(spec: Shape, rows: list[dict], s: Sizes, limit, deadline: float, say: Say) -> list[dict]:
+    """Where the plain layer ran out of device memory beside ``auto``, both again with dense at
+    half the tokens (so that ``auto`` / plain is measured at one T; [] where nothing did or T
+    would go below ``min_tokens``)."""
+    by = {r["variant"]: r for r in rows}
+    plain, auto = by.get("plain"), by.get("auto")
+    why = (plain or {}).get("skipped") or ""
+    if not (auto and not auto["skipped"] and any(w in why for w in OUT_OF_HBM)):
+        return []
+    half = auto["tokens"] // 2
+    if half < s.min_tokens:
+        return []
+    smaller = dataclasses.replace(spec, shape=dataclasses.replace(spec.shape, tokens=half))
+    note = f"plain out of device memory at T={auto['tokens']}"
+    say(f"{spec.name}: {note}; plain and auto again at T={half}")
+    return shape_rows(smaller, s, limit, deadline, say, only=("plain", "auto"), note=note)
 
 
 def square_gemm(n: int, s: Sizes) -> dict[str, Any]:
@@ -333,16 +368,27 @@ def _goal(name: str, value: float | None, op: str, target: float, unit: str) -> 
     return {"goal": name, "measured": value, "op": op, "target": target, "unit": unit, "met": met}
 
 
+def _auto_and_plain(rows: list[dict], name: str) -> tuple[dict | None, tuple[dict, dict] | None]:
+    """(``auto``'s row at the largest T it ran, (auto, plain) at the largest T both ran)."""
+    ran = [r for r in rows if r["model"] == name and not r["skipped"]]
+    autos = sorted((r for r in ran if r["variant"] == "auto"), key=lambda r: -r["tokens"])
+    for a in autos:
+        plain = [r for r in ran if r["variant"] == "plain" and r["tokens"] == a["tokens"]]
+        if plain:
+            return autos[0], (a, plain[0])
+    return (autos[0] if autos else None), None
+
+
 def goals(rows: list[dict], step: dict) -> list[dict]:
     """Issue 49's goals, each with what was measured (None: not measured) and met or not."""
     out = []
     for name in dict.fromkeys(r["model"] for r in rows):
-        by = {r["variant"]: r for r in rows if r["model"] == name and not r["skipped"]}
-        auto, plain = by.get("auto"), by.get("plain")
+        auto, pair = _auto_and_plain(rows, name)
         at = f"{name} (T {auto['tokens']})" if auto else name
-        over_plain = auto["time"]["median_s"] / plain["time"]["median_s"] if auto and plain else None
         over_dense = auto["ratio"] if auto else None
         out.append(_goal(f"{at}: MoE layer (auto) / dense", over_dense, "<=", LAYER_OVER_DENSE, "x"))
+        at = f"{name} (T {pair[0]['tokens']})" if pair else at
+        over_plain = pair[0]["time"]["median_s"] / pair[1]["time"]["median_s"] if pair else None
         out.append(_goal(f"{at}: MoE layer (auto) / plain ragged_dot layer", over_plain, "<", 1.0, "x"))
     moe = step["rows"]["moe"]
     out.append(
@@ -468,7 +514,8 @@ def run(s: Sizes, say: Say = print) -> dict[str, Any]:
     say(f"{dev.device_kind}: {s.square}^3 bf16 GEMM {_tflops(square['tflops'])} TFLOP/s")
     rows = []
     for spec in s.shapes:
-        rows += shape_rows(spec, s, limit, deadline - s.step_reserve_s, say)
+        found = shape_rows(spec, s, limit, deadline - s.step_reserve_s, say)
+        rows += found + halved_rows(spec, found, s, limit, deadline - s.step_reserve_s, say)
     step = accel_step.run(s.step, deadline, peak, say)
     sec = {
         "title": TITLE,
