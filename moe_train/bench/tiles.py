@@ -67,6 +67,11 @@ FULL = Sizes(
         (512, 2048, 256),
         (256, 2048, 512),
         (128, 1024, 2048),
+        # tk over any k: the whole contraction in one block (clamp_tile), so consecutive row tiles
+        # of one group keep the same weight block, which Pallas then does not fetch again
+        (256, 8192, 512),
+        (512, 8192, 256),
+        (128, 8192, 1024),
     ),
 )
 TINY = Sizes(
