@@ -307,7 +307,7 @@ def test_megablox_tile_rows_off_the_sublane_packing_are_refused():
         layer.row_tiles("megablox", 100, 131072, 128)
 
 
-def _ep_grads(ops, dispatcher: str, ep: int, inner: int, backend: str):
+def _ep_grads(ops, dispatcher: str, ep: int, inner: int, backend: str, tile_rows=None):
     from moe_train.moe import Routing
     from moe_train.parallel import sharding
     from moe_train.parallel.jobplan import EPPlan
@@ -316,7 +316,12 @@ def _ep_grads(ops, dispatcher: str, ep: int, inner: int, backend: str):
 
     def loss(ops):
         y, _ = layer.dropless_moe(
-            *ops, routing=Routing(K), plan=EPPlan(dispatcher, ep), seq_len=16, backend=backend
+            *ops,
+            routing=Routing(K),
+            plan=EPPlan(dispatcher, ep),
+            seq_len=16,
+            backend=backend,
+            tile_rows=tile_rows,
         )
         return jnp.sum(y * jnp.cos(y)), y
 
@@ -326,10 +331,13 @@ def _ep_grads(ops, dispatcher: str, ep: int, inner: int, backend: str):
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (a TPU v5e chip is 1)")
-@pytest.mark.parametrize("dispatcher,ep,inner", [("a2a", 4, 4), ("hierarchical", 8, 2)])
-def test_expert_parallel_megablox_equals_tiled(monkeypatch, dispatcher, ep, inner):
-    """Under shard_map, with rows for other shards in the spare group; off a TPU the platform
-    check is lifted so that dropless_moe runs the kernels in interpret mode."""
+@pytest.mark.parametrize(
+    "dispatcher,ep,inner,tile_rows", [("a2a", 4, 4, None), ("hierarchical", 8, 2, None), ("a2a", 4, 4, 16)]
+)
+def test_expert_parallel_megablox_equals_tiled(monkeypatch, dispatcher, ep, inner, tile_rows):
+    """Under shard_map, with rows for other shards in the spare group, on sorted rows and (with
+    ``tile_rows``) each group padded to the tile; off a TPU the platform check is lifted so that
+    dropless_moe runs the kernels in interpret mode."""
     resolve = layer.resolve_backend
     monkeypatch.setattr(
         layer, "resolve_backend", lambda n, d=None, **kw: n if n == "megablox" else resolve(n, d, **kw)
@@ -340,7 +348,7 @@ def test_expert_parallel_megablox_equals_tiled(monkeypatch, dispatcher, ep, inne
         jax.random.normal(keys[1], (H, E)) * 0.5,
         *(jax.random.normal(k, s) * 0.1 for k, s in zip(keys[2:], [(E, H, F), (E, H, F), (E, F, H)])),
     )
-    (_, y), grads = _ep_grads(ops, dispatcher, ep, inner, "megablox")
+    (_, y), grads = _ep_grads(ops, dispatcher, ep, inner, "megablox", tile_rows)
     (_, y_ref), grads_ref = _ep_grads(ops, dispatcher, ep, inner, "tiled")
     errors = [_max_rel(a, b) for a, b in zip((y, *grads), (y_ref, *grads_ref))]
     assert max(errors) < 1e-5, errors
