@@ -200,7 +200,7 @@ def test_the_weight_gradients_vmem_counts_their_output_block():
     assert megablox.vmem_bytes("drhs", (128, 1024, 2048), 2, 2) > megablox.VMEM_BUDGET
 
 
-# (k, n) of the six GEMMs at the presets' expert shapes (Mixtral, Qwen3, DeepSeek-V3, the bench's
+# (k, n) of the GEMMs at the presets' expert shapes (Mixtral, Qwen3, DeepSeek-V3, the bench's
 # step model), both dtypes: every tile the backend would run is within the budget
 PRESET_KN = [
     (4096, 14336),

@@ -1,8 +1,9 @@
 """The megablox tile sweep (``python -m moe_train.bench --accel --tune [--write-tiles]``).
 
 For each GEMM the ``megablox`` backend runs at the expert shapes of Mixtral, Qwen3 and
-DeepSeek-V3 (``moe_train.moe.megablox``: the forward's ``x @ [wi_0|wi_1]`` and ``h @ wo``,
-the rows' gradients through the transposed weights, the weights' gradients by ``tgmm``), on
+DeepSeek-V3 (``moe_train.moe.megablox``: the forward's ``x @ wi_0`` (and ``wi_1``) and
+``h @ wo``, the rows' gradients through the transposed weights, the weights' gradients by
+``tgmm``; and, for comparison, the one GEMM of ``[wi_0|wi_1]`` the forward does not run), on
 rows sorted by expert with the loads of a uniform random top-k routing (``routed_loads``: group
 boundaries fall inside row tiles, as a router's do, and megablox runs such a tile once per
 group in it; the sweeps up to 2026-12-07 had balanced loads, aligned to every tile) in bf16,
@@ -93,21 +94,28 @@ class Gemm:
     n: int  # output columns
     transpose_rhs: bool = False  # the rows' gradients multiply by the transposed weights
     out_f32: bool = False  # fp32 output, as the backend asks of it (``dy @ wo^T``; else x's dtype)
+    runs: bool = True  # the backend runs it (False: a comparison the sweep times beside it)
+
+
+# Names of the comparison row and of the two-GEMM forward it is against.
+FUSED_GATE, GATE = "x @ [wi_0|wi_1] (fused: not run)", "x @ wi_0 (and wi_1)"
 
 
 def gemms(shape: MoEShape) -> tuple[Gemm, ...]:
-    """The six GEMMs of the fused SwiGLU and its backward at one expert shape, and one of the
-    two GEMMs the forward would run with wi_0 and wi_1 apart (twice its time against the
-    fused one's says whether fusing them pays at this shape)."""
+    """The GEMMs of the backend's SwiGLU and its backward at one expert shape (``x @ wi_0`` and
+    ``x^T da0`` also stand for their twins of ``wi_1``, same shape), and the one GEMM of
+    ``[wi_0|wi_1]`` the forward would run in place of two (its time against twice
+    ``x @ wi_0``'s says what fusing would save at this shape, before concatenating the
+    weights)."""
     H, F = shape.hidden, shape.ffn
     return (
-        Gemm("x @ [wi_0|wi_1]", "fwd", H, 2 * F),
-        Gemm("x @ wi_0 (unfused: one of two)", "fwd", H, F),
+        Gemm(GATE, "fwd", H, F),
         Gemm("h @ wo", "fwd", F, H),
         Gemm("dy @ wo^T", "dlhs", H, F, True, out_f32=True),
         Gemm("da @ [wi_0|wi_1]^T", "dlhs", 2 * F, H, True),
-        Gemm("x^T da", "drhs", H, 2 * F),
+        Gemm("x^T da0 (and da1)", "drhs", H, F),
         Gemm("(h s)^T dy", "drhs", F, H),
+        Gemm(FUSED_GATE, "fwd", H, 2 * F, runs=False),  # last: a deadline cuts it first
     )
 
 
@@ -167,7 +175,9 @@ def gemm_rows(model: str, shape: MoEShape, g: Gemm, s: Sizes) -> list[dict[str, 
     lhs, rhs, sizes_E = _operands(g, shape, dtype)
     dense_b = jnp.ones((g.k, g.n), dtype)
     fns: dict[Any, tuple] = {"dense": (_dense_fn(), (lhs, dense_b))}
-    base = dict(model=model, gemm=g.name, kind=g.kind, m=rows, k=g.k, n=g.n, experts=shape.experts)
+    base = dict(
+        model=model, gemm=g.name, kind=g.kind, m=rows, k=g.k, n=g.n, experts=shape.experts, runs=g.runs
+    )
     out = []
     in_bytes, out_bytes = dtype.itemsize, _out_dtype(g, dtype).itemsize
     fitted = (
@@ -188,10 +198,11 @@ def gemm_rows(model: str, shape: MoEShape, g: Gemm, s: Sizes) -> list[dict[str, 
 
 
 def best(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
-    """{kind: {"KxN": fastest tile}} over the rows that ran (summed over models sharing k, n)."""
+    """{kind: {"KxN": fastest tile}} over the rows that ran of GEMMs the backend runs (summed
+    over models sharing k, n)."""
     total: dict[tuple[str, str, tuple], float] = {}
     for r in rows:
-        if "median_s" in r:
+        if "median_s" in r and r.get("runs", True):
             key = (r["kind"], f"{r['k']}x{r['n']}", tuple(r["tile"]))
             total[key] = total.get(key, 0.0) + r["median_s"]
     out: dict[str, dict[str, list[int]]] = {}
@@ -251,8 +262,10 @@ def run(
     for model, shape in s.shapes:
         for g in gemms(shape):
             base = dict(model=model, gemm=g.name, kind=g.kind, k=g.k, n=g.n)
-            if missing_only and measured(g, device_kind):
-                rows.append(dict(base, skipped="in the table already"))
+            if missing_only and (measured(g, device_kind) or not g.runs):
+                rows.append(
+                    dict(base, skipped="in the table already" if g.runs else "not run by the backend")
+                )
                 continue
             if time.perf_counter() - t0 > s.budget_s:
                 rows.append(dict(base, skipped="budget"))

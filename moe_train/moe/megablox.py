@@ -3,17 +3,18 @@
 
 Shape letters (``moe_train.base.notation``): R dispatched rows (sorted by expert, then rows in no
 group: padding to the row tile and, under expert parallelism, the spare group of rows that no
-expert here takes), H hidden, F expert ffn (F2 = 2F: gate and up side by side), E experts.
+expert here takes), H hidden, F expert ffn, E experts.
 
 Forward, on rows sorted by expert (``permute.make_dispatch`` with ``row_multiple``):
-``a = x @ [wi_0|wi_1]`` (one GEMM of 2F columns; the two weights are concatenated in the
-forward and again in the backward, never kept, so checkpoints and conversions keep ``wi_0``
-and ``wi_1``), ``h = silu(a0) * a1 * s`` in
-fp32 (``s``: each row's scale, its combine weight), ``y = h @ wo``. Backward: ``dhs = dy @
-wo^T``, ``da`` from ``a`` and ``dhs`` in fp32, ``dx = da @ [wi_0|wi_1]^T`` (megablox ``gmm``
-with ``transpose_rhs``), ``dw01 = x^T da`` and ``dwo = (h s)^T dy`` per expert (``tgmm``).
-Six GEMMs of three kinds, each with its own tile (``tiles_for``): ``fwd`` (the forward's two),
-``dlhs`` (the rows' gradients), ``drhs`` (the weights' gradients), as MaxText exposes them.
+``a0 = x @ wi_0``, ``a1 = x @ wi_1`` (two GEMMs: one of ``[wi_0|wi_1]`` would need the weights
+concatenated, which cost more than it saved on the v5e), ``h = silu(a0) * a1 * s`` in fp32
+(``s``: each row's scale, its combine weight), ``y = h @ wo``. Backward: ``dhs = dy @ wo^T``,
+``da`` from ``a`` and ``dhs`` in fp32, ``dx = [da0|da1] @ [wi_0|wi_1]^T`` (one GEMM of 2F
+contraction; the weights are concatenated there, never kept, so checkpoints and conversions
+keep ``wi_0`` and ``wi_1``), ``dw0 = x^T da0``, ``dw1 = x^T da1`` and ``dwo = (h s)^T dy`` per
+expert (``tgmm``; no [E, H, 2F] gradient to split). Eight GEMMs of three kinds, each with its
+own tile (``tiles_for``): ``fwd`` (the forward's three), ``dlhs`` (the rows' gradients),
+``drhs`` (the weights' gradients), as MaxText exposes them.
 
 Tiles (tm, tk, tn) come from a table measured on the chip and shipped with the kit
 (``moe_train/assets/megablox_tiles.json``, written by ``python -m moe_train.bench --accel
@@ -214,25 +215,27 @@ def _rows_in_groups(a, group_sizes_E, setup: Setup):
     return jnp.where(row_R < jnp.sum(group_sizes_E), a, jnp.zeros((), a.dtype))
 
 
-def _swiglu(a_RF2, s_R):
+def _swiglu(a0_RF, a1_RF, s_R):
     """(h * s, silu(a0), sigmoid(a0), a0, a1) in fp32."""
-    a0, a1 = jnp.split(a_RF2.astype(F32), 2, axis=1)
+    a0, a1 = a0_RF.astype(F32), a1_RF.astype(F32)
     sig = jax.nn.sigmoid(a0)
     silu = a0 * sig
     return silu * a1 * s_R[:, None], silu, sig, a0, a1
 
 
 def _w01(w0_EHF, w1_EHF):
-    """[wi_0 | wi_1] [E, H, 2F]: made in the forward and again in the backward, never kept."""
+    """[wi_0 | wi_1] [E, H, 2F] for the rows' gradient: made in the backward, never kept."""
     return jnp.concatenate([w0_EHF, w1_EHF], axis=2)
 
 
 def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup):
     dtype = x_RH.dtype
-    a_RF2 = _gmm("fwd", x_RH, _w01(w0_EHF, w1_EHF), group_sizes_E, setup, dtype)
-    hs_RF = _swiglu(a_RF2, s_R)[0].astype(dtype)
+    # Two GEMMs, not one of [wi_0|wi_1]: on the v5e (2026-12-07) the fused GEMM saved 0.5-0.8 ms
+    # of the two's time at the three bench shapes, and concatenating the weights cost 1.2-2.9.
+    a_RF = tuple(_gmm("fwd", x_RH, w, group_sizes_E, setup, dtype) for w in (w0_EHF, w1_EHF))
+    hs_RF = _swiglu(*a_RF, s_R)[0].astype(dtype)
     y_RH = _gmm("fwd", hs_RF, wo_EFH, group_sizes_E, setup, dtype)
-    return _rows_in_groups(y_RH, group_sizes_E, setup), a_RF2
+    return _rows_in_groups(y_RH, group_sizes_E, setup), a_RF
 
 
 @custom_vjp(nondiff_argnums=(6,))
@@ -241,25 +244,37 @@ def _fused(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup):
 
 
 def _fused_fwd(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup):
-    y_RH, a_RF2 = _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup)
-    return y_RH, (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a_RF2)
+    y_RH, (a0_RF, a1_RF) = _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup)
+    return y_RH, (x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a0_RF, a1_RF)
 
 
 def _fused_bwd(setup, res, dy_RH):
     """(dx, dw0, dw1, dwo, None, ds): the rows' gradients by ``gmm`` with the weights
     transposed, the weights' by ``tgmm``; rows in no group get zero."""
-    x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a_RF2 = res
+    x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, a0_RF, a1_RF = res
     dtype = x_RH.dtype
     dy_RH = dy_RH.astype(dtype)
-    hs, silu, sig, a0, a1 = _swiglu(a_RF2, s_R)
+    hs, silu, sig, a0, a1 = _swiglu(a0_RF, a1_RF, s_R)
     dhs_RF = _gmm("dlhs", dy_RH, wo_EFH, group_sizes_E, setup, F32, transpose_rhs=True)
     ds_R = _rows_in_groups(jnp.sum(dhs_RF * silu * a1, axis=1), group_sizes_E, setup)
     dh = dhs_RF * s_R[:, None]
-    da0 = dh * a1 * sig * (1.0 + a0 * (1.0 - sig))
-    da_RF2 = _rows_in_groups(jnp.concatenate([da0, dh * silu], axis=1).astype(dtype), group_sizes_E, setup)
-    w01 = _w01(w0_EHF, w1_EHF)
-    dx_RH = _gmm("dlhs", da_RF2, w01, group_sizes_E, setup, dtype, transpose_rhs=True)
-    dw0, dw1 = jnp.split(_tgmm(x_RH, da_RF2, group_sizes_E, setup, w01.dtype), 2, axis=2)
+    da0_RF, da1_RF = (
+        _rows_in_groups(d.astype(dtype), group_sizes_E, setup)
+        for d in (dh * a1 * sig * (1.0 + a0 * (1.0 - sig)), dh * silu)
+    )
+    dx_RH = _gmm(
+        "dlhs",
+        jnp.concatenate([da0_RF, da1_RF], axis=1),
+        _w01(w0_EHF, w1_EHF),
+        group_sizes_E,
+        setup,
+        dtype,
+        transpose_rhs=True,
+    )
+    # Each weight's gradient by a tgmm of its own half of da: one tgmm of [da0|da1] would need
+    # its [E, H, 2F] output split, a pass over it (5.6 ms of DeepSeek-V3's 141 on the v5e).
+    dw0 = _tgmm(x_RH, da0_RF, group_sizes_E, setup, w0_EHF.dtype)
+    dw1 = _tgmm(x_RH, da1_RF, group_sizes_E, setup, w1_EHF.dtype)
     dwo = _tgmm(hs.astype(dtype), dy_RH, group_sizes_E, setup, wo_EFH.dtype)
     return _rows_in_groups(dx_RH, group_sizes_E, setup), dw0, dw1, dwo, None, ds_R
 
