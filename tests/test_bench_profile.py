@@ -67,6 +67,60 @@ def test_the_longest_ops_are_listed_longest_first(layer_profile):
     assert ms and ms == sorted(ms, reverse=True)
 
 
+@pytest.fixture(scope="module")
+def two_programs_profile():
+    """A looped program profiled while a second program runs beside it in each call."""
+    x = jnp.ones((64, 64))
+    looped = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, c: jnp.sin(c) * 2, x)).lower(x).compile()
+    other = jax.jit(jnp.cos).lower(x).compile()
+    jax.block_until_ready((looped(x), other(x)))
+    text = looped.as_text() or ""
+    prof = profile.breakdown(lambda: jax.block_until_ready((looped(x), other(x))), text)
+    return prof, text, other.as_text() or ""
+
+
+def test_another_programs_ops_are_unmatched_not_traced(two_programs_profile):
+    prof, text, other_text = two_programs_profile
+    unmatched = {u["op"] for u in prof["unmatched_top"]}
+    traced = {op["op"] for op in prof["top_ops"]}
+    assert unmatched and unmatched <= set(profile.instruction_paths(other_text))
+    assert not unmatched & (traced | set(profile.instruction_paths(text)))
+
+
+def test_the_unmatched_time_is_the_sum_of_the_unmatched_ops(two_programs_profile):
+    prof = two_programs_profile[0]
+    listed = sum(u["ms"] for u in prof["unmatched_top"])
+    assert prof["unmatched_ms"] > 0 and prof["unmatched_ms"] == pytest.approx(listed)
+
+
+def test_a_loops_event_is_neither_traced_nor_unmatched(two_programs_profile):
+    prof, text, _ = two_programs_profile
+    loops = profile.control_instructions(text)
+    listed = {u["op"] for u in prof["unmatched_top"]} | {op["op"] for op in prof["top_ops"]}
+    assert loops and prof["control_ms"] > 0 and not loops & listed
+
+
+def test_each_call_runs_each_unmatched_op_once(two_programs_profile):
+    assert [u["count"] for u in two_programs_profile[0]["unmatched_top"]] == [1.0]
+
+
+def test_a_cpu_trace_has_no_module_time(two_programs_profile):
+    """XLA:CPU's trace has no "XLA Modules" line: only a device plane has one."""
+    assert two_programs_profile[0]["module_ms"] is None
+
+
+def test_the_op_events_seen_count_the_traced_and_unmatched_ones(two_programs_profile):
+    prof = two_programs_profile[0]
+    assert prof["events"] >= len(prof["top_ops"]) + sum(u["count"] for u in prof["unmatched_top"])
+
+
+def test_the_table_sets_unmatched_and_module_time_after_the_traced_time(two_programs_profile):
+    header, rows = profile.markdown_rows({"x": two_programs_profile[0]})
+    at = header.index("traced ms")
+    assert header[at : at + 4] == ["traced ms", "unmatched ms", "module ms", "MoE steps"]
+    assert float(rows[0][at + 1]) >= 0 and rows[0][at + 2] == ""
+
+
 def test_a_program_without_traced_ops_is_a_row_saying_so():
     header, rows = profile.markdown_rows({"x": {"skipped": "nothing traced"}})
     assert len(rows[0]) == len(header) and rows[0][-1] == "nothing traced"

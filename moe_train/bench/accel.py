@@ -500,7 +500,10 @@ def where_md(sec: dict) -> str:
     header, rows = profile.markdown_rows(profiles)
     return (
         "Device time per call (ms) of each op, by the named scope it was traced under (a trace of "
-        "two more calls after the timed ones).\n\n" + markdown_table(header, rows)
+        "two more calls after the timed ones); unmatched ms: op events of no instruction of the "
+        "program; module ms: the device's module executions (empty where the trace has none, as on "
+        "a CPU). Traced ms well under module ms is ops not matched; module ms well under the "
+        "measured time is a device waiting on its host.\n\n" + markdown_table(header, rows)
     )
 
 

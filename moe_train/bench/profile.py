@@ -10,13 +10,20 @@ to the first of these its path holds: a step of the MoE pipeline (``route``, ``d
 module), ``norms`` (modules named ``*_norm``), ``model, other`` (the rest of the Transformer:
 embedding, dense blocks), else ``other`` (loss, head, optimizer, the benchmark's own loss).
 Times are summed per call; ops that run concurrently (XLA:CPU's thread pool) count each.
+
+Beside the module's ops the same planes say where a gap between the traced ops and a measured
+time lies: op events of no instruction of the module (``unmatched``: another program's ops, or
+events named other than the module's text says), and the device's own "XLA Modules" line (the
+module executions: a traced time well under it is ops not matched, a module time well under the
+measured time is a device waiting on its host).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +36,7 @@ MOE_STEPS = ("route", "dispatch", "permute", "grouped_gemm", "unpermute", "combi
 SCOPES = (*MOE_STEPS, "attention", "norms", "model, other", "other")
 CONTROL_OPS = frozenset({"while", "conditional", "call"})  # their events span their bodies' ops
 TOP_OPS = 12  # the longest ops listed by name
+TOP_UNMATCHED = 8  # the longest unmatched op names listed
 ATTENTION_KERNEL = re.compile(r"(splash|flash)_")  # Pallas attention kernels' instruction names
 
 
@@ -71,6 +79,13 @@ def instruction_paths(hlo_text: str) -> dict[str, str]:
     return out
 
 
+def control_instructions(hlo_text: str) -> frozenset[str]:
+    """The compiled module's loops, branches and calls: their op events span their bodies' ops,
+    which count on their own, so they are neither the module's ops nor unmatched ones."""
+    comps, _ = hlo.parse(hlo_text)
+    return frozenset(ins.name for instrs in comps.values() for ins in instrs if ins.op in CONTROL_OPS)
+
+
 def _op_name(ins: hlo.Instr) -> str:
     return ins.attr(r'op_name="([^"]*)"') or ""
 
@@ -83,26 +98,64 @@ def _fused_op_name(ins: hlo.Instr, comps: dict[str, list[hlo.Instr]]) -> str:
     return named[-1] if named else ""
 
 
-def op_seconds(trace_dir: Path, paths: dict[str, str]) -> dict[str, float]:
-    """Seconds per op of the module (``paths``' instructions) over a trace's device planes, or
-    its host CPU plane where there is none; per plane, only its "XLA Ops" line where it has one."""
+@dataclasses.dataclass(frozen=True)
+class OpTrace:
+    """What a trace's chosen planes (``trace_ops``) hold, in seconds over all its calls."""
+
+    seconds: dict[str, float]  # each of the module's ops (``paths``) -> its events' time
+    unmatched: dict[str, tuple[float, int]]  # other op events' instructions -> (time, events)
+    control_s: float  # the module's loops, branches and calls: spans of ops counted on their own
+    module_s: float | None  # the "XLA Modules" line's events; None where no plane has that line
+    events: int  # op events seen: the module's, its control ops' and unmatched ones
+
+
+def trace_ops(trace_dir: Path, paths: dict[str, str], control: frozenset[str] = frozenset()) -> OpTrace:
+    """The op events of a trace's device planes, or its host CPU plane where there is none, by
+    whether they are of the module's ops (``paths``), of its ``control`` ops, or of neither; with
+    the planes' "XLA Modules" time, the device's busy span."""
     files = sorted(trace_dir.rglob("*.xplane.pb"))
-    if not files:
-        return {}
-    planes = list(ProfileData.from_file(str(files[-1])).planes)
+    planes = list(ProfileData.from_file(str(files[-1])).planes) if files else []
     chosen = [p for p in planes if p.name.startswith("/device:")] or [
         p for p in planes if p.name == "/host:CPU"
     ]
-    out: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    unmatched: dict[str, tuple[float, int]] = {}
+    control_s, module_s, events = 0.0, None, 0
     for plane in chosen:
         lines = list(plane.lines)
-        lines = [ln for ln in lines if ln.name == "XLA Ops"] or lines
-        for line in lines:
-            for event in line.events:
-                op = dict(event.stats).get("hlo_op") or instruction_name(event.name)
-                if op in paths:
-                    out[op] = out.get(op, 0.0) + event.duration_ns * 1e-9
-    return out
+        modules = [e.duration_ns for ln in lines if ln.name == "XLA Modules" for e in ln.events]
+        if modules:
+            module_s = (module_s or 0.0) + sum(modules) * 1e-9
+        for op, secs, is_op in _op_events(lines):
+            if op in paths:
+                seconds[op] = seconds.get(op, 0.0) + secs
+            elif op in control:
+                control_s += secs
+            elif is_op:
+                t, n = unmatched.get(op, (0.0, 0))
+                unmatched[op] = (t + secs, n + 1)
+            else:
+                continue
+            events += 1
+    return OpTrace(seconds, unmatched, control_s, module_s, events)
+
+
+def _op_events(lines: list) -> Iterator[tuple[str, float, bool]]:
+    """(instruction name, seconds, whether surely an op event) of each event of a plane's "XLA
+    Ops" line where it has one (every one an op), else of all its lines (an op where it carries
+    an ``hlo_op`` stat: XLA:CPU's thunks; the rest are the host's own work)."""
+    ops = [ln for ln in lines if ln.name == "XLA Ops"]
+    for line in ops or lines:
+        for event in line.events:
+            stats = dict(event.stats)
+            op = stats.get("hlo_op") or instruction_name(event.name)
+            yield str(op), event.duration_ns * 1e-9, bool(ops) or "hlo_op" in stats
+
+
+def op_seconds(trace_dir: Path, paths: dict[str, str]) -> dict[str, float]:
+    """Seconds per op of the module (``paths``' instructions) over a trace's device planes, or
+    its host CPU plane where there is none; per plane, only its "XLA Ops" line where it has one."""
+    return trace_ops(trace_dir, paths).seconds
 
 
 def instruction_name(event_name: str) -> str:
@@ -114,8 +167,12 @@ def instruction_name(event_name: str) -> str:
 
 def breakdown(call: Callable[[], Any], hlo_text: str | None, calls: int = 2) -> dict[str, Any]:
     """Trace ``calls`` runs of ``call`` (which runs the compiled program once and waits for it)
-    and attribute its ops' time: {"by_scope": {scope: ms per call}, "traced_ms": their sum,
-    "top_ops": the longest ops}; {"skipped": why} where the trace holds none of its ops."""
+    and attribute its ops' time, ms per call: {"by_scope": {scope: ms}, "traced_ms": their sum,
+    "top_ops": the longest ops, "unmatched_ms": op events of no instruction of the program,
+    "unmatched_top": the longest of those by name, "control_ms": its loops', branches' and
+    calls' events (spans of ops counted on their own; nested ones each), "module_ms": the
+    device's "XLA Modules" events (None without that line: XLA:CPU), "events": op events seen};
+    {"skipped": why} where the trace holds none of its ops."""
     if not hlo_text:
         return {"skipped": "the compiled program has no HLO text"}
     paths = instruction_paths(hlo_text)
@@ -124,15 +181,15 @@ def breakdown(call: Callable[[], Any], hlo_text: str | None, calls: int = 2) -> 
             with jax.profiler.trace(tmp):
                 for _ in range(calls):
                     call()
-            seconds = op_seconds(Path(tmp), paths)
+            trace = trace_ops(Path(tmp), paths, control_instructions(hlo_text))
     except Exception as err:  # a profiler that cannot trace here: the timings stand without it
         return {"skipped": f"no trace: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"}
-    if not seconds:
+    if not trace.seconds:
         return {"skipped": "the trace holds none of the program's ops"}
     by_scope: dict[str, float] = dict.fromkeys(SCOPES, 0.0)
-    for op, secs in seconds.items():
+    for op, secs in trace.seconds.items():
         by_scope[scope_of(paths[op], op)] += secs * 1e3 / calls
-    top = sorted(seconds.items(), key=lambda kv: -kv[1])[:TOP_OPS]
+    top = sorted(trace.seconds.items(), key=lambda kv: -kv[1])[:TOP_OPS]
     return {
         "by_scope": by_scope,
         "traced_ms": sum(by_scope.values()),
@@ -145,6 +202,19 @@ def breakdown(call: Callable[[], Any], hlo_text: str | None, calls: int = 2) -> 
             }
             for op, secs in top
         ],
+    } | _gaps(trace, calls)
+
+
+def _gaps(trace: OpTrace, calls: int) -> dict[str, Any]:
+    """Per call, what the trace holds beside the program's ops: where a measured time that the
+    traced ops fall short of went (ops not matched, or a device waiting on its host)."""
+    top = sorted(trace.unmatched.items(), key=lambda kv: -kv[1][0])[:TOP_UNMATCHED]
+    return {
+        "unmatched_ms": sum(t for t, _ in trace.unmatched.values()) * 1e3 / calls,
+        "unmatched_top": [{"op": op, "ms": t * 1e3 / calls, "count": n / calls} for op, (t, n) in top],
+        "control_ms": trace.control_s * 1e3 / calls,
+        "module_ms": None if trace.module_s is None else trace.module_s * 1e3 / calls,
+        "events": trace.events / calls,
     }
 
 
@@ -154,17 +224,29 @@ def _short(path: str) -> str:
 
 
 def markdown_rows(profiles: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
-    """(header, rows) of a table: one row per profiled program, ms per call by scope and the
-    share of the traced time in the MoE pipeline's steps."""
-    header = ["program", *SCOPES, "traced ms", "MoE steps"]
+    """(header, rows) of a table: one row per profiled program, ms per call by scope, the traced
+    ops' sum, the op events matched to none of its ops and the device's module time (empty where
+    not recorded) to set beside the measured time, and the share of the traced time in the MoE
+    pipeline's steps."""
+    header = ["program", *SCOPES, "traced ms", "unmatched ms", "module ms", "MoE steps"]
     rows = []
     for name, prof in profiles.items():
         if "skipped" in prof:
-            rows.append([name, *([""] * len(SCOPES)), "", prof["skipped"]])
+            rows.append([name, *([""] * (len(header) - 2)), prof["skipped"]])
             continue
         by, total = prof["by_scope"], prof["traced_ms"]
         moe = sum(by[s] for s in MOE_STEPS)
         rows.append(
-            [name, *(f"{by[s]:.2f}" for s in SCOPES), f"{total:.2f}", f"{moe / total:.0%}" if total else ""]
+            [
+                name,
+                *(f"{by[s]:.2f}" for s in SCOPES),
+                f"{total:.2f}",
+                *(_ms(prof.get(k)) for k in ("unmatched_ms", "module_ms")),
+                f"{moe / total:.0%}" if total else "",
+            ]
         )
     return header, rows
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
