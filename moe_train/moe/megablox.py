@@ -232,10 +232,11 @@ def _forward(x_RH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E, s_R, setup):
     dtype = x_RH.dtype
     # Two GEMMs, not one of [wi_0|wi_1]: on the v5e (2026-12-07) the fused GEMM saved 0.5-0.8 ms
     # of the two's time at the three bench shapes, and concatenating the weights cost 1.2-2.9.
-    a_RF = tuple(_gmm("fwd", x_RH, w, group_sizes_E, setup, dtype) for w in (w0_EHF, w1_EHF))
-    hs_RF = _swiglu(*a_RF, s_R)[0].astype(dtype)
+    a0_RF = _gmm("fwd", x_RH, w0_EHF, group_sizes_E, setup, dtype)
+    a1_RF = _gmm("fwd", x_RH, w1_EHF, group_sizes_E, setup, dtype)
+    hs_RF = _swiglu(a0_RF, a1_RF, s_R)[0].astype(dtype)
     y_RH = _gmm("fwd", hs_RF, wo_EFH, group_sizes_E, setup, dtype)
-    return _rows_in_groups(y_RH, group_sizes_E, setup), a_RF
+    return _rows_in_groups(y_RH, group_sizes_E, setup), (a0_RF, a1_RF)
 
 
 @custom_vjp(nondiff_argnums=(6,))
