@@ -8,7 +8,7 @@ from helpers import records, tiny
 
 from moe_train.config import ConfigError
 from moe_train.moe import gemm, layer
-from moe_train.selftest import checks, choose
+from moe_train.selftest import candidates, checks, choose
 from moe_train.train.loop import EXIT_OK, run
 
 ROUTINGS = ("uniform", "zipf", "hot", "empty", "hot-empty")
@@ -189,3 +189,15 @@ def test_a_tpu_at_default_precision_holds_float32_to_the_bf16_bound(monkeypatch)
     assert checks.tolerance("float32") == checks.TOLERANCE["bfloat16"]
     with checks.jax.default_matmul_precision("highest"):
         assert checks.tolerance("float32") == checks.TOLERANCE["float32"]
+
+
+TPU_V5E = checks.Platform("tpu", "TPU v5 lite")
+
+
+def test_auto_on_a_tpu_refuses_tile_rows_megablox_cannot_pad_to():
+    with pytest.raises(ConfigError, match=r"moe.tile_rows=24: moe.backend=auto runs megablox.*e.g. 16 or 0"):
+        candidates.gemm_candidates(tiny("moe.tile_rows=24"), TPU_V5E)
+
+
+def test_auto_on_a_tpu_takes_tile_rows_megablox_can_pad_to():
+    assert candidates.gemm_candidates(tiny("moe.tile_rows=32"), TPU_V5E)[0] == "megablox"
