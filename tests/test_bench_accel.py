@@ -255,6 +255,34 @@ def test_an_empty_model_list_exits_2_naming_the_valid_ones(capsys):
     assert exit_.value.code == 2 and "no model named; choose from mixtral-8x7b" in capsys.readouterr().err
 
 
+def test_variants_narrows_the_layer_rows_run():
+    from moe_train.bench.__main__ import chosen
+
+    sizes = chosen(accel.FULL, parse(["--accel", "--variants", "plain,auto"]))
+    assert sizes.variants == ("plain", "auto")
+
+
+def test_the_chosen_variants_are_the_rows_beside_dense():
+    rows = accel.shape_rows(SMALL, accel.TINY, None, deadline=0.0, say=lambda line: None, only=("auto",))
+    assert [r["variant"] for r in rows] == ["dense", "auto"]
+
+
+def test_an_unknown_variant_exits_2_naming_the_valid_ones(capsys):
+    from moe_train.bench.__main__ import chosen
+
+    with pytest.raises(SystemExit) as exit_:
+        chosen(accel.FULL, parse(["--accel", "--variants", "auto,fast"]))
+    assert (
+        exit_.value.code == 2
+        and "unknown fast; choose from plain, auto, megablox padded" in capsys.readouterr().err
+    )
+
+
+def test_variants_needs_accel():
+    with pytest.raises(SystemExit):
+        parse(["--variants", "auto"])
+
+
 def test_models_needs_accel():
     with pytest.raises(SystemExit):
         parse(["--models", "qwen3-30b-a3b"])

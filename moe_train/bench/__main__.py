@@ -51,6 +51,7 @@ NEEDS = (
     ("missing", "tune"),
     ("write_tiles", "tune"),
     ("models", "accel"),
+    ("variants", "accel"),
     ("budget_s", "accel"),
 )
 NEEDS_TEXT = {"accel": "--accel", "tune": "--accel --tune"}
@@ -101,6 +102,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="with --accel: comma-separated expert shapes to run (default: all; "
         "names as the tables print them, e.g. qwen3-30b-a3b)",
+    )
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="with --accel: comma-separated layer rows to run beside dense (default: all; "
+        "e.g. plain,auto: the goals' rows)",
     )
     ap.add_argument(
         "--budget-s",
@@ -175,7 +182,22 @@ def chosen(sizes, args):
         changes["shapes"] = tuple(s for s in sizes.shapes if shape_name(s) in want)
     if args.budget_s is not None:
         changes["budget_s"] = args.budget_s
+    if getattr(args, "variants", None) is not None and hasattr(sizes, "variants"):
+        changes["variants"] = _variants(args.variants)
     return dataclasses.replace(sizes, **changes)
+
+
+def _variants(text: str) -> tuple[str, ...]:
+    """``--variants``' names, each one a layer row can be; else exit 2 with the valid list."""
+    from moe_train.bench.accel import variant_names  # flax: after the arguments are checked
+
+    want, names = comma_list(text), variant_names()
+    bad = sorted(set(want) - set(names))
+    if bad or not want:
+        what = f"unknown {', '.join(bad)}" if bad else "no variant named"
+        print(f"--variants: {what}; choose from {', '.join(names)}", file=sys.stderr)
+        raise SystemExit(2)
+    return tuple(want)
 
 
 def shape_name(shape) -> str:

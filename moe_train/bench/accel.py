@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moe_train.base.choices import BACKENDS
 from moe_train.bench import accel_step, common, profile
 from moe_train.bench.common import ACCEL_SHAPES, compile_jit, fmt_ms, markdown_table, time_rounds
 from moe_train.bench.layer import dense_fn, layer_fn, layer_row, operands, too_big
@@ -56,6 +57,13 @@ TITLE = "Accelerator: MoE layer and train step"
 F32 = jnp.float32
 LAYER_OVER_DENSE = 1.5  # goal: the layer as auto runs it, time / dense time, at most
 PADDED = "megablox padded"  # the variant with each expert's rows padded to the row tile
+
+
+def variant_names() -> tuple[str, ...]:
+    """Every layer variant a row can be (beside ``dense``): ``--variants`` chooses among them."""
+    return ("plain", "auto", PADDED, *BACKENDS[1:])
+
+
 STEP_OVER_DENSE = 0.8  # goal: MoE step TFLOP/s / its dense twin's, at least
 MFU = 0.40  # goal: the MoE step's model FLOP/s / the device's dense bf16 peak, at least
 Say = Callable[[str], None]
@@ -85,6 +93,7 @@ class Sizes:
     memory_fraction: float = 0.8  # share of the device's memory one shape may use (footprint_bytes)
     min_tokens: int = 256  # T is not scaled below this
     dtype: str = "bfloat16"  # operands and expert GEMMs (fp32 accumulation)
+    variants: tuple[str, ...] | None = None  # the layer rows run beside dense (None: every one)
 
 
 FULL = Sizes(
@@ -517,7 +526,7 @@ def run(s: Sizes, say: Say = print) -> dict[str, Any]:
     say(f"{dev.device_kind}: {s.square}^3 bf16 GEMM {_tflops(square['tflops'])} TFLOP/s")
     rows = []
     for spec in s.shapes:
-        found = shape_rows(spec, s, limit, deadline - s.step_reserve_s, say)
+        found = shape_rows(spec, s, limit, deadline - s.step_reserve_s, say, only=s.variants)
         rows += found + halved_rows(spec, found, s, limit, deadline - s.step_reserve_s, say)
     step = accel_step.run(s.step, deadline, peak, say)
     sec = {
