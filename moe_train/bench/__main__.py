@@ -168,34 +168,29 @@ def run_accel(args) -> tuple[dict, list[str]]:
 
 
 def chosen(sizes, args):
-    """``sizes`` (an accel or tiles ``Sizes``) narrowed to ``--models`` and given ``--budget-s``;
-    an unknown model name exits 2 with the valid list."""
-    names = [shape_name(s) for s in sizes.shapes]
+    """``sizes`` (an accel or tiles ``Sizes``) narrowed to ``--models`` (and ``--variants``) and
+    given ``--budget-s``; an unknown name exits 2 with the valid list."""
     changes: dict = {}
     if args.models is not None:
-        want = comma_list(args.models)
-        bad = sorted(set(want) - set(names))
-        if bad or not want:
-            what = f"unknown {', '.join(bad)}" if bad else "no model named"
-            print(f"--models: {what}; choose from {', '.join(names)}", file=sys.stderr)
-            raise SystemExit(2)
+        want = named("--models", "model", args.models, [shape_name(s) for s in sizes.shapes])
         changes["shapes"] = tuple(s for s in sizes.shapes if shape_name(s) in want)
     if args.budget_s is not None:
         changes["budget_s"] = args.budget_s
     if getattr(args, "variants", None) is not None and hasattr(sizes, "variants"):
-        changes["variants"] = _variants(args.variants)
+        from moe_train.bench.accel import variant_names  # flax: after the arguments are checked
+
+        changes["variants"] = named("--variants", "variant", args.variants, variant_names())
     return dataclasses.replace(sizes, **changes)
 
 
-def _variants(text: str) -> tuple[str, ...]:
-    """``--variants``' names, each one a layer row can be; else exit 2 with the valid list."""
-    from moe_train.bench.accel import variant_names  # flax: after the arguments are checked
-
-    want, names = comma_list(text), variant_names()
+def named(option: str, what: str, text: str, names) -> tuple[str, ...]:
+    """The comma-separated names ``text`` of ``option``, each one of ``names``; else exit 2
+    with the valid list."""
+    want = comma_list(text)
     bad = sorted(set(want) - set(names))
     if bad or not want:
-        what = f"unknown {', '.join(bad)}" if bad else "no variant named"
-        print(f"--variants: {what}; choose from {', '.join(names)}", file=sys.stderr)
+        said = f"unknown {', '.join(bad)}" if bad else f"no {what} named"
+        print(f"{option}: {said}; choose from {', '.join(names)}", file=sys.stderr)
         raise SystemExit(2)
     return tuple(want)
 
