@@ -123,6 +123,15 @@ def test_tiny_steps_the_moe_model_and_its_dense_twin(tiny):
     assert step["moe_over_dense_tflops"] > 0
 
 
+def test_the_steps_tokens_per_second_are_of_steps_dispatched_back_to_back(tiny):
+    for r in tiny[0]["sections"]["accel"]["step"]["rows"].values():
+        assert r["tokens_per_s"] == pytest.approx(r["batch_size"] * r["seq_len"] / r["back_to_back_s"])
+
+
+def test_the_step_table_shows_each_step_waited_for_beside_them(tiny):
+    assert "| step ms | step ms, each waited for |" in tiny[1]
+
+
 @pytest.mark.slow
 def test_tiny_evaluates_every_goal(tiny):
     goals = tiny[0]["sections"]["accel"]["goals"]

@@ -464,15 +464,15 @@ def _step_cells(name: str, r: dict) -> list:
     size = f"{r['experts']} x {r['expert_ffn']}, top-{r['top_k']}"
     cells = [name, size, f"{_count(r['params'])} ({_count(r['active_params'])})", r.get("backend", "")]
     if r["skipped"]:
-        return [*cells, "", "", "", "", "skipped: " + r["skipped"]]
+        return [*cells, "", "", "", "", "", "skipped: " + r["skipped"]]
     mfu = "" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-    speed = [f"{r['tokens_per_s']:,.0f}", _tflops(r["tflops_per_device"]), mfu, fmt_ms(r["time"])[0]]
-    return [*cells, *speed, ""]
+    speed = [f"{r['tokens_per_s']:,.0f}", _tflops(r["tflops_per_device"]), mfu]
+    return [*cells, *speed, f"{r['back_to_back_s'] * 1e3:.1f}", fmt_ms(r["time"])[0], ""]
 
 
 def step_md(step: dict) -> str:
     header = ["model", "experts x ffn, top-k", "params (active)", "backend", "tokens/s", "TFLOP/s per device"]
-    header += ["MFU", "step ms", "note"]
+    header += ["MFU", "step ms", "step ms, each waited for", "note"]
     ratio = step["moe_over_dense_tflops"]
     return (
         markdown_table(header, [_step_cells(name, r) for name, r in step["rows"].items()])
@@ -490,7 +490,8 @@ def markdown(sec: dict) -> str:
         f"a {sq['n']}^3 bf16 GEMM runs at {_tflops(sq['tflops'])} TFLOP/s. Layer rows: forward+backward "
         "in bf16, TFLOP/s of the useful expert FLOPs (18*T*k*H*F); / dense = time over the dense SwiGLU "
         "of the same useful FLOPs (1.0 is the limit; the per-round range in brackets). Step rows: the "
-        "trainer's step; TFLOP/s of its model FLOPs, MFU against the peak.\n\n"
+        "trainer's step; TFLOP/s of its model FLOPs, MFU against the peak, of the steps dispatched "
+        "back to back as the trainer's loop does (step ms; each step waited for beside it).\n\n"
         f"### Goals\n\n{goals_md(sec['goals'])}\n\n### MoE layer\n\n{layer_md(sec['layer_rows'])}\n\n"
         f"### Train step\n\n{step_md(sec['step'])}\n\n### Where the time goes\n\n{where_md(sec)}"
     )
