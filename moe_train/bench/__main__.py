@@ -176,7 +176,7 @@ def chosen(sizes, args):
         changes["shapes"] = tuple(s for s in sizes.shapes if shape_name(s) in want)
     if args.budget_s is not None:
         changes["budget_s"] = args.budget_s
-    if getattr(args, "variants", None) is not None and hasattr(sizes, "variants"):
+    if args.variants is not None and hasattr(sizes, "variants"):  # tiles' sizes have none
         from moe_train.bench.accel import variant_names  # flax: after the arguments are checked
 
         changes["variants"] = named("--variants", "variant", args.variants, variant_names())

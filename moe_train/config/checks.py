@@ -268,6 +268,17 @@ def first_few(items: list, limit: int, sep: str = ", ", more: str = " and {} mor
 MEGABLOX_ROWS = 16  # megablox's row tiles are multiples of this (bf16 packs 16 rows in a TPU vreg)
 
 
+def check_megablox_rows(tile_rows: int, who: str, other: str = "") -> None:
+    """ConfigError where ``moe.tile_rows`` is not a multiple of megablox's row packing; ``who``
+    names what runs megablox, ``other`` a further way out (said after the fitting value)."""
+    if tile_rows % MEGABLOX_ROWS:
+        fit = max(MEGABLOX_ROWS, tile_rows // MEGABLOX_ROWS * MEGABLOX_ROWS)
+        raise ConfigError(
+            f"moe.tile_rows={tile_rows}: {who} pads groups to a multiple of {MEGABLOX_ROWS} "
+            f"rows; choose e.g. {fit} or 0{other}"
+        )
+
+
 def check_rules(cfg: Any) -> None:
     """Cross-field rules (after ranges and sizes)."""
     m, e, t, p = cfg.model, cfg.moe, cfg.train, cfg.precision
@@ -313,11 +324,8 @@ def check_rules(cfg: Any) -> None:
     _check_pair(cfg, "model.first_dense_layers", "model.num_layers", operator.gt, "exceeds")
     _check_groups(cfg)
     _check_capacity(cfg)
-    if e.backend == "megablox" and e.tile_rows % MEGABLOX_ROWS:
-        raise ConfigError(
-            f"moe.tile_rows={e.tile_rows}: megablox pads groups to a multiple of {MEGABLOX_ROWS} "
-            f"rows; choose e.g. {max(MEGABLOX_ROWS, e.tile_rows // MEGABLOX_ROWS * MEGABLOX_ROWS)} or 0"
-        )
+    if e.backend == "megablox":
+        check_megablox_rows(e.tile_rows, "megablox")
     if p.fp8_recipe == "mxfp8" and p.fp8_backend == "xla":
         raise ConfigError(
             "precision.fp8_recipe=mxfp8 needs Transformer Engine (MXFP8 block "

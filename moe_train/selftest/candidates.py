@@ -22,7 +22,7 @@ from typing import Any
 
 from moe_train.base.platform import Platform
 from moe_train.config import Config, ConfigError, attention_dims, compute_dtype
-from moe_train.config.checks import MEGABLOX_ROWS
+from moe_train.config.checks import check_megablox_rows
 from moe_train.model import attention, precision
 from moe_train.moe import gemm
 from moe_train.selftest import checks
@@ -80,13 +80,11 @@ def gemm_candidates(cfg: Config, platform: Platform) -> list[str]:
         raise ConfigError(
             f"moe.backend={e.backend} cannot run here: {reason}; choose one of: {', '.join(['auto', *ok])}"
         )
-    if e.backend == "auto" and ok[:1] == ["megablox"] and e.tile_rows % MEGABLOX_ROWS:
+    if e.backend == "auto" and ok[:1] == ["megablox"]:
         # auto's choice here would fail on the first trace (an explicit megablox is refused by
         # the config's own checks, which do not know the platform)
-        fit = max(MEGABLOX_ROWS, e.tile_rows // MEGABLOX_ROWS * MEGABLOX_ROWS)
-        raise ConfigError(
-            f"moe.tile_rows={e.tile_rows}: moe.backend=auto runs megablox here, which pads groups to "
-            f"a multiple of {MEGABLOX_ROWS} rows; choose e.g. {fit} or 0, or moe.backend=tiled"
+        check_megablox_rows(
+            e.tile_rows, "moe.backend=auto runs megablox here, which", ", or moe.backend=tiled"
         )
     return ok
 
