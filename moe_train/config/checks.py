@@ -271,12 +271,11 @@ MEGABLOX_ROWS = 16  # megablox's row tiles are multiples of this (bf16 packs 16 
 def check_megablox_rows(tile_rows: int, who: str, other: str = "") -> None:
     """ConfigError where ``moe.tile_rows`` is not a multiple of megablox's row packing; ``who``
     names what runs megablox, ``other`` a further way out (said after the fitting value)."""
-    if tile_rows % MEGABLOX_ROWS:
-        fit = max(MEGABLOX_ROWS, tile_rows // MEGABLOX_ROWS * MEGABLOX_ROWS)
-        raise ConfigError(
-            f"moe.tile_rows={tile_rows}: {who} pads groups to a multiple of {MEGABLOX_ROWS} "
-            f"rows; choose e.g. {fit} or 0{other}"
-        )
+    if not tile_rows % MEGABLOX_ROWS:
+        return
+    fit = max(MEGABLOX_ROWS, tile_rows // MEGABLOX_ROWS * MEGABLOX_ROWS)
+    why = f"{who} pads groups to a multiple of {MEGABLOX_ROWS} rows"
+    raise ConfigError(f"moe.tile_rows={tile_rows}: {why}; choose e.g. {fit} or 0{other}")
 
 
 def check_rules(cfg: Any) -> None:
