@@ -16,7 +16,7 @@ from moe_train.parallel import sharding
 from moe_train.parallel.sharding import ep_plans
 from moe_train.planner.memory import GIB, ITEMS, PlanError, Verdict, check_fits, plan
 from moe_train.planner.memory.__main__ import main
-from moe_train.planner.memory.estimate import ALL_ITEMS, STEP_WEIGHTS
+from moe_train.planner.memory.estimate import ALL_ITEMS, STEP_WEIGHTS, attention_backward_bytes
 from moe_train.train import step as train
 from topology import device_mesh, presets
 
@@ -423,22 +423,22 @@ SEQ_8K = ["train.seq_len=8192", "train.batch_size=256", "train.micro_batch_size=
 
 
 @pytest.mark.parametrize(
-    "model, cluster, nodes, ep, attention",
+    "model, cluster, nodes, ep, attention, memory",
     [
-        ("mixtral-8x7b", "h100-dgx", 8, 8, "auto"),  # cuDNN
-        ("mixtral-8x7b", "h100-dgx", 8, 8, "chunked"),
-        ("mixtral-8x7b", "h100-dgx", 8, 8, "te"),
-        ("deepseek-v3", "gb200-nvl72", 32, 64, "auto"),  # MLA: chunked (v head dim != q/k)
+        ("mixtral-8x7b", "h100-dgx", 8, 8, "auto", "flash"),  # cuDNN
+        ("mixtral-8x7b", "h100-dgx", 8, 8, "chunked", "chunked"),
+        ("mixtral-8x7b", "h100-dgx", 8, 8, "te", "flash"),
+        ("deepseek-v3", "gb200-nvl72", 32, 64, "auto", "chunked"),  # MLA (v head dim != q/k)
     ],
 )
-def test_flash_attention_activations_are_linear_in_seq(model, cluster, nodes, ep, attention):
+def test_flash_attention_activations_are_linear_in_seq(model, cluster, nodes, ep, attention, memory):
     """Attention that never stores [S, S] (chunked, cuDNN, TE): at equal tokens per
     micro-batch the activations do not depend on S (no S^2 term anywhere)."""
     short, long = (
         _gpu_plan(f"model.attention={attention}", *sets, model=model, cluster=cluster, nodes=nodes, ep=ep)
         for sets in (SEQ_4K, SEQ_8K)
     )
-    assert short.setup.attention == long.setup.attention == "flash"
+    assert short.setup.attention == long.setup.attention == memory
     assert short.setup.tokens == long.setup.tokens
     assert long.per_device["activations"] == short.per_device["activations"]
 
@@ -466,8 +466,29 @@ def test_cudnn_on_packed_documents_counts_its_mask():
     growth = long.per_device["activations"] - short.per_device["activations"]
     assert growth == long.setup.tokens * (8192 - 4096) * 2  # full remat: one block
     chunked = [_gpu_plan(*packed, "model.attention=chunked", *sets) for sets in (SEQ_4K, SEQ_8K)]
-    assert chunked[0].setup.attention == "flash"
+    assert chunked[0].setup.attention == "chunked"
     assert chunked[0].per_device["activations"] == chunked[1].per_device["activations"]
+
+
+def test_chunked_attention_counts_its_backward_buffers():
+    """The kit's chunked attention leaves dq (fp32, then bf16), dk and dv in XLA buffers where
+    cuDNN keeps them in its kernel: two layers' (the scanned loop double-buffered), per token
+    4q + 2(q + 2 kv) bytes for Mixtral's GQA (q = 4096, kv = 1024)."""
+    cudnn, chunked = (_gpu_plan(f"model.attention={a}") for a in ("auto", "chunked"))
+    per_token = 4 * 4096 + 2 * (4096 + 2 * 1024)
+    added = chunked.per_device["activations"] - cudnn.per_device["activations"]
+    assert added == 2 * cudnn.setup.tokens * per_token
+
+
+def test_one_layer_in_the_loop_counts_one_layers_attention_backward():
+    """deepseek-v3 at 4 layers has one MoE layer in its loop (three dense, one MTP): one layer's
+    chunked-attention backward buffers, half of what 8 layers (five in the loop) count."""
+    counted = []
+    for layers in (4, 8):
+        sets = [f"model.num_layers={layers}"]
+        est = _gpu_plan(*sets, model="deepseek-v3", cluster="gb200-nvl72", nodes=32, ep=64)
+        counted.append(attention_backward_bytes(config.build("deepseek-v3", sets), est.setup))
+    assert counted[0] > 0 and counted[1] == 2 * counted[0]
 
 
 def test_loss_item_is_one_tile_flat_in_vocab():

@@ -39,6 +39,12 @@ Activations (token-proportional residuals kept for the backward pass), bytes per
         residual, fp32 norm/router inputs, the per-assignment expert outputs gathered for the
         fp32 combine, router scores, shared-expert SwiGLU
     dense sub-layer      H*(a+8) + 4*dense_ffn*a
+    chunked backward     GPU presets, the kit's chunked attention (its dq, dk and dv are XLA
+                         buffers; cuDNN and TE keep theirs in the fused kernel), per layer
+                         whose backward is in flight: 4q + a*(q + kvh*(Dqk + Dv)) (dq in fp32
+                         and cast, dk, dv; MLA: kvh = nh); one layer's, two once the scanned
+                         loop runs twice or more (XLA:GPU double-buffers the loop:
+                         ``estimate.attention_backward_bytes``)
     head (once)          H*(a+8) + 4               final norm, the logsumexp; plus, once per
                          step (not per token), one cross-entropy tile's logits C*W*(8 + a'):
                          C = train.loss_chunk tokens per device, W <= 2048 vocab
@@ -49,7 +55,7 @@ Activations (token-proportional residuals kept for the backward pass), bytes per
     matmuls  block input + q, k, v and o-projection outputs + router logits (4E) + dense and
              shared SwiGLU matmul outputs; plus one whole block
     moe      block input + the MoE (or dense) sub-layer's residuals; plus one whole block
-  activations = T * (layers * kept + recomputed block + head) + C*W*(8 + a')
+  activations = T * (layers * kept + recomputed block + head + chunked backward) + C*W*(8 + a')
 
 MoE buffers (rows R of one MoE layer on one GPU; bucket factor f of moe.capacity_buckets,
 slots C = min(worst, 8*ceil(f * balanced / 8)) as moe_train.parallel.jobplan.bucket_slots):

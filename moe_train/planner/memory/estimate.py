@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from moe_train.config import Config, for_devices, head_dim
+from moe_train.config import Config, attention_dims, for_devices, head_dim
 from moe_train.model import flops
 from moe_train.parallel import jobplan
 from moe_train.planner.memory import rows, step_gather
@@ -45,8 +45,9 @@ class Setup:
     dispatcher: str  # local | allgather | a2a | hierarchical
     domains: int  # G: NVLink domains one EP group spans (mesh axis expert_x)
     domain_size: int  # D: devices of an EP group inside one domain (mesh axis expert)
-    # "scores" (xla: [nh, S] fp32 scores per token) | "flash" (O(S)) | "mask" (cuDNN on packed
-    # documents: O(S) plus the token's row of the [S, S] additive mask)
+    # "scores" (xla: [nh, S] fp32 scores per token) | "flash" (cuDNN, TE: O(S)) | "chunked"
+    # (the kit's chunked attention: O(S), its backward's dq, dk, dv in XLA buffers) | "mask"
+    # (cuDNN on packed documents: O(S) plus the token's row of the [S, S] additive mask)
     attention: str = "scores"
     loss_chunk: int = 0  # tokens per device of one cross-entropy chunk (0: all of them)
     loss_tile: int = 0  # vocab columns of one cross-entropy tile (0: the whole vocab)
@@ -184,10 +185,11 @@ def step_copy_bytes(cfg: Config, s: Setup) -> int:
 def _scores(cfg: Config, s: Setup) -> int:
     """Attention scores per token per layer. ``scores`` (xla): [heads, seq] logits, exp,
     probs in fp32, plus the probs cast to the compute dtype for the PV matmul when that is
-    narrower. ``flash`` (chunked, cuDNN, TE): one fp32 logsumexp per head; the blocks' scores
-    are recomputed in the backward pass. ``mask`` (cuDNN on packed documents): that, plus the
+    narrower. ``flash`` (cuDNN, TE) and ``chunked``: one fp32 logsumexp per head; the blocks'
+    scores are recomputed in the backward pass (chunked's backward buffers:
+    ``attention_backward_bytes``). ``mask`` (cuDNN on packed documents): that, plus the
     token's row of the [B, 1, S, S] additive mask (compute dtype) kept for the backward."""
-    if s.attention in ("flash", "mask"):
+    if s.attention in ("flash", "chunked", "mask"):
         mask = cfg.train.seq_len * s.a if s.attention == "mask" else 0
         return cfg.model.num_heads * 4 + mask
     narrow = s.a if s.a < 4 else 0
@@ -284,7 +286,27 @@ def activation_bytes(cfg: Config, s: Setup) -> int:
         + (1 + cfg.model.mtp_depth) * tf["head"]
         + cfg.model.mtp_depth * tf["mtp_input"]
     )
-    return s.tokens * per_token + head_chunk_bytes(cfg, s)
+    return s.tokens * per_token + head_chunk_bytes(cfg, s) + attention_backward_bytes(cfg, s)
+
+
+def attention_backward_bytes(cfg: Config, s: Setup) -> int:
+    """On GPU, the kit's chunked attention's backward buffers (``moe_train.model.attention.
+    chunked``): dq accumulated in fp32 and cast to the compute dtype, dk and dv, per token of
+    each layer whose backward is in flight; cuDNN and TE keep theirs inside the fused kernel.
+    One layer's, two once the scanned layer loop runs twice or more: XLA:GPU double-buffers
+    the loop and overlaps a peeled iteration's backward with the next one's (deepseek-v3 on
+    32 gb200-nvl72 nodes, EP 64, 1-sequence micro-batches, compiled with --peak at 8 layers:
+    two MoE layers' q, k and v gradients at the peak, 2.1 GiB; at 4 layers, one MoE layer in
+    the loop, one)."""
+    if not (s.gpu and s.attention == "chunked"):
+        return 0
+    qk, v, kv_heads = attention_dims(cfg.model)
+    q = cfg.model.num_heads * qk
+    per_token = 4 * q + s.a * (q + kv_heads * (qk + v))
+    n_dense, n_moe = _layer_kinds(cfg)
+    looped = n_moe - cfg.model.mtp_depth if n_moe else n_dense  # the main layer loop's MoE layers
+    layers = 2 if cfg.model.scan_layers and looped >= 2 else 1
+    return layers * s.tokens * per_token
 
 
 def _weight_copies(cfg: Config, s: Setup, experts: bool = True) -> dict[str, int]:

@@ -93,10 +93,14 @@ def attention_memory(cfg: Config, cluster: Cluster) -> str:
     xla ([nh, S] scores); "mask" for cuDNN on packed documents (data.source=prepared with
     data.packing: ``moe_train.model.attention.fused`` turns the segment ids into a [B, 1, S, S]
     mask, which jax makes an additive bias in the compute dtype and keeps for the backward
-    pass); else "flash" (chunked, cuDNN, TE: O(S), no [S, S] array)."""
+    pass); "chunked" for the kit's chunked attention (O(S), and its backward's dq, dk and dv
+    are XLA buffers: ``estimate.attention_backward_bytes``); else "flash" (cuDNN, TE: O(S), no
+    [S, S] array, the backward's buffers inside the fused kernel)."""
     kind = attention_kind(cfg, cluster)
     if kind == "xla":
         return "scores"
+    if kind == "chunked":
+        return "chunked"
     packed = cfg.data.source == "prepared" and cfg.data.packing
     return "mask" if kind == "cudnn" and packed else "flash"
 
