@@ -21,7 +21,7 @@ where the CUDA PJRT plugin is not installed; docs/compile.md has every figure.
   one-sequence micro-batches, one chunk) at full depth, about two minutes each: 0.90x at 1x
   and 0.85x at the planned 4x bucket, the band's edge. At 4 and 8 layers the planner errs high
   by 1.3x at the planned bucket: it counts six whole-vocabulary buffers beside the MoE layers'
-  rows where XLA:GPU, in this job's MoE backward, holds two.
+  rows where XLA:GPU, in this job's MoE backward, holds two or three.
 """
 
 from __future__ import annotations
