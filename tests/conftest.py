@@ -17,6 +17,14 @@ from pathlib import Path
 import jax
 import pytest
 
+# submitit configures logging as it is imported (logging.config.dictConfig), which closes every
+# handler registered before it. absl's (imported with orbax, flax and optax) writes to the
+# capture file pytest held in sys.stderr at collection, and closing it broke the capture of
+# every later test in that process (test_slurm_submit's in-process tests after
+# test_eval_cli's, with -n 0). Imported here, before any test module, it closes nothing of
+# pytest's. (The trainer's own process is safe: absl never closes the sys.stderr it writes to.)
+import submitit  # noqa: F401
+
 CACHE_DIR = Path(
     os.environ.get("MOE_TRAIN_TEST_JAX_CACHE", Path(tempfile.gettempdir()) / "moe_train_test_jax_cache")
 )
