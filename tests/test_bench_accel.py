@@ -19,11 +19,14 @@ from moe_train.bench.__main__ import parse
 from moe_train.model.flops import train_flops_per_token
 from moe_train.moe import Routing, dropless_moe
 from moe_train.moe.routings import MoEShape
+from moe_train.planner.compile import plugin
 from topology.peaks import device_model, peak_flops
+from topology.presets import load as load_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 V5E_BYTES = 15.75 * 2**30  # a TPU v5e's bytes_limit
 MIXTRAL = MoEShape(8192, 4096, 14336, 8, 2)
+COMPILE_PROBLEM = plugin.version_problem(plugin.search_path())
 
 
 def _bench(out: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -130,6 +133,12 @@ def test_the_steps_tokens_per_second_are_of_steps_dispatched_back_to_back(tiny):
 
 def test_the_step_table_shows_each_step_waited_for_beside_them(tiny):
     assert "| step ms | step ms, each waited for |" in tiny[1]
+
+
+def test_the_step_table_says_the_model_s_depth_width_and_tokens(tiny):
+    m = accel_step.configs(accel_step.TINY)["moe"]
+    layers, width, batch, seq = m.model.num_layers, m.model.hidden, m.train.batch_size, m.train.seq_len
+    assert f"Models: {layers} layers of width {width}, {batch} x {seq} tokens a step." in tiny[1]
 
 
 @pytest.mark.slow
@@ -354,6 +363,81 @@ def test_the_dense_twin_is_one_expert_of_top_k_times_the_ffn():
 def test_the_full_step_model_is_the_issue_s_half_billion_parameter_moe():
     counts = accel_step.describe(accel_step.configs(accel_step.FULL)["moe"])
     assert 0.45e9 < counts["params"] < 0.55e9 and counts["experts"] == 32 and counts["seq_len"] == 2048
+
+
+def test_the_large_step_model_is_two_whole_mixtral_layers():
+    moe = accel_step.configs(accel_step.LARGE)["moe"]
+    m, e = moe.model, moe.moe
+    assert (m.hidden, m.num_layers, e.num_experts, e.top_k, e.expert_ffn) == (4096, 2, 8, 2, 14336)
+
+
+def test_with_batch_replaces_the_batch_item():
+    sized = accel_step.with_batch(accel_step.LARGE, 2)
+    assert [o for o in sized.overrides if o.startswith("train.batch_size=")] == ["train.batch_size=2"]
+
+
+H200 = load_cluster("h200-hgx")
+H200_LIMIT = 0.75 * H200.gpu_memory_gib * 2**30  # XLA's bytes_limit at JAX's default memory fraction
+
+
+def test_an_h200_steps_the_large_model_at_the_largest_batch_that_fits():
+    model, _ = accel_step.choose(accel_step.MODELS, H200_LIMIT, H200, 0.9)
+    batch = accel_step.configs(model)["moe"].train.batch_size
+    assert model.preset == accel_step.LARGE.preset
+    assert accel_step.planned_bytes(model, H200) <= 0.9 * H200_LIMIT
+    assert accel_step.planned_bytes(accel_step.with_batch(model, 2 * batch), H200) > 0.9 * H200_LIMIT
+
+
+def test_the_chosen_model_s_note_gives_the_planner_s_figure():
+    _, note = accel_step.choose(accel_step.MODELS, H200_LIMIT, H200, 0.9)
+    assert "memory planner's" in note and "fits 90%" in note
+
+
+def test_a_v5e_steps_the_issue_s_model_as_it_is():
+    model, note = accel_step.choose(accel_step.MODELS, V5E_BYTES, load_cluster("cpu-local"), 0.9)
+    assert model == accel_step.FULL and "do not fit" in note
+
+
+def test_without_a_memory_limit_the_smallest_model_is_stepped():
+    assert accel_step.choose(accel_step.MODELS, None, H200, 0.9) == (accel_step.FULL, None)
+
+
+# The chosen H200 model's MoE step compiled by XLA:GPU for one H200 (no GPU needed): its peak.
+H200_PEAK = """
+import sys
+from moe_train.planner.compile import plugin
+problem = plugin.enable()
+assert problem is None, problem
+from jax.experimental import topologies
+from moe_train.bench import accel_step
+from moe_train.config import for_devices
+from moe_train.parallel import sharding
+from moe_train.planner.compile import lower
+from topology import targets
+from topology.presets import load
+cluster = load("h200-hgx")
+target = targets.load(cluster.gpu)
+topology = topologies.get_topology_desc(target.name, "cuda", target_config=target.text, topology="1x1x1")
+devices = topology.devices
+model, _ = accel_step.choose(accel_step.MODELS, float(sys.argv[1]), cluster, 0.9)
+mesh = sharding.make_mesh(list(devices))
+with sharding.activate(mesh):
+    found = lower.compile_one(for_devices(accel_step.configs(model)["moe"], 1), mesh, None, target, devices)
+print(found.memory.xla_peak)
+"""
+
+
+@pytest.mark.skipif(COMPILE_PROBLEM is not None, reason=f"no CUDA PJRT plugin: {COMPILE_PROBLEM}")
+def test_xla_gpu_fits_the_h200_s_step_model_in_its_bytes_limit():
+    proc = subprocess.run(
+        [sys.executable, "-c", H200_PEAK, str(H200_LIMIT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) <= H200_LIMIT
 
 
 # ---- the TPU peaks

@@ -83,7 +83,7 @@ class Sizes:
     """Everything one run measures, and its bounds."""
 
     shapes: tuple[Shape, ...]  # the layer section's expert shapes
-    step: accel_step.StepModel  # the step section's MoE model
+    step_models: tuple[accel_step.StepModel, ...]  # the step section's candidates, largest first
     square: int  # side of the square bf16 GEMM (the device's practical matmul rate)
     min_reps: int = 5  # timed rounds per shape, at least
     max_reps: int = 10  # timed rounds per shape, at most
@@ -91,6 +91,7 @@ class Sizes:
     budget_s: float = 500.0  # the run's deadline, seconds after its start (a v5e: 412 s on 2026-12-07)
     step_reserve_s: float = 150.0  # seconds of the budget kept for the step section
     memory_fraction: float = 0.8  # share of the device's memory one shape may use (footprint_bytes)
+    step_memory_fraction: float = 0.9  # share the step model may take by the memory planner (errs high)
     min_tokens: int = 256  # T is not scaled below this
     dtype: str = "bfloat16"  # operands and expert GEMMs (fp32 accumulation)
     variants: tuple[str, ...] | None = None  # the layer rows run beside dense (None: every one)
@@ -98,7 +99,7 @@ class Sizes:
 
 FULL = Sizes(
     shapes=tuple(Shape(*spec) for spec in ACCEL_SHAPES),
-    step=accel_step.FULL,
+    step_models=accel_step.MODELS,
     square=8192,
 )
 TINY = Sizes(
@@ -107,7 +108,7 @@ TINY = Sizes(
         Shape("qwen3-tiny", MoEShape(512, 64, 32, 32, 8), "softmax"),
         Shape("deepseek-tiny", MoEShape(256, 64, 64, 16, 8), "sigmoid"),
     ),
-    step=accel_step.TINY,
+    step_models=(accel_step.TINY,),
     square=256,
     min_reps=3,
     **common.QUICK_TIMING,
@@ -474,9 +475,14 @@ def step_md(step: dict) -> str:
     header = ["model", "experts x ffn, top-k", "params (active)", "backend", "tokens/s", "TFLOP/s per device"]
     header += ["MFU", "step ms", "step ms, each waited for", "note"]
     ratio = step["moe_over_dense_tflops"]
+    moe = step["rows"]["moe"]
+    tokens = f"{moe['batch_size']} x {moe['seq_len']} tokens a step"
+    shape = f"{moe['layers']} layers of width {moe['hidden']}, {tokens}"
+    shape += f" ({step['chosen']})" if step.get("chosen") else ""
+    measured = "not measured" if ratio is None else f"{ratio:.2f}"
     return (
         markdown_table(header, [_step_cells(name, r) for name, r in step["rows"].items()])
-        + f"\n\nMoE / dense twin TFLOP/s: {'not measured' if ratio is None else f'{ratio:.2f}'}"
+        + f"\n\nModels: {shape}. MoE / dense twin TFLOP/s: {measured}"
     )
 
 
@@ -529,7 +535,11 @@ def run(s: Sizes, say: Say = print) -> dict[str, Any]:
     for spec in s.shapes:
         found = shape_rows(spec, s, limit, deadline - s.step_reserve_s, say, only=s.variants)
         rows += found + halved_rows(spec, found, s, limit, deadline - s.step_reserve_s, say)
-    step = accel_step.run(s.step, deadline, peak, say)
+    cluster = accel_step.cluster_of(dev)
+    model, chosen = accel_step.choose(s.step_models, limit, cluster, s.step_memory_fraction)
+    if chosen:
+        say(f"step model: {chosen}")
+    step = accel_step.run(model, deadline, peak, say) | {"chosen": chosen}
     sec = {
         "title": TITLE,
         "sizes": dataclasses.asdict(s),

@@ -2,7 +2,9 @@
 trained a few steps with the trainer's own jitted step (``moe_train.train.step``), on one device.
 
 The dense twin has the MoE model's active FLOPs: one expert of ffn ``top_k * expert_ffn``
-(``moe.num_experts=1 moe.top_k=1 moe.expert_ffn=...``), everything else the same. Each model
+(``moe.num_experts=1 moe.top_k=1 moe.expert_ffn=...``), everything else the same. The first of
+``MODELS`` (largest first) that the memory planner fits on the device is stepped (``choose``:
+its batch halved until it fits; the last, as it is, where none does). Each model
 is built and compiled, stepped once (warm-up), then ``steps`` times, each timed to completion,
 then ``steps`` times more dispatched back to back and waited for once, as the trainer's loop
 dispatches a step before it reads the last one's metrics (tokens/s, TFLOP/s and MFU are of
@@ -26,9 +28,12 @@ import numpy as np
 from moe_train import config
 from moe_train.bench import profile
 from moe_train.bench.common import compile_jit, summarize
+from moe_train.config import for_devices
 from moe_train.model.flops import param_counts, train_flops_per_token
 from moe_train.moe.gemm import resolve_backend
 from moe_train.parallel import sharding
+from moe_train.planner.memory.trainer import need
+from moe_train.train import fits
 from moe_train.train.step import StepCounter, init_state, make_train_step
 
 
@@ -62,6 +67,23 @@ FULL = StepModel(
         "parallel.devices=1",
     ),
 )
+# A slice of Mixtral-8x7B for a GPU of 80 GiB or more: two of its layers (width 4096, 8 experts
+# top-2 of 14336) whole, its attention and vocabulary, sequences of 4096, the whole batch in one
+# micro-batch, no recomputation (MFU counts none); ``choose`` halves the batch to fit the device.
+LARGE = StepModel(
+    "mixtral-8x7b",
+    (
+        "model.num_layers=2",
+        "train.seq_len=4096",
+        "train.batch_size=8",
+        "train.micro_batch_size=0",
+        "train.remat=none",
+        "precision.compute=bf16",
+        "data.source=synthetic",
+        "parallel.devices=1",
+    ),
+)
+MODELS = (LARGE, FULL)  # the step section's candidates, largest first (``choose``)
 TINY = StepModel(
     "tiny",
     ("model.attention=chunked", "precision.compute=bf16", "data.source=synthetic", "parallel.devices=1"),
@@ -80,6 +102,55 @@ def configs(model: StepModel) -> dict[str, config.Config]:
         "moe.group_top_k=0",
     ]
     return {"moe": moe, "dense twin": config.build(model.preset, [*model.overrides, *twin])}
+
+
+def with_batch(model: StepModel, batch: int) -> StepModel:
+    """``model`` with ``train.batch_size=batch`` (its own batch item replaced)."""
+    kept = tuple(o for o in model.overrides if not o.startswith("train.batch_size="))
+    return dataclasses.replace(model, overrides=(*kept, f"train.batch_size={batch}"))
+
+
+def planned_bytes(model: StepModel, cluster) -> int | None:
+    """The memory planner's bytes per device for ``model``'s MoE model on one device of
+    ``cluster`` (None: the planner cannot model it)."""
+    est = need(for_devices(configs(model)["moe"], 1), cluster, 1)
+    return None if est is None else est.per_device["total"]
+
+
+def choose(
+    models: tuple[StepModel, ...], limit: float | None, cluster, fraction: float
+) -> tuple[StepModel, str | None]:
+    """The first of ``models`` (largest first) whose MoE model fits ``fraction * limit`` by the
+    memory planner, its batch halved until it does, and a note saying how it was chosen; the
+    last of them as it is where none fits or no limit is known (None: no note)."""
+    if limit is None or len(models) == 1:
+        return models[-1], None
+    budget, room = fraction * limit, f"{fraction:.0%} of {limit / 2**30:.1f} GiB"
+    tried = []
+    for model in models[:-1]:
+        batch = configs(model)["moe"].train.batch_size
+        while batch >= 1:
+            sized = with_batch(model, batch)
+            planned = planned_bytes(sized, cluster)
+            said = f"{model.preset} {describe_overrides(sized)}: the memory planner's "
+            if planned is not None and planned <= budget:
+                return sized, f"{said}{planned / 2**30:.1f} GiB fits {room}"
+            batch //= 2
+        tried.append(f"{said}{'?' if planned is None else f'{planned / 2**30:.1f}'} GiB")
+    last = models[-1]
+    larger = "; ".join(tried)
+    return last, f"{last.preset} {describe_overrides(last)}: larger ones do not fit {room} ({larger})"
+
+
+def describe_overrides(model: StepModel) -> str:
+    """The shape items of ``model``'s overrides, e.g. "num_layers=2 seq_len=4096 batch_size=4"."""
+    keys = ("model.num_layers=", "train.seq_len=", "train.batch_size=")
+    return " ".join(o.split(".", 1)[1] for o in model.overrides if o.startswith(keys))
+
+
+def cluster_of(device):
+    """The cluster preset that models ``device`` for the planner (``fits.cluster_for``)."""
+    return fits.cluster_for(device.platform, getattr(device, "device_kind", ""), 1)
 
 
 def _batch(cfg: config.Config, mesh) -> jax.Array:
