@@ -355,9 +355,9 @@ def test_the_dense_twin_has_the_moe_model_s_active_flops():
     assert twin == pytest.approx(moe, rel=0.005)  # only the router differs: [H, 1] instead of [H, E]
 
 
-def test_the_dense_twin_is_one_expert_of_top_k_times_the_ffn():
-    twin = accel_step.configs(accel_step.FULL)["dense twin"].moe
-    assert (twin.num_experts, twin.top_k, twin.expert_ffn) == (1, 1, 4 * 512)
+def test_every_mlp_of_the_dense_twin_is_a_dense_swiglu_of_top_k_times_the_ffn():
+    twin = accel_step.configs(accel_step.FULL)["dense twin"].model
+    assert (twin.first_dense_layers, twin.dense_ffn) == (twin.num_layers, 4 * 512)
 
 
 def test_the_full_step_model_is_the_issue_s_half_billion_parameter_moe():

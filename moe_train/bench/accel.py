@@ -462,7 +462,11 @@ def layer_md(rows: list[dict]) -> str:
 
 
 def _step_cells(name: str, r: dict) -> list:
-    size = f"{r['experts']} x {r['expert_ffn']}, top-{r['top_k']}"
+    size = (
+        f"{r['experts']} x {r['expert_ffn']}, top-{r['top_k']}"
+        if r["experts"]
+        else f"dense {r['expert_ffn']}"
+    )
     cells = [name, size, f"{_count(r['params'])} ({_count(r['active_params'])})", r.get("backend", "")]
     if r["skipped"]:
         return [*cells, "", "", "", "", "", "skipped: " + r["skipped"]]
@@ -472,7 +476,7 @@ def _step_cells(name: str, r: dict) -> list:
 
 
 def step_md(step: dict) -> str:
-    header = ["model", "experts x ffn, top-k", "params (active)", "backend", "tokens/s", "TFLOP/s per device"]
+    header = ["model", "MLP: experts x ffn, top-k", "params (active)", "backend", "tokens/s", "TFLOP/s per device"]
     header += ["MFU", "step ms", "step ms, each waited for", "note"]
     ratio = step["moe_over_dense_tflops"]
     moe = step["rows"]["moe"]

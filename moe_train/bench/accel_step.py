@@ -1,8 +1,10 @@
 """The step section of ``python -m moe_train.bench --accel``: a MoE model and its dense twin
 trained a few steps with the trainer's own jitted step (``moe_train.train.step``), on one device.
 
-The dense twin has the MoE model's active FLOPs: one expert of ffn ``top_k * expert_ffn``
-(``moe.num_experts=1 moe.top_k=1 moe.expert_ffn=...``), everything else the same. The first of
+The dense twin has the MoE model's active FLOPs: every block's MLP a dense SwiGLU of width
+``top_k * expert_ffn`` (``model.first_dense_layers=<num_layers> model.dense_ffn=...``: no
+router, permutation or grouped GEMM), everything else the same. Until 2026-12-07 it was one
+expert of that width (``moe.num_experts=1 moe.top_k=1``), which still ran the MoE pipeline. The first of
 ``MODELS`` (largest first) that the memory planner fits on the device is stepped (``choose``:
 its batch halved until it fits; the last, as it is, where none does). Each model
 is built and compiled, stepped once (warm-up), then ``steps`` times, each timed to completion,
@@ -92,14 +94,11 @@ TINY = StepModel(
 
 
 def configs(model: StepModel) -> dict[str, config.Config]:
-    """{"moe": the model, "dense twin": one expert of ffn top_k * expert_ffn}."""
+    """{"moe": the model, "dense twin": every MLP a dense SwiGLU of width top_k * expert_ffn}."""
     moe = config.build(model.preset, list(model.overrides))
     twin = [
-        "moe.num_experts=1",
-        "moe.top_k=1",
-        f"moe.expert_ffn={moe.moe.top_k * moe.moe.expert_ffn}",
-        "moe.num_groups=0",
-        "moe.group_top_k=0",
+        f"model.first_dense_layers={moe.model.num_layers}",
+        f"model.dense_ffn={moe.moe.top_k * moe.moe.expert_ffn}",
     ]
     return {"moe": moe, "dense twin": config.build(model.preset, [*model.overrides, *twin])}
 
@@ -202,12 +201,13 @@ def describe(cfg: config.Config) -> dict[str, Any]:
     """The model's shape and size, as a row names it."""
     m, e, t = cfg.model, cfg.moe, cfg.train
     counts = param_counts(cfg)
+    dense = m.first_dense_layers >= m.num_layers
     return {
         "hidden": m.hidden,
         "layers": m.num_layers,
-        "experts": e.num_experts,
-        "top_k": e.top_k,
-        "expert_ffn": e.expert_ffn,
+        "experts": 0 if dense else e.num_experts,  # 0: every MLP dense
+        "top_k": 0 if dense else e.top_k,
+        "expert_ffn": m.dense_ffn if dense else e.expert_ffn,  # the dense MLP's width where dense
         "seq_len": t.seq_len,
         "batch_size": t.batch_size,
         "params": counts["total"],
@@ -219,7 +219,12 @@ def describe(cfg: config.Config) -> dict[str, Any]:
 def measure(cfg: config.Config, steps: int, peak: float | None) -> dict[str, Any]:
     """One model's row: tokens/s, TFLOP/s per device and MFU; or why it did not run."""
     dtype = config.compute_dtype(cfg.precision)
-    backend = resolve_backend(cfg.moe.backend, dtype, hidden=cfg.model.hidden, ffn=cfg.moe.expert_ffn)
+    dense = cfg.model.first_dense_layers >= cfg.model.num_layers
+    backend = (
+        "none"
+        if dense
+        else resolve_backend(cfg.moe.backend, dtype, hidden=cfg.model.hidden, ffn=cfg.moe.expert_ffn)
+    )
     row = describe(cfg) | {"backend": backend, "skipped": None}
     try:
         times, back_to_back_s, compile_s, where = _timed_steps(cfg, steps)
