@@ -304,7 +304,8 @@ def attention_backward_bytes(cfg: Config, s: Setup) -> int:
     q = cfg.model.num_heads * qk
     per_token = 4 * q + s.a * (q + kv_heads * (qk + v))
     n_dense, n_moe = _layer_kinds(cfg)
-    looped = n_moe - cfg.model.mtp_depth if n_moe else n_dense  # the main layer loop's MoE layers
+    # the main layer loop's iterations: its MoE layers, or its dense ones where it has none
+    looped = n_moe - cfg.model.mtp_depth if n_moe else n_dense
     layers = 2 if cfg.model.scan_layers and looped >= 2 else 1
     return layers * s.tokens * per_token
 
