@@ -476,8 +476,8 @@ def _step_cells(name: str, r: dict) -> list:
 
 
 def step_md(step: dict) -> str:
-    header = ["model", "MLP: experts x ffn, top-k", "params (active)", "backend", "tokens/s", "TFLOP/s per device"]
-    header += ["MFU", "step ms", "step ms, each waited for", "note"]
+    header = ["model", "MLP: experts x ffn, top-k", "params (active)", "backend", "tokens/s"]
+    header += ["TFLOP/s per device", "MFU", "step ms", "step ms, each waited for", "note"]
     ratio = step["moe_over_dense_tflops"]
     moe = step["rows"]["moe"]
     tokens = f"{moe['batch_size']} x {moe['seq_len']} tokens a step"
