@@ -16,7 +16,7 @@ from moe_train.moe import (
     resolve_backend,
     tiled_padding,
 )
-from moe_train.moe.gemm import _te_import_error, grouped_swiglu
+from moe_train.moe.gemm import _swiglu_product_fwd, _te_import_error, grouped_swiglu, swiglu_product
 from moe_train.moe.permute import make_dispatch, permute, unpermute
 
 T, H, E, F, K = 24, 16, 8, 12, 2
@@ -170,6 +170,71 @@ def _expert_outputs(case):
 def test_grouped_swiglu_matches_per_row_formula(case, backend):
     out = _expert_outputs(case)
     np.testing.assert_allclose(out[backend], out["per-row"], atol=1e-5, rtol=1e-5)
+
+
+def _product_inputs(dtype, m=37, f=24):
+    a0, a1 = (_normal(m, f, seed=s).astype(dtype) * 3 for s in (4, 5))
+    return a0, a1, jnp.abs(_normal(m, seed=6))
+
+
+def _autodiff_product(a0, a1, scale):
+    h = jax.nn.silu(a0.astype(jnp.float32)) * a1.astype(jnp.float32)
+    return h if scale is None else h * scale[:, None]
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_swiglu_product_matches_autodiff_of_its_fp32_formula(scaled):
+    a0, a1, scale = _product_inputs(jnp.float32)
+    scale = scale if scaled else None
+    dh = _normal(*a0.shape, seed=7)
+    out, vjp = jax.vjp(swiglu_product, a0, a1, scale)
+    want, want_vjp = jax.vjp(_autodiff_product, a0, a1, scale)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    got, ref = vjp(dh), want_vjp(dh)
+    assert (got[2] is None) == (ref[2] is None)
+    for g, r in zip(got, ref, strict=True):
+        if r is not None:
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_product_returns_and_keeps_the_compute_dtype():
+    a0, a1, scale = _product_inputs(jnp.bfloat16)
+    out, kept = _swiglu_product_fwd(a0, a1, scale)
+    assert out.dtype == jnp.bfloat16
+    assert [r.dtype for r in kept if r.shape == a0.shape] == [jnp.bfloat16, jnp.bfloat16]
+
+
+def test_swiglu_product_gradients_have_their_operands_dtypes():
+    a0, a1, scale = _product_inputs(jnp.bfloat16)
+    grads = jax.grad(lambda *a: jnp.sum(swiglu_product(*a).astype(jnp.float32)), argnums=(0, 1, 2))(
+        a0, a1, scale
+    )
+    assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+
+
+@pytest.mark.parametrize("case", ["random", "one-expert", "empty-experts"])
+def test_ragged_dot_gradients_match_the_per_row_formula(case):
+    x = _normal(T, H)
+    w0, w1, wo = _normal(E, H, F, seed=1), _normal(E, H, F, seed=2), _normal(E, F, H, seed=3)
+    experts = _experts(case)
+    e_M = experts.reshape(-1)
+    scale_M = jnp.abs(_normal(T * K, seed=8))
+
+    def grouped(x, w0, w1, wo, scale_M):
+        plan = make_dispatch(experts, E, None)
+        y_RH = grouped_swiglu(permute(x, plan), plan, w0, w1, wo, "ragged_dot", scale_R=scale_M[plan.slot_R])
+        return jnp.sum(jnp.sin(y_RH[plan.row_M]))
+
+    def per_row(x, w0, w1, wo, scale_M):
+        x_MH = jnp.repeat(x, K, axis=0)
+        h = jax.nn.silu(jnp.einsum("nh,nhf->nf", x_MH, w0[e_M])) * jnp.einsum("nh,nhf->nf", x_MH, w1[e_M])
+        return jnp.sum(jnp.sin(jnp.einsum("nf,nfh->nh", h * scale_M[:, None], wo[e_M])))
+
+    args = (x, w0, w1, wo, scale_M)
+    got = jax.grad(grouped, argnums=range(5))(*args)
+    want = jax.grad(per_row, argnums=range(5))(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- selection

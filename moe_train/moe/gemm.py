@@ -7,7 +7,9 @@ The grouped GEMM wrappers are generic: ``lhs`` [rows, k] times ``rhs`` [E, k, f]
 Every backend computes, for each row r owned by expert e,
     y[r] = (s[r] * silu(x[r] @ wi_0[e]) * (x[r] @ wi_1[e])) @ wo[e]
 with operands in x's dtype, fp32 accumulation and the SwiGLU product in fp32 (s: the row's
-scale, 1 where none is given).
+scale, 1 where none is given). The sorted-row backends (ragged_dot, mgpu, te) write
+x @ wi_0[e] and x @ wi_1[e] in x's dtype, as their kernels do, and ``swiglu_product`` keeps
+only those for the backward.
 
 - tiled: portable (moe_train.moe.tiled); rows in a tile-padded layout, a loop over the
   experts that have rows and, inside, over blocks of their rows, each block one fused
@@ -228,6 +230,44 @@ _mgpu_gmm.defvjp(_mgpu_gmm_fwd, _mgpu_gmm_bwd)
 _GMM = {"ragged_dot": _ragged_dot, "mgpu": _mgpu_gmm, "te": _te_gmm}
 
 
+def _product(a0_MF, a1_MF, scale_M):
+    """(silu(a0) * a1 * scale, sigmoid(a0), silu(a0)), all fp32 [M, F]."""
+    a0 = a0_MF.astype(jnp.float32)
+    sig = jax.nn.sigmoid(a0)
+    silu = a0 * sig
+    h = silu * a1_MF.astype(jnp.float32)
+    return (h if scale_M is None else h * scale_M.astype(jnp.float32)[:, None]), sig, silu
+
+
+@jax.custom_vjp
+def swiglu_product(a0_MF: jax.Array, a1_MF: jax.Array, scale_M: jax.Array | None) -> jax.Array:
+    """silu(a0) * a1, times ``scale_M`` per row where given, in fp32 and returned in a0's dtype.
+
+    Its VJP keeps a0 and a1 as given (the compute dtype) and recomputes the fp32 sigmoid in the
+    backward. Autodiff of the same fp32 expression keeps a0, a1, silu(a0) and the product in
+    fp32 (16 bytes per element beside h, where this keeps 2a): a scan over layers under remat
+    none stacks them for every layer."""
+    return _product(a0_MF, a1_MF, scale_M)[0].astype(a0_MF.dtype)
+
+
+def _swiglu_product_fwd(a0_MF, a1_MF, scale_M):
+    return swiglu_product(a0_MF, a1_MF, scale_M), (a0_MF, a1_MF, scale_M)
+
+
+def _swiglu_product_bwd(res, dh_MF):
+    a0_MF, a1_MF, scale_M = res
+    _, sig, silu = _product(a0_MF, a1_MF, None)
+    g = dh_MF.astype(jnp.float32)
+    a1 = a1_MF.astype(jnp.float32)
+    ds_M = None if scale_M is None else jnp.sum(g * silu * a1, axis=1).astype(scale_M.dtype)
+    g = g if scale_M is None else g * scale_M.astype(jnp.float32)[:, None]
+    da0 = g * a1 * sig * (1 + a0_MF.astype(jnp.float32) * (1 - sig))
+    return da0.astype(a0_MF.dtype), (g * silu).astype(a1_MF.dtype), ds_M
+
+
+swiglu_product.defvjp(_swiglu_product_fwd, _swiglu_product_bwd)
+
+
 def sorted_swiglu(ops: tuple[jax.Array, ...], backend: str, scale_M: jax.Array | None = None) -> jax.Array:
     """SwiGLU experts on rows sorted by expert -> [M, H]: ``ops`` is ``tiled.expert_operands``'
     (x_MH, wi_0_EHF, wi_1_EHF, wo_EFH, group_sizes_E) without the scale; ``scale_M`` scales
@@ -241,12 +281,12 @@ def sorted_swiglu(ops: tuple[jax.Array, ...], backend: str, scale_M: jax.Array |
     gmm = _GMM[backend]
     x_MH, w0_EHF, w1_EHF, wo_EFH, group_sizes_E = ops
     dtype = x_MH.dtype
-    a0_MF = gmm(x_MH, w0_EHF, group_sizes_E).astype(jnp.float32)
-    a1_MF = gmm(x_MH, w1_EHF, group_sizes_E).astype(jnp.float32)
-    h_MF = jax.nn.silu(a0_MF) * a1_MF
-    if scale_M is not None:
-        h_MF = h_MF * scale_M.astype(jnp.float32)[:, None]
-    return gmm(h_MF.astype(dtype), wo_EFH, group_sizes_E).astype(dtype)
+    a0_MF = gmm(x_MH, w0_EHF, group_sizes_E).astype(dtype)
+    a1_MF = gmm(x_MH, w1_EHF, group_sizes_E).astype(dtype)
+    if scale_M is not None:  # its cotangent must have its type: vary it as the rows do
+        scale_M = _typed_like(scale_M, a0_MF)
+    h_MF = swiglu_product(a0_MF, a1_MF, scale_M)
+    return gmm(h_MF, wo_EFH, group_sizes_E).astype(dtype)
 
 
 def grouped_swiglu(

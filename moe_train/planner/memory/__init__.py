@@ -66,9 +66,8 @@ slots C = min(worst, 8*ceil(f * balanced / 8)) as moe_train.parallel.jobplan.buc
     hierarchical   stage 1 G*C1 rows over the slow links, stage 2 R = D*C2 inside the domain
     tiled backend  R rounded up to tiles: (ceil(R/m) + L) * m
   per layer: R * (F*c + 2*H*a) + exchange rows * H*a, with c = 8 (tiled: its VJP keeps
-  x @ [wi_0|wi_1] in fp32) or 16 + a (sorted rows: a0, a1, silu(a0)*a1 in fp32, h) or, on
-  GPU presets, 3a under full/matmuls (XLA:GPU fuses the fp32 casts: a0, a1, h in the compute
-  dtype) and 16 + 4a under none/moe (the scan stacks what autodiff saved);
+  x @ [wi_0|wi_1] in fp32) or 3a (sorted rows: a0, a1 and h in the compute dtype, what
+  ``gemm.swiglu_product``'s VJP and the wo GEMM keep, recomputed or stacked by a scan);
   kept for every MoE layer (+1 in flight) under none/moe, for two layers under full/matmuls
   (one on GPU presets: XLA:GPU fuses the gradients' elementwise steps into their GEMMs);
   plus one layer's send buffers (tiled on GPU: and the gradient of its [R, 2F] activations in
@@ -96,9 +95,8 @@ expert outputs K*H*a in place of K*H*(a+4): XLA:GPU fuses the fp32 casts into th
 consumers (mixtral-8x7b at 4 layers, 32,768 tokens a micro-batch: 80 kB per token of the
 recomputed block and head live at the peak, where the unfused terms count 201 and these 94).
 What a scan stacks (every layer under remat none/moe) is what autodiff saved, fp32
-included: the unfused terms, and 16 + 4a per expert row element (a0, a1, silu(a0), h and the
-fp32 sigmoid and product; 3a was 2.02x low for remat none). Step mode's gradient is reduced
-layer by layer inside the backward loop
+included: the unfused terms (the expert rows' 3a: their VJP keeps no fp32 [R, F]). Step
+mode's gradient is reduced layer by layer inside the backward loop
 (grads: the reduced shards, copy / dp, in place of the fp32 micro-batch gradient, plus one
 layer's share in flight), and the whole-vocabulary buffers at the end of the backward pass
 are counted in the precision copies: the embedding's gathered copy and the gradients of

@@ -16,18 +16,14 @@ if TYPE_CHECKING:
 
 # Bytes kept per dispatched row per unit of expert_ffn F, by backend (compute itemsize a):
 # tiled: its hand-written VJP keeps a = x @ [wi_0|wi_1] [R, 2F] in fp32 (moe_train.moe.tiled);
-# sorted: autodiff through gemm.sorted_swiglu keeps a0, a1 and silu(a0) * a1 in fp32 and h in
-# the compute dtype (JAX's unfused residuals are 20 + a); "sorted@gpu": XLA:GPU fuses the
-# fp32 casts into their consumers and keeps a0, a1 and h in the compute dtype (3a; compiled
-# for H100: the recomputed layer's [R, F] buffers are those three, tests/test_compile.py);
-# "sorted@gpu-scan": the layers a scan keeps under remat none/moe hold what autodiff saved, as
-# XLA:GPU stacks it: a0, a1, silu(a0) and h in the compute dtype and the fp32 sigmoid and
-# product (mixtral-8x7b at 4 layers, remat none, compiled for H100: 24 bytes per element at a = 2)
+# sorted: gemm.swiglu_product's VJP keeps a0 and a1 in the compute dtype and the wo GEMM keeps
+# h (3a), recomputed or stacked by a scan alike (compiled for H100: the recomputed layer's
+# [R, F] buffers are those three, tests/test_compile.py; mixtral-8x7b at 4 layers under remat
+# none stacks them, 2026-12-07). Until swiglu_product autodiff kept a0, a1, silu(a0) and the
+# product in fp32 beside h, 16 + 4a stacked under remat none.
 ROW_F_BYTES = {
     "tiled": lambda a: 8,
-    "sorted": lambda a: 16 + a,
-    "sorted@gpu": lambda a: 3 * a,
-    "sorted@gpu-scan": lambda a: 16 + 4 * a,
+    "sorted": lambda a: 3 * a,
 }
 
 
@@ -68,10 +64,7 @@ def moe_layer_bytes(cfg: Config, s: Setup, factor: float | None) -> tuple[int, i
     buffers, and on GPU the tiled backward's kept da, ``weight_walk_bytes``)."""
     H, F, a = cfg.model.hidden, cfg.moe.expert_ffn, s.a
     rows, exchange = moe_rows(cfg, s, factor)
-    key = s.backend
-    if s.gpu and s.backend == "sorted":
-        key = "sorted@gpu" if s.remat in ("full", "matmuls") else "sorted@gpu-scan"
-    per_f = ROW_F_BYTES[key]
+    per_f = ROW_F_BYTES[s.backend]
     kept = rows * (F * per_f(a) + 2 * H * a) + exchange * H * a
     return kept, exchange * H * a + weight_walk_bytes(s, rows, F)
 
