@@ -2,6 +2,7 @@
 
 import contextlib
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -164,7 +165,7 @@ def test_chunked_dispatch_equals_unchunked(ep, inner, dispatcher):
 
 def test_sigmoid_group_routing_with_bias_matches_single_device():
     ops = operands(3)
-    kw = dict(score_function="sigmoid", num_groups=4, group_top_k=2, routed_scaling=2.5)
+    kw: dict[str, Any] = dict(score_function="sigmoid", num_groups=4, group_top_k=2, routed_scaling=2.5)
     bias = jnp.linspace(-0.5, 0.5, E)
     y, _, grads = run_ep(mesh_for(8, 4, 4), EPPlan("a2a", 4, None), ops, bias, **kw)
     y_ref, _, grads_ref = run_single(ops, bias, **kw)
