@@ -16,8 +16,9 @@ from moe_train.moe import (
     resolve_backend,
     tiled_padding,
 )
-from moe_train.moe.gemm import _swiglu_product_fwd, _te_import_error, grouped_swiglu, swiglu_product
+from moe_train.moe.gemm import _te_import_error, grouped_swiglu
 from moe_train.moe.permute import make_dispatch, permute, unpermute
+from moe_train.moe.swiglu import _swiglu_product_fwd, swiglu_product
 
 T, H, E, F, K = 24, 16, 8, 12, 2
 on_gpu = jax.default_backend() == "gpu"
