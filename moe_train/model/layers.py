@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from moe_train.model import attention, precision, rope
 from moe_train.model.settings import ModelSettings
-from moe_train.moe.swiglu import swiglu_product
 from moe_train.moe.vjp import custom_vjp
 
 ACTIVATION_AXES = ("activation_batch", "activation_seq", "activation_embed")
@@ -116,8 +115,7 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Dense SwiGLU MLP: (silu(x @ wi_0) * (x @ wi_1)) @ wo, the product in fp32
-    (``moe.swiglu.swiglu_product``)."""
+    """Dense SwiGLU MLP: (silu(x @ wi_0) * (x @ wi_1)) @ wo."""
 
     ffn: int
     cfg: ModelSettings
@@ -130,9 +128,9 @@ class SwiGLU(nn.Module):
         wi_0 = weight(self, "wi_0", (m.hidden, self.ffn), up)
         wi_1 = weight(self, "wi_1", (m.hidden, self.ffn), up)
         wo = weight(self, "wo", (self.ffn, m.hidden), down)
-        a0_BSF = precision.dot(pol, "wi_0", x_BSH, gathered(wi_0, up, dt))
-        a1_BSF = precision.dot(pol, "wi_1", x_BSH, gathered(wi_1, up, dt))
-        h_BSF = swiglu_product(a0_BSF, a1_BSF)  # fp32 product; the backward keeps a0, a1 only
+        h_BSF = nn.silu(precision.dot(pol, "wi_0", x_BSH, gathered(wi_0, up, dt))) * precision.dot(
+            pol, "wi_1", x_BSH, gathered(wi_1, up, dt)
+        )
         return precision.dot(pol, "wo", h_BSF, gathered(wo, down, dt))
 
 

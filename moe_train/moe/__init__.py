@@ -6,7 +6,7 @@
   hierarchical) and the ``Dispatcher`` contract they implement (``dispatch/contract.py``);
 * ``gemm``, ``tiled``: the grouped GEMM backends (``tiled`` also holds its settings:
   tile and block rows); ``swiglu``: the SwiGLU product with a VJP that keeps its inputs in the
-  compute dtype (the sorted-row backends and the model's dense MLP);
+  compute dtype (the sorted-row backends);
   ``reference``: the obviously-correct per-expert loop they are tested against; ``capacity``:
   the token-dropping GShard baseline;
 * ``routings``: synthetic routings (uniform, Zipf, one hot expert) shared by the self-test,

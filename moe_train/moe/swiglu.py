@@ -1,8 +1,8 @@
 """The SwiGLU product silu(a0) * a1 with a VJP that keeps its inputs in the compute dtype.
 
 Shape letters (``moe_train.base.notation``): M rows, F ffn; the product is elementwise, so any
-leading shape works where no per-row scale is given. Used by the dense SwiGLU MLP
-(``moe_train.model.layers.SwiGLU``) and the sorted-row expert backends (``gemm.sorted_swiglu``).
+leading shape works where no per-row scale is given. Used by the sorted-row expert backends
+(``gemm.sorted_swiglu``).
 """
 
 from __future__ import annotations
